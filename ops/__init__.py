@@ -1,0 +1,37 @@
+"""Decode and transform ops, and the executors that run them on a batch (CPU now; GPU per issue 3)."""
+
+from ._cpu import CpuExecutor, Processed
+from ._pipeline import IMAGE_EXTENSIONS, Pipeline, training, validation
+from ._random import uniforms
+from ._spec import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    CenterCrop,
+    Decode,
+    Flip,
+    Normalize,
+    Op,
+    RandomResizedCrop,
+    Resize,
+    crop_mirror_normalize,
+)
+
+__all__ = [
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "IMAGE_EXTENSIONS",
+    "CenterCrop",
+    "CpuExecutor",
+    "Decode",
+    "Flip",
+    "Normalize",
+    "Op",
+    "Pipeline",
+    "Processed",
+    "RandomResizedCrop",
+    "Resize",
+    "crop_mirror_normalize",
+    "training",
+    "uniforms",
+    "validation",
+]

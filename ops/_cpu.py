@@ -1,0 +1,191 @@
+"""The CPU executor: a batch split into chunks, each chunk one call in a worker thread.
+
+A chunk's thread decodes, crops and resizes each image with Pillow, then normalises it with torch
+straight into its row of the preallocated batch tensor, while the pixels are still in cache. The
+event loop sees one await per chunk, never one per sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from headrace._errors import DecodeError, LoaderError, TransformError
+from headrace._sample import SampleBatch
+
+from . import _pillow
+from ._pipeline import Pipeline
+from ._random import uniforms
+
+__all__ = ["CpuExecutor", "Processed"]
+
+
+@dataclass
+class Processed:
+    """One batch through the ops: outputs for the rows in ``kept``, and the failures of the others."""
+
+    data: dict[str, Any]
+    kept: list[int]
+    failures: list[tuple[int, LoaderError]] = field(default_factory=list)
+
+
+class CpuExecutor:
+    """Runs a pipeline on the CPU with ``num_threads`` worker threads.
+
+    ``run`` may be awaited for several batches at once; their chunks share the threads. ``aclose``
+    waits for chunks already running (a thread cannot be interrupted) and joins the threads.
+    """
+
+    def __init__(self, pipeline: Pipeline, *, num_threads: int, seed: int, name: str = "headrace-cpu") -> None:
+        self.pipeline = pipeline
+        self.seed = seed
+        self.num_threads = num_threads
+        self._pool = concurrent.futures.ThreadPoolExecutor(num_threads, thread_name_prefix=name)
+        self._running: set[concurrent.futures.Future[Any]] = set()
+        self._closed = False
+        size = pipeline.output_size()
+        self._out_shape = None if size is None else _row_shape(size, pipeline.channels, pipeline.layout)
+        norm = pipeline.normalize
+        if norm is not None:
+            self._mean = torch.tensor(norm.mean, dtype=torch.float32).mul_(255.0)
+            self._inv_std = 1.0 / torch.tensor(norm.std, dtype=torch.float32).mul_(255.0)
+            shape = (-1, 1, 1) if norm.layout == "CHW" else (1, 1, -1)
+            self._mean, self._inv_std = self._mean.reshape(shape), self._inv_std.reshape(shape)
+
+    async def run(self, batch: SampleBatch) -> Processed:
+        """Decode and transform ``batch``; per-sample failures come back in ``Processed.failures``."""
+        n = len(batch.samples)
+        out = None
+        if self._out_shape is not None:
+            out = torch.empty((n, *self._out_shape), dtype=self.pipeline.dtype)
+        rows: list[Any] = [None] * n
+        label_field = self.pipeline.label_field
+        has_label = label_field is not None and any(label_field in s.fields for s in batch.samples)
+        labels: list[int] | None = [0] * n if has_label else None
+        failures: list[tuple[int, LoaderError]] = []
+        chunks = _split(n, max(1, min(n, 2 * self.num_threads)))
+        futures = [self._submit(self._process_chunk, batch, lo, hi, out, rows, labels, failures) for lo, hi in chunks]
+        await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        failed = {row for row, _ in failures}
+        kept = [i for i in range(n) if i not in failed]
+        images: Any
+        if out is not None:
+            images = out if not failed else out[kept]
+            if self.pipeline.normalize is None and self.pipeline.layout == "CHW":
+                images = images.permute(0, 3, 1, 2)  # a view: NCHW in channels-last memory
+        else:
+            images = [rows[i] for i in kept]
+        data: dict[str, Any] = {"image": images}
+        if labels is not None:
+            data["label"] = torch.tensor([labels[i] for i in kept], dtype=torch.int64)
+        return Processed(data, kept, sorted(failures, key=lambda f: f[0]))
+
+    def _submit(self, fn, *args) -> concurrent.futures.Future[Any]:
+        fut = self._pool.submit(fn, *args)
+        self._running.add(fut)
+        fut.add_done_callback(self._running.discard)
+        return fut
+
+    def _process_chunk(self, batch: SampleBatch, lo: int, hi: int, out, rows, labels, failures) -> None:
+        samples = batch.samples[lo:hi]
+        pipe = self.pipeline
+        indices = np.fromiter((s.index for s in samples), dtype=np.int64, count=len(samples))
+        randoms = [
+            uniforms(self.seed, batch.epoch, pos, indices, op.randoms) if op.randoms else None
+            for pos, op in enumerate(pipe.image_ops, start=1)
+        ]
+        scratch = None
+        for i, sample in enumerate(samples):
+            row = lo + i
+            try:
+                if labels is not None:
+                    labels[row] = _label(sample, pipe.label_field)
+                data = _image_field(sample, pipe.image_fields)
+                img = _pillow.decode(data, pipe.decode, sample.key, sample.source)
+                try:
+                    img = _pillow.apply_image_ops(img, pipe.image_ops, [None if u is None else u[i] for u in randoms])
+                    pixels = torch.from_numpy(np.array(img).reshape(img.height, img.width, -1))
+                    target = out[row] if out is not None else None
+                    rows[row], scratch = self._finish(pixels, target, scratch)
+                except LoaderError:
+                    raise
+                except Exception as exc:
+                    raise TransformError(f"{type(exc).__name__}: {exc}", key=sample.key, source=sample.source) from exc
+            except LoaderError as exc:
+                failures.append((row, exc))
+
+    def _finish(self, pixels: torch.Tensor, target: torch.Tensor | None, scratch):
+        """Write one HWC uint8 image into ``target`` (or a new tensor), normalised and laid out."""
+        norm = self.pipeline.normalize
+        if target is not None and tuple(target.shape) != _row_shape(pixels.shape[:2], pixels.shape[2], self.pipeline.layout if norm is None else norm.layout):
+            raise TransformError(f"image is {tuple(pixels.shape)} after the ops, expected {tuple(target.shape)}")
+        if norm is None:
+            if target is None:
+                return (pixels.permute(2, 0, 1).clone() if self.pipeline.layout == "CHW" else pixels.clone()), scratch
+            target.copy_(pixels)
+            return None, scratch
+        src = pixels.permute(2, 0, 1) if norm.layout == "CHW" else pixels
+        if target is None:
+            target = torch.empty(src.shape, dtype=norm.dtype)
+            result = target
+        else:
+            result = None
+        if target.dtype == torch.float32:
+            torch.sub(src, self._mean, out=target).mul_(self._inv_std)
+        else:
+            if scratch is None or scratch.shape != src.shape:
+                scratch = torch.empty(src.shape, dtype=torch.float32)
+            torch.sub(src, self._mean, out=scratch).mul_(self._inv_std)
+            target.copy_(scratch)
+        return result, scratch
+
+    async def aclose(self) -> None:
+        """Cancel queued chunks, wait for running ones, join the threads. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        running = [f for f in self._running if not f.done()]
+        if running:
+            # Shielded: the threads must be idle before we return, even if our caller is cancelled.
+            await asyncio.shield(asyncio.wait([asyncio.wrap_future(f) for f in running]))
+        self._pool.shutdown(wait=True)
+
+
+def _row_shape(size, channels: int, layout: str) -> tuple[int, int, int]:
+    h, w = int(size[0]), int(size[1])
+    return (channels, h, w) if layout == "CHW" else (h, w, channels)
+
+
+def _split(n: int, parts: int) -> list[tuple[int, int]]:
+    bounds = np.linspace(0, n, parts + 1).astype(int)
+    return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+def _image_field(sample, names: tuple[str, ...]) -> Any:
+    for name in names:
+        data = sample.fields.get(name)
+        if data is not None:
+            return data
+    raise DecodeError(
+        f"sample has no image field (looked for {', '.join(names)}; it has {', '.join(sample.fields) or 'none'})",
+        key=sample.key,
+        source=sample.source,
+    )
+
+
+def _label(sample, name: str) -> int:
+    raw = sample.fields.get(name)
+    if raw is None:
+        raise TransformError(f"sample has no {name!r} field but others in its batch do", key=sample.key, source=sample.source)
+    try:
+        return int(bytes(raw).strip())
+    except ValueError as exc:
+        raise TransformError(
+            f"label field {name!r} is not an integer: {bytes(raw)[:32]!r}", key=sample.key, source=sample.source
+        ) from exc

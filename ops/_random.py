@@ -1,0 +1,49 @@
+"""Counter-based random numbers for per-sample parameters.
+
+A sample's augmentation parameters are a pure function of (seed, epoch, sample index, op): no
+generator state travels between threads, batches, ranks or resumes, so the same seed gives the
+same batch whatever the batch size, the thread count, the world size or the resume point. The
+function is splitmix64 over 64-bit counters, vectorised with NumPy (the GPU path can compute the
+same numbers in a kernel).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["uniforms"]
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser on a uint64 array (wrapping arithmetic)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * _M1
+    x = x ^ (x >> np.uint64(27))
+    x = x * _M2
+    return x ^ (x >> np.uint64(31))
+
+
+def _key(*parts: int) -> np.uint64:
+    acc = np.zeros(1, dtype=np.uint64)
+    for part in parts:
+        acc = _mix(acc + np.uint64(part & _MASK64) + _GOLDEN)
+    return acc[0]
+
+
+def uniforms(seed: int, epoch: int, op: int, indices: np.ndarray, count: int) -> np.ndarray:
+    """``count`` uniform floats in [0, 1) for each sample index: an array of shape (len(indices), count).
+
+    Row ``r`` depends only on ``(seed, epoch, op, indices[r])``.
+    """
+    key = _key(seed, epoch, op)
+    idx = np.asarray(indices, dtype=np.int64).astype(np.uint64).reshape(-1, 1)
+    with np.errstate(over="ignore"):
+        base = _mix(idx * _GOLDEN + key)
+        counters = np.arange(1, count + 1, dtype=np.uint64).reshape(1, -1)
+        bits = _mix(base + counters * _GOLDEN)
+    return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))

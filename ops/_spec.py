@@ -1,0 +1,252 @@
+"""The ops users compose, as device-independent descriptions.
+
+An op says what it does and which random numbers it needs; executors (``_cpu.py``, and the GPU
+one) say how. Geometry is computed here once, in plain Python on one sample's numbers, so every
+executor crops the same window for the same sample.
+
+Random ops draw from ``_random.uniforms`` keyed by (seed, epoch, op position, sample index).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from headrace._errors import ConfigError
+
+__all__ = [
+    "CenterCrop",
+    "Decode",
+    "Flip",
+    "Normalize",
+    "Op",
+    "RandomResizedCrop",
+    "Resize",
+    "crop_mirror_normalize",
+]
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def _size2(size: int | Sequence[int], what: str) -> tuple[int, int]:
+    if isinstance(size, int) and not isinstance(size, bool):
+        pair = (size, size)
+    elif isinstance(size, Sequence) and len(size) == 2 and all(isinstance(v, int) for v in size):
+        pair = (int(size[0]), int(size[1]))
+    else:
+        raise ConfigError(f"{what}: size must be an int or (height, width), got {size!r}")
+    if min(pair) < 1:
+        raise ConfigError(f"{what}: size must be positive, got {size!r}")
+    return pair
+
+
+class Op:
+    """Base of every op. ``randoms`` is how many uniform numbers one sample needs."""
+
+    randoms: int = 0
+
+    def output_size(self, size: tuple[int, int] | None) -> tuple[int, int] | None:
+        """The (height, width) this op produces from ``size``; None when it depends on the image."""
+        return size
+
+
+@dataclass(frozen=True)
+class Decode(Op):
+    """Decode encoded bytes (JPEG, PNG, and what the backend knows) to uint8 pixels.
+
+    ``color`` is ``"rgb"`` (3 channels) or ``"gray"`` (1). ``exif=True`` turns images upright by
+    their EXIF orientation tag, as browsers and Pillow's ``exif_transpose`` do.
+    """
+
+    color: Literal["rgb", "gray"] = "rgb"
+    exif: bool = True
+
+    def __post_init__(self) -> None:
+        if self.color not in ("rgb", "gray"):
+            raise ConfigError(f"Decode: color must be 'rgb' or 'gray', got {self.color!r}")
+
+    @property
+    def channels(self) -> int:
+        return 3 if self.color == "rgb" else 1
+
+    def output_size(self, size):  # the image decides
+        return None
+
+
+@dataclass(frozen=True)
+class Resize(Op):
+    """Resize with bilinear interpolation (antialiased when shrinking, as Pillow and torchvision do).
+
+    ``size`` as an int scales the shorter side to it and keeps the aspect ratio (torchvision's
+    convention); as ``(height, width)`` it gives the exact output size.
+    """
+
+    size: int | tuple[int, int]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.size, int) and not isinstance(self.size, bool):
+            if self.size < 1:
+                raise ConfigError(f"Resize: size must be positive, got {self.size!r}")
+        else:
+            object.__setattr__(self, "size", _size2(self.size, "Resize"))
+
+    def target(self, h: int, w: int) -> tuple[int, int]:
+        if isinstance(self.size, tuple):
+            return self.size
+        short, long_ = (h, w) if h <= w else (w, h)
+        new_long = int(self.size * long_ / short)  # torchvision truncates
+        return (self.size, new_long) if h <= w else (new_long, self.size)
+
+    def output_size(self, size):
+        return self.size if isinstance(self.size, tuple) else None
+
+
+@dataclass(frozen=True)
+class CenterCrop(Op):
+    """Crop the centre ``size`` window. An image smaller than ``size`` is padded with zeros, as torchvision."""
+
+    size: int | tuple[int, int]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "size", _size2(self.size, "CenterCrop"))
+
+    def window(self, h: int, w: int) -> tuple[int, int, int, int]:
+        """(top, left, height, width); top/left may be negative when padding."""
+        ch, cw = self.size
+        return int(round((h - ch) / 2.0)), int(round((w - cw) / 2.0)), ch, cw
+
+    def output_size(self, size):
+        return self.size
+
+
+@dataclass(frozen=True)
+class RandomResizedCrop(Op):
+    """Crop a random window (area fraction in ``scale``, aspect ratio in ``ratio``) and resize it to ``size``.
+
+    Same semantics as torchvision's ``RandomResizedCrop``: ten tries, then a centre crop clamped
+    to the ratio range.
+    """
+
+    size: int | tuple[int, int]
+    scale: tuple[float, float] = (0.08, 1.0)
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    randoms: int = field(default=22, init=False)  # 10 tries x (area, log-ratio) + (top, left)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "size", _size2(self.size, "RandomResizedCrop"))
+        lo, hi = self.scale
+        if not 0 < lo <= hi <= 1:
+            raise ConfigError(f"RandomResizedCrop: scale must satisfy 0 < lo <= hi <= 1, got {self.scale!r}")
+        rlo, rhi = self.ratio
+        if not 0 < rlo <= rhi:
+            raise ConfigError(f"RandomResizedCrop: ratio must satisfy 0 < lo <= hi, got {self.ratio!r}")
+
+    def window(self, h: int, w: int, u: Sequence[float]) -> tuple[int, int, int, int]:
+        """(top, left, height, width) of the crop for an h x w image, from this sample's uniforms."""
+        area = h * w
+        log_lo, log_hi = math.log(self.ratio[0]), math.log(self.ratio[1])
+        for t in range(10):
+            target = area * (self.scale[0] + (self.scale[1] - self.scale[0]) * u[2 * t])
+            aspect = math.exp(log_lo + (log_hi - log_lo) * u[2 * t + 1])
+            cw = int(round(math.sqrt(target * aspect)))
+            ch = int(round(math.sqrt(target / aspect)))
+            if 0 < cw <= w and 0 < ch <= h:
+                top = min(int(u[20] * (h - ch + 1)), h - ch)
+                left = min(int(u[21] * (w - cw + 1)), w - cw)
+                return top, left, ch, cw
+        in_ratio = w / h
+        if in_ratio < self.ratio[0]:
+            cw, ch = w, int(round(w / self.ratio[0]))
+        elif in_ratio > self.ratio[1]:
+            ch, cw = h, int(round(h * self.ratio[1]))
+        else:
+            cw, ch = w, h
+        return (h - ch) // 2, (w - cw) // 2, ch, cw
+
+    def output_size(self, size):
+        return self.size
+
+
+@dataclass(frozen=True)
+class Flip(Op):
+    """Mirror the image with probability ``p`` (horizontally, or vertically with ``vertical=True``)."""
+
+    p: float = 0.5
+    vertical: bool = False
+    randoms: int = field(default=1, init=False)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.p <= 1.0:
+            raise ConfigError(f"Flip: p must be in [0, 1], got {self.p!r}")
+
+    def flips(self, u: Sequence[float]) -> bool:
+        return u[0] < self.p
+
+
+_DTYPES = {
+    "uint8": torch.uint8,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+}
+
+
+def as_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise ConfigError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+
+
+@dataclass(frozen=True)
+class Normalize(Op):
+    """``(pixel / 255 - mean) / std`` per channel, then ``layout`` and ``dtype``.
+
+    ``mean`` and ``std`` are on the 0..1 scale (torchvision's convention; DALI's are 255 times
+    larger). ``layout`` is ``"CHW"`` or ``"HWC"``; ``dtype`` float32, float16 or bfloat16
+    (arithmetic in float32, one rounding at the end).
+    """
+
+    mean: Sequence[float] = IMAGENET_MEAN
+    std: Sequence[float] = IMAGENET_STD
+    dtype: str | torch.dtype = torch.float32
+    layout: Literal["CHW", "HWC"] = "CHW"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mean", tuple(float(m) for m in self.mean))
+        object.__setattr__(self, "std", tuple(float(s) for s in self.std))
+        object.__setattr__(self, "dtype", as_dtype(self.dtype))
+        if self.dtype == torch.uint8:
+            raise ConfigError("Normalize: dtype must be a float type")
+        if len(self.mean) != len(self.std) or any(s == 0 for s in self.std):
+            raise ConfigError(f"Normalize: mean and std must have equal lengths and no zero std, got {self.mean!r}, {self.std!r}")
+        if self.layout not in ("CHW", "HWC"):
+            raise ConfigError(f"Normalize: layout must be 'CHW' or 'HWC', got {self.layout!r}")
+
+
+def crop_mirror_normalize(
+    crop: int | tuple[int, int] | None = None,
+    *,
+    mirror: float = 0.0,
+    mean: Sequence[float] = IMAGENET_MEAN,
+    std: Sequence[float] = IMAGENET_STD,
+    dtype: str | torch.dtype = torch.float32,
+    layout: Literal["CHW", "HWC"] = "CHW",
+) -> list[Op]:
+    """DALI's crop_mirror_normalize as ops: centre crop (if ``crop``), flip with probability ``mirror``, normalize.
+
+    The executors fuse the three (one pass on the CPU per image; one kernel launch on the GPU).
+    """
+    ops: list[Op] = []
+    if crop is not None:
+        ops.append(CenterCrop(crop))
+    if mirror:
+        ops.append(Flip(mirror))
+    ops.append(Normalize(mean, std, dtype=dtype, layout=layout))
+    return ops

@@ -1,0 +1,155 @@
+"""The reader contract, and the shared machinery of readers whose samples can be fetched by index."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import copy
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from typing import Literal, Self
+
+import numpy as np
+
+from headrace._errors import ConfigError
+from headrace._sample import Sample
+
+__all__ = ["IndexedReader", "Reader", "epoch_order"]
+
+Equal = Literal["pad", "drop"] | None
+
+
+class Reader(ABC):
+    """An async source of encoded samples, one epoch at a time.
+
+    ``read(epoch, start=k)`` yields the epoch's samples for this rank from stream position ``k`` on,
+    in lists (one await per list, not per sample). The same (seed, epoch) gives the same stream, so
+    resuming is reading from the position the loader recorded.
+    """
+
+    rank: int = 0
+    world: int = 1
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Samples this rank yields per epoch."""
+
+    @abstractmethod
+    def shard(self, rank: int, world: int, *, equal: Equal = None) -> Self:
+        """A copy of this reader that yields rank ``rank``'s part of each epoch."""
+
+    @abstractmethod
+    def read(self, epoch: int, *, start: int = 0, seed: int = 0) -> AsyncIterator[list[Sample]]:
+        """Yield lists of samples; closing the iterator stops all reading and releases threads and files."""
+
+    def state_dict(self) -> dict:
+        """What the loader stores to check that a resumed run reads the same stream."""
+        return {"type": type(self).__name__, "samples": len(self), "rank": self.rank, "world": self.world}
+
+
+def epoch_order(
+    n: int, epoch: int, *, shuffle: bool, seed: int, rank: int = 0, world: int = 1, equal: Equal = None
+) -> np.ndarray:
+    """Dataset indices in rank ``rank``'s stream order for ``epoch``.
+
+    Every rank computes the same global order from (seed, epoch) with no communication, then takes
+    every ``world``-th entry from its rank on: the parts are disjoint and together complete. With
+    ``equal="pad"`` the order is first extended by repeating its head, with ``"drop"`` cut, to a
+    multiple of ``world``, so every rank gets the same count.
+    """
+    order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
+    if world > 1:
+        extra = n % world
+        if extra and equal == "pad":
+            order = np.concatenate([order, np.resize(order, world - extra)])
+        elif extra and equal == "drop":
+            order = order[: n - extra]
+        order = order[rank::world]
+    return order
+
+
+def _check_shard(rank: int, world: int, equal: Equal) -> None:
+    if not isinstance(world, int) or world < 1:
+        raise ConfigError(f"world must be a positive int, got {world!r}")
+    if not isinstance(rank, int) or not 0 <= rank < world:
+        raise ConfigError(f"rank must be in [0, {world}), got {rank!r}")
+    if equal not in (None, "pad", "drop"):
+        raise ConfigError(f"equal must be None, 'pad' or 'drop', got {equal!r}")
+
+
+class IndexedReader(Reader):
+    """A reader over N samples fetched by index, in chunks, by a few I/O threads.
+
+    Subclasses implement ``_dataset_size`` and ``_fetch(indices)``, which runs in a thread and
+    returns one Sample per index (with ``error`` set for a sample it could not read).
+    """
+
+    def __init__(self, *, shuffle: bool, seed: int | None, chunk_size: int, io_threads: int) -> None:
+        if not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ConfigError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        if not isinstance(io_threads, int) or io_threads < 1:
+            raise ConfigError(f"io_threads must be a positive int, got {io_threads!r}")
+        self.shuffle = shuffle
+        self.seed = seed
+        self.chunk_size = chunk_size
+        self.io_threads = io_threads
+        self.equal: Equal = None
+
+    @abstractmethod
+    def _dataset_size(self) -> int: ...
+
+    @abstractmethod
+    def _fetch(self, indices: Sequence[int]) -> list[Sample]: ...
+
+    def __len__(self) -> int:
+        n, world = self._dataset_size(), self.world
+        if world == 1:
+            return n
+        if self.equal == "pad":
+            return -(-n // world)
+        if self.equal == "drop":
+            return n // world
+        return len(range(self.rank, n, world))
+
+    def shard(self, rank: int, world: int, *, equal: Equal = None) -> Self:
+        _check_shard(rank, world, equal)
+        part = copy.copy(self)
+        part.rank, part.world, part.equal = rank, world, equal
+        return part
+
+    def order(self, epoch: int, seed: int = 0) -> np.ndarray:
+        """This rank's dataset indices for ``epoch``, in stream order."""
+        seed = self.seed if self.seed is not None else seed
+        return epoch_order(
+            self._dataset_size(), epoch, shuffle=self.shuffle, seed=seed,
+            rank=self.rank, world=self.world, equal=self.equal,
+        )
+
+    async def read(self, epoch: int, *, start: int = 0, seed: int = 0) -> AsyncIterator[list[Sample]]:
+        order = self.order(epoch, seed)
+        if not 0 <= start <= len(order):
+            raise ConfigError(f"start must be in [0, {len(order)}], got {start}")
+        loop = asyncio.get_running_loop()
+        pool = concurrent.futures.ThreadPoolExecutor(self.io_threads, thread_name_prefix=f"headrace-io-{type(self).__name__}")
+        pending: deque[tuple[int, concurrent.futures.Future[list[Sample]]]] = deque()
+        next_pos = start
+        try:
+            while next_pos < len(order) or pending:
+                # Keep one chunk per I/O thread in flight, plus the one being handed over.
+                while next_pos < len(order) and len(pending) <= self.io_threads:
+                    end = min(next_pos + self.chunk_size, len(order))
+                    pending.append((next_pos, pool.submit(self._fetch, order[next_pos:end].tolist())))
+                    next_pos = end
+                pos, fut = pending.popleft()
+                samples = await asyncio.wrap_future(fut, loop=loop)
+                for offset, sample in enumerate(samples):
+                    sample.position = pos + offset
+                yield samples
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+            running = [f for _, f in pending if not f.done()]
+            if running:
+                # Shielded: the I/O threads must be idle before we return, even if we are cancelled.
+                await asyncio.shield(asyncio.wait([asyncio.wrap_future(f) for f in running]))
+            pool.shutdown(wait=True)

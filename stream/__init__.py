@@ -1,0 +1,47 @@
+"""headrace: an asyncio streaming data loader that feeds GPUs."""
+
+from ._batcher import LastBatch
+from ._channel import ChannelStats, ReceiveChannel, SendChannel, open_channel
+from ._errors import (
+    ClosedError,
+    ConfigError,
+    DecodeError,
+    ErrorBudgetExceeded,
+    LoaderError,
+    ReadError,
+    StorageError,
+    TransformError,
+)
+from ._loader import Loader, LoaderStats
+from ._loop import new_event_loop
+from ._markers import END, EPOCH_END
+from ._sample import Batch, Sample, SampleBatch
+from ._sync import SyncLoader
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "END",
+    "EPOCH_END",
+    "Batch",
+    "ChannelStats",
+    "ClosedError",
+    "ConfigError",
+    "DecodeError",
+    "ErrorBudgetExceeded",
+    "LastBatch",
+    "Loader",
+    "LoaderError",
+    "LoaderStats",
+    "ReadError",
+    "ReceiveChannel",
+    "Sample",
+    "SampleBatch",
+    "SendChannel",
+    "StorageError",
+    "SyncLoader",
+    "TransformError",
+    "__version__",
+    "new_event_loop",
+    "open_channel",
+]

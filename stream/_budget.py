@@ -1,0 +1,46 @@
+"""The failure budget behind ``on_error="skip"``: a count, or a fraction of the samples seen."""
+
+from __future__ import annotations
+
+from ._errors import ConfigError, ErrorBudgetExceeded, LoaderError
+
+__all__ = ["ErrorBudget"]
+
+
+class ErrorBudget:
+    """Counts dropped samples in an epoch and says when too many were dropped.
+
+    ``max_errors`` is an int (at most that many) or a float in [0, 1] (at most that fraction of the
+    samples seen so far, checked once at least ``min_samples`` were seen, so one early failure does
+    not end a run).
+    """
+
+    def __init__(self, max_errors: int | float, *, min_samples: int = 100) -> None:
+        if isinstance(max_errors, bool) or not isinstance(max_errors, (int, float)) or max_errors < 0:
+            raise ConfigError(f"max_errors must be a non-negative int or a fraction, got {max_errors!r}")
+        if isinstance(max_errors, float) and max_errors > 1:
+            raise ConfigError(f"max_errors as a fraction must be in [0, 1], got {max_errors!r}")
+        self.max_errors = max_errors
+        self.min_samples = min_samples
+        self.seen = 0
+        self.dropped = 0
+
+    def record(self, seen: int, failures: list[LoaderError]) -> None:
+        """Count ``seen`` samples of which ``failures`` were dropped; raise when over budget."""
+        self.seen += seen
+        self.dropped += len(failures)
+        if not failures:
+            return
+        if isinstance(self.max_errors, int):
+            over = self.dropped > self.max_errors
+            limit = f"{self.max_errors} samples"
+        else:
+            over = self.seen >= self.min_samples and self.dropped > self.max_errors * self.seen
+            limit = f"{self.max_errors:.2%} of samples"
+        if over:
+            last = failures[-1]
+            raise ErrorBudgetExceeded(
+                f"{self.dropped} of {self.seen} samples failed, over the budget of {limit}; last: {last.message}",
+                key=last.key,
+                source=last.source,
+            ) from last

@@ -1,0 +1,106 @@
+"""The exception tree. Every failure a user can see while loading data is one of these.
+
+    LoaderError                 the root: catch this to catch everything headrace raises
+    ├── ConfigError             a wrong argument (also a ValueError)
+    ├── ReadError               bytes could not be read: missing file, permission, truncated container
+    │   └── StorageError        a storage backend failed after its retries (S3, HTTP, ...)
+    ├── DecodeError             bytes were read but are not a decodable image
+    ├── TransformError          an op failed on a decoded sample or batch
+    ├── ErrorBudgetExceeded     on_error="skip" dropped more samples than max_errors allows
+    └── ClosedError             the loader or channel was used after aclose()
+
+Each carries ``key`` (the sample key, when one is known), ``source`` (path or URL) and ``stage``
+(the pipeline stage that failed) as attributes; they are not folded into ``args``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ClosedError",
+    "ConfigError",
+    "DecodeError",
+    "ErrorBudgetExceeded",
+    "LoaderError",
+    "ReadError",
+    "StorageError",
+    "TransformError",
+]
+
+
+class LoaderError(Exception):
+    """Root of every error headrace raises about data, configuration or lifetime."""
+
+    stage: str = "loader"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        key: str | None = None,
+        source: str | None = None,
+        stage: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.key = key
+        self.source = source
+        if stage is not None:
+            self.stage = stage
+
+    def __str__(self) -> str:
+        where = []
+        if self.key is not None:
+            where.append(f"key={self.key!r}")
+        if self.source is not None:
+            where.append(f"source={self.source!r}")
+        suffix = f" [{self.stage}{': ' if where else ''}{', '.join(where)}]"
+        return self.message + suffix
+
+    def __reduce__(self):  # keep attributes across pickling (multiprocessing, torch.distributed)
+        return (_rebuild, (type(self), self.message, self.key, self.source, self.stage))
+
+
+def _rebuild(cls, message, key, source, stage):
+    return cls(message, key=key, source=source, stage=stage)
+
+
+class ConfigError(LoaderError, ValueError):
+    """An argument is wrong: raised when the object is built, before any data moves."""
+
+    stage = "config"
+
+
+class ReadError(LoaderError):
+    """A sample's bytes could not be read from its source."""
+
+    stage = "read"
+
+
+class StorageError(ReadError):
+    """A storage backend kept failing after its retry budget."""
+
+    stage = "storage"
+
+
+class DecodeError(LoaderError):
+    """A sample's bytes are not an image the decoder can read (corrupt, truncated, unknown format)."""
+
+    stage = "decode"
+
+
+class TransformError(LoaderError):
+    """An op could not be applied to a decoded sample."""
+
+    stage = "transform"
+
+
+class ErrorBudgetExceeded(LoaderError):
+    """More samples failed than ``max_errors`` allows; ``__cause__`` is the last failure."""
+
+    stage = "budget"
+
+
+class ClosedError(LoaderError):
+    """The object was used after it was closed."""
+
+    stage = "closed"

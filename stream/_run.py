@@ -1,0 +1,171 @@
+"""One epoch's pipeline: reader → batcher → ops (several batches in flight) → reorder → output.
+
+A ``_Run`` owns a runner task, and the runner owns every stage task through one TaskGroup. The
+consumer never runs inside that TaskGroup: it only receives from the output channel, so leaving
+its loop early cancels the runner from the outside, and the runner's ``finally`` closes the
+executor (joining its threads) and the reader (closing its files).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from ._batcher import LastBatch, batch_samples
+from ._budget import ErrorBudget
+from ._channel import ChannelStats, ReceiveChannel, SendChannel, open_channel
+from ._errors import LoaderError
+from ._sample import Batch, SampleBatch
+
+__all__ = ["RunConfig", "_Run"]
+
+
+class RunConfig:
+    """What one epoch's run needs from the loader."""
+
+    def __init__(self, **kw: Any) -> None:
+        self.reader = kw["reader"]
+        self.executor_factory: Callable[[], Any] = kw["executor_factory"]
+        self.batch_size: int = kw["batch_size"]
+        self.last_batch: LastBatch = kw["last_batch"]
+        self.seed: int = kw["seed"]
+        self.prefetch: int = kw["prefetch"]
+        self.max_bytes: int = kw["max_bytes"]
+        self.on_error: str = kw["on_error"]
+        self.max_errors: int | float = kw["max_errors"]
+
+
+class _Run:
+    def __init__(self, cfg: RunConfig, epoch: int, start: int, first_batch: int) -> None:
+        self.cfg = cfg
+        self.epoch = epoch
+        self.start = start
+        self.first_batch = first_batch
+        self.failure: BaseException | None = None
+        self.budget = ErrorBudget(cfg.max_errors)
+        self._chunks_tx, self._chunks_rx = open_channel(16, cfg.max_bytes, name="samples")
+        self._batches_tx, self._batches_rx = open_channel(2, name="batches")
+        self._order_tx, self._order_rx = open_channel(cfg.prefetch + 1, name="in-flight")
+        self.out_tx, self.out_rx = open_channel(2, name="output")
+        self._slots = asyncio.Semaphore(cfg.prefetch)
+        self._runner: asyncio.Task[None] | None = None
+
+    def start_runner(self) -> None:
+        self._runner = asyncio.create_task(self._main(), name=f"loader:run:epoch{self.epoch}")
+
+    def channels(self) -> list[ChannelStats]:
+        return [c.statistics() for c in (self._chunks_rx, self._batches_rx, self._order_rx, self.out_rx)]
+
+    async def aclose(self) -> None:
+        """Cancel every stage and wait until threads, files and tasks are gone. Safe to call twice."""
+        runner = self._runner
+        if runner is None:
+            return
+        if not runner.done():
+            runner.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait([runner])
+        await self.out_rx.aclose()
+
+    async def _main(self) -> None:
+        executor = self.cfg.executor_factory()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(_noted(self._read(), "read"), name="loader:read")
+                tg.create_task(_noted(self._batch(), "batch"), name="loader:batch")
+                tg.create_task(_noted(self._dispatch(tg, executor), "dispatch"), name="loader:dispatch")
+                tg.create_task(_noted(self._emit(), "emit"), name="loader:emit")
+        except BaseExceptionGroup as group:
+            leaves = _leaves(group)
+            if any(isinstance(e, asyncio.CancelledError) for e in leaves) and len(leaves) == 1:
+                raise leaves[0] from None
+            self.failure = leaves[0] if len(leaves) == 1 else group
+        finally:
+            try:
+                await executor.aclose()
+            finally:
+                await self.out_tx.aclose()
+
+    async def _read(self) -> None:
+        cfg = self.cfg
+        try:
+            stream = cfg.reader.read(self.epoch, start=self.start, seed=cfg.seed)
+            async with contextlib.aclosing(stream):
+                async for chunk in stream:
+                    await self._chunks_tx.send(chunk, sum(s.nbytes for s in chunk))
+        finally:
+            await self._chunks_tx.aclose()
+
+    async def _batch(self) -> None:
+        await batch_samples(
+            self._chunks_rx,
+            self._batches_tx,
+            batch_size=self.cfg.batch_size,
+            policy=self.cfg.last_batch,
+            epoch=self.epoch,
+            first_index=self.first_batch,
+        )
+
+    async def _dispatch(self, tg: asyncio.TaskGroup, executor: Any) -> None:
+        # A slot is held from dispatch until the batch is handed to the output channel, so at most
+        # ``prefetch`` batches are decoded-or-waiting at once: that bounds memory and is the
+        # backpressure the batcher (and through it the reader) feels.
+        try:
+            async for batch in self._batches_rx:
+                await self._slots.acquire()
+                task = tg.create_task(executor.run(batch), name=f"loader:ops:batch{batch.index}")
+                await self._order_tx.send((batch, task))
+        finally:
+            await self._order_tx.aclose()
+
+    async def _emit(self) -> None:
+        async for batch, task in self._order_rx:
+            processed = await task
+            item = self._finish(batch, processed)
+            await self.out_tx.send(item)
+            self._slots.release()
+            if isinstance(item, LoaderError):
+                return  # the consumer raises it; everything after it is cancelled
+
+    def _finish(self, batch: SampleBatch, processed: Any) -> Batch | LoaderError:
+        failures = [err for _, err in processed.failures]
+        if failures:
+            if self.cfg.on_error == "raise":
+                return failures[0]
+            try:
+                self.budget.record(len(batch.samples) - batch.padded, failures)
+            except LoaderError as exc:
+                return exc
+        else:
+            self.budget.record(len(batch.samples) - batch.padded, [])
+        kept = [batch.samples[i] for i in processed.kept]
+        padded = sum(1 for i in processed.kept if i >= len(batch.samples) - batch.padded)
+        return Batch(
+            data=processed.data,
+            sample_keys=[s.key for s in kept],
+            sources=[s.source for s in kept],
+            epoch=batch.epoch,
+            index=batch.index,
+            padded=padded,
+            dropped=len(failures),
+            extra={"end_position": batch.end_position},
+        )
+
+
+async def _noted(coro: Awaitable[None], stage: str) -> None:
+    try:
+        await coro
+    except Exception as exc:
+        exc.add_note(f"in headrace stage {stage!r}")
+        raise
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
+
+

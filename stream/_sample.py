@@ -1,0 +1,105 @@
+"""What moves through the pipeline: encoded samples, batches of them, and the tensors that come out."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Batch", "Sample", "SampleBatch"]
+
+FieldValue = bytes | bytearray | memoryview
+
+
+@dataclass(slots=True)
+class Sample:
+    """One encoded sample, as a reader produced it.
+
+    ``fields`` maps an extension-like name to raw bytes, the WebDataset convention: ``"jpg"`` holds
+    the encoded image, ``"cls"`` the class label as ASCII digits. ``index`` is the sample's stable
+    index in its data set: per-sample random parameters are keyed on it, so a sample gets the same
+    augmentation in an epoch whichever rank, batch or thread handles it. ``position`` is where the
+    sample stands in this rank's stream for the epoch (0, 1, 2, ...), which is what resume counts.
+    A reader that cannot read a sample still sends it, with ``error`` set and no fields, so the
+    failure keeps its place in the stream and meets the loader's error policy like any other.
+    """
+
+    key: str
+    fields: dict[str, FieldValue]
+    source: str
+    index: int
+    position: int = -1
+    error: Exception | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(v) for v in self.fields.values())
+
+
+@dataclass(slots=True)
+class SampleBatch:
+    """Samples grouped for one trip through the ops. ``padded`` trailing samples are repeats (FILL policy)."""
+
+    samples: list[Sample]
+    epoch: int
+    index: int
+    padded: int = 0
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.samples)
+
+    @property
+    def end_position(self) -> int:
+        """Stream position just after this batch's last real (not padded) sample."""
+        real = self.samples[: len(self.samples) - self.padded]
+        return real[-1].position + 1 if real else 0
+
+
+@dataclass(eq=False)
+class Batch(Mapping[str, Any]):
+    """The loader's output: names mapped to tensors (``batch["image"]``, ``batch["label"]``).
+
+    ``sample_keys`` and ``sources`` name the samples row by row. A value is a tensor whose first
+    dimension is the batch, or a list of tensors when the samples' shapes differ (no crop or resize
+    made them equal).
+    """
+
+    data: dict[str, Any]
+    sample_keys: list[str]
+    sources: list[str]
+    epoch: int
+    index: int
+    padded: int = 0
+    dropped: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> Any:
+        return self.data[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.data)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    @property
+    def size(self) -> int:
+        """Number of rows (samples) in the batch, padded rows included."""
+        return len(self.sample_keys)
+
+    def __repr__(self) -> str:
+        shapes = {k: _describe(v) for k, v in self.data.items()}
+        return f"Batch(epoch={self.epoch}, index={self.index}, size={self.size}, {shapes})"
+
+
+def _describe(value: Any) -> str:
+    shape = getattr(value, "shape", None)
+    if shape is not None:
+        return f"{getattr(value, 'dtype', '')}{list(shape)}@{getattr(value, 'device', '')}"
+    if isinstance(value, list):
+        return f"list[{len(value)}]"
+    return type(value).__name__

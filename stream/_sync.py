@@ -1,0 +1,67 @@
+"""The blocking facade: the same async loader, driven from a plain ``for`` loop.
+
+Each ``for`` runs one epoch on an event loop in a background thread (uvloop when installed) and
+hands batches over with ``run_coroutine_threadsafe``; nothing is implemented twice. Leaving the
+loop early, or an exception (KeyboardInterrupt included) in the consumer, closes the async
+iterator on its loop, which stops the pipeline, before the thread is joined.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from ._loop import new_event_loop
+
+if TYPE_CHECKING:
+    from ._loader import Loader
+    from ._sample import Batch
+
+__all__ = ["SyncLoader"]
+
+
+class SyncLoader:
+    """``for batch in loader.sync():`` yields one epoch per loop; ``len()`` and state pass through."""
+
+    def __init__(self, loader: Loader) -> None:
+        self.loader = loader
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state)
+
+    def __iter__(self) -> Iterator[Batch]:
+        loop = new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, name="headrace-sync-loop", daemon=True)
+        thread.start()
+        try:
+            agen = asyncio.run_coroutine_threadsafe(_start(self.loader), loop).result()
+            try:
+                while True:
+                    future = asyncio.run_coroutine_threadsafe(agen.__anext__(), loop)
+                    try:
+                        batch = future.result()
+                    except StopAsyncIteration:
+                        return
+                    except BaseException:
+                        future.cancel()
+                        raise
+                    yield batch
+            finally:
+                asyncio.run_coroutine_threadsafe(agen.aclose(), loop).result()
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join()
+            loop.close()
+
+
+async def _start(loader: Loader):
+    # __aiter__ runs on the loop's thread so the async generator is bound to that loop.
+    return loader.__aiter__()
