@@ -1,0 +1,28 @@
+# Every target sets itself up: a virtualenv in .venv with headrace installed editable.
+PYTHON ?= python3
+VENV ?= .venv
+# The CPU build of torch; on a GPU machine set TORCH to the build for your CUDA.
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.headrace-installed
+
+.PHONY: demo test bench-cpu clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -U pip "setuptools>=64" wheel
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[test,bench]"
+	touch $@
+
+demo: $(STAMP)  ## make a small JPEG data set, then run training-style epochs with a progress bar
+	$(BIN)/headrace demo
+
+test: $(STAMP)  ## the whole CPU test suite (GPU tests skip themselves without CUDA)
+	$(BIN)/pytest -q
+
+bench-cpu: $(STAMP)  ## headrace vs torch DataLoader + Pillow on this machine's cores
+	$(BIN)/python examples/benchmark_cpu.py
+
+clean:
+	rm -rf $(VENV) .data build *.egg-info

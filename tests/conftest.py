@@ -1,0 +1,78 @@
+"""Shared fixtures: small real image folders, and a check that nothing outlives a loader."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+
+def jpeg_bytes(rng: np.random.Generator, h: int, w: int, quality: int = 90) -> bytes:
+    # Smooth colour field plus grain: compresses like a photograph, decodes deterministically.
+    small = rng.integers(0, 256, size=(4, 4, 3), dtype=np.uint8)
+    img = Image.fromarray(small).resize((w, h), Image.Resampling.BICUBIC)
+    arr = np.clip(np.asarray(img).astype(np.int16) + rng.integers(-8, 9, size=(h, w, 3)), 0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, "JPEG", quality=quality)
+    return buf.getvalue()
+
+
+def make_folder(root: Path, classes: int, per_class: int, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    for c in range(classes):
+        d = root / f"c{c}"
+        d.mkdir(parents=True)
+        for i in range(per_class):
+            h, w = int(rng.integers(40, 120)), int(rng.integers(40, 120))
+            (d / f"{i:04d}.jpg").write_bytes(jpeg_bytes(rng, h, w))
+    return root
+
+
+@pytest.fixture(scope="session")
+def image_folder(tmp_path_factory) -> Path:
+    """3 classes x 25 JPEGs of random sizes (40-120 px): 75 samples."""
+    return make_folder(tmp_path_factory.mktemp("images"), classes=3, per_class=25)
+
+
+def open_fds() -> set[str]:
+    fds = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds.add(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return {f for f in fds if not f.startswith(("pipe:", "anon_inode:", "socket:", "/dev/"))}
+
+
+class Leaks:
+    """Snapshot of threads and open files; ``check()`` asserts nothing new is left over."""
+
+    def __init__(self) -> None:
+        self.threads = set(threading.enumerate())
+        self.fds = open_fds()
+
+    async def check(self, settle: float = 0.0) -> None:
+        """Assert nothing is left; ``settle`` seconds are allowed for a close scheduled by a finaliser."""
+        current = asyncio.current_task()
+        deadline = asyncio.get_running_loop().time() + settle
+        while True:
+            await asyncio.sleep(0)
+            tasks = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
+            if not tasks or asyncio.get_running_loop().time() > deadline:
+                break
+            await asyncio.sleep(0.005)
+        assert tasks == [], f"tasks left behind: {[t.get_name() for t in tasks]}"
+        threads = [t for t in threading.enumerate() if t not in self.threads and t.is_alive()]
+        assert threads == [], f"threads left behind: {[t.name for t in threads]}"
+        assert open_fds() - self.fds == set(), "files left open"
+
+
+@pytest.fixture
+def leaks() -> Leaks:
+    return Leaks()

@@ -1,0 +1,118 @@
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from headrace import ConfigError, ReadError, readers
+from headrace.readers import epoch_order
+
+
+async def _read_all(reader, epoch=0, start=0, seed=0):
+    out = []
+    async for chunk in reader.read(epoch, start=start, seed=seed):
+        out.extend(chunk)
+    return out
+
+
+async def test_folder_tree_labels_are_sorted_subfolder_indices(tmp_path, image_folder):
+    reader = readers.files(image_folder, chunk_size=7)
+    samples = await _read_all(reader)
+    assert len(reader) == len(samples) == 75
+    assert reader.classes == ("c0", "c1", "c2")
+    for s in samples:
+        assert s.key.startswith(f"c{int(s.fields['cls'])}/")
+        assert s.fields["jpg"][:2] == b"\xff\xd8"
+        assert s.source.endswith(s.key + ".jpg")
+    assert [s.position for s in samples] == list(range(75))
+    assert [s.index for s in samples] == list(range(75))  # no shuffle: dataset order
+
+
+async def test_path_list_with_labels(image_folder):
+    paths = sorted(image_folder.rglob("*.jpg"))[:5]
+    reader = readers.files(paths, labels=[4, 3, 2, 1, 0])
+    samples = await _read_all(reader)
+    assert [int(s.fields["cls"]) for s in samples] == [4, 3, 2, 1, 0]
+    assert [s.source for s in samples] == [str(p) for p in paths]
+    no_labels = await _read_all(readers.files(paths))
+    assert "cls" not in no_labels[0].fields
+
+
+async def test_shuffle_is_seeded_per_epoch(image_folder):
+    reader = readers.files(image_folder, shuffle=True)
+    e0 = [s.index for s in await _read_all(reader, epoch=0, seed=3)]
+    e0_again = [s.index for s in await _read_all(reader, epoch=0, seed=3)]
+    e1 = [s.index for s in await _read_all(reader, epoch=1, seed=3)]
+    assert e0 == e0_again and e0 != e1 and sorted(e0) == list(range(75))
+    own_seed = readers.files(image_folder, shuffle=True, seed=3)
+    assert [s.index for s in await _read_all(own_seed, epoch=0, seed=99)] == e0
+
+
+async def test_start_skips_exactly_the_first_positions(image_folder):
+    reader = readers.files(image_folder, shuffle=True, chunk_size=4)
+    full = await _read_all(reader, epoch=2)
+    tail = await _read_all(reader, epoch=2, start=30)
+    assert [(s.index, s.position) for s in tail] == [(s.index, s.position) for s in full[30:]]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 7])
+async def test_shards_are_disjoint_and_complete(image_folder, world):
+    base = readers.files(image_folder, shuffle=True)
+    parts = [[s.index for s in await _read_all(base.shard(r, world), epoch=1)] for r in range(world)]
+    flat = [i for p in parts for i in p]
+    assert sorted(flat) == list(range(75))
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    assert [len(base.shard(r, world)) for r in range(world)] == list(map(len, parts))
+
+
+@pytest.mark.parametrize("world", [2, 4, 7])
+async def test_equal_counts_pad_or_drop(image_folder, world):
+    base = readers.files(image_folder, shuffle=True)
+    padded = [[s.index for s in await _read_all(base.shard(r, world, equal="pad"))] for r in range(world)]
+    dropped = [[s.index for s in await _read_all(base.shard(r, world, equal="drop"))] for r in range(world)]
+    assert len({len(p) for p in padded}) == 1 and len(padded[0]) == -(-75 // world)
+    assert set(i for p in padded for i in p) == set(range(75))  # complete; the padding repeats
+    assert len({len(p) for p in dropped}) == 1 and len(dropped[0]) == 75 // world
+    flat = [i for p in dropped for i in p]
+    assert len(flat) == len(set(flat))  # disjoint
+
+
+def test_every_rank_computes_the_same_global_order_without_talking():
+    orders = [epoch_order(100, 5, shuffle=True, seed=1, rank=r, world=4) for r in range(4)]
+    interleaved = np.empty(100, dtype=int)
+    for r, o in enumerate(orders):
+        interleaved[r::4] = o
+    assert np.array_equal(interleaved, epoch_order(100, 5, shuffle=True, seed=1))
+
+
+async def test_reading_closes_its_threads_when_stopped_early(image_folder, leaks):
+    reader = readers.files(image_folder, chunk_size=2, io_threads=3)
+    stream = reader.read(0)
+    await stream.__anext__()
+    await stream.aclose()
+    await leaks.check()
+
+
+def test_missing_or_empty_folder_is_a_read_error(tmp_path):
+    with pytest.raises(ReadError) as info:
+        readers.files(tmp_path / "nope")
+    assert info.value.source == str(tmp_path / "nope")
+    (tmp_path / "empty" / "a").mkdir(parents=True)
+    with pytest.raises(ReadError):
+        readers.files(tmp_path / "empty")
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs"),
+    [(([],), {}), ((["a.jpg"],), {"labels": [1, 2]}), ((42,), {}), ((["a.jpg"],), {"chunk_size": 0}), ((["a.jpg"],), {"io_threads": 0})],
+)
+def test_wrong_arguments(args, kwargs):
+    with pytest.raises(ConfigError):
+        readers.files(*args, **kwargs)
+
+
+@pytest.mark.parametrize(("rank", "world", "equal"), [(2, 2, None), (-1, 2, None), (0, 0, None), (0, 2, "wrap")])
+def test_wrong_shard_arguments(image_folder, rank, world, equal):
+    with pytest.raises(ConfigError):
+        readers.files(image_folder).shard(rank, world, equal=equal)
