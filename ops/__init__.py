@@ -1,6 +1,7 @@
 """Decode and transform ops, and the executors that run them on a batch (CPU now; GPU per issue 3)."""
 
 from ._cpu import CpuExecutor, Processed
+from ._cuda import CudaExecutor, cuda_available
 from ._pipeline import IMAGE_EXTENSIONS, Pipeline, training, validation
 from ._random import uniforms
 from ._spec import (
@@ -22,6 +23,7 @@ __all__ = [
     "IMAGE_EXTENSIONS",
     "CenterCrop",
     "CpuExecutor",
+    "CudaExecutor",
     "Decode",
     "Flip",
     "Normalize",
@@ -31,6 +33,7 @@ __all__ = [
     "RandomResizedCrop",
     "Resize",
     "crop_mirror_normalize",
+    "cuda_available",
     "training",
     "uniforms",
     "validation",

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from headrace._errors import DecodeError, LoaderError, TransformError
+from headrace._errors import ClosedError, ConfigError, DecodeError, LoaderError, ReadError, TransformError
 from headrace._sample import SampleBatch
 
 from . import _pillow
@@ -42,6 +42,8 @@ class CpuExecutor:
     """
 
     def __init__(self, pipeline: Pipeline, *, num_threads: int, seed: int, name: str = "headrace-cpu") -> None:
+        if not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1:
+            raise ConfigError(f"CpuExecutor: num_threads must be a positive int, got {num_threads!r}")
         self.pipeline = pipeline
         self.seed = seed
         self.num_threads = num_threads
@@ -49,7 +51,10 @@ class CpuExecutor:
         self._running: set[concurrent.futures.Future[Any]] = set()
         self._closed = False
         size = pipeline.output_size()
-        self._out_shape = None if size is None else _row_shape(size, pipeline.channels, pipeline.layout)
+        # uint8 rows are written as the HWC pixels they are and handed out as an NCHW view
+        # (channels-last memory) when CHW is asked for; normalised rows are written in their layout.
+        layout = pipeline.layout if pipeline.normalize is not None else "HWC"
+        self._out_shape = None if size is None else _row_shape(size, pipeline.channels, layout)
         norm = pipeline.normalize
         if norm is not None:
             self._mean = torch.tensor(norm.mean, dtype=torch.float32).mul_(255.0)
@@ -58,7 +63,13 @@ class CpuExecutor:
             self._mean, self._inv_std = self._mean.reshape(shape), self._inv_std.reshape(shape)
 
     async def run(self, batch: SampleBatch) -> Processed:
-        """Decode and transform ``batch``; per-sample failures come back in ``Processed.failures``."""
+        """Decode and transform ``batch``; per-sample failures come back in ``Processed.failures``.
+
+        A sample that arrives with ``error`` set (its read failed) is a failure with that error.
+        Raises ClosedError after ``aclose()``.
+        """
+        if self._closed:
+            raise ClosedError("CpuExecutor.run after aclose()")
         n = len(batch.samples)
         out = None
         if self._out_shape is not None:
@@ -103,6 +114,8 @@ class CpuExecutor:
         for i, sample in enumerate(samples):
             row = lo + i
             try:
+                if sample.error is not None:
+                    raise _read_failure(sample)
                 if labels is not None:
                     labels[row] = _label(sample, pipe.label_field)
                 data = _image_field(sample, pipe.image_fields)
@@ -117,16 +130,19 @@ class CpuExecutor:
                 except Exception as exc:
                     raise TransformError(f"{type(exc).__name__}: {exc}", key=sample.key, source=sample.source) from exc
             except LoaderError as exc:
+                if exc.key is None:  # raised below the sample's level (e.g. a shape check)
+                    exc.key, exc.source = sample.key, sample.source
                 failures.append((row, exc))
 
     def _finish(self, pixels: torch.Tensor, target: torch.Tensor | None, scratch):
         """Write one HWC uint8 image into ``target`` (or a new tensor), normalised and laid out."""
         norm = self.pipeline.normalize
-        if target is not None and tuple(target.shape) != _row_shape(pixels.shape[:2], pixels.shape[2], self.pipeline.layout if norm is None else norm.layout):
-            raise TransformError(f"image is {tuple(pixels.shape)} after the ops, expected {tuple(target.shape)}")
+        layout = "HWC" if norm is None else norm.layout
+        if target is not None and tuple(target.shape) != _row_shape(pixels.shape[:2], pixels.shape[2], layout):
+            raise TransformError(f"image is {tuple(pixels.shape)} (HWC) after the ops, expected {tuple(target.shape)}")
         if norm is None:
-            if target is None:
-                return (pixels.permute(2, 0, 1).clone() if self.pipeline.layout == "CHW" else pixels.clone()), scratch
+            if target is None:  # ``pixels`` is a fresh array of ours: hand it out without a copy
+                return (pixels.permute(2, 0, 1) if self.pipeline.layout == "CHW" else pixels), scratch
             target.copy_(pixels)
             return None, scratch
         src = pixels.permute(2, 0, 1) if norm.layout == "CHW" else pixels
@@ -165,6 +181,20 @@ def _row_shape(size, channels: int, layout: str) -> tuple[int, int, int]:
 def _split(n: int, parts: int) -> list[tuple[int, int]]:
     bounds = np.linspace(0, n, parts + 1).astype(int)
     return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+def _read_failure(sample) -> LoaderError:
+    """The sample's read error as a LoaderError naming the sample (a foreign one is wrapped)."""
+    err = sample.error
+    if isinstance(err, LoaderError):
+        if err.key is None:
+            err.key = sample.key
+        if err.source is None:
+            err.source = sample.source
+        return err
+    wrapped = ReadError(f"cannot read sample: {type(err).__name__}: {err}", key=sample.key, source=sample.source)
+    wrapped.__cause__ = err
+    return wrapped
 
 
 def _image_field(sample, names: tuple[str, ...]) -> Any:

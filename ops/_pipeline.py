@@ -70,6 +70,10 @@ class Pipeline:
         if isinstance(image, str):
             image = (image,)
         self.image_fields: tuple[str, ...] = tuple(image) if image is not None else IMAGE_EXTENSIONS
+        if not self.image_fields or not all(isinstance(name, str) for name in self.image_fields):
+            raise ConfigError(f"Pipeline: image must name one or more fields, got {image!r}")
+        if label is not None and not isinstance(label, str):
+            raise ConfigError(f"Pipeline: label must be a field name or None, got {label!r}")
         self.label_field = label
         self.layout = self.normalize.layout if self.normalize else layout
         if self.normalize and len(self.normalize.mean) not in (1, self.decode.channels):

@@ -45,6 +45,14 @@ def _size2(size: int | Sequence[int], what: str) -> tuple[int, int]:
     return pair
 
 
+def _float2(pair: object, what: str) -> tuple[float, float]:
+    try:
+        lo, hi = pair  # type: ignore[misc]
+        return float(lo), float(hi)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{what} must be a pair of numbers, got {pair!r}") from exc
+
+
 class Op:
     """Base of every op. ``randoms`` is how many uniform numbers one sample needs."""
 
@@ -103,7 +111,20 @@ class Resize(Op):
         return (self.size, new_long) if h <= w else (new_long, self.size)
 
     def output_size(self, size):
-        return self.size if isinstance(self.size, tuple) else None
+        if isinstance(self.size, tuple):
+            return self.size
+        return None if size is None else self.target(*size)
+
+
+def _centre_offset(size: int, crop: int) -> int:
+    """Where a centred crop starts, as torchvision's ``center_crop`` places it.
+
+    Cropping rounds half to even (Python's ``round``); padding first pads ``(crop - size) // 2``
+    on the leading side, so the image starts at that floor, not at the rounded negative offset.
+    """
+    if crop <= size:
+        return int(round((size - crop) / 2.0))
+    return -((crop - size) // 2)
 
 
 @dataclass(frozen=True)
@@ -116,9 +137,9 @@ class CenterCrop(Op):
         object.__setattr__(self, "size", _size2(self.size, "CenterCrop"))
 
     def window(self, h: int, w: int) -> tuple[int, int, int, int]:
-        """(top, left, height, width); top/left may be negative when padding."""
+        """(top, left, height, width); top/left are negative where the image is padded."""
         ch, cw = self.size
-        return int(round((h - ch) / 2.0)), int(round((w - cw) / 2.0)), ch, cw
+        return _centre_offset(h, ch), _centre_offset(w, cw), ch, cw
 
     def output_size(self, size):
         return self.size
@@ -139,12 +160,14 @@ class RandomResizedCrop(Op):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "size", _size2(self.size, "RandomResizedCrop"))
-        lo, hi = self.scale
+        lo, hi = _float2(self.scale, "RandomResizedCrop: scale")
         if not 0 < lo <= hi <= 1:
             raise ConfigError(f"RandomResizedCrop: scale must satisfy 0 < lo <= hi <= 1, got {self.scale!r}")
-        rlo, rhi = self.ratio
-        if not 0 < rlo <= rhi:
+        rlo, rhi = _float2(self.ratio, "RandomResizedCrop: ratio")
+        if not 0 < rlo <= rhi < math.inf:
             raise ConfigError(f"RandomResizedCrop: ratio must satisfy 0 < lo <= hi, got {self.ratio!r}")
+        object.__setattr__(self, "scale", (lo, hi))
+        object.__setattr__(self, "ratio", (rlo, rhi))
 
     def window(self, h: int, w: int, u: Sequence[float]) -> tuple[int, int, int, int]:
         """(top, left, height, width) of the crop for an h x w image, from this sample's uniforms."""
@@ -181,8 +204,8 @@ class Flip(Op):
     randoms: int = field(default=1, init=False)
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.p <= 1.0:
-            raise ConfigError(f"Flip: p must be in [0, 1], got {self.p!r}")
+        if not isinstance(self.p, (int, float)) or not 0.0 <= self.p <= 1.0:
+            raise ConfigError(f"Flip: p must be a number in [0, 1], got {self.p!r}")
 
     def flips(self, u: Sequence[float]) -> bool:
         return u[0] < self.p
@@ -219,12 +242,15 @@ class Normalize(Op):
     layout: Literal["CHW", "HWC"] = "CHW"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "mean", tuple(float(m) for m in self.mean))
-        object.__setattr__(self, "std", tuple(float(s) for s in self.std))
+        try:
+            object.__setattr__(self, "mean", tuple(float(m) for m in self.mean))
+            object.__setattr__(self, "std", tuple(float(s) for s in self.std))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"Normalize: mean and std must be sequences of numbers, got {self.mean!r}, {self.std!r}") from exc
         object.__setattr__(self, "dtype", as_dtype(self.dtype))
         if self.dtype == torch.uint8:
             raise ConfigError("Normalize: dtype must be a float type")
-        if len(self.mean) != len(self.std) or any(s == 0 for s in self.std):
+        if not self.mean or len(self.mean) != len(self.std) or any(s == 0 for s in self.std):
             raise ConfigError(f"Normalize: mean and std must have equal lengths and no zero std, got {self.mean!r}, {self.std!r}")
         if self.layout not in ("CHW", "HWC"):
             raise ConfigError(f"Normalize: layout must be 'CHW' or 'HWC', got {self.layout!r}")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ._batcher import LastBatch, batches_per_epoch
+from ._budget import ErrorBudget
 from ._channel import ChannelStats
 from ._errors import ClosedError, ConfigError, LoaderError
 from ._markers import END
@@ -44,7 +45,11 @@ class Loader:
         reader: a ``headrace.readers.Reader`` (already sharded for this rank, if any).
         batch_size: samples per batch.
         pipeline: a ``headrace.ops.Pipeline`` (default: decode only, images of their own sizes).
-        device: ``"cpu"``, or ``"auto"`` (the CPU path until the GPU path lands).
+        device: ``"auto"`` (the GPU when CUDA, CuPy and nvImageCodec are there, else the CPU),
+            ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. On the GPU, batches are torch CUDA tensors,
+            ready on the consumer's current stream (it waits on the lane's event; the host does not).
+        lanes: GPU lanes (thread + CUDA stream + decoder), batches in flight on the device.
+        hw_load: share of each batch offered to the hardware JPEG decoder (GPU path).
         last_batch: ``"partial"`` (default), ``"fill"`` or ``"drop"`` for the short last batch.
         seed: keys the reader's shuffle (unless it has its own seed) and every random op.
         num_threads: CPU worker threads for decode and transforms (default: all cores).
@@ -79,8 +84,10 @@ class Loader:
         max_bytes: int = 256 << 20,
         on_error: Literal["raise", "skip"] = "raise",
         max_errors: int | float = 0,
+        lanes: int = 3,
+        hw_load: float = 0.65,
     ) -> None:
-        from headrace.ops import CpuExecutor, Pipeline
+        from headrace.ops import CpuExecutor, Pipeline, cuda_available
         from headrace.readers import Reader
 
         if not isinstance(reader, Reader):
@@ -90,26 +97,43 @@ class Loader:
         pipeline = Pipeline() if pipeline is None else pipeline
         if not isinstance(pipeline, Pipeline):
             raise ConfigError(f"pipeline must be a headrace.ops.Pipeline, got {type(pipeline).__name__}")
-        if device not in ("auto", "cpu"):
-            raise ConfigError(f"device {device!r} is not available: this build has the CPU path only")
+        if device == "auto":
+            device = "cuda" if cuda_available() else "cpu"
+        if not isinstance(device, str) or not (device == "cpu" or device == "cuda" or device.startswith("cuda:")):
+            raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+        if device.startswith("cuda") and not cuda_available():
+            raise ConfigError(f"device={device!r} needs a GPU, CuPy and nvImageCodec (pip install 'headrace[cuda13]')")
+        if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1:
+            raise ConfigError(f"lanes must be a positive int, got {lanes!r}")
         if on_error not in ("raise", "skip"):
             raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         num_threads = num_threads or os.cpu_count() or 1
         for name, value in (("num_threads", num_threads), ("prefetch", prefetch), ("max_bytes", max_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        ErrorBudget(max_errors)  # validates max_errors now rather than at the first failure
         if not isinstance(seed, int):
             raise ConfigError(f"seed must be an int, got {seed!r}")
         self.reader = reader
         self.batch_size = batch_size
         self.pipeline = pipeline
-        self.device = "cpu"
+        self.device = device
+        self.lanes = lanes
+        self.hw_load = hw_load
+        self._gpu_executor: Any = None
+        if device.startswith("cuda"):  # fail now, not at the first batch, on a pipeline the GPU cannot run
+            from headrace.ops._geometry import check_foldable
+
+            if pipeline.output_size() is None:
+                raise ConfigError("the GPU path needs a fixed output size: end the ops with a crop or an exact Resize")
+            check_foldable(pipeline.image_ops)
         self.last_batch = LastBatch.parse(last_batch)
         self.seed = seed
         self.num_threads = num_threads
         self._cfg = RunConfig(
             reader=reader,
-            executor_factory=lambda: CpuExecutor(pipeline, num_threads=num_threads, seed=seed),
+            open_executor=self._open_executor,
+            close_executor=self._close_executor,
             batch_size=batch_size,
             last_batch=self.last_batch,
             seed=seed,
@@ -125,6 +149,24 @@ class Loader:
         self._active: _Run | None = None
         self._closed = False
         self._stats = LoaderStats()
+
+    async def _open_executor(self) -> Any:
+        from headrace.ops import CpuExecutor, CudaExecutor
+
+        if self.device == "cpu":
+            return CpuExecutor(self.pipeline, num_threads=self.num_threads, seed=self.seed)
+        if self._gpu_executor is None:
+            # Made once (decoders, streams, compiled kernels) and kept until aclose(): this blocks
+            # the loop once, before the first batch.
+            self._gpu_executor = CudaExecutor(
+                self.pipeline, device=self.device,
+                lanes=self.lanes, seed=self.seed, hw_load=self.hw_load,
+            )
+        return self._gpu_executor
+
+    async def _close_executor(self, executor: Any) -> None:
+        if executor is not self._gpu_executor:
+            await executor.aclose()
 
     def __len__(self) -> int:
         """Batches per epoch on this rank."""
@@ -164,6 +206,7 @@ class Loader:
                 stats.batches += 1
                 stats.samples += item.size
                 stats.dropped += item.dropped
+                item.handoff()
                 yield item
             self._epoch, self._position, self._batches = run.epoch + 1, 0, 0
             self._fresh = True
@@ -178,6 +221,9 @@ class Loader:
         if run is not None:
             self._active = None
             await run.aclose()
+        executor, self._gpu_executor = self._gpu_executor, None
+        if executor is not None:
+            await executor.aclose()
 
     async def __aenter__(self) -> Loader:
         return self

@@ -27,7 +27,10 @@ class RunConfig:
 
     def __init__(self, **kw: Any) -> None:
         self.reader = kw["reader"]
-        self.executor_factory: Callable[[], Any] = kw["executor_factory"]
+        # The loader decides an executor's lifetime: the CPU one lives for a run, the GPU one (its
+        # decoders and streams are costly to make) for the loader.
+        self.open_executor: Callable[[], Awaitable[Any]] = kw["open_executor"]
+        self.close_executor: Callable[[Any], Awaitable[None]] = kw["close_executor"]
         self.batch_size: int = kw["batch_size"]
         self.last_batch: LastBatch = kw["last_batch"]
         self.seed: int = kw["seed"]
@@ -70,7 +73,11 @@ class _Run:
         await self.out_rx.aclose()
 
     async def _main(self) -> None:
-        executor = self.cfg.executor_factory()
+        try:
+            executor = await self.cfg.open_executor()
+        except BaseException:
+            await self.out_tx.aclose()
+            raise
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(_noted(self._read(), "read"), name="loader:read")
@@ -84,7 +91,7 @@ class _Run:
             self.failure = leaves[0] if len(leaves) == 1 else group
         finally:
             try:
-                await executor.aclose()
+                await self.cfg.close_executor(executor)
             finally:
                 await self.out_tx.aclose()
 
@@ -150,7 +157,7 @@ class _Run:
             index=batch.index,
             padded=padded,
             dropped=len(failures),
-            extra={"end_position": batch.end_position},
+            extra={"end_position": batch.end_position, "ready": getattr(processed, "ready", None)},
         )
 
 

@@ -80,6 +80,24 @@ class Batch(Mapping[str, Any]):
     def __getitem__(self, name: str) -> Any:
         return self.data[name]
 
+    def handoff(self) -> None:
+        """Order the caller's current CUDA stream after the lane that made this batch.
+
+        The loader calls it before handing the batch out (the sync facade again, in the consumer's
+        thread). The stream waits on the lane's event without blocking the host, and each tensor is
+        recorded on the stream so its memory is reused only after the consumer's work on it.
+        """
+        ready = self.extra.get("ready")
+        if ready is None:
+            return
+        import torch
+
+        for value in self.data.values():
+            if isinstance(value, torch.Tensor) and value.is_cuda:
+                stream = torch.cuda.current_stream(value.device)
+                stream.wait_event(ready)
+                value.record_stream(stream)
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.data)
 

@@ -37,6 +37,20 @@ class SyncLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(state)
 
+    def close(self) -> None:
+        """Release what outlives an epoch (the GPU lanes). Safe to call twice."""
+        loop = new_event_loop()
+        try:
+            loop.run_until_complete(self.loader.aclose())
+        finally:
+            loop.close()
+
+    def __enter__(self) -> SyncLoader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def __iter__(self) -> Iterator[Batch]:
         loop = new_event_loop()
         thread = threading.Thread(target=loop.run_forever, name="headrace-sync-loop", daemon=True)
@@ -53,6 +67,7 @@ class SyncLoader:
                     except BaseException:
                         future.cancel()
                         raise
+                    batch.handoff()  # order this thread's CUDA stream after the lane (no-op on the CPU)
                     yield batch
             finally:
                 asyncio.run_coroutine_threadsafe(agen.aclose(), loop).result()

@@ -1,0 +1,330 @@
+"""CPU benchmark: headrace against torch's DataLoader + Pillow with torchvision's transforms.
+
+Not a test: it prints a table of images/s and writes it as JSON to ``examples/results/``.
+
+Both systems read the same JPEG files and produce the same batches: decode → random resized crop
+224 (scale 0.08–1, ratio 3/4–4/3, bilinear) → horizontal flip (p=0.5) → normalize with the
+ImageNet mean/std → float32 NCHW, plus int64 labels. torchvision cannot be installed here, so
+its transforms are re-implemented line for line with Pillow and torch (``TorchvisionStyle``).
+The DataLoader uses one worker process per core, persistent workers, no pinned memory; headrace
+uses one thread per core. After a warm-up epoch each, timed epochs alternate between the two
+systems (the order flips every round) and the median epoch counts.
+
+Two decode-only rows answer which CPU JPEG decoder is faster on this machine: Pillow
+(libjpeg-turbo), and nvImageCodec's CPU backend, batched, when it is installed.
+
+    python examples/benchmark_cpu.py                       # 2048 images under .data/bench
+    python examples/benchmark_cpu.py --images 4096 --epochs 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import io
+import json
+import math
+import os
+import platform
+import re
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import PIL
+import torch
+from PIL import Image
+
+import headrace
+from headrace import datasets, ops, readers
+
+MEAN = (0.485, 0.456, 0.406)
+STD = (0.229, 0.224, 0.225)
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+# --- the baseline: torchvision's transforms, re-implemented faithfully ----------------------------
+
+
+class TorchvisionStyle:
+    """``Compose([RandomResizedCrop(size), RandomHorizontalFlip(), ToTensor(), Normalize(MEAN, STD)])``
+    on a PIL image, as torchvision 0.2x computes it (random numbers from torch's generator)."""
+
+    def __init__(self, size: int = 224, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)) -> None:
+        self.size, self.scale, self.ratio = size, scale, ratio
+        self.mean = torch.tensor(MEAN).view(-1, 1, 1)
+        self.std = torch.tensor(STD).view(-1, 1, 1)
+
+    def get_params(self, img: Image.Image) -> tuple[int, int, int, int]:
+        # torchvision.transforms.RandomResizedCrop.get_params, verbatim in substance.
+        width, height = img.size
+        area = height * width
+        log_ratio = torch.log(torch.tensor(self.ratio))
+        for _ in range(10):
+            target_area = area * torch.empty(1).uniform_(self.scale[0], self.scale[1]).item()
+            aspect_ratio = torch.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1])).item()
+            w = int(round(math.sqrt(target_area * aspect_ratio)))
+            h = int(round(math.sqrt(target_area / aspect_ratio)))
+            if 0 < w <= width and 0 < h <= height:
+                i = torch.randint(0, height - h + 1, size=(1,)).item()
+                j = torch.randint(0, width - w + 1, size=(1,)).item()
+                return i, j, h, w
+        in_ratio = float(width) / float(height)
+        if in_ratio < min(self.ratio):
+            w = width
+            h = int(round(w / min(self.ratio)))
+        elif in_ratio > max(self.ratio):
+            h = height
+            w = int(round(h * max(self.ratio)))
+        else:
+            w, h = width, height
+        return (height - h) // 2, (width - w) // 2, h, w
+
+    def __call__(self, img: Image.Image) -> torch.Tensor:
+        i, j, h, w = self.get_params(img)
+        # F.resized_crop on PIL: crop, then resize((W, H), BILINEAR) (Pillow antialiases itself).
+        img = img.crop((j, i, j + w, i + h)).resize((self.size, self.size), Image.Resampling.BILINEAR)
+        if torch.rand(1) < 0.5:  # RandomHorizontalFlip
+            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        # ToTensor: HWC uint8 → CHW float in [0, 1]; then Normalize (inplace=False: it clones).
+        t = torch.from_numpy(np.array(img, np.uint8, copy=True)).view(img.height, img.width, 3)
+        t = t.permute(2, 0, 1).contiguous().to(torch.float32).div(255)
+        return t.clone().sub_(self.mean).div_(self.std)
+
+
+class ImageFiles(torch.utils.data.Dataset):
+    """torchvision's ``ImageFolder`` in substance: (path, class) pairs, ``pil_loader``, a transform."""
+
+    def __init__(self, paths: list[str], labels: list[int], transform: Callable) -> None:
+        self.paths, self.labels, self.transform = paths, labels, transform
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int):
+        with open(self.paths[index], "rb") as f:
+            img = Image.open(f).convert("RGB")
+        return self.transform(img), self.labels[index]
+
+
+# --- timing -----------------------------------------------------------------------------------------
+
+
+def time_dataloader_epoch(loader: torch.utils.data.DataLoader) -> tuple[int, float]:
+    n = 0
+    start = time.perf_counter()
+    for images, labels in loader:
+        assert images.dtype == torch.float32 and images.shape[1:] == (3, 224, 224), images.shape
+        n += images.shape[0]
+    return n, time.perf_counter() - start
+
+
+async def _headrace_epoch(loader: headrace.Loader) -> tuple[int, float]:
+    n = 0
+    start = time.perf_counter()
+    async for batch in loader:
+        images = batch["image"]
+        assert images.dtype == torch.float32 and images.shape[1:] == (3, 224, 224), images.shape
+        n += images.shape[0]
+    return n, time.perf_counter() - start
+
+
+def median_rate(runs: list[tuple[int, float]]) -> float:
+    return statistics.median(n / t for n, t in runs)
+
+
+def decode_rows(paths: list[str], batch_size: int, cores: int, repeats: int) -> list[dict]:
+    """Decode-only throughput of Pillow and (if installed) nvImageCodec's CPU backend, from memory."""
+    blobs = [Path(p).read_bytes() for p in paths]
+    rows = []
+
+    def pillow_one(data: bytes) -> None:
+        Image.open(io.BytesIO(data)).convert("RGB")
+
+    def pillow_serial() -> None:
+        for data in blobs:
+            pillow_one(data)
+
+    pool = ThreadPoolExecutor(cores)
+
+    def pillow_threads() -> None:
+        list(pool.map(pillow_one, blobs, chunksize=max(1, len(blobs) // (4 * cores))))
+
+    rows.append(_repeat("decode only (Pillow, 1 thread)", pillow_serial, len(blobs), repeats))
+    rows.append(_repeat(f"decode only (Pillow, {cores} threads)", pillow_threads, len(blobs), repeats))
+    pool.shutdown()
+    nvc = _nvimgcodec()
+    if nvc is None:
+        return rows
+    for threads in sorted({1, cores}):
+        decoder = nvc.Decoder(
+            device_id=nvc.NVIMGCODEC_DEVICE_CPU_ONLY,
+            max_num_cpu_threads=threads,
+            backends=[nvc.Backend(nvc.BackendKind.CPU_ONLY)],
+        )
+
+        def nv_batched(decoder=decoder) -> None:
+            for lo in range(0, len(blobs), batch_size):
+                images = decoder.decode(blobs[lo : lo + batch_size])
+                if any(im is None for im in images):
+                    raise RuntimeError("nvImageCodec failed to decode an image")
+
+        nv_batched()  # first call loads the codec plug-ins
+        label = f"nvImageCodec CPU decode (batched {batch_size}, {threads} thread{'s' if threads > 1 else ''})"
+        rows.append(_repeat(label, nv_batched, len(blobs), repeats))
+    return rows
+
+
+def _repeat(name: str, fn: Callable[[], None], n: int, repeats: int) -> dict:
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        runs.append((n, time.perf_counter() - start))
+    return {"system": name, "images_per_s": median_rate(runs), "runs": [n / t for n, t in runs]}
+
+
+def _nvimgcodec():
+    os.environ.setdefault("PYNVIMGCODEC_VERBOSITY", "0")
+    try:
+        # Without CUDA libraries the import prints "Failed to load nvjpeg" and the like from C++:
+        # expected here (the CPU backend needs none of them); keep it out of the table's way.
+        with _quiet_stderr():
+            from nvidia import nvimgcodec
+    except ImportError:
+        return None
+    return nvimgcodec
+
+
+class _quiet_stderr:
+    def __enter__(self):
+        sys.stderr.flush()
+        self.saved = os.dup(2)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+
+    def __exit__(self, *exc):
+        os.dup2(self.saved, 2)
+        os.close(self.saved)
+
+
+# --- main -------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    cores = os.cpu_count() or 1
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", default=".data/bench", help="data set folder, made once (default: %(default)s)")
+    p.add_argument("--images", type=int, default=2048, help="images in the data set (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=None, help="default: 256, or 128 below 16 batches of 256")
+    p.add_argument("--epochs", type=int, default=3, help="timed epochs per system, after one warm-up (default: 3)")
+    p.add_argument("--workers", type=int, default=cores, help="DataLoader workers and headrace threads (default: cores)")
+    p.add_argument("--decode-images", type=int, default=512, help="images for the decode-only rows (default: 512)")
+    p.add_argument("--out", default=None, help="JSON file (default: examples/results/cpu-<host>-<date>.json)")
+    p.add_argument("--no-json", action="store_true", help="print only")
+    args = p.parse_args(argv)
+    batch_size = args.batch_size or (256 if args.images >= 16 * 256 else 128)
+
+    root, made = datasets.ensure_image_folder(args.data, count=args.images, classes=10, progress=None)
+    reader = readers.files(root, shuffle=True)
+    paths, labels = reader.paths, reader.labels
+    mib = sum(os.path.getsize(p) for p in paths) / len(paths) / 1024
+    print(f"data: {len(paths)} JPEGs in {root} ({'made now' if made else 'cached'}), mean {mib:.0f} KiB; "
+          f"batch {batch_size}; {cores} cores; {args.workers} workers/threads")
+
+    hr = headrace.Loader(reader, batch_size=batch_size, pipeline=ops.training(224), num_threads=args.workers)
+    dl = torch.utils.data.DataLoader(
+        ImageFiles(paths, labels, TorchvisionStyle(224)),
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=args.workers,
+        pin_memory=False,
+        persistent_workers=args.workers > 0,
+    )
+    loop = headrace.new_event_loop()
+    systems: dict[str, Callable[[], tuple[int, float]]] = {
+        "torch DataLoader + Pillow (torchvision-style)": lambda: time_dataloader_epoch(dl),
+        "headrace": lambda: loop.run_until_complete(_headrace_epoch(hr)),
+    }
+    names = list(systems)
+    runs: dict[str, list[tuple[int, float]]] = {name: [] for name in names}
+    for name in names:  # warm-up: worker start-up, page cache, lazy imports
+        n, t = systems[name]()
+        print(f"  warm-up  {name:<48} {n / t:8.0f} images/s")
+    for r in range(args.epochs):
+        for name in names if r % 2 == 0 else names[::-1]:
+            n, t = systems[name]()
+            runs[name].append((n, t))
+            print(f"  epoch {r}  {name:<48} {n / t:8.0f} images/s")
+    loop.run_until_complete(hr.aclose())
+    loop.close()
+    del dl  # stops the persistent workers before the decode-only rows
+
+    base = median_rate(runs[names[0]])
+    rows = [{"system": name, "images_per_s": median_rate(runs[name]), "runs": [n / t for n, t in runs[name]]}
+            for name in names]
+    rows += decode_rows(paths[: args.decode_images], batch_size, cores, repeats=3)
+    for row in rows:
+        row["vs_dataloader"] = row["images_per_s"] / base
+
+    print()
+    print(f"{'system':<52} {'images/s':>9} {'vs DataLoader':>14}")
+    for row in rows:
+        print(f"{row['system']:<52} {row['images_per_s']:>9.0f} {row['vs_dataloader']:>13.2f}x")
+
+    if not args.no_json:
+        out = Path(args.out) if args.out else RESULTS / f"cpu-{_host()}-{datetime.date.today().isoformat()}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        nvc = _nvimgcodec()
+        report = {
+            "benchmark": "examples/benchmark_cpu.py",
+            "when": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "machine": {"cpu_count": cores, "processor": _cpu_name(), "platform": platform.platform()},
+            "versions": {
+                "python": platform.python_version(),
+                "headrace": headrace.__version__,
+                "torch": torch.__version__,
+                "pillow": PIL.__version__,
+                "numpy": np.__version__,
+                "nvimgcodec": getattr(nvc, "__version__", None) if nvc else None,
+            },
+            "config": {
+                "images": len(paths),
+                "mean_kib": round(mib, 1),
+                "batch_size": batch_size,
+                "workers": args.workers,
+                "timed_epochs": args.epochs,
+                "decode_images": min(args.decode_images, len(paths)),
+                "pipeline": "decode → RandomResizedCrop(224) → flip → normalize → float32 NCHW",
+            },
+            "table": rows,
+        }
+        out.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+        print(f"\nwrote {out}")
+    return 0
+
+
+def _host() -> str:
+    name = re.sub(r"[^A-Za-z0-9-]+", "-", socket.gethostname().split(".")[0]).strip("-")[:24]
+    return name or "local"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""GPU benchmark: headrace against the loaders users would otherwise pick, one process, same files.
+
+    python examples/benchmark_gpu.py --images 16384 --batch 256
+
+Rows (training pipeline: decode → random resized crop 224 → flip → normalize → float16 NCHW on
+the GPU, unless the row says otherwise):
+  headrace (train)           headrace on the GPU path
+  headrace (validation)      resize shorter side 256 → centre crop 224 → normalize, float16
+  DataLoader + PIL + tv v2   torch DataLoader, workers = cores, Pillow + torchvision v2, then .cuda()
+  torchvision decode_jpeg    decode_jpeg(device="cuda") batched, torchvision v2 transforms per image
+  nvImageCodec decode only   whole images, one synchronous decode call per batch, no transforms
+Each row: one warm-up epoch, then the median of --epochs epochs. headrace rows also report the
+cores busy (process CPU time / wall), the event loop's own busy share (the loop thread's CPU
+time / wall) and peak GPU memory. Prints a table; writes JSON (--out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import headrace
+from headrace import datasets, ops, readers
+
+
+def _files(root: Path) -> list[tuple[str, int]]:
+    classes = sorted(d.name for d in root.iterdir() if d.is_dir())
+    return [(str(p), c) for c, name in enumerate(classes) for p in sorted((root / name).glob("*.jpg"))]
+
+
+def _timed_epochs(run_epoch, epochs: int) -> dict:
+    run_epoch()  # warm-up
+    rates, cpu, loop_share = [], [], []
+    for _ in range(epochs):
+        torch.cuda.synchronize()
+        wall0, cpu0, thr0 = time.perf_counter(), time.process_time(), time.thread_time()
+        n = run_epoch()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - wall0
+        rates.append(n / wall)
+        cpu.append((time.process_time() - cpu0) / wall)
+        loop_share.append((time.thread_time() - thr0) / wall)
+    return {"images_per_s": statistics.median(rates), "runs": rates, "cores_busy": statistics.median(cpu),
+            "main_thread_busy": statistics.median(loop_share)}
+
+
+def bench_headrace(root: Path, pipeline, batch: int, epochs: int, lanes: int) -> dict:
+    loop = headrace.new_event_loop()
+    loader = headrace.Loader(readers.files(root, shuffle=True), batch_size=batch, pipeline=pipeline,
+                             device="cuda", lanes=lanes, prefetch=lanes + 2)
+
+    async def epoch() -> int:
+        n = 0
+        async for b in loader:
+            n += b.size
+        return n
+
+    torch.cuda.reset_peak_memory_stats()
+    free0 = torch.cuda.mem_get_info()[0]
+    result = _timed_epochs(lambda: loop.run_until_complete(epoch()), epochs)
+    result["peak_gpu_mib_torch"] = torch.cuda.max_memory_reserved() / 2**20
+    result["gpu_mib_in_use_after"] = (free0 - torch.cuda.mem_get_info()[0]) / 2**20
+    loop.run_until_complete(loader.aclose())
+    loop.close()
+    return result
+
+
+def bench_dataloader(files, batch: int, epochs: int, workers: int) -> dict:
+    from PIL import Image
+    from torchvision.transforms import v2
+
+    tf = v2.Compose([v2.RandomResizedCrop(224, antialias=True), v2.RandomHorizontalFlip(), v2.PILToTensor(),
+                     v2.ToDtype(torch.float32, scale=True), v2.Normalize(ops.IMAGENET_MEAN, ops.IMAGENET_STD)])
+
+    class Folder(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(files)
+
+        def __getitem__(self, i):
+            path, label = files[i]
+            with Image.open(path) as img:
+                return tf(img.convert("RGB")), label
+
+    dl = torch.utils.data.DataLoader(Folder(), batch_size=batch, shuffle=True, num_workers=workers,
+                                     pin_memory=True, persistent_workers=True, prefetch_factor=4)
+
+    def epoch() -> int:
+        n = 0
+        for x, y in dl:
+            x = x.cuda(non_blocking=True).half()
+            n += len(y)
+        return n
+
+    return _timed_epochs(epoch, epochs)
+
+
+def bench_torchvision_gpu(files, batch: int, epochs: int) -> dict:
+    from torchvision.io import ImageReadMode, decode_jpeg, read_file
+    from torchvision.transforms import v2
+
+    tf = v2.Compose([v2.RandomResizedCrop(224, antialias=True), v2.RandomHorizontalFlip()])
+    mean = torch.tensor(ops.IMAGENET_MEAN, device="cuda").view(1, 3, 1, 1) * 255
+    std = torch.tensor(ops.IMAGENET_STD, device="cuda").view(1, 3, 1, 1) * 255
+
+    def epoch() -> int:
+        order = torch.randperm(len(files)).tolist()
+        n = 0
+        for lo in range(0, len(order), batch):
+            datas = [read_file(files[i][0]) for i in order[lo : lo + batch]]
+            imgs = decode_jpeg(datas, mode=ImageReadMode.RGB, device="cuda")
+            x = torch.stack([tf(img) for img in imgs])
+            x = ((x.float() - mean) / std).half()
+            n += len(imgs)
+        return n
+
+    return _timed_epochs(epoch, epochs)
+
+
+def bench_nvimgcodec(files, batch: int, epochs: int) -> dict:
+    from nvidia import nvimgcodec as nvc
+
+    dec = nvc.Decoder()
+    stream = torch.cuda.Stream()
+
+    def epoch() -> int:
+        n = 0
+        for lo in range(0, len(files), batch):
+            blobs = []
+            for path, _ in files[lo : lo + batch]:
+                with open(path, "rb") as f:
+                    blobs.append(f.read())
+            imgs = dec.decode(blobs, cuda_stream=stream.cuda_stream)
+            n += sum(img is not None for img in imgs)
+        stream.synchronize()
+        return n
+
+    return _timed_epochs(epoch, epochs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--images", type=int, default=16384)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--lanes", type=int, default=3)
+    ap.add_argument("--data", default=".data/bench-gpu")
+    ap.add_argument("--photos", default=None, help="an .npz of photographs (for machines without scikit-image)")
+    ap.add_argument("--rows", default="train,val,dataloader,torchvision,nvimgcodec")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    root = Path(args.data)
+    t0 = time.perf_counter()
+    photos = None
+    if args.photos:
+        with __import__("numpy").load(args.photos) as z:
+            photos = [z[k] for k in z.files]
+    datasets.ensure_image_folder(root, count=args.images, classes=100, photos=photos)
+    print(f"data set: {args.images} JPEGs in {root} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    files = _files(root)
+    workers = os.cpu_count() or 1
+    rows = args.rows.split(",")
+    results: dict[str, dict] = {}
+    runners = {
+        "train": ("headrace (train)", lambda: bench_headrace(root, ops.training(224, dtype="float16"), args.batch, args.epochs, args.lanes)),
+        "val": ("headrace (validation)", lambda: bench_headrace(root, ops.validation(224, dtype="float16"), args.batch, args.epochs, args.lanes)),
+        "dataloader": (f"DataLoader ({workers} workers) + PIL + tv v2", lambda: bench_dataloader(files, args.batch, args.epochs, workers)),
+        "torchvision": ("torchvision decode_jpeg(cuda) + v2", lambda: bench_torchvision_gpu(files, args.batch, args.epochs)),
+        "nvimgcodec": ("nvImageCodec decode only (whole)", lambda: bench_nvimgcodec(files, args.batch, args.epochs)),
+    }
+    for key in rows:
+        name, fn = runners[key]
+        print(f"running {name} ...", flush=True)
+        results[name] = fn()
+        print(f"  {results[name]['images_per_s']:,.0f} images/s", flush=True)
+    base = next((v["images_per_s"] for k, v in results.items() if k.startswith("DataLoader")), None)
+    nvc = next((v["images_per_s"] for k, v in results.items() if k.startswith("nvImageCodec")), None)
+    print(f"\n{'system':44} {'images/s':>10} {'vs DataLoader':>14} {'vs nvImageCodec':>16} {'cores busy':>11} {'loop busy':>10}")
+    for name, r in results.items():
+        ratio = f"{r['images_per_s'] / base:.2f}x" if base else "-"
+        ratio2 = f"{r['images_per_s'] / nvc:.2f}x" if nvc else "-"
+        loop_busy = f"{r['main_thread_busy']:.0%}" if name.startswith("headrace") else "-"
+        print(f"{name:44} {r['images_per_s']:>10,.0f} {ratio:>14} {ratio2:>16} {r['cores_busy']:>11.1f} {loop_busy:>10}")
+    for name, r in results.items():
+        if "peak_gpu_mib_torch" in r:
+            print(f"{name}: peak torch GPU memory {r['peak_gpu_mib_torch']:.0f} MiB, "
+                  f"device memory still in use after the run {r['gpu_mib_in_use_after']:.0f} MiB")
+    report = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "cores": workers,
+              "images": args.images, "batch": args.batch, "epochs": args.epochs, "lanes": args.lanes,
+              "torch": torch.__version__, "results": results}
+    out = Path(args.out or f"examples/results/gpu-{report['gpu'].replace(' ', '_')}-{report['date']}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

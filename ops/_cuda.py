@@ -1,0 +1,322 @@
+"""The GPU executor: lanes of (thread, CUDA stream, nvImageCodec decoder), one fused kernel a batch.
+
+A lane takes a whole batch in its own thread: it reads headers, plans each sample's crop on the
+host (the same geometry as the CPU path), decodes only the region the crop reads (nvImageCodec,
+hardware JPEG engine and CUDA decoder together, CPU fallback), launches one kernel for the batch
+and records an event. It never waits for the GPU. Batch i goes to lane i mod lanes, so lanes work
+on different batches at once and each lane's batches stay in order on its stream.
+
+Hand-off: the output is allocated by torch on the lane's stream; the consumer's current stream
+waits on the lane's event and the tensor is recorded on that stream, so the caching allocator
+reuses the memory only after the consumer's work on it. The event loop never blocks on the device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from headrace._errors import ConfigError, DecodeError, LoaderError, TransformError
+from headrace._sample import SampleBatch
+
+from . import _pillow
+from ._cpu import Processed, _image_field, _label, _read_failure
+from ._cuda_kernels import resample_kernel
+from ._exif import jpeg_orientation
+from ._geometry import check_foldable, plan, roi
+from ._pipeline import Pipeline
+from ._random import uniforms
+
+__all__ = ["CudaExecutor", "cuda_available"]
+
+_OUT_NAMES = {torch.uint8: "uint8", torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def cuda_available() -> bool:
+    """True when torch sees a GPU and CuPy and nvImageCodec import."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import cupy  # noqa: F401
+        from nvidia import nvimgcodec  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class CudaExecutor:
+    """Runs a pipeline on one GPU with ``lanes`` lanes. Lives across epochs; ``aclose`` ends it.
+
+    ``hw_load`` is the share of each batch offered to the hardware JPEG decoder first (the rest,
+    and what it rejects, go to the CUDA decoder, then the CPU one). ``decoder_threads`` are the
+    host threads of each lane's decoder.
+    """
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        *,
+        device: int | str | torch.device = 0,
+        lanes: int = 3,
+        seed: int = 0,
+        hw_load: float = 0.65,
+        decoder_threads: int | None = None,
+    ) -> None:
+        if not cuda_available():
+            raise ConfigError("device='cuda' needs a GPU, CuPy and nvImageCodec (pip install 'headrace[cuda13]')")
+        if pipeline.output_size() is None:
+            raise ConfigError("the GPU path needs a fixed output size: end the ops with a crop or an exact Resize")
+        check_foldable(pipeline.image_ops)
+        if not 0.0 <= hw_load <= 1.0:
+            raise ConfigError(f"hw_load must be in [0, 1], got {hw_load!r}")
+        self.pipeline = pipeline
+        self.seed = seed
+        self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        threads = decoder_threads or max(1, (os.cpu_count() or 2) // lanes)
+        self._lanes = [_Lane(self, i, hw_load, threads) for i in range(lanes)]
+        self._closed = False
+
+    async def run(self, batch: SampleBatch) -> Processed:
+        lane = self._lanes[batch.index % len(self._lanes)]
+        return await asyncio.wrap_future(lane.pool.submit(lane.process, batch))
+
+    async def aclose(self) -> None:
+        """Wait for the lanes' running batches, then free decoders, streams and threads. Safe twice."""
+        if self._closed:
+            return
+        self._closed = True
+        futures = [lane.pool.submit(lane.close) for lane in self._lanes]
+        await asyncio.shield(asyncio.wait([asyncio.wrap_future(f) for f in futures]))
+        for lane in self._lanes:
+            lane.pool.shutdown(wait=True)
+
+
+class _Lane:
+    def __init__(self, owner: CudaExecutor, index: int, hw_load: float, threads: int) -> None:
+        self.owner = owner
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"headrace-lane{index}")
+        self.pool.submit(self._init, hw_load, threads).result()
+
+    def _init(self, hw_load: float, threads: int) -> None:
+        import cupy
+        from nvidia import nvimgcodec as nvc
+
+        dev = self.owner.device
+        torch.cuda.set_device(dev)
+        cupy.cuda.Device(dev.index).use()
+        self.nvc = nvc
+        self.cp_stream = cupy.cuda.Stream(non_blocking=True)
+        self.stream = torch.cuda.ExternalStream(self.cp_stream.ptr, device=dev)
+        kinds = nvc.BackendKind
+        backends = [
+            nvc.Backend(kinds.HW_GPU_ONLY, load_hint=hw_load),
+            nvc.Backend(kinds.HYBRID_CPU_GPU),
+            nvc.Backend(kinds.GPU_ONLY),
+            nvc.Backend(kinds.CPU_ONLY),
+        ]
+        self.decoder = nvc.Decoder(device_id=dev.index, max_num_cpu_threads=threads, backends=backends)
+        pipe = self.owner.pipeline
+        color = nvc.ColorSpec.GRAY if pipe.decode.color == "gray" else nvc.ColorSpec.SRGB
+        fmt = nvc.SampleFormat.I_Y if pipe.decode.color == "gray" else nvc.SampleFormat.I_RGB
+        self.params = nvc.DecodeParams(apply_exif_orientation=pipe.decode.exif, color_spec=color, sample_format=fmt)
+        self.kernel = resample_kernel(_OUT_NAMES[pipe.dtype])
+        norm = pipe.normalize
+        c = pipe.channels
+        mean = np.array(norm.mean if norm else (0.0,) * c, dtype=np.float32) * 255.0
+        inv = 1.0 / (np.array(norm.std if norm else (1.0,) * c, dtype=np.float32) * 255.0)
+        with self.cp_stream:
+            self.mean = cupy.asarray(np.resize(mean, c))
+            self.inv_std = cupy.asarray(np.resize(inv, c))
+        self.cupy = cupy
+        self.staging = [_Staging(cupy) for _ in range(4)]
+        self.turn = 0
+
+    def close(self) -> None:
+        # The stream must outlive every Image decoded on it and the decoder (GPU-NOTES §6).
+        self.cp_stream.synchronize()
+        self.decoder = None
+        self.staging = []
+
+    def process(self, batch: SampleBatch) -> Processed:
+        pipe = self.owner.pipeline
+        samples = batch.samples
+        n = len(samples)
+        indices = np.fromiter((s.index for s in samples), dtype=np.int64, count=n)
+        randoms = [
+            uniforms(self.owner.seed, batch.epoch, pos, indices, op.randoms) if op.randoms else None
+            for pos, op in enumerate(pipe.image_ops, start=1)
+        ]
+        failures: list[tuple[int, LoaderError]] = []
+        rows, streams, plans, labels = [], [], [], []
+        fallback: list[int] = []  # positions in rows/plans that nvImageCodec could not parse
+        for row, sample in enumerate(samples):
+            try:
+                if sample.error is not None:
+                    raise _read_failure(sample)
+                label = _label(sample, pipe.label_field) if pipe.label_field in sample.fields else None
+                data = _image_field(sample, pipe.image_fields)
+                if len(data) == 0:
+                    raise DecodeError("empty file: nothing to decode", key=sample.key, source=sample.source)
+                u = [None if r is None else r[row] for r in randoms]
+                try:
+                    cs = self.nvc.CodeStream(data)
+                    h, w = cs.height, cs.width
+                    if pipe.decode.exif and cs.codec_name == "jpeg" and jpeg_orientation(data) >= 5:
+                        h, w = w, h
+                except RuntimeError:
+                    cs, (h, w) = None, _pillow_size(data, pipe, sample)
+                p = plan(h, w, pipe.image_ops, u)
+                region = roi(p, h, w)
+                if cs is not None and region != (0, 0, h, w):
+                    cs = cs.get_sub_code_stream(region=self.nvc.Region(*region))
+                if cs is None:
+                    fallback.append(len(rows))
+            except LoaderError as exc:
+                failures.append((row, exc))
+                continue
+            rows.append(row)
+            streams.append(cs)
+            plans.append((p, region, h, w))
+            labels.append(label)
+        return self._decode_and_launch(batch, rows, streams, plans, labels, failures, set(fallback))
+
+    def _decode_and_launch(self, batch, rows, streams, plans, labels, failures, fallback) -> Processed:
+        pipe = self.owner.pipeline
+        samples = batch.samples
+        gpu_pos = [i for i in range(len(rows)) if i not in fallback]
+        images: list[Any] = [None] * len(rows)
+        if gpu_pos:
+            decoded = self.decoder.decode([streams[i] for i in gpu_pos], params=self.params, cuda_stream=self.cp_stream.ptr)
+            for i, img in zip(gpu_pos, decoded):
+                images[i] = img
+        ok: list[int] = []
+        with torch.cuda.stream(self.stream):
+            for i, row in enumerate(rows):
+                if images[i] is None:  # nvImageCodec could not decode it: Pillow, then upload
+                    try:
+                        images[i] = self._cpu_decode(samples[row], plans[i][1])
+                    except LoaderError as exc:
+                        failures.append((row, exc))
+                        continue
+                ok.append(i)
+            n = len(ok)
+            oh, ow = pipe.output_size()
+            c = pipe.channels
+            shape = (n, c, oh, ow) if pipe.layout == "CHW" else (n, oh, ow, c)
+            out = torch.empty(shape, dtype=pipe.dtype, device=self.owner.device)
+            if n:
+                try:
+                    self._launch(out, [images[i] for i in ok], [plans[i] for i in ok], [samples[rows[i]] for i in ok])
+                except LoaderError as exc:
+                    failures.append((rows[ok[0]], exc))
+            kept = [rows[i] for i in ok]
+            data: dict[str, Any] = {"image": out}
+            if any(lbl is not None for lbl in labels):
+                data["label"] = torch.tensor([labels[i] for i in ok], dtype=torch.int64).to(self.owner.device, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self.stream)
+        if failures:
+            failed = {r for r, _ in failures}
+            if failed & set(kept):
+                kept_mask = [r not in failed for r in kept]
+                idx = torch.tensor([j for j, keep in enumerate(kept_mask) if keep], device=self.owner.device)
+                with torch.cuda.stream(self.stream):
+                    data = {k: v.index_select(0, idx) for k, v in data.items()}
+                    ready.record(self.stream)
+                kept = [r for r in kept if r not in failed]
+        result = Processed(data, kept, sorted(failures, key=lambda f: f[0]))
+        result.ready = ready
+        return result  # the decoded Images die here: their memory is freed in order on the lane's stream
+
+    def _cpu_decode(self, sample, region) -> torch.Tensor:
+        pipe = self.owner.pipeline
+        img = _pillow.decode(_image_field(sample, pipe.image_fields), pipe.decode, sample.key, sample.source)
+        y0, x0, y1, x1 = region
+        arr = np.ascontiguousarray(np.asarray(img.crop((x0, y0, x1, y1))).reshape(y1 - y0, x1 - x0, -1))
+        return torch.from_numpy(arr).to(self.owner.device, non_blocking=False)
+
+    def _launch(self, out: torch.Tensor, images: list[Any], plans: list[Any], samples: list[Any]) -> None:
+        cp = self.cupy
+        n = len(images)
+        stage = self.staging[self.turn % len(self.staging)]
+        self.turn += 1
+        ptrs, meta, geo = stage.host(n)
+        c = self.owner.pipeline.channels
+        for j, (img, (p, region, full_h, full_w)) in enumerate(zip(images, plans)):
+            y0, x0, y1, x1 = region
+            if isinstance(img, torch.Tensor):
+                h, w, ch = img.shape
+                ptr, stride = img.data_ptr(), img.stride(0)
+            else:
+                iface = img.__cuda_array_interface__
+                h, w, ch = iface["shape"]
+                ptr = iface["data"][0]
+                stride = iface["strides"][0] if iface.get("strides") else w * ch
+            if (h, w, ch) != (y1 - y0, x1 - x0, c):
+                s = samples[j]
+                raise TransformError(
+                    f"decoder returned {(h, w, ch)}, expected region {(y1 - y0, x1 - x0, c)}", key=s.key, source=s.source
+                )
+            bx0, by0, bx1, by1 = p.box
+            ptrs[j] = ptr
+            meta[j] = (h, w, stride, p.flip_h, p.flip_v, 0, 0, 0)
+            # The box, and the real pixels (outside them: zero padding), in region coordinates.
+            cx0, cy0, cx1, cy1 = p.clip
+            geo[j] = (bx0 - x0, by0 - y0, bx1 - x0, by1 - y0, cx0 - x0, cy0 - y0, cx1 - x0, cy1 - y0)
+        d_ptrs, d_meta, d_geo = stage.upload(n, self.cp_stream)
+        oh, ow = out.shape[2:] if self.owner.pipeline.layout == "CHW" else out.shape[1:3]
+        with self.cp_stream:
+            self.kernel(
+                ((ow + 31) // 32, (oh + 7) // 8, n),
+                (32, 8, 1),
+                (d_ptrs, d_meta, d_geo, np.uint64(out.data_ptr()), np.int32(oh), np.int32(ow), np.int32(c),
+                 np.int32(self.owner.pipeline.layout == "CHW"), np.int32(self.owner.pipeline.normalize is not None),
+                 self.mean, self.inv_std),
+            )
+        stage.record(self.cp_stream)
+
+
+def _pillow_size(data, pipe: Pipeline, sample) -> tuple[int, int]:
+    img = _pillow.decode(data, pipe.decode, sample.key, sample.source)
+    return img.height, img.width
+
+
+class _Staging:
+    """Pinned host tables and their device copies; an event says when the copy has been consumed."""
+
+    def __init__(self, cupy) -> None:
+        self.cupy = cupy
+        self.capacity = 0
+        self.event = None
+
+    def host(self, n: int):
+        cp = self.cupy
+        if self.event is not None:
+            self.event.synchronize()  # the kernel that read these tables has run (long ago, in practice)
+        if n > self.capacity:
+            import cupyx
+
+            self.capacity = max(n, 2 * self.capacity, 64)
+            self.h_ptrs = cupyx.empty_pinned((self.capacity,), dtype=np.uint64)
+            self.h_meta = cupyx.empty_pinned((self.capacity, 8), dtype=np.int32)
+            self.h_geo = cupyx.empty_pinned((self.capacity, 8), dtype=np.float32)
+            self.d_ptrs = cp.empty((self.capacity,), dtype=cp.uint64)
+            self.d_meta = cp.empty((self.capacity, 8), dtype=cp.int32)
+            self.d_geo = cp.empty((self.capacity, 8), dtype=cp.float32)
+        return self.h_ptrs[:n], self.h_meta[:n], self.h_geo[:n]
+
+    def upload(self, n: int, stream):
+        self.d_ptrs[:n].set(self.h_ptrs[:n], stream=stream)
+        self.d_meta[:n].set(self.h_meta[:n], stream=stream)
+        self.d_geo[:n].set(self.h_geo[:n], stream=stream)
+        return self.d_ptrs, self.d_meta, self.d_geo
+
+    def record(self, stream) -> None:
+        self.event = stream.record()

@@ -1,0 +1,7 @@
+"""``python -m headrace``: the same as the ``headrace`` command."""
+
+import sys
+
+from headrace.cli import main
+
+sys.exit(main())

@@ -1,0 +1,131 @@
+"""Bad input fails one sample, typed and named, and leaves the rest of the batch right."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ops_refs import batch, encode, random_image, sample
+
+from headrace import ClosedError, DecodeError, LoaderError, ReadError, TransformError
+from headrace.ops import CpuExecutor, Decode, Pipeline, RandomResizedCrop, Resize, training
+
+
+def bad_inputs(rng) -> dict[str, bytes | None]:
+    good = encode(random_image(rng, 60, 80))
+    scan = bytearray(good)
+    sos = scan.index(b"\xff\xda")
+    scan[sos + 20 : -2 : 7] = b"\xff" * len(scan[sos + 20 : -2 : 7])  # markers all over the entropy data
+    return {
+        "corrupt": bytes(scan),
+        "garbled-header": good[:20] + bytes(200) + good[220:],
+        "truncated": good[: len(good) // 2],
+        "header-only": good[:100],
+        "empty": b"",
+        "text": b"label,path\n3,cat.jpg\n" * 20,
+        "no-image-field": None,
+    }
+
+
+@pytest.mark.parametrize("pipeline", [training(20), Pipeline([Decode()]), Pipeline([Resize(16)])])
+async def test_bad_samples_fail_alone(make_executor, rng, pipeline):
+    bad = bad_inputs(rng)
+    goods = [encode(random_image(rng, *rng.integers(30, 90, 2))) for _ in range(6)]
+    samples, expect_bad = [], {}
+    for i, data in enumerate(goods):
+        samples.append(sample(2 * i, data, label=i))
+    for j, (name, data) in enumerate(bad.items()):
+        s = sample(100 + j, data, label=50 + j)
+        s.key = name
+        samples.insert(2 * j % len(samples), s)  # spread through the batch and its chunks
+    expect_bad = {s.key: row for row, s in enumerate(samples) if s.key in bad}
+
+    out = await make_executor(pipeline, seed=3).run(batch(samples))
+    alone = await make_executor(pipeline, seed=3).run(batch([s for s in samples if s.key not in bad]))
+
+    assert [row for row, _ in out.failures] == sorted(expect_bad.values())
+    for row, err in out.failures:
+        assert type(err) is DecodeError and err.stage == "decode"
+        assert err.key == samples[row].key and err.source == samples[row].source
+        assert isinstance(err, LoaderError)
+        assert str(err).endswith(f"[decode: key={err.key!r}, source={err.source!r}]")
+    assert out.kept == [row for row in range(len(samples)) if row not in expect_bad.values()]
+    # The good samples come out as they do in a batch without the bad ones (same indices, same randoms).
+    assert out.data["label"].tolist() == alone.data["label"].tolist() == list(range(6))
+    for got, ref in zip(out.data["image"], alone.data["image"], strict=True):
+        assert torch.equal(got, ref)
+
+
+async def test_read_errors_are_failures_without_decoding(make_executor, rng):
+    good = encode(random_image(rng, 40, 40))
+    read = ReadError("cannot read file: gone", key="r1", source="/data/r1.jpg")
+    samples = [
+        sample(0, good),
+        sample(1, None, error=read),  # as the file reader sends it: label but no image
+        sample(2, good, error=ReadError("range request failed")),  # bytes present but not to be trusted
+        sample(3, None, label=None, error=TimeoutError("slow disk")),
+        sample(4, good),
+    ]
+    out = await make_executor(training(16)).run(batch(samples))
+    assert out.kept == [0, 4] and out.data["image"].shape == (2, 3, 16, 16)
+    assert out.data["label"].tolist() == [3, 3]
+    (r1, e1), (r2, e2), (r3, e3) = out.failures
+    assert (r1, r2, r3) == (1, 2, 3)
+    assert e1 is read and (e1.key, e1.source) == ("r1", "/data/r1.jpg")
+    assert type(e2) is ReadError and (e2.key, e2.source) == (samples[2].key, samples[2].source)
+    assert type(e3) is ReadError and e3.key == samples[3].key and isinstance(e3.__cause__, TimeoutError)
+
+
+async def test_label_errors_are_transform_errors(make_executor, rng):
+    good = encode(random_image(rng, 30, 30))
+    samples = [sample(0, good), sample(1, good, label=None), sample(2, good)]
+    samples[2].fields["cls"] = b"cat"
+    out = await make_executor(Pipeline([Resize((8, 8))])).run(batch(samples))
+    assert out.kept == [0] and out.data["label"].tolist() == [3]
+    assert [type(e) for _, e in out.failures] == [TransformError, TransformError]
+    assert [e.key for _, e in out.failures] == [samples[1].key, samples[2].key]
+
+
+async def test_all_fail(make_executor):
+    out = await make_executor(training(8)).run(batch([sample(i, b"") for i in range(3)]))
+    assert out.kept == [] and len(out.failures) == 3
+    assert out.data["image"].shape == (0, 3, 8, 8) and out.data["label"].shape == (0,)
+
+
+async def test_empty_batch(make_executor):
+    out = await make_executor(training(8)).run(batch([]))
+    assert out.kept == [] and out.failures == [] and out.data["image"].shape == (0, 3, 8, 8)
+
+
+async def test_tiny_images(make_executor, rng):
+    """1 x 1 and 1 x N images through every geometric op: no crash, right shape."""
+    arrays = [random_image(rng, h, w) for h, w in ((1, 1), (1, 7), (9, 1), (2, 3))]
+    samples = [sample(i, encode(a, "PNG")) for i, a in enumerate(arrays)]
+    for pipe in (training(5), Pipeline([Resize(4), RandomResizedCrop(3)]), Pipeline([Resize((2, 2))])):
+        out = await make_executor(pipe).run(batch(samples))
+        assert not out.failures and len(out.kept) == 4
+
+
+async def test_closed_executor(rng):
+    executor = CpuExecutor(training(8), num_threads=1, seed=0)
+    out = await executor.run(batch([sample(0, encode(random_image(rng, 20, 20)))]))
+    assert out.kept == [0]
+    await executor.aclose()
+    await executor.aclose()  # twice is fine
+    with pytest.raises(ClosedError):
+        await executor.run(batch([sample(0, b"")]))
+
+
+async def test_cancelled_run_leaves_threads_idle(rng):
+    """Cancelling run() does not stop a chunk mid-image; aclose() waits for it, then joins."""
+    import asyncio
+    import threading
+
+    data = encode(random_image(rng, 200, 200))
+    executor = CpuExecutor(training(32), num_threads=2, seed=0, name="ops-test-cancel")
+    task = asyncio.create_task(executor.run(batch([sample(i, data) for i in range(64)])))
+    await asyncio.sleep(0.005)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await executor.aclose()
+    assert not [t for t in threading.enumerate() if t.name.startswith("ops-test-cancel")]

@@ -1,0 +1,268 @@
+"""Resize, CenterCrop, RandomResizedCrop and Flip on batches of differently sized images, checked
+against torchvision's rules (re-derived in ops_refs) and Pillow / NumPy pixels.
+
+Bounds, uint8:
+- a single Resize, crop or flip, and RandomResizedCrop (crop, then resize the crop): exact, the
+  same Pillow calls the reference makes;
+- Resize followed by a crop (fused into one ``Image.resize(box=...)``): at most 2 from Pillow's
+  resize-then-crop, and at most 1 from the exact float64 resize. Pillow rounds between its two
+  passes and orders them by cost; the box changes the order for some sizes, and it travels as
+  float32. Either order lies within 1 of the exact result.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from ops_refs import (
+    batch,
+    encode,
+    exact_resize,
+    pil_resize,
+    random_image,
+    sample,
+    tv_center_crop,
+    tv_resize_size,
+    tv_rrc_params,
+)
+from PIL import Image
+
+from headrace.ops import CenterCrop, Decode, Flip, Pipeline, RandomResizedCrop, Resize, uniforms
+
+PIL_ROUNDING = 1 + 1e-3  # Pillow's two rounded passes vs the exact resize (fixed-point weights: the 1e-3)
+
+
+def sizes(rng, n, lo=20, hi=200):
+    return [tuple(int(v) for v in rng.integers(lo, hi, 2)) for _ in range(n)]
+
+
+async def run_hwc(make_executor, ops, arrays, *, seed=0, epoch=0):
+    """PNG-encode ``arrays`` (lossless: the reference starts from the same pixels), run, return HWC arrays."""
+    samples = [sample(i, encode(a, "PNG")) for i, a in enumerate(arrays)]
+    out = await make_executor(Pipeline([Decode(), *ops], layout="HWC"), seed=seed).run(batch(samples, epoch))
+    assert not out.failures, out.failures
+    return [img.numpy() for img in out.data["image"]]
+
+
+# --- Resize ---------------------------------------------------------------------------------------
+
+
+async def test_resize_exact_size(make_executor, rng):
+    arrays = [random_image(rng, h, w) for h, w in sizes(rng, 24)]
+    outs = await run_hwc(make_executor, [Resize((37, 52))], arrays)
+    for out, a in zip(outs, arrays):
+        np.testing.assert_array_equal(out, pil_resize(a, 37, 52))
+        assert np.abs(out - exact_resize(a, 37, 52)).max() <= PIL_ROUNDING
+
+
+def test_resize_shorter_side_rule():
+    for h in range(1, 120, 7):
+        for w in range(1, 400, 13):
+            for size in (1, 7, 64, 224, 256):
+                assert Resize(size).target(h, w) == tv_resize_size(h, w, size), (h, w, size)
+
+
+async def test_resize_shorter_side(make_executor, rng):
+    arrays = [random_image(rng, h, w) for h, w in sizes(rng, 24, 10, 200)]
+    outs = await run_hwc(make_executor, [Resize(33)], arrays)
+    for out, a in zip(outs, arrays):
+        th, tw = tv_resize_size(*a.shape[:2], 33)
+        assert out.shape == (th, tw, 3) and min(th, tw) == 33
+        np.testing.assert_array_equal(out, pil_resize(a, th, tw))
+
+
+async def test_two_resizes_run_in_turn(make_executor, rng):
+    arrays = [random_image(rng, h, w) for h, w in sizes(rng, 8)]
+    outs = await run_hwc(make_executor, [Resize(40), Resize((20, 30))], arrays)
+    for out, a in zip(outs, arrays):
+        np.testing.assert_array_equal(out, pil_resize(pil_resize(a, *tv_resize_size(*a.shape[:2], 40)), 20, 30))
+
+
+# --- CenterCrop -----------------------------------------------------------------------------------
+
+
+def test_center_crop_window_matches_torchvision():
+    """Every placement, padded or not, for sizes on both sides of the crop (odd and even differences)."""
+    for h in range(1, 30):
+        for w in range(1, 30, 3):
+            for size in ((8, 8), (9, 16), (17, 5)):
+                a = np.arange(h * w, dtype=np.int64).reshape(h, w, 1) + 1  # no zero: padding is visible
+                top, left, ch, cw = CenterCrop(size).window(h, w)
+                got = np.zeros((ch, cw, 1), np.int64)
+                ys, xs = slice(max(top, 0), min(top + ch, h)), slice(max(left, 0), min(left + cw, w))
+                got[ys.start - top : ys.stop - top, xs.start - left : xs.stop - left] = a[ys, xs]
+                np.testing.assert_array_equal(got, tv_center_crop(a, *size), err_msg=f"{h}x{w} -> {size}")
+
+
+async def test_center_crop_pads_with_zeros(make_executor, rng):
+    arrays = [random_image(rng, h, w) for h, w in sizes(rng, 24, 5, 60)]
+    outs = await run_hwc(make_executor, [CenterCrop((31, 40))], arrays)
+    assert any(a.shape[0] < 31 or a.shape[1] < 40 for a in arrays)
+    for out, a in zip(outs, arrays):
+        np.testing.assert_array_equal(out, tv_center_crop(a, 31, 40))
+
+
+async def test_center_crop_then_resize_is_crop_first(make_executor, rng):
+    arrays = [random_image(rng, h, w) for h, w in sizes(rng, 12, 40, 120)]
+    outs = await run_hwc(make_executor, [CenterCrop(32), Resize((20, 24))], arrays)
+    for out, a in zip(outs, arrays):
+        np.testing.assert_array_equal(out, pil_resize(np.ascontiguousarray(tv_center_crop(a, 32, 32)), 20, 24))
+
+
+@pytest.mark.parametrize("resize", [24, 57, (40, 90)])
+async def test_resize_then_center_crop_fused(make_executor, rng, resize):
+    """The validation geometry. Fused: ≤2 from Pillow's resize-then-crop, ≤1 from the exact resize."""
+    arrays = [random_image(rng, h, w) for h, w in sizes(rng, 24, 20, 200)]
+    outs = await run_hwc(make_executor, [Resize(resize), CenterCrop(24)], arrays)
+    worst_pil = worst_exact = 0.0
+    for out, a in zip(outs, arrays):
+        th, tw = resize if isinstance(resize, tuple) else tv_resize_size(*a.shape[:2], resize)
+        seq = tv_center_crop(pil_resize(a, th, tw), 24, 24)
+        exact = tv_center_crop(exact_resize(a, th, tw), 24, 24)
+        worst_pil = max(worst_pil, np.abs(out.astype(int) - seq).max())
+        worst_exact = max(worst_exact, np.abs(out - exact).max())
+    assert worst_pil <= 2
+    assert worst_exact <= PIL_ROUNDING
+
+
+async def test_resize_then_crop_touching_the_edges(make_executor, rng):
+    """Crops that end on the resized image's border: the source box is composed in floating point
+    and may overshoot the image by an ulp; Pillow must still take it."""
+    arrays = [random_image(rng, h, w) for h, w in sizes(rng, 24, 20, 200)]
+    ops = [Resize((37, 41)), CenterCrop((37, 41)), Resize((29, 31)), RandomResizedCrop(9, scale=(0.9, 1.0))]
+    outs = await run_hwc(make_executor, ops, arrays)
+    assert all(out.shape == (9, 9, 3) for out in outs)
+    # 187 * (3 / 187) > 3 in floating point: the whole-image window of a 3-wide image resized to 187.
+    thin = [random_image(rng, 5, 3)]
+    (out,) = await run_hwc(make_executor, [Resize((20, 187)), RandomResizedCrop(8, (1.0, 1.0), (0.1, 10.0))], thin)
+    np.testing.assert_array_equal(out, pil_resize(pil_resize(thin[0], 20, 187), 8, 8))
+
+
+# --- RandomResizedCrop ----------------------------------------------------------------------------
+
+
+def check_window_rule(h, w, window, scale, ratio):
+    """The window lies in the image and either honours the area and aspect ranges (up to the
+    rounding of its sides to integers) or is torchvision's fallback: the largest centred crop with
+    the aspect ratio clamped to the range."""
+    top, left, ch, cw = window
+    assert 0 <= top and 0 <= left and top + ch <= h and left + cw <= w and ch > 0 and cw > 0
+    area = h * w
+    in_range = (
+        (cw - 0.5) * (ch - 0.5) <= scale[1] * area * (1 + 1e-9)
+        and (cw + 0.5) * (ch + 0.5) >= scale[0] * area * (1 - 1e-9)
+        and (cw - 0.5) / (ch + 0.5) <= ratio[1] * (1 + 1e-9)
+        and (cw + 0.5) / (ch - 0.5 if ch > 0.5 else 1e-9) >= ratio[0] * (1 - 1e-9)
+    )
+    if in_range:
+        return "sampled"
+    in_ratio = w / h
+    if in_ratio < ratio[0]:
+        assert (cw, ch) == (w, round(w / ratio[0]))
+    elif in_ratio > ratio[1]:
+        assert (cw, ch) == (round(h * ratio[1]), h)
+    else:
+        assert (cw, ch) == (w, h)
+    assert (top, left) == ((h - ch) // 2, (w - cw) // 2)
+    return "fallback"
+
+
+@pytest.mark.parametrize(
+    "scale, ratio",
+    [((0.08, 1.0), (3 / 4, 4 / 3)), ((0.9, 1.0), (3 / 4, 4 / 3)), ((0.25, 0.5), (0.5, 2.0)), ((1.0, 1.0), (1.0, 1.0))],
+)
+def test_rrc_window_matches_torchvision(scale, ratio):
+    rrc = RandomResizedCrop(8, scale, ratio)
+    shapes = [(h, w) for h in (1, 2, 7, 30, 64, 223) for w in (1, 3, 16, 64, 200, 900)]
+    u = uniforms(11, 0, 1, np.arange(200), rrc.randoms)
+    kinds = set()
+    for h, w in shapes:
+        for row in u:
+            window = rrc.window(h, w, row)
+            assert window == tv_rrc_params(h, w, scale, ratio, row), (h, w)
+            kinds.add(check_window_rule(h, w, window, scale, ratio))
+    assert kinds == {"sampled", "fallback"}  # both branches were exercised
+
+
+async def test_rrc_pixels_are_crop_then_resize(make_executor, rng):
+    """torchvision's resized_crop on PIL images: crop, then resize only the crop (the filter does
+    not reach outside the window). Same Pillow calls, so exact."""
+    rrc = RandomResizedCrop((24, 20), scale=(0.1, 0.9))
+    arrays = [random_image(rng, h, w) for h, w in sizes(rng, 32)]
+    outs = await run_hwc(make_executor, [rrc], arrays, seed=3, epoch=2)
+    u = uniforms(3, 2, 1, np.arange(32), rrc.randoms)
+    for i, (out, a) in enumerate(zip(outs, arrays)):
+        top, left, ch, cw = tv_rrc_params(*a.shape[:2], rrc.scale, rrc.ratio, u[i])
+        ref = pil_resize(np.ascontiguousarray(a[top : top + ch, left : left + cw]), 24, 20)
+        np.testing.assert_array_equal(out, ref)
+
+
+async def test_resize_then_rrc(make_executor, rng):
+    """A crop after a resize folds into it (≤2 from Pillow's separate calls); the RRC's own resize does not."""
+    rrc = RandomResizedCrop(16)
+    arrays = [random_image(rng, h, w) for h, w in sizes(rng, 16, 40, 200)]
+    outs = await run_hwc(make_executor, [Resize(48), rrc], arrays)
+    u = uniforms(0, 0, 2, np.arange(16), rrc.randoms)  # RRC is op 2
+    for i, (out, a) in enumerate(zip(outs, arrays)):
+        th, tw = tv_resize_size(*a.shape[:2], 48)
+        top, left, ch, cw = tv_rrc_params(th, tw, rrc.scale, rrc.ratio, u[i])
+        ref = pil_resize(np.ascontiguousarray(pil_resize(a, th, tw)[top : top + ch, left : left + cw]), 16, 16)
+        assert np.abs(out.astype(int) - ref).max() <= 2
+
+
+# --- Flip -----------------------------------------------------------------------------------------
+
+
+async def test_flip_follows_each_samples_uniform(make_executor, rng):
+    arrays = [random_image(rng, h, w) for h, w in sizes(rng, 40, 10, 50)]
+    outs = await run_hwc(make_executor, [Flip(0.5), Flip(0.3, vertical=True)], arrays, seed=9)
+    u_h = uniforms(9, 0, 1, np.arange(40), 1)[:, 0]
+    u_v = uniforms(9, 0, 2, np.arange(40), 1)[:, 0]
+    for out, a, uh, uv in zip(outs, arrays, u_h, u_v):
+        ref = a[:, ::-1] if uh < 0.5 else a
+        ref = ref[::-1] if uv < 0.3 else ref
+        np.testing.assert_array_equal(out, ref)
+    assert 0 < (u_h < 0.5).sum() < 40 and 0 < (u_v < 0.3).sum() < 40
+
+
+@pytest.mark.parametrize("p, flipped", [(0.0, False), (1.0, True)])
+async def test_flip_certain(make_executor, rng, p, flipped):
+    arrays = [random_image(rng, h, w) for h, w in sizes(rng, 10, 10, 50)]
+    outs = await run_hwc(make_executor, [Flip(p)], arrays)
+    for out, a in zip(outs, arrays):
+        np.testing.assert_array_equal(out, np.fliplr(a) if flipped else a)
+
+
+async def test_flip_then_crop_sees_the_flipped_image(make_executor, rng):
+    a = random_image(rng, 30, 50)
+    (out,) = await run_hwc(make_executor, [Flip(1.0), CenterCrop((30, 21)), Resize((15, 10))], [a])
+    np.testing.assert_array_equal(out, pil_resize(np.ascontiguousarray(tv_center_crop(np.fliplr(a), 30, 21)), 15, 10))
+
+
+async def test_training_geometry_end_to_end(make_executor, rng):
+    """decode → RRC → flip, uint8 NCHW, against the reference chain built from the same uniforms."""
+    rrc, flip = RandomResizedCrop(32), Flip(0.5)
+    arrays = [random_image(rng, h, w) for h, w in sizes(rng, 24, 20, 200)]
+    samples = [sample(i + 100, encode(a, "JPEG")) for i, a in enumerate(arrays)]
+    out = await make_executor(Pipeline([Decode(), rrc, flip]), seed=1).run(batch(samples, 4))
+    images = out.data["image"]
+    assert images.shape == (24, 3, 32, 32) and images.dtype == torch.uint8
+    idx = np.arange(100, 124)
+    u_rrc, u_flip = uniforms(1, 4, 1, idx, rrc.randoms), uniforms(1, 4, 2, idx, 1)[:, 0]
+    for i, s in enumerate(samples):
+        decoded = np.asarray(Image.open(__import__("io").BytesIO(s.fields["jpg"])).convert("RGB"))
+        top, left, ch, cw = tv_rrc_params(*decoded.shape[:2], rrc.scale, rrc.ratio, u_rrc[i])
+        ref = pil_resize(np.ascontiguousarray(decoded[top : top + ch, left : left + cw]), 32, 32)
+        ref = np.fliplr(ref) if u_flip[i] < 0.5 else ref
+        np.testing.assert_array_equal(images[i].permute(1, 2, 0).numpy(), ref)
+
+
+def test_output_size_is_known_when_the_geometry_fixes_it():
+    assert Pipeline([Resize(10)]).output_size() is None
+    assert Pipeline([Resize((10, 12)), Resize(5)]).output_size() == (5, 6)
+    assert Pipeline([CenterCrop(8), Resize(16)]).output_size() == (16, 16)
+    assert Pipeline([RandomResizedCrop((7, 9)), Flip()]).output_size() == (7, 9)
+    assert math.prod(Pipeline([CenterCrop((3, 4))]).output_size()) == 12
