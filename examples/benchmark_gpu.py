@@ -68,6 +68,7 @@ def bench_headrace(root: Path, pipeline, batch: int, epochs: int, lanes: int) ->
     result = _timed_epochs(lambda: loop.run_until_complete(epoch()), epochs)
     result["peak_gpu_mib_torch"] = torch.cuda.max_memory_reserved() / 2**20
     result["gpu_mib_in_use_after"] = (free0 - torch.cuda.mem_get_info()[0]) / 2**20
+    result["lane_seconds"] = loader.stats().lanes
     loop.run_until_complete(loader.aclose())
     loop.close()
     return result
@@ -158,11 +159,11 @@ def main() -> None:
     args = ap.parse_args()
     root = Path(args.data)
     t0 = time.perf_counter()
-    photos = None
-    if args.photos:
+    if args.photos:  # the GPU machine has no scikit-image: bring its photographs along
         with __import__("numpy").load(args.photos) as z:
             photos = [z[k] for k in z.files]
-    datasets.ensure_image_folder(root, count=args.images, classes=100, photos=photos)
+        datasets.photographs = lambda: photos
+    datasets.ensure_image_folder(root, count=args.images, classes=100, workers=os.cpu_count())
     print(f"data set: {args.images} JPEGs in {root} ({time.perf_counter() - t0:.0f} s)", flush=True)
     files = _files(root)
     workers = os.cpu_count() or 1
@@ -190,6 +191,7 @@ def main() -> None:
         print(f"{name:44} {r['images_per_s']:>10,.0f} {ratio:>14} {ratio2:>16} {r['cores_busy']:>11.1f} {loop_busy:>10}")
     for name, r in results.items():
         if "peak_gpu_mib_torch" in r:
+            print(f"{name}: lane seconds {', '.join(f'{k}={v:.2f}' for k, v in r['lane_seconds'].items())}")
             print(f"{name}: peak torch GPU memory {r['peak_gpu_mib_torch']:.0f} MiB, "
                   f"device memory still in use after the run {r['gpu_mib_in_use_after']:.0f} MiB")
     report = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "cores": workers,

@@ -14,8 +14,10 @@ reuses the memory only after the consumer's work on it. The event loop never blo
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import os
+import time
 from typing import Any
 
 import numpy as np
@@ -28,13 +30,24 @@ from . import _pillow
 from ._cpu import Processed, _image_field, _label, _read_failure
 from ._cuda_kernels import resample_kernel
 from ._exif import jpeg_orientation
-from ._geometry import check_foldable, plan, roi
+from ._geometry import check_foldable, plan_batch, roi_batch
 from ._pipeline import Pipeline
 from ._random import uniforms
 
-__all__ = ["CudaExecutor", "cuda_available"]
+__all__ = ["CudaExecutor", "cuda_available", "gpu_unsupported"]
 
 _OUT_NAMES = {torch.uint8: "uint8", torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def gpu_unsupported(pipeline: Pipeline) -> str | None:
+    """Why the GPU path cannot run ``pipeline`` (None when it can)."""
+    if pipeline.output_size() is None:
+        return "the GPU path needs a fixed output size: end the ops with a crop or an exact Resize"
+    try:
+        check_foldable(pipeline.image_ops)
+    except ConfigError as exc:
+        return exc.message
+    return None
 
 
 def cuda_available() -> bool:
@@ -69,9 +82,9 @@ class CudaExecutor:
     ) -> None:
         if not cuda_available():
             raise ConfigError("device='cuda' needs a GPU, CuPy and nvImageCodec (pip install 'headrace[cuda13]')")
-        if pipeline.output_size() is None:
-            raise ConfigError("the GPU path needs a fixed output size: end the ops with a crop or an exact Resize")
-        check_foldable(pipeline.image_ops)
+        reason = gpu_unsupported(pipeline)
+        if reason is not None:
+            raise ConfigError(reason)
         if not 0.0 <= hw_load <= 1.0:
             raise ConfigError(f"hw_load must be in [0, 1], got {hw_load!r}")
         self.pipeline = pipeline
@@ -82,6 +95,13 @@ class CudaExecutor:
         threads = decoder_threads or max(1, (os.cpu_count() or 2) // lanes)
         self._lanes = [_Lane(self, i, hw_load, threads) for i in range(lanes)]
         self._closed = False
+
+    def timings(self) -> dict[str, float]:
+        """Seconds the lanes spent per phase (summed over lanes): where a batch's host time goes."""
+        total: collections.Counter[str] = collections.Counter()
+        for lane in self._lanes:
+            total.update(lane.seconds)
+        return dict(total)
 
     async def run(self, batch: SampleBatch) -> Processed:
         lane = self._lanes[batch.index % len(self._lanes)]
@@ -137,6 +157,7 @@ class _Lane:
         self.cupy = cupy
         self.staging = [_Staging(cupy) for _ in range(4)]
         self.turn = 0
+        self.seconds: collections.Counter[str] = collections.Counter()
 
     def close(self) -> None:
         # The stream must outlive every Image decoded on it and the decoder (GPU-NOTES §6).
@@ -145,17 +166,12 @@ class _Lane:
         self.staging = []
 
     def process(self, batch: SampleBatch) -> Processed:
+        t0 = time.perf_counter()
         pipe = self.owner.pipeline
         samples = batch.samples
-        n = len(samples)
-        indices = np.fromiter((s.index for s in samples), dtype=np.int64, count=n)
-        randoms = [
-            uniforms(self.owner.seed, batch.epoch, pos, indices, op.randoms) if op.randoms else None
-            for pos, op in enumerate(pipe.image_ops, start=1)
-        ]
         failures: list[tuple[int, LoaderError]] = []
-        rows, streams, plans, labels = [], [], [], []
-        fallback: list[int] = []  # positions in rows/plans that nvImageCodec could not parse
+        # 1. Headers, one sample at a time (the only per-image Python before decode).
+        rows, streams, sizes, labels = [], [], [], []
         for row, sample in enumerate(samples):
             try:
                 if sample.error is not None:
@@ -164,121 +180,133 @@ class _Lane:
                 data = _image_field(sample, pipe.image_fields)
                 if len(data) == 0:
                     raise DecodeError("empty file: nothing to decode", key=sample.key, source=sample.source)
-                u = [None if r is None else r[row] for r in randoms]
                 try:
                     cs = self.nvc.CodeStream(data)
                     h, w = cs.height, cs.width
                     if pipe.decode.exif and cs.codec_name == "jpeg" and jpeg_orientation(data) >= 5:
                         h, w = w, h
-                except RuntimeError:
+                except RuntimeError:  # not a format nvImageCodec parses: Pillow decodes it
                     cs, (h, w) = None, _pillow_size(data, pipe, sample)
-                p = plan(h, w, pipe.image_ops, u)
-                region = roi(p, h, w)
-                if cs is not None and region != (0, 0, h, w):
-                    cs = cs.get_sub_code_stream(region=self.nvc.Region(*region))
-                if cs is None:
-                    fallback.append(len(rows))
             except LoaderError as exc:
                 failures.append((row, exc))
                 continue
             rows.append(row)
             streams.append(cs)
-            plans.append((p, region, h, w))
+            sizes.append((h, w))
             labels.append(label)
-        return self._decode_and_launch(batch, rows, streams, plans, labels, failures, set(fallback))
+        # 2. Geometry for the whole batch at once, keyed on each sample's index.
+        hw = np.array(sizes, dtype=np.int64).reshape(-1, 2)
+        indices = np.fromiter((samples[r].index for r in rows), dtype=np.int64, count=len(rows))
+        randoms = [
+            uniforms(self.owner.seed, batch.epoch, pos, indices, op.randoms) if op.randoms else None
+            for pos, op in enumerate(pipe.image_ops, start=1)
+        ]
+        plans = plan_batch(hw[:, 0], hw[:, 1], pipe.image_ops, randoms)
+        regions = roi_batch(plans, hw[:, 0], hw[:, 1])
+        # 3. Decode only what the resample reads.
+        region_list = regions.tolist()
+        Region = self.nvc.Region
+        for i, cs in enumerate(streams):
+            y0, x0, y1, x1 = region_list[i]
+            if cs is not None and (y0, x0, y1, x1) != (0, 0, sizes[i][0], sizes[i][1]):
+                streams[i] = cs.get_sub_code_stream(region=Region(y0, x0, y1, x1))
+        self.seconds["plan"] += time.perf_counter() - t0
+        return self._decode_and_launch(batch, rows, streams, plans, regions, labels, failures)
 
-    def _decode_and_launch(self, batch, rows, streams, plans, labels, failures, fallback) -> Processed:
+    def _decode_and_launch(self, batch, rows, streams, plans, regions, labels, failures) -> Processed:
         pipe = self.owner.pipeline
         samples = batch.samples
-        gpu_pos = [i for i in range(len(rows)) if i not in fallback]
+        gpu_pos = [i for i, cs in enumerate(streams) if cs is not None]
         images: list[Any] = [None] * len(rows)
+        t0 = time.perf_counter()
         if gpu_pos:
             decoded = self.decoder.decode([streams[i] for i in gpu_pos], params=self.params, cuda_stream=self.cp_stream.ptr)
             for i, img in zip(gpu_pos, decoded):
                 images[i] = img
+        t1 = time.perf_counter()
+        self.seconds["decode"] += t1 - t0
         ok: list[int] = []
         with torch.cuda.stream(self.stream):
             for i, row in enumerate(rows):
                 if images[i] is None:  # nvImageCodec could not decode it: Pillow, then upload
+                    self.seconds["cpu_fallback"] += 1
                     try:
-                        images[i] = self._cpu_decode(samples[row], plans[i][1])
+                        images[i] = self._cpu_decode(samples[row], regions[i])
                     except LoaderError as exc:
                         failures.append((row, exc))
                         continue
                 ok.append(i)
-            n = len(ok)
-            oh, ow = pipe.output_size()
-            c = pipe.channels
-            shape = (n, c, oh, ow) if pipe.layout == "CHW" else (n, oh, ow, c)
+            (oh, ow), c = pipe.output_size(), pipe.channels
+            shape = (len(ok), c, oh, ow) if pipe.layout == "CHW" else (len(ok), oh, ow, c)
             out = torch.empty(shape, dtype=pipe.dtype, device=self.owner.device)
-            if n:
+            if ok:
                 try:
-                    self._launch(out, [images[i] for i in ok], [plans[i] for i in ok], [samples[rows[i]] for i in ok])
+                    self._launch(out, images, ok, plans, regions)
                 except LoaderError as exc:
+                    exc.key, exc.source = samples[rows[ok[0]]].key, samples[rows[ok[0]]].source
                     failures.append((rows[ok[0]], exc))
+                    ok = []
+                    out = out[:0]
             kept = [rows[i] for i in ok]
             data: dict[str, Any] = {"image": out}
             if any(lbl is not None for lbl in labels):
                 data["label"] = torch.tensor([labels[i] for i in ok], dtype=torch.int64).to(self.owner.device, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(self.stream)
-        if failures:
-            failed = {r for r, _ in failures}
-            if failed & set(kept):
-                kept_mask = [r not in failed for r in kept]
-                idx = torch.tensor([j for j, keep in enumerate(kept_mask) if keep], device=self.owner.device)
-                with torch.cuda.stream(self.stream):
-                    data = {k: v.index_select(0, idx) for k, v in data.items()}
-                    ready.record(self.stream)
-                kept = [r for r in kept if r not in failed]
         result = Processed(data, kept, sorted(failures, key=lambda f: f[0]))
         result.ready = ready
+        self.seconds["launch"] += time.perf_counter() - t1
+        self.seconds["batches"] += 1
         return result  # the decoded Images die here: their memory is freed in order on the lane's stream
 
     def _cpu_decode(self, sample, region) -> torch.Tensor:
         pipe = self.owner.pipeline
         img = _pillow.decode(_image_field(sample, pipe.image_fields), pipe.decode, sample.key, sample.source)
-        y0, x0, y1, x1 = region
+        y0, x0, y1, x1 = (int(v) for v in region)
         arr = np.ascontiguousarray(np.asarray(img.crop((x0, y0, x1, y1))).reshape(y1 - y0, x1 - x0, -1))
         return torch.from_numpy(arr).to(self.owner.device, non_blocking=False)
 
-    def _launch(self, out: torch.Tensor, images: list[Any], plans: list[Any], samples: list[Any]) -> None:
-        cp = self.cupy
-        n = len(images)
+    def _launch(self, out: torch.Tensor, images: list[Any], ok: list[int], plans, regions: np.ndarray) -> None:
+        n = len(ok)
+        c = self.owner.pipeline.channels
         stage = self.staging[self.turn % len(self.staging)]
         self.turn += 1
         ptrs, meta, geo = stage.host(n)
-        c = self.owner.pipeline.channels
-        for j, (img, (p, region, full_h, full_w)) in enumerate(zip(images, plans)):
-            y0, x0, y1, x1 = region
+        shapes = np.empty((n, 4), dtype=np.int64)  # h, w, channels, row stride
+        for j, i in enumerate(ok):
+            img = images[i]
             if isinstance(img, torch.Tensor):
-                h, w, ch = img.shape
-                ptr, stride = img.data_ptr(), img.stride(0)
+                ih, iw, ic = img.shape
+                ptrs[j] = img.data_ptr()
+                shapes[j] = (ih, iw, ic, img.stride(0))
             else:
                 iface = img.__cuda_array_interface__
-                h, w, ch = iface["shape"]
-                ptr = iface["data"][0]
-                stride = iface["strides"][0] if iface.get("strides") else w * ch
-            if (h, w, ch) != (y1 - y0, x1 - x0, c):
-                s = samples[j]
-                raise TransformError(
-                    f"decoder returned {(h, w, ch)}, expected region {(y1 - y0, x1 - x0, c)}", key=s.key, source=s.source
-                )
-            bx0, by0, bx1, by1 = p.box
-            ptrs[j] = ptr
-            meta[j] = (h, w, stride, p.flip_h, p.flip_v, 0, 0, 0)
-            # The box, and the real pixels (outside them: zero padding), in region coordinates.
-            cx0, cy0, cx1, cy1 = p.clip
-            geo[j] = (bx0 - x0, by0 - y0, bx1 - x0, by1 - y0, cx0 - x0, cy0 - y0, cx1 - x0, cy1 - y0)
+                ih, iw, ic = iface["shape"]
+                ptrs[j] = iface["data"][0]
+                strides = iface.get("strides")
+                shapes[j] = (ih, iw, ic, strides[0] if strides else iw * ic)
+        reg = regions[ok]
+        expected = np.stack([reg[:, 2] - reg[:, 0], reg[:, 3] - reg[:, 1], np.full(n, c)], 1)
+        if not np.array_equal(shapes[:, :3], expected):
+            bad = int(np.argmax((shapes[:, :3] != expected).any(1)))
+            raise TransformError(f"decoder returned {tuple(shapes[bad, :3])}, expected region {tuple(expected[bad])}")
+        meta[:, 0:3] = shapes[:, [0, 1, 3]]
+        meta[:, 3] = plans.flip_h[ok]
+        meta[:, 4] = plans.flip_v[ok]
+        meta[:, 5:] = 0
+        # The box, and the real pixels (outside them: zero padding), in region coordinates.
+        origin = np.tile(reg[:, [1, 0]], 2).astype(np.float64)
+        geo[:, 0:4] = plans.box[ok] - origin
+        geo[:, 4:8] = plans.clip[ok] - origin
         d_ptrs, d_meta, d_geo = stage.upload(n, self.cp_stream)
-        oh, ow = out.shape[2:] if self.owner.pipeline.layout == "CHW" else out.shape[1:3]
+        pipe = self.owner.pipeline
+        oh, ow = pipe.output_size()
         with self.cp_stream:
             self.kernel(
                 ((ow + 31) // 32, (oh + 7) // 8, n),
                 (32, 8, 1),
                 (d_ptrs, d_meta, d_geo, np.uint64(out.data_ptr()), np.int32(oh), np.int32(ow), np.int32(c),
-                 np.int32(self.owner.pipeline.layout == "CHW"), np.int32(self.owner.pipeline.normalize is not None),
-                 self.mean, self.inv_std),
+                 np.int32(pipe.layout == "CHW"), np.int32(pipe.normalize is not None), self.mean, self.inv_std),
             )
         stage.record(self.cp_stream)
 

@@ -10,7 +10,8 @@ __all__ = ["jpeg_orientation"]
 def jpeg_orientation(data: bytes | memoryview) -> int:
     """The EXIF orientation tag (1-8) of a JPEG, or 1 when absent or unreadable."""
     buf = bytes(data[:65536]) if not isinstance(data, bytes) else data
-    if buf[:2] != b"\xff\xd8":
+    # Exif's APP1 comes first after SOI (or after a JFIF APP0): most files settle in one find().
+    if buf[:2] != b"\xff\xd8" or buf.find(b"Exif\x00\x00", 0, 1024) < 0:
         return 1
     pos, n = 2, len(buf)
     while pos + 4 <= n and buf[pos] == 0xFF:

@@ -29,6 +29,7 @@ class LoaderStats:
     samples: int = 0
     dropped: int = 0
     channels: list[ChannelStats] = field(default_factory=list)
+    lanes: dict[str, float] = field(default_factory=dict)  # GPU path: seconds per lane phase
 
 
 class Loader:
@@ -87,7 +88,8 @@ class Loader:
         lanes: int = 3,
         hw_load: float = 0.65,
     ) -> None:
-        from headrace.ops import CpuExecutor, Pipeline, cuda_available
+        from headrace.ops import Pipeline, cuda_available
+        from headrace.ops._cuda import gpu_unsupported
         from headrace.readers import Reader
 
         if not isinstance(reader, Reader):
@@ -97,8 +99,8 @@ class Loader:
         pipeline = Pipeline() if pipeline is None else pipeline
         if not isinstance(pipeline, Pipeline):
             raise ConfigError(f"pipeline must be a headrace.ops.Pipeline, got {type(pipeline).__name__}")
-        if device == "auto":
-            device = "cuda" if cuda_available() else "cpu"
+        if device == "auto":  # the GPU when it is there and can run this pipeline
+            device = "cuda" if cuda_available() and gpu_unsupported(pipeline) is None else "cpu"
         if not isinstance(device, str) or not (device == "cpu" or device == "cuda" or device.startswith("cuda:")):
             raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
         if device.startswith("cuda") and not cuda_available():
@@ -121,12 +123,8 @@ class Loader:
         self.lanes = lanes
         self.hw_load = hw_load
         self._gpu_executor: Any = None
-        if device.startswith("cuda"):  # fail now, not at the first batch, on a pipeline the GPU cannot run
-            from headrace.ops._geometry import check_foldable
-
-            if pipeline.output_size() is None:
-                raise ConfigError("the GPU path needs a fixed output size: end the ops with a crop or an exact Resize")
-            check_foldable(pipeline.image_ops)
+        if device.startswith("cuda") and gpu_unsupported(pipeline):  # fail now, not at the first batch
+            raise ConfigError(gpu_unsupported(pipeline))
         self.last_batch = LastBatch.parse(last_batch)
         self.seed = seed
         self.num_threads = num_threads
@@ -240,6 +238,8 @@ class Loader:
     def stats(self) -> LoaderStats:
         if self._active is not None:
             self._stats.channels = self._active.channels()
+        if self._gpu_executor is not None:
+            self._stats.lanes = self._gpu_executor.timings()
         return self._stats
 
     def state_dict(self) -> dict[str, Any]:

@@ -142,7 +142,8 @@ def _loader(folder, **kw):
 
 
 async def test_loader_picks_the_gpu_and_yields_every_sample(folder):
-    assert Loader(readers.files(folder), batch_size=4).device == "cuda"  # auto
+    assert Loader(readers.files(folder), batch_size=4, pipeline=ops.training(64)).device == "cuda"  # auto
+    assert Loader(readers.files(folder), batch_size=4).device == "cpu"  # sizes differ: only the CPU path can
     async with _loader(folder) as loader:
         batches = [b async for b in loader]
     keys = [k for b in batches for k in b.sample_keys]

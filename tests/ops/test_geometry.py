@@ -59,3 +59,22 @@ def test_flip_before_a_crop_is_refused_on_the_gpu_path():
     check_foldable((RandomResizedCrop(8), Flip()))
     with pytest.raises(ConfigError):
         check_foldable((Flip(), CenterCrop(8)))
+
+
+@pytest.mark.parametrize("ops", PIPELINES, ids=lambda ops: "+".join(type(o).__name__ for o in ops))
+def test_vectorised_plan_equals_the_scalar_reference(ops):
+    from headrace.ops._geometry import plan_batch, roi_batch
+
+    rng = np.random.default_rng(7)
+    n = 400
+    h = rng.integers(1, 700, size=n)
+    w = rng.integers(1, 700, size=n)
+    h[:20], w[:20] = 1, rng.integers(300, 700, size=20)  # extreme aspect ratios reach the fallback
+    us = [uniforms(1, 2, k, np.arange(n), op.randoms) if op.randoms else None for k, op in enumerate(ops, 1)]
+    batch = plan_batch(h, w, ops, us)
+    regions = roi_batch(batch, h, w)
+    for i in range(n):
+        p = plan(int(h[i]), int(w[i]), ops, [None if u is None else u[i] for u in us])
+        assert tuple(batch.box[i]) == p.box and tuple(batch.clip[i]) == p.clip
+        assert (batch.out_w, batch.out_h, bool(batch.flip_h[i]), bool(batch.flip_v[i])) == (p.out_w, p.out_h, p.flip_h, p.flip_v)
+        assert tuple(regions[i]) == roi(p, int(h[i]), int(w[i]))
