@@ -10,8 +10,10 @@ The DataLoader uses one worker process per core, persistent workers, no pinned m
 uses one thread per core. After a warm-up epoch each, timed epochs alternate between the two
 systems (the order flips every round) and the median epoch counts.
 
-Two decode-only rows answer which CPU JPEG decoder is faster on this machine: Pillow
-(libjpeg-turbo), and nvImageCodec's CPU backend, batched, when it is installed.
+The decode-only rows (whole images from memory to RGB pixels, nothing else) answer which CPU
+JPEG decoder is faster on this machine: Pillow (libjpeg-turbo) on 1 and N threads, and, when it
+is installed, nvImageCodec's CPU backend: one decoder with 1 or N threads, one single-threaded
+decoder per thread, and region-of-interest decode of the RandomResizedCrop windows.
 
     python examples/benchmark_cpu.py                       # 2048 images under .data/bench
     python examples/benchmark_cpu.py --images 4096 --epochs 5
@@ -20,7 +22,6 @@ Two decode-only rows answer which CPU JPEG decoder is faster on this machine: Pi
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import io
 import json
@@ -140,44 +141,81 @@ def median_rate(runs: list[tuple[int, float]]) -> float:
 
 
 def decode_rows(paths: list[str], batch_size: int, cores: int, repeats: int) -> list[dict]:
-    """Decode-only throughput of Pillow and (if installed) nvImageCodec's CPU backend, from memory."""
+    """Decode-only throughput from memory: Pillow, and nvImageCodec's CPU backend if installed.
+
+    Whole images to RGB pixels, nothing else. nvImageCodec also decodes only each image's
+    RandomResizedCrop window (region of interest), the windows headrace's training pipeline draws.
+    """
     blobs = [Path(p).read_bytes() for p in paths]
     rows = []
-
-    def pillow_one(data: bytes) -> None:
-        Image.open(io.BytesIO(data)).convert("RGB")
-
-    def pillow_serial() -> None:
-        for data in blobs:
-            pillow_one(data)
-
     pool = ThreadPoolExecutor(cores)
 
-    def pillow_threads() -> None:
-        list(pool.map(pillow_one, blobs, chunksize=max(1, len(blobs) // (4 * cores))))
+    def pillow_one(data: bytes) -> None:
+        img = Image.open(io.BytesIO(data))
+        if img.mode != "RGB":
+            img = img.convert("RGB")
+        img.load()
 
-    rows.append(_repeat("decode only (Pillow, 1 thread)", pillow_serial, len(blobs), repeats))
-    rows.append(_repeat(f"decode only (Pillow, {cores} threads)", pillow_threads, len(blobs), repeats))
-    pool.shutdown()
+    def pillow_threads(n: int) -> Callable[[], None]:
+        if n == 1:
+            return lambda: [pillow_one(b) for b in blobs]
+        return lambda: list(pool.map(pillow_one, blobs, chunksize=max(1, len(blobs) // (4 * n))))
+
+    rows.append(_repeat("decode only (Pillow, 1 thread)", pillow_threads(1), len(blobs), repeats))
+    if cores > 1:
+        rows.append(_repeat(f"decode only (Pillow, {cores} threads)", pillow_threads(cores), len(blobs), repeats))
     nvc = _nvimgcodec()
     if nvc is None:
+        pool.shutdown()
         return rows
-    for threads in sorted({1, cores}):
-        decoder = nvc.Decoder(
-            device_id=nvc.NVIMGCODEC_DEVICE_CPU_ONLY,
-            max_num_cpu_threads=threads,
-            backends=[nvc.Backend(nvc.BackendKind.CPU_ONLY)],
-        )
 
-        def nv_batched(decoder=decoder) -> None:
+    def decoder(threads: int):
+        return nvc.Decoder(device_id=nvc.NVIMGCODEC_DEVICE_CPU_ONLY, max_num_cpu_threads=threads,
+                           backends=[nvc.Backend(nvc.BackendKind.CPU_ONLY)])
+
+    params = nvc.DecodeParams(apply_exif_orientation=False)
+    rrc = ops.RandomResizedCrop(224)
+    u = ops.uniforms(0, 0, 1, np.arange(len(blobs)), rrc.randoms)
+    streams = [nvc.CodeStream(b) for b in blobs]
+    regions = []
+    for i, cs in enumerate(streams):
+        top, left, h, w = rrc.window(cs.height, cs.width, u[i])
+        regions.append(nvc.Region(top, left, top + h, left + w))
+
+    def batched(decoders, roi: bool) -> Callable[[], None]:
+        # One decode call per batch; with several decoders, each takes an equal part of the batch
+        # in its own thread (a Decoder must not be shared between threads).
+        def one(dec, lo: int, hi: int) -> None:
+            if roi:  # the header parse and sub-stream belong to the per-batch work
+                srcs = [nvc.CodeStream(b).get_sub_code_stream(region=r) for b, r in zip(blobs[lo:hi], regions[lo:hi])]
+            else:
+                srcs = blobs[lo:hi]
+            if any(im is None for im in dec.decode(srcs, params=params)):
+                raise RuntimeError("nvImageCodec failed to decode an image")
+
+        def run() -> None:
             for lo in range(0, len(blobs), batch_size):
-                images = decoder.decode(blobs[lo : lo + batch_size])
-                if any(im is None for im in images):
-                    raise RuntimeError("nvImageCodec failed to decode an image")
+                hi = min(lo + batch_size, len(blobs))
+                if len(decoders) == 1:
+                    one(decoders[0], lo, hi)
+                    continue
+                bounds = np.linspace(lo, hi, len(decoders) + 1).astype(int)
+                list(pool.map(one, decoders, bounds[:-1], bounds[1:]))
 
-        nv_batched()  # first call loads the codec plug-ins
-        label = f"nvImageCodec CPU decode (batched {batch_size}, {threads} thread{'s' if threads > 1 else ''})"
-        rows.append(_repeat(label, nv_batched, len(blobs), repeats))
+        run()  # the first call loads the codec plug-ins
+        return run
+
+    n = len(blobs)
+    rows.append(_repeat(f"nvImageCodec CPU decode (batched {batch_size}, 1 thread)", batched([decoder(1)], False), n, repeats))
+    if cores > 1:
+        rows.append(_repeat(f"nvImageCodec CPU decode (batched {batch_size}, 1 decoder, {cores} threads)",
+                            batched([decoder(cores)], False), n, repeats))
+        per_thread = [decoder(1) for _ in range(cores)]
+        rows.append(_repeat(f"nvImageCodec CPU decode (batched, {cores} decoders x 1 thread)", batched(per_thread, False), n, repeats))
+        rows.append(_repeat(f"nvImageCodec CPU ROI decode of crop windows ({cores} decoders)", batched(per_thread, True), n, repeats))
+    else:
+        rows.append(_repeat("nvImageCodec CPU ROI decode of crop windows (1 thread)", batched([decoder(1)], True), n, repeats))
+    pool.shutdown()
     return rows
 
 
@@ -224,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", default=".data/bench", help="data set folder, made once (default: %(default)s)")
     p.add_argument("--images", type=int, default=2048, help="images in the data set (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=None, help="default: 256, or 128 below 16 batches of 256")
-    p.add_argument("--epochs", type=int, default=3, help="timed epochs per system, after one warm-up (default: 3)")
+    p.add_argument("--epochs", type=int, default=5, help="timed epochs per system, after one warm-up (default: 5)")
     p.add_argument("--workers", type=int, default=cores, help="DataLoader workers and headrace threads (default: cores)")
     p.add_argument("--decode-images", type=int, default=512, help="images for the decode-only rows (default: 512)")
     p.add_argument("--out", default=None, help="JSON file (default: examples/results/cpu-<host>-<date>.json)")
@@ -232,7 +270,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     batch_size = args.batch_size or (256 if args.images >= 16 * 256 else 128)
 
-    root, made = datasets.ensure_image_folder(args.data, count=args.images, classes=10, progress=None)
+    made = datasets.count_images(args.data) != args.images
+    if made:
+        from tqdm import tqdm
+
+        with tqdm(total=args.images, desc=f"making {args.images} JPEGs", unit="img") as bar:
+            datasets.ensure_image_folder(args.data, count=args.images, classes=10, progress=bar.update)
+    root = Path(args.data)
     reader = readers.files(root, shuffle=True)
     paths, labels = reader.paths, reader.labels
     mib = sum(os.path.getsize(p) for p in paths) / len(paths) / 1024
@@ -275,9 +319,9 @@ def main(argv: list[str] | None = None) -> int:
         row["vs_dataloader"] = row["images_per_s"] / base
 
     print()
-    print(f"{'system':<52} {'images/s':>9} {'vs DataLoader':>14}")
+    print(f"{'system':<64} {'images/s':>9} {'vs DataLoader':>14}")
     for row in rows:
-        print(f"{row['system']:<52} {row['images_per_s']:>9.0f} {row['vs_dataloader']:>13.2f}x")
+        print(f"{row['system']:<64} {row['images_per_s']:>9.0f} {row['vs_dataloader']:>13.2f}x")
 
     if not args.no_json:
         out = Path(args.out) if args.out else RESULTS / f"cpu-{_host()}-{datetime.date.today().isoformat()}.json"

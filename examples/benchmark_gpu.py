@@ -52,10 +52,10 @@ def _timed_epochs(run_epoch, epochs: int) -> dict:
             "main_thread_busy": statistics.median(loop_share)}
 
 
-def bench_headrace(root: Path, pipeline, batch: int, epochs: int, lanes: int) -> dict:
+def bench_headrace(root: Path, pipeline, batch: int, epochs: int, lanes: int, hw_load: float = 0.65) -> dict:
     loop = headrace.new_event_loop()
     loader = headrace.Loader(readers.files(root, shuffle=True), batch_size=batch, pipeline=pipeline,
-                             device="cuda", lanes=lanes, prefetch=lanes + 2)
+                             device="cuda", lanes=lanes, prefetch=lanes + 2, hw_load=hw_load)
 
     async def epoch() -> int:
         n = 0
@@ -151,7 +151,8 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=16384)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--lanes", type=int, default=3)
+    ap.add_argument("--lanes", type=int, default=1)
+    ap.add_argument("--hw-loads", default="", help="also run headrace (train) at these hw_load values, e.g. 0,1")
     ap.add_argument("--data", default=".data/bench-gpu")
     ap.add_argument("--photos", default=None, help="an .npz of photographs (for machines without scikit-image)")
     ap.add_argument("--rows", default="train,val,dataloader,torchvision,nvimgcodec")
@@ -176,6 +177,10 @@ def main() -> None:
         "torchvision": ("torchvision decode_jpeg(cuda) + v2", lambda: bench_torchvision_gpu(files, args.batch, args.epochs)),
         "nvimgcodec": ("nvImageCodec decode only (whole)", lambda: bench_nvimgcodec(files, args.batch, args.epochs)),
     }
+    for hw in filter(None, args.hw_loads.split(",")):
+        runners[f"hw{hw}"] = (f"headrace (train, hw_load={hw})", lambda hw=float(hw): bench_headrace(
+            root, ops.training(224, dtype="float16"), args.batch, args.epochs, args.lanes, hw))
+        rows.append(f"hw{hw}")
     for key in rows:
         name, fn = runners[key]
         print(f"running {name} ...", flush=True)

@@ -75,7 +75,7 @@ class CudaExecutor:
         pipeline: Pipeline,
         *,
         device: int | str | torch.device = 0,
-        lanes: int = 3,
+        lanes: int = 1,
         seed: int = 0,
         hw_load: float = 0.65,
         decoder_threads: int | None = None,
@@ -92,7 +92,9 @@ class CudaExecutor:
         self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        threads = decoder_threads or max(1, (os.cpu_count() or 2) // lanes)
+        # Every lane's decoder may use all cores: lanes take turns more than they overlap (the
+        # decode call needs the GIL now and then, so Python work elsewhere stalls it).
+        threads = decoder_threads or (os.cpu_count() or 2)
         self._lanes = [_Lane(self, i, hw_load, threads) for i in range(lanes)]
         self._closed = False
 
@@ -181,7 +183,9 @@ class _Lane:
                 if len(data) == 0:
                     raise DecodeError("empty file: nothing to decode", key=sample.key, source=sample.source)
                 try:
-                    cs = self.nvc.CodeStream(data)
+                    # A NumPy view, not the bytes: nvImageCodec decoded fresh bytes-backed streams
+                    # at 9.7k images/s and array-backed ones at 17.6k on the H100 (probe, 1,024 JPEGs).
+                    cs = self.nvc.CodeStream(np.frombuffer(data, dtype=np.uint8))
                     h, w = cs.height, cs.width
                     if pipe.decode.exif and cs.codec_name == "jpeg" and jpeg_orientation(data) >= 5:
                         h, w = w, h

@@ -49,7 +49,8 @@ class Loader:
         device: ``"auto"`` (the GPU when CUDA, CuPy and nvImageCodec are there, else the CPU),
             ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. On the GPU, batches are torch CUDA tensors,
             ready on the consumer's current stream (it waits on the lane's event; the host does not).
-        lanes: GPU lanes (thread + CUDA stream + decoder), batches in flight on the device.
+        lanes: GPU lanes (thread + CUDA stream + decoder). One is the measured default: on the H100
+            nvImageCodec decode calls of different lanes did not overlap (see ops/README.md).
         hw_load: share of each batch offered to the hardware JPEG decoder (GPU path).
         last_batch: ``"partial"`` (default), ``"fill"`` or ``"drop"`` for the short last batch.
         seed: keys the reader's shuffle (unless it has its own seed) and every random op.
@@ -85,7 +86,7 @@ class Loader:
         max_bytes: int = 256 << 20,
         on_error: Literal["raise", "skip"] = "raise",
         max_errors: int | float = 0,
-        lanes: int = 3,
+        lanes: int = 1,
         hw_load: float = 0.65,
     ) -> None:
         from headrace.ops import Pipeline, cuda_available
