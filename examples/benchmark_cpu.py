@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     loop = headrace.new_event_loop()
     systems: dict[str, Callable[[], tuple[int, float]]] = {
-        "torch DataLoader + Pillow (torchvision-style)": lambda: time_dataloader_epoch(dl),
+        "torch DataLoader + Pillow (torchvision-style)": lambda dl=dl: time_dataloader_epoch(dl),
         "headrace": lambda: loop.run_until_complete(_headrace_epoch(hr)),
     }
     names = list(systems)
@@ -309,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  epoch {r}  {name:<48} {n / t:8.0f} images/s")
     loop.run_until_complete(hr.aclose())
     loop.close()
-    del dl  # stops the persistent workers before the decode-only rows
+    systems.clear()
+    del dl  # the last reference: its persistent workers exit before the decode-only rows
 
     base = median_rate(runs[names[0]])
     rows = [{"system": name, "images_per_s": median_rate(runs[name]), "runs": [n / t for n, t in runs[name]]}

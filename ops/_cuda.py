@@ -107,6 +107,8 @@ class CudaExecutor:
 
     async def run(self, batch: SampleBatch) -> Processed:
         lane = self._lanes[batch.index % len(self._lanes)]
+        # Planning the next batch in another thread while this one decodes was measured slower
+        # (6.1k vs 6.5k images/s, H100): nvImageCodec's decode stalls whenever other Python runs.
         return await asyncio.wrap_future(lane.pool.submit(lane.process, batch))
 
     async def aclose(self) -> None:
@@ -118,6 +120,7 @@ class CudaExecutor:
         await asyncio.shield(asyncio.wait([asyncio.wrap_future(f) for f in futures]))
         for lane in self._lanes:
             lane.pool.shutdown(wait=True)
+
 
 
 class _Lane:
@@ -168,6 +171,10 @@ class _Lane:
         self.staging = []
 
     def process(self, batch: SampleBatch) -> Processed:
+        return self.decode_and_launch(*self.plan(batch))
+
+    def plan(self, batch: SampleBatch) -> tuple:
+        """Headers, crop geometry and region-of-interest code streams for ``batch`` (host only)."""
         t0 = time.perf_counter()
         pipe = self.owner.pipeline
         samples = batch.samples
@@ -215,9 +222,10 @@ class _Lane:
             if cs is not None and (y0, x0, y1, x1) != (0, 0, sizes[i][0], sizes[i][1]):
                 streams[i] = cs.get_sub_code_stream(region=Region(y0, x0, y1, x1))
         self.seconds["plan"] += time.perf_counter() - t0
-        return self._decode_and_launch(batch, rows, streams, plans, regions, labels, failures)
+        return batch, rows, streams, plans, regions, labels, failures
 
-    def _decode_and_launch(self, batch, rows, streams, plans, regions, labels, failures) -> Processed:
+    def decode_and_launch(self, batch, rows, streams, plans, regions, labels, failures) -> Processed:
+        """Decode on this lane's stream, launch the fused kernel, record the hand-off event."""
         pipe = self.owner.pipeline
         samples = batch.samples
         gpu_pos = [i for i, cs in enumerate(streams) if cs is not None]

@@ -7,7 +7,6 @@ training-style epochs over it, printing images/s per epoch. ``python -m headrace
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 import time
