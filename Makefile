@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -U pip "setuptools>=64" wheel
 	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[test,bench]"
+	$(BIN)/python -m pip install -q -e ".[test,bench,cpu,lmdb]"
 	touch $@
 
 demo: $(STAMP)  ## make a small JPEG data set, then run training-style epochs with a progress bar
