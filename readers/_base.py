@@ -15,6 +15,8 @@ import numpy as np
 from headrace._errors import ConfigError
 from headrace._sample import Sample
 
+from ._feed import join_threads
+
 __all__ = ["IndexedReader", "Reader", "epoch_order"]
 
 Equal = Literal["pad", "drop"] | None
@@ -102,6 +104,12 @@ class IndexedReader(Reader):
     @abstractmethod
     def _fetch(self, indices: Sequence[int]) -> list[Sample]: ...
 
+    def _open_io(self) -> None:
+        """Called before the first ``_fetch`` of a ``read`` (e.g. to open a database); default: nothing."""
+
+    def _close_io(self) -> None:
+        """Called once that ``read``'s I/O threads are idle, even after an error or cancellation."""
+
     def __len__(self) -> int:
         n, world = self._dataset_size(), self.world
         if world == 1:
@@ -131,6 +139,7 @@ class IndexedReader(Reader):
         if not 0 <= start <= len(order):
             raise ConfigError(f"start must be in [0, {len(order)}], got {start}")
         loop = asyncio.get_running_loop()
+        self._open_io()
         pool = concurrent.futures.ThreadPoolExecutor(self.io_threads, thread_name_prefix=f"headrace-io-{type(self).__name__}")
         pending: deque[tuple[int, concurrent.futures.Future[list[Sample]]]] = deque()
         next_pos = start
@@ -147,9 +156,11 @@ class IndexedReader(Reader):
                     sample.position = pos + offset
                 yield samples
         finally:
-            pool.shutdown(wait=False, cancel_futures=True)
-            running = [f for _, f in pending if not f.done()]
-            if running:
-                # Shielded: the I/O threads must be idle before we return, even if we are cancelled.
-                await asyncio.shield(asyncio.wait([asyncio.wrap_future(f) for f in running]))
-            pool.shutdown(wait=True)
+            try:
+                pool.shutdown(wait=False, cancel_futures=True)
+                # The I/O threads must be idle before we return (or close what they use), even if
+                # we are cancelled while waiting for them.
+                await join_threads([f for _, f in pending])
+                pool.shutdown(wait=True)
+            finally:
+                self._close_io()

@@ -2,6 +2,9 @@
 
 ``headrace demo`` makes a small JPEG data set (once; cached under ``--data``) and runs a few
 training-style epochs over it, printing images/s per epoch. ``python -m headrace demo`` is the same.
+
+``headrace pack SRC DEST --format webdataset|lmdb`` packs a class-per-folder image tree into tar
+shards (split by ``--shard-size`` MB and/or ``--shard-count`` samples) or an LMDB.
 """
 
 from __future__ import annotations
@@ -34,7 +37,27 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--batch-size", type=_positive, default=64, help="batch size (default: %(default)s)")
     demo.add_argument("--threads", type=_positive, default=None, help="decode/transform threads (default: all cores)")
     demo.add_argument("--size", type=_positive, default=224, help="output side in pixels (default: %(default)s)")
+    pack = sub.add_parser("pack", help="pack a class-per-folder image tree into WebDataset shards or an LMDB",
+                          description="Pack SRC (class sub-folders of images; label = index of the sorted "
+                                      "sub-folder) into DEST, a new or empty folder.")
+    pack.add_argument("src", metavar="SRC", help="folder of class sub-folders")
+    pack.add_argument("dest", metavar="DEST", help="output folder (must not exist, or be empty)")
+    pack.add_argument("--format", required=True, choices=("webdataset", "lmdb"), help="output format")
+    pack.add_argument("--shard-size", type=_megabytes, default=256.0, metavar="MB",
+                      help="webdataset: most megabytes per shard (default: %(default)s; 0: no limit)")
+    pack.add_argument("--shard-count", type=_positive, default=None, metavar="N",
+                      help="webdataset: most samples per shard (default: no limit)")
+    pack.add_argument("--prefix", default="shard", help="webdataset: shard file name prefix (default: %(default)s)")
+    pack.add_argument("--shuffle", action="store_true", help="write the samples in a seeded random order")
+    pack.add_argument("--seed", type=int, default=0, help="seed for --shuffle (default: %(default)s)")
     return parser
+
+
+def _megabytes(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative number of megabytes, got {text}")
+    return value
 
 
 def _version() -> str:
@@ -50,6 +73,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         try:
             return _demo(args)
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
+    if args.command == "pack":
+        try:
+            return _pack(args)
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             return 130
@@ -78,6 +107,36 @@ def _demo(args: argparse.Namespace) -> int:
     total = sum(n for n, _ in rates) / sum(t for _, t in rates)
     print(f"throughput: {total:,.0f} images/s over {args.epochs} epoch(s)"
           f"{'' if len(rates) < 2 else f'; after the first epoch {_rate(rates[1:]):,.0f} images/s'}")
+    return 0
+
+
+def _pack(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from headrace import LoaderError
+    from headrace.readers import pack
+
+    bar = None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:  # made at the first sample, once the arguments and SRC have been checked
+            bar = tqdm(total=total, desc=f"packing {args.format}", unit="img")
+        bar.update(done - bar.n)
+
+    try:
+        result = pack(args.src, args.dest, format=args.format, shard_size=args.shard_size or None,
+                      shard_count=args.shard_count, shuffle=args.shuffle, seed=args.seed, prefix=args.prefix,
+                      progress=progress)
+    except (LoaderError, ImportError) as exc:
+        print(f"headrace pack: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if bar is not None:
+            bar.close()
+    what = f"{len(result.outputs)} shard(s)" if result.format == "webdataset" else "an LMDB"
+    print(f"packed {result.samples} samples ({len(result.classes)} classes) into {what} in {result.dest}: "
+          f"{result.bytes / 2**20:,.1f} MiB")
     return 0
 
 

@@ -1,0 +1,212 @@
+"""Reader benchmark: headrace's WebDataset reader against the ``webdataset`` library, raw samples.
+
+Not a test: it prints a table of samples/s and MB/s and writes it as JSON to ``examples/results/``.
+
+Both read the same tar shards (written by ``headrace pack``) from the page cache (every shard is
+read once before timing) and hand out undecoded samples: a dict of field → bytes from the library,
+lists of ``headrace.Sample`` from headrace (its async generator, driven by an event loop). Content
+does not matter to either, so the payloads are random bytes with ImageNet-like sizes (lognormal
+around ``--kib`` KiB) plus a ``.cls`` label: two members per sample. Rows:
+
+- ``sequential``: shards in order, no shuffle (the library: ``WebDataset(urls, shardshuffle=False)``);
+- ``shuffled``: shard shuffle plus a 1,000-sample shuffle buffer (the library: ``shardshuffle=True``
+  and ``.shuffle(1000)``), seeded;
+- ``parser``: the tar parsing alone in one thread, members grouped into samples: headrace's
+  512-byte-header parser against ``tarfile`` in stream mode ("r|*") plus WebDataset's grouping,
+  which is how the library (and a tarfile-based reader) parses.
+
+Each row runs once; the data set is made once and cached under ``.data/bench-readers``.
+
+    python examples/benchmark_readers.py                  # 8192 samples of ~70 KiB, 16 shards
+    python examples/benchmark_readers.py --kib 4 --samples 32768
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import sys
+import tarfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+import headrace
+from headrace import readers
+from headrace.readers._tar import iter_groups, open_shard
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def make_shards(root: Path, samples: int, kib: float, shards: int, seed: int = 0) -> list[str]:
+    """A class-per-folder tree of random-byte ".jpg" files, packed into ``shards`` tar shards (cached)."""
+    out = root / "shards"
+    stamp = root / "config.json"
+    config = {"samples": samples, "kib": kib, "shards": shards, "seed": seed}
+    if stamp.exists() and json.loads(stamp.read_text()) == config:
+        return sorted(str(p) for p in out.glob("*.tar"))
+    import shutil
+
+    shutil.rmtree(root, ignore_errors=True)
+    rng = np.random.default_rng(seed)
+    sizes = np.clip(rng.lognormal(np.log(kib * 1024), 0.5, samples), 256, None).astype(int)
+    src = root / "src"
+    for i, size in enumerate(sizes):
+        folder = src / f"class{i % 10:02d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{i:07d}.jpg").write_bytes(b"\xff\xd8\xff" + rng.bytes(int(size) - 3))
+    per_shard = -(-samples // shards)
+    readers.pack(src, out, format="webdataset", shard_size=None, shard_count=per_shard, shuffle=True, seed=seed)
+    shutil.rmtree(src)
+    stamp.write_text(json.dumps(config))
+    return sorted(str(p) for p in out.glob("*.tar"))
+
+
+def warm(paths: list[str]) -> int:
+    total = 0
+    for p in paths:
+        with open(p, "rb") as f:
+            while chunk := f.read(1 << 24):
+                total += len(chunk)
+    return total
+
+
+def timed(fn: Callable[[], tuple[int, int]]) -> dict:
+    start = time.perf_counter()
+    samples, nbytes = fn()
+    elapsed = time.perf_counter() - start
+    return {"samples": samples, "payload_bytes": nbytes, "seconds": elapsed,
+            "samples_per_s": samples / elapsed, "mb_per_s": nbytes / elapsed / 1e6}
+
+
+# --- the two readers ---------------------------------------------------------------------------
+
+
+def headrace_read(paths: list[str], shuffle: bool) -> tuple[int, int]:
+    reader = readers.webdataset(paths, shuffle=shuffle, shuffle_buffer=1000, seed=0)
+
+    async def run() -> tuple[int, int]:
+        n = b = 0
+        async for chunk in reader.read(0):
+            n += len(chunk)
+            for s in chunk:
+                b += s.nbytes
+        return n, b
+
+    loop = headrace.new_event_loop()
+    try:
+        return loop.run_until_complete(run())
+    finally:
+        loop.close()
+
+
+def library_read(paths: list[str], shuffle: bool) -> tuple[int, int]:
+    import webdataset as wds
+
+    dataset = wds.WebDataset(paths, shardshuffle=100 if shuffle else False, seed=0 if shuffle else None)
+    if shuffle:
+        dataset = dataset.shuffle(1000)
+    n = b = 0
+    for sample in dataset:
+        n += 1
+        b += sum(len(v) for k, v in sample.items() if not k.startswith("__"))
+    return n, b
+
+
+# --- the parsers alone -------------------------------------------------------------------------
+
+
+def headrace_parse(paths: list[str]) -> tuple[int, int]:
+    n = b = 0
+    for path in paths:
+        with open_shard(path) as f:
+            for _, _, fields, _ in iter_groups(f, path):
+                n += 1
+                b += sum(len(v) for v in fields.values())
+    return n, b
+
+
+def tarfile_parse(paths: list[str]) -> tuple[int, int]:
+    from webdataset.tariterators import base_plus_ext
+
+    n = b = 0
+    for path in paths:
+        with open(path, "rb") as raw, tarfile.open(fileobj=raw, mode="r|*") as tar:
+            key, fields = None, {}
+            for info in tar:
+                if not info.isreg():
+                    continue
+                prefix, ext = base_plus_ext(info.name)
+                data = tar.extractfile(info).read()
+                tar.members = []
+                if prefix != key:
+                    if key is not None:
+                        n += 1
+                        b += sum(len(v) for v in fields.values())
+                    key, fields = prefix, {}
+                fields[ext.lower()] = data
+            if key is not None:
+                n += 1
+                b += sum(len(v) for v in fields.values())
+    return n, b
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--samples", type=int, default=8192)
+    parser.add_argument("--kib", type=float, default=70.0, help="typical payload size (KiB)")
+    parser.add_argument("--shards", type=int, default=16)
+    parser.add_argument("--data", default=str(ROOT / ".data" / "bench-readers"))
+    parser.add_argument("--no-json", action="store_true")
+    args = parser.parse_args(argv)
+    import webdataset as wds
+
+    root = Path(args.data) / f"{args.samples}x{args.kib:g}k-{args.shards}"
+    print(f"data: {args.samples} samples of ~{args.kib:g} KiB in {args.shards} shards under {root}", flush=True)
+    paths = make_shards(root, args.samples, args.kib, args.shards)
+    size = warm(paths)
+    print(f"shards: {size / 2**20:,.0f} MiB on disk, read once to warm the page cache; {os.cpu_count()} cores\n")
+    rows = [
+        ("sequential", "webdataset library", lambda: library_read(paths, False)),
+        ("sequential", "headrace", lambda: headrace_read(paths, False)),
+        ("shuffled", "webdataset library", lambda: library_read(paths, True)),
+        ("shuffled", "headrace", lambda: headrace_read(paths, True)),
+        ("parser", "tarfile r|* + grouping", lambda: tarfile_parse(paths)),
+        ("parser", "headrace _tar.iter_groups", lambda: headrace_parse(paths)),
+    ]
+    table = []
+    print(f"{'row':<11} {'system':<27} {'samples/s':>11} {'MB/s':>9} {'ratio':>7}")
+    baseline: dict[str, float] = {}
+    for row, system, fn in rows:
+        result = timed(fn)
+        assert result["samples"] == args.samples, (system, result["samples"])
+        ratio = result["samples_per_s"] / baseline.setdefault(row, result["samples_per_s"])
+        table.append({"row": row, "system": system, "ratio": ratio, **result})
+        print(f"{row:<11} {system:<27} {result['samples_per_s']:>11,.0f} {result['mb_per_s']:>9,.0f} {ratio:>6.2f}x",
+              flush=True)
+    if not args.no_json:
+        RESULTS.mkdir(exist_ok=True)
+        host = "vm" if "vm" in socket.gethostname() or os.cpu_count() <= 4 else socket.gethostname()
+        when = datetime.date.today().isoformat()
+        out = RESULTS / f"readers-{host}-{when}-{args.kib:g}k.json"
+        out.write_text(json.dumps({
+            "benchmark": "readers", "when": datetime.datetime.now().isoformat(timespec="seconds"),
+            "machine": {"host": socket.gethostname(), "cpus": os.cpu_count(), "platform": platform.platform()},
+            "versions": {"python": sys.version.split()[0], "headrace": headrace.__version__, "webdataset": wds.__version__,
+                         "numpy": np.__version__},
+            "config": {"samples": args.samples, "kib": args.kib, "shards": args.shards, "shard_mib": size / 2**20 / len(paths)},
+            "table": table,
+        }, indent=1) + "\n")
+        print(f"\nwrote {out.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

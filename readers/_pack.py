@@ -1,0 +1,222 @@
+"""``headrace pack``: a class-per-folder image tree → WebDataset tar shards or an LMDB.
+
+Samples are labelled exactly as ``readers.files`` labels them (label = index of the sorted
+sub-folder); a sample's key is its path below the source without the extension (dots in the file
+name become ``_``, since WebDataset splits keys at the first dot), e.g. ``c0/0001``.
+
+WebDataset output: ``DEST/<prefix>-000000.tar``, ... each holding ``<key>.<ext>`` (the file's own
+bytes) and ``<key>.cls`` (the label as ASCII digits), plus ``DEST/headrace-index.json`` with every
+shard's sample count and byte size (it gives the reader ``len()`` and fast resume).
+LMDB output: ``DEST/data.mdb`` with one record per key (``lmdb.encode_record``: the same fields),
+plus ``__keys__`` (JSON list of keys, in write order) and ``__meta__`` (JSON: classes, counts).
+
+Nothing is written outside DEST: shards are written under a temporary name there and renamed when
+complete, and a failure removes what this run wrote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import tarfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from headrace._errors import ConfigError, ReadError
+
+from ._shards import INDEX_NAME, write_index
+from .files import files
+
+__all__ = ["PackResult", "pack"]
+
+_MB = 1 << 20
+_TAR_END = 2 * 512 + 10240  # end marker plus the worst-case padding to tarfile's record size
+
+
+@dataclass
+class PackResult:
+    """What ``pack`` wrote: the format, the outputs (shard paths or the LMDB folder), sample and byte counts."""
+
+    format: str
+    dest: str
+    samples: int
+    bytes: int
+    outputs: list[str] = field(default_factory=list)
+    classes: list[str] = field(default_factory=list)
+
+
+def pack(
+    src: str | os.PathLike,
+    dest: str | os.PathLike,
+    *,
+    format: Literal["webdataset", "lmdb"],
+    shard_size: float | None = 256,
+    shard_count: int | None = None,
+    shuffle: bool = False,
+    seed: int = 0,
+    prefix: str = "shard",
+    progress: Callable[[int, int], object] | None = None,
+) -> PackResult:
+    """Pack the image tree ``src`` into ``dest`` (a new or empty folder).
+
+    ``shard_size``: most megabytes per tar shard (None: no limit); ``shard_count``: most samples per
+    shard (None: no limit); a sample bigger than the limit gets a shard of its own. ``shuffle``
+    writes the samples in a seeded random order (otherwise in ``readers.files`` order), which makes
+    shards of mixed classes. ``progress(done, total)`` is called as samples are written.
+
+    Raises ReadError when ``src`` holds no images or a file cannot be read, ConfigError for a
+    wrong argument, a ``dest`` that is not empty or lies inside ``src``, or two files that map to the
+    same key.
+    """
+    if format not in ("webdataset", "lmdb"):
+        raise ConfigError(f"pack: format must be 'webdataset' or 'lmdb', got {format!r}")
+    if shard_size is not None and not shard_size > 0:
+        raise ConfigError(f"pack: shard_size must be positive (MB), got {shard_size!r}")
+    if shard_count is not None and (isinstance(shard_count, bool) or not isinstance(shard_count, int) or shard_count < 1):
+        raise ConfigError(f"pack: shard_count must be a positive int, got {shard_count!r}")
+    if not prefix or "/" in prefix or os.sep in prefix or prefix.startswith("."):
+        raise ConfigError(f"pack: prefix must be a plain file name part, got {prefix!r}")
+    src_path, dest_path = Path(src).resolve(), Path(dest).resolve()
+    if dest_path == src_path or src_path in dest_path.parents:
+        raise ConfigError(f"pack: DEST {str(dest_path)!r} must not be inside SRC {str(src_path)!r}")
+    if dest_path.exists() and (not dest_path.is_dir() or any(dest_path.iterdir())):
+        raise ConfigError(f"pack: DEST {str(dest_path)!r} exists and is not an empty folder")
+    listing = files(src_path)
+    keys = [_key(k) for k in listing._keys]
+    seen: dict[str, str] = {}
+    for key, path in zip(keys, listing.paths):
+        if key in seen:
+            raise ConfigError(f"pack: {seen[key]!r} and {path!r} would both be stored under key {key!r}")
+        seen[key] = path
+    order = np.random.default_rng(seed).permutation(len(keys)).tolist() if shuffle else list(range(len(keys)))
+    items = [(keys[i], listing._exts[i], listing.paths[i], listing.labels[i]) for i in order]  # type: ignore[index]
+    created = not dest_path.exists()
+    dest_path.mkdir(parents=True, exist_ok=True)
+    result = PackResult(format, str(dest_path), 0, 0, classes=list(listing.classes))
+    try:
+        if format == "webdataset":
+            _write_shards(items, dest_path, result, shard_size, shard_count, prefix, progress)
+        else:
+            _write_lmdb(items, dest_path, result, progress)
+    except BaseException:
+        for out in result.outputs + [str(dest_path / INDEX_NAME)]:
+            with contextlib.suppress(OSError):
+                os.unlink(out)
+        for leftover in dest_path.iterdir():
+            if leftover.name.startswith(".headrace-") or leftover.name in ("data.mdb", "lock.mdb"):
+                with contextlib.suppress(OSError):
+                    os.unlink(leftover)
+        if created:
+            with contextlib.suppress(OSError):
+                dest_path.rmdir()
+        raise
+    return result
+
+
+def _key(key: str) -> str:
+    folder, _, name = key.rpartition("/")
+    return (folder + "/" if folder else "") + name.replace(".", "_")
+
+
+def _read(path: str, key: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise ReadError(f"cannot read file: {exc.strerror or exc}", key=key, source=path) from exc
+
+
+def _tar_bytes(name: str, size: int) -> int:
+    header = 512 if len(name.encode()) <= 100 else 3 * 512 + 512  # a pax header for long names
+    return header + (size + 511) // 512 * 512
+
+
+def _write_shards(items, dest: Path, result: PackResult, shard_size, shard_count, prefix, progress) -> None:
+    limit = None if shard_size is None else int(shard_size * _MB)
+    shards: list[dict] = []
+    tar: tarfile.TarFile | None = None
+    tmp = final = ""
+    used = count = 0
+
+    def close() -> None:
+        nonlocal tar
+        assert tar is not None
+        tar.close()
+        tar = None
+        os.replace(tmp, final)
+        shards.append({"name": os.path.basename(final), "samples": count, "bytes": os.path.getsize(final)})
+        result.bytes += shards[-1]["bytes"]
+
+    try:
+        for key, ext, path, label in items:
+            data, cls = _read(path, key), str(label).encode()
+            need = _tar_bytes(f"{key}.{ext}", len(data)) + _tar_bytes(f"{key}.cls", len(cls))
+            full = (limit is not None and used + need + _TAR_END > limit) or (shard_count is not None and count >= shard_count)
+            if tar is not None and count and full:
+                close()
+            if tar is None:
+                final = str(dest / f"{prefix}-{len(shards):06d}.tar")
+                tmp = str(dest / f".headrace-{len(shards):06d}.tar.tmp")
+                result.outputs.append(final)
+                tar = tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT)
+                used = count = 0
+            for name, payload in ((f"{key}.{ext}", data), (f"{key}.cls", cls)):
+                _add(tar, name, payload)
+            used += need
+            count += 1
+            result.samples += 1
+            if progress is not None:
+                progress(result.samples, len(items))
+        if tar is not None:
+            close()
+    finally:
+        if tar is not None:
+            tar.close()
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+    write_index(str(dest), shards, classes=result.classes)
+
+
+def _add(tar: tarfile.TarFile, name: str, payload: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = len(payload), 0o444, 0  # fixed metadata: the same input packs the same bytes
+    info.uname = info.gname = "headrace"
+    tar.addfile(info, io.BytesIO(payload))
+
+
+def _write_lmdb(items, dest: Path, result: PackResult, progress) -> None:
+    from .lmdb import encode_record, lmdb_module
+
+    lmdb_lib = lmdb_module()
+
+    total = sum(os.path.getsize(path) for _, _, path, _ in items)
+    env = lmdb_lib.open(str(dest), map_size=max(64 * _MB, 2 * total + 64 * _MB), subdir=True, lock=False,
+                        readahead=False, meminit=False)
+    result.outputs.append(str(dest))
+    try:
+        batch: list[tuple[bytes, bytes]] = []
+        for i, (key, ext, path, label) in enumerate(items):
+            batch.append((key.encode(), encode_record({ext: _read(path, key), "cls": str(label).encode()})))
+            if len(batch) >= 256 or i == len(items) - 1:
+                with env.begin(write=True) as txn:
+                    for k, v in batch:
+                        txn.put(k, v)
+                result.samples += len(batch)
+                if progress is not None:
+                    progress(result.samples, len(items))
+                batch = []
+        meta = {"format": "headrace.lmdb", "version": 1, "samples": len(items), "classes": result.classes,
+                "record": "headrace-record-1"}
+        with env.begin(write=True) as txn:
+            txn.put(b"__keys__", json.dumps([k for k, _, _, _ in items]).encode())
+            txn.put(b"__meta__", json.dumps(meta).encode())
+        env.sync(True)
+    finally:
+        env.close()
+    result.bytes = os.path.getsize(dest / "data.mdb")

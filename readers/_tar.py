@@ -1,0 +1,211 @@
+"""A streaming tar parser that groups members into WebDataset samples.
+
+Hand-written over 512-byte headers rather than ``tarfile`` "r|*": it was about 3x faster per member
+(no TarInfo objects, no member list) and it can skip the data of samples nobody asked for with a
+seek. It understands ustar, GNU (long names: ``L``) and POSIX pax (``x``: path, size) headers, and
+gzip-compressed shards (detected by their magic, read as a stream). Only regular files become fields;
+directories, links and the like are passed over.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import os
+import re
+from collections.abc import Callable, Iterator
+from typing import BinaryIO
+
+from headrace._errors import ReadError
+
+__all__ = ["TarGroup", "count_samples", "iter_groups", "open_shard", "split_name"]
+
+BLOCK = 512
+_ZERO = bytes(BLOCK)
+_REGULAR = (b"0", b"\0", b"7")
+_META = re.compile(r"__[^/]*__($|/)")  # WebDataset skips these members ("__index__" and such)
+
+# (ordinal of the sample in its shard, key, fields or None when skipped, error or None)
+TarGroup = tuple[int, str, "dict[str, bytes] | None", "ReadError | None"]
+
+
+def split_name(name: str) -> tuple[str, str] | None:
+    """WebDataset's key/field split: ``"a/b/0001.seg.PNG"`` → ``("a/b/0001", "seg.png")``.
+
+    None for a name with no extension or whose base name starts with a dot (hidden files).
+    """
+    slash = name.rfind("/") + 1
+    dot = name.find(".", slash)
+    if dot <= slash or dot == len(name) - 1:
+        return None
+    return name[:dot], name[dot + 1 :].lower()
+
+
+def unsafe(key: str) -> bool:
+    """True for a member path that would leave the folder it was unpacked into (absolute, ``..``, drive)."""
+    parts = key.replace("\\", "/")
+    return parts.startswith("/") or ".." in parts.split("/") or "\0" in key or (
+        len(parts) > 2 and parts[0].isalpha() and parts[1:3] == ":/"
+    )
+
+
+def open_shard(path: str, buffering: int = 1 << 20) -> BinaryIO:
+    """Open a shard for streaming; a gzip-compressed one is decompressed on the fly."""
+    f = open(path, "rb", buffering=buffering)  # noqa: SIM115 - the caller closes it
+    try:
+        if f.peek(2)[:2] == b"\x1f\x8b":
+            return _GzipShard(f)
+    except BaseException:
+        f.close()
+        raise
+    return f
+
+
+class _GzipShard(gzip.GzipFile):
+    def __init__(self, raw: io.BufferedReader) -> None:
+        super().__init__(fileobj=raw, mode="rb")
+        self._raw = raw
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self._raw.close()
+
+
+def _number(field: bytes) -> int:
+    if field[:1] and field[0] & 0x80:  # base-256 (GNU, for sizes past 8 GiB)
+        return int.from_bytes(field[1:], "big") | ((field[0] & 0x3F) << (8 * (len(field) - 1)))
+    field = field.split(b"\0", 1)[0].strip()
+    return int(field, 8) if field else 0
+
+
+def _pax(data: bytes) -> dict[str, str]:
+    out: dict[str, str] = {}
+    pos = 0
+    while pos < len(data):
+        space = data.index(b" ", pos)
+        length = int(data[pos:space])
+        key, _, value = data[space + 1 : pos + length - 1].partition(b"=")
+        out[key.decode("utf-8", "surrogateescape")] = value.decode("utf-8", "surrogateescape")
+        pos += length
+    return out
+
+
+def iter_groups(f: BinaryIO, source: str, select: Callable[[int], bool] | None = None,
+                stop: Callable[[], bool] | None = None) -> Iterator[TarGroup]:
+    """Yield the shard's samples in order, one tuple per group of members that share a key.
+
+    ``select(ordinal)`` says whether a sample's data is wanted; an unwanted one is yielded with
+    ``fields=None`` and its members are seeked over, not read. A member whose path escapes the
+    archive (``../x``, ``/etc/x``) makes its sample an error (its data is never read). A duplicate
+    field or a missing ``select``-ed byte is reported the same way. A truncated archive or a corrupt
+    header raises ReadError naming the shard and the sample being read; the samples before it
+    have been yielded. ``stop()`` is polled once per member so a reader can be abandoned quickly.
+    """
+    ordinal = -1
+    key: str | None = None
+    fields: dict[str, bytes] | None = None
+    error: ReadError | None = None
+    long_name: str | None = None
+    pax: dict[str, str] = {}
+    offset = 0
+    read = f.read
+    # A plain file is seeked over and its size bounds every member; a gzip stream is read through.
+    end = None if isinstance(f, gzip.GzipFile) else os.fstat(f.fileno()).st_size - f.tell()
+
+    def skip(n: int, name: str) -> None:
+        if n <= 0:
+            return
+        if end is not None and n > BLOCK:
+            if offset + n > end:
+                raise ReadError(f"truncated tar: member {name!r} is cut off", key=key, source=source)
+            f.seek(n, os.SEEK_CUR)
+        elif len(read(n)) < n:
+            raise ReadError(f"truncated tar: member {name!r} is cut off", key=key, source=source)
+
+    while True:
+        if stop is not None and stop():
+            return
+        header = read(BLOCK)
+        if len(header) < BLOCK:
+            if header:
+                raise ReadError(f"truncated tar: a header is cut off at byte {offset}", key=key, source=source)
+            break  # end of file on a block boundary without the end marker: accepted, as tarfile does
+        if header == _ZERO:
+            break
+        stored = header[148:156]
+        total = sum(header) - sum(stored) + 256
+        try:
+            valid = _number(stored) == total
+        except ValueError:
+            valid = False
+        if not valid:
+            raise ReadError(f"corrupt tar header at byte {offset} (checksum mismatch)", key=key, source=source)
+        try:
+            size = int(pax["size"]) if "size" in pax else _number(header[124:136])
+        except ValueError as exc:
+            raise ReadError(f"corrupt tar header at byte {offset} (size field)", key=key, source=source) from exc
+        kind = header[156:157]
+        offset += BLOCK
+        padded = (size + BLOCK - 1) & ~(BLOCK - 1)
+        if kind in (b"L", b"x", b"g", b"K"):
+            data = read(padded)
+            if len(data) < padded:
+                raise ReadError(f"truncated tar: extended header at byte {offset - BLOCK}", key=key, source=source)
+            offset += padded
+            if kind == b"L":
+                long_name = data[:size].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+            elif kind == b"x":
+                pax = _pax(data[:size])
+            continue
+        if long_name is not None:
+            name = long_name
+        elif "path" in pax:
+            name = pax["path"]
+        else:
+            name = header[:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+            if header[257:263] == b"ustar\x00" and header[345] != 0:
+                name = header[345:500].split(b"\0", 1)[0].decode("utf-8", "surrogateescape") + "/" + name
+        long_name, pax = None, {}
+        split = split_name(name) if kind in _REGULAR and not _META.match(name) else None
+        if split is None and kind in _REGULAR and unsafe(name):
+            split = (name, "")  # no extension, but a hostile path is reported, not passed over
+        if split is None:
+            skip(padded, name)
+            offset += padded
+            continue
+        member_key, ext = split
+        if member_key != key:
+            if key is not None:
+                yield ordinal, key, fields, error
+            ordinal += 1
+            key, error = member_key, None
+            wanted = select is None or select(ordinal)
+            fields = {} if wanted else None
+            if wanted and unsafe(member_key):
+                fields, error = {}, ReadError(f"member path escapes the archive: {name!r}", key=member_key, source=source)
+        if fields is None or error is not None:
+            skip(padded, name)
+        elif ext in fields:
+            error = ReadError(f"duplicate field {ext!r} in sample", key=key, source=source)
+            skip(padded, name)
+        else:
+            data = read(size)
+            if len(data) < size:
+                raise ReadError(f"truncated tar: member {name!r} needs {size} bytes, {len(data)} left",
+                                key=key, source=source)
+            fields[ext] = data
+            skip(padded - size, name)
+        offset += padded
+    if key is not None:
+        yield ordinal, key, fields, error
+
+
+def count_samples(path: str) -> int:
+    """Samples in a shard, by reading its headers only (data is seeked over)."""
+    with open_shard(path, buffering=64 << 10) as f:
+        n = 0
+        for _ in iter_groups(f, path, select=lambda _: False):
+            n += 1
+        return n

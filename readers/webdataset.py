@@ -1,0 +1,417 @@
+"""Samples from WebDataset tar shards, read as streams: no index needed, bounded memory, exact resume.
+
+Stream of one rank for (seed, epoch):
+
+1. shard order: all shards, permuted by an RNG keyed on (seed, epoch) when shuffling;
+2. this rank's part: with at least as many shards as ranks, the shards ``i`` with ``i % world == rank``
+   (fixed across epochs, so ``len()`` is too); with fewer, every shard, keeping sample ``j`` of shard
+   ``i`` when ``(i + j) % world == rank`` (the others are seeked over, not read);
+3. the samples of those shards in order, through a seeded shuffle buffer (``_shuffle.py``);
+4. with ``equal="drop"`` cut, with ``"pad"`` extended by the stream's own head, to the same count on
+   every rank.
+
+Resume: ``read(epoch, start=k)`` recomputes the shuffle buffer's state after ``k`` outputs by running
+it over input ordinals (integers; no I/O), then opens only the shards holding an input it still needs
+(the ones held in the buffer at ``k`` and every later one) and, inside those, reads only the samples
+it needs: the others are skipped with a seek over their data. It needs per-shard sample counts: from
+the index ``pack`` writes, from ``counts=``, or else from a one-time scan of the tar headers (seeks,
+no data read) done on the first resume. Cost: O(buffer + k) integer steps (~0.5 s per million) plus
+reading the ``shuffle_buffer`` held samples again; without a shuffle buffer, only what is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import concurrent.futures
+import contextlib
+import copy
+import os
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal, Self
+
+import numpy as np
+
+from headrace._errors import ConfigError, ReadError
+from headrace._sample import Sample
+
+from ._base import Equal, Reader, _check_shard
+from ._feed import END, Feed, join_threads
+from ._shards import read_index, resolve_shards
+from ._shuffle import Draws, ShuffleBuffer, resume_state
+from ._tar import count_samples, iter_groups, open_shard
+
+__all__ = ["WebDatasetReader", "webdataset"]
+
+Split = Literal["auto", "shards", "samples"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """One shard as this rank reads it in one epoch."""
+
+    shard: int  # number in the sorted shard list
+    path: str
+    first: int  # first in-shard ordinal that belongs to this rank
+    stride: int  # then every stride-th
+    base_index: int  # Sample.index of the shard's first sample
+    rank_base: int = -1  # this rank's input ordinal of the shard's first kept sample (-1: unknown)
+    needed: Callable[[int], bool] | None = None  # on rank input ordinals; None: all
+
+
+class WebDatasetReader(Reader):
+    """Streams samples out of tar shards; see the module docstring for the stream and resume design.
+
+    Build it with ``headrace.readers.webdataset(...)``.
+    """
+
+    def __init__(
+        self,
+        shards: Sequence[str],
+        *,
+        counts: Sequence[int] | None = None,
+        total: int | None = None,
+        shuffle: bool = False,
+        shuffle_buffer: int = 1000,
+        seed: int | None = None,
+        read_ahead: int = 2,
+        chunk_size: int = 64,
+        split: Split = "auto",
+        require: Sequence[str] = (),
+    ) -> None:
+        for name, value, low in (("shuffle_buffer", shuffle_buffer, 0), ("read_ahead", read_ahead, 0),
+                                 ("chunk_size", chunk_size, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"webdataset: {name} must be an int >= {low}, got {value!r}")
+        if split not in ("auto", "shards", "samples"):
+            raise ConfigError(f"webdataset: split must be 'auto', 'shards' or 'samples', got {split!r}")
+        if counts is not None and len(counts) != len(shards):
+            raise ConfigError(f"webdataset: {len(shards)} shards but {len(counts)} counts")
+        self.shards = list(shards)
+        self.shuffle = shuffle
+        self.shuffle_buffer = shuffle_buffer
+        self.seed = seed
+        self.read_ahead = read_ahead
+        self.chunk_size = chunk_size
+        self.split = split
+        self.require = [tuple(alt.split(";")) for alt in require]
+        self.equal: Equal = None
+        self._counts = None if counts is None else [int(c) for c in counts]
+        self._total = sum(self._counts) if self._counts is not None else total
+        # Sample.index: dense dataset positions when counts are known now, else (shard << 32) + ordinal.
+        # Fixed here, so a scan done later (for a resume) never changes the indices.
+        self._offsets = None if self._counts is None else np.concatenate([[0], np.cumsum(self._counts)]).tolist()
+        self._scanned: list[int] | None = self._counts
+
+    # -- shape of the stream ------------------------------------------------------------------
+
+    @property
+    def by_samples(self) -> bool:
+        """True when ranks split every shard's samples, False when they split the shards."""
+        return self.split == "samples" or (self.split == "auto" and len(self.shards) < self.world)
+
+    def _jobs(self, epoch: int, seed: int) -> list[_Job]:
+        n = len(self.shards)
+        order = np.random.default_rng([seed, epoch, 0]).permutation(n).tolist() if self.shuffle else range(n)
+        jobs = []
+        for i in order:
+            if self.by_samples:
+                first, stride = (self.rank - i) % self.world, self.world
+            elif i % self.world == self.rank:
+                first, stride = 0, 1
+            else:
+                continue
+            base = self._offsets[i] if self._offsets is not None else i << 32
+            jobs.append(_Job(i, self.shards[i], first, stride, base))
+        return jobs
+
+    def _rank_total(self, counts: Sequence[int], rank: int) -> int:
+        if self.by_samples:
+            return sum(len(range((rank - i) % self.world, c, self.world)) for i, c in enumerate(counts))
+        return sum(counts[rank :: self.world])
+
+    def _target(self, counts: Sequence[int]) -> int:
+        """Samples per epoch on this rank once the ``equal`` policy is applied."""
+        if self.equal is None or self.world == 1:
+            return self._rank_total(counts, self.rank)
+        totals = [self._rank_total(counts, r) for r in range(self.world)]
+        return max(totals) if self.equal == "pad" else min(totals)
+
+    def __len__(self) -> int:
+        if self._counts is not None:
+            return self._target(self._counts)
+        if self._total is not None and self.world == 1:
+            return self._total
+        raise TypeError(
+            "len() of this webdataset reader is unknown: its shards have no headrace-index.json "
+            "(written by `headrace pack`) and no counts= were given"
+            + (" (a total count does not say how the shards split across ranks)" if self._total else "")
+        )
+
+    def shard(self, rank: int, world: int, *, equal: Equal = None) -> Self:
+        _check_shard(rank, world, equal)
+        part = copy.copy(self)
+        part.rank, part.world, part.equal = rank, world, equal
+        if part.split == "shards" and len(self.shards) < world:
+            raise ConfigError(f"webdataset: split='shards' needs at least {world} shards, there are {len(self.shards)}")
+        if equal is not None and self._counts is None:
+            raise ConfigError(f"webdataset: equal={equal!r} needs per-shard sample counts "
+                              "(headrace-index.json from `headrace pack`, or counts=[...] or counts='scan')")
+        return part
+
+    def state_dict(self) -> dict:
+        try:
+            samples: int | None = len(self)
+        except TypeError:
+            samples = None
+        return {"type": type(self).__name__, "samples": samples, "rank": self.rank, "world": self.world,
+                "shards": len(self.shards), "shuffle": self.shuffle,
+                "shuffle_buffer": self.shuffle_buffer if self.shuffle else 0, "split": self.split, "equal": self.equal}
+
+    def __repr__(self) -> str:
+        return (f"WebDatasetReader({len(self.shards)} shards, samples={self._total}, shuffle={self.shuffle}, "
+                f"buffer={self.shuffle_buffer if self.shuffle else 0}, rank={self.rank}/{self.world})")
+
+    # -- reading ------------------------------------------------------------------------------
+
+    async def read(self, epoch: int, *, start: int = 0, seed: int = 0) -> AsyncIterator[list[Sample]]:
+        """Yield this rank's samples for ``epoch`` from stream position ``start`` on.
+
+        Up to ``read_ahead`` shards beyond the current one are read at once, each by its own thread
+        into a feed of two ``chunk_size`` lists; a full feed stops that thread (backpressure). Memory
+        is about ``(read_ahead + 1) * 3 * chunk_size + shuffle_buffer`` samples. Closing the iterator
+        stops the threads and closes the files before it returns. A shard that is truncated or
+        corrupt ends with one sample whose ``error`` is a ReadError naming the shard and key.
+        """
+        seed = self.seed if self.seed is not None else seed
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ConfigError(f"start must be a non-negative int, got {start!r}")
+        if self.equal is None or self.world == 1:
+            async with contextlib.aclosing(self._stream(epoch, seed, start, None)) as stream:
+                async for chunk in stream:
+                    yield chunk
+            return
+        counts = self._counts
+        assert counts is not None  # shard() checked
+        natural, target = self._rank_total(counts, self.rank), self._target(counts)
+        if start > target:
+            raise ConfigError(f"start must be in [0, {target}], got {start}")
+        if natural == 0 and target > 0:
+            raise ReadError(f"equal='pad': rank {self.rank} has no samples to repeat", source=self.shards[0])
+        pos = start
+        while pos < target:  # "pad" repeats the stream's head; "drop" stops early
+            base = pos % natural
+            stream = self._stream(epoch, seed, base, min(natural, base + target - pos))
+            async with contextlib.aclosing(stream):
+                async for chunk in stream:
+                    for s in chunk:
+                        s.position += pos - base
+                    yield chunk
+            pos += min(natural, base + target - pos) - base
+
+    async def _stream(self, epoch: int, seed: int, start: int, stop: int | None) -> AsyncIterator[list[Sample]]:
+        """Positions [start, stop) of the rank's natural stream (``stop=None``: to its end)."""
+        size = self.shuffle_buffer if self.shuffle else 0
+        buf = ShuffleBuffer(size, Draws([seed, epoch, 1, self.rank]), position=start)
+        jobs = self._jobs(epoch, seed)
+        slot_of: dict[int, int] = {}
+        if start > 0:
+            counts = await self._known_counts()
+            total = self._rank_total(counts, self.rank)
+            if start > total:
+                raise ConfigError(f"start must be in [0, {total}], got {start}")
+            held, nxt = resume_state(size, buf.draws, total, start)
+            buf.slots = [None] * len(held)
+            slot_of = {ordinal: i for i, ordinal in enumerate(held)}
+            jobs = _resume_jobs(jobs, counts, nxt, slot_of)
+        limit = None if stop is None else stop - start
+        if limit == 0:
+            return
+        emitted = 0
+        out: list[Sample] = []
+        async with contextlib.aclosing(self._shard_samples(jobs)) as chunks:
+            async for chunk in chunks:
+                for s in chunk:
+                    if slot_of:  # resuming: the first samples to come are the buffer's held ones
+                        slot = slot_of.pop(s.position, None)
+                        if slot is None:
+                            raise ReadError("cannot resume: the shards changed since their counts were taken",
+                                            key=s.key, source=s.source)
+                        buf.slots[slot] = s
+                    else:
+                        buf.push(s, out)
+                if not out:
+                    continue
+                if limit is not None and emitted + len(out) >= limit:
+                    yield _number(out[: limit - emitted], start + emitted)
+                    return
+                yield _number(out, start + emitted)
+                emitted += len(out)
+                out = []
+        if slot_of:
+            raise ReadError(f"cannot resume: {len(slot_of)} samples are missing; the shards changed since their "
+                            "counts were taken", source=self.shards[0])
+        buf.drain(out, None if limit is None else limit - emitted)
+        if out:
+            yield _number(out, start + emitted)
+
+    async def _known_counts(self) -> list[int]:
+        if self._scanned is None:
+            with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="headrace-io-scan") as pool:
+                futures = [pool.submit(count_samples, p) for p in self.shards]
+                try:
+                    self._scanned = [await asyncio.wrap_future(f) for f in futures]
+                finally:
+                    for f in futures:
+                        f.cancel()
+                    await join_threads(futures)
+        return self._scanned
+
+    async def _shard_samples(self, jobs: list[_Job]) -> AsyncIterator[list[Sample]]:
+        """The jobs' samples in order; ``read_ahead`` shards beyond the current one are read meanwhile."""
+        loop = asyncio.get_running_loop()
+        pool = concurrent.futures.ThreadPoolExecutor(self.read_ahead + 1, thread_name_prefix="headrace-io-webdataset")
+        running: deque[tuple[Feed, concurrent.futures.Future[None]]] = deque()
+        todo = iter(jobs)
+        try:
+            while True:
+                while len(running) <= self.read_ahead:
+                    job = next(todo, None)
+                    if job is None:
+                        break
+                    feed = Feed(loop, capacity=2)
+                    running.append((feed, pool.submit(self._produce, job, feed)))
+                if not running:
+                    return
+                item = await running[0][0].get()
+                if item is END:
+                    running.popleft()
+                    continue
+                yield item
+        finally:
+            for feed, _ in running:
+                feed.stop()
+            pool.shutdown(wait=False, cancel_futures=True)
+            await join_threads([f for _, f in running])
+            pool.shutdown(wait=True)
+
+    def _produce(self, job: _Job, feed: Feed) -> None:
+        """Thread: parse one shard into lists of samples; ``position`` carries the rank input ordinal."""
+        first, stride, base, path, rank_base = job.first, job.stride, job.base_index, job.path, job.rank_base
+        needed = job.needed
+
+        def select(j: int) -> bool:
+            if j < first or (j - first) % stride:
+                return False
+            return needed is None or needed(rank_base + (j - first) // stride)
+
+        chunk: list[Sample] = []
+        last = -1
+        try:
+            with open_shard(path) as f:
+                for j, key, fields, error in iter_groups(f, path, select, lambda: feed.stopped):
+                    last = j
+                    if fields is None:
+                        continue
+                    if error is None and self.require:
+                        error = _missing(fields, self.require, key, path)
+                    if error is not None:
+                        fields = {}
+                    chunk.append(Sample(key, fields, path, base + j, rank_base + (j - first) // stride, error))
+                    if len(chunk) >= self.chunk_size:
+                        if not feed.put(chunk):
+                            return
+                        chunk = []
+        except (OSError, ReadError) as exc:
+            if not isinstance(exc, ReadError):
+                err = ReadError(f"cannot read shard: {exc.strerror or exc}", source=path)
+                err.__cause__ = exc
+                exc = err
+            j = last + 1  # the sample being read when it failed
+            chunk.append(Sample(exc.key or os.path.basename(path), {}, path, base + j,
+                                rank_base + max(0, j - first) // stride, exc))
+        if chunk:
+            feed.put(chunk)
+        feed.put(END, force=True)
+
+
+def _number(out: list[Sample], first: int) -> list[Sample]:
+    for offset, s in enumerate(out):
+        s.position = first + offset
+    return out
+
+
+def _missing(fields: dict, require: list[tuple[str, ...]], key: str, path: str) -> ReadError | None:
+    for alternatives in require:
+        if not any(a in fields for a in alternatives):
+            return ReadError(f"sample has no {' or '.join(map(repr, alternatives))} field "
+                             f"(it has {', '.join(sorted(fields)) or 'none'})", key=key, source=path)
+    return None
+
+
+def _resume_jobs(jobs: list[_Job], counts: Sequence[int], nxt: int, held: dict[int, int]) -> list[_Job]:
+    """The jobs still needed after a resume, each told which of its samples to read."""
+
+    def needed(r: int) -> bool:
+        return r >= nxt or r in held
+
+    marks = sorted(held)
+    out = []
+    rank_base = 0
+    for job in jobs:
+        lo = rank_base
+        rank_base += len(range(job.first, counts[job.shard], job.stride))
+        if rank_base > nxt or bisect.bisect_left(marks, lo) < bisect.bisect_left(marks, rank_base):
+            out.append(_Job(job.shard, job.path, job.first, job.stride, job.base_index, lo, needed))
+    return out
+
+
+def webdataset(
+    source: str | os.PathLike | Sequence[str | os.PathLike],
+    *,
+    counts: int | Sequence[int] | Literal["scan"] | None = None,
+    shuffle: bool = False,
+    shuffle_buffer: int = 1000,
+    seed: int | None = None,
+    read_ahead: int = 2,
+    chunk_size: int = 64,
+    split: Split = "auto",
+    require: Sequence[str] = (),
+) -> WebDatasetReader:
+    """A reader over WebDataset tar shards.
+
+    ``source``: a brace pattern (``"train-{0000..0127}.tar"``, ``"{a,b}.tar"``), a folder (its
+    ``*.tar`` files in sorted order), or a list of either. Members are grouped by key (the path up
+    to the first dot of the file name) into one Sample per key, whose fields are the extensions
+    (lowercased; ``"jpg"``, ``"cls"``, ``"json"``...) mapped to the members' bytes, undecoded.
+
+    ``counts``: per-shard sample counts, a total, ``"scan"`` (count now by reading the tar headers),
+    or None to use the ``headrace-index.json`` that ``headrace pack`` writes beside the shards, if
+    any. They give ``len()``, the ``equal=`` policy of ``shard()`` and a fast resume; without them
+    ``len()`` raises TypeError and the first resume scans the headers.
+
+    ``shuffle``: a new shard order each epoch, plus a ``shuffle_buffer``-sample shuffle buffer, both
+    seeded by (``seed`` or the loader's seed, epoch). ``read_ahead``: shards read ahead of the
+    current one, each by its own thread. ``chunk_size``: samples per hand-off. ``split``: how ranks
+    divide the data (``"auto"``: by shards when there are at least as many shards as ranks, else
+    by samples within every shard). ``require``: field names every sample must have
+    (``"jpg;png"`` accepts either); a sample without one becomes a ReadError sample.
+
+    Raises ReadError for a missing shard, ConfigError for a wrong argument.
+    """
+    shards = resolve_shards(source)
+    total = None
+    if counts is None:
+        per_shard = read_index(shards)
+    elif isinstance(counts, str):
+        if counts != "scan":
+            raise ConfigError(f"webdataset: counts must be a list, an int, 'scan' or None, got {counts!r}")
+        per_shard = [count_samples(p) for p in shards]
+    elif isinstance(counts, int) and not isinstance(counts, bool):
+        per_shard, total = None, counts
+    else:
+        per_shard = list(counts)
+    return WebDatasetReader(shards, counts=per_shard, total=total, shuffle=shuffle, shuffle_buffer=shuffle_buffer,
+                            seed=seed, read_ahead=read_ahead, chunk_size=chunk_size, split=split, require=require)
