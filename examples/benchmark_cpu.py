@@ -7,7 +7,8 @@ Both systems read the same JPEG files and produce the same batches: decode → r
 ImageNet mean/std → float32 NCHW, plus int64 labels. torchvision cannot be installed here, so
 its transforms are re-implemented line for line with Pillow and torch (``TorchvisionStyle``).
 The DataLoader uses one worker process per core, persistent workers, no pinned memory; headrace
-uses one thread per core. After a warm-up epoch each, timed epochs alternate between the two
+uses one thread per core, and decodes each JPEG's crop window only with nvImageCodec's CPU backend
+when it is installed (Pillow otherwise; the JSON says which). After a warm-up epoch each, timed epochs alternate between the two
 systems (the order flips every round) and the median epoch counts.
 
 The decode-only rows (whole images from memory to RGB pixels, nothing else) answer which CPU
@@ -348,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
                 "timed_epochs": args.epochs,
                 "decode_images": min(args.decode_images, len(paths)),
                 "pipeline": "decode → RandomResizedCrop(224) → flip → normalize → float32 NCHW",
+                "headrace_jpeg_decoder": "nvImageCodec CPU, crop window" if nvc else "Pillow",
             },
             "table": rows,
         }

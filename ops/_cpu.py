@@ -1,8 +1,10 @@
 """The CPU executor: a batch split into chunks, each chunk one call in a worker thread.
 
-A chunk's thread decodes, crops and resizes each image with Pillow, then normalises it with torch
-straight into its row of the preallocated batch tensor, while the pixels are still in cache. The
-event loop sees one await per chunk, never one per sample.
+A chunk's thread decodes each image (nvImageCodec's CPU backend for JPEG, only the window the ops
+read, see ``_cpu_decode``; Pillow for the rest and as the fallback), applies the geometry with
+torch on the uint8 pixels (``_cpu_ops``), then normalises it straight into its row of the
+preallocated batch tensor, while the pixels are still in cache. The event loop sees one await
+per chunk, never one per sample.
 """
 
 from __future__ import annotations
@@ -18,11 +20,27 @@ import torch
 from headrace._errors import ClosedError, ConfigError, DecodeError, LoaderError, ReadError, TransformError
 from headrace._sample import SampleBatch
 
-from . import _pillow
+from . import _cpu_ops, _pillow
+from ._cpu_decode import Header, JpegDecoders, nvimgcodec
+from ._cpu_omp import limit_openmp_threads
 from ._pipeline import Pipeline
 from ._random import uniforms
 
 __all__ = ["CpuExecutor", "Processed"]
+
+_GROUP = 16  # samples decoded together before they are transformed
+
+
+@dataclass(slots=True)
+class _Job:
+    """One sample through decode: its image bytes, nvImageCodec header and window, and pixels
+    (only the window's when ``window`` is set)."""
+
+    i: int
+    data: Any
+    header: Header | None = None
+    window: tuple[int, int, int, int] | None = None
+    pixels: torch.Tensor | None = None
 
 
 @dataclass
@@ -38,7 +56,12 @@ class CpuExecutor:
     """Runs a pipeline on the CPU with ``num_threads`` worker threads.
 
     ``run`` may be awaited for several batches at once; their chunks share the threads. ``aclose``
-    waits for chunks already running (a thread cannot be interrupted) and joins the threads.
+    waits for chunks already running (a thread cannot be interrupted), joins the threads and
+    releases their decoders.
+
+    JPEGs are decoded by nvImageCodec's CPU backend when ``nvidia.nvimgcodec`` imports and the
+    pipeline asks for RGB, by Pillow otherwise; both give the same pixels (libjpeg-turbo, same
+    settings). Geometry is torchvision's on uint8 tensors (antialiased bilinear resize).
     """
 
     def __init__(self, pipeline: Pipeline, *, num_threads: int, seed: int, name: str = "headrace-cpu") -> None:
@@ -47,7 +70,15 @@ class CpuExecutor:
         self.pipeline = pipeline
         self.seed = seed
         self.num_threads = num_threads
-        self._pool = concurrent.futures.ThreadPoolExecutor(num_threads, thread_name_prefix=name)
+        self._jpeg: JpegDecoders | None = None
+        if pipeline.decode.color == "rgb":
+            nvc = nvimgcodec()
+            if nvc is not None:
+                self._jpeg = JpegDecoders(nvc, exif=pipeline.decode.exif)
+        # Each worker runs torch's kernels on one OpenMP thread (see _cpu_omp).
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            num_threads, thread_name_prefix=name, initializer=limit_openmp_threads
+        )
         self._running: set[concurrent.futures.Future[Any]] = set()
         self._closed = False
         size = pipeline.output_size()
@@ -111,28 +142,73 @@ class CpuExecutor:
             for pos, op in enumerate(pipe.image_ops, start=1)
         ]
         scratch = None
-        for i, sample in enumerate(samples):
-            row = lo + i
+        # Decode a group, then transform it: measured 3-13% faster than alternating decode and
+        # transforms image by image (each library's code stays hot); the group bounds the memory.
+        for start in range(0, len(samples), _GROUP):
+            group = range(start, min(start + _GROUP, len(samples)))
+            for job in self._decode_group(samples, lo, group, randoms, labels, failures):
+                i, pixels = job.i, job.pixels
+                sample, row = samples[i], lo + i
+                us = [None if u is None else u[i] for u in randoms]
+                try:
+                    ops = pipe.image_ops
+                    if job.window is not None:  # the first op's window is what was decoded
+                        pixels = _cpu_ops.after_leading_window(pixels, ops[0])
+                        pixels = _cpu_ops.apply_image_ops(pixels, ops[1:], us[1:])
+                    else:
+                        pixels = _cpu_ops.apply_image_ops(pixels, ops, us)
+                    target = out[row] if out is not None else None
+                    rows[row], scratch = self._finish(pixels, target, scratch)
+                except LoaderError as exc:
+                    failures.append((row, _named(exc, sample)))
+                except Exception as exc:
+                    err = TransformError(f"{type(exc).__name__}: {exc}", key=sample.key, source=sample.source)
+                    err.__cause__ = exc
+                    failures.append((row, err))
+
+    def _decode_group(self, samples, lo: int, group: range, randoms, labels, failures) -> list[_Job]:
+        """Labels, and the HWC uint8 pixels of ``samples[i]`` for i in ``group`` (a ``_Job`` each);
+        failures go to ``failures``.
+
+        nvImageCodec decodes the JPEGs it takes (only the window when the first op is a crop inside
+        the image), in one call; Pillow decodes the rest, and those nvImageCodec fails on, whole.
+        """
+        pipe = self.pipeline
+        jpeg = self._jpeg
+        ops = pipe.image_ops
+        jobs: list[_Job] = []
+        for i in group:
+            sample = samples[i]
             try:
                 if sample.error is not None:
                     raise _read_failure(sample)
                 if labels is not None:
-                    labels[row] = _label(sample, pipe.label_field)
-                data = _image_field(sample, pipe.image_fields)
-                img = _pillow.decode(data, pipe.decode, sample.key, sample.source)
-                try:
-                    img = _pillow.apply_image_ops(img, pipe.image_ops, [None if u is None else u[i] for u in randoms])
-                    pixels = torch.from_numpy(np.array(img).reshape(img.height, img.width, -1))
-                    target = out[row] if out is not None else None
-                    rows[row], scratch = self._finish(pixels, target, scratch)
-                except LoaderError:
-                    raise
-                except Exception as exc:
-                    raise TransformError(f"{type(exc).__name__}: {exc}", key=sample.key, source=sample.source) from exc
+                    labels[lo + i] = _label(sample, pipe.label_field)
+                job = _Job(i, _image_field(sample, pipe.image_fields))
             except LoaderError as exc:
-                if exc.key is None:  # raised below the sample's level (e.g. a shape check)
-                    exc.key, exc.source = sample.key, sample.source
-                failures.append((row, exc))
+                failures.append((lo + i, _named(exc, sample)))
+                continue
+            if jpeg is not None and (header := jpeg.header(job.data)) is not None:
+                u = randoms[0][i] if ops and randoms[0] is not None else None
+                job.header, job.window = header, _cpu_ops.leading_window(ops, header.height, header.width, u)
+            jobs.append(job)
+        fast = [job for job in jobs if job.header is not None]
+        if fast:
+            for job, pixels in zip(fast, jpeg.decode([(job.header, job.window) for job in fast])):
+                job.pixels = pixels
+        done = []
+        for job in jobs:
+            if job.pixels is None:
+                sample = samples[job.i]
+                try:
+                    img = _pillow.decode(job.data, pipe.decode, sample.key, sample.source)
+                except LoaderError as exc:
+                    failures.append((lo + job.i, _named(exc, sample)))
+                    continue
+                job.pixels = torch.from_numpy(np.array(img).reshape(img.height, img.width, -1))
+                job.window = None
+            done.append(job)
+        return done
 
     def _finish(self, pixels: torch.Tensor, target: torch.Tensor | None, scratch):
         """Write one HWC uint8 image into ``target`` (or a new tensor), normalised and laid out."""
@@ -141,7 +217,8 @@ class CpuExecutor:
         if target is not None and tuple(target.shape) != _row_shape(pixels.shape[:2], pixels.shape[2], layout):
             raise TransformError(f"image is {tuple(pixels.shape)} (HWC) after the ops, expected {tuple(target.shape)}")
         if norm is None:
-            if target is None:  # ``pixels`` is a fresh array of ours: hand it out without a copy
+            if target is None:  # a copy only where ``pixels`` views a larger buffer (a crop) or is strided
+                pixels = pixels.contiguous()
                 return (pixels.permute(2, 0, 1) if self.pipeline.layout == "CHW" else pixels), scratch
             target.copy_(pixels)
             return None, scratch
@@ -171,6 +248,14 @@ class CpuExecutor:
             # Shielded: the threads must be idle before we return, even if our caller is cancelled.
             await asyncio.shield(asyncio.wait([asyncio.wrap_future(f) for f in running]))
         self._pool.shutdown(wait=True)
+        if self._jpeg is not None:
+            self._jpeg.close()
+
+
+def _named(exc: LoaderError, sample) -> LoaderError:
+    if exc.key is None:  # raised below the sample's level (e.g. a shape check)
+        exc.key, exc.source = sample.key, sample.source
+    return exc
 
 
 def _row_shape(size, channels: int, layout: str) -> tuple[int, int, int]:

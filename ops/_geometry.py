@@ -2,8 +2,9 @@
 
 The GPU path needs, per sample and before decoding, the window of the source image that the ops
 read (to decode only that region) and the mapping from output pixels into it (for the fused
-kernel). This folds Resize / CenterCrop / RandomResizedCrop into a box in source coordinates, the
-same fold the CPU path's ``_pillow._Window`` does, and Flip into flags.
+kernel). This folds Resize / CenterCrop / RandomResizedCrop into a box in source coordinates
+(the CPU path runs the same ops one after another; tests check the fold against it) and Flip
+into flags.
 """
 
 from __future__ import annotations

@@ -1,13 +1,18 @@
-"""Pillow-backed decode and geometry for one image: the CPU path's per-image work.
+"""Pillow-backed decode for one image, and Pillow's version of the geometry.
 
-Geometry is fused where that stays a plain resize: crops after a resize fold into one
+``decode`` is the CPU path's decoder for everything nvImageCodec does not take (PNG and other
+formats, CMYK or 12-bit JPEGs, gray output, files without an EOI marker, and any JPEG nvImageCodec
+fails on), and the GPU path's CPU fallback.
+
+``apply_image_ops`` is no longer what the CPU executor runs (it uses torch, ``_cpu_ops``); it is
+the Pillow rendering of the fused geometry the GPU kernel reproduces, and tests/ops/test_geometry.py
+checks the GPU path's region-of-interest plan against it. Crops after a resize fold into one
 ``Image.resize(box=...)`` call, which computes only the output pixels of "resize, then crop".
 It is not bit-exact with the two calls: Pillow rounds between its horizontal and vertical passes
 and picks the pass order by cost, which differs for the box, and the box travels as float32. Both
-results lie within 1 of the exact (unrounded) resize, so they differ by at most 2 (measured in
-tests/ops/test_ops_geometry.py). A resize never folds into an earlier crop or resize: torchvision
-crops first, so the filter must not reach outside the crop. Pillow releases the GIL inside decode
-and resize, so worker threads run in parallel.
+results lie within 1 of the exact (unrounded) resize, so they differ by at most 2. A resize never
+folds into an earlier crop or resize: torchvision crops first, so the filter must not reach
+outside the crop. Pillow releases the GIL inside decode and resize, so worker threads run in parallel.
 """
 
 from __future__ import annotations

@@ -14,10 +14,10 @@ from PIL import Image
 import headrace
 from headrace import DecodeError, Loader, Sample, SampleBatch, ops, readers
 
-# Bounds, measured and explained: the kernel reproduces Pillow's two-pass bilinear filter in float
-# arithmetic, always horizontal first, where Pillow uses fixed point and orders its passes by cost;
-# each is within 1 of the exact resample, so uint8 results differ by at most 2 levels. Normalized
-# outputs inherit that: 2 levels / 255 / std.
+# Bounds, explained: the kernel computes the antialiased bilinear filter in two passes (rounding
+# between them, as Pillow does) in float arithmetic; the CPU path uses torch's uint8 antialiased
+# resize. Each is within 1 of the exact resample, so uint8 results differ by at most 2 levels.
+# Normalized outputs inherit that: 2 levels / 255 / std.
 UINT8_BOUND = 2
 NORM_BOUND = 2 / 255 / min(ops.IMAGENET_STD) + 1e-3
 

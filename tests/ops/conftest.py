@@ -7,7 +7,7 @@ import zlib
 import numpy as np
 import pytest
 
-from headrace.ops import CpuExecutor, Pipeline
+from headrace.ops import CpuExecutor, Pipeline, _cpu, _cpu_decode
 
 
 @pytest.fixture
@@ -29,3 +29,14 @@ async def make_executor():
 def rng(request) -> np.random.Generator:
     """A generator seeded from the test's name: each test gets its own fixed images."""
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(params=["nvimgcodec", "pillow"])
+def jpeg_decoder(request, monkeypatch) -> str:
+    """Runs the test once per CPU JPEG decoder: nvImageCodec's CPU backend (skipped when it does not
+    import) and Pillow alone (as on a machine without nvImageCodec). Executors made after it use it."""
+    if request.param == "pillow":
+        monkeypatch.setattr(_cpu, "nvimgcodec", lambda: None)
+    elif _cpu_decode.nvimgcodec() is None:
+        pytest.skip("nvImageCodec does not import here")
+    return request.param

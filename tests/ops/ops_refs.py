@@ -1,5 +1,6 @@
-"""Independent references for the CPU ops: torchvision's geometry rules and Pillow's resampling,
-written out plainly (float64, no fusion), plus helpers that make real encoded images.
+"""Independent references for the CPU ops: torchvision's geometry rules, its uint8 tensor resize
+(torch's ``interpolate``), and Pillow's resampling written out plainly (float64, no fusion), plus
+helpers that make real encoded images.
 
 Nothing here imports headrace.ops: a reference that shared code with the thing it checks would
 prove nothing.
@@ -12,6 +13,7 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 from PIL import Image
 
 import headrace
@@ -165,6 +167,16 @@ def exact_resize(a: np.ndarray, out_h: int, out_w: int) -> np.ndarray:
     wy, wx = _weights(a.shape[0], out_h), _weights(a.shape[1], out_w)
     rows = np.tensordot(wy, a.astype(np.float64), axes=(1, 0))  # (out_h, w, c)
     return np.einsum("xj,yjc->yxc", wx, rows)
+
+
+def tv_resize(a: np.ndarray, out_h: int, out_w: int) -> np.ndarray:
+    """torchvision ``F.resize(img, [out_h, out_w], BILINEAR, antialias=True)`` on a uint8 CHW tensor,
+    which is this ``interpolate`` call (uint8 in, uint8 out) unless the size is unchanged."""
+    if a.shape[:2] == (out_h, out_w):
+        return a
+    x = torch.from_numpy(np.array(a)).permute(2, 0, 1)[None]  # a copy: contiguous and writable
+    y = torch.nn.functional.interpolate(x, size=(out_h, out_w), mode="bilinear", antialias=True, align_corners=False)
+    return y[0].permute(1, 2, 0).numpy()
 
 
 def pil_resize(a: np.ndarray, out_h: int, out_w: int) -> np.ndarray:

@@ -27,7 +27,7 @@ def bad_inputs(rng) -> dict[str, bytes | None]:
 
 
 @pytest.mark.parametrize("pipeline", [training(20), Pipeline([Decode()]), Pipeline([Resize(16)])])
-async def test_bad_samples_fail_alone(make_executor, rng, pipeline):
+async def test_bad_samples_fail_alone(make_executor, rng, pipeline, jpeg_decoder):
     bad = bad_inputs(rng)
     goods = [encode(random_image(rng, *rng.integers(30, 90, 2))) for _ in range(6)]
     samples, expect_bad = [], {}
@@ -37,22 +37,31 @@ async def test_bad_samples_fail_alone(make_executor, rng, pipeline):
         s = sample(100 + j, data, label=50 + j)
         s.key = name
         samples.insert(2 * j % len(samples), s)  # spread through the batch and its chunks
-    expect_bad = {s.key: row for row, s in enumerate(samples) if s.key in bad}
+    # Damaged scan data in a file that still ends in EOI: libjpeg-turbo (under Pillow or
+    # nvImageCodec) warns and decodes what it can, or stops at a marker it does not know, depending
+    # on the bytes the damage hits; Pillow raises on more of these than nvImageCodec (which, like
+    # the GPU path, keeps what it decoded). Either way: a DecodeError or pixels, never a crash.
+    maybe_bad = {"corrupt"}
+    expect_bad = {s.key: row for row, s in enumerate(samples) if s.key in bad and s.key not in maybe_bad}
 
     out = await make_executor(pipeline, seed=3).run(batch(samples))
     alone = await make_executor(pipeline, seed=3).run(batch([s for s in samples if s.key not in bad]))
 
-    assert [row for row, _ in out.failures] == sorted(expect_bad.values())
+    failed = [row for row, _ in out.failures if samples[row].key not in maybe_bad]
+    assert failed == sorted(expect_bad.values())
     for row, err in out.failures:
         assert type(err) is DecodeError and err.stage == "decode"
         assert err.key == samples[row].key and err.source == samples[row].source
         assert isinstance(err, LoaderError)
         assert str(err).endswith(f"[decode: key={err.key!r}, source={err.source!r}]")
-    assert out.kept == [row for row in range(len(samples)) if row not in expect_bad.values()]
+    rows_out = [row for row in range(len(samples)) if row not in {r for r, _ in out.failures}]
+    assert out.kept == rows_out
     # The good samples come out as they do in a batch without the bad ones (same indices, same randoms).
-    assert out.data["label"].tolist() == alone.data["label"].tolist() == list(range(6))
-    for got, ref in zip(out.data["image"], alone.data["image"], strict=True):
-        assert torch.equal(got, ref)
+    good_out = [k for k, row in enumerate(out.kept) if samples[row].key not in bad]
+    labels = out.data["label"].tolist()
+    assert [labels[k] for k in good_out] == alone.data["label"].tolist() == list(range(6))
+    for k, ref in zip(good_out, alone.data["image"], strict=True):
+        assert torch.equal(out.data["image"][k], ref)
 
 
 async def test_read_errors_are_failures_without_decoding(make_executor, rng):

@@ -1,13 +1,17 @@
 """Resize, CenterCrop, RandomResizedCrop and Flip on batches of differently sized images, checked
-against torchvision's rules (re-derived in ops_refs) and Pillow / NumPy pixels.
+against torchvision's rules (re-derived in ops_refs) and its uint8 tensor pixels.
 
-Bounds, uint8:
-- a single Resize, crop or flip, and RandomResizedCrop (crop, then resize the crop): exact, the
-  same Pillow calls the reference makes;
-- Resize followed by a crop (fused into one ``Image.resize(box=...)``): at most 2 from Pillow's
-  resize-then-crop, and at most 1 from the exact float64 resize. Pillow rounds between its two
-  passes and orders them by cost; the box changes the order for some sizes, and it travels as
-  float32. Either order lies within 1 of the exact result.
+The CPU path's semantics are torchvision's transforms on uint8 tensors: crops and flips move
+pixels, and resize is ``interpolate(mode="bilinear", antialias=True)`` (``ops_refs.tv_resize``),
+op by op, nothing fused. Bounds, uint8:
+- every chain of ops: exact against the same chain of reference calls;
+- each resize against the exact float64 resample (``exact_resize``, the filter Pillow and torch
+  both approximate): within 1 + 1/64. torch rounds to uint8 after each of its two passes (at most
+  1 together, as Pillow) and its weights are fixed-point (int16): the excess measured over 800
+  random resizes, 100x shrinks included, was 0.002;
+- each resize against Pillow's ``resize(BILINEAR)`` (what torchvision does to PIL images, and
+  what this path did before it moved to torch): within 1; on these noisy test images 7% of the
+  values differ, on the benchmark's photographs 1.5%.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from ops_refs import (
     random_image,
     sample,
     tv_center_crop,
+    tv_resize,
     tv_resize_size,
     tv_rrc_params,
 )
@@ -32,7 +37,8 @@ from PIL import Image
 
 from headrace.ops import CenterCrop, Decode, Flip, Pipeline, RandomResizedCrop, Resize, uniforms
 
-PIL_ROUNDING = 1 + 1e-3  # Pillow's two rounded passes vs the exact resize (fixed-point weights: the 1e-3)
+TORCH_ROUNDING = 1 + 1 / 64  # torch's two rounded passes vs the exact resize (fixed-point weights: the 1/64)
+PIL_DIFF = 1  # torch's resize vs Pillow's, uint8 levels
 
 
 def sizes(rng, n, lo=20, hi=200):
@@ -54,8 +60,9 @@ async def test_resize_exact_size(make_executor, rng):
     arrays = [random_image(rng, h, w) for h, w in sizes(rng, 24)]
     outs = await run_hwc(make_executor, [Resize((37, 52))], arrays)
     for out, a in zip(outs, arrays):
-        np.testing.assert_array_equal(out, pil_resize(a, 37, 52))
-        assert np.abs(out - exact_resize(a, 37, 52)).max() <= PIL_ROUNDING
+        np.testing.assert_array_equal(out, tv_resize(a, 37, 52))
+        assert np.abs(out - exact_resize(a, 37, 52)).max() <= TORCH_ROUNDING
+        assert np.abs(out.astype(int) - pil_resize(a, 37, 52)).max() <= PIL_DIFF
 
 
 def test_resize_shorter_side_rule():
@@ -71,14 +78,14 @@ async def test_resize_shorter_side(make_executor, rng):
     for out, a in zip(outs, arrays):
         th, tw = tv_resize_size(*a.shape[:2], 33)
         assert out.shape == (th, tw, 3) and min(th, tw) == 33
-        np.testing.assert_array_equal(out, pil_resize(a, th, tw))
+        np.testing.assert_array_equal(out, tv_resize(a, th, tw))
 
 
 async def test_two_resizes_run_in_turn(make_executor, rng):
     arrays = [random_image(rng, h, w) for h, w in sizes(rng, 8)]
     outs = await run_hwc(make_executor, [Resize(40), Resize((20, 30))], arrays)
     for out, a in zip(outs, arrays):
-        np.testing.assert_array_equal(out, pil_resize(pil_resize(a, *tv_resize_size(*a.shape[:2], 40)), 20, 30))
+        np.testing.assert_array_equal(out, tv_resize(tv_resize(a, *tv_resize_size(*a.shape[:2], 40)), 20, 30))
 
 
 # --- CenterCrop -----------------------------------------------------------------------------------
@@ -109,28 +116,28 @@ async def test_center_crop_then_resize_is_crop_first(make_executor, rng):
     arrays = [random_image(rng, h, w) for h, w in sizes(rng, 12, 40, 120)]
     outs = await run_hwc(make_executor, [CenterCrop(32), Resize((20, 24))], arrays)
     for out, a in zip(outs, arrays):
-        np.testing.assert_array_equal(out, pil_resize(np.ascontiguousarray(tv_center_crop(a, 32, 32)), 20, 24))
+        np.testing.assert_array_equal(out, tv_resize(tv_center_crop(a, 32, 32), 20, 24))
 
 
 @pytest.mark.parametrize("resize", [24, 57, (40, 90)])
-async def test_resize_then_center_crop_fused(make_executor, rng, resize):
-    """The validation geometry. Fused: ≤2 from Pillow's resize-then-crop, ≤1 from the exact resize."""
+async def test_resize_then_center_crop(make_executor, rng, resize):
+    """The validation geometry: resize the whole image, then crop (as torchvision; not fused)."""
     arrays = [random_image(rng, h, w) for h, w in sizes(rng, 24, 20, 200)]
     outs = await run_hwc(make_executor, [Resize(resize), CenterCrop(24)], arrays)
     worst_pil = worst_exact = 0.0
     for out, a in zip(outs, arrays):
         th, tw = resize if isinstance(resize, tuple) else tv_resize_size(*a.shape[:2], resize)
-        seq = tv_center_crop(pil_resize(a, th, tw), 24, 24)
+        np.testing.assert_array_equal(out, tv_center_crop(tv_resize(a, th, tw), 24, 24))
         exact = tv_center_crop(exact_resize(a, th, tw), 24, 24)
-        worst_pil = max(worst_pil, np.abs(out.astype(int) - seq).max())
+        worst_pil = max(worst_pil, np.abs(out.astype(int) - tv_center_crop(pil_resize(a, th, tw), 24, 24)).max())
         worst_exact = max(worst_exact, np.abs(out - exact).max())
-    assert worst_pil <= 2
-    assert worst_exact <= PIL_ROUNDING
+    assert worst_pil <= PIL_DIFF
+    assert worst_exact <= TORCH_ROUNDING
 
 
 async def test_resize_then_crop_touching_the_edges(make_executor, rng):
-    """Crops that end on the resized image's border: the source box is composed in floating point
-    and may overshoot the image by an ulp; Pillow must still take it."""
+    """Crops that end on the resized image's border, and a whole-image window of a thin image
+    resized far (the fused Pillow geometry composed these boxes in floating point)."""
     arrays = [random_image(rng, h, w) for h, w in sizes(rng, 24, 20, 200)]
     ops = [Resize((37, 41)), CenterCrop((37, 41)), Resize((29, 31)), RandomResizedCrop(9, scale=(0.9, 1.0))]
     outs = await run_hwc(make_executor, ops, arrays)
@@ -138,7 +145,7 @@ async def test_resize_then_crop_touching_the_edges(make_executor, rng):
     # 187 * (3 / 187) > 3 in floating point: the whole-image window of a 3-wide image resized to 187.
     thin = [random_image(rng, 5, 3)]
     (out,) = await run_hwc(make_executor, [Resize((20, 187)), RandomResizedCrop(8, (1.0, 1.0), (0.1, 10.0))], thin)
-    np.testing.assert_array_equal(out, pil_resize(pil_resize(thin[0], 20, 187), 8, 8))
+    np.testing.assert_array_equal(out, tv_resize(tv_resize(thin[0], 20, 187), 8, 8))
 
 
 # --- RandomResizedCrop ----------------------------------------------------------------------------
@@ -188,20 +195,19 @@ def test_rrc_window_matches_torchvision(scale, ratio):
 
 
 async def test_rrc_pixels_are_crop_then_resize(make_executor, rng):
-    """torchvision's resized_crop on PIL images: crop, then resize only the crop (the filter does
-    not reach outside the window). Same Pillow calls, so exact."""
+    """torchvision's resized_crop: crop, then resize only the crop (the filter does not reach
+    outside the window). Same torch call, so exact."""
     rrc = RandomResizedCrop((24, 20), scale=(0.1, 0.9))
     arrays = [random_image(rng, h, w) for h, w in sizes(rng, 32)]
     outs = await run_hwc(make_executor, [rrc], arrays, seed=3, epoch=2)
     u = uniforms(3, 2, 1, np.arange(32), rrc.randoms)
     for i, (out, a) in enumerate(zip(outs, arrays)):
         top, left, ch, cw = tv_rrc_params(*a.shape[:2], rrc.scale, rrc.ratio, u[i])
-        ref = pil_resize(np.ascontiguousarray(a[top : top + ch, left : left + cw]), 24, 20)
-        np.testing.assert_array_equal(out, ref)
+        np.testing.assert_array_equal(out, tv_resize(a[top : top + ch, left : left + cw], 24, 20))
 
 
 async def test_resize_then_rrc(make_executor, rng):
-    """A crop after a resize folds into it (≤2 from Pillow's separate calls); the RRC's own resize does not."""
+    """Resize, then RandomResizedCrop on the resized image: two resizes in turn."""
     rrc = RandomResizedCrop(16)
     arrays = [random_image(rng, h, w) for h, w in sizes(rng, 16, 40, 200)]
     outs = await run_hwc(make_executor, [Resize(48), rrc], arrays)
@@ -209,8 +215,7 @@ async def test_resize_then_rrc(make_executor, rng):
     for i, (out, a) in enumerate(zip(outs, arrays)):
         th, tw = tv_resize_size(*a.shape[:2], 48)
         top, left, ch, cw = tv_rrc_params(th, tw, rrc.scale, rrc.ratio, u[i])
-        ref = pil_resize(np.ascontiguousarray(pil_resize(a, th, tw)[top : top + ch, left : left + cw]), 16, 16)
-        assert np.abs(out.astype(int) - ref).max() <= 2
+        np.testing.assert_array_equal(out, tv_resize(tv_resize(a, th, tw)[top : top + ch, left : left + cw], 16, 16))
 
 
 # --- Flip -----------------------------------------------------------------------------------------
@@ -239,11 +244,14 @@ async def test_flip_certain(make_executor, rng, p, flipped):
 async def test_flip_then_crop_sees_the_flipped_image(make_executor, rng):
     a = random_image(rng, 30, 50)
     (out,) = await run_hwc(make_executor, [Flip(1.0), CenterCrop((30, 21)), Resize((15, 10))], [a])
-    np.testing.assert_array_equal(out, pil_resize(np.ascontiguousarray(tv_center_crop(np.fliplr(a), 30, 21)), 15, 10))
+    np.testing.assert_array_equal(out, tv_resize(tv_center_crop(np.fliplr(a), 30, 21), 15, 10))
 
 
 async def test_training_geometry_end_to_end(make_executor, rng):
-    """decode → RRC → flip, uint8 NCHW, against the reference chain built from the same uniforms."""
+    """decode → RRC → flip, uint8 NCHW, against the reference chain built from the same uniforms.
+
+    JPEG: the executor decodes only the crop window (nvImageCodec, when installed), the reference
+    decodes the whole file with Pillow and crops; both are libjpeg-turbo, so exact."""
     rrc, flip = RandomResizedCrop(32), Flip(0.5)
     arrays = [random_image(rng, h, w) for h, w in sizes(rng, 24, 20, 200)]
     samples = [sample(i + 100, encode(a, "JPEG")) for i, a in enumerate(arrays)]
@@ -255,7 +263,7 @@ async def test_training_geometry_end_to_end(make_executor, rng):
     for i, s in enumerate(samples):
         decoded = np.asarray(Image.open(__import__("io").BytesIO(s.fields["jpg"])).convert("RGB"))
         top, left, ch, cw = tv_rrc_params(*decoded.shape[:2], rrc.scale, rrc.ratio, u_rrc[i])
-        ref = pil_resize(np.ascontiguousarray(decoded[top : top + ch, left : left + cw]), 32, 32)
+        ref = tv_resize(decoded[top : top + ch, left : left + cw], 32, 32)
         ref = np.fliplr(ref) if u_flip[i] < 0.5 else ref
         np.testing.assert_array_equal(images[i].permute(1, 2, 0).numpy(), ref)
 

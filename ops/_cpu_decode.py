@@ -1,0 +1,236 @@
+"""JPEG decode on the CPU with nvImageCodec's CPU backend (libjpeg-turbo), of only the window the ops read.
+
+Why: on the 2-core benchmark machine, decoding was half of the CPU path's time. nvImageCodec's CPU
+backend decodes a region of interest: it still reads the whole entropy-coded stream, but runs the
+IDCT, upsampling and colour conversion only for the rows and columns of the crop. For
+RandomResizedCrop windows that is 1.8x Pillow's whole-image decode (see ops/README.md). Its pixels
+are libjpeg-turbo's with the same settings as Pillow's (accurate integer IDCT, fancy upsampling):
+on every JPEG the tests make (4:2:0, 4:2:2, 4:4:4, gray, progressive, restart markers) the region
+equals Pillow's decode then crop, bit for bit.
+
+Which samples take this path: JPEGs with 1 or 3 components, 8 bits, at most Pillow's
+``MAX_IMAGE_PIXELS``, whose last two bytes are the EOI marker, when RGB output is asked for.
+Everything else, and any sample nvImageCodec fails on, goes to Pillow, which also produces the
+typed error. The EOI rule keeps truncated files failing whatever their crop: a region decode stops
+reading after the crop's last row, so a file cut below it would decode. Damage inside a file that
+still ends in EOI (a corrupted scan) is different: libjpeg-turbo decodes what it can, where Pillow
+may raise; the GPU path does the same.
+
+EXIF orientation is applied here, not by nvImageCodec: the window is drawn on the upright image,
+mapped to the stored image (``stored_region``), decoded, then turned upright with tensor moves.
+The orientation comes from ``_exif.jpeg_orientation``, as on the GPU path.
+
+A ``Decoder`` must not be used by two threads at once (GPU-NOTES §2), so each worker thread makes
+its own, single-threaded, on first use; ``close()`` drops them all once the threads are joined.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from ._exif import jpeg_orientation
+
+__all__ = ["JpegDecoders", "nvimgcodec", "stored_region", "upright"]
+
+_import_lock = threading.Lock()
+_UNSET = object()
+_module: Any = _UNSET
+
+
+def nvimgcodec() -> Any:
+    """The ``nvidia.nvimgcodec`` module, or None when it does not import. Imported once per process.
+
+    On a machine without CUDA libraries its import prints "Failed to load nvjpeg library!" and the
+    like from C++, though its CPU backend needs none of them: stderr is silenced for the import only,
+    and its logger is set to silent (``PYNVIMGCODEC_VERBOSITY=0``) unless the environment says otherwise.
+    """
+    global _module
+    with _import_lock:
+        if _module is _UNSET:
+            os.environ.setdefault("PYNVIMGCODEC_VERBOSITY", "0")
+            try:
+                with _quiet_stderr():
+                    from nvidia import nvimgcodec as module
+            except Exception:  # noqa: BLE001 - ImportError, or a broken install raising from C++
+                module = None
+            _module = module
+        return _module
+
+
+class _quiet_stderr:
+    def __enter__(self) -> None:
+        try:
+            sys.stderr.flush()
+            self.saved: int | None = os.dup(2)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 2)
+            os.close(devnull)
+        except OSError:  # no fd 2 (embedded interpreters): nothing to silence
+            self.saved = None
+
+    def __exit__(self, *exc) -> None:
+        if self.saved is not None:
+            os.dup2(self.saved, 2)
+            os.close(self.saved)
+
+
+@dataclass(slots=True)
+class Header:
+    """A JPEG this module decodes: its code stream, upright size and EXIF orientation (1 when ignored)."""
+
+    stream: Any
+    height: int
+    width: int
+    orientation: int
+
+
+class JpegDecoders:
+    """nvImageCodec CPU decoders, one per calling thread, made on first use.
+
+    ``header(data)`` says whether a sample is for this path; ``decode(jobs)`` returns each job's
+    upright region as an HWC uint8 tensor, or None where nvImageCodec fails (the caller then uses Pillow).
+    """
+
+    def __init__(self, nvc: Any, *, exif: bool) -> None:
+        self.nvc = nvc
+        self.exif = exif
+        self.params = nvc.DecodeParams(
+            apply_exif_orientation=False, color_spec=nvc.ColorSpec.SRGB, sample_format=nvc.SampleFormat.I_RGB
+        )
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._made: list[Any] = []
+        self._closed = False
+
+    def header(self, data: Any) -> Header | None:
+        """The header of a JPEG this path decodes; None for the others (not a JPEG, no EOI at the end,
+        CMYK, 12-bit, over Pillow's pixel limit, unreadable header)."""
+        n = len(data)
+        if n < 4 or data[0] != 0xFF or data[1] != 0xD8 or data[n - 2] != 0xFF or data[n - 1] != 0xD9:
+            return None
+        try:
+            stream = self.nvc.CodeStream(np.frombuffer(data, dtype=np.uint8))
+            if stream.codec_name != "jpeg" or stream.num_channels not in (1, 3) or stream.precision != 8:
+                return None
+            h, w = stream.height, stream.width
+            limit = Image.MAX_IMAGE_PIXELS
+            if h < 1 or w < 1 or (limit is not None and h * w > limit):
+                return None  # Pillow warns or raises DecompressionBombError for these; keep its behaviour
+            orientation = jpeg_orientation(data) if self.exif else 1
+        except Exception:  # noqa: BLE001 - "Failed to get image info" and the like: Pillow says what is wrong
+            return None
+        if orientation >= 5:
+            h, w = w, h
+        return Header(stream, h, w, orientation)
+
+    def decode(self, jobs: list[tuple[Header, tuple[int, int, int, int] | None]]) -> list[torch.Tensor | None]:
+        """For each (header, region): the upright region (top, left, height, width; None: the whole
+        image) as an HWC uint8 tensor, or None where nvImageCodec failed. One decode call for all."""
+        dec = self._decoder()
+        if dec is None:
+            return [None] * len(jobs)
+        streams, shapes = [], []
+        try:
+            for header, region in jobs:
+                h, w = header.height, header.width
+                top, left, ch, cw = region if region is not None else (0, 0, h, w)
+                stream = header.stream
+                if (top, left, ch, cw) != (0, 0, h, w):
+                    sh, sw = (w, h) if header.orientation >= 5 else (h, w)
+                    y0, x0, y1, x1 = stored_region(header.orientation, sh, sw, top, left, top + ch, left + cw)
+                    stream = stream.get_sub_code_stream(region=self.nvc.Region(y0, x0, y1, x1))
+                streams.append(stream)
+                shapes.append((ch, cw, 3))
+            images = dec.decode(streams, params=self.params)
+        except Exception:  # noqa: BLE001 - the call raises only for bad arguments; Pillow takes over
+            return [None] * len(jobs)
+        return [self._upright(image, job[0].orientation, shape) for job, shape, image in zip(jobs, shapes, images)]
+
+    @staticmethod
+    def _upright(image: Any, orientation: int, shape: tuple[int, int, int]) -> torch.Tensor | None:
+        if image is None:
+            return None
+        try:
+            pixels = np.asarray(image)  # a view of the decoded buffer; the array keeps ``image`` alive
+            if pixels.ndim != 3 or pixels.dtype != np.uint8:
+                return None
+            x = upright(torch.from_numpy(pixels), orientation)
+        except Exception:  # noqa: BLE001 - an unexpected buffer: Pillow takes over
+            return None
+        return x if tuple(x.shape) == shape else None
+
+    def _decoder(self) -> Any:
+        dec = getattr(self._local, "decoder", None)
+        if dec is None:
+            nvc = self.nvc
+            with self._lock:
+                if self._closed:
+                    return None
+                try:
+                    dec = nvc.Decoder(
+                        device_id=nvc.NVIMGCODEC_DEVICE_CPU_ONLY,
+                        max_num_cpu_threads=1,
+                        backends=[nvc.Backend(nvc.BackendKind.CPU_ONLY)],
+                    )
+                except Exception:  # noqa: BLE001 - remember the failure: this thread uses Pillow
+                    dec = False
+                self._made.append(dec)
+            self._local.decoder = dec
+        return dec or None
+
+    def close(self) -> None:
+        """Drop every thread's decoder. Call after the threads that used them are joined."""
+        with self._lock:
+            self._closed = True
+            self._made.clear()
+        self._local = threading.local()
+
+
+def stored_region(orientation: int, sh: int, sw: int, y0: int, x0: int, y1: int, x1: int) -> tuple[int, int, int, int]:
+    """The region (y0, x0, y1, x1) of the stored sh x sw image that shows as the upright region given.
+
+    The upright image is ``upright(stored, orientation)``; ``upright(stored[region], orientation)``
+    is then the upright region (each move maps rectangles to rectangles).
+    """
+    if orientation == 2:
+        return y0, sw - x1, y1, sw - x0
+    if orientation == 3:
+        return sh - y1, sw - x1, sh - y0, sw - x0
+    if orientation == 4:
+        return sh - y1, x0, sh - y0, x1
+    if orientation == 5:
+        return x0, y0, x1, y1
+    if orientation == 6:
+        return sh - x1, y0, sh - x0, y1
+    if orientation == 7:
+        return sh - x1, sw - y1, sh - x0, sw - y0
+    if orientation == 8:
+        return x0, sw - y1, x1, sw - y0
+    return y0, x0, y1, x1
+
+
+def upright(x: torch.Tensor, orientation: int) -> torch.Tensor:
+    """Turn an HWC image stored with EXIF ``orientation`` upright (as Pillow's ``exif_transpose``)."""
+    if orientation == 2:
+        return x.flip(1)
+    if orientation == 3:
+        return x.flip(0, 1)
+    if orientation == 4:
+        return x.flip(0)
+    if orientation == 5:
+        return x.transpose(0, 1)
+    if orientation == 6:
+        return torch.rot90(x, -1, (0, 1))
+    if orientation == 7:
+        return x.flip(0, 1).transpose(0, 1)
+    if orientation == 8:
+        return torch.rot90(x, 1, (0, 1))
+    return x
