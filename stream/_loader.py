@@ -61,6 +61,10 @@ class Loader:
             ``"skip"`` drops failed samples from their batch and counts them (``stats().dropped``).
         max_errors: the skip budget per epoch: an int count, or a float fraction of samples seen.
 
+    GPU lanes (decoders, streams, compiled kernels) are costly to make, so they outlive a
+    completed epoch and serve the next; leaving a loop early, an error or cancellation closes them
+    with the epoch, and ``aclose()`` (or ``async with``) closes them in any case.
+
     Backpressure: the consumer sets the pace; the pipeline runs at most ``prefetch`` batches ahead
     and the reader at most ``max_bytes`` ahead of the batcher. Breaking out of the loop, an error or
     cancellation stops every task, joins every thread and closes every file before control returns
@@ -191,6 +195,7 @@ class Loader:
     async def _iterate(self, run: _Run) -> AsyncIterator[Batch]:
         stats = self._stats
         stats.epoch = run.epoch
+        completed = False
         run.start_runner()
         try:
             while True:
@@ -209,10 +214,13 @@ class Loader:
                 yield item
             self._epoch, self._position, self._batches = run.epoch + 1, 0, 0
             self._fresh = True
+            completed = True
         finally:
             stats.channels = run.channels()
             self._active = None
             await run.aclose()
+            if not completed:  # break, cancel or error: the GPU lanes go too, not only the epoch
+                await self._close_gpu_executor()
 
     async def aclose(self) -> None:
         """Stop the epoch in progress, if any, and release everything. Safe to call twice."""
@@ -220,6 +228,9 @@ class Loader:
         if run is not None:
             self._active = None
             await run.aclose()
+        await self._close_gpu_executor()
+
+    async def _close_gpu_executor(self) -> None:
         executor, self._gpu_executor = self._gpu_executor, None
         if executor is not None:
             await executor.aclose()

@@ -209,3 +209,14 @@ def test_sync_facade_on_gpu(folder):
         assert sum(b.size for b in loader) == 120
         assert sum(b.size for b in loader) == 120  # a second epoch on the same lanes
     assert not [t for t in threading.enumerate() if t.name.startswith("headrace")]
+
+
+async def test_lanes_outlive_a_completed_epoch_but_not_a_break(folder, leaks):
+    loader = _loader(folder)
+    [b async for b in loader]
+    assert [t for t in threading.enumerate() if t.name.startswith("headrace-lane")]  # kept for the next epoch
+    async for b in loader:
+        break
+    del b
+    await leaks.check(settle=5.0)  # the break closed the lanes with the epoch
+    assert not [t for t in threading.enumerate() if t.name.startswith("headrace")]

@@ -123,7 +123,7 @@ async def test_loader_trains_on_a_packed_lmdb(packed, leaks):
     from headrace import ops
 
     loader = headrace.Loader(readers.lmdb(packed, shuffle=True), batch_size=16, pipeline=ops.training(32),
-                             num_threads=2)
+                             num_threads=2, device="cpu")
     batches = [b async for b in loader]
     assert sum(b.size for b in batches) == 75
     for b in batches:

@@ -291,7 +291,7 @@ def _loader(packed, **kw):
     from headrace import ops
 
     return headrace.Loader(readers.webdataset(packed, shuffle=True, shuffle_buffer=16), batch_size=8,
-                           pipeline=ops.training(32), num_threads=2, seed=5, **kw)
+                           pipeline=ops.training(32), num_threads=2, seed=5, device="cpu", **kw)
 
 
 async def test_loader_trains_on_packed_shards_and_resumes_exactly(packed, leaks):

@@ -16,6 +16,7 @@ def _pipe():
 
 
 def _loader(folder, **kw):
+    kw.setdefault("device", "cpu")  # the engine's lifecycle on the CPU executor; tests/gpu covers the lanes
     kw.setdefault("batch_size", 8)
     kw.setdefault("pipeline", _pipe())
     kw.setdefault("num_threads", 2)
@@ -128,7 +129,7 @@ class SlowReader(headrace.readers.Reader):
 
 async def test_cancelling_the_consumer_shuts_everything_down(image_folder, leaks):
     reader = SlowReader(readers.files(image_folder, chunk_size=4), delay=0.05)
-    loader = Loader(reader, batch_size=8, pipeline=_pipe())
+    loader = Loader(reader, batch_size=8, pipeline=_pipe(), device="cpu")
 
     async def consume():
         async for _ in loader:
@@ -144,7 +145,7 @@ async def test_corrupt_file_raises_typed_error_naming_it_after_good_batches(tmp_
     shutil.copytree(image_folder, folder)
     bad = folder / "c1" / "0003.jpg"
     bad.write_bytes(bad.read_bytes()[:200])  # truncated JPEG
-    loader = Loader(readers.files(folder), batch_size=8, pipeline=_pipe())  # no shuffle: bad is sample 28
+    loader = Loader(readers.files(folder), batch_size=8, pipeline=_pipe(), device="cpu")  # no shuffle: bad is sample 28
     seen = []
     with pytest.raises(DecodeError) as info:
         async for batch in loader:
@@ -161,12 +162,12 @@ async def test_skip_policy_drops_and_counts_then_budget_stops(tmp_path, image_fo
     shutil.copytree(image_folder, folder)
     (folder / "c0" / "0001.jpg").write_bytes(b"")
     (folder / "c2" / "0007.jpg").write_bytes(b"not an image at all")
-    loader = Loader(readers.files(folder), batch_size=8, pipeline=_pipe(), on_error="skip", max_errors=2)
+    loader = Loader(readers.files(folder), batch_size=8, pipeline=_pipe(), on_error="skip", max_errors=2, device="cpu")
     batches = await _collect(loader)
     assert sum(b.size for b in batches) == 73
     assert sum(b.dropped for b in batches) == 2 == loader.stats().dropped
     assert "c0/0001" not in {k for b in batches for k in b.sample_keys}
-    strict = Loader(readers.files(folder), batch_size=8, pipeline=_pipe(), on_error="skip", max_errors=1)
+    strict = Loader(readers.files(folder), batch_size=8, pipeline=_pipe(), on_error="skip", max_errors=1, device="cpu")
     with pytest.raises(ErrorBudgetExceeded) as info:
         await _collect(strict)
     assert info.value.key == "c2/0007" and isinstance(info.value.__cause__, DecodeError)
@@ -175,7 +176,7 @@ async def test_skip_policy_drops_and_counts_then_budget_stops(tmp_path, image_fo
 
 async def test_missing_listed_file_is_a_read_error_naming_it(image_folder, leaks):
     paths = sorted(str(p) for p in image_folder.rglob("*.jpg"))[:10] + [str(image_folder / "gone.jpg")]
-    loader = Loader(readers.files(paths, labels=[0] * 11), batch_size=4, pipeline=_pipe())
+    loader = Loader(readers.files(paths, labels=[0] * 11), batch_size=4, pipeline=_pipe(), device="cpu")
     with pytest.raises(ReadError) as info:
         await _collect(loader)
     assert info.value.source == str(image_folder / "gone.jpg")
