@@ -17,7 +17,6 @@ time / wall) and peak GPU memory. Prints a table; writes JSON (--out).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import json
 import os

@@ -19,6 +19,7 @@ import torch
 
 from headrace._errors import ClosedError, ConfigError, DecodeError, LoaderError, ReadError, TransformError
 from headrace._sample import SampleBatch
+from headrace._threads import join_threads
 
 from . import _cpu_ops, _pillow
 from ._cpu_decode import Header, JpegDecoders, nvimgcodec
@@ -243,10 +244,7 @@ class CpuExecutor:
             return
         self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
-        running = [f for f in self._running if not f.done()]
-        if running:
-            # Shielded: the threads must be idle before we return, even if our caller is cancelled.
-            await asyncio.shield(asyncio.wait([asyncio.wrap_future(f) for f in running]))
+        await join_threads(list(self._running))
         self._pool.shutdown(wait=True)
         if self._jpeg is not None:
             self._jpeg.close()

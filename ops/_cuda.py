@@ -25,6 +25,7 @@ import torch
 
 from headrace._errors import ConfigError, DecodeError, LoaderError, TransformError
 from headrace._sample import SampleBatch
+from headrace._threads import join_threads
 
 from . import _pillow
 from ._cpu import Processed, _image_field, _label, _read_failure
@@ -117,7 +118,7 @@ class CudaExecutor:
             return
         self._closed = True
         futures = [lane.pool.submit(lane.close) for lane in self._lanes]
-        await asyncio.shield(asyncio.wait([asyncio.wrap_future(f) for f in futures]))
+        await join_threads(futures)
         for lane in self._lanes:
             lane.pool.shutdown(wait=True)
 

@@ -15,7 +15,7 @@ import numpy as np
 from headrace._errors import ConfigError
 from headrace._sample import Sample
 
-from ._feed import join_threads
+from headrace._threads import join_threads
 
 __all__ = ["IndexedReader", "Reader", "epoch_order"]
 

@@ -1,17 +1,15 @@
-"""Hand-off from I/O threads to the event loop: a bounded feed per producer, and a join that survives cancel."""
+"""Hand-off from I/O threads to the event loop: a bounded feed per producer."""
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import threading
 from collections import deque
-from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["END", "Feed", "join_threads"]
+from headrace._markers import END  # the producer is done (checked by identity)
 
-END = object()  # the producer is done (checked by identity)
+__all__ = ["END", "Feed"]
 
 
 class Feed:
@@ -65,20 +63,3 @@ class Feed:
 def _wake(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_result(None)
-
-
-async def join_threads(futures: Iterable[concurrent.futures.Future[Any]]) -> None:
-    """Wait until every thread job is finished, even if the caller is cancelled meanwhile.
-
-    A reader's ``finally`` uses it so that no I/O thread outlives the iterator; a cancellation that
-    arrives while waiting is re-raised once the threads are idle.
-    """
-    pending = {asyncio.wrap_future(f) for f in futures if not f.done()}
-    cancelled = False
-    while pending:
-        try:
-            _, pending = await asyncio.wait(pending)
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError

@@ -38,7 +38,9 @@ from headrace._errors import ConfigError, ReadError
 from headrace._sample import Sample
 
 from ._base import Equal, Reader, _check_shard
-from ._feed import END, Feed, join_threads
+from headrace._threads import join_threads
+
+from ._feed import END, Feed
 from ._shards import read_index, resolve_shards
 from ._shuffle import Draws, ShuffleBuffer, resume_state
 from ._tar import count_samples, iter_groups, open_shard

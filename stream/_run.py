@@ -15,7 +15,7 @@ from typing import Any
 
 from ._batcher import LastBatch, batch_samples
 from ._budget import ErrorBudget
-from ._channel import ChannelStats, ReceiveChannel, SendChannel, open_channel
+from ._channel import ChannelStats, open_channel
 from ._errors import LoaderError
 from ._sample import Batch, SampleBatch
 
