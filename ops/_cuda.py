@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 
 from headrace._errors import ConfigError, DecodeError, LoaderError, TransformError
 from headrace._sample import SampleBatch
@@ -181,6 +182,7 @@ class _Lane:
         samples = batch.samples
         failures: list[tuple[int, LoaderError]] = []
         # 1. Headers, one sample at a time (the only per-image Python before decode).
+        # streams[i]: a CodeStream, or the Pillow image of a sample nvImageCodec cannot parse
         rows, streams, sizes, labels = [], [], [], []
         for row, sample in enumerate(samples):
             try:
@@ -197,8 +199,9 @@ class _Lane:
                     h, w = cs.height, cs.width
                     if pipe.decode.exif and cs.codec_name == "jpeg" and jpeg_orientation(data) >= 5:
                         h, w = w, h
-                except RuntimeError:  # not a format nvImageCodec parses: Pillow decodes it
-                    cs, (h, w) = None, _pillow_size(data, pipe, sample)
+                except RuntimeError:  # not a format nvImageCodec parses: Pillow decodes it, once
+                    cs = _pillow.decode(data, pipe.decode, sample.key, sample.source)
+                    h, w = cs.height, cs.width
             except LoaderError as exc:
                 failures.append((row, exc))
                 continue
@@ -220,7 +223,7 @@ class _Lane:
         Region = self.nvc.Region
         for i, cs in enumerate(streams):
             y0, x0, y1, x1 = region_list[i]
-            if cs is not None and (y0, x0, y1, x1) != (0, 0, sizes[i][0], sizes[i][1]):
+            if not isinstance(cs, Image.Image) and (y0, x0, y1, x1) != (0, 0, sizes[i][0], sizes[i][1]):
                 streams[i] = cs.get_sub_code_stream(region=Region(y0, x0, y1, x1))
         self.seconds["plan"] += time.perf_counter() - t0
         return batch, rows, streams, plans, regions, labels, failures
@@ -229,7 +232,7 @@ class _Lane:
         """Decode on this lane's stream, launch the fused kernel, record the hand-off event."""
         pipe = self.owner.pipeline
         samples = batch.samples
-        gpu_pos = [i for i, cs in enumerate(streams) if cs is not None]
+        gpu_pos = [i for i, cs in enumerate(streams) if not isinstance(cs, Image.Image)]
         images: list[Any] = [None] * len(rows)
         t0 = time.perf_counter()
         if gpu_pos:
@@ -244,7 +247,7 @@ class _Lane:
                 if images[i] is None:  # nvImageCodec could not decode it: Pillow, then upload
                     self.seconds["cpu_fallback"] += 1
                     try:
-                        images[i] = self._cpu_decode(samples[row], regions[i])
+                        images[i] = self._cpu_decode(samples[row], regions[i], streams[i])
                     except LoaderError as exc:
                         failures.append((row, exc))
                         continue
@@ -272,9 +275,12 @@ class _Lane:
         self.seconds["batches"] += 1
         return result  # the decoded Images die here: their memory is freed in order on the lane's stream
 
-    def _cpu_decode(self, sample, region) -> torch.Tensor:
+    def _cpu_decode(self, sample, region, decoded: Any) -> torch.Tensor:
+        """``region`` of the sample's pixels on the device: Pillow's, decoded now unless already."""
         pipe = self.owner.pipeline
-        img = _pillow.decode(_image_field(sample, pipe.image_fields), pipe.decode, sample.key, sample.source)
+        img = decoded if isinstance(decoded, Image.Image) else _pillow.decode(
+            _image_field(sample, pipe.image_fields), pipe.decode, sample.key, sample.source
+        )
         y0, x0, y1, x1 = (int(v) for v in region)
         arr = np.ascontiguousarray(np.asarray(img.crop((x0, y0, x1, y1))).reshape(y1 - y0, x1 - x0, -1))
         return torch.from_numpy(arr).to(self.owner.device, non_blocking=False)
@@ -322,11 +328,6 @@ class _Lane:
                  np.int32(pipe.layout == "CHW"), np.int32(pipe.normalize is not None), self.mean, self.inv_std),
             )
         stage.record(self.cp_stream)
-
-
-def _pillow_size(data, pipe: Pipeline, sample) -> tuple[int, int]:
-    img = _pillow.decode(data, pipe.decode, sample.key, sample.source)
-    return img.height, img.width
 
 
 class _Staging:
