@@ -11,7 +11,6 @@ import pytest
 import torch
 from PIL import Image
 
-import headrace
 from headrace import DecodeError, Loader, Sample, SampleBatch, ops, readers
 
 # Bounds, explained: the kernel computes the antialiased bilinear filter in two passes (rounding

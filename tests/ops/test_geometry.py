@@ -8,9 +8,79 @@ import pytest
 from PIL import Image
 
 from headrace import ConfigError
-from headrace.ops import CenterCrop, Flip, RandomResizedCrop, Resize, uniforms
+from headrace.ops import CenterCrop, Flip, Op, RandomResizedCrop, Resize, uniforms
 from headrace.ops._geometry import check_foldable, plan, roi
-from headrace.ops._pillow import apply_image_ops
+
+# Pillow's rendering of the fused geometry that the GPU kernel reproduces (tests/ops/test_geometry.py
+# checks the region-of-interest plan against it). Crops after a resize fold into one
+# ``Image.resize(box=...)``, which computes only the output pixels of "resize, then crop"; within 2
+# of the two calls (Pillow rounds between passes and orders them by cost). A resize never folds into
+# an earlier crop: torchvision crops first, so the filter must not reach outside the crop.
+
+
+class _Window:
+    """A pending resize-then-crop: the source box (in the current image) and the output size."""
+
+    __slots__ = ("box", "size")
+
+    def __init__(self, w: int, h: int) -> None:
+        self.box = (0.0, 0.0, float(w), float(h))
+        self.size = (w, h)
+
+    def crop(self, top: int, left: int, ch: int, cw: int) -> None:
+        """Crop the pending output; the window must lie inside it (padding is done elsewhere)."""
+        if (top, left, cw, ch) == (0, 0, *self.size):
+            return  # the whole output: keep the box exact rather than recompose it in floating point
+        x0, y0, x1, y1 = self.box
+        sx = (x1 - x0) / self.size[0]
+        sy = (y1 - y0) / self.size[1]
+        self.box = (x0 + left * sx, y0 + top * sy, x0 + (left + cw) * sx, y0 + (top + ch) * sy)
+        self.size = (cw, ch)
+
+    def apply(self, img: Image.Image) -> Image.Image:
+        w, h = img.size
+        x0, y0, x1, y1 = self.box
+        if self.box == (0.0, 0.0, float(w), float(h)) and self.size == img.size:
+            return img
+        if (x1 - x0, y1 - y0) == self.size and all(float(v).is_integer() for v in self.box):
+            return img.crop((int(x0), int(y0), int(x1), int(y1)))  # pure crop: a copy, no filter
+        return img.resize(self.size, Image.Resampling.BILINEAR, box=self.box)
+
+
+def _settle(img: Image.Image, win: _Window) -> tuple[Image.Image, _Window]:
+    """Carry out the pending window; the next op starts from a fresh one on the result."""
+    img = win.apply(img)
+    return img, _Window(img.width, img.height)
+
+
+def pillow_image_ops(img: Image.Image, ops: tuple[Op, ...], randoms: list[np.ndarray | None]) -> Image.Image:
+    """Apply Resize/CenterCrop/RandomResizedCrop/Flip in order; ``randoms[i]`` are op i's uniforms."""
+    win = _Window(img.width, img.height)
+    for op, u in zip(ops, randoms):
+        w, h = win.size
+        if isinstance(op, Resize):
+            img, win = _settle(img, win)
+            th, tw = op.target(h, w)
+            win.size = (tw, th)
+        elif isinstance(op, RandomResizedCrop):
+            win.crop(*op.window(h, w, u))
+            img, win = _settle(img, win)  # torchvision crops, then resizes only the crop
+            win.size = (op.size[1], op.size[0])
+        elif isinstance(op, CenterCrop):
+            top, left, ch, cw = op.window(h, w)
+            if top >= 0 and left >= 0 and top + ch <= h and left + cw <= w:
+                win.crop(top, left, ch, cw)
+            else:  # padding: Pillow's crop fills outside the image with zeros
+                img, _ = _settle(img, win)
+                img = img.crop((left, top, left + cw, top + ch))
+                win = _Window(img.width, img.height)
+        elif isinstance(op, Flip):
+            if op.flips(u):
+                img, win = _settle(img, win)
+                flip = Image.Transpose.FLIP_TOP_BOTTOM if op.vertical else Image.Transpose.FLIP_LEFT_RIGHT
+                img = img.transpose(flip)
+    return win.apply(img)
+
 
 PIPELINES = [
     (RandomResizedCrop(24), Flip()),
@@ -33,7 +103,7 @@ def test_roi_resampling_equals_whole_image_resampling(ops):
         h, w = int(rng.integers(20, 160)), int(rng.integers(20, 160))
         img = _image(rng, h, w)
         us = [uniforms(5, 0, k, np.array([i]), op.randoms)[0] if op.randoms else None for k, op in enumerate(ops, 1)]
-        expected = np.asarray(apply_image_ops(img, ops, us))
+        expected = np.asarray(pillow_image_ops(img, ops, us))
         p = plan(h, w, ops, us)
         y0, x0, y1, x1 = roi(p, h, w)
         assert 0 <= x0 < x1 <= w and 0 <= y0 < y1 <= h

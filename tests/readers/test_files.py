@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import asyncio
 
 import numpy as np
 import pytest
