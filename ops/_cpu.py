@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from headrace._errors import ClosedError, ConfigError, DecodeError, LoaderError, ReadError, TransformError
+from headrace._errors import ClosedError, DecodeError, LoaderError, ReadError, TransformError, require_int
 from headrace._sample import SampleBatch
 from headrace._threads import join_threads
 
@@ -66,8 +66,7 @@ class CpuExecutor:
     """
 
     def __init__(self, pipeline: Pipeline, *, num_threads: int, seed: int, name: str = "headrace-cpu") -> None:
-        if not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1:
-            raise ConfigError(f"CpuExecutor: num_threads must be a positive int, got {num_threads!r}")
+        require_int("CpuExecutor: num_threads", num_threads)
         self.pipeline = pipeline
         self.seed = seed
         self.num_threads = num_threads

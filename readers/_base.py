@@ -12,7 +12,7 @@ from typing import Literal, Self
 
 import numpy as np
 
-from headrace._errors import ConfigError
+from headrace._errors import ConfigError, require_int
 from headrace._sample import Sample
 
 from headrace._threads import join_threads
@@ -88,10 +88,8 @@ class IndexedReader(Reader):
     """
 
     def __init__(self, *, shuffle: bool, seed: int | None, chunk_size: int, io_threads: int) -> None:
-        if not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ConfigError(f"chunk_size must be a positive int, got {chunk_size!r}")
-        if not isinstance(io_threads, int) or io_threads < 1:
-            raise ConfigError(f"io_threads must be a positive int, got {io_threads!r}")
+        require_int("chunk_size", chunk_size)
+        require_int("io_threads", io_threads)
         self.shuffle = shuffle
         self.seed = seed
         self.chunk_size = chunk_size

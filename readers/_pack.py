@@ -28,7 +28,7 @@ from typing import Literal
 
 import numpy as np
 
-from headrace._errors import ConfigError, ReadError
+from headrace._errors import ConfigError, ReadError, require_int
 
 from ._shards import INDEX_NAME, write_index
 from .files import files
@@ -78,8 +78,8 @@ def pack(
         raise ConfigError(f"pack: format must be 'webdataset' or 'lmdb', got {format!r}")
     if shard_size is not None and not shard_size > 0:
         raise ConfigError(f"pack: shard_size must be positive (MB), got {shard_size!r}")
-    if shard_count is not None and (isinstance(shard_count, bool) or not isinstance(shard_count, int) or shard_count < 1):
-        raise ConfigError(f"pack: shard_count must be a positive int, got {shard_count!r}")
+    if shard_count is not None:
+        require_int("pack: shard_count", shard_count)
     if not prefix or "/" in prefix or os.sep in prefix or prefix.startswith("."):
         raise ConfigError(f"pack: prefix must be a plain file name part, got {prefix!r}")
     src_path, dest_path = Path(src).resolve(), Path(dest).resolve()

@@ -34,7 +34,7 @@ from typing import Literal, Self
 
 import numpy as np
 
-from headrace._errors import ConfigError, ReadError
+from headrace._errors import ConfigError, ReadError, require_int
 from headrace._sample import Sample
 
 from ._base import Equal, Reader, _check_shard
@@ -85,8 +85,7 @@ class WebDatasetReader(Reader):
     ) -> None:
         for name, value, low in (("shuffle_buffer", shuffle_buffer, 0), ("read_ahead", read_ahead, 0),
                                  ("chunk_size", chunk_size, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"webdataset: {name} must be an int >= {low}, got {value!r}")
+            require_int(f"webdataset: {name}", value, low)
         if split not in ("auto", "shards", "samples"):
             raise ConfigError(f"webdataset: split must be 'auto', 'shards' or 'samples', got {split!r}")
         if counts is not None and len(counts) != len(shards):
@@ -188,8 +187,7 @@ class WebDatasetReader(Reader):
         corrupt ends with one sample whose ``error`` is a ReadError naming the shard and key.
         """
         seed = self.seed if self.seed is not None else seed
-        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-            raise ConfigError(f"start must be a non-negative int, got {start!r}")
+        require_int("start", start, 0)
         if self.equal is None or self.world == 1:
             async with contextlib.aclosing(self._stream(epoch, seed, start, None)) as stream:
                 async for chunk in stream:

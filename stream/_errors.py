@@ -70,6 +70,14 @@ class ConfigError(LoaderError, ValueError):
     stage = "config"
 
 
+def require_int(name: str, value: object, minimum: int = 1) -> int:
+    """``value`` if it is an int (not a bool) of at least ``minimum``; ConfigError naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        wanted = "a positive int" if minimum == 1 else "a non-negative int" if minimum == 0 else f"an int >= {minimum}"
+        raise ConfigError(f"{name} must be {wanted}, got {value!r}")
+    return value
+
+
 class ReadError(LoaderError):
     """A sample's bytes could not be read from its source."""
 

@@ -10,7 +10,7 @@ from typing import Any, Literal
 from ._batcher import LastBatch, batches_per_epoch
 from ._budget import ErrorBudget
 from ._channel import ChannelStats
-from ._errors import ClosedError, ConfigError, LoaderError
+from ._errors import ClosedError, ConfigError, LoaderError, require_int
 from ._markers import END
 from ._run import RunConfig, _Run
 from ._sample import Batch
@@ -99,25 +99,23 @@ class Loader:
 
         if not isinstance(reader, Reader):
             raise ConfigError(f"reader must be a headrace.readers.Reader, got {type(reader).__name__}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ConfigError(f"batch_size must be a positive int, got {batch_size!r}")
+        require_int("batch_size", batch_size)
         pipeline = Pipeline() if pipeline is None else pipeline
         if not isinstance(pipeline, Pipeline):
             raise ConfigError(f"pipeline must be a headrace.ops.Pipeline, got {type(pipeline).__name__}")
+        why_not_gpu = gpu_unsupported(pipeline)
         if device == "auto":  # the GPU when it is there and can run this pipeline
-            device = "cuda" if cuda_available() and gpu_unsupported(pipeline) is None else "cpu"
+            device = "cuda" if cuda_available() and why_not_gpu is None else "cpu"
         if not isinstance(device, str) or not (device == "cpu" or device == "cuda" or device.startswith("cuda:")):
             raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
         if device.startswith("cuda") and not cuda_available():
             raise ConfigError(f"device={device!r} needs a GPU, CuPy and nvImageCodec (pip install 'headrace[cuda13]')")
-        if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1:
-            raise ConfigError(f"lanes must be a positive int, got {lanes!r}")
+        require_int("lanes", lanes)
         if on_error not in ("raise", "skip"):
             raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         num_threads = num_threads or os.cpu_count() or 1
         for name, value in (("num_threads", num_threads), ("prefetch", prefetch), ("max_bytes", max_bytes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+            require_int(name, value)
         ErrorBudget(max_errors)  # validates max_errors now rather than at the first failure
         if not isinstance(seed, int):
             raise ConfigError(f"seed must be an int, got {seed!r}")
@@ -128,8 +126,8 @@ class Loader:
         self.lanes = lanes
         self.hw_load = hw_load
         self._gpu_executor: Any = None
-        if device.startswith("cuda") and gpu_unsupported(pipeline):  # fail now, not at the first batch
-            raise ConfigError(gpu_unsupported(pipeline))
+        if device.startswith("cuda") and why_not_gpu:  # fail now, not at the first batch
+            raise ConfigError(why_not_gpu)
         self.last_batch = LastBatch.parse(last_batch)
         self.seed = seed
         self.num_threads = num_threads

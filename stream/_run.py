@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from dataclasses import dataclass
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -22,22 +23,24 @@ from ._sample import Batch, SampleBatch
 __all__ = ["RunConfig", "_Run"]
 
 
+@dataclass(frozen=True, slots=True)
 class RunConfig:
-    """What one epoch's run needs from the loader."""
+    """What one epoch's run needs from the loader.
 
-    def __init__(self, **kw: Any) -> None:
-        self.reader = kw["reader"]
-        # The loader decides an executor's lifetime: the CPU one lives for a run, the GPU one (its
-        # decoders and streams are costly to make) for the loader.
-        self.open_executor: Callable[[], Awaitable[Any]] = kw["open_executor"]
-        self.close_executor: Callable[[Any], Awaitable[None]] = kw["close_executor"]
-        self.batch_size: int = kw["batch_size"]
-        self.last_batch: LastBatch = kw["last_batch"]
-        self.seed: int = kw["seed"]
-        self.prefetch: int = kw["prefetch"]
-        self.max_bytes: int = kw["max_bytes"]
-        self.on_error: str = kw["on_error"]
-        self.max_errors: int | float = kw["max_errors"]
+    The loader decides an executor's lifetime through ``open_executor``/``close_executor``: the CPU
+    one lives for a run, the GPU one (its decoders and streams are costly to make) for the loader.
+    """
+
+    reader: Any
+    open_executor: Callable[[], Awaitable[Any]]
+    close_executor: Callable[[Any], Awaitable[None]]
+    batch_size: int
+    last_batch: LastBatch
+    seed: int
+    prefetch: int
+    max_bytes: int
+    on_error: str
+    max_errors: int | float
 
 
 class _Run:

@@ -70,20 +70,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        try:
-            return _demo(args)
-        except KeyboardInterrupt:
-            print("interrupted", file=sys.stderr)
-            return 130
-    if args.command == "pack":
-        try:
-            return _pack(args)
-        except KeyboardInterrupt:
-            print("interrupted", file=sys.stderr)
-            return 130
-    parser.print_help()
-    return 2
+    command = {"demo": _demo, "pack": _pack}.get(args.command)
+    if command is None:
+        parser.print_help()
+        return 2
+    try:
+        return command(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 def _demo(args: argparse.Namespace) -> int:
