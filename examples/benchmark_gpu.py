@@ -145,12 +145,27 @@ def bench_nvimgcodec(files, batch: int, epochs: int) -> dict:
     return _timed_epochs(epoch, epochs)
 
 
+def _with_env(name: str, value: str, fn):
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return fn()
+    finally:
+        if saved is None:
+            os.environ.pop(name)
+        else:
+            os.environ[name] = saved
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--images", type=int, default=16384)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--lanes", type=int, default=1)
+    ap.add_argument("--lane-sweep", default="", help="also run headrace (train) with these lane counts, e.g. 2,4")
+    ap.add_argument("--python-codec", action="store_true",
+                    help="also run headrace (train) decoding through nvImageCodec's Python API (HEADRACE_NATIVE_DECODE=0)")
     ap.add_argument("--hw-loads", default="", help="also run headrace (train) at these hw_load values, e.g. 0,1")
     ap.add_argument("--data", default=".data/bench-gpu")
     ap.add_argument("--photos", default=None, help="an .npz of photographs (for machines without scikit-image)")
@@ -180,6 +195,14 @@ def main() -> None:
         runners[f"hw{hw}"] = (f"headrace (train, hw_load={hw})", lambda hw=float(hw): bench_headrace(
             root, ops.training(224, dtype="float16"), args.batch, args.epochs, args.lanes, hw))
         rows.append(f"hw{hw}")
+    for n in filter(None, args.lane_sweep.split(",")):
+        runners[f"lanes{n}"] = (f"headrace (train, {n} lanes)", lambda n=int(n): bench_headrace(
+            root, ops.training(224, dtype="float16"), args.batch, args.epochs, n))
+        rows.append(f"lanes{n}")
+    if args.python_codec:
+        runners["python"] = ("headrace (train, Python nvImageCodec API)", lambda: _with_env(
+            "HEADRACE_NATIVE_DECODE", "0", lambda: bench_headrace(root, ops.training(224, dtype="float16"), args.batch, args.epochs, args.lanes)))
+        rows.append("python")
     for key in rows:
         name, fn = runners[key]
         print(f"running {name} ...", flush=True)

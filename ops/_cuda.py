@@ -2,8 +2,8 @@
 
 A lane takes a whole batch in its own thread: it reads headers, plans each sample's crop on the
 host (the same geometry as the CPU path), decodes only the region the crop reads (nvImageCodec,
-hardware JPEG engine and CUDA decoder together, CPU fallback), launches one kernel for the batch
-and records an event. It never waits for the GPU. Batch i goes to lane i mod lanes, so lanes work
+hardware JPEG engine and CUDA decoder together, CPU fallback; through ``_cuda_codecs``, GIL-free
+when the C shim builds), launches one kernel for the batch and records an event. It never waits for the GPU. Batch i goes to lane i mod lanes, so lanes work
 on different batches at once and each lane's batches stay in order on its stream.
 
 Hand-off: the output is allocated by torch on the lane's stream; the consumer's current stream
@@ -24,14 +24,15 @@ import numpy as np
 import torch
 from PIL import Image
 
-from headrace._errors import ConfigError, DecodeError, LoaderError, TransformError
+from headrace._errors import ConfigError, DecodeError, LoaderError
 from headrace._sample import SampleBatch
 from headrace._threads import join_threads
 
 from . import _pillow
 from ._cpu import Processed, _image_field, _label, _read_failure
+from . import _batch_decode as batch_decode
+from ._cuda_codecs import NativeCodec, PythonCodec
 from ._cuda_kernels import resample_kernel
-from ._exif import jpeg_orientation
 from ._geometry import check_foldable, plan_batch, roi_batch
 from ._pipeline import Pipeline
 from ._random import uniforms
@@ -94,8 +95,6 @@ class CudaExecutor:
         self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        # Every lane's decoder may use all cores: lanes take turns more than they overlap (the
-        # decode call needs the GIL now and then, so Python work elsewhere stalls it).
         threads = decoder_threads or (os.cpu_count() or 2)
         self._lanes = [_Lane(self, i, hw_load, threads) for i in range(lanes)]
         self._closed = False
@@ -109,8 +108,6 @@ class CudaExecutor:
 
     async def run(self, batch: SampleBatch) -> Processed:
         lane = self._lanes[batch.index % len(self._lanes)]
-        # Planning the next batch in another thread while this one decodes was measured slower
-        # (6.1k vs 6.5k images/s, H100): nvImageCodec's decode stalls whenever other Python runs.
         return await asyncio.wrap_future(lane.pool.submit(lane.process, batch))
 
     async def aclose(self) -> None:
@@ -133,26 +130,16 @@ class _Lane:
 
     def _init(self, hw_load: float, threads: int) -> None:
         import cupy
-        from nvidia import nvimgcodec as nvc
 
         dev = self.owner.device
         torch.cuda.set_device(dev)
         cupy.cuda.Device(dev.index).use()
-        self.nvc = nvc
         self.cp_stream = cupy.cuda.Stream(non_blocking=True)
         self.stream = torch.cuda.ExternalStream(self.cp_stream.ptr, device=dev)
-        kinds = nvc.BackendKind
-        backends = [
-            nvc.Backend(kinds.HW_GPU_ONLY, load_hint=hw_load),
-            nvc.Backend(kinds.HYBRID_CPU_GPU),
-            nvc.Backend(kinds.GPU_ONLY),
-            nvc.Backend(kinds.CPU_ONLY),
-        ]
-        self.decoder = nvc.Decoder(device_id=dev.index, max_num_cpu_threads=threads, backends=backends)
         pipe = self.owner.pipeline
-        color = nvc.ColorSpec.GRAY if pipe.decode.color == "gray" else nvc.ColorSpec.SRGB
-        fmt = nvc.SampleFormat.I_Y if pipe.decode.color == "gray" else nvc.SampleFormat.I_RGB
-        self.params = nvc.DecodeParams(apply_exif_orientation=pipe.decode.exif, color_spec=color, sample_format=fmt)
+        native = os.environ.get("HEADRACE_NATIVE_DECODE", "1") != "0" and batch_decode.load() is not None
+        codec = NativeCodec if native else PythonCodec
+        self.codec = codec(dev, threads=threads, hw_load=hw_load, channels=pipe.channels, exif=pipe.decode.exif)
         self.kernel = resample_kernel(_OUT_NAMES[pipe.dtype])
         norm = pipe.normalize
         c = pipe.channels
@@ -161,155 +148,141 @@ class _Lane:
         with self.cp_stream:
             self.mean = cupy.asarray(np.resize(mean, c))
             self.inv_std = cupy.asarray(np.resize(inv, c))
-        self.cupy = cupy
         self.staging = [_Staging(cupy) for _ in range(4)]
         self.turn = 0
+        # (event after the batch's kernel, its decoded pixels): pixels stay alive, and their memory
+        # unused, until two batches later, after a host wait on that event (GPU-NOTES §3: nvJPEG's
+        # hardware decoder was seen writing before earlier work on its stream had finished).
+        self.recent: collections.deque[tuple[Any, Any]] = collections.deque(maxlen=2)
         self.seconds: collections.Counter[str] = collections.Counter()
 
     def close(self) -> None:
-        # The stream must outlive every Image decoded on it and the decoder (GPU-NOTES §6).
+        # The stream must outlive every image decoded on it and the decoder (GPU-NOTES §6).
         self.cp_stream.synchronize()
-        self.decoder = None
+        self.recent.clear()
+        self.codec.close()
         self.staging = []
 
     def process(self, batch: SampleBatch) -> Processed:
-        return self.decode_and_launch(*self.plan(batch))
-
-    def plan(self, batch: SampleBatch) -> tuple:
-        """Headers, crop geometry and region-of-interest code streams for ``batch`` (host only)."""
+        """Headers, crop plans, region decode and the fused kernel for one batch (in the lane's thread)."""
         t0 = time.perf_counter()
         pipe = self.owner.pipeline
         samples = batch.samples
         failures: list[tuple[int, LoaderError]] = []
-        # 1. Headers, one sample at a time (the only per-image Python before decode).
-        # streams[i]: a CodeStream, or the Pillow image of a sample nvImageCodec cannot parse
-        rows, streams, sizes, labels = [], [], [], []
+        rows, data, labels = [], [], []
         for row, sample in enumerate(samples):
             try:
                 if sample.error is not None:
                     raise _read_failure(sample)
                 label = _label(sample, pipe.label_field) if pipe.label_field in sample.fields else None
-                data = _image_field(sample, pipe.image_fields)
-                if len(data) == 0:
+                blob = _image_field(sample, pipe.image_fields)
+                if len(blob) == 0:
                     raise DecodeError("empty file: nothing to decode", key=sample.key, source=sample.source)
-                try:
-                    # A NumPy view, not the bytes: nvImageCodec decoded fresh bytes-backed streams
-                    # at 9.7k images/s and array-backed ones at 17.6k on the H100 (probe, 1,024 JPEGs).
-                    cs = self.nvc.CodeStream(np.frombuffer(data, dtype=np.uint8))
-                    h, w = cs.height, cs.width
-                    if pipe.decode.exif and cs.codec_name == "jpeg" and jpeg_orientation(data) >= 5:
-                        h, w = w, h
-                except RuntimeError:  # not a format nvImageCodec parses: Pillow decodes it, once
-                    cs = _pillow.decode(data, pipe.decode, sample.key, sample.source)
-                    h, w = cs.height, cs.width
             except LoaderError as exc:
                 failures.append((row, exc))
                 continue
             rows.append(row)
-            streams.append(cs)
-            sizes.append((h, w))
+            data.append(blob)
             labels.append(label)
-        # 2. Geometry for the whole batch at once, keyed on each sample's index.
-        hw = np.array(sizes, dtype=np.int64).reshape(-1, 2)
+        info = self.codec.parse(data) if data else np.zeros((0, 4), dtype=np.int32)
+        t1 = time.perf_counter()
+        # What nvImageCodec cannot parse, Pillow decodes, once (its error is the sample's).
+        sizes = info[:, :2].astype(np.int64)
+        pillow: dict[int, Image.Image] = {}
+        kept = []
+        for i in range(len(rows)):
+            if info[i, 3] != 1:
+                sample = samples[rows[i]]
+                try:
+                    pillow[i] = img = _pillow.decode(data[i], pipe.decode, sample.key, sample.source)
+                except LoaderError as exc:
+                    failures.append((rows[i], exc))
+                    continue
+                sizes[i] = (img.height, img.width)
+            kept.append(i)
+        parse_idx = np.array(kept, dtype=np.int32)
+        rows = [rows[i] for i in kept]
+        labels = [labels[i] for i in kept]
+        sizes = sizes[parse_idx]
+        # Geometry for the whole batch at once, keyed on each sample's index.
         indices = np.fromiter((samples[r].index for r in rows), dtype=np.int64, count=len(rows))
         randoms = [
             uniforms(self.owner.seed, batch.epoch, pos, indices, op.randoms) if op.randoms else None
             for pos, op in enumerate(pipe.image_ops, start=1)
         ]
-        plans = plan_batch(hw[:, 0], hw[:, 1], pipe.image_ops, randoms)
-        regions = roi_batch(plans, hw[:, 0], hw[:, 1])
-        # 3. Decode only what the resample reads.
-        region_list = regions.tolist()
-        Region = self.nvc.Region
-        for i, cs in enumerate(streams):
-            y0, x0, y1, x1 = region_list[i]
-            if not isinstance(cs, Image.Image) and (y0, x0, y1, x1) != (0, 0, sizes[i][0], sizes[i][1]):
-                streams[i] = cs.get_sub_code_stream(region=Region(y0, x0, y1, x1))
-        self.seconds["plan"] += time.perf_counter() - t0
-        return batch, rows, streams, plans, regions, labels, failures
-
-    def decode_and_launch(self, batch, rows, streams, plans, regions, labels, failures) -> Processed:
-        """Decode on this lane's stream, launch the fused kernel, record the hand-off event."""
-        pipe = self.owner.pipeline
-        samples = batch.samples
-        gpu_pos = [i for i, cs in enumerate(streams) if not isinstance(cs, Image.Image)]
-        images: list[Any] = [None] * len(rows)
-        t0 = time.perf_counter()
-        if gpu_pos:
-            decoded = self.decoder.decode([streams[i] for i in gpu_pos], params=self.params, cuda_stream=self.cp_stream.ptr)
-            for i, img in zip(gpu_pos, decoded):
-                images[i] = img
-        t1 = time.perf_counter()
-        self.seconds["decode"] += t1 - t0
-        ok: list[int] = []
+        plans = plan_batch(sizes[:, 0], sizes[:, 1], pipe.image_ops, randoms)
+        regions = roi_batch(plans, sizes[:, 0], sizes[:, 1]).astype(np.int32)
+        on_gpu = np.array([i not in pillow for i in kept], dtype=bool)
+        t2 = time.perf_counter()
         with torch.cuda.stream(self.stream):
-            for i, row in enumerate(rows):
-                if images[i] is None:  # nvImageCodec could not decode it: Pillow, then upload
-                    self.seconds["cpu_fallback"] += 1
-                    try:
-                        images[i] = self._cpu_decode(samples[row], regions[i], streams[i])
-                    except LoaderError as exc:
-                        failures.append((row, exc))
-                        continue
-                ok.append(i)
+            if len(self.recent) == self.recent.maxlen:
+                self.recent[0][0].synchronize()
+            n = len(rows)
+            pointers = np.zeros(n, dtype=np.uint64)
+            row_strides = np.zeros(n, dtype=np.int64)
+            done = np.zeros(n, dtype=bool)
+            decoded = None
+            if on_gpu.any():
+                decoded = self.codec.decode(parse_idx[on_gpu], regions[on_gpu], self.cp_stream.ptr)
+                pointers[on_gpu], row_strides[on_gpu] = decoded.pointers, decoded.row_strides
+                done[on_gpu] = decoded.status == 1
+            t3 = time.perf_counter()
+            uploads = []
+            for i in np.flatnonzero(~done).tolist():  # Pillow's pixels, uploaded
+                sample = samples[rows[i]]
+                self.seconds["cpu_fallback"] += bool(on_gpu[i])
+                try:
+                    pixels = self._cpu_decode(sample, regions[i], pillow.get(kept[i]))
+                except LoaderError as exc:
+                    failures.append((rows[i], exc))
+                    continue
+                uploads.append(pixels)
+                pointers[i], row_strides[i], done[i] = pixels.data_ptr(), pixels.stride(0), True
+            ok = np.flatnonzero(done)
             (oh, ow), c = pipe.output_size(), pipe.channels
             shape = (len(ok), c, oh, ow) if pipe.layout == "CHW" else (len(ok), oh, ow, c)
             out = torch.empty(shape, dtype=pipe.dtype, device=self.owner.device)
-            if ok:
-                try:
-                    self._launch(out, images, ok, plans, regions)
-                except LoaderError as exc:
-                    exc.key, exc.source = samples[rows[ok[0]]].key, samples[rows[ok[0]]].source
-                    failures.append((rows[ok[0]], exc))
-                    ok = []
-                    out = out[:0]
-            kept = [rows[i] for i in ok]
-            data: dict[str, Any] = {"image": out}
+            if len(ok):
+                self._launch(out, pointers[ok], row_strides[ok], plans, regions, ok)
+            data_out: dict[str, Any] = {"image": out}
             if any(lbl is not None for lbl in labels):
-                data["label"] = torch.tensor([labels[i] for i in ok], dtype=torch.int64).to(self.owner.device, non_blocking=True)
+                data_out["label"] = torch.tensor([labels[i] for i in ok], dtype=torch.int64).to(
+                    self.owner.device, non_blocking=True
+                )
             ready = torch.cuda.Event()
             ready.record(self.stream)
-        result = Processed(data, kept, sorted(failures, key=lambda f: f[0]))
+        self.recent.append((ready, (decoded, uploads)))
+        result = Processed(data_out, [rows[i] for i in ok], sorted(failures, key=lambda f: f[0]))
         result.ready = ready
-        self.seconds["launch"] += time.perf_counter() - t1
+        t4 = time.perf_counter()
+        self.seconds["parse"] += t1 - t0
+        self.seconds["plan"] += t2 - t1
+        self.seconds["decode"] += t3 - t2
+        self.seconds["launch"] += t4 - t3
         self.seconds["batches"] += 1
-        return result  # the decoded Images die here: their memory is freed in order on the lane's stream
+        return result
 
-    def _cpu_decode(self, sample, region, decoded: Any) -> torch.Tensor:
+    def _cpu_decode(self, sample, region, decoded: Image.Image | None) -> torch.Tensor:
         """``region`` of the sample's pixels on the device: Pillow's, decoded now unless already."""
         pipe = self.owner.pipeline
-        img = decoded if isinstance(decoded, Image.Image) else _pillow.decode(
+        img = decoded if decoded is not None else _pillow.decode(
             _image_field(sample, pipe.image_fields), pipe.decode, sample.key, sample.source
         )
         y0, x0, y1, x1 = (int(v) for v in region)
         arr = np.ascontiguousarray(np.asarray(img.crop((x0, y0, x1, y1))).reshape(y1 - y0, x1 - x0, -1))
         return torch.from_numpy(arr).to(self.owner.device, non_blocking=False)
 
-    def _launch(self, out: torch.Tensor, images: list[Any], ok: list[int], plans, regions: np.ndarray) -> None:
+    def _launch(self, out: torch.Tensor, pointers: np.ndarray, row_strides: np.ndarray, plans, regions, ok) -> None:
         n = len(ok)
         c = self.owner.pipeline.channels
         stage = self.staging[self.turn % len(self.staging)]
         self.turn += 1
         ptrs, meta, geo = stage.host(n)
-        shapes = np.empty((n, 4), dtype=np.int64)  # h, w, channels, row stride
-        for j, i in enumerate(ok):
-            img = images[i]
-            if isinstance(img, torch.Tensor):
-                ih, iw, ic = img.shape
-                ptrs[j] = img.data_ptr()
-                shapes[j] = (ih, iw, ic, img.stride(0))
-            else:
-                iface = img.__cuda_array_interface__
-                ih, iw, ic = iface["shape"]
-                ptrs[j] = iface["data"][0]
-                strides = iface.get("strides")
-                shapes[j] = (ih, iw, ic, strides[0] if strides else iw * ic)
         reg = regions[ok]
-        expected = np.stack([reg[:, 2] - reg[:, 0], reg[:, 3] - reg[:, 1], np.full(n, c)], 1)
-        if not np.array_equal(shapes[:, :3], expected):
-            bad = int(np.argmax((shapes[:, :3] != expected).any(1)))
-            raise TransformError(f"decoder returned {tuple(shapes[bad, :3])}, expected region {tuple(expected[bad])}")
-        meta[:, 0:3] = shapes[:, [0, 1, 3]]
+        ptrs[:] = pointers
+        meta[:, 0] = reg[:, 2] - reg[:, 0]
+        meta[:, 1] = reg[:, 3] - reg[:, 1]
+        meta[:, 2] = row_strides
         meta[:, 3] = plans.flip_h[ok]
         meta[:, 4] = plans.flip_v[ok]
         meta[:, 5:] = 0

@@ -1,0 +1,175 @@
+"""Batch decode through nvImageCodec's C API: one GIL-free call per batch (``_native/batch_decode.c``).
+
+Why: nvImageCodec's Python ``decode`` releases and retakes the GIL for every image, and building a
+``CodeStream`` and a region view costs about 19 µs of GIL-held Python per image; with one other
+thread busy in Python a batch decode fell from 17.6k to under 300 images/s on the H100, and two
+lanes did not overlap (ops/README.md). Through ctypes the GIL is released for each whole call, so
+the header parse, the region views and the decode of a batch run beside the event loop and the
+other lanes, and each image decodes straight into a slice of one buffer the lane owns.
+
+The shim is compiled on first use with the system C compiler against the header that ships in
+the nvImageCodec wheel, and cached (``$HEADRACE_CACHE``, else ``~/.cache/headrace``) under a hash
+of its inputs. Without a compiler ``load()`` says why, and the GPU path decodes through nvImageCodec's
+Python API instead (as it does with ``HEADRACE_NATIVE_DECODE=0``, read when a lane starts).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._cpu_decode import nvimgcodec
+
+__all__ = ["BatchDecoder", "load", "unavailable_reason"]
+
+_HERE = Path(__file__).parent / "_native"
+_SOURCE = _HERE / "batch_decode.c"
+_lock = threading.Lock()
+_state: dict[str, Any] = {}
+
+
+def unavailable_reason() -> str | None:
+    """Why the shim cannot be used here (None when it can)."""
+    load()
+    return _state.get("reason")
+
+
+def load() -> ctypes.CDLL | None:
+    """The shim's library, built and loaded once per process; None (see ``unavailable_reason``) if not."""
+    with _lock:
+        if "lib" not in _state:
+            _state["lib"], _state["reason"] = _load()
+        return _state["lib"]
+
+
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    module = nvimgcodec()
+    if module is None:
+        return None, "nvImageCodec does not import"
+    package = Path(module.__file__).parent
+    header, library = package / "include" / "nvimgcodec.h", package / "libnvimgcodec.so.0"
+    if not header.exists() or not library.exists():
+        return None, f"nvImageCodec's C header or library is missing under {package}"
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        return None, "no C compiler (set CC, or install gcc)"
+    digest = hashlib.sha256()
+    for part in (_SOURCE, _HERE / "cuda_runtime_api.h", header):
+        digest.update(part.read_bytes())
+    digest.update(f"{library}|{compiler}".encode())
+    cache = Path(os.environ.get("HEADRACE_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "headrace")
+    target = cache / f"batch_decode-{digest.hexdigest()[:16]}.so"
+    if not target.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        # Built under a temporary name and renamed: ranks of one job may build at the same time.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+        os.close(fd)
+        cmd = [compiler, "-O2", "-shared", "-fPIC", "-o", tmp, str(_SOURCE), f"-I{_HERE}", f"-I{header.parent}",
+               f"-L{package}", "-l:libnvimgcodec.so.0", f"-Wl,-rpath,{package}"]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            os.unlink(tmp)
+            return None, f"compiling the decode shim failed: {done.stderr.strip()[-400:]}"
+        os.replace(tmp, target)
+    lib = ctypes.CDLL(str(target))
+    _declare(lib)
+    return lib, None
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i, f, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_size_t
+    lib.hr_instance_create.argtypes, lib.hr_instance_create.restype = [ctypes.c_char_p, ctypes.c_char_p, sz], p
+    lib.hr_instance_destroy.argtypes, lib.hr_instance_destroy.restype = [p], None
+    lib.hr_decoder_create.argtypes = [p, i, i, i, f, ctypes.c_char_p, sz]
+    lib.hr_decoder_create.restype = p
+    lib.hr_parse.argtypes, lib.hr_parse.restype = [p, i, p, p, i, p], i
+    lib.hr_decode.argtypes, lib.hr_decode.restype = [p, i, p, p, p, i, i, p, p], i
+    lib.hr_release.argtypes, lib.hr_release.restype = [p], None
+    lib.hr_decoder_destroy.argtypes, lib.hr_decoder_destroy.restype = [p], None
+
+
+def _instance(lib: ctypes.CDLL) -> int:
+    """One library instance per process (extensions loaded once); it lives until the process ends."""
+    with _lock:
+        if "instance" not in _state:
+            err = ctypes.create_string_buffer(256)
+            path = str(Path(nvimgcodec().__file__).parent / "extensions").encode()
+            handle = lib.hr_instance_create(path, err, len(err))
+            if not handle:
+                raise RuntimeError(err.value.decode())
+            _state["instance"] = handle
+        return _state["instance"]
+
+
+class BatchDecoder:
+    """One nvImageCodec decoder driven through the shim. Not for two threads at once (a lane owns it).
+
+    ``device=None`` makes a CPU-only decoder writing to host memory (used by the tests on machines
+    without a GPU); otherwise the hardware JPEG engine (``hw_load`` of each batch), then the CUDA
+    decoder, then the CPU one, writing to device memory on the stream given to ``decode``.
+    """
+
+    def __init__(self, device: int | None, *, threads: int, hw_load: float = 0.65, channels: int = 3, exif: bool = True):
+        lib = load()
+        if lib is None:
+            raise RuntimeError(f"the batch decode shim is unavailable: {unavailable_reason()}")
+        self._lib = lib
+        err = ctypes.create_string_buffer(256)
+        cpu_only = device is None
+        handle = lib.hr_decoder_create(_instance(lib), -1 if cpu_only else device, int(cpu_only), threads, hw_load, err, len(err))
+        if not handle:
+            raise RuntimeError(err.value.decode())
+        self._handle = handle
+        self.channels = channels
+        self.exif = exif
+        self._pinned: Any = None  # the parsed batch's data, kept alive until the next parse or close
+
+    def parse(self, data: list[bytes]) -> np.ndarray:
+        """Headers of ``data``: an (n, 4) int32 array of height, width (upright when ``exif``),
+        channels in the file, and 1 where nvImageCodec parses the image (0: decode it another way)."""
+        n = len(data)
+        data = [d if type(d) is bytes else bytes(d) for d in data]
+        pointers = (ctypes.c_char_p * n)(*data)  # no copy: pointers into the bytes objects
+        sizes = np.fromiter(map(len, data), dtype=np.uint64, count=n)
+        info = np.zeros((n, 4), dtype=np.int32)
+        self._pinned = (data, pointers)
+        if not self._lib.hr_parse(self._handle, n, pointers, sizes.ctypes.data, int(self.exif), info.ctypes.data):
+            raise MemoryError("hr_parse: out of host memory")
+        return info
+
+    def decode(self, pick: np.ndarray, regions: np.ndarray, out: np.ndarray, stream: int) -> np.ndarray:
+        """Decode the parsed images ``pick`` (indices into the last ``parse``), each only its window
+        ``regions[j]`` = (y0, x0, y1, x1), into the buffers at addresses ``out[j]`` (rows packed,
+        ``channels`` uint8 per pixel), ordered on CUDA ``stream`` (an address; 0 for the CPU-only
+        decoder). Returns an int32 status per image: 1 decoded, anything else failed."""
+        m = len(pick)
+        pick = np.ascontiguousarray(pick, dtype=np.int32)
+        regions = np.ascontiguousarray(regions, dtype=np.int32)
+        out = np.ascontiguousarray(out, dtype=np.uint64)
+        status = np.zeros(m, dtype=np.int32)
+        ok = self._lib.hr_decode(self._handle, m, pick.ctypes.data, regions.ctypes.data, out.ctypes.data,
+                                 self.channels, int(self.exif), stream, status.ctypes.data)
+        if not ok:
+            status[:] = 0
+        return status
+
+    def release(self) -> None:
+        """Forget the parsed batch (and let its data go)."""
+        self._lib.hr_release(self._handle)
+        self._pinned = None
+
+    def close(self) -> None:
+        """Destroy the decoder. Its stream's work must be done or still ordered after it. Safe twice."""
+        if self._handle:
+            self._lib.hr_decoder_destroy(self._handle)
+            self._handle = None
+            self._pinned = None

@@ -1,0 +1,131 @@
+"""The two ways a GPU lane drives nvImageCodec, behind one small interface.
+
+``parse(data)`` reads a batch's headers: an (n, 4) int32 array of height, width (upright when EXIF
+is applied), channels, and 1 where nvImageCodec parses the image. ``decode(pick, regions, stream)``
+decodes the parsed images ``pick``, each only its window ``regions[j]`` = (y0, x0, y1, x1), on the
+lane's stream, and returns ``Decoded``: a status per image (1 decoded), the address and row stride
+of its HWC uint8 pixels, and what must stay alive until the kernel reading them is queued.
+
+``NativeCodec`` makes one GIL-free call per phase (``_batch_decode``) and decodes into one buffer
+per batch; ``PythonCodec`` uses nvImageCodec's Python API, whose per-image GIL traffic keeps lanes
+from overlapping. The lane uses the native one whenever the shim builds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._exif import jpeg_orientation
+
+__all__ = ["Decoded", "NativeCodec", "PythonCodec"]
+
+
+@dataclass
+class Decoded:
+    status: np.ndarray  # int32, 1 = decoded
+    pointers: np.ndarray  # uint64 device addresses
+    row_strides: np.ndarray  # int64 bytes
+    keep: Any  # owner(s) of the pixels
+
+
+class NativeCodec:
+    def __init__(self, device: torch.device, *, threads: int, hw_load: float, channels: int, exif: bool) -> None:
+        from ._batch_decode import BatchDecoder
+
+        self.device = device
+        self.channels = channels
+        self.decoder = BatchDecoder(device.index, threads=threads, hw_load=hw_load, channels=channels, exif=exif)
+
+    def parse(self, data: list) -> np.ndarray:
+        return self.decoder.parse(data)
+
+    def decode(self, pick: np.ndarray, regions: np.ndarray, stream: int) -> Decoded:
+        heights, widths = regions[:, 2] - regions[:, 0], regions[:, 3] - regions[:, 1]
+        row_strides = (widths * self.channels).astype(np.int64)
+        sizes = heights.astype(np.int64) * row_strides
+        # 256-byte aligned slices of one buffer, allocated on the lane's (current) stream.
+        aligned = (sizes + 255) // 256 * 256
+        offsets = np.concatenate(([0], np.cumsum(aligned)[:-1])).astype(np.uint64)
+        workspace = torch.empty(max(int(aligned.sum()), 1), dtype=torch.uint8, device=self.device)
+        pointers = offsets + np.uint64(workspace.data_ptr())
+        status = self.decoder.decode(pick, regions, pointers, stream)
+        return Decoded(status, pointers, row_strides, workspace)
+
+    def close(self) -> None:
+        self.decoder.close()
+
+
+class PythonCodec:
+    def __init__(self, device: torch.device, *, threads: int, hw_load: float, channels: int, exif: bool) -> None:
+        from nvidia import nvimgcodec as nvc
+
+        self.nvc = nvc
+        self.exif = exif
+        self.channels = channels
+        kinds = nvc.BackendKind
+        backends = [
+            nvc.Backend(kinds.HW_GPU_ONLY, load_hint=hw_load),
+            nvc.Backend(kinds.HYBRID_CPU_GPU),
+            nvc.Backend(kinds.GPU_ONLY),
+            nvc.Backend(kinds.CPU_ONLY),
+        ]
+        self.decoder = nvc.Decoder(device_id=device.index, max_num_cpu_threads=threads, backends=backends)
+        gray = channels == 1
+        self.params = nvc.DecodeParams(
+            apply_exif_orientation=exif,
+            color_spec=nvc.ColorSpec.GRAY if gray else nvc.ColorSpec.SRGB,
+            sample_format=nvc.SampleFormat.I_Y if gray else nvc.SampleFormat.I_RGB,
+        )
+        self.streams: list[Any] = []
+        self.info = np.zeros((0, 4), dtype=np.int32)
+
+    def parse(self, data: list) -> np.ndarray:
+        info = np.zeros((len(data), 4), dtype=np.int32)
+        streams: list[Any] = []
+        for i, blob in enumerate(data):
+            try:
+                # A NumPy view, not the bytes: nvImageCodec decoded fresh bytes-backed streams at
+                # 9.7k images/s and array-backed ones at 17.6k on the H100 (probe, 1,024 JPEGs).
+                cs = self.nvc.CodeStream(np.frombuffer(blob, dtype=np.uint8))
+            except RuntimeError:  # not a format nvImageCodec parses
+                streams.append(None)
+                continue
+            h, w = cs.height, cs.width
+            if self.exif and cs.codec_name == "jpeg" and jpeg_orientation(blob) >= 5:
+                h, w = w, h
+            info[i] = (h, w, cs.num_channels, 1)
+            streams.append(cs)
+        self.streams, self.info = streams, info
+        return info
+
+    def decode(self, pick: np.ndarray, regions: np.ndarray, stream: int) -> Decoded:
+        Region = self.nvc.Region
+        sources = []
+        for i, (y0, x0, y1, x1) in zip(pick.tolist(), regions.tolist()):
+            cs = self.streams[i]
+            full = (y0, x0, y1, x1) == (0, 0, int(self.info[i, 0]), int(self.info[i, 1]))
+            sources.append(cs if full else cs.get_sub_code_stream(region=Region(y0, x0, y1, x1)))
+        images = self.decoder.decode(sources, params=self.params, cuda_stream=stream)
+        m = len(pick)
+        status = np.zeros(m, dtype=np.int32)
+        pointers = np.zeros(m, dtype=np.uint64)
+        row_strides = np.zeros(m, dtype=np.int64)
+        for j, img in enumerate(images):
+            if img is None:
+                continue
+            iface = img.__cuda_array_interface__
+            h, w, c = iface["shape"]
+            y0, x0, y1, x1 = regions[j]
+            if (h, w, c) != (y1 - y0, x1 - x0, self.channels):  # not what was asked: decode it another way
+                continue
+            strides = iface.get("strides")
+            status[j], pointers[j], row_strides[j] = 1, iface["data"][0], strides[0] if strides else w * c
+        return Decoded(status, pointers, row_strides, images)
+
+    def close(self) -> None:
+        self.streams = []
+        self.decoder = None

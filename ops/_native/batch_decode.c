@@ -1,0 +1,323 @@
+/* One call per batch into nvImageCodec's C API, with no Python in between.
+ *
+ * Why this exists: nvImageCodec's Python binding drops and retakes the GIL for every image
+ * (header read, output allocation), so a decode thread stalls whenever any other Python thread
+ * runs, and lanes cannot overlap (measured on the H100: ops/README.md). ctypes releases the GIL for
+ * the whole of each call below, so a lane's header parse, region views and decode run beside the
+ * event loop and the other lanes.
+ *
+ * Output memory is the caller's: one device (or, for the CPU-only decoder, host) buffer per image,
+ * tightly packed rows, so there is no allocation per image and no third memory pool.
+ */
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "nvimgcodec.h"
+
+#define HR_OK 1
+
+typedef struct {
+    nvimgcodecInstance_t instance;
+    nvimgcodecDecoder_t decoder;
+    int cpu_only;
+    int capacity;
+    nvimgcodecCodeStream_t* streams; /* parsed whole streams, one per input of the last parse */
+    nvimgcodecCodeStream_t* views;   /* region views, reused between batches */
+    nvimgcodecImage_t* images;
+    nvimgcodecCodeStream_t* chosen;
+    nvimgcodecProcessingStatus_t* status;
+} hr_decoder;
+
+static void set_error(char* err, size_t len, const char* what, int code)
+{
+    if (err && len)
+        snprintf(err, len, "%s failed (nvimgcodecStatus %d)", what, code);
+}
+
+nvimgcodecInstance_t hr_instance_create(const char* extensions_path, char* err, size_t errlen)
+{
+    nvimgcodecInstanceCreateInfo_t info;
+    memset(&info, 0, sizeof(info));
+    info.struct_type = NVIMGCODEC_STRUCTURE_TYPE_INSTANCE_CREATE_INFO;
+    info.struct_size = sizeof(info);
+    info.load_builtin_modules = 1;
+    info.load_extension_modules = 1;
+    info.extension_modules_path = extensions_path;
+    /* No debug messenger: failures come back as per-sample statuses, which the caller reports
+       with the sample's key; the library's own stderr lines would only duplicate them. */
+    info.create_debug_messenger = 0;
+    nvimgcodecInstance_t instance = NULL;
+    nvimgcodecStatus_t st = nvimgcodecInstanceCreate(&instance, &info);
+    if (st != NVIMGCODEC_STATUS_SUCCESS) {
+        set_error(err, errlen, "nvimgcodecInstanceCreate", st);
+        return NULL;
+    }
+    return instance;
+}
+
+void hr_instance_destroy(nvimgcodecInstance_t instance)
+{
+    if (instance)
+        nvimgcodecInstanceDestroy(instance);
+}
+
+/* device_id < 0 with cpu_only: the CPU backend only (libjpeg-turbo and friends), host output. */
+hr_decoder* hr_decoder_create(nvimgcodecInstance_t instance, int device_id, int cpu_only, int threads,
+                              float hw_load, char* err, size_t errlen)
+{
+    nvimgcodecBackend_t backends[4];
+    int n = 0;
+    memset(backends, 0, sizeof(backends));
+    const nvimgcodecBackendKind_t gpu_chain[4] = {NVIMGCODEC_BACKEND_KIND_HW_GPU_ONLY, NVIMGCODEC_BACKEND_KIND_HYBRID_CPU_GPU,
+                                                  NVIMGCODEC_BACKEND_KIND_GPU_ONLY, NVIMGCODEC_BACKEND_KIND_CPU_ONLY};
+    for (int i = cpu_only ? 3 : 0; i < 4; ++i, ++n) {
+        backends[n].struct_type = NVIMGCODEC_STRUCTURE_TYPE_BACKEND;
+        backends[n].struct_size = sizeof(nvimgcodecBackend_t);
+        backends[n].kind = gpu_chain[i];
+        backends[n].params.struct_type = NVIMGCODEC_STRUCTURE_TYPE_BACKEND_PARAMS;
+        backends[n].params.struct_size = sizeof(nvimgcodecBackendParams_t);
+        /* The hardware engine takes its share first; what it leaves or rejects falls through. */
+        backends[n].params.load_hint = (i == 0) ? hw_load : 1.0f;
+        backends[n].params.load_hint_policy = NVIMGCODEC_LOAD_HINT_POLICY_FIXED;
+    }
+    nvimgcodecExecutionParams_t exec;
+    memset(&exec, 0, sizeof(exec));
+    exec.struct_type = NVIMGCODEC_STRUCTURE_TYPE_EXECUTION_PARAMS;
+    exec.struct_size = sizeof(exec);
+    exec.device_id = cpu_only ? NVIMGCODEC_DEVICE_CPU_ONLY : device_id;
+    exec.max_num_cpu_threads = threads;
+    exec.num_backends = n;
+    exec.backends = backends;
+    nvimgcodecDecoder_t decoder = NULL;
+    nvimgcodecStatus_t st = nvimgcodecDecoderCreate(instance, &decoder, &exec, "");
+    if (st != NVIMGCODEC_STATUS_SUCCESS || decoder == NULL) {
+        set_error(err, errlen, "nvimgcodecDecoderCreate", st);
+        return NULL;
+    }
+    hr_decoder* d = (hr_decoder*)calloc(1, sizeof(hr_decoder));
+    if (!d) {
+        nvimgcodecDecoderDestroy(decoder);
+        set_error(err, errlen, "calloc", 0);
+        return NULL;
+    }
+    d->instance = instance;
+    d->decoder = decoder;
+    d->cpu_only = cpu_only;
+    return d;
+}
+
+static void release_handles(nvimgcodecCodeStream_t* handles, int n)
+{
+    for (int i = 0; i < n; ++i) {
+        if (handles[i]) {
+            nvimgcodecCodeStreamDestroy(handles[i]);
+            handles[i] = NULL;
+        }
+    }
+}
+
+static int reserve(hr_decoder* d, int n)
+{
+    if (n <= d->capacity)
+        return 1;
+    int cap = n > 2 * d->capacity ? n : 2 * d->capacity;
+    void* p[5];
+    size_t sizes[5] = {sizeof(nvimgcodecCodeStream_t), sizeof(nvimgcodecCodeStream_t), sizeof(nvimgcodecImage_t),
+                       sizeof(nvimgcodecCodeStream_t), sizeof(nvimgcodecProcessingStatus_t)};
+    void* old[5] = {d->streams, d->views, d->images, d->chosen, d->status};
+    for (int k = 0; k < 5; ++k) {
+        p[k] = calloc((size_t)cap, sizes[k]);
+        if (!p[k]) {
+            for (int j = 0; j < k; ++j)
+                free(p[j]);
+            return 0;
+        }
+        if (old[k])
+            memcpy(p[k], old[k], (size_t)d->capacity * sizes[k]);
+        free(old[k]);
+    }
+    d->streams = p[0];
+    d->views = p[1];
+    d->images = p[2];
+    d->chosen = p[3];
+    d->status = p[4];
+    d->capacity = cap;
+    return 1;
+}
+
+/* Read the headers of n encoded images. For each: info[4i..4i+3] = height, width (as displayed
+ * when exif is set: EXIF rotations by 90 or 270 degrees swap them), channels in the file, and 1 when
+ * nvImageCodec parses it (else 0: the caller decodes it another way). The data must stay alive and
+ * unchanged until hr_decode returns: the parsed streams point into it. Returns 0 on allocation failure. */
+int hr_parse(hr_decoder* d, int n, const unsigned char* const* data, const size_t* sizes, int exif, int32_t* info)
+{
+    if (!reserve(d, n))
+        return 0;
+    for (int i = 0; i < n; ++i) {
+        int32_t* row = info + 4 * i;
+        row[0] = row[1] = row[2] = row[3] = 0;
+        /* The handle of the previous batch is reused in place (no allocation per image). */
+        if (nvimgcodecCodeStreamCreateFromHostMem(d->instance, &d->streams[i], data[i], sizes[i], NULL) !=
+            NVIMGCODEC_STATUS_SUCCESS) {
+            release_handles(&d->streams[i], 1);
+            continue;
+        }
+        nvimgcodecImageInfo_t ii;
+        memset(&ii, 0, sizeof(ii));
+        ii.struct_type = NVIMGCODEC_STRUCTURE_TYPE_IMAGE_INFO;
+        ii.struct_size = sizeof(ii);
+        if (nvimgcodecCodeStreamGetImageInfo(d->streams[i], &ii) != NVIMGCODEC_STATUS_SUCCESS || ii.num_planes < 1) {
+            release_handles(&d->streams[i], 1);
+            continue;
+        }
+        int32_t h = (int32_t)ii.plane_info[0].height, w = (int32_t)ii.plane_info[0].width;
+        if (exif && (ii.orientation.rotated / 90) % 2) {
+            int32_t t = h;
+            h = w;
+            w = t;
+        }
+        row[0] = h;
+        row[1] = w;
+        row[2] = (int32_t)(ii.num_planes > 1 ? ii.num_planes : ii.plane_info[0].num_channels);
+        row[3] = HR_OK;
+    }
+    return 1;
+}
+
+/* Decode m of the parsed images: pick[j] is the index given to hr_parse, region[4j..4j+3] the
+ * window y0, x0, y1, x1 to decode (in displayed coordinates when exif; the whole image is just the
+ * full window), out[j] the buffer for its (y1-y0) x (x1-x0) x channels uint8 pixels, rows packed.
+ * channels is 3 (RGB) or 1 (gray). Work goes on cuda_stream. status[j] = 1 when decoded, else
+ * nvImageCodec's processing status (or 0 when the image could not be set up). Blocks until the host
+ * part of the decode is done; the device part is ordered on cuda_stream. Returns 0 when the whole
+ * call failed (nothing decoded), else 1. */
+int hr_decode(hr_decoder* d, int m, const int32_t* pick, const int32_t* region, void* const* out, int channels,
+              int exif, void* cuda_stream, int32_t* status)
+{
+    if (!reserve(d, m))
+        return 0;
+    int k = 0;
+    int* slot = (int*)malloc(sizeof(int) * (size_t)(m > 0 ? m : 1));
+    if (!slot)
+        return 0;
+    for (int j = 0; j < m; ++j) {
+        status[j] = 0;
+        slot[j] = -1;
+        nvimgcodecCodeStream_t whole = d->streams[pick[j]];
+        if (!whole)
+            continue;
+        const int32_t* r = region + 4 * j;
+        int rh = r[2] - r[0], rw = r[3] - r[1];
+        if (rh < 1 || rw < 1)
+            continue;
+        nvimgcodecImageInfo_t ii;
+        memset(&ii, 0, sizeof(ii));
+        ii.struct_type = NVIMGCODEC_STRUCTURE_TYPE_IMAGE_INFO;
+        ii.struct_size = sizeof(ii);
+        if (nvimgcodecCodeStreamGetImageInfo(whole, &ii) != NVIMGCODEC_STATUS_SUCCESS)
+            continue;
+        int full_h = (int)ii.plane_info[0].height, full_w = (int)ii.plane_info[0].width;
+        if (exif && (ii.orientation.rotated / 90) % 2) {
+            int t = full_h;
+            full_h = full_w;
+            full_w = t;
+        }
+        nvimgcodecCodeStream_t src = whole;
+        if (r[0] != 0 || r[1] != 0 || r[2] != full_h || r[3] != full_w) {
+            nvimgcodecCodeStreamView_t view;
+            memset(&view, 0, sizeof(view));
+            view.struct_type = NVIMGCODEC_STRUCTURE_TYPE_CODE_STREAM_VIEW;
+            view.struct_size = sizeof(view);
+            view.region.struct_type = NVIMGCODEC_STRUCTURE_TYPE_REGION;
+            view.region.struct_size = sizeof(view.region);
+            view.region.ndim = 2;
+            view.region.start[0] = r[0];
+            view.region.start[1] = r[1];
+            view.region.end[0] = r[2];
+            view.region.end[1] = r[3];
+            if (nvimgcodecCodeStreamGetSubCodeStream(whole, &d->views[k], &view) != NVIMGCODEC_STATUS_SUCCESS) {
+                release_handles(&d->views[k], 1);
+                continue;
+            }
+            src = d->views[k];
+        }
+        ii.cuda_stream = (cudaStream_t)cuda_stream;
+        ii.chroma_subsampling = NVIMGCODEC_SAMPLING_NONE;
+        if (channels == 1) {
+            ii.sample_format = NVIMGCODEC_SAMPLEFORMAT_P_Y;
+            ii.color_spec = NVIMGCODEC_COLORSPEC_GRAY;
+        } else {
+            ii.sample_format = NVIMGCODEC_SAMPLEFORMAT_I_RGB;
+            ii.color_spec = NVIMGCODEC_COLORSPEC_SRGB;
+        }
+        ii.num_planes = 1;
+        ii.plane_info[0].struct_type = NVIMGCODEC_STRUCTURE_TYPE_IMAGE_PLANE_INFO;
+        ii.plane_info[0].struct_size = sizeof(nvimgcodecImagePlaneInfo_t);
+        ii.plane_info[0].height = (uint32_t)rh;
+        ii.plane_info[0].width = (uint32_t)rw;
+        ii.plane_info[0].num_channels = (uint32_t)channels;
+        ii.plane_info[0].row_stride = (size_t)rw * (size_t)channels;
+        ii.plane_info[0].sample_type = NVIMGCODEC_SAMPLE_DATA_TYPE_UINT8;
+        ii.plane_info[0].precision = 0;
+        ii.buffer = out[j];
+        ii.buffer_kind = d->cpu_only ? NVIMGCODEC_IMAGE_BUFFER_KIND_STRIDED_HOST : NVIMGCODEC_IMAGE_BUFFER_KIND_STRIDED_DEVICE;
+        nvimgcodecImage_t img = NULL;
+        if (nvimgcodecImageCreate(d->instance, &img, &ii) != NVIMGCODEC_STATUS_SUCCESS)
+            continue;
+        d->images[k] = img;
+        d->chosen[k] = src;
+        slot[j] = k++;
+    }
+    int ok = 1;
+    if (k > 0) {
+        nvimgcodecDecodeParams_t params;
+        memset(&params, 0, sizeof(params));
+        params.struct_type = NVIMGCODEC_STRUCTURE_TYPE_DECODE_PARAMS;
+        params.struct_size = sizeof(params);
+        params.apply_exif_orientation = exif;
+        nvimgcodecFuture_t future = NULL;
+        if (nvimgcodecDecoderDecode(d->decoder, d->chosen, d->images, k, &params, &future) != NVIMGCODEC_STATUS_SUCCESS) {
+            ok = 0;
+        } else {
+            nvimgcodecFutureWaitForAll(future);
+            size_t count = (size_t)k;
+            nvimgcodecFutureGetProcessingStatus(future, d->status, &count);
+            nvimgcodecFutureDestroy(future);
+            for (int j = 0; j < m; ++j)
+                if (slot[j] >= 0)
+                    status[j] = (int32_t)d->status[slot[j]];
+        }
+        for (int i = 0; i < k; ++i) {
+            nvimgcodecImageDestroy(d->images[i]);
+            d->images[i] = NULL;
+        }
+    }
+    free(slot);
+    return ok;
+}
+
+/* Drop the parsed streams (and their references to the callers' data). */
+void hr_release(hr_decoder* d)
+{
+    if (!d)
+        return;
+    release_handles(d->streams, d->capacity);
+    release_handles(d->views, d->capacity);
+}
+
+void hr_decoder_destroy(hr_decoder* d)
+{
+    if (!d)
+        return;
+    hr_release(d);
+    nvimgcodecDecoderDestroy(d->decoder);
+    free(d->streams);
+    free(d->views);
+    free(d->images);
+    free(d->chosen);
+    free(d->status);
+    free(d);
+}

@@ -1,0 +1,121 @@
+"""The C shim over nvImageCodec's C API (ops/_native/batch_decode.c), driven with its CPU-only decoder.
+
+The GPU lanes use the same shim with the GPU backends (tests/gpu); here the CPU backend
+(libjpeg-turbo, the library Pillow uses) must give Pillow's pixels exactly, for whole images and
+for windows, with EXIF orientation applied, and must report what it cannot decode per image.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from ops_refs import encode, random_image, with_orientation
+from PIL import Image
+
+from headrace.ops import _batch_decode
+
+pytestmark = pytest.mark.skipif(
+    _batch_decode.unavailable_reason() is not None,
+    reason=f"batch decode shim unavailable: {_batch_decode.unavailable_reason()}",
+)
+
+
+@pytest.fixture
+def decoder():
+    made = []
+
+    def make(channels: int = 3, exif: bool = True):
+        dec = _batch_decode.BatchDecoder(None, threads=1, channels=channels, exif=exif)
+        made.append(dec)
+        return dec
+
+    yield make
+    for dec in made:
+        dec.close()
+
+
+def _decode(dec, blobs, regions):
+    """Parse ``blobs``, decode the parsed ones at ``regions`` (None: whole image) into host arrays."""
+    info = dec.parse(blobs)
+    pick = np.flatnonzero(info[:, 3] == 1).astype(np.int32)
+    boxes = np.array(
+        [regions[i] if regions[i] is not None else (0, 0, info[i, 0], info[i, 1]) for i in pick], dtype=np.int32
+    ).reshape(-1, 4)
+    outs = [np.full((y1 - y0, x1 - x0, dec.channels), 7, dtype=np.uint8) for y0, x0, y1, x1 in boxes]
+    status = dec.decode(pick, boxes, np.array([o.ctypes.data for o in outs], dtype=np.uint64), 0)
+    return info, pick, boxes, status, outs
+
+
+def _pillow(blob: bytes, mode: str = "RGB") -> np.ndarray:
+    from PIL import ImageOps
+
+    return np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(blob))).convert(mode))
+
+
+def test_whole_images_and_windows_equal_pillow(decoder, rng):
+    dec = decoder()
+    blobs, regions = [], []
+    for k in range(12):
+        h, w = int(rng.integers(17, 140)), int(rng.integers(17, 140))
+        blobs.append(encode(random_image(rng, h, w), "JPEG"))
+        if k % 3 == 0:
+            regions.append(None)
+        else:
+            y0, x0 = int(rng.integers(0, h - 8)), int(rng.integers(0, w - 8))
+            regions.append((y0, x0, int(rng.integers(y0 + 1, h + 1)), int(rng.integers(x0 + 1, w + 1))))
+    info, pick, boxes, status, outs = _decode(dec, blobs, regions)
+    assert info[:, 3].tolist() == [1] * 12 and status.tolist() == [1] * 12
+    for j, i in enumerate(pick):
+        y0, x0, y1, x1 = boxes[j]
+        assert tuple(info[i, :3]) == (*_pillow(blobs[i]).shape[:2], 3)
+        np.testing.assert_array_equal(outs[j], _pillow(blobs[i])[y0:y1, x0:x1])
+
+
+@pytest.mark.parametrize("orientation", [1, 3, 6, 8])
+def test_exif_orientation_turns_windows_upright(decoder, rng, orientation):
+    dec = decoder()
+    blob = with_orientation(random_image(rng, 40, 64), orientation)
+    upright = _pillow(blob)
+    h, w = upright.shape[:2]
+    info, _, _, status, outs = _decode(dec, [blob, blob], [None, (3, 5, h - 4, w - 9)])
+    assert tuple(info[0, :2]) == (h, w) and status.tolist() == [1, 1]
+    np.testing.assert_array_equal(outs[0], upright)
+    np.testing.assert_array_equal(outs[1], upright[3 : h - 4, 5 : w - 9])
+
+
+def test_gray_output(decoder, rng):
+    dec = decoder(channels=1)
+    blob = encode(random_image(rng, 30, 50), "JPEG")
+    _, _, _, status, outs = _decode(dec, [blob], [None])
+    assert status.tolist() == [1]
+    # A colour JPEG decoded to gray is its luma plane, as libjpeg-turbo outputs it (not Pillow's
+    # RGB -> L conversion, which goes through clipped RGB).
+    img = Image.open(io.BytesIO(blob))
+    img.draft("YCbCr", img.size)
+    np.testing.assert_array_equal(outs[0][..., 0], np.asarray(img)[..., 0])
+
+
+def test_unparsable_and_truncated_images_are_reported_per_image(decoder, rng):
+    dec = decoder()
+    good = encode(random_image(rng, 32, 32), "JPEG")
+    blobs = [good, b"not an image at all", good[: len(good) // 2], good]
+    info, pick, _, status, outs = _decode(dec, blobs, [None] * 4)
+    assert info[:, 3].tolist() == [1, 0, 1, 1]  # a truncated JPEG still has a header
+    assert pick.tolist() == [0, 2, 3]
+    assert status[0] == 1 and status[2] == 1 and status[1] != 1
+    np.testing.assert_array_equal(outs[0], outs[2])
+
+
+def test_handles_are_reused_across_batches_and_close_is_idempotent(decoder, rng):
+    dec = decoder()
+    for size in (8, 3, 20):  # the parsed streams grow, shrink and grow again
+        blobs = [encode(random_image(rng, 20 + k, 24), "JPEG") for k in range(size)]
+        _, pick, _, status, outs = _decode(dec, blobs, [None] * size)
+        assert status.tolist() == [1] * size
+        for j, i in enumerate(pick):
+            np.testing.assert_array_equal(outs[j], _pillow(blobs[i]))
+    dec.release()
+    dec.close()
+    dec.close()
