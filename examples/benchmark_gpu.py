@@ -163,7 +163,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--lanes", type=int, default=1)
-    ap.add_argument("--lane-sweep", default="", help="also run headrace (train) with these lane counts, e.g. 2,4")
+    ap.add_argument("--variants", default="",
+                    help="also run headrace (train) with these LANES:HW_LOAD pairs, e.g. 2:0.5,2:adaptive")
     ap.add_argument("--python-codec", action="store_true",
                     help="also run headrace (train) decoding through nvImageCodec's Python API (HEADRACE_NATIVE_DECODE=0)")
     ap.add_argument("--hw-loads", default="", help="also run headrace (train) at these hw_load values, e.g. 0,1")
@@ -195,10 +196,12 @@ def main() -> None:
         runners[f"hw{hw}"] = (f"headrace (train, hw_load={hw})", lambda hw=float(hw): bench_headrace(
             root, ops.training(224, dtype="float16"), args.batch, args.epochs, args.lanes, hw))
         rows.append(f"hw{hw}")
-    for n in filter(None, args.lane_sweep.split(",")):
-        runners[f"lanes{n}"] = (f"headrace (train, {n} lanes)", lambda n=int(n): bench_headrace(
-            root, ops.training(224, dtype="float16"), args.batch, args.epochs, n))
-        rows.append(f"lanes{n}")
+    for variant in filter(None, args.variants.split(",")):
+        n, hw = variant.split(":")
+        hw_load = hw if hw == "adaptive" else float(hw)
+        runners[variant] = (f"headrace (train, {n} lanes, hw_load={hw})", lambda n=int(n), hw_load=hw_load: bench_headrace(
+            root, ops.training(224, dtype="float16"), args.batch, args.epochs, n, hw_load))
+        rows.append(variant)
     if args.python_codec:
         runners["python"] = ("headrace (train, Python nvImageCodec API)", lambda: _with_env(
             "HEADRACE_NATIVE_DECODE", "0", lambda: bench_headrace(root, ops.training(224, dtype="float16"), args.batch, args.epochs, args.lanes)))

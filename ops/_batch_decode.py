@@ -89,7 +89,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i, f, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_size_t
     lib.hr_instance_create.argtypes, lib.hr_instance_create.restype = [ctypes.c_char_p, ctypes.c_char_p, sz], p
     lib.hr_instance_destroy.argtypes, lib.hr_instance_destroy.restype = [p], None
-    lib.hr_decoder_create.argtypes = [p, i, i, i, f, ctypes.c_char_p, sz]
+    lib.hr_decoder_create.argtypes = [p, i, i, i, f, i, ctypes.c_char_p, sz]
     lib.hr_decoder_create.restype = p
     lib.hr_parse.argtypes, lib.hr_parse.restype = [p, i, p, p, i, p], i
     lib.hr_decode.argtypes, lib.hr_decode.restype = [p, i, p, p, p, i, i, p, p], i
@@ -114,18 +114,25 @@ class BatchDecoder:
     """One nvImageCodec decoder driven through the shim. Not for two threads at once (a lane owns it).
 
     ``device=None`` makes a CPU-only decoder writing to host memory (used by the tests on machines
-    without a GPU); otherwise the hardware JPEG engine (``hw_load`` of each batch), then the CUDA
-    decoder, then the CPU one, writing to device memory on the stream given to ``decode``.
+    without a GPU); otherwise the hardware JPEG engine (``hw_load`` of each batch, or a share that
+    nvImageCodec adapts batch by batch when ``hw_load="adaptive"``), then the CUDA decoder, then the
+    CPU one, writing to device memory on the stream given to ``decode``.
     """
 
-    def __init__(self, device: int | None, *, threads: int, hw_load: float = 0.65, channels: int = 3, exif: bool = True):
+    def __init__(
+        self, device: int | None, *, threads: int, hw_load: float | str = 0.65, channels: int = 3, exif: bool = True
+    ):
         lib = load()
         if lib is None:
             raise RuntimeError(f"the batch decode shim is unavailable: {unavailable_reason()}")
         self._lib = lib
         err = ctypes.create_string_buffer(256)
         cpu_only = device is None
-        handle = lib.hr_decoder_create(_instance(lib), -1 if cpu_only else device, int(cpu_only), threads, hw_load, err, len(err))
+        adaptive = hw_load == "adaptive"
+        share = 0.65 if adaptive else float(hw_load)
+        handle = lib.hr_decoder_create(
+            _instance(lib), -1 if cpu_only else device, int(cpu_only), threads, share, int(adaptive), err, len(err)
+        )
         if not handle:
             raise RuntimeError(err.value.decode())
         self._handle = handle

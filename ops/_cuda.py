@@ -69,7 +69,8 @@ class CudaExecutor:
     """Runs a pipeline on one GPU with ``lanes`` lanes. Lives across epochs; ``aclose`` ends it.
 
     ``hw_load`` is the share of each batch offered to the hardware JPEG decoder first (the rest,
-    and what it rejects, go to the CUDA decoder, then the CPU one). ``decoder_threads`` are the
+    and what it rejects, go to the CUDA decoder, then the CPU one), or ``"adaptive"``: nvImageCodec
+    moves the share batch by batch to keep both busy. ``decoder_threads`` are the
     host threads of each lane's decoder.
     """
 
@@ -80,7 +81,7 @@ class CudaExecutor:
         device: int | str | torch.device = 0,
         lanes: int = 1,
         seed: int = 0,
-        hw_load: float = 0.65,
+        hw_load: float | str = 0.65,
         decoder_threads: int | None = None,
     ) -> None:
         if not cuda_available():
@@ -88,8 +89,8 @@ class CudaExecutor:
         reason = gpu_unsupported(pipeline)
         if reason is not None:
             raise ConfigError(reason)
-        if not 0.0 <= hw_load <= 1.0:
-            raise ConfigError(f"hw_load must be in [0, 1], got {hw_load!r}")
+        if hw_load != "adaptive" and not (isinstance(hw_load, (int, float)) and 0.0 <= hw_load <= 1.0):
+            raise ConfigError(f"hw_load must be in [0, 1] or 'adaptive', got {hw_load!r}")
         self.pipeline = pipeline
         self.seed = seed
         self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
@@ -123,12 +124,12 @@ class CudaExecutor:
 
 
 class _Lane:
-    def __init__(self, owner: CudaExecutor, index: int, hw_load: float, threads: int) -> None:
+    def __init__(self, owner: CudaExecutor, index: int, hw_load: float | str, threads: int) -> None:
         self.owner = owner
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"headrace-lane{index}")
         self.pool.submit(self._init, hw_load, threads).result()
 
-    def _init(self, hw_load: float, threads: int) -> None:
+    def _init(self, hw_load: float | str, threads: int) -> None:
         import cupy
 
         dev = self.owner.device

@@ -33,12 +33,16 @@ class Decoded:
 
 
 class NativeCodec:
-    def __init__(self, device: torch.device, *, threads: int, hw_load: float, channels: int, exif: bool) -> None:
+    def __init__(self, device: torch.device, *, threads: int, hw_load: float | str, channels: int, exif: bool) -> None:
         from ._batch_decode import BatchDecoder
 
         self.device = device
         self.channels = channels
         self.decoder = BatchDecoder(device.index, threads=threads, hw_load=hw_load, channels=channels, exif=exif)
+        # Two buffers, used in turn and grown when a batch needs more: memory stays flat over epochs.
+        # The lane waits for batch i-2's kernel before decoding batch i, so batch i's buffer is free.
+        self.workspaces = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(2)]
+        self.turn = 0
 
     def parse(self, data: list) -> np.ndarray:
         return self.decoder.parse(data)
@@ -50,28 +54,44 @@ class NativeCodec:
         # 256-byte aligned slices of one buffer, allocated on the lane's (current) stream.
         aligned = (sizes + 255) // 256 * 256
         offsets = np.concatenate(([0], np.cumsum(aligned)[:-1])).astype(np.uint64)
-        workspace = torch.empty(max(int(aligned.sum()), 1), dtype=torch.uint8, device=self.device)
+        need = int(aligned.sum())
+        slot = self.turn % len(self.workspaces)
+        self.turn += 1
+        workspace = self.workspaces[slot]
+        if need > workspace.numel():
+            del workspace
+            self.workspaces[slot] = torch.empty(0, dtype=torch.uint8, device=self.device)  # free the old one first
+            workspace = self.workspaces[slot] = torch.empty(_grown(need), dtype=torch.uint8, device=self.device)
         pointers = offsets + np.uint64(workspace.data_ptr())
         status = self.decoder.decode(pick, regions, pointers, stream)
         return Decoded(status, pointers, row_strides, workspace)
 
     def close(self) -> None:
         self.decoder.close()
+        self.workspaces = []
+
+
+def _grown(need: int) -> int:
+    """Room for ``need`` bytes and a quarter more, in whole MiB: later, larger batches rarely regrow it."""
+    mib = 1 << 20
+    return (need + need // 4 + mib - 1) // mib * mib
 
 
 class PythonCodec:
-    def __init__(self, device: torch.device, *, threads: int, hw_load: float, channels: int, exif: bool) -> None:
+    def __init__(self, device: torch.device, *, threads: int, hw_load: float | str, channels: int, exif: bool) -> None:
         from nvidia import nvimgcodec as nvc
 
         self.nvc = nvc
         self.exif = exif
         self.channels = channels
         kinds = nvc.BackendKind
+        adaptive = hw_load == "adaptive"
+        policy = nvc.LoadHintPolicy.ADAPTIVE_MINIMIZE_IDLE_TIME if adaptive else nvc.LoadHintPolicy.FIXED
         backends = [
-            nvc.Backend(kinds.HW_GPU_ONLY, load_hint=hw_load),
-            nvc.Backend(kinds.HYBRID_CPU_GPU),
-            nvc.Backend(kinds.GPU_ONLY),
-            nvc.Backend(kinds.CPU_ONLY),
+            nvc.Backend(kinds.HW_GPU_ONLY, load_hint=0.65 if adaptive else hw_load, load_hint_policy=policy),
+            nvc.Backend(kinds.HYBRID_CPU_GPU, load_hint_policy=policy),
+            nvc.Backend(kinds.GPU_ONLY, load_hint_policy=policy),
+            nvc.Backend(kinds.CPU_ONLY, load_hint_policy=policy),
         ]
         self.decoder = nvc.Decoder(device_id=device.index, max_num_cpu_threads=threads, backends=backends)
         gray = channels == 1

@@ -51,7 +51,8 @@ class Loader:
             ready on the consumer's current stream (it waits on the lane's event; the host does not).
         lanes: GPU lanes (thread + CUDA stream + decoder). One is the measured default: on the H100
             nvImageCodec decode calls of different lanes did not overlap (see ops/README.md).
-        hw_load: share of each batch offered to the hardware JPEG decoder (GPU path; 0.65 measured best).
+        hw_load: share of each batch offered to the hardware JPEG decoder (GPU path; 0.65 measured best),
+            or "adaptive" (nvImageCodec moves the share batch by batch).
         last_batch: ``"partial"`` (default), ``"fill"`` or ``"drop"`` for the short last batch.
         seed: keys the reader's shuffle (unless it has its own seed) and every random op.
         num_threads: CPU worker threads for decode and transforms (default: all cores).
@@ -91,7 +92,7 @@ class Loader:
         on_error: Literal["raise", "skip"] = "raise",
         max_errors: int | float = 0,
         lanes: int = 1,
-        hw_load: float = 0.65,
+        hw_load: float | str = 0.65,
     ) -> None:
         from headrace.ops import Pipeline, cuda_available
         from headrace.ops._cuda import gpu_unsupported

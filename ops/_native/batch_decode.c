@@ -65,8 +65,10 @@ void hr_instance_destroy(nvimgcodecInstance_t instance)
 }
 
 /* device_id < 0 with cpu_only: the CPU backend only (libjpeg-turbo and friends), host output. */
+/* adaptive: nvImageCodec moves the split between backends batch by batch to minimise idle time,
+   starting from hw_load. */
 hr_decoder* hr_decoder_create(nvimgcodecInstance_t instance, int device_id, int cpu_only, int threads,
-                              float hw_load, char* err, size_t errlen)
+                              float hw_load, int adaptive, char* err, size_t errlen)
 {
     nvimgcodecBackend_t backends[4];
     int n = 0;
@@ -81,7 +83,8 @@ hr_decoder* hr_decoder_create(nvimgcodecInstance_t instance, int device_id, int 
         backends[n].params.struct_size = sizeof(nvimgcodecBackendParams_t);
         /* The hardware engine takes its share first; what it leaves or rejects falls through. */
         backends[n].params.load_hint = (i == 0) ? hw_load : 1.0f;
-        backends[n].params.load_hint_policy = NVIMGCODEC_LOAD_HINT_POLICY_FIXED;
+        backends[n].params.load_hint_policy =
+            adaptive ? NVIMGCODEC_LOAD_HINT_POLICY_ADAPTIVE_MINIMIZE_IDLE_TIME : NVIMGCODEC_LOAD_HINT_POLICY_FIXED;
     }
     nvimgcodecExecutionParams_t exec;
     memset(&exec, 0, sizeof(exec));
