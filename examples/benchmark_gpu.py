@@ -21,6 +21,7 @@ import datetime
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -165,6 +166,10 @@ def main() -> None:
     ap.add_argument("--lanes", type=int, default=1)
     ap.add_argument("--variants", default="",
                     help="also run headrace (train) with these LANES:HW_LOAD pairs, e.g. 2:0.5,2:adaptive")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval for the whole run (Python's default is 0.005 s)")
+    ap.add_argument("--options-variants", default="",
+                    help="also run headrace (train) with these nvImageCodec decoder options, ';'-separated")
     ap.add_argument("--python-codec", action="store_true",
                     help="also run headrace (train) decoding through nvImageCodec's Python API (HEADRACE_NATIVE_DECODE=0)")
     ap.add_argument("--hw-loads", default="", help="also run headrace (train) at these hw_load values, e.g. 0,1")
@@ -174,6 +179,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     root = Path(args.data)
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     t0 = time.perf_counter()
     if args.photos:  # the GPU machine has no scikit-image: bring its photographs along
         with __import__("numpy").load(args.photos) as z:
@@ -202,6 +209,11 @@ def main() -> None:
         runners[variant] = (f"headrace (train, {n} lanes, hw_load={hw})", lambda n=int(n), hw_load=hw_load: bench_headrace(
             root, ops.training(224, dtype="float16"), args.batch, args.epochs, n, hw_load))
         rows.append(variant)
+    for k, options in enumerate(filter(None, args.options_variants.split(";"))):
+        runners[f"options{k}"] = (f"headrace (train, {options})", lambda options=options: _with_env(
+            "HEADRACE_NVIMGCODEC_OPTIONS", options, lambda: bench_headrace(
+                root, ops.training(224, dtype="float16"), args.batch, args.epochs, args.lanes)))
+        rows.append(f"options{k}")
     if args.python_codec:
         runners["python"] = ("headrace (train, Python nvImageCodec API)", lambda: _with_env(
             "HEADRACE_NATIVE_DECODE", "0", lambda: bench_headrace(root, ops.training(224, dtype="float16"), args.batch, args.epochs, args.lanes)))

@@ -89,7 +89,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i, f, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_size_t
     lib.hr_instance_create.argtypes, lib.hr_instance_create.restype = [ctypes.c_char_p, ctypes.c_char_p, sz], p
     lib.hr_instance_destroy.argtypes, lib.hr_instance_destroy.restype = [p], None
-    lib.hr_decoder_create.argtypes = [p, i, i, i, f, i, ctypes.c_char_p, sz]
+    lib.hr_decoder_create.argtypes = [p, i, i, i, f, i, ctypes.c_char_p, ctypes.c_char_p, sz]
     lib.hr_decoder_create.restype = p
     lib.hr_parse.argtypes, lib.hr_parse.restype = [p, i, p, p, i, p], i
     lib.hr_decode.argtypes, lib.hr_decode.restype = [p, i, p, p, p, i, i, p, p], i
@@ -116,11 +116,19 @@ class BatchDecoder:
     ``device=None`` makes a CPU-only decoder writing to host memory (used by the tests on machines
     without a GPU); otherwise the hardware JPEG engine (``hw_load`` of each batch, or a share that
     nvImageCodec adapts batch by batch when ``hw_load="adaptive"``), then the CUDA decoder, then the
-    CPU one, writing to device memory on the stream given to ``decode``.
+    CPU one, writing to device memory on the stream given to ``decode``. ``options`` go to
+    nvImageCodec's decoder as they are (e.g. ``"nvjpeg_cuda_decoder:hybrid_huffman_threshold=0"``).
     """
 
     def __init__(
-        self, device: int | None, *, threads: int, hw_load: float | str = 0.65, channels: int = 3, exif: bool = True
+        self,
+        device: int | None,
+        *,
+        threads: int,
+        hw_load: float | str = 0.65,
+        channels: int = 3,
+        exif: bool = True,
+        options: str = "",
     ):
         lib = load()
         if lib is None:
@@ -131,7 +139,7 @@ class BatchDecoder:
         adaptive = hw_load == "adaptive"
         share = 0.65 if adaptive else float(hw_load)
         handle = lib.hr_decoder_create(
-            _instance(lib), -1 if cpu_only else device, int(cpu_only), threads, share, int(adaptive), err, len(err)
+            _instance(lib), -1 if cpu_only else device, int(cpu_only), threads, share, int(adaptive), options.encode(), err, len(err)
         )
         if not handle:
             raise RuntimeError(err.value.decode())

@@ -13,6 +13,7 @@ from overlapping. The lane uses the native one whenever the shim builds.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +39,11 @@ class NativeCodec:
 
         self.device = device
         self.channels = channels
-        self.decoder = BatchDecoder(device.index, threads=threads, hw_load=hw_load, channels=channels, exif=exif)
+        # Expert knob, for measuring: options for nvImageCodec's decoder, as its documentation spells them.
+        options = os.environ.get("HEADRACE_NVIMGCODEC_OPTIONS", "")
+        self.decoder = BatchDecoder(
+            device.index, threads=threads, hw_load=hw_load, channels=channels, exif=exif, options=options
+        )
         # Two buffers, used in turn and grown when a batch needs more: memory stays flat over epochs.
         # The lane waits for batch i-2's kernel before decoding batch i, so batch i's buffer is free.
         self.workspaces = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(2)]

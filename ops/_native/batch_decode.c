@@ -68,7 +68,7 @@ void hr_instance_destroy(nvimgcodecInstance_t instance)
 /* adaptive: nvImageCodec moves the split between backends batch by batch to minimise idle time,
    starting from hw_load. */
 hr_decoder* hr_decoder_create(nvimgcodecInstance_t instance, int device_id, int cpu_only, int threads,
-                              float hw_load, int adaptive, char* err, size_t errlen)
+                              float hw_load, int adaptive, const char* options, char* err, size_t errlen)
 {
     nvimgcodecBackend_t backends[4];
     int n = 0;
@@ -95,7 +95,7 @@ hr_decoder* hr_decoder_create(nvimgcodecInstance_t instance, int device_id, int 
     exec.num_backends = n;
     exec.backends = backends;
     nvimgcodecDecoder_t decoder = NULL;
-    nvimgcodecStatus_t st = nvimgcodecDecoderCreate(instance, &decoder, &exec, "");
+    nvimgcodecStatus_t st = nvimgcodecDecoderCreate(instance, &decoder, &exec, options ? options : "");
     if (st != NVIMGCODEC_STATUS_SUCCESS || decoder == NULL) {
         set_error(err, errlen, "nvimgcodecDecoderCreate", st);
         return NULL;
