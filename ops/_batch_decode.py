@@ -29,7 +29,7 @@ import numpy as np
 
 from ._cpu_decode import nvimgcodec
 
-__all__ = ["BatchDecoder", "load", "unavailable_reason"]
+__all__ = ["BatchDecoder", "ParsedBatch", "load", "unavailable_reason"]
 
 _HERE = Path(__file__).parent / "_native"
 _SOURCE = _HERE / "batch_decode.c"
@@ -91,9 +91,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hr_instance_destroy.argtypes, lib.hr_instance_destroy.restype = [p], None
     lib.hr_decoder_create.argtypes = [p, i, i, i, f, i, ctypes.c_char_p, ctypes.c_char_p, sz]
     lib.hr_decoder_create.restype = p
-    lib.hr_parse.argtypes, lib.hr_parse.restype = [p, i, p, p, i, p], i
-    lib.hr_decode.argtypes, lib.hr_decode.restype = [p, i, p, p, p, i, i, p, p], i
-    lib.hr_release.argtypes, lib.hr_release.restype = [p], None
+    lib.hr_parsed_create.argtypes, lib.hr_parsed_create.restype = [], p
+    lib.hr_parsed_release.argtypes, lib.hr_parsed_release.restype = [p], None
+    lib.hr_parsed_destroy.argtypes, lib.hr_parsed_destroy.restype = [p], None
+    lib.hr_parse.argtypes, lib.hr_parse.restype = [p, p, i, p, p, i, p], i
+    lib.hr_decode.argtypes, lib.hr_decode.restype = [p, p, i, p, p, p, i, i, p, p], i
     lib.hr_decoder_destroy.argtypes, lib.hr_decoder_destroy.restype = [p], None
 
 
@@ -146,23 +148,9 @@ class BatchDecoder:
         self._handle = handle
         self.channels = channels
         self.exif = exif
-        self._pinned: Any = None  # the parsed batch's data, kept alive until the next parse or close
 
-    def parse(self, data: list[bytes]) -> np.ndarray:
-        """Headers of ``data``: an (n, 4) int32 array of height, width (upright when ``exif``),
-        channels in the file, and 1 where nvImageCodec parses the image (0: decode it another way)."""
-        n = len(data)
-        data = [d if type(d) is bytes else bytes(d) for d in data]
-        pointers = (ctypes.c_char_p * n)(*data)  # no copy: pointers into the bytes objects
-        sizes = np.fromiter(map(len, data), dtype=np.uint64, count=n)
-        info = np.zeros((n, 4), dtype=np.int32)
-        self._pinned = (data, pointers)
-        if not self._lib.hr_parse(self._handle, n, pointers, sizes.ctypes.data, int(self.exif), info.ctypes.data):
-            raise MemoryError("hr_parse: out of host memory")
-        return info
-
-    def decode(self, pick: np.ndarray, regions: np.ndarray, out: np.ndarray, stream: int) -> np.ndarray:
-        """Decode the parsed images ``pick`` (indices into the last ``parse``), each only its window
+    def decode(self, parsed: ParsedBatch, pick: np.ndarray, regions: np.ndarray, out: np.ndarray, stream: int) -> np.ndarray:
+        """Decode the images ``pick`` (indices into ``parsed``'s batch), each only its window
         ``regions[j]`` = (y0, x0, y1, x1), into the buffers at addresses ``out[j]`` (rows packed,
         ``channels`` uint8 per pixel), ordered on CUDA ``stream`` (an address; 0 for the CPU-only
         decoder). Returns an int32 status per image: 1 decoded, anything else failed."""
@@ -171,20 +159,57 @@ class BatchDecoder:
         regions = np.ascontiguousarray(regions, dtype=np.int32)
         out = np.ascontiguousarray(out, dtype=np.uint64)
         status = np.zeros(m, dtype=np.int32)
-        ok = self._lib.hr_decode(self._handle, m, pick.ctypes.data, regions.ctypes.data, out.ctypes.data,
+        ok = self._lib.hr_decode(self._handle, parsed._handle, m, pick.ctypes.data, regions.ctypes.data, out.ctypes.data,
                                  self.channels, int(self.exif), stream, status.ctypes.data)
         if not ok:
             status[:] = 0
         return status
-
-    def release(self) -> None:
-        """Forget the parsed batch (and let its data go)."""
-        self._lib.hr_release(self._handle)
-        self._pinned = None
 
     def close(self) -> None:
         """Destroy the decoder. Its stream's work must be done or still ordered after it. Safe twice."""
         if self._handle:
             self._lib.hr_decoder_destroy(self._handle)
             self._handle = None
-            self._pinned = None
+
+
+class ParsedBatch:
+    """The headers of one batch, parsed by nvImageCodec (no decoder needed: any thread may parse
+    while a decoder decodes another batch). Reusable: each ``parse`` replaces the last one."""
+
+    def __init__(self) -> None:
+        lib = load()
+        if lib is None:
+            raise RuntimeError(f"the batch decode shim is unavailable: {unavailable_reason()}")
+        self._lib = lib
+        self._instance = _instance(lib)
+        self._handle = lib.hr_parsed_create()
+        if not self._handle:
+            raise MemoryError("hr_parsed_create: out of host memory")
+        self._pinned: Any = None  # the batch's data: the parsed streams point into it
+
+    def parse(self, data: list, *, exif: bool) -> np.ndarray:
+        """Headers of ``data``: an (n, 4) int32 array of height, width (upright when ``exif``),
+        channels in the file, and 1 where nvImageCodec parses the image (0: decode it another way).
+        ``data`` is kept alive until the next ``parse``, ``release`` or ``close``."""
+        n = len(data)
+        data = [d if type(d) is bytes else bytes(d) for d in data]
+        pointers = (ctypes.c_char_p * n)(*data)  # no copy: pointers into the bytes objects
+        sizes = np.fromiter(map(len, data), dtype=np.uint64, count=n)
+        info = np.zeros((n, 4), dtype=np.int32)
+        self._pinned = (data, pointers)
+        if not self._lib.hr_parse(self._instance, self._handle, n, pointers, sizes.ctypes.data, int(exif), info.ctypes.data):
+            raise MemoryError("hr_parse: out of host memory")
+        return info
+
+    def release(self) -> None:
+        """Drop the parsed streams and let the batch's data go; the object can parse again."""
+        if self._handle:
+            self._lib.hr_parsed_release(self._handle)
+        self._pinned = None
+
+    def close(self) -> None:
+        """Free it. Safe twice."""
+        if self._handle:
+            self._lib.hr_parsed_destroy(self._handle)
+            self._handle = None
+        self._pinned = None

@@ -1,10 +1,11 @@
-"""The GPU executor: lanes of (thread, CUDA stream, nvImageCodec decoder), one fused kernel a batch.
+"""The GPU executor: a prep thread, and lanes of (thread, CUDA stream, nvImageCodec decoder).
 
-A lane takes a whole batch in its own thread: it reads headers, plans each sample's crop on the
-host (the same geometry as the CPU path), decodes only the region the crop reads (nvImageCodec,
-hardware JPEG engine and CUDA decoder together, CPU fallback; through ``_cuda_codecs``, GIL-free
-when the C shim builds), launches one kernel for the batch and records an event. It never waits for the GPU. Batch i goes to lane i mod lanes, so lanes work
-on different batches at once and each lane's batches stay in order on its stream.
+The prep thread reads a batch's headers and plans each sample's crop (the same geometry as the
+CPU path, vectorised over the batch). A lane then decodes only the region each crop reads
+(nvImageCodec: hardware JPEG engine and CUDA decoder together, CPU fallback; GIL-free through the C
+shim of ``_batch_decode`` when it builds), launches one fused kernel for the batch and records an
+event; it never waits for the GPU. Batch i goes to lane i mod lanes, so the prep thread and the
+lanes work on different batches at once, and each lane's batches stay in order on its stream.
 
 Hand-off: the output is allocated by torch on the lane's stream; the consumer's current stream
 waits on the lane's event and the tensor is recorded on that stream, so the caching allocator
@@ -18,6 +19,7 @@ import collections
 import concurrent.futures
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,10 +30,10 @@ from headrace._errors import ConfigError, DecodeError, LoaderError
 from headrace._sample import SampleBatch
 from headrace._threads import join_threads
 
+from . import _batch_decode as batch_decode
 from . import _pillow
 from ._cpu import Processed, _image_field, _label, _read_failure
-from . import _batch_decode as batch_decode
-from ._cuda_codecs import NativeCodec, PythonCodec
+from ._cuda_codecs import NativeDecoder, NativeHeaders, PythonDecoder, PythonHeaders
 from ._cuda_kernels import resample_kernel
 from ._geometry import check_foldable, plan_batch, roi_batch
 from ._pipeline import Pipeline
@@ -97,30 +99,131 @@ class CudaExecutor:
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         threads = decoder_threads or (os.cpu_count() or 2)
+        # The C shim when it builds (GIL-free decode), else nvImageCodec's Python API.
+        self.native = os.environ.get("HEADRACE_NATIVE_DECODE", "1") != "0" and batch_decode.load() is not None
+        exif = pipeline.decode.exif
+        self._headers = NativeHeaders(exif=exif) if self.native else PythonHeaders(exif=exif)
+        self._prep = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="headrace-prep")
+        self._preparing: set[concurrent.futures.Future[Any]] = set()
+        self._prep_seconds: collections.Counter[str] = collections.Counter()
         self._lanes = [_Lane(self, i, hw_load, threads) for i in range(lanes)]
         self._closed = False
 
     def timings(self) -> dict[str, float]:
-        """Seconds the lanes spent per phase (summed over lanes): where a batch's host time goes."""
-        total: collections.Counter[str] = collections.Counter()
+        """Seconds spent per phase (prep thread, and lanes summed): where a batch's host time goes."""
+        total: collections.Counter[str] = collections.Counter(self._prep_seconds)
         for lane in self._lanes:
             total.update(lane.seconds)
         return dict(total)
 
     async def run(self, batch: SampleBatch) -> Processed:
+        # Headers and plans in the prep thread, decode and kernel in a lane: the next batch is
+        # parsed while lanes decode, and nothing per image waits for the GIL inside a lane.
+        job = self._prep.submit(self._prepare, batch)
+        self._preparing.add(job)
+        job.add_done_callback(self._preparing.discard)
+        prepared = await asyncio.wrap_future(job)
         lane = self._lanes[batch.index % len(self._lanes)]
-        return await asyncio.wrap_future(lane.pool.submit(lane.process, batch))
+        future = lane.pool.submit(lane.finish, prepared)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            if future.cancel():  # never started: its parsed headers go back unused
+                self._headers.recycle(prepared.token)
+            raise
 
     async def aclose(self) -> None:
-        """Wait for the lanes' running batches, then free decoders, streams and threads. Safe twice."""
+        """Wait for the running batches, then free decoders, streams and threads. Safe twice."""
         if self._closed:
             return
         self._closed = True
-        futures = [lane.pool.submit(lane.close) for lane in self._lanes]
-        await join_threads(futures)
+        # The prep thread's queued batches are dropped; one still running finishes first.
+        self._prep.shutdown(wait=False, cancel_futures=True)
+        await join_threads(list(self._preparing))
+        await join_threads([lane.pool.submit(lane.close) for lane in self._lanes])
+        self._prep.shutdown(wait=True)
+        self._headers.close()
         for lane in self._lanes:
             lane.pool.shutdown(wait=True)
 
+    def _prepare(self, batch: SampleBatch) -> _Prepared:
+        """Labels, headers and each sample's crop plan and decode window (in the prep thread)."""
+        t0 = time.perf_counter()
+        pipe = self.pipeline
+        samples = batch.samples
+        failures: list[tuple[int, LoaderError]] = []
+        rows, data, labels = [], [], []
+        for row, sample in enumerate(samples):
+            try:
+                if sample.error is not None:
+                    raise _read_failure(sample)
+                label = _label(sample, pipe.label_field) if pipe.label_field in sample.fields else None
+                blob = _image_field(sample, pipe.image_fields)
+                if len(blob) == 0:
+                    raise DecodeError("empty file: nothing to decode", key=sample.key, source=sample.source)
+            except LoaderError as exc:
+                failures.append((row, exc))
+                continue
+            rows.append(row)
+            data.append(blob)
+            labels.append(label)
+        token, info = self._headers.parse(data)
+        t1 = time.perf_counter()
+        # What nvImageCodec cannot parse, Pillow decodes, once (its error is the sample's).
+        sizes = info[:, :2].astype(np.int64)
+        pillow: dict[int, Image.Image] = {}
+        kept = []
+        for i in range(len(rows)):
+            if info[i, 3] != 1:
+                sample = samples[rows[i]]
+                try:
+                    pillow[i] = img = _pillow.decode(data[i], pipe.decode, sample.key, sample.source)
+                except LoaderError as exc:
+                    failures.append((rows[i], exc))
+                    continue
+                sizes[i] = (img.height, img.width)
+            kept.append(i)
+        parse_idx = np.array(kept, dtype=np.int32)
+        sizes = sizes[parse_idx]
+        rows = [rows[i] for i in kept]
+        # Geometry for the whole batch at once, keyed on each sample's index.
+        indices = np.fromiter((samples[r].index for r in rows), dtype=np.int64, count=len(rows))
+        randoms = [
+            uniforms(self.seed, batch.epoch, pos, indices, op.randoms) if op.randoms else None
+            for pos, op in enumerate(pipe.image_ops, start=1)
+        ]
+        plans = plan_batch(sizes[:, 0], sizes[:, 1], pipe.image_ops, randoms)
+        regions = roi_batch(plans, sizes[:, 0], sizes[:, 1]).astype(np.int32)
+        self._prep_seconds["parse"] += t1 - t0
+        self._prep_seconds["plan"] += time.perf_counter() - t1
+        return _Prepared(
+            batch=batch,
+            rows=rows,
+            labels=[labels[i] for i in kept],
+            failures=failures,
+            token=token,
+            parse_idx=parse_idx,
+            on_gpu=np.array([i not in pillow for i in kept], dtype=bool),
+            pillow={j: pillow[i] for j, i in enumerate(kept) if i in pillow},
+            plans=plans,
+            regions=regions,
+        )
+
+
+@dataclass
+class _Prepared:
+    """One batch, ready for a lane: what survived, its parsed headers, plans and decode windows."""
+
+    batch: SampleBatch
+    rows: list[int]  # batch rows still in the running
+    labels: list[int | None]
+    failures: list[tuple[int, LoaderError]]
+    token: Any  # the header reader's parsed batch
+    parse_idx: np.ndarray  # rows' positions in the parsed batch
+    on_gpu: np.ndarray  # nvImageCodec decodes it (else Pillow already did)
+    pillow: dict[int, Image.Image]
+    plans: Any
+    regions: np.ndarray  # (y0, x0, y1, x1) decode windows
 
 
 class _Lane:
@@ -138,9 +241,8 @@ class _Lane:
         self.cp_stream = cupy.cuda.Stream(non_blocking=True)
         self.stream = torch.cuda.ExternalStream(self.cp_stream.ptr, device=dev)
         pipe = self.owner.pipeline
-        native = os.environ.get("HEADRACE_NATIVE_DECODE", "1") != "0" and batch_decode.load() is not None
-        codec = NativeCodec if native else PythonCodec
-        self.codec = codec(dev, threads=threads, hw_load=hw_load, channels=pipe.channels, exif=pipe.decode.exif)
+        decoder = NativeDecoder if self.owner.native else PythonDecoder
+        self.decoder = decoder(dev, threads=threads, hw_load=hw_load, channels=pipe.channels, exif=pipe.decode.exif)
         self.kernel = resample_kernel(_OUT_NAMES[pipe.dtype])
         norm = pipe.normalize
         c = pipe.channels
@@ -161,60 +263,15 @@ class _Lane:
         # The stream must outlive every image decoded on it and the decoder (GPU-NOTES §6).
         self.cp_stream.synchronize()
         self.recent.clear()
-        self.codec.close()
+        self.decoder.close()
         self.staging = []
 
-    def process(self, batch: SampleBatch) -> Processed:
-        """Headers, crop plans, region decode and the fused kernel for one batch (in the lane's thread)."""
+    def finish(self, prep: _Prepared) -> Processed:
+        """Decode the prepared batch's windows and launch the fused kernel (in the lane's thread)."""
         t0 = time.perf_counter()
         pipe = self.owner.pipeline
-        samples = batch.samples
-        failures: list[tuple[int, LoaderError]] = []
-        rows, data, labels = [], [], []
-        for row, sample in enumerate(samples):
-            try:
-                if sample.error is not None:
-                    raise _read_failure(sample)
-                label = _label(sample, pipe.label_field) if pipe.label_field in sample.fields else None
-                blob = _image_field(sample, pipe.image_fields)
-                if len(blob) == 0:
-                    raise DecodeError("empty file: nothing to decode", key=sample.key, source=sample.source)
-            except LoaderError as exc:
-                failures.append((row, exc))
-                continue
-            rows.append(row)
-            data.append(blob)
-            labels.append(label)
-        info = self.codec.parse(data) if data else np.zeros((0, 4), dtype=np.int32)
-        t1 = time.perf_counter()
-        # What nvImageCodec cannot parse, Pillow decodes, once (its error is the sample's).
-        sizes = info[:, :2].astype(np.int64)
-        pillow: dict[int, Image.Image] = {}
-        kept = []
-        for i in range(len(rows)):
-            if info[i, 3] != 1:
-                sample = samples[rows[i]]
-                try:
-                    pillow[i] = img = _pillow.decode(data[i], pipe.decode, sample.key, sample.source)
-                except LoaderError as exc:
-                    failures.append((rows[i], exc))
-                    continue
-                sizes[i] = (img.height, img.width)
-            kept.append(i)
-        parse_idx = np.array(kept, dtype=np.int32)
-        rows = [rows[i] for i in kept]
-        labels = [labels[i] for i in kept]
-        sizes = sizes[parse_idx]
-        # Geometry for the whole batch at once, keyed on each sample's index.
-        indices = np.fromiter((samples[r].index for r in rows), dtype=np.int64, count=len(rows))
-        randoms = [
-            uniforms(self.owner.seed, batch.epoch, pos, indices, op.randoms) if op.randoms else None
-            for pos, op in enumerate(pipe.image_ops, start=1)
-        ]
-        plans = plan_batch(sizes[:, 0], sizes[:, 1], pipe.image_ops, randoms)
-        regions = roi_batch(plans, sizes[:, 0], sizes[:, 1]).astype(np.int32)
-        on_gpu = np.array([i not in pillow for i in kept], dtype=bool)
-        t2 = time.perf_counter()
+        samples = prep.batch.samples
+        rows, regions, on_gpu, failures = prep.rows, prep.regions, prep.on_gpu, prep.failures
         with torch.cuda.stream(self.stream):
             if len(self.recent) == self.recent.maxlen:
                 self.recent[0][0].synchronize()
@@ -223,17 +280,20 @@ class _Lane:
             row_strides = np.zeros(n, dtype=np.int64)
             done = np.zeros(n, dtype=bool)
             decoded = None
-            if on_gpu.any():
-                decoded = self.codec.decode(parse_idx[on_gpu], regions[on_gpu], self.cp_stream.ptr)
-                pointers[on_gpu], row_strides[on_gpu] = decoded.pointers, decoded.row_strides
-                done[on_gpu] = decoded.status == 1
-            t3 = time.perf_counter()
+            try:
+                if on_gpu.any():
+                    decoded = self.decoder.decode(prep.token, prep.parse_idx[on_gpu], regions[on_gpu], self.cp_stream.ptr)
+                    pointers[on_gpu], row_strides[on_gpu] = decoded.pointers, decoded.row_strides
+                    done[on_gpu] = decoded.status == 1
+            finally:
+                self.owner._headers.recycle(prep.token)
+            t1 = time.perf_counter()
             uploads = []
             for i in np.flatnonzero(~done).tolist():  # Pillow's pixels, uploaded
                 sample = samples[rows[i]]
                 self.seconds["cpu_fallback"] += bool(on_gpu[i])
                 try:
-                    pixels = self._cpu_decode(sample, regions[i], pillow.get(kept[i]))
+                    pixels = self._cpu_decode(sample, regions[i], prep.pillow.get(i))
                 except LoaderError as exc:
                     failures.append((rows[i], exc))
                     continue
@@ -244,10 +304,10 @@ class _Lane:
             shape = (len(ok), c, oh, ow) if pipe.layout == "CHW" else (len(ok), oh, ow, c)
             out = torch.empty(shape, dtype=pipe.dtype, device=self.owner.device)
             if len(ok):
-                self._launch(out, pointers[ok], row_strides[ok], plans, regions, ok)
+                self._launch(out, pointers[ok], row_strides[ok], prep.plans, regions, ok)
             data_out: dict[str, Any] = {"image": out}
-            if any(lbl is not None for lbl in labels):
-                data_out["label"] = torch.tensor([labels[i] for i in ok], dtype=torch.int64).to(
+            if any(lbl is not None for lbl in prep.labels):
+                data_out["label"] = torch.tensor([prep.labels[i] for i in ok], dtype=torch.int64).to(
                     self.owner.device, non_blocking=True
                 )
             ready = torch.cuda.Event()
@@ -255,11 +315,8 @@ class _Lane:
         self.recent.append((ready, (decoded, uploads)))
         result = Processed(data_out, [rows[i] for i in ok], sorted(failures, key=lambda f: f[0]))
         result.ready = ready
-        t4 = time.perf_counter()
-        self.seconds["parse"] += t1 - t0
-        self.seconds["plan"] += t2 - t1
-        self.seconds["decode"] += t3 - t2
-        self.seconds["launch"] += t4 - t3
+        self.seconds["decode"] += t1 - t0
+        self.seconds["launch"] += time.perf_counter() - t1
         self.seconds["batches"] += 1
         return result
 

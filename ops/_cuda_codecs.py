@@ -1,19 +1,24 @@
-"""The two ways a GPU lane drives nvImageCodec, behind one small interface.
+"""The two ways the GPU path drives nvImageCodec, each as a header reader and a decoder.
 
-``parse(data)`` reads a batch's headers: an (n, 4) int32 array of height, width (upright when EXIF
-is applied), channels, and 1 where nvImageCodec parses the image. ``decode(pick, regions, stream)``
+Headers (one reader per executor, used by its prep thread): ``parse(data)`` returns a token for
+the batch and an (n, 4) int32 array of height, width (upright when EXIF is applied), channels, and
+1 where nvImageCodec parses the image; ``recycle(token)`` once the batch is decoded.
+
+Decoders (one per lane, used by the lane's thread): ``decode(token, pick, regions, stream)``
 decodes the parsed images ``pick``, each only its window ``regions[j]`` = (y0, x0, y1, x1), on the
 lane's stream, and returns ``Decoded``: a status per image (1 decoded), the address and row stride
-of its HWC uint8 pixels, and what must stay alive until the kernel reading them is queued.
+of its HWC uint8 pixels, and what must stay alive until the kernel reading them has run.
 
-``NativeCodec`` makes one GIL-free call per phase (``_batch_decode``) and decodes into one buffer
-per batch; ``PythonCodec`` uses nvImageCodec's Python API, whose per-image GIL traffic keeps lanes
-from overlapping. The lane uses the native one whenever the shim builds.
+The native pair makes one GIL-free call per phase (``_batch_decode``) and decodes into a lane's
+buffers, so parsing batch i+1 overlaps decoding batch i and lanes overlap each other. The Python
+pair uses nvImageCodec's Python API, whose per-image GIL traffic keeps lanes from overlapping; it
+is the fallback where the shim cannot be built.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +27,7 @@ import torch
 
 from ._exif import jpeg_orientation
 
-__all__ = ["Decoded", "NativeCodec", "PythonCodec"]
+__all__ = ["Decoded", "NativeDecoder", "NativeHeaders", "PythonDecoder", "PythonHeaders"]
 
 
 @dataclass
@@ -33,7 +38,32 @@ class Decoded:
     keep: Any  # owner(s) of the pixels
 
 
-class NativeCodec:
+class NativeHeaders:
+    def __init__(self, *, exif: bool) -> None:
+        self.exif = exif
+        self._free: list[Any] = []  # parsed-batch objects not in use (their handles are reused)
+        self._lock = threading.Lock()
+
+    def parse(self, data: list) -> tuple[Any, np.ndarray]:
+        from ._batch_decode import ParsedBatch
+
+        with self._lock:
+            parsed = self._free.pop() if self._free else ParsedBatch()
+        return parsed, parsed.parse(data, exif=self.exif)
+
+    def recycle(self, parsed: Any) -> None:
+        parsed.release()
+        with self._lock:
+            self._free.append(parsed)
+
+    def close(self) -> None:
+        with self._lock:
+            free, self._free = self._free, []
+        for parsed in free:
+            parsed.close()
+
+
+class NativeDecoder:
     def __init__(self, device: torch.device, *, threads: int, hw_load: float | str, channels: int, exif: bool) -> None:
         from ._batch_decode import BatchDecoder
 
@@ -45,18 +75,15 @@ class NativeCodec:
             device.index, threads=threads, hw_load=hw_load, channels=channels, exif=exif, options=options
         )
         # Two buffers, used in turn and grown when a batch needs more: memory stays flat over epochs.
-        # The lane waits for batch i-2's kernel before decoding batch i, so batch i's buffer is free.
+        # The lane waits for its batch i-2's kernel before decoding batch i, so batch i's buffer is free.
         self.workspaces = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(2)]
         self.turn = 0
 
-    def parse(self, data: list) -> np.ndarray:
-        return self.decoder.parse(data)
-
-    def decode(self, pick: np.ndarray, regions: np.ndarray, stream: int) -> Decoded:
+    def decode(self, parsed: Any, pick: np.ndarray, regions: np.ndarray, stream: int) -> Decoded:
         heights, widths = regions[:, 2] - regions[:, 0], regions[:, 3] - regions[:, 1]
         row_strides = (widths * self.channels).astype(np.int64)
         sizes = heights.astype(np.int64) * row_strides
-        # 256-byte aligned slices of one buffer, allocated on the lane's (current) stream.
+        # 256-byte aligned slices of the lane's buffer.
         aligned = (sizes + 255) // 256 * 256
         offsets = np.concatenate(([0], np.cumsum(aligned)[:-1])).astype(np.uint64)
         need = int(aligned.sum())
@@ -68,7 +95,7 @@ class NativeCodec:
             self.workspaces[slot] = torch.empty(0, dtype=torch.uint8, device=self.device)  # free the old one first
             workspace = self.workspaces[slot] = torch.empty(_grown(need), dtype=torch.uint8, device=self.device)
         pointers = offsets + np.uint64(workspace.data_ptr())
-        status = self.decoder.decode(pick, regions, pointers, stream)
+        status = self.decoder.decode(parsed, pick, regions, pointers, stream)
         return Decoded(status, pointers, row_strides, workspace)
 
     def close(self) -> None:
@@ -82,12 +109,43 @@ def _grown(need: int) -> int:
     return (need + need // 4 + mib - 1) // mib * mib
 
 
-class PythonCodec:
-    def __init__(self, device: torch.device, *, threads: int, hw_load: float | str, channels: int, exif: bool) -> None:
+class PythonHeaders:
+    def __init__(self, *, exif: bool) -> None:
         from nvidia import nvimgcodec as nvc
 
         self.nvc = nvc
         self.exif = exif
+
+    def parse(self, data: list) -> tuple[Any, np.ndarray]:
+        info = np.zeros((len(data), 4), dtype=np.int32)
+        streams: list[Any] = []
+        for i, blob in enumerate(data):
+            try:
+                # A NumPy view, not the bytes: nvImageCodec decoded fresh bytes-backed streams at
+                # 9.7k images/s and array-backed ones at 17.6k on the H100 (probe, 1,024 JPEGs).
+                cs = self.nvc.CodeStream(np.frombuffer(blob, dtype=np.uint8))
+            except RuntimeError:  # not a format nvImageCodec parses
+                streams.append(None)
+                continue
+            h, w = cs.height, cs.width
+            if self.exif and cs.codec_name == "jpeg" and jpeg_orientation(blob) >= 5:
+                h, w = w, h
+            info[i] = (h, w, cs.num_channels, 1)
+            streams.append(cs)
+        return (streams, info), info
+
+    def recycle(self, token: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class PythonDecoder:
+    def __init__(self, device: torch.device, *, threads: int, hw_load: float | str, channels: int, exif: bool) -> None:
+        from nvidia import nvimgcodec as nvc
+
+        self.nvc = nvc
         self.channels = channels
         kinds = nvc.BackendKind
         adaptive = hw_load == "adaptive"
@@ -105,34 +163,14 @@ class PythonCodec:
             color_spec=nvc.ColorSpec.GRAY if gray else nvc.ColorSpec.SRGB,
             sample_format=nvc.SampleFormat.I_Y if gray else nvc.SampleFormat.I_RGB,
         )
-        self.streams: list[Any] = []
-        self.info = np.zeros((0, 4), dtype=np.int32)
 
-    def parse(self, data: list) -> np.ndarray:
-        info = np.zeros((len(data), 4), dtype=np.int32)
-        streams: list[Any] = []
-        for i, blob in enumerate(data):
-            try:
-                # A NumPy view, not the bytes: nvImageCodec decoded fresh bytes-backed streams at
-                # 9.7k images/s and array-backed ones at 17.6k on the H100 (probe, 1,024 JPEGs).
-                cs = self.nvc.CodeStream(np.frombuffer(blob, dtype=np.uint8))
-            except RuntimeError:  # not a format nvImageCodec parses
-                streams.append(None)
-                continue
-            h, w = cs.height, cs.width
-            if self.exif and cs.codec_name == "jpeg" and jpeg_orientation(blob) >= 5:
-                h, w = w, h
-            info[i] = (h, w, cs.num_channels, 1)
-            streams.append(cs)
-        self.streams, self.info = streams, info
-        return info
-
-    def decode(self, pick: np.ndarray, regions: np.ndarray, stream: int) -> Decoded:
+    def decode(self, token: Any, pick: np.ndarray, regions: np.ndarray, stream: int) -> Decoded:
+        streams, info = token
         Region = self.nvc.Region
         sources = []
         for i, (y0, x0, y1, x1) in zip(pick.tolist(), regions.tolist()):
-            cs = self.streams[i]
-            full = (y0, x0, y1, x1) == (0, 0, int(self.info[i, 0]), int(self.info[i, 1]))
+            cs = streams[i]
+            full = (y0, x0, y1, x1) == (0, 0, int(info[i, 0]), int(info[i, 1]))
             sources.append(cs if full else cs.get_sub_code_stream(region=Region(y0, x0, y1, x1)))
         images = self.decoder.decode(sources, params=self.params, cuda_stream=stream)
         m = len(pick)
@@ -152,5 +190,4 @@ class PythonCodec:
         return Decoded(status, pointers, row_strides, images)
 
     def close(self) -> None:
-        self.streams = []
         self.decoder = None

@@ -6,6 +6,9 @@
  * the whole of each call below, so a lane's header parse, region views and decode run beside the
  * event loop and the other lanes.
  *
+ * A batch is parsed (headers only, needs just the library instance) into an hr_parsed, then decoded
+ * by an hr_decoder: so the next batch's parse runs in one thread while a decoder works in another.
+ *
  * Output memory is the caller's: one device (or, for the CPU-only decoder, host) buffer per image,
  * tightly packed rows, so there is no allocation per image and no third memory pool.
  */
@@ -19,13 +22,20 @@
 
 #define HR_OK 1
 
+/* The parsed headers of one batch. Parsing needs only the instance, so a batch is parsed in one
+   thread while a decoder decodes the previous one in another; the handles are reused by the next
+   batch parsed into the same object. */
+typedef struct {
+    int capacity;
+    nvimgcodecCodeStream_t* streams;
+} hr_parsed;
+
 typedef struct {
     nvimgcodecInstance_t instance;
     nvimgcodecDecoder_t decoder;
     int cpu_only;
     int capacity;
-    nvimgcodecCodeStream_t* streams; /* parsed whole streams, one per input of the last parse */
-    nvimgcodecCodeStream_t* views;   /* region views, reused between batches */
+    nvimgcodecCodeStream_t* views; /* region views, reused between batches */
     nvimgcodecImage_t* images;
     nvimgcodecCodeStream_t* chosen;
     nvimgcodecProcessingStatus_t* status;
@@ -122,58 +132,92 @@ static void release_handles(nvimgcodecCodeStream_t* handles, int n)
     }
 }
 
-static int reserve(hr_decoder* d, int n)
+/* Grow the arrays *ptrs[k] (element sizes sizes[k]) from *capacity to at least n, keeping contents. */
+static int grow(void** ptrs[], const size_t* sizes, int count, int* capacity, int n)
 {
-    if (n <= d->capacity)
+    if (n <= *capacity)
         return 1;
-    int cap = n > 2 * d->capacity ? n : 2 * d->capacity;
-    void* p[5];
-    size_t sizes[5] = {sizeof(nvimgcodecCodeStream_t), sizeof(nvimgcodecCodeStream_t), sizeof(nvimgcodecImage_t),
-                       sizeof(nvimgcodecCodeStream_t), sizeof(nvimgcodecProcessingStatus_t)};
-    void* old[5] = {d->streams, d->views, d->images, d->chosen, d->status};
-    for (int k = 0; k < 5; ++k) {
+    int cap = n > 2 * *capacity ? n : 2 * *capacity;
+    void* p[8];
+    for (int k = 0; k < count; ++k) {
         p[k] = calloc((size_t)cap, sizes[k]);
         if (!p[k]) {
             for (int j = 0; j < k; ++j)
                 free(p[j]);
             return 0;
         }
-        if (old[k])
-            memcpy(p[k], old[k], (size_t)d->capacity * sizes[k]);
-        free(old[k]);
     }
-    d->streams = p[0];
-    d->views = p[1];
-    d->images = p[2];
-    d->chosen = p[3];
-    d->status = p[4];
-    d->capacity = cap;
+    for (int k = 0; k < count; ++k) {
+        if (*ptrs[k])
+            memcpy(p[k], *ptrs[k], (size_t)*capacity * sizes[k]);
+        free(*ptrs[k]);
+        *ptrs[k] = p[k];
+    }
+    *capacity = cap;
     return 1;
 }
 
-/* Read the headers of n encoded images. For each: info[4i..4i+3] = height, width (as displayed
- * when exif is set: EXIF rotations by 90 or 270 degrees swap them), channels in the file, and 1 when
- * nvImageCodec parses it (else 0: the caller decodes it another way). The data must stay alive and
- * unchanged until hr_decode returns: the parsed streams point into it. Returns 0 on allocation failure. */
-int hr_parse(hr_decoder* d, int n, const unsigned char* const* data, const size_t* sizes, int exif, int32_t* info)
+static int reserve(hr_decoder* d, int n)
 {
-    if (!reserve(d, n))
+    void** ptrs[4] = {(void**)&d->views, (void**)&d->images, (void**)&d->chosen, (void**)&d->status};
+    size_t sizes[4] = {sizeof(nvimgcodecCodeStream_t), sizeof(nvimgcodecImage_t), sizeof(nvimgcodecCodeStream_t),
+                       sizeof(nvimgcodecProcessingStatus_t)};
+    return grow(ptrs, sizes, 4, &d->capacity, n);
+}
+
+static int reserve_parsed(hr_parsed* p, int n)
+{
+    void** ptrs[1] = {(void**)&p->streams};
+    size_t sizes[1] = {sizeof(nvimgcodecCodeStream_t)};
+    return grow(ptrs, sizes, 1, &p->capacity, n);
+}
+
+hr_parsed* hr_parsed_create(void)
+{
+    return (hr_parsed*)calloc(1, sizeof(hr_parsed));
+}
+
+/* Drop the parsed streams (and their references to the callers' data); the object stays usable. */
+void hr_parsed_release(hr_parsed* p)
+{
+    if (p)
+        release_handles(p->streams, p->capacity);
+}
+
+void hr_parsed_destroy(hr_parsed* p)
+{
+    if (!p)
+        return;
+    hr_parsed_release(p);
+    free(p->streams);
+    free(p);
+}
+
+/* Read the headers of n encoded images into p. For each: info[4i..4i+3] = height, width (as
+ * displayed when exif is set: EXIF rotations by 90 or 270 degrees swap them), channels in the file,
+ * and 1 when nvImageCodec parses it (else 0: the caller decodes it another way). The data must stay
+ * alive and unchanged until hr_decode returns: the parsed streams point into it. Needs only the
+ * instance (any thread). Returns 0 on allocation failure. */
+int hr_parse(nvimgcodecInstance_t instance, hr_parsed* p, int n, const unsigned char* const* data, const size_t* sizes,
+             int exif, int32_t* info)
+{
+    if (!reserve_parsed(p, n))
         return 0;
     for (int i = 0; i < n; ++i) {
         int32_t* row = info + 4 * i;
         row[0] = row[1] = row[2] = row[3] = 0;
         /* The handle of the previous batch is reused in place (no allocation per image). */
-        if (nvimgcodecCodeStreamCreateFromHostMem(d->instance, &d->streams[i], data[i], sizes[i], NULL) !=
+        if (nvimgcodecCodeStreamCreateFromHostMem(instance, &p->streams[i], data[i], sizes[i], NULL) !=
             NVIMGCODEC_STATUS_SUCCESS) {
-            release_handles(&d->streams[i], 1);
+            release_handles(&p->streams[i], 1);
             continue;
         }
         nvimgcodecImageInfo_t ii;
         memset(&ii, 0, sizeof(ii));
         ii.struct_type = NVIMGCODEC_STRUCTURE_TYPE_IMAGE_INFO;
         ii.struct_size = sizeof(ii);
-        if (nvimgcodecCodeStreamGetImageInfo(d->streams[i], &ii) != NVIMGCODEC_STATUS_SUCCESS || ii.num_planes < 1) {
-            release_handles(&d->streams[i], 1);
+        if (nvimgcodecCodeStreamGetImageInfo(p->streams[i], &ii) != NVIMGCODEC_STATUS_SUCCESS || ii.num_planes < 1) {
+            release_handles(&p->streams[i], 1);
             continue;
         }
         int32_t h = (int32_t)ii.plane_info[0].height, w = (int32_t)ii.plane_info[0].width;
@@ -190,14 +234,14 @@ int hr_parse(hr_decoder* d, int n, const unsigned char* const* data, const size_
     return 1;
 }
 
-/* Decode m of the parsed images: pick[j] is the index given to hr_parse, region[4j..4j+3] the
+/* Decode m of the images parsed into p: pick[j] is the index given to hr_parse, region[4j..4j+3] the
  * window y0, x0, y1, x1 to decode (in displayed coordinates when exif; the whole image is just the
  * full window), out[j] the buffer for its (y1-y0) x (x1-x0) x channels uint8 pixels, rows packed.
  * channels is 3 (RGB) or 1 (gray). Work goes on cuda_stream. status[j] = 1 when decoded, else
  * nvImageCodec's processing status (or 0 when the image could not be set up). Blocks until the host
  * part of the decode is done; the device part is ordered on cuda_stream. Returns 0 when the whole
  * call failed (nothing decoded), else 1. */
-int hr_decode(hr_decoder* d, int m, const int32_t* pick, const int32_t* region, void* const* out, int channels,
+int hr_decode(hr_decoder* d, const hr_parsed* p, int m, const int32_t* pick, const int32_t* region, void* const* out, int channels,
               int exif, void* cuda_stream, int32_t* status)
 {
     if (!reserve(d, m))
@@ -209,7 +253,7 @@ int hr_decode(hr_decoder* d, int m, const int32_t* pick, const int32_t* region, 
     for (int j = 0; j < m; ++j) {
         status[j] = 0;
         slot[j] = -1;
-        nvimgcodecCodeStream_t whole = d->streams[pick[j]];
+        nvimgcodecCodeStream_t whole = pick[j] < p->capacity ? p->streams[pick[j]] : NULL;
         if (!whole)
             continue;
         const int32_t* r = region + 4 * j;
@@ -302,22 +346,12 @@ int hr_decode(hr_decoder* d, int m, const int32_t* pick, const int32_t* region, 
     return ok;
 }
 
-/* Drop the parsed streams (and their references to the callers' data). */
-void hr_release(hr_decoder* d)
-{
-    if (!d)
-        return;
-    release_handles(d->streams, d->capacity);
-    release_handles(d->views, d->capacity);
-}
-
 void hr_decoder_destroy(hr_decoder* d)
 {
     if (!d)
         return;
-    hr_release(d);
+    release_handles(d->views, d->capacity);
     nvimgcodecDecoderDestroy(d->decoder);
-    free(d->streams);
     free(d->views);
     free(d->images);
     free(d->chosen);

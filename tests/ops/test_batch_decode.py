@@ -28,23 +28,25 @@ def decoder():
 
     def make(channels: int = 3, exif: bool = True):
         dec = _batch_decode.BatchDecoder(None, threads=1, channels=channels, exif=exif)
+        dec.parsed = _batch_decode.ParsedBatch()
         made.append(dec)
         return dec
 
     yield make
     for dec in made:
+        dec.parsed.close()
         dec.close()
 
 
 def _decode(dec, blobs, regions):
     """Parse ``blobs``, decode the parsed ones at ``regions`` (None: whole image) into host arrays."""
-    info = dec.parse(blobs)
+    info = dec.parsed.parse(blobs, exif=dec.exif)
     pick = np.flatnonzero(info[:, 3] == 1).astype(np.int32)
     boxes = np.array(
         [regions[i] if regions[i] is not None else (0, 0, info[i, 0], info[i, 1]) for i in pick], dtype=np.int32
     ).reshape(-1, 4)
     outs = [np.full((y1 - y0, x1 - x0, dec.channels), 7, dtype=np.uint8) for y0, x0, y1, x1 in boxes]
-    status = dec.decode(pick, boxes, np.array([o.ctypes.data for o in outs], dtype=np.uint64), 0)
+    status = dec.decode(dec.parsed, pick, boxes, np.array([o.ctypes.data for o in outs], dtype=np.uint64), 0)
     return info, pick, boxes, status, outs
 
 
@@ -116,6 +118,27 @@ def test_handles_are_reused_across_batches_and_close_is_idempotent(decoder, rng)
         assert status.tolist() == [1] * size
         for j, i in enumerate(pick):
             np.testing.assert_array_equal(outs[j], _pillow(blobs[i]))
-    dec.release()
+    dec.parsed.release()
+    _, _, _, status, _ = _decode(dec, blobs[:2], [None, None])  # parses again after a release
+    assert status.tolist() == [1, 1]
+    dec.parsed.close()
+    dec.parsed.close()
     dec.close()
     dec.close()
+
+
+def test_a_batch_parsed_in_one_thread_decodes_in_another(decoder, rng):
+    import concurrent.futures
+
+    dec = decoder()
+    blobs = [encode(random_image(rng, 40, 30 + k), "JPEG") for k in range(6)]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        parsed = _batch_decode.ParsedBatch()
+        info = pool.submit(parsed.parse, blobs, exif=True).result()
+    boxes = np.column_stack([np.zeros((6, 2), np.int32), info[:, :2]])
+    outs = [np.empty((h, w, 3), np.uint8) for h, w in info[:, :2]]
+    status = dec.decode(parsed, np.arange(6, dtype=np.int32), boxes, np.array([o.ctypes.data for o in outs], np.uint64), 0)
+    assert status.tolist() == [1] * 6
+    for blob, out in zip(blobs, outs):
+        np.testing.assert_array_equal(out, _pillow(blob))
+    parsed.close()
