@@ -52,9 +52,30 @@ def _timed_epochs(run_epoch, epochs: int) -> dict:
             "main_thread_busy": statistics.median(loop_share)}
 
 
-def bench_headrace(root: Path, pipeline, batch: int, epochs: int, lanes: int, hw_load: float = 0.65) -> dict:
+IO_THREADS = 2  # the files reader's I/O threads (--io-threads)
+
+
+def bench_reader(root: Path, epochs: int) -> dict:
+    """The files reader alone: how fast the bytes arrive, with nothing decoded."""
     loop = headrace.new_event_loop()
-    loader = headrace.Loader(readers.files(root, shuffle=True), batch_size=batch, pipeline=pipeline,
+    reader = readers.files(root, shuffle=True, io_threads=IO_THREADS)
+
+    async def epoch_async(e: int) -> int:
+        n = 0
+        async for chunk in reader.read(e):
+            n += len(chunk)
+        return n
+
+    counter = iter(range(1_000_000))
+    try:
+        return _timed_epochs(lambda: loop.run_until_complete(epoch_async(next(counter))), epochs)
+    finally:
+        loop.close()
+
+
+def bench_headrace(root: Path, pipeline, batch: int, epochs: int, lanes: int, hw_load: float | str = 0.65) -> dict:
+    loop = headrace.new_event_loop()
+    loader = headrace.Loader(readers.files(root, shuffle=True, io_threads=IO_THREADS), batch_size=batch, pipeline=pipeline,
                              device="cuda", lanes=lanes, prefetch=lanes + 2, hw_load=hw_load)
 
     async def epoch() -> int:
@@ -166,6 +187,7 @@ def main() -> None:
     ap.add_argument("--lanes", type=int, default=1)
     ap.add_argument("--variants", default="",
                     help="also run headrace (train) with these LANES:HW_LOAD pairs, e.g. 2:0.5,2:adaptive")
+    ap.add_argument("--io-threads", type=int, default=IO_THREADS, help="the files reader's I/O threads")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for the whole run (Python's default is 0.005 s)")
     ap.add_argument("--options-variants", default="",
@@ -179,6 +201,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     root = Path(args.data)
+    globals()["IO_THREADS"] = args.io_threads
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
     t0 = time.perf_counter()
@@ -198,6 +221,7 @@ def main() -> None:
         "dataloader": (f"DataLoader ({workers} workers) + PIL + tv v2", lambda: bench_dataloader(files, args.batch, args.epochs, workers)),
         "torchvision": ("torchvision decode_jpeg(cuda) + v2", lambda: bench_torchvision_gpu(files, args.batch, args.epochs)),
         "nvimgcodec": ("nvImageCodec decode only (whole)", lambda: bench_nvimgcodec(files, args.batch, args.epochs)),
+        "reader": ("files reader alone (no decode)", lambda: bench_reader(root, args.epochs)),
     }
     for hw in filter(None, args.hw_loads.split(",")):
         runners[f"hw{hw}"] = (f"headrace (train, hw_load={hw})", lambda hw=float(hw): bench_headrace(
