@@ -73,7 +73,7 @@ def bench_reader(root: Path, epochs: int) -> dict:
         loop.close()
 
 
-def bench_headrace(root: Path, pipeline, batch: int, epochs: int, lanes: int, hw_load: float | str = 0.65) -> dict:
+def bench_headrace(root: Path, pipeline, batch: int, epochs: int, lanes: int, hw_load: float | str = "adaptive") -> dict:
     loop = headrace.new_event_loop()
     loader = headrace.Loader(readers.files(root, shuffle=True, io_threads=IO_THREADS), batch_size=batch, pipeline=pipeline,
                              device="cuda", lanes=lanes, prefetch=lanes + 2, hw_load=hw_load)
@@ -184,7 +184,7 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=16384)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--lanes", type=int, default=1)
+    ap.add_argument("--lanes", type=int, default=2)
     ap.add_argument("--variants", default="",
                     help="also run headrace (train) with these LANES:HW_LOAD pairs, e.g. 2:0.5,2:adaptive")
     ap.add_argument("--io-threads", type=int, default=IO_THREADS, help="the files reader's I/O threads")

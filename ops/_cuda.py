@@ -81,9 +81,9 @@ class CudaExecutor:
         pipeline: Pipeline,
         *,
         device: int | str | torch.device = 0,
-        lanes: int = 1,
+        lanes: int = 2,
         seed: int = 0,
-        hw_load: float | str = 0.65,
+        hw_load: float | str = "adaptive",
         decoder_threads: int | None = None,
     ) -> None:
         if not cuda_available():

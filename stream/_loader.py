@@ -49,14 +49,16 @@ class Loader:
         device: ``"auto"`` (the GPU when CUDA, CuPy and nvImageCodec are there, else the CPU),
             ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. On the GPU, batches are torch CUDA tensors,
             ready on the consumer's current stream (it waits on the lane's event; the host does not).
-        lanes: GPU lanes (thread + CUDA stream + decoder). One is the measured default: on the H100
-            nvImageCodec decode calls of different lanes did not overlap (see ops/README.md).
-        hw_load: share of each batch offered to the hardware JPEG decoder (GPU path; 0.65 measured best),
-            or "adaptive" (nvImageCodec moves the share batch by batch).
+        lanes: GPU lanes (thread + CUDA stream + decoder), fed by one thread that parses headers
+            and plans crops. Two is the default: on the H100 it was as fast as one or faster, and
+            held up better when other Python threads competed for the GIL (ops/README.md).
+        hw_load: share of each batch offered to the hardware JPEG decoder first (GPU path), or
+            ``"adaptive"`` (the default: nvImageCodec moves the share batch by batch).
         last_batch: ``"partial"`` (default), ``"fill"`` or ``"drop"`` for the short last batch.
         seed: keys the reader's shuffle (unless it has its own seed) and every random op.
         num_threads: CPU worker threads for decode and transforms (default: all cores).
-        prefetch: batches in flight between the batcher and the consumer (decoding or done).
+        prefetch: batches in flight between the batcher and the consumer (decoding or done);
+            default 3 on the CPU, ``lanes + 2`` on the GPU.
         max_bytes: bound on encoded bytes buffered between the reader and the batcher.
         on_error: ``"raise"`` (default) raises the first sample error, typed and naming the sample;
             ``"skip"`` drops failed samples from their batch and counts them (``stats().dropped``).
@@ -87,12 +89,12 @@ class Loader:
         last_batch: LastBatch | str = LastBatch.PARTIAL,
         seed: int = 0,
         num_threads: int | None = None,
-        prefetch: int = 3,
+        prefetch: int | None = None,
         max_bytes: int = 256 << 20,
         on_error: Literal["raise", "skip"] = "raise",
         max_errors: int | float = 0,
-        lanes: int = 1,
-        hw_load: float | str = 0.65,
+        lanes: int = 2,
+        hw_load: float | str = "adaptive",
     ) -> None:
         from headrace.ops import Pipeline, cuda_available
         from headrace.ops._cuda import gpu_unsupported
@@ -115,6 +117,8 @@ class Loader:
         if on_error not in ("raise", "skip"):
             raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         num_threads = num_threads or os.cpu_count() or 1
+        if prefetch is None:  # on the GPU: one batch per lane, one being prepared, one handed over
+            prefetch = lanes + 2 if device.startswith("cuda") else 3
         for name, value in (("num_threads", num_threads), ("prefetch", prefetch), ("max_bytes", max_bytes)):
             require_int(name, value)
         ErrorBudget(max_errors)  # validates max_errors now rather than at the first failure
