@@ -73,7 +73,7 @@ def bench_reader(root: Path, epochs: int) -> dict:
         loop.close()
 
 
-def bench_headrace(root: Path, pipeline, batch: int, epochs: int, lanes: int, hw_load: float | str = "adaptive") -> dict:
+def bench_headrace(root: Path, pipeline, batch: int, epochs: int, lanes: int, hw_load: float | str = 0.65) -> dict:
     loop = headrace.new_event_loop()
     loader = headrace.Loader(readers.files(root, shuffle=True, io_threads=IO_THREADS), batch_size=batch, pipeline=pipeline,
                              device="cuda", lanes=lanes, prefetch=lanes + 2, hw_load=hw_load)

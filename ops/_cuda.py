@@ -83,7 +83,7 @@ class CudaExecutor:
         device: int | str | torch.device = 0,
         lanes: int = 2,
         seed: int = 0,
-        hw_load: float | str = "adaptive",
+        hw_load: float | str = 0.65,
         decoder_threads: int | None = None,
     ) -> None:
         if not cuda_available():
@@ -243,7 +243,14 @@ class _Lane:
         pipe = self.owner.pipeline
         decoder = NativeDecoder if self.owner.native else PythonDecoder
         self.decoder = decoder(dev, threads=threads, hw_load=hw_load, channels=pipe.channels, exif=pipe.decode.exif)
-        self.kernel = resample_kernel(_OUT_NAMES[pipe.dtype])
+        # With post ops the fused kernel writes uint8 HWC; PostOps runs them, then normalises and
+        # lays out the batch, all on this lane's stream.
+        self.post = None
+        if pipe.post_ops:
+            from ._cuda_post import PostOps
+
+            self.post = PostOps(pipe, self.cp_stream, seed=self.owner.seed, device=dev)
+        self.kernel = resample_kernel("uint8" if self.post is not None else _OUT_NAMES[pipe.dtype])
         norm = pipe.normalize
         c = pipe.channels
         mean = np.array(norm.mean if norm else (0.0,) * c, dtype=np.float32) * 255.0
@@ -301,10 +308,17 @@ class _Lane:
                 pointers[i], row_strides[i], done[i] = pixels.data_ptr(), pixels.stride(0), True
             ok = np.flatnonzero(done)
             (oh, ow), c = pipe.output_size(), pipe.channels
-            shape = (len(ok), c, oh, ow) if pipe.layout == "CHW" else (len(ok), oh, ow, c)
-            out = torch.empty(shape, dtype=pipe.dtype, device=self.owner.device)
+            if self.post is not None:
+                shape, dtype = (len(ok), oh, ow, c), torch.uint8
+            else:
+                shape = (len(ok), c, oh, ow) if pipe.layout == "CHW" else (len(ok), oh, ow, c)
+                dtype = pipe.dtype
+            out = torch.empty(shape, dtype=dtype, device=self.owner.device)
             if len(ok):
                 self._launch(out, pointers[ok], row_strides[ok], prep.plans, regions, ok)
+            if self.post is not None:
+                indices = np.fromiter((samples[rows[i]].index for i in ok), dtype=np.int64, count=len(ok))
+                out = self.post.finish(self.post.apply(out, indices, prep.batch.epoch, inplace=True))
             data_out: dict[str, Any] = {"image": out}
             if any(lbl is not None for lbl in prep.labels):
                 data_out["label"] = torch.tensor([prep.labels[i] for i in ok], dtype=torch.int64).to(
@@ -335,7 +349,7 @@ class _Lane:
         c = self.owner.pipeline.channels
         stage = self.staging[self.turn % len(self.staging)]
         self.turn += 1
-        ptrs, meta, geo = stage.host(n)
+        ptrs, meta, geo = stage.host(n, self.cp_stream)
         reg = regions[ok]
         ptrs[:] = pointers
         meta[:, 0] = reg[:, 2] - reg[:, 0]
@@ -356,7 +370,8 @@ class _Lane:
                 ((ow + 31) // 32, (oh + 7) // 8, n),
                 (32, 8, 1),
                 (d_ptrs, d_meta, d_geo, np.uint64(out.data_ptr()), np.int32(oh), np.int32(ow), np.int32(c),
-                 np.int32(pipe.layout == "CHW"), np.int32(pipe.normalize is not None), self.mean, self.inv_std),
+                 np.int32(pipe.layout == "CHW" and self.post is None),
+                 np.int32(pipe.normalize is not None and self.post is None), self.mean, self.inv_std),
             )
         stage.record(self.cp_stream)
 
@@ -369,7 +384,7 @@ class _Staging:
         self.capacity = 0
         self.event = None
 
-    def host(self, n: int):
+    def host(self, n: int, stream):
         cp = self.cupy
         if self.event is not None:
             self.event.synchronize()  # the kernel that read these tables has run (long ago, in practice)
@@ -380,9 +395,10 @@ class _Staging:
             self.h_ptrs = cupyx.empty_pinned((self.capacity,), dtype=np.uint64)
             self.h_meta = cupyx.empty_pinned((self.capacity, 8), dtype=np.int32)
             self.h_geo = cupyx.empty_pinned((self.capacity, 8), dtype=np.float32)
-            self.d_ptrs = cp.empty((self.capacity,), dtype=cp.uint64)
-            self.d_meta = cp.empty((self.capacity, 8), dtype=cp.int32)
-            self.d_geo = cp.empty((self.capacity, 8), dtype=cp.float32)
+            with stream:  # CuPy's pools are per stream: these tables belong to the lane's
+                self.d_ptrs = cp.empty((self.capacity,), dtype=cp.uint64)
+                self.d_meta = cp.empty((self.capacity, 8), dtype=cp.int32)
+                self.d_geo = cp.empty((self.capacity, 8), dtype=cp.float32)
         return self.h_ptrs[:n], self.h_meta[:n], self.h_geo[:n]
 
     def upload(self, n: int, stream):

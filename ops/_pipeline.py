@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
+import numpy as np
 import torch
 
 from headrace._errors import ConfigError
 
+from ._random import uniforms
 from ._spec import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -17,6 +19,7 @@ from ._spec import (
     Flip,
     Normalize,
     Op,
+    PostOp,
     RandomResizedCrop,
     Resize,
 )
@@ -28,10 +31,13 @@ _IMAGE_OPS = (Resize, CenterCrop, RandomResizedCrop, Flip)
 
 
 class Pipeline:
-    """Decode → image ops → optional Normalize, applied to each sample of a batch.
+    """Decode → image ops → post ops → optional Normalize, applied to each sample of a batch.
 
     ``ops`` must start with ``Decode`` (one is added if missing) and may end with one ``Normalize``;
-    between them go ``Resize``, ``CenterCrop``, ``RandomResizedCrop`` and ``Flip`` in any order.
+    between them go first the geometry ops (``image_ops``: ``Resize``, ``CenterCrop``,
+    ``RandomResizedCrop`` and ``Flip``, in any order), then the post ops (``post_ops``:
+    ``ColorTwist``, ``Rotate``, ``WarpAffine`` and ``GaussianBlur``, in any order), which work on
+    the uint8 image the geometry made. An op's random numbers are keyed by its index in ``ops``.
     ``image`` names the field(s) holding the encoded image (default: the first field whose name is
     an image extension); ``label`` names the field holding the class as ASCII digits (WebDataset's
     ``cls``), or None for no label. ``layout`` applies to uint8 output (no Normalize); Normalize
@@ -59,14 +65,21 @@ class Pipeline:
                 raise ConfigError("Pipeline: Decode may appear only first")
             if isinstance(op, Normalize) and pos != len(ops) - 1:
                 raise ConfigError("Pipeline: Normalize must be the last op")
-            if not isinstance(op, (*_IMAGE_OPS, Normalize)):
+            if not isinstance(op, (*_IMAGE_OPS, PostOp, Normalize)):
                 raise ConfigError(f"Pipeline: unsupported op {op!r}")
+            if isinstance(op, _IMAGE_OPS) and any(isinstance(o, PostOp) for o in ops[1:pos]):
+                raise ConfigError(f"Pipeline: {op!r} must come before the post ops (colour, rotate, warp, blur)")
         if layout not in ("CHW", "HWC"):
             raise ConfigError(f"Pipeline: layout must be 'CHW' or 'HWC', got {layout!r}")
         self.ops: tuple[Op, ...] = tuple(ops)
         self.decode: Decode = ops[0]
         self.normalize: Normalize | None = ops[-1] if isinstance(ops[-1], Normalize) else None
-        self.image_ops: tuple[Op, ...] = tuple(ops[1 : len(ops) - (self.normalize is not None)])
+        middle = ops[1 : len(ops) - (self.normalize is not None)]
+        self.image_ops: tuple[Op, ...] = tuple(op for op in middle if not isinstance(op, PostOp))
+        self.post_ops: tuple[PostOp, ...] = tuple(op for op in middle if isinstance(op, PostOp))
+        # Post op j sits at index 1 + len(image_ops) + j of ``ops``: its key for ``uniforms``.
+        first = 1 + len(self.image_ops)
+        self.post_positions: tuple[int, ...] = tuple(range(first, first + len(self.post_ops)))
         if isinstance(image, str):
             image = (image,)
         self.image_fields: tuple[str, ...] = tuple(image) if image is not None else IMAGE_EXTENSIONS
@@ -80,6 +93,10 @@ class Pipeline:
             raise ConfigError(
                 f"Pipeline: Normalize has {len(self.normalize.mean)} channels, Decode gives {self.decode.channels}"
             )
+        for op in self.post_ops:
+            fill = getattr(op, "fill", (0.0,))
+            if len(fill) not in (1, self.decode.channels):
+                raise ConfigError(f"Pipeline: {op!r} has {len(fill)} fill levels, Decode gives {self.decode.channels} channels")
 
     @property
     def channels(self) -> int:
@@ -88,6 +105,13 @@ class Pipeline:
     @property
     def dtype(self) -> torch.dtype:
         return self.normalize.dtype if self.normalize else torch.uint8
+
+    def post_uniforms(self, seed: int, epoch: int, indices: np.ndarray) -> list[np.ndarray | None]:
+        """Each post op's ``(len(indices), randoms)`` uniforms (None for an op that draws none)."""
+        return [
+            uniforms(seed, epoch, pos, indices, op.randoms) if op.randoms else None
+            for pos, op in zip(self.post_positions, self.post_ops)
+        ]
 
     def output_size(self) -> tuple[int, int] | None:
         """The (height, width) every output image has, or None when it depends on the input."""

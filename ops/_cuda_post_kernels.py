@@ -1,0 +1,211 @@
+"""CUDA source of the post-op kernels: colour twist, affine warp, separable Gaussian blur, finish.
+
+Each kernel is one launch for a whole batch of images of different sizes: thread (x, y) of block
+z makes output pixel (x, y), all channels, of sample z, and returns when (x, y) lies outside that
+sample. Per-sample tables (device memory, filled from pinned host memory by ``_cuda_post``):
+
+- ``ptrs[2 z]``, ``ptrs[2 z + 1]``: source and destination addresses (uint64);
+- ``meta[4 z .. 4 z + 3]``: height, width, source row stride, destination row stride (bytes);
+- ``par[P z ..]``: the op's numbers (``P`` floats a sample, given per op below).
+
+The channel count ``CH`` is a compile-time constant (one module per count), so the channel loops
+unroll and the accumulators stay in registers. Results round once, half up, clamped to 0..255.
+"""
+
+from __future__ import annotations
+
+import functools
+
+__all__ = ["FINISH_TYPES", "module"]
+
+FINISH_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
+
+_SOURCE = r"""
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#define CH CHANNELS
+typedef unsigned char u8;
+typedef unsigned long long u64;
+
+__device__ __forceinline__ float round_u8(float v) { return fminf(fmaxf(floorf(v + 0.5f), 0.0f), 255.0f); }
+
+// Index i reflected into [0, n) without repeating the edge (torch's "reflect"), as often as needed.
+__device__ __forceinline__ int reflect(int i, const int n) {
+    if (i >= 0 && i < n) return i;
+    if (n == 1) return 0;
+    const int period = 2 * (n - 1);
+    i = abs(i) % period;
+    return i < n ? i : period - i;
+}
+
+// par: 12 floats, [M | o] row-major, 3 x 4 (gray: gain in par[0], offset in par[3]).
+// Source and destination may be the same buffer: a thread reads its pixel before it writes it.
+extern "C" __global__ void color_twist(const u64* ptrs, const int* meta, const float* par)
+{
+    const int x = blockIdx.x * blockDim.x + threadIdx.x;
+    const int y = blockIdx.y * blockDim.y + threadIdx.y;
+    const int b = blockIdx.z;
+    const int* m = meta + 4 * b;
+    if (x >= m[1] || y >= m[0]) return;
+    const u8* s = (const u8*)ptrs[2 * b] + (long long)y * m[2] + (long long)x * CH;
+    u8* d = (u8*)ptrs[2 * b + 1] + (long long)y * m[3] + (long long)x * CH;
+    const float* t = par + 12 * b;
+#if CH == 3
+    const float r = s[0], g = s[1], bl = s[2];
+    const float o0 = t[0] * r + t[1] * g + t[2] * bl + t[3];
+    const float o1 = t[4] * r + t[5] * g + t[6] * bl + t[7];
+    const float o2 = t[8] * r + t[9] * g + t[10] * bl + t[11];
+    d[0] = (u8)round_u8(o0);
+    d[1] = (u8)round_u8(o1);
+    d[2] = (u8)round_u8(o2);
+#else
+    const float v = t[0] * (float)s[0] + t[3];
+    d[0] = (u8)round_u8(v);
+#endif
+}
+
+// par: 10 floats, {a00, a01, a02, a10, a11, a12, fill[0..3]}: output pixel (x, y) reads the input
+// at index coordinates (a00 x + a01 y + a02, a10 x + a11 y + a12) (pixel centres at integers),
+// bilinearly; each of the four neighbours outside the image reads fill. Source != destination.
+extern "C" __global__ void warp_affine(const u64* ptrs, const int* meta, const float* par)
+{
+    const int x = blockIdx.x * blockDim.x + threadIdx.x;
+    const int y = blockIdx.y * blockDim.y + threadIdx.y;
+    const int b = blockIdx.z;
+    const int* m = meta + 4 * b;
+    const int H = m[0], W = m[1];
+    if (x >= W || y >= H) return;
+    const float* t = par + 10 * b;
+    const float xf = (float)x, yf = (float)y;
+    // Clamped: further out, all four neighbours read fill anyway, and the ints cannot overflow.
+    const float sx = fminf(fmaxf(t[0] * xf + t[1] * yf + t[2], -2.0f), (float)W + 1.0f);
+    const float sy = fminf(fmaxf(t[3] * xf + t[4] * yf + t[5], -2.0f), (float)H + 1.0f);
+    const float fx = floorf(sx), fy = floorf(sy);
+    const float ax = sx - fx, ay = sy - fy;
+    const int x0 = (int)fx, y0 = (int)fy;
+    const bool in_x0 = x0 >= 0 && x0 < W, in_x1 = x0 + 1 >= 0 && x0 + 1 < W;
+    const bool in_y0 = y0 >= 0 && y0 < H, in_y1 = y0 + 1 >= 0 && y0 + 1 < H;
+    // Only in-image pixels are read; the clamps keep even the unused addresses inside the image.
+    const u8* s = (const u8*)ptrs[2 * b];
+    const u8* row0 = s + (long long)min(max(y0, 0), H - 1) * m[2];
+    const u8* row1 = s + (long long)min(max(y0 + 1, 0), H - 1) * m[2];
+    const long long c0 = (long long)min(max(x0, 0), W - 1) * CH;
+    const long long c1 = (long long)min(max(x0 + 1, 0), W - 1) * CH;
+    u8* d = (u8*)ptrs[2 * b + 1] + (long long)y * m[3] + (long long)x * CH;
+#pragma unroll
+    for (int c = 0; c < CH; ++c) {
+        const float f = t[6 + c];
+        const float p00 = (in_y0 && in_x0) ? (float)row0[c0 + c] : f;
+        const float p01 = (in_y0 && in_x1) ? (float)row0[c1 + c] : f;
+        const float p10 = (in_y1 && in_x0) ? (float)row1[c0 + c] : f;
+        const float p11 = (in_y1 && in_x1) ? (float)row1[c1 + c] : f;
+        const float top = p00 * (1.0f - ax) + p01 * ax;
+        const float bottom = p10 * (1.0f - ax) + p11 * ax;
+        d[c] = (u8)round_u8(top * (1.0f - ay) + bottom * ay);
+    }
+}
+
+// Gaussian blur, pass 1 along rows: uint8 source -> float32 scratch (its row stride in bytes).
+// par: P floats a sample, the row weights first (K of them). acc + w[k] x[k] in order, each
+// operation rounded (no FMA): the CPU path's arithmetic.
+extern "C" __global__ void blur_rows(const u64* ptrs, const int* meta, const float* par, const int K, const int P)
+{
+    const int x = blockIdx.x * blockDim.x + threadIdx.x;
+    const int y = blockIdx.y * blockDim.y + threadIdx.y;
+    const int b = blockIdx.z;
+    const int* m = meta + 4 * b;
+    const int W = m[1];
+    if (x >= W || y >= m[0]) return;
+    const u8* s = (const u8*)ptrs[2 * b] + (long long)y * m[2];
+    float* d = (float*)((char*)ptrs[2 * b + 1] + (long long)y * m[3]) + (long long)x * CH;
+    const float* w = par + (long long)P * b;
+    const int r = K / 2;
+    float acc[CH];
+#pragma unroll
+    for (int c = 0; c < CH; ++c) acc[c] = 0.0f;
+    for (int k = 0; k < K; ++k) {
+        const u8* p = s + (long long)reflect(x - r + k, W) * CH;
+        const float wk = w[k];
+#pragma unroll
+        for (int c = 0; c < CH; ++c) acc[c] = __fadd_rn(acc[c], __fmul_rn(wk, (float)p[c]));
+    }
+#pragma unroll
+    for (int c = 0; c < CH; ++c) d[c] = acc[c];
+}
+
+// Pass 2 along columns: float32 scratch (row stride in bytes) -> uint8 destination; the column
+// weights start at par[P z + offset].
+extern "C" __global__ void blur_cols(const u64* ptrs, const int* meta, const float* par, const int K, const int P,
+                                     const int offset)
+{
+    const int x = blockIdx.x * blockDim.x + threadIdx.x;
+    const int y = blockIdx.y * blockDim.y + threadIdx.y;
+    const int b = blockIdx.z;
+    const int* m = meta + 4 * b;
+    const int H = m[0];
+    if (x >= m[1] || y >= H) return;
+    const char* s = (const char*)ptrs[2 * b];
+    u8* d = (u8*)ptrs[2 * b + 1] + (long long)y * m[3] + (long long)x * CH;
+    const float* w = par + (long long)P * b + offset;
+    const int r = K / 2;
+    float acc[CH];
+#pragma unroll
+    for (int c = 0; c < CH; ++c) acc[c] = 0.0f;
+    for (int k = 0; k < K; ++k) {
+        const float* p = (const float*)(s + (long long)reflect(y - r + k, H) * m[2]) + (long long)x * CH;
+        const float wk = w[k];
+#pragma unroll
+        for (int c = 0; c < CH; ++c) acc[c] = __fadd_rn(acc[c], __fmul_rn(wk, p[c]));
+    }
+#pragma unroll
+    for (int c = 0; c < CH; ++c) d[c] = (u8)round_u8(acc[c]);
+}
+
+// Normalize + layout + dtype of a contiguous N x H x W x CH uint8 batch: (x - mean) * inv_std
+// (mean and inv_std already scaled to 0..255), to N x CH x H x W (chw) or N x H x W x CH.
+__device__ __forceinline__ void store(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn(v); }
+__device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+
+#define FINISH(NAME, OUT_T)                                                                      \
+extern "C" __global__ void NAME(const u8* __restrict__ src, OUT_T* __restrict__ out, const int H,   \
+                                const int W, const int chw, const float* __restrict__ mean,         \
+                                const float* __restrict__ inv_std)                                  \
+{                                                                                                \
+    const int x = blockIdx.x * blockDim.x + threadIdx.x;                                         \
+    const int y = blockIdx.y * blockDim.y + threadIdx.y;                                         \
+    const int b = blockIdx.z;                                                                    \
+    if (x >= W || y >= H) return;                                                                \
+    const long long pixel = ((long long)b * H + y) * W + x;                                      \
+    const long long plane = (long long)H * W;                                                    \
+    const u8* p = src + pixel * CH;                                                              \
+    _Pragma("unroll")                                                                            \
+    for (int c = 0; c < CH; ++c) {                                                               \
+        const float v = __fmul_rn(__fsub_rn((float)p[c], mean[c]), inv_std[c]);                 \
+        const long long i = chw ? ((long long)b * CH + c) * plane + (long long)y * W + x         \
+                                : pixel * CH + c;                                                \
+        store(out + i, v);                                                                       \
+    }                                                                                            \
+}
+
+FINISH(finish_float32, float)
+FINISH(finish_float16, __half)
+FINISH(finish_bfloat16, __nv_bfloat16)
+"""
+
+
+def source(channels: int) -> str:
+    """The CUDA source for images of ``channels`` channels (1 to 4; the colour twist takes 1 or 3)."""
+    if not 1 <= channels <= 4:
+        raise ValueError(f"post-op kernels take 1 to 4 channels, got {channels}")
+    return _SOURCE.replace("CHANNELS", str(int(channels)))
+
+
+@functools.cache
+def module(channels: int):
+    """The compiled ``cupy.RawModule`` for ``channels``; compiled once per process (CuPy also caches
+    the binary on disk). Functions: color_twist, warp_affine, blur_rows, blur_cols, finish_<dtype>."""
+    import cupy
+
+    return cupy.RawModule(code=source(channels), options=("--std=c++17",))

@@ -1,0 +1,268 @@
+"""The post-op kernels (colour twist, warps, blur, finish) against the CPU path, on real CUDA.
+
+Bounds, per op, GPU kernel against ``_cpu_post`` on the same tables (both round once, half up):
+- colour twist: 1 level (float32 both; the CPU's matrix product and the kernel's expression may
+  round a value that lies within ~1e-5 of a half level differently);
+- warp (Rotate, WarpAffine): 1 level. Each neighbour outside the image reads the fill, so the
+  result is continuous in the sample point: a point that lands within float error (1e-4 px) of a
+  pixel boundary on one side and not on the other changes the value by at most 255 * 1e-4 levels
+  before rounding, so no special case is needed (Pillow's hard edge would need one);
+- blur: 1 level (the same operations in the same order: 0 expected, barring FMA contraction);
+- finish: exact for float32, and for float16/bfloat16 (the same float32 value, one rounding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from headrace import Loader, ops, readers
+from headrace.ops import ColorTwist, Decode, GaussianBlur, Normalize, Pipeline, Rotate, WarpAffine, _cpu_post
+from headrace.ops._cuda_post import PostOps, describe
+
+BOUND = {"color": 1, "warp": 1, "blur": 1}
+
+
+def _image(rng, h, w, c):
+    yy, xx = np.mgrid[0:h, 0:w]
+    phase = rng.uniform(0, 2 * np.pi, size=c)
+    smooth = 127 + 110 * np.sin(xx[..., None] / max(w, 1) * 7 + yy[..., None] / max(h, 1) * 5 + phase)
+    return np.clip(smooth + rng.normal(0, 35, size=(h, w, c)), 0, 255).astype(np.uint8)
+
+
+def _images(rng, n, c, small=False):
+    """n images of random sizes (some 1-pixel wide or tall, some large), uint8 HWC NumPy arrays."""
+    sizes = [(int(rng.integers(1, 24 if small else 320)), int(rng.integers(1, 24 if small else 320))) for _ in range(n)]
+    sizes[:3] = [(1, 1), (1, 37), (41, 1)]
+    return [_image(rng, h, w, c) for h, w in sizes]
+
+
+@pytest.fixture
+def stream():
+    import cupy
+
+    s = cupy.cuda.Stream(non_blocking=True)
+    yield s
+    s.synchronize()
+
+
+def _gpu(pipeline, stream, arrays, tables, *, as_tensor=False, inplace=False):
+    post = PostOps(pipeline, stream, seed=5)
+    if as_tensor:
+        images = torch.from_numpy(np.stack(arrays)).cuda()
+    else:
+        images = [torch.from_numpy(a).cuda() for a in arrays]
+    torch.cuda.synchronize()  # the inputs were written on torch's stream
+    out = post.apply_tables(images, tables, inplace=inplace)
+    stream.synchronize()
+    return [o.cpu().numpy() for o in out], images
+
+
+def _cpu(pipeline, arrays, tables):
+    out = []
+    for i, a in enumerate(arrays):
+        x = torch.from_numpy(a)
+        for op, tab in zip(pipeline.post_ops, tables):
+            x = _cpu_post.apply_tables(x, op, tab, row=i)
+        out.append(x.numpy())
+    return out
+
+
+def _tables(pipeline, arrays, seed=5, epoch=1):
+    h = np.array([a.shape[0] for a in arrays])
+    w = np.array([a.shape[1] for a in arrays])
+    us = pipeline.post_uniforms(seed, epoch, np.arange(len(arrays)))
+    return [op.tables(u, h, w, pipeline.channels) for op, u in zip(pipeline.post_ops, us)]
+
+
+def _compare(name, got, ref, bound):
+    diffs = [np.abs(g.astype(int) - r.astype(int)) for g, r in zip(got, ref)]
+    assert all(g.shape == r.shape and g.dtype == np.uint8 for g, r in zip(got, ref))
+    worst = max(int(d.max()) for d in diffs)
+    off = sum(int((d > 0).sum()) for d in diffs) / sum(d.size for d in diffs)
+    print(f"{name}: max {worst} levels, {off:.2e} of values differ (bound {bound})")
+    assert worst <= bound
+
+
+OPS = {
+    "color": (ColorTwist(0.8, 0.8, 0.9, 0.5), "color"),
+    "color-hue-only": (ColorTwist(hue=(-0.5, 0.5)), "color"),
+    "rotate": (Rotate(180, fill=(10, 200, 30)), "warp"),
+    "rotate-small": (Rotate((-10, 10), fill=127), "warp"),
+    "warp-affine": (WarpAffine([[0.7, 0.3, 5.25], [-0.2, 1.3, -3.5]], fill=(250, 0, 99)), "warp"),
+    "blur": (GaussianBlur((5, 9), sigma=(0.1, 3.0)), "blur"),
+    "blur-wide": (GaussianBlur(31, sigma=(4.0, 9.0)), "blur"),
+}
+
+
+@pytest.mark.parametrize("name", list(OPS))
+@pytest.mark.parametrize("channels", [3, 1])
+def test_kernel_matches_cpu_on_random_images_of_random_sizes(name, channels, stream):
+    op, kind = OPS[name]
+    if channels == 1 and isinstance(op, (Rotate, WarpAffine)):
+        op = dataclasses.replace(op, fill=op.fill[:1])
+    pipeline = Pipeline([Decode("gray" if channels == 1 else "rgb"), op])
+    rng = np.random.default_rng(abs(hash((name, channels))) % 2**32)
+    arrays = _images(rng, 40, channels, small=name == "blur-wide")
+    tables = _tables(pipeline, arrays)
+    got, _ = _gpu(pipeline, stream, arrays, tables)
+    _compare(f"{name} C={channels}", got, _cpu(pipeline, arrays, tables), BOUND[kind])
+
+
+IDENTITY = {
+    "color": ColorTwist(),
+    "color-explicit": ColorTwist((1.0, 1.0), (1.0, 1.0), (1.0, 1.0), (0.0, 0.0)),
+    "rotate-0": Rotate(0),
+    "warp-identity": WarpAffine([[1, 0, 0], [0, 1, 0]], fill=9),
+    "blur-1": GaussianBlur(1),
+    "blur-tiny-sigma": GaussianBlur(3, sigma=0.1),  # outer weights 2e-22: no effect on uint8
+}
+
+
+@pytest.mark.parametrize("name", list(IDENTITY))
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_identity_parameters_give_the_input_back_exactly(name, as_tensor, stream):
+    pipeline = Pipeline([IDENTITY[name]])
+    rng = np.random.default_rng(7)
+    if as_tensor:
+        arrays = [_image(rng, 37, 53, 3) for _ in range(9)]
+    else:
+        arrays = _images(rng, 20, 3)
+    got, _ = _gpu(pipeline, stream, arrays, _tables(pipeline, arrays), as_tensor=as_tensor)
+    for g, a in zip(got, arrays):
+        assert np.array_equal(g, a)
+
+
+def test_fill_values_outside_the_image(stream):
+    # Shifted a whole image width to the right: every pixel reads fill, per channel.
+    pipeline = Pipeline([WarpAffine([[1, 0, -1000], [0, 1, 0]], fill=(3, 140, 255))])
+    rng = np.random.default_rng(8)
+    arrays = _images(rng, 12, 3)
+    got, _ = _gpu(pipeline, stream, arrays, _tables(pipeline, arrays))
+    for g in got:
+        assert (g == np.array([3, 140, 255], dtype=np.uint8)).all()
+    # Half a pixel outside on the left: the first column blends image and fill half and half.
+    pipeline = Pipeline([WarpAffine([[1, 0, -0.5], [0, 1, 0]], fill=200)])
+    arrays = [np.full((5, 6, 3), 100, dtype=np.uint8)]
+    got, _ = _gpu(pipeline, stream, arrays, _tables(pipeline, arrays))
+    assert (got[0][:, 0] == 150).all() and (got[0][:, 1:] == 100).all()
+
+
+def test_a_rotation_by_180_degrees_is_a_flip_of_both_axes(stream):
+    pipeline = Pipeline([Rotate((180, 180))])
+    rng = np.random.default_rng(9)
+    arrays = _images(rng, 10, 3)
+    got, _ = _gpu(pipeline, stream, arrays, _tables(pipeline, arrays))
+    for g, a in zip(got, arrays):
+        assert np.abs(g.astype(int) - a[::-1, ::-1].astype(int)).max() <= 1  # cos(pi) is not exactly -1
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_a_chain_on_a_batch_tensor_drawn_per_sample(inplace, stream):
+    # Colour first: it can amplify differences (saturation), the others cannot (weights >= 0, sum 1).
+    pipeline = Pipeline([Decode(), ops.RandomResizedCrop(48), ColorTwist(0.4, 0.4, 0.4, 0.1), GaussianBlur(5), Rotate(30, fill=64)])
+    rng = np.random.default_rng(10)
+    arrays = [_image(rng, 48, 48, 3) for _ in range(24)]
+    indices = np.arange(100, 124)
+    post = PostOps(pipeline, stream, seed=5)
+    x = torch.from_numpy(np.stack(arrays)).cuda()
+    torch.cuda.synchronize()
+    out = post.apply(x, indices, 3, inplace=inplace)
+    stream.synchronize()
+    assert isinstance(out, torch.Tensor) and out.shape == x.shape and out.is_contiguous()
+    got = list(out.cpu().numpy())
+    us = pipeline.post_uniforms(5, 3, indices)
+    ref = [_cpu_post.apply(torch.from_numpy(a), pipeline.post_ops, [u[i : i + 1] for u in us]).numpy() for i, a in enumerate(arrays)]
+    _compare(f"chain inplace={inplace}", got, ref, 3)
+    if inplace:  # the colour twist wrote into the input
+        assert not np.array_equal(x.cpu().numpy(), np.stack(arrays))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("layout", ["CHW", "HWC"])
+def test_finish_matches_the_cpu_normalize(dtype, layout, stream):
+    pipeline = Pipeline([Decode(), ops.CenterCrop(20), ColorTwist(0.2), Normalize(dtype=dtype, layout=layout)])
+    post = PostOps(pipeline, stream)
+    rng = np.random.default_rng(11)
+    x = torch.from_numpy(rng.integers(0, 256, (6, 20, 20, 3), dtype=np.uint8))
+    xd = x.cuda()
+    torch.cuda.synchronize()
+    got = post.finish(xd)
+    stream.synchronize()
+    mean = torch.tensor(ops.IMAGENET_MEAN, dtype=torch.float32).mul_(255.0)
+    inv = 1.0 / torch.tensor(ops.IMAGENET_STD, dtype=torch.float32).mul_(255.0)
+    ref = ((x.float() - mean) * inv).to(pipeline.dtype)  # the CPU executor's _finish arithmetic
+    if layout == "CHW":
+        ref = ref.permute(0, 3, 1, 2)
+    assert got.dtype == pipeline.dtype and got.shape == ref.shape and got.is_contiguous()
+    assert torch.equal(got.cpu(), ref)
+
+
+@pytest.mark.parametrize("layout", ["CHW", "HWC"])
+def test_finish_without_normalize_is_the_layout(layout, stream):
+    pipeline = Pipeline([Decode(), ops.CenterCrop(8), GaussianBlur(3)], layout=layout)
+    post = PostOps(pipeline, stream)
+    x = torch.randint(0, 256, (4, 8, 8, 3), dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    got = post.finish(x)
+    stream.synchronize()
+    assert torch.equal(got, x.permute(0, 3, 1, 2) if layout == "CHW" else x)
+
+
+def test_describe_reads_tensors_and_tuples():
+    x = torch.zeros((3, 5, 7, 3), dtype=torch.uint8, device="cuda")
+    rows = describe(x)
+    assert rows[:, 1:].tolist() == [[5, 7, 21, 3]] * 3
+    assert rows[1, 0] - rows[0, 0] == 105
+    crop = x[0, 1:4, 2:6]  # a view: rows 21 bytes apart
+    assert describe([crop])[0].tolist() == [crop.data_ptr(), 3, 4, 21, 3]
+    with pytest.raises(ValueError):
+        describe([x[0].permute(1, 0, 2)])
+    with pytest.raises(ValueError):
+        describe([x[0].float()])
+
+
+# --- the whole pipeline through the Loader (needs PostOps wired into ops/_cuda.py) -------------
+
+
+def _png(rng, h, w):
+    buf = io.BytesIO()
+    Image.fromarray(_image(rng, h, w, 3)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture
+def folder(tmp_path):
+    rng = np.random.default_rng(12)
+    for c in range(2):
+        (tmp_path / f"c{c}").mkdir()
+        for i in range(24):
+            (tmp_path / f"c{c}" / f"{i:03d}.png").write_bytes(_png(rng, int(rng.integers(60, 300)), int(rng.integers(60, 300))))
+    return tmp_path
+
+
+async def test_whole_pipeline_on_gpu_matches_cpu(folder):
+    # PNG: both paths decode the same pixels. The geometry differs by up to 2 levels (see
+    # test_gpu_pipeline.py); the colour twist can scale that difference (gain up to about 1.4 x
+    # saturation), blur and rotate cannot; plus a level of rounding each: 6 levels at most, and
+    # on average far less than one.
+    pipeline = Pipeline([
+        Decode(), ops.RandomResizedCrop(64), ops.Flip(),
+        ColorTwist(0.4, 0.4, 0.4, 0.1), GaussianBlur(5), Rotate(20, fill=(124, 116, 104)), Normalize(),
+    ])
+    got = {}
+    for device in ("cpu", "cuda"):
+        async with Loader(readers.files(folder), batch_size=16, pipeline=pipeline, device=device, seed=4) as loader:
+            got[device] = [(b.sample_keys, b["image"].float().cpu()) async for b in loader]
+    assert [k for k, _ in got["cpu"]] == [k for k, _ in got["cuda"]]
+    cpu = torch.cat([x for _, x in got["cpu"]])
+    gpu = torch.cat([x for _, x in got["cuda"]])
+    assert gpu.shape == cpu.shape == (48, 3, 64, 64)
+    levels = (gpu - cpu).abs() * torch.tensor(ops.IMAGENET_STD).view(1, 3, 1, 1) * 255
+    print(f"whole pipeline GPU vs CPU: max {levels.max():.2f} levels, mean {levels.mean():.4f}")
+    assert levels.max() <= 6.01 and levels.mean() < 0.25
