@@ -8,6 +8,7 @@ from ._errors import (
     DecodeError,
     ErrorBudgetExceeded,
     LoaderError,
+    OverloadedError,
     ReadError,
     StorageError,
     TransformError,
@@ -16,6 +17,7 @@ from ._loader import Loader, LoaderStats
 from ._loop import new_event_loop
 from ._markers import END, EPOCH_END
 from ._sample import Batch, Sample, SampleBatch
+from ._service import Preprocessor, PreprocessorStats
 from ._sync import SyncLoader
 
 __version__ = "0.1.0"
@@ -33,6 +35,9 @@ __all__ = [
     "Loader",
     "LoaderError",
     "LoaderStats",
+    "OverloadedError",
+    "Preprocessor",
+    "PreprocessorStats",
     "ReadError",
     "ReceiveChannel",
     "Sample",

@@ -7,6 +7,7 @@
     ├── DecodeError             bytes were read but are not a decodable image
     ├── TransformError          an op failed on a decoded sample or batch
     ├── ErrorBudgetExceeded     on_error="skip" dropped more samples than max_errors allows
+    ├── OverloadedError         a Preprocessor refused a request: too many in flight (when_full="reject")
     └── ClosedError             the loader or channel was used after aclose()
 
 Each carries ``key`` (the sample key, when one is known), ``source`` (path or URL) and ``stage``
@@ -21,6 +22,7 @@ __all__ = [
     "DecodeError",
     "ErrorBudgetExceeded",
     "LoaderError",
+    "OverloadedError",
     "ReadError",
     "StorageError",
     "TransformError",
@@ -106,6 +108,16 @@ class ErrorBudgetExceeded(LoaderError):
     """More samples failed than ``max_errors`` allows; ``__cause__`` is the last failure."""
 
     stage = "budget"
+
+
+class OverloadedError(LoaderError):
+    """A service refused a request because its bound on requests in flight was reached.
+
+    Raised at once, before any work, only with ``when_full="reject"``; the caller may retry later
+    or shed the load (an HTTP server answers 503).
+    """
+
+    stage = "overload"
 
 
 class ClosedError(LoaderError):

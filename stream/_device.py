@@ -1,0 +1,32 @@
+"""Which device a loader or service runs on: the one rule both use."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._errors import ConfigError
+
+__all__ = ["resolve_device"]
+
+
+def resolve_device(pipeline: Any, device: Any) -> str:
+    """``"cpu"``, ``"cuda"`` or ``"cuda:N"`` for ``device`` (``"auto"``: the GPU when CUDA, CuPy and
+    nvImageCodec are there and the GPU path can run ``pipeline``, else the CPU).
+
+    Raises ConfigError for an unknown device, a GPU that is not there, or a pipeline the GPU path
+    cannot run when the GPU was asked for (now, not at the first batch).
+    """
+    from headrace.ops import cuda_available
+    from headrace.ops._cuda import gpu_unsupported
+
+    why_not_gpu = gpu_unsupported(pipeline)
+    if device == "auto":
+        device = "cuda" if cuda_available() and why_not_gpu is None else "cpu"
+    if not isinstance(device, str) or not (device == "cpu" or device == "cuda" or device.startswith("cuda:")):
+        raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if device.startswith("cuda"):
+        if not cuda_available():
+            raise ConfigError(f"device={device!r} needs a GPU, CuPy and nvImageCodec (pip install 'headrace[cuda13]')")
+        if why_not_gpu:
+            raise ConfigError(why_not_gpu)
+    return device
