@@ -84,10 +84,11 @@ def bench_headrace(root: Path, pipeline, batch: int, epochs: int, lanes: int, hw
             n += b.size
         return n
 
+    torch.cuda.empty_cache()  # earlier rows' cached blocks would count as this row's
     torch.cuda.reset_peak_memory_stats()
     free0 = torch.cuda.mem_get_info()[0]
     result = _timed_epochs(lambda: loop.run_until_complete(epoch()), epochs)
-    result["peak_gpu_mib_torch"] = torch.cuda.max_memory_reserved() / 2**20
+    result["peak_gpu_mib_torch"] = torch.cuda.max_memory_allocated() / 2**20
     result["gpu_mib_in_use_after"] = (free0 - torch.cuda.mem_get_info()[0]) / 2**20
     result["lane_seconds"] = loader.stats().lanes
     loop.run_until_complete(loader.aclose())
