@@ -2,16 +2,24 @@
 
 from ._base import IndexedReader, Reader, epoch_order
 from ._pack import PackResult, pack
+from ._storage import HttpStore, LocalStore, MemoryStore, ObjectInfo, Retry, S3Store, Store
 from .files import FileReader, files
 from .lmdb import LmdbReader, decode_default, decode_record, encode_record, lmdb
 from .webdataset import WebDatasetReader, webdataset
 
 __all__ = [
     "FileReader",
+    "HttpStore",
     "IndexedReader",
     "LmdbReader",
+    "LocalStore",
+    "MemoryStore",
+    "ObjectInfo",
     "PackResult",
     "Reader",
+    "Retry",
+    "S3Store",
+    "Store",
     "WebDatasetReader",
     "decode_default",
     "decode_record",

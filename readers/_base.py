@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import copy
 from abc import ABC, abstractmethod
 from collections import deque
@@ -16,6 +17,8 @@ from headrace._errors import ConfigError, require_int
 from headrace._sample import Sample
 
 from headrace._threads import join_threads
+
+from ._storage._tasks import cancel_and_wait
 
 __all__ = ["IndexedReader", "Reader", "epoch_order"]
 
@@ -108,6 +111,17 @@ class IndexedReader(Reader):
     def _close_io(self) -> None:
         """Called once that ``read``'s I/O threads are idle, even after an error or cancellation."""
 
+    # Readers whose samples come over the network (URLs) fetch them on the event loop instead:
+    # ``_fetch_async`` replaces ``_fetch`` when ``_fetch_on_loop`` is true, and ``_io_session``
+    # keeps connections open for one ``read``.
+    _fetch_on_loop: bool = False
+
+    async def _fetch_async(self, indices: Sequence[int]) -> list[Sample]:
+        raise NotImplementedError
+
+    def _io_session(self) -> contextlib.AbstractAsyncContextManager[object]:
+        return contextlib.nullcontext()
+
     def __len__(self) -> int:
         n, world = self._dataset_size(), self.world
         if world == 1:
@@ -137,6 +151,11 @@ class IndexedReader(Reader):
         if not 0 <= start <= len(order):
             raise ConfigError(f"start must be in [0, {len(order)}], got {start}")
         loop = asyncio.get_running_loop()
+        if self._fetch_on_loop:
+            async with self._io_session(), contextlib.aclosing(self._read_on_loop(order, start)) as chunks:
+                async for samples in chunks:
+                    yield samples
+            return
         self._open_io()
         pool = concurrent.futures.ThreadPoolExecutor(self.io_threads, thread_name_prefix=f"headrace-io-{type(self).__name__}")
         pending: deque[tuple[int, concurrent.futures.Future[list[Sample]]]] = deque()
@@ -162,3 +181,24 @@ class IndexedReader(Reader):
                 pool.shutdown(wait=True)
             finally:
                 self._close_io()
+
+    async def _read_on_loop(self, order: np.ndarray, start: int) -> AsyncIterator[list[Sample]]:
+        """``read`` for ``_fetch_on_loop`` readers: the same chunks, fetched by tasks this generator owns."""
+        loop = asyncio.get_running_loop()
+        pending: deque[tuple[int, asyncio.Task[list[Sample]]]] = deque()
+        next_pos = start
+        try:
+            while next_pos < len(order) or pending:
+                while next_pos < len(order) and len(pending) <= self.io_threads:
+                    end = min(next_pos + self.chunk_size, len(order))
+                    task = loop.create_task(self._fetch_async(order[next_pos:end].tolist()),
+                                            name=f"headrace:{type(self).__name__}:fetch:{next_pos}")
+                    pending.append((next_pos, task))
+                    next_pos = end
+                pos, task = pending.popleft()
+                samples = await task
+                for offset, sample in enumerate(samples):
+                    sample.position = pos + offset
+                yield samples
+        finally:
+            await cancel_and_wait(task for _, task in pending)

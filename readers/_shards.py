@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import json
 import os
@@ -9,6 +10,8 @@ import re
 from collections.abc import Sequence
 
 from headrace._errors import ConfigError, ReadError
+
+from ._storage import Storage, Store, is_url, redact_url, run_sync, with_retries
 
 __all__ = ["INDEX_NAME", "expand_braces", "read_index", "resolve_shards", "write_index"]
 
@@ -54,18 +57,24 @@ def expand_braces(pattern: str) -> list[str]:
     return [head + option + rest for option in options for rest in expand_braces(tail)]
 
 
-def resolve_shards(source: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
-    """Local shard paths from a brace pattern, a glob, a folder (its ``*.tar`` files, sorted) or a list.
+def resolve_shards(source: str | os.PathLike | Sequence[str | os.PathLike], storage: Storage | None = None) -> list[str]:
+    """Shard paths or URLs from a brace pattern, a glob, a folder (its ``*.tar`` files, sorted) or a list.
 
-    Raises ReadError naming the first shard that does not exist, ConfigError for an empty list or
-    a URL scheme headrace cannot read yet.
+    URLs (``s3://``, ``http(s)://``), or any string when ``storage`` has an explicit store, are
+    served by ``storage``: a folder is a URL ending in ``/`` and globs need a store that lists
+    (S3, memory); remote shards are not checked for existence here (a missing one is a
+    StorageError sample when it is read). Raises ReadError naming the first local shard that
+    does not exist, ConfigError for an empty list or a URL no store can read.
     """
     if isinstance(source, (str, os.PathLike)):
         text = os.fspath(source)
         if text.startswith("file://"):
             text = text[len("file://") :]
+        if storage is not None and (storage.store is not None or is_url(text)):
+            return _remote_shards(text, storage)
         if "://" in text:
-            raise ConfigError(f"webdataset: only local shards are supported for now, got {text!r}")
+            raise ConfigError(f"webdataset: cannot read {redact_url(text)!r}: use s3://, http(s)://, a local path, "
+                              "or pass store=")
         if os.path.isdir(text):
             paths = sorted(os.path.join(text, n) for n in os.listdir(text) if n.endswith(_SHARD_SUFFIXES))
             if not paths:
@@ -75,23 +84,89 @@ def resolve_shards(source: str | os.PathLike | Sequence[str | os.PathLike]) -> l
         if any(ch in text for ch in "*?[") and not all(os.path.exists(p) for p in paths):
             paths = [g for p in paths for g in sorted(glob.glob(p))]
     elif isinstance(source, Sequence) and not isinstance(source, (bytes, bytearray)):
-        paths = [p for item in source for p in resolve_shards(item)]
+        paths = [p for item in source for p in resolve_shards(item, storage)]
     else:
         raise ConfigError(f"webdataset: source must be a pattern, a folder or a list of shards, got {type(source).__name__}")
     if not paths:
         raise ConfigError("webdataset: the shard list is empty")
     for path in paths:
-        if not os.path.isfile(path):
+        if not is_url(path) and not (storage is not None and storage.store is not None) and not os.path.isfile(path):
             raise ReadError("no such shard", source=path)
     return paths
 
 
-def read_index(paths: Sequence[str]) -> list[int] | None:
+def _remote_shards(text: str, storage: Storage) -> list[str]:
+    """Expand braces; list the folders (trailing ``/``) and globs among the results."""
+    urls = expand_braces(text)
+    listed = [u for u in urls if u.endswith("/") or _is_glob(*storage.locate(u))]
+    if listed:
+        found = run_sync(lambda: _list_all(listed, storage))
+        urls = [hit for u in urls for hit in (found[u] if u in found else [u])]
+    for url in urls:
+        storage.locate(url)  # a URL no store reads fails now, not in the middle of an epoch
+    if not urls:
+        raise ConfigError(f"webdataset: no shards match {redact_url(text)!r}")
+    return urls
+
+
+def _is_glob(store: Store, key: str) -> bool:
+    return store.scheme != "http" and any(ch in key for ch in "*?[")  # in a URL, "?" starts the query
+
+
+async def _list_all(patterns: list[str], storage: Storage) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    async with storage.session():
+        for pattern in patterns:
+            store, key = storage.locate(pattern)
+            cut = min((key.index(ch) for ch in "*?[" if ch in key), default=len(key))
+            prefix = key[:cut]
+            objects = await with_retries(lambda store=store, prefix=prefix: store.list(prefix), storage.retry, store.url(prefix), "LIST")
+            if cut == len(key):  # a folder
+                keys = [o.key for o in objects or [] if o.key.endswith(_SHARD_SUFFIXES) and "/" not in o.key[cut:]]
+            else:
+                keys = [o.key for o in objects or [] if fnmatch.fnmatchcase(o.key, key)]
+            if not keys:
+                raise ReadError("no *.tar shards here" if cut == len(key) else "no shards match the pattern",
+                                source=store.url(key))
+            head = pattern[: len(pattern) - len(key)] if pattern.endswith(key) else None
+            out[pattern] = [head + k if head is not None else store.url(k) for k in keys]
+    return out
+
+
+def read_index(paths: Sequence[str], storage: Storage | None = None) -> list[int] | None:
     """Per-shard sample counts from the index files in the shards' folders, or None if any is missing.
 
-    Raises ReadError when an index entry disagrees with its shard's size on disk (a stale index
-    would make ``len()`` and resume wrong).
+    Remote shards' index files are fetched (one GET per folder). Raises ReadError when an entry
+    disagrees with a local shard's size on disk (a stale index would make ``len()`` and resume
+    wrong); a remote shard's size is checked when it is read.
     """
+    remote = storage is not None and (storage.store is not None or any(is_url(p) for p in paths))
+    if remote:
+        assert storage is not None
+        folders = sorted({p.rpartition("/")[0] for p in paths})
+        docs = run_sync(lambda: _fetch_indexes(folders, storage))
+        counts = []
+        for path in paths:
+            folder, _, name = path.rpartition("/")
+            entry = (docs[folder] or {}).get(name)
+            if entry is None:
+                return None
+            counts.append(int(entry["samples"]))
+        return counts
+    return _read_local_index(paths)
+
+
+async def _fetch_indexes(folders: list[str], storage: Storage) -> dict[str, dict[str, dict] | None]:
+    out = {}
+    async with storage.session():
+        for folder in folders:
+            store, key = storage.locate(folder + "/" + INDEX_NAME if folder else INDEX_NAME)
+            data = await with_retries(lambda store=store, key=key: store.read(key), storage.retry, store.url(key), missing_ok=True)
+            out[folder] = None if data is None else _parse(data, store.url(key))
+    return out
+
+
+def _read_local_index(paths: Sequence[str]) -> list[int] | None:
     indexes: dict[str, dict[str, dict] | None] = {}
     counts = []
     for path in paths:
@@ -110,12 +185,20 @@ def read_index(paths: Sequence[str]) -> list[int] | None:
 
 def _load(path: str) -> dict[str, dict] | None:
     try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
+        with open(path, "rb") as f:
+            data = f.read()
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
         raise ReadError(f"unreadable shard index: {exc}", source=path) from exc
+    return _parse(data, path)
+
+
+def _parse(data: bytes, source: str) -> dict[str, dict] | None:
+    try:
+        doc = json.loads(data)
+    except ValueError as exc:
+        raise ReadError(f"unreadable shard index: {exc}", source=source) from exc
     if not isinstance(doc, dict) or doc.get("format") != INDEX_FORMAT:
         return None
     return {s["name"]: s for s in doc.get("shards", [])}

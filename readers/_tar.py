@@ -10,7 +10,6 @@ directories, links and the like are passed over.
 from __future__ import annotations
 
 import gzip
-import io
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -49,9 +48,12 @@ def unsafe(key: str) -> bool:
     )
 
 
-def open_shard(path: str, buffering: int = 1 << 20) -> BinaryIO:
-    """Open a shard for streaming; a gzip-compressed one is decompressed on the fly."""
-    f = open(path, "rb", buffering=buffering)  # noqa: SIM115 - the caller closes it
+def open_shard(path: str | BinaryIO, buffering: int = 1 << 20) -> BinaryIO:
+    """Open a shard for streaming; a gzip-compressed one is decompressed on the fly.
+
+    ``path`` may also be an open stream with ``peek`` (a download: ``_storage.RemoteFile``).
+    """
+    f = path if not isinstance(path, str) else open(path, "rb", buffering=buffering)  # noqa: SIM115 - the caller closes it
     try:
         if f.peek(2)[:2] == b"\x1f\x8b":
             return _GzipShard(f)
@@ -62,7 +64,7 @@ def open_shard(path: str, buffering: int = 1 << 20) -> BinaryIO:
 
 
 class _GzipShard(gzip.GzipFile):
-    def __init__(self, raw: io.BufferedReader) -> None:
+    def __init__(self, raw: BinaryIO) -> None:
         super().__init__(fileobj=raw, mode="rb")
         self._raw = raw
 
@@ -111,8 +113,9 @@ def iter_groups(f: BinaryIO, source: str, select: Callable[[int], bool] | None =
     pax: dict[str, str] = {}
     offset = 0
     read = f.read
-    # A plain file is seeked over and its size bounds every member; a gzip stream is read through.
-    end = None if isinstance(f, gzip.GzipFile) else os.fstat(f.fileno()).st_size - f.tell()
+    # A plain file (or a download, which has a size) is seeked over and its size bounds every
+    # member; a gzip stream is read through.
+    end = None if isinstance(f, gzip.GzipFile) else _size(f) - f.tell()
 
     def skip(n: int, name: str) -> None:
         if n <= 0:
@@ -202,10 +205,15 @@ def iter_groups(f: BinaryIO, source: str, select: Callable[[int], bool] | None =
         yield ordinal, key, fields, error
 
 
-def count_samples(path: str) -> int:
+def _size(f: BinaryIO) -> int:
+    size = getattr(f, "size", None)  # a download knows its object's size
+    return size if isinstance(size, int) else os.fstat(f.fileno()).st_size
+
+
+def count_samples(path: str | BinaryIO, source: str | None = None) -> int:
     """Samples in a shard, by reading its headers only (data is seeked over)."""
     with open_shard(path, buffering=64 << 10) as f:
         n = 0
-        for _ in iter_groups(f, path, select=lambda _: False):
+        for _ in iter_groups(f, source or str(path), select=lambda _: False):
             n += 1
         return n

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
-from headrace._errors import ConfigError, ReadError
+from headrace._errors import ConfigError, ReadError, StorageError, require_int
 from headrace._sample import Sample
 
 from ._base import IndexedReader
+from ._storage import Storage, Store, is_url, redact_url, run_sync, with_retries
 
 __all__ = ["FileReader", "files"]
 
@@ -28,14 +31,17 @@ class FileReader(IndexedReader):
         paths: Sequence[str | os.PathLike],
         labels: Sequence[int] | None,
         *,
-        root: Path | None = None,
+        root: Path | str | None = None,
         classes: Sequence[str] = (),
         shuffle: bool = False,
         seed: int | None = None,
         chunk_size: int = 64,
         io_threads: int = 2,
+        storage: Storage | None = None,
+        requests: int = 32,
     ) -> None:
         super().__init__(shuffle=shuffle, seed=seed, chunk_size=chunk_size, io_threads=io_threads)
+        require_int("files: requests", requests)
         self.paths = [os.fspath(p) for p in paths]
         if labels is not None:
             labels = [int(v) for v in labels]
@@ -44,8 +50,19 @@ class FileReader(IndexedReader):
         self.labels = labels
         self.root = root
         self.classes = tuple(classes)
-        self._keys = [_key(p, root) for p in self.paths]
-        self._exts = [_ext(p) for p in self.paths]
+        self.storage = storage
+        self.requests = requests
+        # Objects in a store are fetched on the event loop (``requests`` GETs at once per read);
+        # their sources are URLs without credentials or query strings.
+        remote = storage is not None and any(storage.store is not None or is_url(p) for p in self.paths)
+        if remote and storage is not None:
+            self._fetch_on_loop = True
+            self._located = [storage.locate(p) for p in self.paths]
+            self._sources = [store.url(key) for store, key in self._located]
+        else:
+            self._sources = self.paths
+        self._keys = [_key(p, root) for p in self._sources]
+        self._exts = [_ext(p) for p in self._sources]
 
     def _dataset_size(self) -> int:
         return len(self.paths)
@@ -67,6 +84,41 @@ class FileReader(IndexedReader):
             out.append(Sample(self._keys[i], fields, path, i, error=error))
         return out
 
+    def _io_session(self) -> Any:
+        assert self.storage is not None
+        return self.storage.session()
+
+    async def _fetch_async(self, indices: Sequence[int]) -> list[Sample]:
+        """GET the chunk's objects, ``requests`` at once for this read, each with retries."""
+        assert self.storage is not None
+        limit = self._limit()
+
+        async def one(i: int) -> Sample:
+            store, key = self._located[i]
+            fields: dict = {}
+            error = None
+            async with limit:
+                try:
+                    fields[self._exts[i]] = await with_retries(lambda: store.read(key), self.storage.retry,
+                                                               self._sources[i])
+                except StorageError as exc:
+                    exc.key = self._keys[i]
+                    error = exc
+            if self.labels is not None:
+                fields["cls"] = str(self.labels[i]).encode()
+            return Sample(self._keys[i], fields, self._sources[i], i, error=error)
+
+        async with asyncio.TaskGroup() as group:  # no yield inside: the group ends with the chunk
+            tasks = [group.create_task(one(i)) for i in indices]
+        return [t.result() for t in tasks]
+
+    def _limit(self) -> asyncio.Semaphore:
+        # One semaphore per event loop (the sync facade runs reads on a loop of its own).
+        loop = asyncio.get_running_loop()
+        if getattr(self, "_limit_loop", None) is not loop:
+            self._limit_loop, self._limit_sem = loop, asyncio.Semaphore(self.requests)
+        return self._limit_sem
+
     def state_dict(self) -> dict:
         return {**super().state_dict(), "root": str(self.root) if self.root else None}
 
@@ -75,7 +127,9 @@ class FileReader(IndexedReader):
         return f"FileReader({where}, samples={len(self)}, shuffle={self.shuffle}, rank={self.rank}/{self.world})"
 
 
-def _key(path: str, root: Path | None) -> str:
+def _key(path: str, root: Path | str | None) -> str:
+    if isinstance(root, str):  # a bucket prefix: keys are relative to it, like a folder's
+        return os.path.splitext(path[len(root) :].lstrip("/"))[0]
     rel = os.path.relpath(path, root) if root is not None else path
     stem, _ = os.path.splitext(rel)
     return stem.replace(os.sep, "/")
@@ -94,24 +148,40 @@ def files(
     seed: int | None = None,
     chunk_size: int = 64,
     io_threads: int = 2,
+    storage_options: Mapping[str, Any] | None = None,
+    store: Store | None = None,
+    requests: int = 32,
 ) -> FileReader:
-    """A reader over image files.
+    """A reader over image files, local or in object storage.
 
     ``source`` is either a folder whose sub-folders are classes (label = the sub-folder's index in
     sorted order, files found recursively below it), or a sequence of file paths with optional
     ``labels``. ``shuffle`` gives a new seeded order each epoch (``seed`` defaults to the loader's).
     ``chunk_size`` files are read per thread call, by ``io_threads`` threads.
 
-    Raises ReadError if the folder does not exist or holds no images, ConfigError for a wrong
-    argument. A listed path that is missing raises ReadError (naming it) when it is read.
+    The folder may be a bucket prefix, ``"s3://bucket/train/"`` (listed once, here), and the paths
+    URLs (``s3://``, ``http(s)://``). Objects are then fetched on the event loop, ``chunk_size`` per
+    chunk and ``io_threads + 1`` chunks ahead (so memory holds at most that many samples), with at
+    most ``requests`` GETs at once; each GET is retried with backoff (``storage_options["retry"]``)
+    and a sample that still fails carries a ``StorageError`` naming its URL. ``storage_options`` and
+    ``store`` are as for ``webdataset()``.
+
+    Raises ReadError if the folder does not exist or holds no images (StorageError if it cannot
+    be listed), ConfigError for a wrong argument. A listed path that is missing raises ReadError
+    (naming it) when it is read.
     """
+    storage = Storage(storage_options, store)
+    common: dict[str, Any] = {"shuffle": shuffle, "seed": seed, "chunk_size": chunk_size, "io_threads": io_threads,
+                              "storage": storage, "requests": requests}
+    exts = {e.lower().lstrip(".") for e in extensions}
     if isinstance(source, (str, os.PathLike)):
         if labels is not None:
             raise ConfigError("files: labels come from the sub-folders when source is a folder")
+        if store is not None or is_url(source):
+            return _bucket_folder(os.fspath(source), storage, exts, common)
         root = Path(source)
         if not root.is_dir():
             raise ReadError("no such folder", source=str(root))
-        exts = {e.lower().lstrip(".") for e in extensions}
         classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
         paths, found = [], []
         for label, name in enumerate(classes):
@@ -121,11 +191,40 @@ def files(
                     found.append(label)
         if not paths:
             raise ReadError(f"no image files ({', '.join(sorted(exts))}) in class sub-folders", source=str(root))
-        return FileReader(paths, found, root=root, classes=classes, shuffle=shuffle, seed=seed,
-                          chunk_size=chunk_size, io_threads=io_threads)
+        return FileReader(paths, found, root=root, classes=classes, **common)
     if isinstance(source, Sequence) and not isinstance(source, (bytes, bytearray)):
         if not source:
             raise ConfigError("files: the path list is empty")
-        return FileReader(list(source), labels, shuffle=shuffle, seed=seed,
-                          chunk_size=chunk_size, io_threads=io_threads)
+        return FileReader(list(source), labels, **common)
     raise ConfigError(f"files: source must be a folder or a sequence of paths, got {type(source).__name__}")
+
+
+def _bucket_folder(prefix: str, storage: Storage, exts: set[str], common: dict[str, Any]) -> FileReader:
+    """A class-per-sub-folder tree under a bucket prefix, from one listing."""
+    if not prefix.endswith("/"):
+        prefix += "/"
+    store, key = storage.locate(prefix)
+
+    async def listing() -> list[str]:
+        async with storage.session():
+            objects = await with_retries(lambda: store.list(key), storage.retry, store.url(key), "LIST")
+        return [o.key for o in objects or []]
+
+    keys = run_sync(listing)
+    by_class: dict[str, list[str]] = {}
+    for k in keys:
+        rel = k[len(key) :]
+        name, sep, rest = rel.partition("/")
+        if sep and rest and not name.startswith(".") and os.path.splitext(rest)[1].lower().lstrip(".") in exts:
+            by_class.setdefault(name, []).append(k)
+    if not by_class:
+        raise ReadError(f"no image files ({', '.join(sorted(exts))}) in class sub-folders",
+                        source=redact_url(store.url(key)))
+    classes = sorted(by_class)
+    head = prefix[: len(prefix) - len(key)] if prefix.endswith(key) else None
+    paths, found = [], []
+    for label, name in enumerate(classes):
+        for k in sorted(by_class[name]):
+            paths.append(head + k if head is not None else store.url(k))
+            found.append(label)
+    return FileReader(paths, found, root=store.url(key), classes=classes, **common)

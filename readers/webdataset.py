@@ -28,9 +28,9 @@ import contextlib
 import copy
 import os
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Self
+from typing import Any, Literal, Self
 
 import numpy as np
 
@@ -42,6 +42,7 @@ from headrace._threads import join_threads
 
 from ._feed import END, Feed
 from ._shards import read_index, resolve_shards
+from ._storage import Downloads, RemoteFile, Storage, Store, is_url, run_sync
 from ._shuffle import Draws, ShuffleBuffer, resume_state
 from ._tar import count_samples, iter_groups, open_shard
 
@@ -82,9 +83,11 @@ class WebDatasetReader(Reader):
         chunk_size: int = 64,
         split: Split = "auto",
         require: Sequence[str] = (),
+        storage: Storage | None = None,
+        buffer_bytes: int = 8 << 20,
     ) -> None:
         for name, value, low in (("shuffle_buffer", shuffle_buffer, 0), ("read_ahead", read_ahead, 0),
-                                 ("chunk_size", chunk_size, 1)):
+                                 ("chunk_size", chunk_size, 1), ("buffer_bytes", buffer_bytes, 1 << 16)):
             require_int(f"webdataset: {name}", value, low)
         if split not in ("auto", "shards", "samples"):
             raise ConfigError(f"webdataset: split must be 'auto', 'shards' or 'samples', got {split!r}")
@@ -99,6 +102,14 @@ class WebDatasetReader(Reader):
         self.split = split
         self.require = [tuple(alt.split(";")) for alt in require]
         self.equal: Equal = None
+        self.buffer_bytes = buffer_bytes
+        # Shards read through a store (URLs, or keys of an explicit store) and their display names.
+        self.storage = storage
+        self._remote = [storage is not None and (storage.store is not None or is_url(p)) for p in self.shards]
+        self._names = [storage.locate(p)[0].url(storage.locate(p)[1]) if remote and storage else p
+                       for p, remote in zip(self.shards, self._remote)]
+        self.retries = 0  # storage faults survived by the downloads (resumed from their offset)
+        self.peak_buffered = 0  # most bytes one download held ahead of its parser
         self._counts = None if counts is None else [int(c) for c in counts]
         self._total = sum(self._counts) if self._counts is not None else total
         # Sample.index: dense dataset positions when counts are known now, else (shard << 32) + ordinal.
@@ -125,7 +136,7 @@ class WebDatasetReader(Reader):
             else:
                 continue
             base = self._offsets[i] if self._offsets is not None else i << 32
-            jobs.append(_Job(i, self.shards[i], first, stride, base))
+            jobs.append(_Job(i, self._names[i], first, stride, base))
         return jobs
 
     def _rank_total(self, counts: Sequence[int], rank: int) -> int:
@@ -199,7 +210,7 @@ class WebDatasetReader(Reader):
         if start > target:
             raise ConfigError(f"start must be in [0, {target}], got {start}")
         if natural == 0 and target > 0:
-            raise ReadError(f"equal='pad': rank {self.rank} has no samples to repeat", source=self.shards[0])
+            raise ReadError(f"equal='pad': rank {self.rank} has no samples to repeat", source=self._names[0])
         pos = start
         while pos < target:  # "pad" repeats the stream's head; "drop" stops early
             base = pos % natural
@@ -252,22 +263,47 @@ class WebDatasetReader(Reader):
                 out = []
         if slot_of:
             raise ReadError(f"cannot resume: {len(slot_of)} samples are missing; the shards changed since their "
-                            "counts were taken", source=self.shards[0])
+                            "counts were taken", source=self._names[0])
         buf.drain(out, None if limit is None else limit - emitted)
         if out:
             yield _number(out, start + emitted)
 
     async def _known_counts(self) -> list[int]:
         if self._scanned is None:
-            with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="headrace-io-scan") as pool:
-                futures = [pool.submit(count_samples, p) for p in self.shards]
+            self._scanned = await self._count_shards()
+        return self._scanned
+
+    async def _count_shards(self) -> list[int]:
+        """Samples per shard from the tar headers (data is seeked over; remote: skipped by Range requests)."""
+        with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="headrace-io-scan") as pool:
+            async with self._downloads() as downloads:
+                futures = [pool.submit(count_samples, downloads.open(p, i) if self._remote[i] else p, self._names[i])
+                           for i, p in enumerate(self.shards)]
                 try:
-                    self._scanned = [await asyncio.wrap_future(f) for f in futures]
+                    return [await asyncio.wrap_future(f) for f in futures]
                 finally:
                     for f in futures:
                         f.cancel()
+                    downloads.stop()
                     await join_threads(futures)
-        return self._scanned
+
+    @contextlib.asynccontextmanager
+    async def _downloads(self) -> AsyncIterator[Downloads]:
+        """The downloads of one read; on exit they are stopped, their tasks awaited and the stores'
+        connections closed, even when cancelled: no task outlives the block."""
+        downloads = Downloads(self.storage, self.buffer_bytes)
+        if self.storage is None or not any(self._remote):
+            yield downloads
+            return
+        async with self.storage.session():
+            try:
+                yield downloads
+            finally:
+                try:
+                    await downloads.aclose()
+                finally:
+                    self.retries += downloads.retries
+                    self.peak_buffered = max(self.peak_buffered, downloads.peak)
 
     async def _shard_samples(self, jobs: list[_Job]) -> AsyncIterator[list[Sample]]:
         """The jobs' samples in order; ``read_ahead`` shards beyond the current one are read meanwhile."""
@@ -275,30 +311,36 @@ class WebDatasetReader(Reader):
         pool = concurrent.futures.ThreadPoolExecutor(self.read_ahead + 1, thread_name_prefix="headrace-io-webdataset")
         running: deque[tuple[Feed, concurrent.futures.Future[None]]] = deque()
         todo = iter(jobs)
-        try:
-            while True:
-                while len(running) <= self.read_ahead:
-                    job = next(todo, None)
-                    if job is None:
-                        break
-                    feed = Feed(loop, capacity=2)
-                    running.append((feed, pool.submit(self._produce, job, feed)))
-                if not running:
-                    return
-                item = await running[0][0].get()
-                if item is END:
-                    running.popleft()
-                    continue
-                yield item
-        finally:
-            for feed, _ in running:
-                feed.stop()
-            pool.shutdown(wait=False, cancel_futures=True)
-            await join_threads([f for _, f in running])
-            pool.shutdown(wait=True)
+        async with self._downloads() as downloads:
+            try:
+                while True:
+                    while len(running) <= self.read_ahead:
+                        job = next(todo, None)
+                        if job is None:
+                            break
+                        feed = Feed(loop, capacity=2)
+                        source = self.shards[job.shard]
+                        if self._remote[job.shard]:
+                            source = downloads.open(source, job.shard)
+                        running.append((feed, pool.submit(self._produce, job, feed, source)))
+                    if not running:
+                        return
+                    item = await running[0][0].get()
+                    if item is END:
+                        running.popleft()
+                        continue
+                    yield item
+            finally:
+                for feed, _ in running:
+                    feed.stop()
+                downloads.stop()  # a thread waiting for bytes wakes up (and its read raises)
+                pool.shutdown(wait=False, cancel_futures=True)
+                await join_threads([f for _, f in running])
+                pool.shutdown(wait=True)
 
-    def _produce(self, job: _Job, feed: Feed) -> None:
-        """Thread: parse one shard into lists of samples; ``position`` carries the rank input ordinal."""
+    def _produce(self, job: _Job, feed: Feed, source: str | RemoteFile) -> None:
+        """Thread: parse one shard (a local path, or a download) into lists of samples; ``position``
+        carries the rank input ordinal."""
         first, stride, base, path, rank_base = job.first, job.stride, job.base_index, job.path, job.rank_base
         needed = job.needed
 
@@ -310,7 +352,7 @@ class WebDatasetReader(Reader):
         chunk: list[Sample] = []
         last = -1
         try:
-            with open_shard(path) as f:
+            with open_shard(source) as f:
                 for j, key, fields, error in iter_groups(f, path, select, lambda: feed.stopped):
                     last = j
                     if fields is None:
@@ -379,39 +421,65 @@ def webdataset(
     chunk_size: int = 64,
     split: Split = "auto",
     require: Sequence[str] = (),
+    storage_options: Mapping[str, Any] | None = None,
+    store: Store | None = None,
+    buffer_bytes: int = 8 << 20,
 ) -> WebDatasetReader:
-    """A reader over WebDataset tar shards.
+    """A reader over WebDataset tar shards, local or in object storage.
 
     ``source``: a brace pattern (``"train-{0000..0127}.tar"``, ``"{a,b}.tar"``), a folder (its
-    ``*.tar`` files in sorted order), or a list of either. Members are grouped by key (the path up
-    to the first dot of the file name) into one Sample per key, whose fields are the extensions
-    (lowercased; ``"jpg"``, ``"cls"``, ``"json"``...) mapped to the members' bytes, undecoded.
+    ``*.tar`` files in sorted order), or a list of either. Each may be a URL:
+    ``"s3://bucket/prefix/train-{0000..0127}.tar"``, ``"https://host/data/train-{0..9}.tar"``, a
+    bucket folder ``"s3://bucket/prefix/"`` or an S3 glob ``"s3://bucket/train-*.tar"``. Members are
+    grouped by key (the path up to the first dot of the file name) into one Sample per key, whose
+    fields are the extensions (lowercased; ``"jpg"``, ``"cls"``, ``"json"``...) mapped to the
+    members' bytes, undecoded.
 
     ``counts``: per-shard sample counts, a total, ``"scan"`` (count now by reading the tar headers),
     or None to use the ``headrace-index.json`` that ``headrace pack`` writes beside the shards, if
-    any. They give ``len()``, the ``equal=`` policy of ``shard()`` and a fast resume; without them
-    ``len()`` raises TypeError and the first resume scans the headers.
+    any (fetched too for URLs). They give ``len()``, the ``equal=`` policy of ``shard()`` and a fast
+    resume; without them ``len()`` raises TypeError and the first resume scans the headers.
 
     ``shuffle``: a new shard order each epoch, plus a ``shuffle_buffer``-sample shuffle buffer, both
     seeded by (``seed`` or the loader's seed, epoch). ``read_ahead``: shards read ahead of the
-    current one, each by its own thread. ``chunk_size``: samples per hand-off. ``split``: how ranks
-    divide the data (``"auto"``: by shards when there are at least as many shards as ranks, else
-    by samples within every shard). ``require``: field names every sample must have
-    (``"jpg;png"`` accepts either); a sample without one becomes a ReadError sample.
+    current one, each by its own thread (and, for URLs, its own download). ``chunk_size``: samples
+    per hand-off. ``split``: how ranks divide the data (``"auto"``: by shards when there are at
+    least as many shards as ranks, else by samples within every shard). ``require``: field names
+    every sample must have (``"jpg;png"`` accepts either); a sample without one becomes a ReadError
+    sample.
 
-    Raises ReadError for a missing shard, ConfigError for a wrong argument.
+    Object storage: ``storage_options`` are the S3 and HTTP options (endpoint, region, credentials,
+    headers; see ``headrace.readers.S3Store`` and ``HttpStore``) and ``retry`` (a ``Retry``, its fields
+    as a dict, or an attempt count); without them the standard AWS environment applies (e.g.
+    ``AWS_ENDPOINT_URL_S3`` for an S3-compatible store). ``store``: read every shard from this
+    store instead, ``source`` naming keys in it (``MemoryStore`` in tests). A shard is parsed while
+    it downloads; each download buffers at most ``buffer_bytes`` ahead of its parser (a full buffer
+    stops reading the socket), so memory stays at about ``(read_ahead + 1) * buffer_bytes`` plus the
+    samples in flight, however large the shards. Timeouts, dropped connections and 5xx answers are
+    retried with backoff and jitter, resuming from the byte reached; once the budget is spent the
+    shard ends with a sample whose ``error`` is a ``StorageError`` naming the URL.
+
+    Raises ReadError for a missing local shard, StorageError when a bucket cannot be listed,
+    ConfigError for a wrong argument.
     """
-    shards = resolve_shards(source)
+    storage = Storage(storage_options, store)
+    shards = resolve_shards(source, storage)
+    reader = WebDatasetReader(shards, shuffle=shuffle, shuffle_buffer=shuffle_buffer, seed=seed,
+                              read_ahead=read_ahead, chunk_size=chunk_size, split=split, require=require,
+                              storage=storage, buffer_bytes=buffer_bytes)
     total = None
     if counts is None:
-        per_shard = read_index(shards)
+        per_shard = read_index(shards, storage)
     elif isinstance(counts, str):
         if counts != "scan":
             raise ConfigError(f"webdataset: counts must be a list, an int, 'scan' or None, got {counts!r}")
-        per_shard = [count_samples(p) for p in shards]
+        per_shard = run_sync(reader._count_shards)
     elif isinstance(counts, int) and not isinstance(counts, bool):
         per_shard, total = None, counts
     else:
         per_shard = list(counts)
+    if per_shard is None and total is None:
+        return reader
     return WebDatasetReader(shards, counts=per_shard, total=total, shuffle=shuffle, shuffle_buffer=shuffle_buffer,
-                            seed=seed, read_ahead=read_ahead, chunk_size=chunk_size, split=split, require=require)
+                            seed=seed, read_ahead=read_ahead, chunk_size=chunk_size, split=split, require=require,
+                            storage=storage, buffer_bytes=buffer_bytes)

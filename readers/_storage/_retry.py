@@ -1,0 +1,103 @@
+"""Retries with capped exponential backoff and full jitter, the same for every store.
+
+A failure counts against the budget only while no byte arrives: a long download that drops now
+and then, but makes progress each time, is resumed from its offset as often as it needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from headrace._errors import ConfigError, StorageError
+
+from ._base import StoreFault
+
+__all__ = ["Retry", "with_retries"]
+
+log = logging.getLogger("headrace.storage")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    """How hard to try before a ``StorageError``.
+
+    ``attempts``: tries per request (1: no retry). ``backoff``: the first wait in seconds, doubled
+    after each failure up to ``max_backoff``; each wait is drawn uniformly from [0, that] (full
+    jitter, so many readers that failed together do not come back together). ``timeout``: seconds
+    a request or a block of a download may take before it counts as a failure (a stall).
+    """
+
+    attempts: int = 5
+    backoff: float = 0.2
+    max_backoff: float = 10.0
+    timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or self.attempts < 1:
+            raise ConfigError(f"retry attempts must be a positive int, got {self.attempts!r}")
+        for name in ("backoff", "max_backoff", "timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (
+                    name == "timeout" and value == 0):
+                raise ConfigError(f"retry {name} must be a positive number of seconds, got {value!r}")
+
+    @classmethod
+    def of(cls, value: Retry | dict | int | None) -> Retry:
+        """A Retry from a Retry, a dict of its fields, an attempt count, or None (the defaults)."""
+        if value is None:
+            return cls()
+        if isinstance(value, Retry):
+            return value
+        if isinstance(value, dict):
+            unknown = set(value) - {"attempts", "backoff", "max_backoff", "timeout"}
+            if unknown:
+                raise ConfigError(f"unknown retry options {sorted(unknown)}")
+            return cls(**value)
+        return cls(attempts=value)  # type: ignore[arg-type]
+
+    def delay(self, failures: int) -> float:
+        """Seconds to wait after the ``failures``-th failure in a row."""
+        return random.uniform(0, min(self.max_backoff, self.backoff * 2 ** (failures - 1)))
+
+
+async def with_retries(call: Callable[[], Awaitable[T]], retry: Retry, url: str, what: str = "GET", *,
+                       missing_ok: bool = False) -> T | None:
+    """``await call()`` until it succeeds, ``retry.attempts`` times at most.
+
+    Each try is bounded by ``retry.timeout``. Raises StorageError naming ``url`` when a fault is not
+    retryable or the budget is spent; returns None for a missing object if ``missing_ok``.
+    Cancellation is never retried.
+    """
+    failures = 0
+    while True:
+        try:
+            async with asyncio.timeout(retry.timeout):
+                return await call()
+        except (StoreFault, TimeoutError) as exc:
+            if missing_ok and isinstance(exc, StoreFault) and exc.missing:
+                return None
+            failures += 1
+            fault = exc if isinstance(exc, StoreFault) else StoreFault(
+                f"no answer within {retry.timeout:g} s", retryable=True)
+            await backoff_or_raise(fault, failures, retry, url, what)
+
+
+async def backoff_or_raise(fault: StoreFault, failures: int, retry: Retry, url: str, what: str) -> None:
+    """Sleep before try ``failures + 1``, or raise the StorageError that ends it."""
+    # "from None": a backend's own exception may print request details; the fault's message is
+    # the scrubbed translation of it.
+    if not fault.retryable:
+        raise StorageError(f"{what} failed: {fault.message}", source=url) from None
+    if failures >= retry.attempts:
+        raise StorageError(f"{what} failed {failures} times in a row (retry budget spent); last: {fault.message}",
+                           source=url) from None
+    wait = retry.delay(failures)
+    log.info("storage: %s %s failed (%s); retry %d/%d in %.2f s", what, url, fault.message, failures,
+             retry.attempts - 1, wait)
+    await asyncio.sleep(wait)

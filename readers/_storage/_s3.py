@@ -1,0 +1,160 @@
+"""S3 and S3-compatible stores, through obstore (Rust ``object_store``: requests, TLS and signing
+run on its own threads, off the GIL; its futures are awaited on our loop and dropped on cancel)."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import os
+import re
+from typing import Any
+
+from headrace._errors import ConfigError
+
+from ._base import Body, ObjectInfo, Store, StoreFault, scrub
+
+__all__ = ["S3Store"]
+
+_SECRET_KEYS = ("secret_access_key", "session_token", "access_key_id")
+_OPTIONS = {"endpoint", "region", "access_key_id", "secret_access_key", "session_token", "skip_signature",
+            "virtual_hosted_style_request", "allow_http", "credential_provider", "connect_timeout", "request_payer"}
+_STATUS = re.compile(r"status code: (\d{3})")
+# Blocks handed from the download to the parser thread. Each costs a loop iteration, and while a
+# parser holds the GIL the loop waits for it (up to the 5 ms switch interval): over the in-memory
+# store 1 MiB blocks streamed 885 MB/s against 672 MB/s with 256 KiB (local files: ~1,000 MB/s).
+# The byte bound is overshot by one block at most.
+_BLOCK = 1 << 20
+
+
+class S3Store(Store):
+    """Objects in one S3 bucket.
+
+    Credentials, region and endpoint come from ``options`` first, then from the standard AWS
+    environment: ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``,
+    ``AWS_REGION`` / ``AWS_DEFAULT_REGION``, ``AWS_ENDPOINT_URL_S3`` then ``AWS_ENDPOINT_URL`` (an
+    S3-compatible store), web identity (``AWS_WEB_IDENTITY_TOKEN_FILE``), ECS container credentials
+    and the EC2 instance metadata service. Profiles in ``~/.aws``: pass ``credential_provider`` (e.g.
+    ``obstore.auth.boto3.Boto3CredentialProvider(boto3.Session(profile_name=...))``).
+
+    ``options``: ``endpoint``, ``region``, ``access_key_id``, ``secret_access_key``, ``session_token``,
+    ``skip_signature`` (public buckets), ``virtual_hosted_style_request``, ``allow_http`` (implied
+    by an ``http://`` endpoint), ``credential_provider``, ``connect_timeout``, ``request_payer``.
+    Secrets never appear in its repr or in any error.
+    """
+
+    scheme = "s3"
+
+    def __init__(self, bucket: str, **options: Any) -> None:
+        unknown = set(options) - _OPTIONS
+        if unknown:
+            raise ConfigError(f"unknown S3 storage options {sorted(unknown)}; known: {sorted(_OPTIONS)}")
+        if not bucket or "/" in bucket:
+            raise ConfigError(f"S3 bucket name must be a non-empty name without '/', got {bucket!r}")
+        if importlib.util.find_spec("obstore") is None:
+            raise ConfigError("reading s3:// needs obstore: pip install 'headrace[s3]'")
+        self.bucket = bucket
+        self._options = dict(options)
+        env_endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        self.endpoint: str | None = options.get("endpoint") or env_endpoint
+        self._secrets = [options.get(k) or os.environ.get("AWS_" + k.upper()) for k in _SECRET_KEYS]
+        self._client: Any = None
+
+    def __repr__(self) -> str:
+        where = f", endpoint={self.endpoint!r}" if self.endpoint else ""
+        return f"S3Store(bucket={self.bucket!r}{where})"
+
+    def url(self, key: str) -> str:
+        return f"s3://{self.bucket}/{key}"
+
+    def _store(self) -> Any:
+        if self._client is None:
+            from obstore.store import S3Store as _ObS3Store
+            config = {k: v for k, v in self._options.items()
+                      if k not in ("allow_http", "credential_provider", "connect_timeout")}
+            if self.endpoint:
+                config["endpoint"] = self.endpoint
+            config.setdefault("region", os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+                              or "us-east-1")
+            client = {
+                "allow_http": bool(self._options.get("allow_http", (self.endpoint or "").startswith("http://"))),
+                "connect_timeout": _duration(self._options.get("connect_timeout", 10)),
+                # Whole-request timeout: ours (Retry.timeout) bounds every block instead, so a long
+                # download is never cut for being long.
+                "timeout": "24h",
+            }
+            self._client = _ObS3Store(self.bucket, config=config, client_options=client,
+                                      retry_config={"max_retries": 0},  # ours resume from the offset
+                                      credential_provider=self._options.get("credential_provider"))
+        return self._client
+
+    async def open(self, key: str, start: int = 0, *, etag: str | None = None) -> Body:
+        import obstore
+
+        options: dict[str, Any] = {"range": {"offset": start}} if start else {}
+        if etag is not None:
+            options["if_match"] = etag
+        try:
+            result = await obstore.get_async(self._store(), key, options=options)
+            meta = result.meta
+            return _S3Body(self, result.stream(min_chunk_size=_BLOCK), meta["size"], meta.get("e_tag"))
+        except Exception as exc:  # obstore raises its own tree; translate it here
+            raise self._fault(exc) from None
+
+    async def list(self, prefix: str) -> list[ObjectInfo]:
+        import obstore
+
+        # object_store lists whole path segments: list the folder, then keep the prefix's objects.
+        folder = prefix.rpartition("/")[0]
+        try:
+            pages = obstore.list(self._store(), prefix=folder or None, chunk_size=1000)
+            out = [ObjectInfo(m["path"], m["size"], m.get("e_tag")) async for page in pages for m in page
+                   if m["path"].startswith(prefix)]
+        except Exception as exc:
+            raise self._fault(exc) from None
+        return sorted(out, key=lambda o: o.key)
+
+    async def _disconnect(self) -> None:
+        # Dropping the Rust store drops its connection pool.
+        self._client = None
+
+    def _fault(self, exc: BaseException) -> StoreFault:
+        import obstore.exceptions as oe
+
+        text = scrub(str(exc).split("\n\nDebug source:", 1)[0].strip(), self._secrets)[:500]
+        if isinstance(exc, (oe.NotFoundError, FileNotFoundError)):  # obstore raises the builtin for a 404
+            return StoreFault("no such object", retryable=False, missing=True)
+        if isinstance(exc, oe.PreconditionError):
+            return StoreFault("the object changed while it was read (ETag mismatch)", retryable=False)
+        if isinstance(exc, (oe.PermissionDeniedError, oe.UnauthenticatedError, PermissionError)):
+            return StoreFault(f"access denied: {text}", retryable=False)
+        status = _STATUS.search(text)
+        code = int(status.group(1)) if status else 0
+        retryable = not (400 <= code < 500 and code not in (408, 429))
+        return StoreFault(text, retryable=retryable)
+
+
+def _duration(value: Any) -> Any:
+    """Seconds as a number become a timedelta (obstore takes "10s" strings or timedeltas)."""
+    return datetime.timedelta(seconds=value) if isinstance(value, (int, float)) else value
+
+
+class _S3Body(Body):
+    def __init__(self, store: S3Store, stream: Any, size: int, etag: str | None) -> None:
+        self._owner = store
+        self._stream = stream
+        self.size = size
+        self.etag = etag
+
+    async def next(self) -> bytes | memoryview:
+        if self._stream is None:
+            return b""
+        try:
+            return memoryview(await self._stream.__anext__())
+        except StopAsyncIteration:
+            self._stream = None
+            return b""
+        except Exception as exc:
+            raise self._owner._fault(exc) from None
+
+    async def aclose(self) -> None:
+        self._stream = None  # dropping the stream drops its connection

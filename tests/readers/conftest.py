@@ -1,0 +1,111 @@
+"""Real storage servers for the storage tests: moto's S3 server and an aiohttp HTTP server, each
+behind a fault-injecting proxy, all on 127.0.0.1 in one child process (``storage_servers.py``)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from headrace import readers
+from storage_servers import ACCESS_KEY, BUCKET, SECRET_KEY as SECRET, TOKEN
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass
+class Servers:
+    """Base URLs: ``s3`` and ``http`` are the proxies (faults), ``*_direct`` the servers themselves."""
+
+    s3: str
+    http: str
+    s3_direct: str
+    http_direct: str
+    root: Path
+
+    def faults(self, proxy: str, *rules: dict) -> None:
+        """Install a fault plan on a proxy (``"s3"`` or ``"http"``); no rules: serve normally."""
+        request = urllib.request.Request(getattr(self, proxy) + "/__faults__", method="POST",
+                                         data=json.dumps({"rules": list(rules)}).encode())
+        urllib.request.urlopen(request, timeout=10).read()
+
+    def log(self, proxy: str) -> list[dict]:
+        """The requests the proxy saw since the last plan or log read."""
+        return json.loads(urllib.request.urlopen(getattr(self, proxy) + "/__log__", timeout=10).read())
+
+
+def _tar_bytes(members: list[tuple[str, bytes]]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="session")
+def storage_root(tmp_path_factory, image_folder) -> Path:
+    """What the servers serve: ``wds/`` (75 JPEGs in 10 shards + index), ``images/`` (a class tree),
+    ``big/big-0.tar`` (12 MiB: 48 samples of 256 KiB)."""
+    root = tmp_path_factory.mktemp("storage")
+    readers.pack(image_folder, root / "wds", format="webdataset", shard_count=8, shuffle=True, seed=1)
+    for path in image_folder.rglob("*.jpg"):
+        dest = root / "images" / path.relative_to(image_folder)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(path.read_bytes())
+    rng = np.random.default_rng(0)
+    (root / "big").mkdir()
+    (root / "big" / "big-0.tar").write_bytes(_tar_bytes(
+        [(f"{i:04d}.bin", rng.integers(0, 256, 256 << 10, dtype=np.uint8).tobytes()) for i in range(48)]))
+    return root
+
+
+@pytest.fixture(scope="session")
+def servers(storage_root) -> Servers:
+    """The child process serving ``storage_root``; stopped when the session ends."""
+    proc = subprocess.Popen([sys.executable, str(HERE / "storage_servers.py"), "--root", str(storage_root),
+                             "--bucket", BUCKET], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"storage servers did not start (exit {proc.wait(10)})")
+        urls = json.loads(line)
+        yield Servers(root=storage_root, **urls)
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+
+@pytest.fixture
+def s3_env(servers, monkeypatch) -> Servers:
+    """Standard AWS environment pointing at the S3 proxy (``AWS_ENDPOINT_URL_S3``); faults cleared.
+
+    Credentials are always set, so no test ever asks an instance metadata service."""
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    monkeypatch.setenv("AWS_SESSION_TOKEN", TOKEN)
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", servers.s3)
+    servers.faults("s3")
+    servers.faults("http")
+    yield servers
+    servers.faults("s3")
+    servers.faults("http")

@@ -1,0 +1,370 @@
+"""Object storage: WebDataset shards and image files over S3 (moto's server) and HTTP (aiohttp),
+through a proxy that drops, fails and stalls requests; and the retry layer on the in-memory store."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import logging
+import os
+import tarfile
+import traceback
+
+import pytest
+
+import headrace
+from headrace import ConfigError, ReadError, StorageError, readers
+from headrace.readers._storage import RemoteFile, S3Store
+from headrace.testing import MemoryStore
+
+from storage_servers import ACCESS_KEY, BUCKET, SECRET_KEY as SECRET, TOKEN
+
+# Fast retries: the proxy's faults are deterministic, waiting long proves nothing.
+RETRY = {"attempts": 6, "backoff": 0.01, "max_backoff": 0.05, "timeout": 0.5}
+WDS = "wds/shard-{000000..000009}.tar"
+
+
+def _sockets() -> int:
+    """Open sockets of this process (the ``leaks`` fixture does not count them)."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+    return count
+
+
+async def _no_new_sockets(before: int) -> None:
+    # A dropped obstore client closes its pool from its own runtime: allow it a moment.
+    for _ in range(100):
+        if _sockets() <= before:
+            return
+        await asyncio.sleep(0.01)
+    assert _sockets() <= before, "connections left open"
+
+
+async def _read_all(reader, epoch=0, start=0, seed=0):
+    async with contextlib.aclosing(reader.read(epoch, start=start, seed=seed)) as stream:
+        return [s async for chunk in stream for s in chunk]
+
+
+def _same(samples, expected):
+    assert [(s.key, s.index, s.position) for s in samples] == [(s.key, s.index, s.position) for s in expected]
+    for s, e in zip(samples, expected):
+        assert s.error is None, s.error
+        assert s.fields == e.fields
+
+
+def _url(servers, kind, key):
+    return f"s3://{BUCKET}/{key}" if kind == "s3" else f"{servers.http}/{key}"
+
+
+# -- reading --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["s3", "http"])
+async def test_shards_stream_from_storage_like_local_ones(s3_env, kind, leaks):
+    local = readers.webdataset(str(s3_env.root / WDS), shuffle=True, shuffle_buffer=20)
+    remote = readers.webdataset(_url(s3_env, kind, WDS), shuffle=True, shuffle_buffer=20,
+                                storage_options={"retry": RETRY})
+    assert len(remote) == len(local) == 75  # counts from the headrace-index.json beside the shards
+    samples = await _read_all(remote, epoch=1, seed=3)
+    _same(samples, await _read_all(local, epoch=1, seed=3))
+    assert samples[0].source.startswith(f"s3://{BUCKET}/wds/" if kind == "s3" else s3_env.http)
+    gets = [r for r in s3_env.log(kind) if r["path"].endswith(".tar")]
+    assert len(gets) == 10 and all(r["range"] is None for r in gets)  # one streamed GET per shard
+    await leaks.check()
+
+
+async def test_bucket_folders_and_globs_are_listed(s3_env):
+    expected = [f"s3://{BUCKET}/wds/shard-{i:06d}.tar" for i in range(10)]
+    assert readers.webdataset(f"s3://{BUCKET}/wds/").shards == expected
+    assert readers.webdataset(f"s3://{BUCKET}/wds/shard-00000[0-2].tar").shards == expected[:3]
+    with pytest.raises(ReadError) as info:
+        readers.webdataset(f"s3://{BUCKET}/nothing-here/")
+    assert info.value.source == f"s3://{BUCKET}/nothing-here/"
+    with pytest.raises(StorageError):
+        readers.webdataset(s3_env.http + "/wds/")  # HTTP has no listing
+
+
+async def test_explicit_endpoint_and_credentials_without_environment(s3_env, monkeypatch):
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name)
+    options = {"endpoint": s3_env.s3_direct, "access_key_id": ACCESS_KEY, "secret_access_key": SECRET}
+    reader = readers.webdataset(f"s3://{BUCKET}/{WDS}", storage_options=options)
+    assert len(await _read_all(reader)) == 75
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_env.s3_direct)  # the generic override works too
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    assert len(readers.webdataset(f"s3://{BUCKET}/{WDS}")) == 75
+    with pytest.raises(ConfigError, match="unknown storage_options"):
+        readers.webdataset(f"s3://{BUCKET}/{WDS}", storage_options={"endpont": "x"})
+
+
+async def test_counts_scan_reads_remote_headers(s3_env):
+    assert len(readers.webdataset(f"{s3_env.http}/big/big-0.tar", counts="scan")) == 48
+    unknown = readers.webdataset(f"s3://{BUCKET}/big/big-0.tar")
+    with pytest.raises(TypeError):
+        len(unknown)
+    assert [s.key for s in await _read_all(unknown, start=45)] == ["0045", "0046", "0047"]  # resume scans once
+
+
+async def test_resume_from_storage_is_exact(s3_env):
+    reader = readers.webdataset(f"s3://{BUCKET}/{WDS}", shuffle=True, shuffle_buffer=10)
+    full = await _read_all(reader, epoch=2)
+    for start in (1, 37, 74):
+        _same(await _read_all(reader, epoch=2, start=start), full[start:])
+
+
+def test_sync_facade_over_s3(s3_env):
+    from headrace import ops
+
+    source = readers.webdataset(f"s3://{BUCKET}/{WDS}", shuffle=True, shuffle_buffer=16)
+    loader = headrace.Loader(source, batch_size=16, pipeline=ops.training(32), num_threads=2, device="cpu")
+    with loader.sync() as batches:
+        keys = [k for batch in batches for k in batch.sample_keys]
+    assert sorted(keys) == sorted(f"c{c}/{i:04d}" for c in range(3) for i in range(25))
+
+
+async def test_loader_over_http_resumes_exactly(s3_env, leaks):
+    import torch
+
+    from headrace import ops
+
+    def loader():
+        source = readers.webdataset(f"{s3_env.http}/{WDS}", shuffle=True, shuffle_buffer=16)
+        return headrace.Loader(source, batch_size=8, pipeline=ops.training(32), num_threads=2, seed=5, device="cpu")
+
+    batches = [b async for b in loader()]
+    first = loader()
+    async for batch in first:
+        if batch.index == 3:
+            break
+    state = first.state_dict()
+    await first.aclose()
+    second = loader()
+    second.load_state_dict(state)
+    rest = [b async for b in second]
+    for x, y in zip(batches[4:], rest, strict=True):
+        assert x.sample_keys == y.sample_keys and torch.equal(x["image"], y["image"])
+    await leaks.check()
+
+
+# -- faults ----------------------------------------------------------------------------------------
+
+FAULTS = [{"kind": "reset", "after": 1500}, {"kind": "status", "status": 503},
+          {"kind": "reset", "after": 0}, {"kind": "status", "status": 500}]
+
+
+@pytest.mark.parametrize("kind", ["s3", "http"])
+async def test_faults_within_budget_lose_and_double_nothing(s3_env, kind, leaks):
+    sockets = _sockets()
+    s3_env.faults(kind, {"match": "shard-000004", "faults": [{"kind": "stall", "after": 2000, "seconds": 3}]},
+                  {"match": "shard-", "faults": FAULTS})
+    local = readers.webdataset(str(s3_env.root / WDS), shuffle=True, shuffle_buffer=20)
+    remote = readers.webdataset(_url(s3_env, kind, WDS), shuffle=True, shuffle_buffer=20,
+                                storage_options={"retry": RETRY})
+    _same(await _read_all(remote, seed=9), await _read_all(local, seed=9))
+    log = [r for r in s3_env.log(kind) if r["path"].endswith(".tar")]
+    assert sum(r["fault"] is not None for r in log) == 9 * len(FAULTS) + 1
+    assert remote.retries >= 9 * len(FAULTS) + 1  # more only if the machine stalled a read past the timeout
+    if kind == "http":  # bytes arrive before each drop: the next GET resumes from there
+        assert any(r["range"] not in (None, "bytes=0-") for r in log)
+    await leaks.check()
+    await _no_new_sockets(sockets)
+
+
+@pytest.mark.parametrize("kind", ["s3", "http"])
+async def test_faults_beyond_budget_give_a_storage_error_and_shut_down(s3_env, kind, leaks):
+    from headrace import ops
+
+    s3_env.faults(kind, {"match": "shard-000002", "then": {"kind": "status", "status": 503}})
+    remote = readers.webdataset(_url(s3_env, kind, WDS), storage_options={"retry": RETRY})
+    samples = await _read_all(remote)
+    bad = [s for s in samples if s.error is not None]
+    assert len(bad) == 1 and isinstance(bad[0].error, StorageError)
+    assert bad[0].error.source == bad[0].source == remote._names[2]
+    assert "6 times" in str(bad[0].error) and "503" in str(bad[0].error)
+    assert len(samples) == 75 - 8 + 1  # every other shard whole; shard 2 is one error sample
+    loader = headrace.Loader(readers.webdataset(_url(s3_env, kind, WDS), storage_options={"retry": RETRY}),
+                             batch_size=8, pipeline=ops.training(32), num_threads=2, device="cpu")
+    with pytest.raises(StorageError) as info:
+        async for _ in loader:
+            pass
+    assert info.value.source.endswith("shard-000002.tar")
+    await loader.aclose()
+    await leaks.check()
+
+
+async def test_a_big_shard_streams_in_bounded_memory_and_resumes_mid_body(s3_env, leaks):
+    s3_env.faults("s3", {"match": "big-0", "faults": [{"kind": "reset", "after": 3 << 20},
+                                                      {"kind": "stall", "after": 1 << 20, "seconds": 3}]})
+    reader = readers.webdataset(f"s3://{BUCKET}/big/big-0.tar", buffer_bytes=1 << 20, chunk_size=2,
+                                storage_options={"retry": RETRY})
+    with tarfile.open(s3_env.root / "big" / "big-0.tar") as tar:
+        expected = {m.name: tar.extractfile(m).read() for m in tar}
+    n = 0
+    async with contextlib.aclosing(reader.read(0)) as stream:
+        async for chunk in stream:
+            for s in chunk:
+                assert s.fields["bin"] == expected[f"{s.key}.bin"]
+                n += 1
+            await asyncio.sleep(0.005)  # a slow consumer: the download must wait, not pile up
+    assert n == 48
+    log = [r for r in s3_env.log("s3") if "big-0" in r["path"]]
+    assert [r["range"] is None for r in log] == [True, False, False]  # resumed from offsets
+    assert all(int(r["range"][6:-1]) > 0 for r in log[1:])
+    assert 0 < reader.peak_buffered <= (2 << 20) + (64 << 10)  # the bound, plus at most one block
+    await leaks.check()
+
+
+@pytest.mark.parametrize("kind", ["s3", "http"])
+async def test_cancelling_a_stalled_download_closes_everything(s3_env, kind, leaks):
+    s3_env.faults(kind, {"match": "shard-", "then": {"kind": "stall", "after": 100, "seconds": 3}})
+    reader = readers.webdataset(_url(s3_env, kind, WDS), read_ahead=3, storage_options={"retry": {"timeout": 30}})
+    sockets = _sockets()
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.3):
+            await _read_all(reader)
+    await leaks.check()
+    await _no_new_sockets(sockets)
+
+
+# -- the files reader over a bucket ----------------------------------------------------------------
+
+
+async def test_files_reader_lists_a_bucket_prefix(s3_env, image_folder, leaks):
+    local = readers.files(image_folder, shuffle=True)
+    remote = readers.files(f"s3://{BUCKET}/images/", shuffle=True, chunk_size=16,
+                           storage_options={"retry": RETRY})
+    assert remote.classes == local.classes and len(remote) == len(local) == 75
+    s3_env.faults("s3", {"match": "/images/c1/", "faults": [{"kind": "status", "status": 503},
+                                                             {"kind": "reset", "after": 100}]})
+    samples = await _read_all(remote, seed=4)
+    expected = await _read_all(local, seed=4)
+    assert [s.key for s in samples] == [s.key for s in expected]
+    assert [s.fields for s in samples] == [s.fields for s in expected]
+    assert samples[0].source.startswith(f"s3://{BUCKET}/images/c")
+    await leaks.check()
+
+
+async def test_files_reader_over_urls_names_a_missing_object(s3_env, image_folder):
+    paths = sorted(p.relative_to(image_folder).as_posix() for p in image_folder.rglob("*.jpg"))[:3]
+    urls = [f"{s3_env.http}/images/{p}" for p in paths] + [f"{s3_env.http}/images/c0/missing.jpg?sig={SECRET}"]
+    samples = await _read_all(readers.files(urls, labels=[0, 1, 2, 3], storage_options={"retry": RETRY}))
+    assert [s.fields["jpg"] for s in samples[:3]] == [(image_folder / p).read_bytes() for p in paths]
+    error = samples[3].error
+    assert isinstance(error, StorageError) and "404" in str(error)
+    assert error.source == f"{s3_env.http}/images/c0/missing.jpg" and SECRET not in str(error)
+
+
+# -- secrets -----------------------------------------------------------------------------------------
+
+
+async def test_credentials_never_appear_in_errors_reprs_or_logs(s3_env, caplog):
+    caplog.set_level(logging.DEBUG)
+    s3_env.faults("s3", {"match": "shard-", "then": {"kind": "status", "status": 503}})
+    s3_env.faults("http", {"match": "shard-", "then": {"kind": "status", "status": 503}})
+    options = {"retry": {**RETRY, "attempts": 2}, "session_token": TOKEN,
+               "headers": {"Authorization": f"Bearer {SECRET}"}}
+    texts = []
+    for url in (f"s3://{BUCKET}/wds/shard-000000.tar", f"{s3_env.http}/wds/shard-000000.tar?X-Amz-Signature={SECRET}",
+                f"s3://{BUCKET}/wds/no-such-shard.tar"):
+        reader = readers.webdataset(url, storage_options=options)
+        texts += [repr(reader), str(reader.state_dict()), repr(reader.storage)]
+        for store in {id(reader.storage.locate(p)[0]): reader.storage.locate(p)[0] for p in reader.shards}.values():
+            texts.append(repr(store))
+        (sample,) = [s for s in await _read_all(reader) if s.error is not None]
+        texts += [str(sample.error), repr(sample.error), sample.source, sample.key,
+                  "".join(traceback.format_exception(sample.error))]
+    texts += [r.getMessage() for r in caplog.records]
+    assert any("retry 1/1" in t for t in texts)  # the retries were logged...
+    for text in texts:  # ...and nothing anywhere shows a secret
+        for secret in (SECRET, TOKEN):
+            assert secret not in text, text
+
+
+# -- the retry layer on the in-memory store ----------------------------------------------------------
+
+
+def _tar(members):
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+@pytest.fixture
+def memory_shards():
+    return {f"m/s-{k}.tar": _tar([(f"{k}_{i:03d}.jpg", bytes([k, i]) * (1000 + i)) for i in range(30)])
+            for k in range(3)}
+
+
+async def test_memory_store_resets_stalls_and_5xx_resume_from_the_offset(memory_shards, leaks):
+    store = MemoryStore(memory_shards, block=1000, fail={"m/s-1.tar": [
+        ("reset", 5000), ("status", 503), ("stall", 20000), ("reset", 0), ("status", 500)]})
+    reader = readers.webdataset("m/s-{0..2}.tar", store=store, buffer_bytes=1 << 16,
+                                storage_options={"retry": {**RETRY, "timeout": 0.1}})
+    samples = await _read_all(reader)
+    assert [s.key for s in samples] == [f"{k}_{i:03d}" for k in range(3) for i in range(30)]
+    assert all(s.fields["jpg"] == bytes([int(s.key[0]), int(s.key[2:])]) * (1000 + int(s.key[2:])) for s in samples)
+    assert [start for key, start in store.opens if key == "m/s-1.tar"] == [0, 5000, 5000, 25000, 25000, 25000]
+    assert reader.retries == 5
+    await leaks.check()
+
+
+async def test_memory_store_budget_and_a_changed_object(memory_shards):
+    store = MemoryStore(memory_shards, fail={"m/s-0.tar": [("status", 503)] * 3})
+    reader = readers.webdataset("m/s-{0..2}.tar", store=store, storage_options={"retry": {**RETRY, "attempts": 3}})
+    (bad,) = [s for s in await _read_all(reader) if s.error]
+    assert isinstance(bad.error, StorageError) and bad.error.source == "memory://m/s-0.tar"
+
+    class Changing(MemoryStore):  # the object is replaced between the drop and the resume
+        async def open(self, key, start=0, *, etag=None):
+            if start:
+                self.objects[key] = self.objects[key][:-512] + b"x" * 512
+            return await super().open(key, start, etag=etag)
+
+    store = Changing(memory_shards, block=1000, fail={"m/s-1.tar": [("reset", 4000)]})
+    samples = await _read_all(readers.webdataset("m/s-1.tar", store=store, storage_options={"retry": RETRY}))
+    assert isinstance(samples[-1].error, StorageError) and "changed" in str(samples[-1].error)
+    assert all(s.error is None for s in samples[:-1])
+
+
+async def test_remote_file_jumps_over_long_skips_with_a_range_request():
+    data = bytes(range(256)) * (64 << 10)  # 16 MiB
+    store = MemoryStore({"k": data}, block=64 << 10)
+    remote = RemoteFile(store, "k", capacity=1 << 20, jump=1 << 20)
+    task = asyncio.create_task(remote.fill())
+
+    def consume():
+        with remote:
+            out = [remote.read(10)]
+            remote.seek(8 << 20, 1)  # far ahead: reopened there
+            out.append(remote.read(10))
+            remote.seek(100, 1)  # near: read through
+            out.append(remote.read(3))
+            return out, remote.tell(), remote.size
+
+    out, pos, size = await asyncio.to_thread(consume)
+    await task
+    assert out == [data[:10], data[(8 << 20) + 10 : (8 << 20) + 20], data[(8 << 20) + 120 : (8 << 20) + 123]]
+    assert pos == (8 << 20) + 123 and size == len(data)
+    assert store.opens == [("k", 0), ("k", (8 << 20) + 10)]
+
+
+def test_wrong_storage_arguments():
+    with pytest.raises(ConfigError):
+        readers.webdataset("ftp://host/x.tar")
+    with pytest.raises(ConfigError):
+        readers.webdataset("s3:///x.tar")
+    with pytest.raises(ConfigError):
+        readers.webdataset("s3://b/x.tar", storage_options={"retry": {"attempts": 0}})
+    with pytest.raises(ConfigError):
+        readers.webdataset("x.tar", store=object())
+    with pytest.raises(ConfigError):
+        S3Store("b", secret="x")
+    assert "x" not in repr(S3Store("b", secret_access_key="x" * 8))
