@@ -3,12 +3,10 @@ behind a fault-injecting proxy, all on 127.0.0.1 in one child process (``storage
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
 import sys
-import tarfile
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +15,7 @@ import numpy as np
 import pytest
 
 from headrace import readers
+from sample_data import tar_bytes
 from storage_servers import ACCESS_KEY, BUCKET, SECRET_KEY as SECRET, TOKEN
 
 HERE = Path(__file__).resolve().parent
@@ -43,16 +42,6 @@ class Servers:
         return json.loads(urllib.request.urlopen(getattr(self, proxy) + "/__log__", timeout=10).read())
 
 
-def _tar_bytes(members: list[tuple[str, bytes]]) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
-
-
 @pytest.fixture(scope="session")
 def storage_root(tmp_path_factory, image_folder) -> Path:
     """What the servers serve: ``wds/`` (75 JPEGs in 10 shards + index), ``images/`` (a class tree),
@@ -65,7 +54,7 @@ def storage_root(tmp_path_factory, image_folder) -> Path:
         dest.write_bytes(path.read_bytes())
     rng = np.random.default_rng(0)
     (root / "big").mkdir()
-    (root / "big" / "big-0.tar").write_bytes(_tar_bytes(
+    (root / "big" / "big-0.tar").write_bytes(tar_bytes(
         [(f"{i:04d}.bin", rng.integers(0, 256, 256 << 10, dtype=np.uint8).tobytes()) for i in range(48)]))
     return root
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import logging
 import os
 import tarfile
@@ -18,6 +17,7 @@ from headrace import ConfigError, ReadError, StorageError, readers
 from headrace.readers._storage import RemoteFile, S3Store
 from headrace.testing import MemoryStore
 
+from sample_data import tar_bytes
 from storage_servers import ACCESS_KEY, BUCKET, SECRET_KEY as SECRET, TOKEN
 
 # Fast retries: the proxy's faults are deterministic, waiting long proves nothing.
@@ -287,19 +287,9 @@ async def test_credentials_never_appear_in_errors_reprs_or_logs(s3_env, caplog):
 # -- the retry layer on the in-memory store ----------------------------------------------------------
 
 
-def _tar(members):
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
-
-
 @pytest.fixture
 def memory_shards():
-    return {f"m/s-{k}.tar": _tar([(f"{k}_{i:03d}.jpg", bytes([k, i]) * (1000 + i)) for i in range(30)])
+    return {f"m/s-{k}.tar": tar_bytes([(f"{k}_{i:03d}.jpg", bytes([k, i]) * (1000 + i)) for i in range(30)])
             for k in range(3)}
 
 
