@@ -321,9 +321,11 @@ class _Lane:
                 out = self.post.finish(self.post.apply(out, indices, prep.batch.epoch, inplace=True))
             data_out: dict[str, Any] = {"image": out}
             if any(lbl is not None for lbl in prep.labels):
-                data_out["label"] = torch.tensor([prep.labels[i] for i in ok], dtype=torch.int64).to(
-                    self.owner.device, non_blocking=True
-                )
+                # From pinned memory: a copy from pageable memory may wait for the lane's stream
+                # (its decode and kernel) before it starts. torch's pinned-memory cache keeps the
+                # host block until the copy has run.
+                labels = torch.tensor([prep.labels[i] for i in ok], dtype=torch.int64).pin_memory()
+                data_out["label"] = labels.to(self.owner.device, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(self.stream)
         self.recent.append((ready, (decoded, uploads)))
