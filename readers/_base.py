@@ -20,7 +20,7 @@ from headrace._threads import join_threads
 
 from ._storage._tasks import cancel_and_wait
 
-__all__ = ["IndexedReader", "Reader", "epoch_order"]
+__all__ = ["IndexedReader", "Reader", "consumed_prefix", "epoch_order"]
 
 Equal = Literal["pad", "drop"] | None
 
@@ -31,10 +31,17 @@ class Reader(ABC):
     ``read(epoch, start=k)`` yields the epoch's samples for this rank from stream position ``k`` on,
     in lists (one await per list, not per sample). The same (seed, epoch) gives the same stream, so
     resuming is reading from the position the loader recorded.
+
+    Resuming on another world size: a reader whose ``reshardable`` is true also takes
+    ``read(epoch, start=k, history=[(world, position), ...])``, the spans of this epoch that earlier
+    runs read on other world sizes (every rank of a span at the same position); it then yields this
+    rank's part of what those spans left unread, from position ``k`` of that part. The loader passes
+    ``history`` only when it is not empty, so other readers need not take it.
     """
 
     rank: int = 0
     world: int = 1
+    reshardable: bool = False
 
     @abstractmethod
     def __len__(self) -> int:
@@ -54,7 +61,8 @@ class Reader(ABC):
 
 
 def epoch_order(
-    n: int, epoch: int, *, shuffle: bool, seed: int, rank: int = 0, world: int = 1, equal: Equal = None
+    n: int, epoch: int, *, shuffle: bool, seed: int, rank: int = 0, world: int = 1, equal: Equal = None,
+    offset: int = 0,
 ) -> np.ndarray:
     """Dataset indices in rank ``rank``'s stream order for ``epoch``.
 
@@ -62,16 +70,37 @@ def epoch_order(
     every ``world``-th entry from its rank on: the parts are disjoint and together complete. With
     ``equal="pad"`` the order is first extended by repeating its head, with ``"drop"`` cut, to a
     multiple of ``world``, so every rank gets the same count.
+
+    ``offset``: the first ``offset`` entries of the global order were read already (by an earlier
+    run, on another world size); the rest is split the same way. Once every rank has read ``k`` of
+    its entries, the first ``offset + k * world`` of the global order are read (padding aside):
+    that prefix is what ``consumed_prefix`` gives back.
     """
     order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
+    if offset:
+        order = order[offset:]
     if world > 1:
-        extra = n % world
+        rest = len(order)
+        extra = rest % world
         if extra and equal == "pad":
             order = np.concatenate([order, np.resize(order, world - extra)])
         elif extra and equal == "drop":
-            order = order[: n - extra]
+            order = order[: rest - extra]
         order = order[rank::world]
     return order
+
+
+def consumed_prefix(n: int, history: Sequence[tuple[int, int]], equal: Equal = None) -> int:
+    """How much of an epoch's global order ``epoch_order`` spans have read: ``history`` lists
+    (world, position) per span, in order, every rank of a span having read ``position`` entries."""
+    done = 0
+    for world, position in history:
+        require_int("history: world", world)
+        require_int("history: position", position, 0)
+        if equal == "drop" and world > 1:  # the ranks' streams end after (n - done) // world
+            position = min(position, (n - done) // world)
+        done = min(n, done + position * world)
+    return done
 
 
 def _check_shard(rank: int, world: int, equal: Equal) -> None:
@@ -89,6 +118,8 @@ class IndexedReader(Reader):
     Subclasses implement ``_dataset_size`` and ``_fetch(indices)``, which runs in a thread and
     returns one Sample per index (with ``error`` set for a sample it could not read).
     """
+
+    reshardable = True  # the global order is one permutation whatever the world size
 
     def __init__(self, *, shuffle: bool, seed: int | None, chunk_size: int, io_threads: int) -> None:
         require_int("chunk_size", chunk_size)
@@ -138,16 +169,23 @@ class IndexedReader(Reader):
         part.rank, part.world, part.equal = rank, world, equal
         return part
 
-    def order(self, epoch: int, seed: int = 0) -> np.ndarray:
-        """This rank's dataset indices for ``epoch``, in stream order."""
+    def order(self, epoch: int, seed: int = 0, history: Sequence[tuple[int, int]] = ()) -> np.ndarray:
+        """This rank's dataset indices for ``epoch``, in stream order (after ``history``; see ``Reader``)."""
         seed = self.seed if self.seed is not None else seed
+        n = self._dataset_size()
         return epoch_order(
-            self._dataset_size(), epoch, shuffle=self.shuffle, seed=seed,
-            rank=self.rank, world=self.world, equal=self.equal,
+            n, epoch, shuffle=self.shuffle, seed=seed,
+            rank=self.rank, world=self.world, equal=self.equal, offset=consumed_prefix(n, history, self.equal),
         )
 
-    async def read(self, epoch: int, *, start: int = 0, seed: int = 0) -> AsyncIterator[list[Sample]]:
-        order = self.order(epoch, seed)
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "total": self._dataset_size(), "equal": self.equal,
+                "shuffle": self.shuffle, "seed": self.seed}
+
+    async def read(
+        self, epoch: int, *, start: int = 0, seed: int = 0, history: Sequence[tuple[int, int]] = ()
+    ) -> AsyncIterator[list[Sample]]:
+        order = self.order(epoch, seed, history)
         if not 0 <= start <= len(order):
             raise ConfigError(f"start must be in [0, {len(order)}], got {start}")
         loop = asyncio.get_running_loop()

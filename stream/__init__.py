@@ -2,6 +2,7 @@
 
 from ._batcher import LastBatch
 from ._channel import ChannelStats, ReceiveChannel, SendChannel, open_channel
+from ._distributed import Distributed, detect_distributed
 from ._errors import (
     ClosedError,
     ConfigError,
@@ -30,6 +31,7 @@ __all__ = [
     "ClosedError",
     "ConfigError",
     "DecodeError",
+    "Distributed",
     "ErrorBudgetExceeded",
     "LastBatch",
     "Loader",
@@ -47,6 +49,7 @@ __all__ = [
     "SyncLoader",
     "TransformError",
     "__version__",
+    "detect_distributed",
     "new_event_loop",
     "open_channel",
 ]

@@ -9,9 +9,13 @@ from ._errors import ConfigError
 __all__ = ["resolve_device"]
 
 
-def resolve_device(pipeline: Any, device: Any) -> str:
+def resolve_device(pipeline: Any, device: Any, *, local_rank: int | None = None) -> str:
     """``"cpu"``, ``"cuda"`` or ``"cuda:N"`` for ``device`` (``"auto"``: the GPU when CUDA, CuPy and
     nvImageCodec are there and the GPU path can run ``pipeline``, else the CPU).
+
+    With a ``local_rank`` (one process per GPU, as torchrun starts them), ``"auto"`` and ``"cuda"``
+    become ``"cuda:<local_rank>"`` (modulo the GPUs this process sees, so a launcher that shows
+    each process only its own GPU gets ``"cuda:0"``); an explicit ``"cuda:N"`` is kept.
 
     Raises ConfigError for an unknown device, a GPU that is not there, or a pipeline the GPU path
     cannot run when the GPU was asked for (now, not at the first batch).
@@ -29,4 +33,8 @@ def resolve_device(pipeline: Any, device: Any) -> str:
             raise ConfigError(f"device={device!r} needs a GPU, CuPy and nvImageCodec (pip install 'headrace[cuda13]')")
         if why_not_gpu:
             raise ConfigError(why_not_gpu)
+        if device == "cuda" and local_rank is not None:
+            import torch
+
+            device = f"cuda:{local_rank % max(1, torch.cuda.device_count())}"
     return device

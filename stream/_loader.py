@@ -11,6 +11,7 @@ from ._batcher import LastBatch, batches_per_epoch
 from ._budget import ErrorBudget
 from ._channel import ChannelStats
 from ._device import resolve_device
+from ._distributed import detect_distributed
 from ._errors import ClosedError, ConfigError, LoaderError, require_int
 from ._markers import END
 from ._run import RunConfig, _Run
@@ -18,7 +19,8 @@ from ._sample import Batch
 
 __all__ = ["Loader", "LoaderStats"]
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: world, rank and the epoch's spans on other world sizes ("history")
+_EQUAL = ("pad", "drop", None)
 
 
 @dataclass
@@ -44,12 +46,15 @@ class Loader:
                 train_step(batch["image"], batch["label"])
 
     Arguments:
-        reader: a ``headrace.readers.Reader`` (already sharded for this rank, if any).
+        reader: a ``headrace.readers.Reader`` over the whole data set; in a job of several
+            processes the loader shards it (below). A reader already sharded by the caller
+            (``reader.shard(rank, world)``) is used as it is.
         batch_size: samples per batch.
         pipeline: a ``headrace.ops.Pipeline`` (default: decode only, images of their own sizes).
         device: ``"auto"`` (the GPU when CUDA, CuPy and nvImageCodec are there, else the CPU),
             ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. On the GPU, batches are torch CUDA tensors,
             ready on the consumer's current stream (it waits on the lane's event; the host does not).
+            Under torchrun, ``"auto"`` and ``"cuda"`` mean ``"cuda:<LOCAL_RANK>"``.
         lanes: GPU lanes (thread + CUDA stream + decoder), fed by one thread that parses headers
             and plans crops. Two is the default: on the H100 it was as fast as one or faster, and
             held up better when other Python threads competed for the GIL (ops/README.md).
@@ -65,6 +70,16 @@ class Loader:
         on_error: ``"raise"`` (default) raises the first sample error, typed and naming the sample;
             ``"skip"`` drops failed samples from their batch and counts them (``stats().dropped``).
         max_errors: the skip budget per epoch: an int count, or a float fraction of samples seen.
+        distributed: take this process's rank and world size from ``torch.distributed`` (when its
+            default process group is initialised) or from torchrun's ``RANK``/``WORLD_SIZE``
+            (``headrace._distributed``); False: this process reads the whole data set.
+        rank, world: this process's data-parallel rank and world size, given instead (both or
+            neither), e.g. when data-parallel groups are not the default process group.
+        equal: when the loader shards the reader (world > 1), how ranks get the same number of
+            samples (DALI's ``pad_last_batch``): ``"pad"`` (default) completes the short ranks'
+            parts with repeated samples (files, LMDB: the head of the epoch's order, fewer than
+            ``world``), ``"drop"`` cuts the long ones, None leaves the parts unequal (ranks may then
+            yield different batch counts, and a collective can wait forever).
 
     GPU lanes (decoders, streams, compiled kernels) are costly to make, so they outlive a
     completed epoch and serve the next; leaving a loop early, an error or cancellation closes them
@@ -79,6 +94,16 @@ class Loader:
     Resume: ``state_dict()`` at any point between batches, ``load_state_dict()`` on a new loader
     with the same arguments, and the next ``async for`` yields exactly the batches the
     uninterrupted run would have yielded next.
+
+    Many processes (torchrun): every rank computes the same seeded global order of an epoch with
+    no communication and takes a disjoint part of it; the parts cover the epoch, and with
+    ``equal="pad"`` or ``"drop"`` every rank yields the same number of batches, whatever
+    ``last_batch``. All ranks hold the same ``state_dict()`` after the same step (so saving rank
+    0's is enough). Loaded on the same world size, the run continues exactly; loaded on another
+    (say 4 ranks to 2, files, LMDB, or WebDataset with per-shard counts), the new ranks split what
+    the epoch has not read yet: no sample of the epoch is read twice and none is left out (but the
+    repeats or the cut that ``equal`` makes at the epoch's end). That epoch then yields fewer
+    batches than ``len()`` says, the same number on every rank; the next epochs are whole.
     """
 
     def __init__(
@@ -97,6 +122,10 @@ class Loader:
         max_errors: int | float = 0,
         lanes: int = 2,
         hw_load: float | str = 0.65,
+        distributed: bool = True,
+        rank: int | None = None,
+        world: int | None = None,
+        equal: Literal["pad", "drop"] | None = "pad",
     ) -> None:
         from headrace.ops import Pipeline
         from headrace.readers import Reader
@@ -107,7 +136,11 @@ class Loader:
         pipeline = Pipeline() if pipeline is None else pipeline
         if not isinstance(pipeline, Pipeline):
             raise ConfigError(f"pipeline must be a headrace.ops.Pipeline, got {type(pipeline).__name__}")
-        device = resolve_device(pipeline, device)
+        if equal not in _EQUAL:
+            raise ConfigError(f"equal must be 'pad', 'drop' or None, got {equal!r}")
+        dist = detect_distributed(distributed=distributed, rank=rank, world=world)
+        reader = _shard_for(reader, dist.rank, dist.world, equal, explicit=rank is not None)
+        device = resolve_device(pipeline, device, local_rank=dist.local_rank)
         require_int("lanes", lanes)
         if on_error not in ("raise", "skip"):
             raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
@@ -120,6 +153,7 @@ class Loader:
         if not isinstance(seed, int):
             raise ConfigError(f"seed must be an int, got {seed!r}")
         self.reader = reader
+        self.rank, self.world = reader.rank, reader.world
         self.batch_size = batch_size
         self.pipeline = pipeline
         self.device = device
@@ -144,6 +178,9 @@ class Loader:
         # Where the next batch comes from. ``_fresh``: nobody has started iterating from it yet;
         # an iteration left mid-epoch makes the next ``async for`` start the next epoch.
         self._epoch, self._position, self._batches = 0, 0, 0
+        # The spans of the current epoch read on other world sizes before a resume, as
+        # (world, position) pairs; ``_position`` counts inside the span after them.
+        self._history: list[tuple[int, int]] = []
         self._fresh = True
         self._active: _Run | None = None
         self._closed = False
@@ -183,8 +220,9 @@ class Loader:
             raise LoaderError("this loader is already being iterated; finish or close that loop first")
         if not self._fresh:
             self._epoch, self._position, self._batches = self._epoch + 1, 0, 0
+            self._history = []
         self._fresh = False
-        run = _Run(self._cfg, self._epoch, self._position, self._batches)
+        run = _Run(self._cfg, self._epoch, self._position, self._batches, tuple(self._history))
         self._active = run
         return self._iterate(run)
 
@@ -209,6 +247,7 @@ class Loader:
                 item.handoff()
                 yield item
             self._epoch, self._position, self._batches = run.epoch + 1, 0, 0
+            self._history = []
             self._fresh = True
             completed = True
         finally:
@@ -251,7 +290,12 @@ class Loader:
         return self._stats
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the stream stands: after the last batch handed out, or at the next epoch's start."""
+        """Where the stream stands: after the last batch handed out, or at the next epoch's start.
+
+        ``position`` and ``batches`` count this rank's samples and batches in the epoch (after the
+        spans in ``history``, if it resumed on another world size); in a job whose ranks step
+        together they are the same on every rank.
+        """
         return {
             "version": STATE_VERSION,
             "epoch": self._epoch,
@@ -259,24 +303,55 @@ class Loader:
             "batches": self._batches,
             "batch_size": self.batch_size,
             "seed": self.seed,
+            "world": self.world,
+            "rank": self.rank,
+            "history": [list(span) for span in self._history],
             "source": self.reader.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``; the next ``async for`` resumes mid-epoch if the state was taken there.
 
-        Raises ConfigError if the state came from a loader with another batch size, seed or reader.
+        The state may come from any rank of the same step. Saved on another world size, the epoch
+        continues with what it has not read yet, split across this job's ranks (see the class
+        docstring); the reader must be ``reshardable``.
+
+        Raises ConfigError if the state came from a loader with another batch size, seed or reader,
+        or from another world size with a reader that cannot resume across world sizes.
         """
         if self._active is not None:
             raise LoaderError("cannot load state while an epoch is being iterated")
-        if state.get("version") != STATE_VERSION:
-            raise ConfigError(f"unknown loader state version {state.get('version')!r}")
+        version = state.get("version")
+        if version not in (1, STATE_VERSION):
+            raise ConfigError(f"unknown loader state version {version!r}")
         for name in ("batch_size", "seed"):
             if state[name] != getattr(self, name):
                 raise ConfigError(f"state was saved with {name}={state[name]!r}, this loader has {getattr(self, name)!r}")
-        if state["source"] != self.reader.state_dict():
-            raise ConfigError(f"state was saved with reader {state['source']!r}, this loader reads {self.reader.state_dict()!r}")
-        self._epoch, self._position, self._batches = int(state["epoch"]), int(state["position"]), int(state["batches"])
+        saved, mine = state["source"], self.reader.state_dict()
+        world = int(state.get("world", saved.get("world", 1)))
+        history = [(int(w), int(p)) for w, p in state.get("history", [])]
+        position = int(state["position"])
+        if version == 1:  # the reader keys of then; the same rank loads it
+            mine = {k: mine.get(k) for k in saved}
+            ignored: set[str] = set()
+        elif world == self.world:
+            ignored = {"rank"}
+        else:  # the split of the earlier spans follows from their world sizes alone
+            ignored = {"rank", "world", "samples", "equal"}
+        if _without(saved, ignored) != _without(mine, ignored):
+            raise ConfigError(f"state was saved with reader {saved!r}, this loader reads {mine!r}")
+        if world != self.world and (position or history):
+            if not getattr(self.reader, "reshardable", False):
+                raise ConfigError(
+                    f"state was saved on {world} ranks and this loader runs on {self.world}: "
+                    f"{type(self.reader).__name__} cannot resume an epoch on another world size "
+                    "(files, LMDB and WebDataset with per-shard counts can); resume on "
+                    f"{world} ranks, or start at the next epoch")
+            if position:
+                history.append((world, position))
+            position = 0  # counted from the start of this world's span
+        self._epoch, self._position, self._batches = int(state["epoch"]), position, int(state["batches"])
+        self._history = history
         self._fresh = True
 
     def __repr__(self) -> str:
@@ -284,3 +359,23 @@ class Loader:
             f"Loader({self.reader!r}, batch_size={self.batch_size}, pipeline={self.pipeline!r}, "
             f"device={self.device!r}, epoch={self._epoch})"
         )
+
+
+def _shard_for(reader: Any, rank: int, world: int, equal: Any, *, explicit: bool) -> Any:
+    """The reader this rank reads: ``reader`` sharded by (rank, world), unless already sharded."""
+    if reader.world > 1:
+        if explicit and (reader.rank, reader.world) != (rank, world):
+            raise ConfigError(f"the reader is sharded as rank {reader.rank} of {reader.world}, "
+                              f"but rank={rank}, world={world} were given")
+        return reader  # the caller sharded it: their split, their policy
+    if world == 1:
+        return reader
+    try:
+        return reader.shard(rank, world, equal=equal)
+    except ConfigError as exc:
+        exc.add_note(f"while the loader sharded the reader for rank {rank} of {world} with equal={equal!r}")
+        raise
+
+
+def _without(state: dict[str, Any], keys: set[str]) -> dict[str, Any]:
+    return {k: v for k, v in state.items() if k not in keys}

@@ -44,11 +44,13 @@ class RunConfig:
 
 
 class _Run:
-    def __init__(self, cfg: RunConfig, epoch: int, start: int, first_batch: int) -> None:
+    def __init__(self, cfg: RunConfig, epoch: int, start: int, first_batch: int,
+                 history: tuple[tuple[int, int], ...] = ()) -> None:
         self.cfg = cfg
         self.epoch = epoch
         self.start = start
         self.first_batch = first_batch
+        self.history = history  # spans of this epoch read on other world sizes (Reader docstring)
         self.failure: BaseException | None = None
         self.budget = ErrorBudget(cfg.max_errors)
         self._chunks_tx, self._chunks_rx = open_channel(16, cfg.max_bytes, name="samples")
@@ -101,7 +103,9 @@ class _Run:
     async def _read(self) -> None:
         cfg = self.cfg
         try:
-            stream = cfg.reader.read(self.epoch, start=self.start, seed=cfg.seed)
+            # ``history`` only when there is one: readers that cannot reshard need not take it.
+            more = {"history": self.history} if self.history else {}
+            stream = cfg.reader.read(self.epoch, start=self.start, seed=cfg.seed, **more)
             async with contextlib.aclosing(stream):
                 async for chunk in stream:
                     await self._chunks_tx.send(chunk, sum(s.nbytes for s in chunk))
