@@ -145,7 +145,7 @@ async def train(args: argparse.Namespace) -> dict[str, Any]:
     compute = torch.device(f"cuda:{local}") if cuda else torch.device("cpu")
     torch.manual_seed(args.seed)
     reader, total = make_reader(args, rank)
-    loader = headrace.Loader(reader, batch_size=args.batch_size, pipeline=ops.training(args.size),
+    loader = headrace.Loader(reader, batch_size=args.batch_size, pipeline=ops.training(args.size, dtype=args.dtype),
                              device=args.device, num_threads=args.threads, seed=args.seed, equal=args.equal)
     model, model_name = make_model(args.model, args.classes)
     ddp: nn.Module | None = None
@@ -185,6 +185,8 @@ async def train(args: argparse.Namespace) -> dict[str, Any]:
         assert opt is not None
         if cuda:
             images = images.contiguous(memory_format=torch.channels_last)
+        if not args.amp:  # float16 batches meet float32 weights only under autocast
+            images = images.float()
         with torch.autocast(compute.type, dtype=torch.bfloat16, enabled=args.amp):
             loss = nn.functional.cross_entropy(ddp(images), labels)
         opt.zero_grad(set_to_none=True)
@@ -273,6 +275,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=64, help="per rank")
     p.add_argument("--size", type=int, default=224, help="crop side in pixels")
+    p.add_argument("--dtype", default="float16", choices=["float16", "float32"],
+                   help="batch dtype (the GPU benchmark's pipeline: float16 NCHW)")
     p.add_argument("--device", default="auto", help="loader device: auto, cpu or cuda (auto/cuda = cuda:LOCAL_RANK)")
     p.add_argument("--model", default="auto", choices=["auto", "tiny", "resnet18", "resnet50", "none"],
                    help="auto: resnet18 with torchvision, else a tiny CNN; none: the loader alone")
