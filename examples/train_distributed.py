@@ -252,7 +252,8 @@ async def train(args: argparse.Namespace) -> dict[str, Any]:
     later = [e["images_per_s_total"] for e in epochs[1:]] or [e["images_per_s_total"] for e in epochs]
     later_rank = [statistics.median(e["images_per_s_per_rank"]) for e in (epochs[1:] or epochs)]
     return {
-        "world": world, "backend": dist.get_backend(), "loader_device": loader.device, "model": model_name,
+        "world": world, "backend": dist.get_backend(), "loader_device": loader.device,
+        "loader_devices": gather(loader.device), "model": model_name,
         "samples": total, "per_rank": len(loader.reader), "batch_size": args.batch_size, "size": args.size,
         "reader": args.reader, "equal": args.equal, "threads": loader.num_threads, "resumed": resumed,
         "stopped_after_step": step if stopped else None, "epochs": epochs,

@@ -63,7 +63,9 @@ class Loader:
             (nvImageCodec moves the share batch by batch).
         last_batch: ``"partial"`` (default), ``"fill"`` or ``"drop"`` for the short last batch.
         seed: keys the reader's shuffle (unless it has its own seed) and every random op.
-        num_threads: CPU worker threads for decode and transforms (default: all cores).
+        num_threads: CPU threads for decode and transforms: the CPU path's workers, or each GPU
+            lane's nvImageCodec host threads (default: all cores, divided among the processes
+            torchrun started on the node, from ``LOCAL_WORLD_SIZE``).
         prefetch: batches in flight between the batcher and the consumer (decoding or done);
             default 3 on the CPU, ``lanes + 2`` on the GPU.
         max_bytes: bound on encoded bytes buffered between the reader and the batcher.
@@ -144,7 +146,9 @@ class Loader:
         require_int("lanes", lanes)
         if on_error not in ("raise", "skip"):
             raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-        num_threads = num_threads or os.cpu_count() or 1
+        if num_threads is None:  # the node's cores, shared by the processes torchrun started on it
+            local_procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if dist.world > 1 else 1
+            num_threads = max(1, (os.cpu_count() or 1) // max(1, local_procs))
         if prefetch is None:  # on the GPU: one batch per lane, one being prepared, one handed over
             prefetch = lanes + 2 if device.startswith("cuda") else 3
         for name, value in (("num_threads", num_threads), ("prefetch", prefetch), ("max_bytes", max_bytes)):
@@ -196,7 +200,7 @@ class Loader:
             # the loop once, before the first batch.
             self._gpu_executor = CudaExecutor(
                 self.pipeline, device=self.device,
-                lanes=self.lanes, seed=self.seed, hw_load=self.hw_load,
+                lanes=self.lanes, seed=self.seed, hw_load=self.hw_load, decoder_threads=self.num_threads,
             )
         return self._gpu_executor
 
