@@ -40,23 +40,7 @@ from torch import nn
 
 import headrace
 from headrace import datasets, ops, readers
-
-
-class TinyNet(nn.Module):
-    """Three strided convolutions and a linear classifier (used when torchvision is missing)."""
-
-    def __init__(self, classes: int) -> None:
-        super().__init__()
-        self.features = nn.Sequential(
-            nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
-            nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.BatchNorm2d(32), nn.ReLU(inplace=True),
-            nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.BatchNorm2d(64), nn.ReLU(inplace=True),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-        )
-        self.head = nn.Linear(64, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x))
+from train import TinyNet  # examples/train.py: the same small CNN (torchrun runs this from examples/)
 
 
 def make_model(name: str, classes: int) -> tuple[nn.Module | None, str]:

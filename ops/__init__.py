@@ -4,21 +4,17 @@ from ._cpu import CpuExecutor, Processed
 from ._cuda import CudaExecutor, cuda_available
 from ._pipeline import IMAGE_EXTENSIONS, Pipeline, training, validation
 from ._random import uniforms
+from ._post_spec import ColorTwist, GaussianBlur, PostOp, Rotate, WarpAffine
 from ._spec import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     CenterCrop,
-    ColorTwist,
     Decode,
     Flip,
-    GaussianBlur,
     Normalize,
     Op,
-    PostOp,
     RandomResizedCrop,
     Resize,
-    Rotate,
-    WarpAffine,
     crop_mirror_normalize,
 )
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ._spec import ColorTwist, GaussianBlur, PostOp, _Warp
+from ._post_spec import ColorTwist, GaussianBlur, PostOp, _Warp
 
 __all__ = ["apply", "apply_tables", "blur", "color_twist", "index_affine", "reflect", "warp"]
 

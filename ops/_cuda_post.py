@@ -26,7 +26,7 @@ import torch
 from ._cpu_post import index_affine
 from ._cuda_post_kernels import FINISH_TYPES, module
 from ._pipeline import Pipeline
-from ._spec import ColorTwist, GaussianBlur, PostOp, _Warp
+from ._post_spec import ColorTwist, GaussianBlur, PostOp, _Warp
 
 __all__ = ["PostOps", "blur_table", "chain", "color_table", "describe", "finish", "table_layout", "warp_table"]
 

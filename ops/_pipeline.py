@@ -11,6 +11,7 @@ import torch
 from headrace._errors import ConfigError
 
 from ._random import uniforms
+from ._post_spec import PostOp
 from ._spec import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -19,7 +20,6 @@ from ._spec import (
     Flip,
     Normalize,
     Op,
-    PostOp,
     RandomResizedCrop,
     Resize,
 )
