@@ -69,20 +69,31 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     cache = Path(os.environ.get("HEADRACE_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "headrace")
     target = cache / f"batch_decode-{digest.hexdigest()[:16]}.so"
     if not target.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        # Built under a temporary name and renamed: ranks of one job may build at the same time.
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-        os.close(fd)
-        cmd = [compiler, "-O2", "-shared", "-fPIC", "-o", tmp, str(_SOURCE), f"-I{_HERE}", f"-I{header.parent}",
-               f"-L{package}", "-l:libnvimgcodec.so.0", f"-Wl,-rpath,{package}"]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            os.unlink(tmp)
-            return None, f"compiling the decode shim failed: {done.stderr.strip()[-400:]}"
-        os.replace(tmp, target)
+        try:
+            built = _build(compiler, cache, header, package, target)
+        except OSError as exc:  # an unwritable cache, a compiler that cannot start
+            return None, f"building the decode shim failed: {exc}"
+        if built is not None:
+            return None, built
     lib = ctypes.CDLL(str(target))
     _declare(lib)
     return lib, None
+
+
+def _build(compiler: str, cache: Path, header: Path, package: Path, target: Path) -> str | None:
+    """Compile the shim to ``target``; the compiler's complaint when it fails, else None."""
+    cache.mkdir(parents=True, exist_ok=True)
+    # Built under a temporary name and renamed: ranks of one job may build at the same time.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+    os.close(fd)
+    cmd = [compiler, "-O2", "-shared", "-fPIC", "-o", tmp, str(_SOURCE), f"-I{_HERE}", f"-I{header.parent}",
+           f"-L{package}", "-l:libnvimgcodec.so.0", f"-Wl,-rpath,{package}"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        os.unlink(tmp)
+        return f"compiling the decode shim failed: {done.stderr.strip()[-400:]}"
+    os.replace(tmp, target)
+    return None
 
 
 def _declare(lib: ctypes.CDLL) -> None:

@@ -142,3 +142,12 @@ def test_a_batch_parsed_in_one_thread_decodes_in_another(decoder, rng):
     for blob, out in zip(blobs, outs):
         np.testing.assert_array_equal(out, _pillow(blob))
     parsed.close()
+
+
+def test_an_unusable_cache_means_the_fallback_with_a_reason(monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"")
+    monkeypatch.setenv("HEADRACE_CACHE", str(blocker / "cache"))  # under a file: mkdir fails
+    monkeypatch.setattr(_batch_decode, "_state", {})
+    assert _batch_decode.load() is None
+    assert "building the decode shim failed" in _batch_decode.unavailable_reason()
