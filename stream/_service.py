@@ -19,6 +19,7 @@ from typing import Any, Literal, Self
 
 from ._admission import Admission
 from ._device import resolve_device
+from ._distributed import detect_distributed
 from ._errors import (
     ClosedError,
     ConfigError,
@@ -139,7 +140,8 @@ class Preprocessor:
             raise ConfigError(f"when_full must be 'wait' or 'reject', got {when_full!r}")
         if postprocess is not None and not callable(postprocess):
             raise ConfigError(f"postprocess must be callable, got {postprocess!r}")
-        self.device = resolve_device(pipeline, device)
+        # One process per GPU under torchrun: "auto"/"cuda" is this process's GPU, as for the Loader.
+        self.device = resolve_device(pipeline, device, local_rank=detect_distributed().local_rank)
         self.pipeline = pipeline
         self.when_full = when_full
         self.num_threads = require_int("num_threads", num_threads or os.cpu_count() or 1)
