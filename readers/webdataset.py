@@ -41,6 +41,7 @@ from ._base import Equal, Reader, _check_shard
 from headrace._threads import join_threads
 
 from ._feed import END, Feed
+from ._reshard import resharded
 from ._shards import read_index, resolve_shards
 from ._storage import Downloads, RemoteFile, Storage, Store, is_url, run_sync
 from ._shuffle import Draws, ShuffleBuffer, resume_state
@@ -206,8 +207,8 @@ class WebDatasetReader(Reader):
         """
         seed = self.seed if self.seed is not None else seed
         require_int("start", start, 0)
-        if history:  # the epoch began on other world sizes: see _resharded
-            async with contextlib.aclosing(self._resharded(epoch, seed, history, start)) as stream:
+        if history:  # the epoch began on other world sizes: see _reshard.py
+            async with contextlib.aclosing(resharded(self, epoch, seed, history, start)) as stream:
                 async for chunk in stream:
                     yield chunk
             return
@@ -290,77 +291,6 @@ class WebDatasetReader(Reader):
         buf.drain(out, None if limit is None else limit - emitted)
         if out:
             yield _number(out, start + emitted)
-
-    # -- resuming on another world size -------------------------------------------------------
-    #
-    # ``history`` lists the spans of the epoch read before, each as (world, position): every rank
-    # of that world read ``position`` samples of its stream. Span 0 is made of the ranks' ordinary
-    # streams; what a rank had read is found without I/O from its inputs and ``resume_state`` (the
-    # inputs before the next one, less those held in its buffer). The samples no span read, in the
-    # epoch's shard order and in shard order within a shard, are cut into ``world`` contiguous
-    # blocks (after ``equal``: padded by repeating their head, or cut), one per rank; a rank reads
-    # its block (seeking over the rest of those shards) through a shuffle buffer of its own. A
-    # later span is read the same way, so a world size may change any number of times in an epoch.
-
-    def _remaining(self, epoch: int, seed: int, history: Sequence[tuple[int, int]]) -> np.ndarray:
-        """Dataset indices of the epoch's samples that no span of ``history`` read, in block order."""
-        if self._counts is None or self._offsets is None:
-            raise ConfigError("webdataset: resuming on another world size needs per-shard sample counts "
-                              "(headrace-index.json from `headrace pack`, or counts=[...] or counts='scan')")
-        offsets = self._offsets
-        n = len(self.shards)
-        order = np.random.default_rng([seed, epoch, 0]).permutation(n).tolist() if self.shuffle else range(n)
-        remaining = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in order])
-        size = self.shuffle_buffer if self.shuffle else 0
-        for span, (world, position) in enumerate(history):
-            require_int("history: world", world)
-            require_int("history: position", position, 0)
-            read = np.zeros(offsets[-1], dtype=bool)
-            for rank in range(world):
-                if span == 0:
-                    part = self.shard(rank, world, equal=self.equal)
-                    inputs = part._inputs(epoch, seed)
-                    draws = Draws([seed, epoch, 1, rank])
-                    took = min(position, len(part))  # "drop" ends the stream early
-                else:
-                    inputs = _block(remaining, rank, world, self.equal)
-                    draws = Draws([seed, epoch, 1, rank, span])
-                    took = position
-                took = min(took, len(inputs))  # past its end ("pad" repeats): every input was read
-                if took == 0:
-                    continue
-                held, nxt = resume_state(size, draws, len(inputs), took)
-                done = np.ones(nxt, dtype=bool)
-                done[held] = False
-                read[inputs[:nxt][done]] = True
-            remaining = remaining[~read[remaining]]
-        return remaining
-
-    def _inputs(self, epoch: int, seed: int) -> np.ndarray:
-        """Dataset indices of this rank's ordinary stream, in input (pre-shuffle-buffer) order."""
-        counts, offsets = self._counts, self._offsets
-        assert counts is not None and offsets is not None
-        parts = [offsets[j.shard] + np.arange(j.first, counts[j.shard], j.stride) for j in self._jobs(epoch, seed)]
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-
-    async def _resharded(self, epoch: int, seed: int, history: Sequence[tuple[int, int]],
-                         start: int) -> AsyncIterator[list[Sample]]:
-        """This rank's block of what ``history`` left unread, from position ``start`` (see above)."""
-        inputs = _block(self._remaining(epoch, seed, history), self.rank, self.world, self.equal)
-        size = self.shuffle_buffer if self.shuffle else 0
-        buf = ShuffleBuffer(size, Draws([seed, epoch, 1, self.rank, len(history)]), position=start)
-        if start > len(inputs):
-            raise ConfigError(f"start must be in [0, {len(inputs)}], got {start}")
-        held, nxt = resume_state(size, buf.draws, len(inputs), start) if start else ([], 0)
-        buf.slots = [None] * len(held)
-        # Jobs number samples by dataset index (a block holds each at most once).
-        slot_of = {int(inputs[ordinal]): i for i, ordinal in enumerate(held)}
-        wanted = inputs[np.concatenate([np.sort(np.asarray(held, dtype=np.int64)), np.arange(nxt, len(inputs))])]
-        if len(wanted) == 0:
-            return
-        async with contextlib.aclosing(self._buffered(self._index_jobs(wanted), buf, slot_of, start, None)) as stream:
-            async for chunk in stream:
-                yield chunk
 
     def _index_jobs(self, indices: np.ndarray) -> list[_Job]:
         """Jobs that read exactly ``indices`` (dataset indices), in that order: one per run of
@@ -498,20 +428,6 @@ def _missing(fields: dict, require: list[tuple[str, ...]], key: str, path: str) 
             return ReadError(f"sample has no {' or '.join(map(repr, alternatives))} field "
                              f"(it has {', '.join(sorted(fields)) or 'none'})", key=key, source=path)
     return None
-
-
-def _block(items: np.ndarray, rank: int, world: int, equal: Equal) -> np.ndarray:
-    """Rank ``rank``'s contiguous part of ``items``; ``equal`` as for ``shard()``."""
-    n = len(items)
-    if equal == "pad":
-        size = -(-n // world)
-        if size * world > n:
-            items = np.concatenate([items, np.resize(items, size * world - n)])
-        return items[rank * size : (rank + 1) * size]
-    if equal == "drop":
-        size = n // world
-        return items[rank * size : (rank + 1) * size]
-    return np.array_split(items, world)[rank]
 
 
 def _resume_jobs(jobs: list[_Job], counts: Sequence[int], nxt: int, held: dict[int, int]) -> list[_Job]:

@@ -272,7 +272,7 @@ async def test_version_1_states_still_load(data):
 
 
 def test_resharded_webdataset_block_helper():
-    from headrace.readers.webdataset import _block
+    from headrace.readers._reshard import block as _block
 
     items = np.arange(10)
     assert [len(_block(items, r, 4, "pad")) for r in range(4)] == [3, 3, 3, 3]
