@@ -51,6 +51,7 @@ class Processed:
     data: dict[str, Any]
     kept: list[int]
     failures: list[tuple[int, LoaderError]] = field(default_factory=list)
+    ready: Any = None  # GPU path: the CUDA event after the batch's last kernel (None on the CPU)
 
 
 class CpuExecutor:
