@@ -164,7 +164,7 @@ class _Run:
             index=batch.index,
             padded=padded,
             dropped=len(failures),
-            extra={"end_position": batch.end_position, "ready": getattr(processed, "ready", None)},
+            extra={"end_position": batch.end_position, "ready": processed.ready},
         )
 
 

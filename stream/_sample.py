@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,16 +87,7 @@ class Batch(Mapping[str, Any]):
         thread). The stream waits on the lane's event without blocking the host, and each tensor is
         recorded on the stream so its memory is reused only after the consumer's work on it.
         """
-        ready = self.extra.get("ready")
-        if ready is None:
-            return
-        import torch
-
-        for value in self.data.values():
-            if isinstance(value, torch.Tensor) and value.is_cuda:
-                stream = torch.cuda.current_stream(value.device)
-                stream.wait_event(ready)
-                value.record_stream(stream)
+        hand_off(self.data.values(), self.extra.get("ready"))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.data)
@@ -121,3 +112,18 @@ def _describe(value: Any) -> str:
     if isinstance(value, list):
         return f"list[{len(value)}]"
     return type(value).__name__
+
+
+def hand_off(values: Iterable[Any], ready: Any) -> None:
+    """Make the current CUDA stream wait on ``ready`` (a lane's event) without blocking the host,
+    and record each CUDA tensor among ``values`` on that stream, so its memory is reused only after
+    the work queued there. Nothing to do when ``ready`` is None (CPU results)."""
+    if ready is None:
+        return
+    import torch
+
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.is_cuda:
+            stream = torch.cuda.current_stream(value.device)
+            stream.wait_event(ready)
+            value.record_stream(stream)

@@ -28,7 +28,7 @@ from ._errors import (
     TransformError,
     require_int,
 )
-from ._sample import Batch, Sample, SampleBatch
+from ._sample import Sample, SampleBatch, hand_off
 from ._threads import join_threads
 
 __all__ = ["Preprocessor", "PreprocessorStats"]
@@ -290,7 +290,7 @@ class Preprocessor:
             batch = SampleBatch([r.sample for r in reqs], epoch=0, index=index)
             try:
                 processed = await self._executor.run(batch)
-                outputs = await self._finish(processed, index)
+                outputs = await self._finish(processed)
             except asyncio.CancelledError:
                 for r in reqs:
                     self._answer(r, error=ClosedError("the service closed while the request was processed",
@@ -323,21 +323,19 @@ class Preprocessor:
             r.future.set_exception(error)
             self._stats.failed += 1
 
-    async def _finish(self, processed: Any, index: int) -> Any:
+    async def _finish(self, processed: Any) -> Any:
         images = processed.data["image"]
-        ready = getattr(processed, "ready", None)
+        ready = processed.ready
         if self._finisher is None:
-            if ready is not None:
-                _handoff(images, ready, index)  # the loop thread's current stream: the callers'
+            hand_off([images], ready)  # the loop thread's current stream: the callers'
             return images
-        fut = self._finisher.submit(self._finish_in_thread, images, ready, index)
+        fut = self._finisher.submit(self._finish_in_thread, images, ready)
         self._finishing.add(fut)
         fut.add_done_callback(self._finishing.discard)
         return await asyncio.wrap_future(fut)
 
-    def _finish_in_thread(self, images: Any, ready: Any, index: int) -> Any:
-        if ready is not None:
-            _handoff(images, ready, index)  # this thread's current stream waits for the lane
+    def _finish_in_thread(self, images: Any, ready: Any) -> Any:
+        hand_off([images], ready)  # this thread's current stream waits for the lane
         outputs = images
         if self.postprocess is not None:
             try:
@@ -443,10 +441,6 @@ class Preprocessor:
             f"Preprocessor({self.pipeline!r}, device={self.device!r}, max_batch={self.max_batch}, "
             f"max_delay={self.max_delay}, max_pending={self._admission.limit}, when_full={self.when_full!r})"
         )
-
-
-def _handoff(images: Any, ready: Any, index: int) -> None:
-    Batch(data={"image": images}, sample_keys=[], sources=[], epoch=0, index=index, extra={"ready": ready}).handoff()
 
 
 def _for_request(exc: Exception, sample: Sample) -> LoaderError:

@@ -1,4 +1,4 @@
-"""Waiting for work running in threads, from the event loop."""
+"""Waiting for work running in threads or tasks, from the event loop, even when cancelled."""
 
 from __future__ import annotations
 
@@ -7,17 +7,16 @@ import concurrent.futures
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["join_threads"]
+__all__ = ["join_threads", "wait_all"]
 
 
-async def join_threads(futures: Iterable[concurrent.futures.Future[Any]]) -> None:
-    """Wait until every thread job is finished, even if the caller is cancelled meanwhile.
+async def wait_all(futures: Iterable[asyncio.Future[Any]]) -> None:
+    """Wait until every future is done, even if the caller is cancelled meanwhile.
 
-    Readers' and executors' cleanup uses it so that no thread outlives its owner; a cancellation
-    that arrives while waiting is re-raised once the threads are idle (``asyncio.shield`` would
-    return at once and leave them running).
+    A cancellation that arrives while waiting is re-raised once they are all done, so nothing the
+    owner started outlives it (``asyncio.shield`` would return at once and leave them running).
     """
-    pending = {asyncio.wrap_future(f) for f in futures if not f.done()}
+    pending = {f for f in futures if not f.done()}
     cancelled = False
     while pending:
         try:
@@ -26,3 +25,11 @@ async def join_threads(futures: Iterable[concurrent.futures.Future[Any]]) -> Non
             cancelled = True
     if cancelled:
         raise asyncio.CancelledError
+
+
+async def join_threads(futures: Iterable[concurrent.futures.Future[Any]]) -> None:
+    """Wait until every thread job is finished (``wait_all`` for jobs of thread pools).
+
+    Readers' and executors' cleanup uses it so that no thread outlives its owner.
+    """
+    await wait_all([asyncio.wrap_future(f) for f in futures if not f.done()])

@@ -172,6 +172,21 @@ static int reserve_parsed(hr_parsed* p, int n)
     return grow(ptrs, sizes, 1, &p->capacity, n);
 }
 
+/* The stream's image info, and its height and width as displayed (EXIF rotations by 90 or 270
+   degrees swap them when exif is set). 0 when the header cannot be read. */
+static int displayed_info(nvimgcodecCodeStream_t cs, int exif, nvimgcodecImageInfo_t* ii, int* h, int* w)
+{
+    memset(ii, 0, sizeof(*ii));
+    ii->struct_type = NVIMGCODEC_STRUCTURE_TYPE_IMAGE_INFO;
+    ii->struct_size = sizeof(*ii);
+    if (nvimgcodecCodeStreamGetImageInfo(cs, ii) != NVIMGCODEC_STATUS_SUCCESS || ii->num_planes < 1)
+        return 0;
+    int rotated = exif && (ii->orientation.rotated / 90) % 2;
+    *h = (int)(rotated ? ii->plane_info[0].width : ii->plane_info[0].height);
+    *w = (int)(rotated ? ii->plane_info[0].height : ii->plane_info[0].width);
+    return 1;
+}
+
 hr_parsed* hr_parsed_create(void)
 {
     return (hr_parsed*)calloc(1, sizeof(hr_parsed));
@@ -213,18 +228,10 @@ int hr_parse(nvimgcodecInstance_t instance, hr_parsed* p, int n, const unsigned 
             continue;
         }
         nvimgcodecImageInfo_t ii;
-        memset(&ii, 0, sizeof(ii));
-        ii.struct_type = NVIMGCODEC_STRUCTURE_TYPE_IMAGE_INFO;
-        ii.struct_size = sizeof(ii);
-        if (nvimgcodecCodeStreamGetImageInfo(p->streams[i], &ii) != NVIMGCODEC_STATUS_SUCCESS || ii.num_planes < 1) {
+        int h, w;
+        if (!displayed_info(p->streams[i], exif, &ii, &h, &w)) {
             release_handles(&p->streams[i], 1);
             continue;
-        }
-        int32_t h = (int32_t)ii.plane_info[0].height, w = (int32_t)ii.plane_info[0].width;
-        if (exif && (ii.orientation.rotated / 90) % 2) {
-            int32_t t = h;
-            h = w;
-            w = t;
         }
         row[0] = h;
         row[1] = w;
@@ -261,17 +268,9 @@ int hr_decode(hr_decoder* d, const hr_parsed* p, int m, const int32_t* pick, con
         if (rh < 1 || rw < 1)
             continue;
         nvimgcodecImageInfo_t ii;
-        memset(&ii, 0, sizeof(ii));
-        ii.struct_type = NVIMGCODEC_STRUCTURE_TYPE_IMAGE_INFO;
-        ii.struct_size = sizeof(ii);
-        if (nvimgcodecCodeStreamGetImageInfo(whole, &ii) != NVIMGCODEC_STATUS_SUCCESS)
+        int full_h, full_w;
+        if (!displayed_info(whole, exif, &ii, &full_h, &full_w))
             continue;
-        int full_h = (int)ii.plane_info[0].height, full_w = (int)ii.plane_info[0].width;
-        if (exif && (ii.orientation.rotated / 90) % 2) {
-            int t = full_h;
-            full_h = full_w;
-            full_w = t;
-        }
         nvimgcodecCodeStream_t src = whole;
         if (r[0] != 0 || r[1] != 0 || r[2] != full_h || r[3] != full_w) {
             nvimgcodecCodeStreamView_t view;

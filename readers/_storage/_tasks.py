@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 
+from headrace._threads import wait_all
+
 __all__ = ["cancel_and_wait"]
 
 
@@ -17,15 +19,9 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task[object]]) -> None:
     tasks = list(tasks)
     for task in tasks:
         task.cancel()
-    cancelled = False
-    pending = {t for t in tasks if not t.done()}
-    while pending:
-        try:
-            _, pending = await asyncio.wait(pending)
-        except asyncio.CancelledError:
-            cancelled = True
-    for task in tasks:
-        if not task.cancelled():
-            task.exception()
-    if cancelled:
-        raise asyncio.CancelledError
+    try:
+        await wait_all(tasks)
+    finally:
+        for task in tasks:
+            if task.done() and not task.cancelled():
+                task.exception()
