@@ -16,16 +16,12 @@ Python API instead (as it does with ``HEADRACE_NATIVE_DECODE=0``, read when a la
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from headrace import _native as native
 
 from ._cpu_decode import nvimgcodec
 
@@ -59,41 +55,19 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     header, library = package / "include" / "nvimgcodec.h", package / "libnvimgcodec.so.0"
     if not header.exists() or not library.exists():
         return None, f"nvImageCodec's C header or library is missing under {package}"
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        return None, "no C compiler (set CC, or install gcc)"
-    digest = hashlib.sha256()
-    for part in (_SOURCE, _HERE / "cuda_runtime_api.h", header):
-        digest.update(part.read_bytes())
-    digest.update(f"{library}|{compiler}".encode())
-    cache = Path(os.environ.get("HEADRACE_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "headrace")
-    target = cache / f"batch_decode-{digest.hexdigest()[:16]}.so"
-    if not target.exists():
-        try:
-            built = _build(compiler, cache, header, package, target)
-        except OSError as exc:  # an unwritable cache, a compiler that cannot start
-            return None, f"building the decode shim failed: {exc}"
-        if built is not None:
-            return None, built
+    target, reason = native.build(
+        "batch_decode", _SOURCE, inputs=(_HERE / "cuda_runtime_api.h", header),
+        flags=(f"-I{_HERE}", f"-I{header.parent}", f"-L{package}", "-l:libnvimgcodec.so.0", f"-Wl,-rpath,{package}"),
+    )
+    if target is None:
+        return None, reason
     lib = ctypes.CDLL(str(target))
     _declare(lib)
+    # Short calls keep the GIL: a ctypes call that drops it must wait to take it back, up to the
+    # switch interval when another thread is busy in Python (readers/_read_files.py).
+    lib.with_gil = ctypes.PyDLL(str(target))
+    lib.with_gil.hr_parsed_release.argtypes, lib.with_gil.hr_parsed_release.restype = [ctypes.c_void_p], None
     return lib, None
-
-
-def _build(compiler: str, cache: Path, header: Path, package: Path, target: Path) -> str | None:
-    """Compile the shim to ``target``; the compiler's complaint when it fails, else None."""
-    cache.mkdir(parents=True, exist_ok=True)
-    # Built under a temporary name and renamed: ranks of one job may build at the same time.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-    os.close(fd)
-    cmd = [compiler, "-O2", "-shared", "-fPIC", "-o", tmp, str(_SOURCE), f"-I{_HERE}", f"-I{header.parent}",
-           f"-L{package}", "-l:libnvimgcodec.so.0", f"-Wl,-rpath,{package}"]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        os.unlink(tmp)
-        return f"compiling the decode shim failed: {done.stderr.strip()[-400:]}"
-    os.replace(tmp, target)
-    return None
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -215,7 +189,7 @@ class ParsedBatch:
     def release(self) -> None:
         """Drop the parsed streams and let the batch's data go; the object can parse again."""
         if self._handle:
-            self._lib.hr_parsed_release(self._handle)
+            self._lib.with_gil.hr_parsed_release(self._handle)
         self._pinned = None
 
     def close(self) -> None:

@@ -24,11 +24,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
-
 from headrace._errors import ConfigError, DecodeError, LoaderError
 from headrace._sample import SampleBatch
 from headrace._threads import join_threads
+from PIL import Image
 
 from . import _batch_decode as batch_decode
 from . import _pillow
@@ -314,20 +313,27 @@ class _Lane:
                 shape = (len(ok), c, oh, ow) if pipe.layout == "CHW" else (len(ok), oh, ow, c)
                 dtype = pipe.dtype
             out = torch.empty(shape, dtype=dtype, device=self.owner.device)
+            # One pinned block per batch carries the kernel's tables and the labels: two copies.
+            stage = self.staging[self.turn % len(self.staging)]
+            self.turn += 1
+            tables = stage.host(len(ok), self.cp_stream)
             if len(ok):
-                self._launch(out, pointers[ok], row_strides[ok], prep.plans, regions, ok)
+                self._launch(out, tables, stage, pointers[ok], row_strides[ok], prep.plans, regions, ok)
             if self.post is not None:
                 indices = np.fromiter((samples[rows[i]].index for i in ok), dtype=np.int64, count=len(ok))
                 out = self.post.finish(self.post.apply(out, indices, prep.batch.epoch, inplace=True))
             data_out: dict[str, Any] = {"image": out}
             if any(lbl is not None for lbl in prep.labels):
                 # From pinned memory: a copy from pageable memory may wait for the lane's stream
-                # (its decode and kernel) before it starts. torch's pinned-memory cache keeps the
-                # host block until the copy has run.
-                labels = torch.tensor([prep.labels[i] for i in ok], dtype=torch.int64).pin_memory()
-                data_out["label"] = labels.to(self.owner.device, non_blocking=True)
+                # (its decode and kernel) before it starts.
+                tables["labels"][:] = [prep.labels[i] for i in ok]
+                labels = torch.empty(len(ok), dtype=torch.int64, device=self.owner.device)
+                if len(ok):
+                    stage.upload("labels", labels.data_ptr(), len(ok), self.cp_stream)
+                data_out["label"] = labels
             ready = torch.cuda.Event()
             ready.record(self.stream)
+            stage.event = ready  # the block is reused once the copies and the kernel have run
         self.recent.append((ready, (decoded, uploads)))
         result = Processed(data_out, [rows[i] for i in ok], sorted(failures, key=lambda f: f[0]))
         result.ready = ready
@@ -346,14 +352,13 @@ class _Lane:
         arr = np.ascontiguousarray(np.asarray(img.crop((x0, y0, x1, y1))).reshape(y1 - y0, x1 - x0, -1))
         return torch.from_numpy(arr).to(self.owner.device, non_blocking=False)
 
-    def _launch(self, out: torch.Tensor, pointers: np.ndarray, row_strides: np.ndarray, plans, regions, ok) -> None:
+    def _launch(self, out: torch.Tensor, tables, stage: _Staging, pointers: np.ndarray, row_strides: np.ndarray,
+                plans, regions, ok) -> None:
         n = len(ok)
         c = self.owner.pipeline.channels
-        stage = self.staging[self.turn % len(self.staging)]
-        self.turn += 1
-        ptrs, meta, geo = stage.host(n, self.cp_stream)
         reg = regions[ok]
-        ptrs[:] = pointers
+        tables["ptrs"][:] = pointers
+        meta = tables["meta"]
         meta[:, 0] = reg[:, 2] - reg[:, 0]
         meta[:, 1] = reg[:, 3] - reg[:, 1]
         meta[:, 2] = row_strides
@@ -362,9 +367,10 @@ class _Lane:
         meta[:, 5:] = 0
         # The box, and the real pixels (outside them: zero padding), in region coordinates.
         origin = np.tile(reg[:, [1, 0]], 2).astype(np.float64)
+        geo = tables["geo"]
         geo[:, 0:4] = plans.box[ok] - origin
         geo[:, 4:8] = plans.clip[ok] - origin
-        d_ptrs, d_meta, d_geo = stage.upload(n, self.cp_stream)
+        d_ptrs, d_meta, d_geo = stage.upload_tables(self.cp_stream)
         pipe = self.owner.pipeline
         oh, ow = pipe.output_size()
         with self.cp_stream:
@@ -375,39 +381,58 @@ class _Lane:
                  np.int32(pipe.layout == "CHW" and self.post is None),
                  np.int32(pipe.normalize is not None and self.post is None), self.mean, self.inv_std),
             )
-        stage.record(self.cp_stream)
 
 
 class _Staging:
-    """Pinned host tables and their device copies; an event says when the copy has been consumed."""
+    """One pinned host block and its device twin: the kernel's tables, then the labels.
+
+    Every CUDA call from Python drops the GIL and waits to take it back, so the three tables go up
+    in one copy (the tables' whole region, a few KiB) and the labels in another, straight into
+    their tensor. ``event`` (set by the lane) says when the copies and the kernel have run.
+    """
+
+    _FIELDS = (("ptrs", np.uint64, 1), ("meta", np.int32, 8), ("geo", np.float32, 8), ("labels", np.int64, 1))
 
     def __init__(self, cupy) -> None:
         self.cupy = cupy
         self.capacity = 0
-        self.event = None
+        self.event: Any = None
 
-    def host(self, n: int, stream):
-        cp = self.cupy
+    def host(self, n: int, stream) -> dict[str, np.ndarray]:
+        """The first ``n`` rows of each table (pinned), free to fill once the last use has run."""
         if self.event is not None:
             self.event.synchronize()  # the kernel that read these tables has run (long ago, in practice)
         if n > self.capacity:
-            import cupyx
+            self._grow(max(n, 2 * self.capacity, 64), stream)
+        return {name: view[:n] for name, view in self.views.items()}
 
-            self.capacity = max(n, 2 * self.capacity, 64)
-            self.h_ptrs = cupyx.empty_pinned((self.capacity,), dtype=np.uint64)
-            self.h_meta = cupyx.empty_pinned((self.capacity, 8), dtype=np.int32)
-            self.h_geo = cupyx.empty_pinned((self.capacity, 8), dtype=np.float32)
-            with stream:  # CuPy's pools are per stream: these tables belong to the lane's
-                self.d_ptrs = cp.empty((self.capacity,), dtype=cp.uint64)
-                self.d_meta = cp.empty((self.capacity, 8), dtype=cp.int32)
-                self.d_geo = cp.empty((self.capacity, 8), dtype=cp.float32)
-        return self.h_ptrs[:n], self.h_meta[:n], self.h_geo[:n]
+    def _grow(self, capacity: int, stream) -> None:
+        import cupyx
 
-    def upload(self, n: int, stream):
-        self.d_ptrs[:n].set(self.h_ptrs[:n], stream=stream)
-        self.d_meta[:n].set(self.h_meta[:n], stream=stream)
-        self.d_geo[:n].set(self.h_geo[:n], stream=stream)
-        return self.d_ptrs, self.d_meta, self.d_geo
+        self.capacity, self.offsets, offset = capacity, {}, 0
+        for name, dtype, width in self._FIELDS:
+            self.offsets[name] = offset
+            offset += -(-capacity * width * np.dtype(dtype).itemsize // 256) * 256
+        self.h_block = cupyx.empty_pinned((offset,), dtype=np.uint8)
+        with stream:  # CuPy's pools are per stream: the block belongs to the lane's
+            self.d_block = self.cupy.empty((offset,), dtype=self.cupy.uint8)
+        self.views = {
+            name: self.h_block[self.offsets[name] :].view(dtype)[: capacity * width].reshape(
+                (capacity, width) if width > 1 else (capacity,))
+            for name, dtype, width in self._FIELDS
+        }
 
-    def record(self, stream) -> None:
-        self.event = stream.record()
+    def upload_tables(self, stream) -> tuple[np.uint64, np.uint64, np.uint64]:
+        """Copy the kernel's tables up (one copy) and return their device addresses."""
+        self._copy(self.d_block.data.ptr, self.h_block.ctypes.data, self.offsets["labels"], stream)
+        base = self.d_block.data.ptr
+        return tuple(np.uint64(base + self.offsets[name]) for name in ("ptrs", "meta", "geo"))
+
+    def upload(self, name: str, destination: int, n: int, stream) -> None:
+        """Copy the first ``n`` rows of table ``name`` to device address ``destination``."""
+        size = n * self.views[name].strides[0]
+        self._copy(destination, self.h_block.ctypes.data + self.offsets[name], size, stream)
+
+    def _copy(self, destination: int, source: int, size: int, stream) -> None:
+        runtime = self.cupy.cuda.runtime
+        runtime.memcpyAsync(destination, source, size, runtime.memcpyHostToDevice, stream.ptr)

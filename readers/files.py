@@ -12,6 +12,7 @@ from headrace._errors import ConfigError, ReadError, StorageError, require_int
 from headrace._sample import Sample
 
 from ._base import IndexedReader
+from ._read_files import ChunkReader
 from ._storage import Storage, Store, is_url, redact_url, run_sync, with_retries
 
 __all__ = ["FileReader", "files"]
@@ -63,25 +64,27 @@ class FileReader(IndexedReader):
             self._sources = self.paths
         self._keys = [_key(p, root) for p in self._sources]
         self._exts = [_ext(p) for p in self._sources]
+        self._chunks = ChunkReader()
 
     def _dataset_size(self) -> int:
         return len(self.paths)
 
     def _fetch(self, indices: Sequence[int]) -> list[Sample]:
+        # Two GIL-free calls for the chunk where the C helper builds (``_read_files``).
+        paths = self.paths
+        blobs = self._chunks.read([os.fsencode(paths[i]) for i in indices])
         out = []
-        for i in indices:
-            path = self.paths[i]
+        for i, blob in zip(indices, blobs):
             fields: dict = {}
             error = None
-            try:
-                with open(path, "rb") as f:
-                    fields[self._exts[i]] = f.read()
-            except OSError as exc:
-                error = ReadError(f"cannot read file: {exc.strerror or exc}", key=self._keys[i], source=path)
-                error.__cause__ = exc
+            if isinstance(blob, OSError):
+                error = ReadError(f"cannot read file: {blob.strerror or blob}", key=self._keys[i], source=paths[i])
+                error.__cause__ = blob
+            else:
+                fields[self._exts[i]] = blob
             if self.labels is not None:
                 fields["cls"] = str(self.labels[i]).encode()
-            out.append(Sample(self._keys[i], fields, path, i, error=error))
+            out.append(Sample(self._keys[i], fields, paths[i], i, error=error))
         return out
 
     def _io_session(self) -> Any:

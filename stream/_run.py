@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ._batcher import LastBatch, batch_samples
 from ._budget import ErrorBudget
 from ._channel import ChannelStats, open_channel
 from ._errors import LoaderError
-from ._sample import Batch, SampleBatch
+from ._sample import Batch, SampleBatch, samples_nbytes
 
 __all__ = ["RunConfig", "_Run"]
 
@@ -108,7 +108,7 @@ class _Run:
             stream = cfg.reader.read(self.epoch, start=self.start, seed=cfg.seed, **more)
             async with contextlib.aclosing(stream):
                 async for chunk in stream:
-                    await self._chunks_tx.send(chunk, sum(s.nbytes for s in chunk))
+                    await self._chunks_tx.send(chunk, samples_nbytes(chunk))
         finally:
             await self._chunks_tx.aclose()
 

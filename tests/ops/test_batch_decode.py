@@ -150,4 +150,4 @@ def test_an_unusable_cache_means_the_fallback_with_a_reason(monkeypatch, tmp_pat
     monkeypatch.setenv("HEADRACE_CACHE", str(blocker / "cache"))  # under a file: mkdir fails
     monkeypatch.setattr(_batch_decode, "_state", {})
     assert _batch_decode.load() is None
-    assert "building the decode shim failed" in _batch_decode.unavailable_reason()
+    assert "building batch_decode failed" in _batch_decode.unavailable_reason()
