@@ -278,9 +278,11 @@ class _Lane:
         pipe = self.owner.pipeline
         samples = prep.batch.samples
         rows, regions, on_gpu, failures = prep.rows, prep.regions, prep.on_gpu, prep.failures
+        lap = _Laps(self.seconds)
         with torch.cuda.stream(self.stream):
             if len(self.recent) == self.recent.maxlen:
                 self.recent[0][0].synchronize()
+            lap("wait")
             n = len(rows)
             pointers = np.zeros(n, dtype=np.uint64)
             row_strides = np.zeros(n, dtype=np.int64)
@@ -313,12 +315,13 @@ class _Lane:
                 shape = (len(ok), c, oh, ow) if pipe.layout == "CHW" else (len(ok), oh, ow, c)
                 dtype = pipe.dtype
             out = torch.empty(shape, dtype=dtype, device=self.owner.device)
+            lap("alloc")
             # One pinned block per batch carries the kernel's tables and the labels: two copies.
             stage = self.staging[self.turn % len(self.staging)]
             self.turn += 1
             tables = stage.host(len(ok), self.cp_stream)
             if len(ok):
-                self._launch(out, tables, stage, pointers[ok], row_strides[ok], prep.plans, regions, ok)
+                self._launch(out, tables, stage, pointers[ok], row_strides[ok], prep.plans, regions, ok, lap)
             if self.post is not None:
                 indices = np.fromiter((samples[rows[i]].index for i in ok), dtype=np.int64, count=len(ok))
                 out = self.post.finish(self.post.apply(out, indices, prep.batch.epoch, inplace=True))
@@ -331,9 +334,11 @@ class _Lane:
                 if len(ok):
                     stage.upload("labels", labels.data_ptr(), len(ok), self.cp_stream)
                 data_out["label"] = labels
+            lap("labels")
             ready = torch.cuda.Event()
             ready.record(self.stream)
             stage.event = ready  # the block is reused once the copies and the kernel have run
+            lap("event")
         self.recent.append((ready, (decoded, uploads)))
         result = Processed(data_out, [rows[i] for i in ok], sorted(failures, key=lambda f: f[0]))
         result.ready = ready
@@ -353,7 +358,7 @@ class _Lane:
         return torch.from_numpy(arr).to(self.owner.device, non_blocking=False)
 
     def _launch(self, out: torch.Tensor, tables, stage: _Staging, pointers: np.ndarray, row_strides: np.ndarray,
-                plans, regions, ok) -> None:
+                plans, regions, ok, lap) -> None:
         n = len(ok)
         c = self.owner.pipeline.channels
         reg = regions[ok]
@@ -370,7 +375,9 @@ class _Lane:
         geo = tables["geo"]
         geo[:, 0:4] = plans.box[ok] - origin
         geo[:, 4:8] = plans.clip[ok] - origin
+        lap("tables")
         d_ptrs, d_meta, d_geo = stage.upload_tables(self.cp_stream)
+        lap("upload")
         pipe = self.owner.pipeline
         oh, ow = pipe.output_size()
         with self.cp_stream:
@@ -381,6 +388,21 @@ class _Lane:
                  np.int32(pipe.layout == "CHW" and self.post is None),
                  np.int32(pipe.normalize is not None and self.post is None), self.mean, self.inv_std),
             )
+        lap("kernel")
+
+
+class _Laps:
+    """Adds the time since the last lap to ``seconds["lane." + name]``: where a lane's host time goes
+    after its decode (``CudaExecutor.timings``)."""
+
+    def __init__(self, seconds: collections.Counter[str]) -> None:
+        self.seconds = seconds
+        self.last = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[f"lane.{name}"] += now - self.last
+        self.last = now
 
 
 class _Staging:
