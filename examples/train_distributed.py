@@ -130,8 +130,11 @@ async def train(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     reader, total = make_reader(args, rank)
     loader = headrace.Loader(reader, batch_size=args.batch_size, pipeline=ops.training(args.size, dtype=args.dtype),
-                             device=args.device, num_threads=args.threads, seed=args.seed, equal=args.equal)
-    model, model_name = make_model(args.model, args.classes)
+                             device=args.device, num_threads=args.threads, seed=args.seed, equal=args.equal,
+                             lanes=args.lanes, hw_load=args.hw_load if args.hw_load == "adaptive" else float(args.hw_load))
+    # The model's outputs follow the data (a folder tree made elsewhere may have other classes).
+    classes = len(getattr(reader, "classes", ())) or args.classes
+    model, model_name = make_model(args.model, classes)
     ddp: nn.Module | None = None
     opt = None
     if model is not None:
@@ -239,7 +242,7 @@ async def train(args: argparse.Namespace) -> dict[str, Any]:
         "world": world, "backend": dist.get_backend(), "loader_device": loader.device,
         "loader_devices": gather(loader.device), "model": model_name,
         "samples": total, "per_rank": len(loader.reader), "batch_size": args.batch_size, "size": args.size,
-        "reader": args.reader, "equal": args.equal, "threads": loader.num_threads, "resumed": resumed,
+        "reader": args.reader, "equal": args.equal, "threads": loader.num_threads, "lanes": args.lanes, "hw_load": args.hw_load, "resumed": resumed,
         "stopped_after_step": step if stopped else None, "epochs": epochs,
         "images_per_s_total_median": statistics.median(later) if epochs else None,
         "images_per_s_per_rank_median": statistics.median(later_rank) if epochs else None,
@@ -253,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--data", default=".data/dist-demo", help="class-per-folder image tree (default: %(default)s)")
     p.add_argument("--images", type=int, default=0,
                    help="make (once) a demo set of this many JPEGs in --data; 0: use --data as it is")
-    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--classes", type=int, default=10, help="classes of the data set --images makes")
     p.add_argument("--reader", choices=["files", "webdataset", "lmdb"], default="files",
                    help="webdataset/lmdb: --data packed once beside it (DATA.webdataset, DATA.lmdb)")
     p.add_argument("--shard-count", type=int, default=1024, help="samples per tar shard when packing")
@@ -269,6 +272,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--equal", default="pad", choices=["pad", "drop"], help="how ranks get equal batch counts")
     p.add_argument("--threads", type=int, default=None, help="loader CPU threads per rank (default: cores / ranks)")
     p.add_argument("--io-threads", type=int, default=2)
+    p.add_argument("--lanes", type=int, default=2, help="GPU lanes per rank")
+    p.add_argument("--hw-load", default="0.65", help="share for the hardware JPEG decoder, or 'adaptive'")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint", default=None, help="checkpoint file (rank 0 writes it)")
