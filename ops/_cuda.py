@@ -193,6 +193,7 @@ class CudaExecutor:
         ]
         plans = plan_batch(sizes[:, 0], sizes[:, 1], pipe.image_ops, randoms)
         regions = roi_batch(plans, sizes[:, 0], sizes[:, 1]).astype(np.int32)
+        meta, geo = _kernel_tables(plans, regions)
         self._prep_seconds["parse"] += t1 - t0
         self._prep_seconds["plan"] += time.perf_counter() - t1
         return _Prepared(
@@ -204,8 +205,9 @@ class CudaExecutor:
             parse_idx=parse_idx,
             on_gpu=np.array([i not in pillow for i in kept], dtype=bool),
             pillow={j: pillow[i] for j, i in enumerate(kept) if i in pillow},
-            plans=plans,
             regions=regions,
+            meta=meta,
+            geo=geo,
         )
 
 
@@ -221,8 +223,9 @@ class _Prepared:
     parse_idx: np.ndarray  # rows' positions in the parsed batch
     on_gpu: np.ndarray  # nvImageCodec decodes it (else Pillow already did)
     pillow: dict[int, Image.Image]
-    plans: Any
     regions: np.ndarray  # (y0, x0, y1, x1) decode windows
+    meta: np.ndarray  # the fused kernel's tables (``_kernel_tables``), but the row strides
+    geo: np.ndarray
 
 
 class _Lane:
@@ -296,6 +299,7 @@ class _Lane:
             finally:
                 self.owner._headers.recycle(prep.token)
             t1 = time.perf_counter()
+            lap("decode")
             uploads = []
             for i in np.flatnonzero(~done).tolist():  # Pillow's pixels, uploaded
                 sample = samples[rows[i]]
@@ -321,7 +325,7 @@ class _Lane:
             self.turn += 1
             tables = stage.host(len(ok), self.cp_stream)
             if len(ok):
-                self._launch(out, tables, stage, pointers[ok], row_strides[ok], prep.plans, regions, ok, lap)
+                self._launch(out, tables, stage, pointers[ok], row_strides[ok], prep, ok, lap)
             if self.post is not None:
                 indices = np.fromiter((samples[rows[i]].index for i in ok), dtype=np.int64, count=len(ok))
                 out = self.post.finish(self.post.apply(out, indices, prep.batch.epoch, inplace=True))
@@ -358,23 +362,16 @@ class _Lane:
         return torch.from_numpy(arr).to(self.owner.device, non_blocking=False)
 
     def _launch(self, out: torch.Tensor, tables, stage: _Staging, pointers: np.ndarray, row_strides: np.ndarray,
-                plans, regions, ok, lap) -> None:
+                prep: _Prepared, ok, lap) -> None:
+        # The tables were computed in the prep thread: here only what the decode decided (the
+        # pixels' addresses and row strides, which samples made it) joins them, in few NumPy calls.
         n = len(ok)
         c = self.owner.pipeline.channels
-        reg = regions[ok]
+        every = n == len(prep.meta)
         tables["ptrs"][:] = pointers
-        meta = tables["meta"]
-        meta[:, 0] = reg[:, 2] - reg[:, 0]
-        meta[:, 1] = reg[:, 3] - reg[:, 1]
-        meta[:, 2] = row_strides
-        meta[:, 3] = plans.flip_h[ok]
-        meta[:, 4] = plans.flip_v[ok]
-        meta[:, 5:] = 0
-        # The box, and the real pixels (outside them: zero padding), in region coordinates.
-        origin = np.tile(reg[:, [1, 0]], 2).astype(np.float64)
-        geo = tables["geo"]
-        geo[:, 0:4] = plans.box[ok] - origin
-        geo[:, 4:8] = plans.clip[ok] - origin
+        tables["meta"][:] = prep.meta if every else prep.meta[ok]
+        tables["meta"][:, 2] = row_strides
+        tables["geo"][:] = prep.geo if every else prep.geo[ok]
         lap("tables")
         d_ptrs, d_meta, d_geo = stage.upload_tables(self.cp_stream)
         lap("upload")
@@ -389,6 +386,23 @@ class _Lane:
                  np.int32(pipe.normalize is not None and self.post is None), self.mean, self.inv_std),
             )
         lap("kernel")
+
+
+def _kernel_tables(plans, regions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The fused kernel's per-sample tables (``_cuda_kernels``), row strides left 0 for the lane:
+    meta = (height, width, row stride, flip_h, flip_v, 0, 0, 0) of the decoded window; geo = the
+    box to read and the real pixels (outside them: zero padding), in window coordinates."""
+    n = len(regions)
+    meta = np.zeros((n, 8), dtype=np.int32)
+    meta[:, 0] = regions[:, 2] - regions[:, 0]
+    meta[:, 1] = regions[:, 3] - regions[:, 1]
+    meta[:, 3] = plans.flip_h
+    meta[:, 4] = plans.flip_v
+    origin = np.tile(regions[:, [1, 0]], 2).astype(np.float64)
+    geo = np.empty((n, 8), dtype=np.float32)
+    geo[:, 0:4] = plans.box - origin
+    geo[:, 4:8] = plans.clip - origin
+    return meta, geo
 
 
 class _Laps:
