@@ -1,0 +1,86 @@
+"""The GPU path's decode floor: nvImageCodec through headrace's C shim, and nothing else.
+
+L lanes (a thread, a CUDA stream and a decoder each) parse and decode batches of 256 in turn, the
+training pipeline's random-resized-crop windows, from JPEGs already in memory: no reader, no
+kernels, no event loop. What the whole pipeline reaches over this is what the host side costs
+(../shared/GPU-NOTES.md §6 has the Python API's numbers). Needs a GPU; prints one line per
+configuration (lanes, hw_load, decoder threads): median images/s of two passes after one.
+
+    python examples/benchmark_decode_floor.py /path/to/class-folders   # e.g. benchmark_gpu.py's --data
+"""
+import glob
+import os
+import statistics
+import sys
+import threading
+import time
+
+import cupy
+import numpy as np
+import torch
+
+from headrace import ops
+from headrace.ops._batch_decode import BatchDecoder, ParsedBatch
+from headrace.ops._geometry import plan_batch, roi_batch
+from headrace.ops._random import uniforms
+
+root = sys.argv[1]
+files = sorted(glob.glob(f"{root}/*/*.jpg"))
+blobs = [open(f, "rb").read() for f in files]
+B = 256
+batches = [blobs[i:i + B] for i in range(0, len(blobs), B)]
+pipe = ops.training(224)
+
+def regions_for(info, k):
+    idx = np.arange(k * B, k * B + len(info))
+    rnd = [uniforms(0, 0, pos, idx, op.randoms) if op.randoms else None for pos, op in enumerate(pipe.image_ops, 1)]
+    return roi_batch(plan_batch(info[:, 0], info[:, 1], pipe.image_ops, rnd), info[:, 0], info[:, 1]).astype(np.int32)
+
+def run(lanes, hw, threads, passes=3):
+    rates = []
+    class Lane(threading.Thread):
+        def __init__(s, i):
+            super().__init__(); s.i = i; s.ready = threading.Event(); s.go = threading.Event(); s.done = threading.Event()
+        def run(s):
+            torch.cuda.set_device(0); cupy.cuda.Device(0).use()
+            s.stream = cupy.cuda.Stream(non_blocking=True)
+            s.dec = BatchDecoder(0, threads=threads, hw_load=hw)
+            s.parsed = ParsedBatch()
+            s.ws = [torch.empty(B * 224 * 224 * 3 * 8, dtype=torch.uint8, device="cuda") for _ in range(2)]
+            s.ready.set()
+            for p in range(passes):
+                s.go.wait(); s.go.clear()
+                ev = [None, None]
+                for k in range(s.i, len(batches), lanes):
+                    info = s.parsed.parse(batches[k], exif=True)
+                    reg = regions_for(info, k)
+                    h, w = reg[:, 2] - reg[:, 0], reg[:, 3] - reg[:, 1]
+                    sizes = (h.astype(np.int64) * w * 3 + 255) // 256 * 256
+                    slot = k // lanes % 2
+                    if ev[slot] is not None: ev[slot].synchronize()
+                    ptr = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.uint64) + np.uint64(s.ws[slot].data_ptr())
+                    st = s.dec.decode(s.parsed, np.arange(len(info), dtype=np.int32), reg, ptr, s.stream.ptr)
+                    assert (st == 1).all(), (st != 1).sum()
+                    s.parsed.release()
+                    ev[slot] = s.stream.record()
+                s.stream.synchronize()
+                s.done.set()
+            s.dec.close(); s.parsed.close()
+    ls = [Lane(i) for i in range(lanes)]
+    for l in ls: l.start()
+    for l in ls: l.ready.wait()
+    for p in range(passes):
+        t = time.perf_counter()
+        for l in ls: l.go.set()
+        for l in ls: l.done.wait(); l.done.clear()
+        dt = time.perf_counter() - t
+        if p: rates.append(len(blobs) / dt)
+    for l in ls: l.join()
+    return statistics.median(rates), rates
+
+cores = os.cpu_count()
+configs = [(1, 0.65, cores), (2, 0.65, cores), (2, "adaptive", cores), (3, 0.65, cores), (3, "adaptive", cores),
+           (4, 0.65, cores), (4, "adaptive", cores), (2, 0.65, cores // 2), (2, 0.5, cores), (2, 0.8, cores), (3, 0.65, cores // 3)]
+for lanes, hw, th in configs:
+    med, rates = run(lanes, hw, th)
+    print(f"decode floor lanes={lanes} hw={hw} threads={th}: {med:,.0f} img/s  runs {[round(r) for r in rates]}", flush=True)
