@@ -73,10 +73,11 @@ def bench_reader(root: Path, epochs: int) -> dict:
         loop.close()
 
 
-def bench_headrace(root: Path, pipeline, batch: int, epochs: int, lanes: int, hw_load: float | str = 0.65) -> dict:
+def bench_headrace(root: Path, pipeline, batch: int, epochs: int, lanes: int, hw_load: float | str = 0.65,
+                   threads: int | None = None) -> dict:
     loop = headrace.new_event_loop()
     loader = headrace.Loader(readers.files(root, shuffle=True, io_threads=IO_THREADS), batch_size=batch, pipeline=pipeline,
-                             device="cuda", lanes=lanes, prefetch=lanes + 2, hw_load=hw_load)
+                             device="cuda", lanes=lanes, prefetch=lanes + 2, hw_load=hw_load, num_threads=threads)
 
     async def epoch() -> int:
         n = 0
@@ -187,7 +188,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--lanes", type=int, default=2)
     ap.add_argument("--variants", default="",
-                    help="also run headrace (train) with these LANES:HW_LOAD pairs, e.g. 2:0.5,2:adaptive")
+                    help="also run headrace (train) with these LANES:HW_LOAD[:THREADS] (decoder threads per lane), e.g. 2:0.5,2:adaptive,3:0.65:5")
     ap.add_argument("--io-threads", type=int, default=IO_THREADS, help="the files reader's I/O threads")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for the whole run (Python's default is 0.005 s)")
@@ -195,6 +196,8 @@ def main() -> None:
                     help="also run headrace (train) with these nvImageCodec decoder options, ';'-separated")
     ap.add_argument("--python-codec", action="store_true",
                     help="also run headrace (train) decoding through nvImageCodec's Python API (HEADRACE_NATIVE_DECODE=0)")
+    ap.add_argument("--python-launch", action="store_true",
+                    help="also run headrace (train) launching its kernel from Python, not from the decode shim")
     ap.add_argument("--hw-loads", default="", help="also run headrace (train) at these hw_load values, e.g. 0,1")
     ap.add_argument("--data", default=".data/bench-gpu")
     ap.add_argument("--photos", default=None, help="an .npz of photographs (for machines without scikit-image)")
@@ -229,16 +232,21 @@ def main() -> None:
             root, ops.training(224, dtype="float16"), args.batch, args.epochs, args.lanes, hw))
         rows.append(f"hw{hw}")
     for variant in filter(None, args.variants.split(",")):
-        n, hw = variant.split(":")
+        n, hw, *threads = variant.split(":")  # lanes:hw_load[:decoder threads per lane]
         hw_load = hw if hw == "adaptive" else float(hw)
-        runners[variant] = (f"headrace (train, {n} lanes, hw_load={hw})", lambda n=int(n), hw_load=hw_load: bench_headrace(
-            root, ops.training(224, dtype="float16"), args.batch, args.epochs, n, hw_load))
+        label = f"headrace (train, {n} lanes, hw_load={hw}" + (f", {threads[0]} threads)" if threads else ")")
+        runners[variant] = (label, lambda n=int(n), hw_load=hw_load, t=int(threads[0]) if threads else None: bench_headrace(
+            root, ops.training(224, dtype="float16"), args.batch, args.epochs, n, hw_load, t))
         rows.append(variant)
     for k, options in enumerate(filter(None, args.options_variants.split(";"))):
         runners[f"options{k}"] = (f"headrace (train, {options})", lambda options=options: _with_env(
             "HEADRACE_NVIMGCODEC_OPTIONS", options, lambda: bench_headrace(
                 root, ops.training(224, dtype="float16"), args.batch, args.epochs, args.lanes)))
         rows.append(f"options{k}")
+    if args.python_launch:
+        runners["python_launch"] = ("headrace (train, kernel launched from Python)", lambda: _with_env(
+            "HEADRACE_NATIVE_LAUNCH", "0", lambda: bench_headrace(root, ops.training(224, dtype="float16"), args.batch, args.epochs, args.lanes)))
+        rows.append("python_launch")
     if args.python_codec:
         runners["python"] = ("headrace (train, Python nvImageCodec API)", lambda: _with_env(
             "HEADRACE_NATIVE_DECODE", "0", lambda: bench_headrace(root, ops.training(224, dtype="float16"), args.batch, args.epochs, args.lanes)))

@@ -25,7 +25,7 @@ from headrace import _native as native
 
 from ._cpu_decode import nvimgcodec
 
-__all__ = ["BatchDecoder", "ParsedBatch", "load", "unavailable_reason"]
+__all__ = ["BatchDecoder", "Launch", "ParsedBatch", "driver_reason", "load", "unavailable_reason"]
 
 _HERE = Path(__file__).parent / "_native"
 _SOURCE = _HERE / "batch_decode.c"
@@ -57,7 +57,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         return None, f"nvImageCodec's C header or library is missing under {package}"
     target, reason = native.build(
         "batch_decode", _SOURCE, inputs=(_HERE / "cuda_runtime_api.h", header),
-        flags=(f"-I{_HERE}", f"-I{header.parent}", f"-L{package}", "-l:libnvimgcodec.so.0", f"-Wl,-rpath,{package}"),
+        flags=(f"-I{_HERE}", f"-I{header.parent}", f"-L{package}", "-l:libnvimgcodec.so.0", f"-Wl,-rpath,{package}", "-ldl"),
     )
     if target is None:
         return None, reason
@@ -82,6 +82,43 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hr_parse.argtypes, lib.hr_parse.restype = [p, p, i, p, p, i, p], i
     lib.hr_decode.argtypes, lib.hr_decode.restype = [p, p, i, p, p, p, i, i, p, p], i
     lib.hr_decoder_destroy.argtypes, lib.hr_decoder_destroy.restype = [p], None
+    lib.hr_driver_load.argtypes, lib.hr_driver_load.restype = [ctypes.c_char_p, sz], i
+    lib.hr_decode_launch.argtypes = [p, p, i, p, p, p, i, i, p, p, ctypes.POINTER(Launch)]
+    lib.hr_decode_launch.restype = i
+
+
+class Launch(ctypes.Structure):
+    """What ``BatchDecoder.decode_launch`` does around a decode (``hr_launch`` in the shim): wait
+    for ``wait_event`` first; then, when every image decoded, copy ``copy_size[0]`` bytes up,
+    launch ``function`` with ``params``, copy ``copy_size[1]`` bytes up and record ``event``, all on
+    the decode's stream. Addresses and CUDA handles are plain integers. The shim fills ``seconds``
+    (waiting, decoding, launching) and ``cuda_error``."""
+
+    _fields_ = [
+        ("wait_event", ctypes.c_void_p),
+        ("function", ctypes.c_void_p),
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("params", ctypes.c_void_p),
+        ("copy_dst", ctypes.c_uint64 * 2),
+        ("copy_src", ctypes.c_void_p * 2),
+        ("copy_size", ctypes.c_size_t * 2),
+        ("event", ctypes.c_void_p),
+        ("seconds", ctypes.c_double * 3),
+        ("cuda_error", ctypes.c_int),
+    ]
+
+
+def driver_reason() -> str | None:
+    """Why ``decode_launch`` cannot launch here (None when it can): the CUDA driver's entry points."""
+    lib = load()
+    if lib is None:
+        return unavailable_reason()
+    with _lock:
+        if "driver" not in _state:
+            err = ctypes.create_string_buffer(256)
+            _state["driver"] = None if lib.hr_driver_load(err, len(err)) else err.value.decode()
+        return _state["driver"]
 
 
 def _instance(lib: ctypes.CDLL) -> int:
@@ -149,6 +186,25 @@ class BatchDecoder:
         if not ok:
             status[:] = 0
         return status
+
+    def decode_launch(self, parsed: ParsedBatch, pick: np.ndarray, regions: np.ndarray, out: np.ndarray, stream: int,
+                      launch: Launch) -> tuple[np.ndarray, bool]:
+        """``decode``, with ``launch``'s wait before it and its copies, kernel and event after it
+        when every image decoded (``driver_reason()`` must be None). Returns the statuses and
+        whether the kernel was launched. A failed CUDA call raises RuntimeError."""
+        m = len(pick)
+        pick = np.ascontiguousarray(pick, dtype=np.int32)
+        regions = np.ascontiguousarray(regions, dtype=np.int32)
+        out = np.ascontiguousarray(out, dtype=np.uint64)
+        status = np.zeros(m, dtype=np.int32)
+        done = self._lib.hr_decode_launch(self._handle, parsed._handle, m, pick.ctypes.data, regions.ctypes.data,
+                                          out.ctypes.data, self.channels, int(self.exif), stream, status.ctypes.data,
+                                          ctypes.byref(launch))
+        if launch.cuda_error:
+            raise RuntimeError(f"a CUDA call around the decode failed (CUresult {launch.cuda_error})")
+        if not done:
+            status[:] = 0
+        return status, done == 2
 
     def close(self) -> None:
         """Destroy the decoder. Its stream's work must be done or still ordered after it. Safe twice."""

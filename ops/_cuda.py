@@ -4,7 +4,9 @@ The prep thread reads a batch's headers and plans each sample's crop (the same g
 CPU path, vectorised over the batch). A lane then decodes only the region each crop reads
 (nvImageCodec: hardware JPEG engine and CUDA decoder together, CPU fallback; GIL-free through the C
 shim of ``_batch_decode`` when it builds), launches one fused kernel for the batch and records an
-event; it never waits for the GPU. Batch i goes to lane i mod lanes, so the prep thread and the
+event; it never waits for the GPU. In the common case (every image to nvImageCodec, the CUDA driver
+reachable) the shim does all of that in the one call that decodes, so the lane takes the GIL back
+once a batch (``_cuda_launch``). Batch i goes to lane i mod lanes, so the prep thread and the
 lanes work on different batches at once, and each lane's batches stay in order on its stream.
 
 Hand-off: the output is allocated by torch on the lane's stream; the consumer's current stream
@@ -34,6 +36,7 @@ from . import _pillow
 from ._cpu import Processed, _image_field, _label, _read_failure
 from ._cuda_codecs import NativeDecoder, NativeHeaders, PythonDecoder, PythonHeaders
 from ._cuda_kernels import resample_kernel
+from ._cuda_launch import FusedLaunch, Staging
 from ._geometry import check_foldable, plan_batch, roi_batch
 from ._pipeline import Pipeline
 from ._random import uniforms
@@ -113,6 +116,7 @@ class CudaExecutor:
         total: collections.Counter[str] = collections.Counter(self._prep_seconds)
         for lane in self._lanes:
             total.update(lane.seconds)
+            total.update({f"shim.{name}": value for name, value in lane.decoder.seconds.items()})
         return dict(total)
 
     async def run(self, batch: SampleBatch) -> Processed:
@@ -260,13 +264,19 @@ class _Lane:
         with self.cp_stream:
             self.mean = cupy.asarray(np.resize(mean, c))
             self.inv_std = cupy.asarray(np.resize(inv, c))
-        self.staging = [_Staging(cupy) for _ in range(4)]
+        self.staging = [Staging(cupy, self.stream) for _ in range(4)]
         self.turn = 0
         # (event after the batch's kernel, its decoded pixels): pixels stay alive, and their memory
         # unused, until two batches later, after a host wait on that event (GPU-NOTES §3: nvJPEG's
         # hardware decoder was seen writing before earlier work on its stream had finished).
         self.recent: collections.deque[tuple[Any, Any]] = collections.deque(maxlen=2)
         self.seconds: collections.Counter[str] = collections.Counter()
+        # The shim waits, decodes, copies, launches and records in one GIL-free call when it can.
+        self.fused = None
+        if self.decoder.launch_unavailable is None and os.environ.get("HEADRACE_NATIVE_LAUNCH", "1") != "0":
+            (oh, ow), chw = pipe.output_size(), pipe.layout == "CHW" and self.post is None
+            self.fused = FusedLaunch(self.kernel, size=(oh, ow), channels=c, chw=chw,
+                                     normalize=norm is not None and self.post is None, mean=self.mean, inv_std=self.inv_std)
 
     def close(self) -> None:
         # The stream must outlive every image decoded on it and the decoder (GPU-NOTES §6).
@@ -277,79 +287,133 @@ class _Lane:
 
     def finish(self, prep: _Prepared) -> Processed:
         """Decode the prepared batch's windows and launch the fused kernel (in the lane's thread)."""
-        t0 = time.perf_counter()
-        pipe = self.owner.pipeline
-        samples = prep.batch.samples
-        rows, regions, on_gpu, failures = prep.rows, prep.regions, prep.on_gpu, prep.failures
         lap = _Laps(self.seconds)
+        stage = self.staging[self.turn % len(self.staging)]
+        self.turn += 1
         with torch.cuda.stream(self.stream):
-            if len(self.recent) == self.recent.maxlen:
-                self.recent[0][0].synchronize()
-            lap("wait")
-            n = len(rows)
-            pointers = np.zeros(n, dtype=np.uint64)
-            row_strides = np.zeros(n, dtype=np.int64)
-            done = np.zeros(n, dtype=bool)
-            decoded = None
+            wait = self.recent[0][0] if len(self.recent) == self.recent.maxlen else None
             try:
-                if on_gpu.any():
-                    decoded = self.decoder.decode(prep.token, prep.parse_idx[on_gpu], regions[on_gpu], self.cp_stream.ptr)
-                    pointers[on_gpu], row_strides[on_gpu] = decoded.pointers, decoded.row_strides
-                    done[on_gpu] = decoded.status == 1
+                if self.fused is not None and len(prep.rows) and prep.on_gpu.all():
+                    result, decoded = self._decode_and_launch(prep, stage, wait, lap)
+                    if result is not None:
+                        return self._done(result, stage, decoded)
+                    # An image failed: nothing was launched; the batch goes on as any other.
+                else:
+                    if wait is not None:
+                        wait.synchronize()
+                    lap("wait")
+                    decoded = None
+                    if prep.on_gpu.any():
+                        on_gpu = prep.on_gpu
+                        decoded = self.decoder.decode(prep.token, prep.parse_idx[on_gpu], prep.regions[on_gpu], self.cp_stream.ptr)
+                    lap("decode")
             finally:
                 self.owner._headers.recycle(prep.token)
-            t1 = time.perf_counter()
-            lap("decode")
-            uploads = []
-            for i in np.flatnonzero(~done).tolist():  # Pillow's pixels, uploaded
-                sample = samples[rows[i]]
-                self.seconds["cpu_fallback"] += bool(on_gpu[i])
-                try:
-                    pixels = self._cpu_decode(sample, regions[i], prep.pillow.get(i))
-                except LoaderError as exc:
-                    failures.append((rows[i], exc))
-                    continue
-                uploads.append(pixels)
-                pointers[i], row_strides[i], done[i] = pixels.data_ptr(), pixels.stride(0), True
-            ok = np.flatnonzero(done)
-            (oh, ow), c = pipe.output_size(), pipe.channels
-            if self.post is not None:
-                shape, dtype = (len(ok), oh, ow, c), torch.uint8
-            else:
-                shape = (len(ok), c, oh, ow) if pipe.layout == "CHW" else (len(ok), oh, ow, c)
-                dtype = pipe.dtype
-            out = torch.empty(shape, dtype=dtype, device=self.owner.device)
-            lap("alloc")
-            # One pinned block per batch carries the kernel's tables and the labels: two copies.
-            stage = self.staging[self.turn % len(self.staging)]
-            self.turn += 1
-            tables = stage.host(len(ok), self.cp_stream)
+            result, uploads = self._finish_decoded(prep, stage, decoded, lap)
+            return self._done(result, stage, (decoded, uploads))
+
+    def _decode_and_launch(self, prep: _Prepared, stage: Staging, wait, lap) -> tuple[Processed | None, Any]:
+        """The common case (every sample went to nvImageCodec): the tables are filled first, for
+        buffers chosen before the decode, and one shim call waits, decodes, copies, launches and
+        records. Returns (None, decoded) when an image failed: nothing was launched, and the lane
+        goes on as for any batch (``_finish_decoded``)."""
+        n = len(prep.rows)
+        pointers, row_strides, workspace = self.decoder.buffers(prep.regions, lambda: wait and wait.synchronize())
+        out = torch.empty(self._out_shape(n), dtype=self._out_dtype(), device=self.owner.device)
+        has_labels = any(lbl is not None for lbl in prep.labels)
+        labels = torch.empty(n, dtype=torch.int64, device=self.owner.device) if has_labels else None
+        lap("alloc")
+        tables = stage.host(n, self.cp_stream)
+        tables["ptrs"][:] = pointers
+        tables["meta"][:] = prep.meta
+        tables["meta"][:, 2] = row_strides
+        tables["geo"][:] = prep.geo
+        if has_labels:
+            tables["labels"][:] = prep.labels
+        launch = self.fused.prepare(stage, n, out, labels, wait, record=self.post is None)
+        lap("tables")
+        decoded = self.decoder.decode(prep.token, prep.parse_idx, prep.regions, self.cp_stream.ptr,
+                                      buffers=(pointers, row_strides, workspace), launch=launch)
+        lap("decode")
+        if not decoded.launched:
+            return None, decoded
+        ok = np.arange(n)
+        if self.post is not None:
+            out = self._post(out, prep, ok)
+            stage.ready.record(self.stream)
+        data: dict[str, Any] = {"image": out}
+        if has_labels:
+            data["label"] = labels
+        lap("event")
+        return Processed(data, list(prep.rows), sorted(prep.failures, key=lambda f: f[0])), decoded
+
+    def _finish_decoded(self, prep: _Prepared, stage: Staging, decoded, lap) -> tuple[Processed, list]:
+        """After the decode: Pillow for what nvImageCodec did not decode (its pixels uploaded, returned
+        to be kept alive), then the kernel from Python."""
+        samples = prep.batch.samples
+        rows, regions, on_gpu, failures = prep.rows, prep.regions, prep.on_gpu, prep.failures
+        n = len(rows)
+        pointers = np.zeros(n, dtype=np.uint64)
+        row_strides = np.zeros(n, dtype=np.int64)
+        done = np.zeros(n, dtype=bool)
+        if decoded is not None:
+            pointers[on_gpu], row_strides[on_gpu] = decoded.pointers, decoded.row_strides
+            done[on_gpu] = decoded.status == 1
+        uploads = []
+        for i in np.flatnonzero(~done).tolist():  # Pillow's pixels, uploaded
+            sample = samples[rows[i]]
+            self.seconds["cpu_fallback"] += bool(on_gpu[i])
+            try:
+                pixels = self._cpu_decode(sample, regions[i], prep.pillow.get(i))
+            except LoaderError as exc:
+                failures.append((rows[i], exc))
+                continue
+            uploads.append(pixels)
+            pointers[i], row_strides[i], done[i] = pixels.data_ptr(), pixels.stride(0), True
+        ok = np.flatnonzero(done)
+        out = torch.empty(self._out_shape(len(ok)), dtype=self._out_dtype(), device=self.owner.device)
+        lap("alloc")
+        # One pinned block per batch carries the kernel's tables and the labels: two copies.
+        tables = stage.host(len(ok), self.cp_stream)
+        if len(ok):
+            self._launch(out, tables, stage, pointers[ok], row_strides[ok], prep, ok, lap)
+        if self.post is not None:
+            out = self._post(out, prep, ok)
+        data_out: dict[str, Any] = {"image": out}
+        if any(lbl is not None for lbl in prep.labels):
+            # From pinned memory: a copy from pageable memory may wait for the lane's stream
+            # (its decode and kernel) before it starts.
+            tables["labels"][:] = [prep.labels[i] for i in ok]
+            labels = torch.empty(len(ok), dtype=torch.int64, device=self.owner.device)
             if len(ok):
-                self._launch(out, tables, stage, pointers[ok], row_strides[ok], prep, ok, lap)
-            if self.post is not None:
-                indices = np.fromiter((samples[rows[i]].index for i in ok), dtype=np.int64, count=len(ok))
-                out = self.post.finish(self.post.apply(out, indices, prep.batch.epoch, inplace=True))
-            data_out: dict[str, Any] = {"image": out}
-            if any(lbl is not None for lbl in prep.labels):
-                # From pinned memory: a copy from pageable memory may wait for the lane's stream
-                # (its decode and kernel) before it starts.
-                tables["labels"][:] = [prep.labels[i] for i in ok]
-                labels = torch.empty(len(ok), dtype=torch.int64, device=self.owner.device)
-                if len(ok):
-                    stage.upload("labels", labels.data_ptr(), len(ok), self.cp_stream)
-                data_out["label"] = labels
-            lap("labels")
-            ready = torch.cuda.Event()
-            ready.record(self.stream)
-            stage.event = ready  # the block is reused once the copies and the kernel have run
-            lap("event")
-        self.recent.append((ready, (decoded, uploads)))
-        result = Processed(data_out, [rows[i] for i in ok], sorted(failures, key=lambda f: f[0]))
-        result.ready = ready
-        self.seconds["decode"] += t1 - t0
-        self.seconds["launch"] += time.perf_counter() - t1
+                stage.upload("labels", labels.data_ptr(), len(ok), self.cp_stream)
+            data_out["label"] = labels
+        lap("labels")
+        stage.ready.record(self.stream)
+        lap("event")
+        return Processed(data_out, [rows[i] for i in ok], sorted(failures, key=lambda f: f[0])), uploads
+
+    def _done(self, result: Processed, stage: Staging, keep: Any) -> Processed:
+        # The decoded pixels (and Pillow's uploads) stay alive until the host wait two batches later.
+        self.recent.append((stage.ready, keep))
+        result.ready = stage.ready
         self.seconds["batches"] += 1
         return result
+
+    def _out_shape(self, n: int) -> tuple[int, ...]:
+        pipe = self.owner.pipeline
+        (oh, ow), c = pipe.output_size(), pipe.channels
+        if self.post is not None or pipe.layout != "CHW":
+            return (n, oh, ow, c)
+        return (n, c, oh, ow)
+
+    def _out_dtype(self) -> torch.dtype:
+        return torch.uint8 if self.post is not None else self.owner.pipeline.dtype
+
+    def _post(self, out: torch.Tensor, prep: _Prepared, ok: np.ndarray) -> torch.Tensor:
+        samples, rows = prep.batch.samples, prep.rows
+        indices = np.fromiter((samples[rows[i]].index for i in ok), dtype=np.int64, count=len(ok))
+        return self.post.finish(self.post.apply(out, indices, prep.batch.epoch, inplace=True))
 
     def _cpu_decode(self, sample, region, decoded: Image.Image | None) -> torch.Tensor:
         """``region`` of the sample's pixels on the device: Pillow's, decoded now unless already."""
@@ -361,7 +425,7 @@ class _Lane:
         arr = np.ascontiguousarray(np.asarray(img.crop((x0, y0, x1, y1))).reshape(y1 - y0, x1 - x0, -1))
         return torch.from_numpy(arr).to(self.owner.device, non_blocking=False)
 
-    def _launch(self, out: torch.Tensor, tables, stage: _Staging, pointers: np.ndarray, row_strides: np.ndarray,
+    def _launch(self, out: torch.Tensor, tables, stage: Staging, pointers: np.ndarray, row_strides: np.ndarray,
                 prep: _Prepared, ok, lap) -> None:
         # The tables were computed in the prep thread: here only what the decode decided (the
         # pixels' addresses and row strides, which samples made it) joins them, in few NumPy calls.
@@ -417,58 +481,3 @@ class _Laps:
         now = time.perf_counter()
         self.seconds[f"lane.{name}"] += now - self.last
         self.last = now
-
-
-class _Staging:
-    """One pinned host block and its device twin: the kernel's tables, then the labels.
-
-    Every CUDA call from Python drops the GIL and waits to take it back, so the three tables go up
-    in one copy (the tables' whole region, a few KiB) and the labels in another, straight into
-    their tensor. ``event`` (set by the lane) says when the copies and the kernel have run.
-    """
-
-    _FIELDS = (("ptrs", np.uint64, 1), ("meta", np.int32, 8), ("geo", np.float32, 8), ("labels", np.int64, 1))
-
-    def __init__(self, cupy) -> None:
-        self.cupy = cupy
-        self.capacity = 0
-        self.event: Any = None
-
-    def host(self, n: int, stream) -> dict[str, np.ndarray]:
-        """The first ``n`` rows of each table (pinned), free to fill once the last use has run."""
-        if self.event is not None:
-            self.event.synchronize()  # the kernel that read these tables has run (long ago, in practice)
-        if n > self.capacity:
-            self._grow(max(n, 2 * self.capacity, 64), stream)
-        return {name: view[:n] for name, view in self.views.items()}
-
-    def _grow(self, capacity: int, stream) -> None:
-        import cupyx
-
-        self.capacity, self.offsets, offset = capacity, {}, 0
-        for name, dtype, width in self._FIELDS:
-            self.offsets[name] = offset
-            offset += -(-capacity * width * np.dtype(dtype).itemsize // 256) * 256
-        self.h_block = cupyx.empty_pinned((offset,), dtype=np.uint8)
-        with stream:  # CuPy's pools are per stream: the block belongs to the lane's
-            self.d_block = self.cupy.empty((offset,), dtype=self.cupy.uint8)
-        self.views = {
-            name: self.h_block[self.offsets[name] :].view(dtype)[: capacity * width].reshape(
-                (capacity, width) if width > 1 else (capacity,))
-            for name, dtype, width in self._FIELDS
-        }
-
-    def upload_tables(self, stream) -> tuple[np.uint64, np.uint64, np.uint64]:
-        """Copy the kernel's tables up (one copy) and return their device addresses."""
-        self._copy(self.d_block.data.ptr, self.h_block.ctypes.data, self.offsets["labels"], stream)
-        base = self.d_block.data.ptr
-        return tuple(np.uint64(base + self.offsets[name]) for name in ("ptrs", "meta", "geo"))
-
-    def upload(self, name: str, destination: int, n: int, stream) -> None:
-        """Copy the first ``n`` rows of table ``name`` to device address ``destination``."""
-        size = n * self.views[name].strides[0]
-        self._copy(destination, self.h_block.ctypes.data + self.offsets[name], size, stream)
-
-    def _copy(self, destination: int, source: int, size: int, stream) -> None:
-        runtime = self.cupy.cuda.runtime
-        runtime.memcpyAsync(destination, source, size, runtime.memcpyHostToDevice, stream.ptr)

@@ -17,6 +17,7 @@ is the fallback where the shim cannot be built.
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ class Decoded:
     pointers: np.ndarray  # uint64 device addresses
     row_strides: np.ndarray  # int64 bytes
     keep: Any  # owner(s) of the pixels
+    launched: bool = False  # the shim also launched the kernel (``NativeDecoder.decode``'s launch)
 
 
 class NativeHeaders:
@@ -78,8 +80,17 @@ class NativeDecoder:
         # The lane waits for its batch i-2's kernel before decoding batch i, so batch i's buffer is free.
         self.workspaces = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(2)]
         self.turn = 0
+        from ._batch_decode import Launch, driver_reason
 
-    def decode(self, parsed: Any, pick: np.ndarray, regions: np.ndarray, stream: int) -> Decoded:
+        self._plain = Launch()  # decode only
+        # None when the shim can also launch the lane's kernel (the CUDA driver resolved).
+        self.launch_unavailable = driver_reason()
+        self.seconds: collections.Counter[str] = collections.Counter()  # inside the shim
+
+    def buffers(self, regions: np.ndarray, before_growth) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
+        """Where each window ``regions[j]`` decodes to: (addresses, row strides, the buffer owning
+        them). Buffers are used in turn; ``before_growth()`` runs before one is replaced by a
+        larger one (the lane waits there for the batch that used it last)."""
         heights, widths = regions[:, 2] - regions[:, 0], regions[:, 3] - regions[:, 1]
         row_strides = (widths * self.channels).astype(np.int64)
         sizes = heights.astype(np.int64) * row_strides
@@ -91,12 +102,23 @@ class NativeDecoder:
         self.turn += 1
         workspace = self.workspaces[slot]
         if need > workspace.numel():
+            before_growth()
             del workspace
             self.workspaces[slot] = torch.empty(0, dtype=torch.uint8, device=self.device)  # free the old one first
             workspace = self.workspaces[slot] = torch.empty(_grown(need), dtype=torch.uint8, device=self.device)
-        pointers = offsets + np.uint64(workspace.data_ptr())
-        status = self.decoder.decode(parsed, pick, regions, pointers, stream)
-        return Decoded(status, pointers, row_strides, workspace)
+        return offsets + np.uint64(workspace.data_ptr()), row_strides, workspace
+
+    def decode(self, parsed: Any, pick: np.ndarray, regions: np.ndarray, stream: int, *,
+               buffers: tuple | None = None, launch: Any = None) -> Decoded:
+        """Decode into ``buffers`` (from ``buffers()``; made here when None). With ``launch``
+        (``_batch_decode.Launch``) the shim also waits and launches around the decode; ``seconds``
+        gets its timings."""
+        pointers, row_strides, workspace = buffers if buffers is not None else self.buffers(regions, lambda: None)
+        launch = launch if launch is not None else self._plain
+        status, launched = self.decoder.decode_launch(parsed, pick, regions, pointers, stream, launch)
+        for name, value in zip(("wait", "decode", "launch"), launch.seconds):
+            self.seconds[name] += value
+        return Decoded(status, pointers, row_strides, workspace, launched)
 
     def close(self) -> None:
         self.decoder.close()
@@ -157,6 +179,8 @@ class PythonDecoder:
             nvc.Backend(kinds.CPU_ONLY, load_hint_policy=policy),
         ]
         self.decoder = nvc.Decoder(device_id=device.index, max_num_cpu_threads=threads, backends=backends)
+        self.launch_unavailable = "decoding through nvImageCodec's Python API"
+        self.seconds: collections.Counter[str] = collections.Counter()
         gray = channels == 1
         self.params = nvc.DecodeParams(
             apply_exif_orientation=exif,

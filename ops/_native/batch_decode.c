@@ -17,6 +17,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <dlfcn.h>
 
 #include "nvimgcodec.h"
 
@@ -248,8 +250,8 @@ int hr_parse(nvimgcodecInstance_t instance, hr_parsed* p, int n, const unsigned 
  * nvImageCodec's processing status (or 0 when the image could not be set up). Blocks until the host
  * part of the decode is done; the device part is ordered on cuda_stream. Returns 0 when the whole
  * call failed (nothing decoded), else 1. */
-int hr_decode(hr_decoder* d, const hr_parsed* p, int m, const int32_t* pick, const int32_t* region, void* const* out, int channels,
-              int exif, void* cuda_stream, int32_t* status)
+static int decode_batch(hr_decoder* d, const hr_parsed* p, int m, const int32_t* pick, const int32_t* region, void* const* out,
+                        int channels, int exif, void* cuda_stream, int32_t* status)
 {
     if (!reserve(d, m))
         return 0;
@@ -343,6 +345,122 @@ int hr_decode(hr_decoder* d, const hr_parsed* p, int m, const int32_t* pick, con
     }
     free(slot);
     return ok;
+}
+
+int hr_decode(hr_decoder* d, const hr_parsed* p, int m, const int32_t* pick, const int32_t* region, void* const* out, int channels,
+              int exif, void* cuda_stream, int32_t* status)
+{
+    return decode_batch(d, p, m, pick, region, out, channels, exif, cuda_stream, status);
+}
+
+/* ---- Decode, then launch: the lane's whole batch in one GIL-free call ----
+ *
+ * Why: after a decode returns, each CUDA call a Python thread makes (a copy, a launch, an event)
+ * drops the GIL and waits to take it back, up to the switch interval (5 ms) when another thread
+ * runs Python; with two lanes those waits cost 2-10 ms a batch on the H100 (ops/README.md). Here
+ * the wait for the buffers' last reader, the decode, the tables' copy, the kernel, the labels' copy
+ * and the event are one call, and the lane takes the GIL back once.
+ *
+ * The CUDA driver is resolved from libcuda at first use (not linked), so the shim still loads,
+ * and decodes, where it is missing; the caller launches from Python then. The calling thread's
+ * current context must be the device's primary context (CUDA runtime calls on it set that). */
+typedef int (*hr_cu_launch)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*, void**, void**);
+typedef int (*hr_cu_copy)(unsigned long long, const void*, size_t, void*);
+typedef int (*hr_cu_event)(void*, void*);
+typedef int (*hr_cu_sync)(void*);
+
+static struct {
+    int loaded;
+    hr_cu_launch launch;
+    hr_cu_copy copy;
+    hr_cu_event record;
+    hr_cu_sync sync;
+} driver;
+
+/* 1 when the driver's entry points resolved (once per process; the caller serialises the first call). */
+int hr_driver_load(char* err, size_t errlen)
+{
+    if (driver.loaded)
+        return driver.loaded > 0;
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (lib) {
+        driver.launch = (hr_cu_launch)dlsym(lib, "cuLaunchKernel");
+        driver.copy = (hr_cu_copy)dlsym(lib, "cuMemcpyHtoDAsync_v2");
+        driver.record = (hr_cu_event)dlsym(lib, "cuEventRecord");
+        driver.sync = (hr_cu_sync)dlsym(lib, "cuEventSynchronize");
+    }
+    driver.loaded = (lib && driver.launch && driver.copy && driver.record && driver.sync) ? 1 : -1;
+    if (driver.loaded < 0 && err && errlen)
+        snprintf(err, errlen, "the CUDA driver's entry points did not resolve: %s", lib ? "missing symbols" : dlerror());
+    return driver.loaded > 0;
+}
+
+/* What follows the decode. Addresses are device pointers (copies' destinations), host pointers
+   (their sources, pinned) or CUDA handles (function, events), all as the caller's Python saw them. */
+typedef struct {
+    void* wait_event;     /* host-wait for it before decoding (the last reader of the output buffers), or NULL */
+    void* function;       /* the kernel; NULL: decode only */
+    unsigned grid[3];
+    unsigned block[3];
+    void** params;        /* the kernel's arguments, as cuLaunchKernel takes them */
+    unsigned long long copy_dst[2]; /* [0] before the kernel (its tables), [1] after it (e.g. labels) */
+    const void* copy_src[2];
+    size_t copy_size[2];  /* 0: no copy */
+    void* event;          /* recorded after the kernel, or NULL */
+    double seconds[3];    /* out: waiting, decoding, launching */
+    int cuda_error;       /* out: the driver's error code when a call failed, else 0 */
+} hr_launch;
+
+static double now(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static int after_decode(hr_launch* l, void* stream)
+{
+    int e = 0;
+    if (l->copy_size[0])
+        e = driver.copy(l->copy_dst[0], l->copy_src[0], l->copy_size[0], stream);
+    if (!e)
+        e = driver.launch(l->function, l->grid[0], l->grid[1], l->grid[2], l->block[0], l->block[1], l->block[2], 0, stream,
+                          l->params, NULL);
+    if (!e && l->copy_size[1])
+        e = driver.copy(l->copy_dst[1], l->copy_src[1], l->copy_size[1], stream);
+    if (!e && l->event)
+        e = driver.record(l->event, stream);
+    return e;
+}
+
+/* hr_decode, preceded by a host wait on l->wait_event and followed, when every image decoded, by
+ * the copies, the kernel and the event of l, all on cuda_stream. Returns 0 when the decode call
+ * failed as a whole, 1 when it decoded but launched nothing (an image failed, no function, or
+ * l->cuda_error says a driver call failed), 2 when the kernel was launched. */
+int hr_decode_launch(hr_decoder* d, const hr_parsed* p, int m, const int32_t* pick, const int32_t* region, void* const* out,
+                     int channels, int exif, void* cuda_stream, int32_t* status, hr_launch* l)
+{
+    double t0 = now();
+    l->cuda_error = 0;
+    if (l->wait_event && driver.loaded > 0)
+        l->cuda_error = driver.sync(l->wait_event);
+    double t1 = now();
+    int ok = l->cuda_error ? 0 : decode_batch(d, p, m, pick, region, out, channels, exif, cuda_stream, status);
+    double t2 = now();
+    int launched = 0;
+    if (ok && l->function && driver.loaded > 0) {
+        int all = 1;
+        for (int j = 0; j < m; ++j)
+            all &= status[j] == 1;
+        if (all) {
+            l->cuda_error = after_decode(l, cuda_stream);
+            launched = !l->cuda_error;
+        }
+    }
+    l->seconds[0] = t1 - t0;
+    l->seconds[1] = t2 - t1;
+    l->seconds[2] = now() - t2;
+    return ok ? 1 + launched : 0;
 }
 
 void hr_decoder_destroy(hr_decoder* d)

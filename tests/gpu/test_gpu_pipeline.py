@@ -125,6 +125,31 @@ async def test_bad_samples_fail_alone_with_typed_errors():
     assert b.data["image"].shape[0] == 2
 
 
+async def test_the_shims_launch_equals_the_launch_from_python(monkeypatch):
+    # The lane's common case (decode, copies, kernel, event in one shim call) against the same
+    # batch launched from Python (HEADRACE_NATIVE_LAUNCH=0): the same bytes, labels and rows.
+    rng = np.random.default_rng(5)
+    blobs = [_jpeg(rng, int(rng.integers(64, 400)), int(rng.integers(64, 400))) for _ in range(40)]
+    pipeline = ops.training(48, dtype="float16")
+    results = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("HEADRACE_NATIVE_LAUNCH", fused)
+        gpu = ops.CudaExecutor(pipeline, seed=3, lanes=1)
+        try:
+            assert (gpu._lanes[0].fused is not None) == (fused == "1")
+            outs = [await gpu.run(_batch(blobs, "jpg", epoch=e)) for e in range(3)]  # the lane's buffers in turn
+            torch.cuda.synchronize()
+            results[fused] = [(o.kept, o.data["image"].cpu(), o.data["label"].cpu()) for o in outs]
+            seconds = gpu.timings()
+        finally:
+            await gpu.aclose()
+        assert (seconds.get("shim.launch", 0.0) > 0.0) == (fused == "1")
+    for (kept_a, img_a, lbl_a), (kept_b, img_b, lbl_b) in zip(results["1"], results["0"]):
+        assert kept_a == kept_b == list(range(40))
+        assert torch.equal(img_a, img_b) and torch.equal(lbl_a, lbl_b)
+        assert lbl_a.tolist() == [i % 7 for i in range(40)]
+
+
 @pytest.fixture
 def folder(tmp_path):
     rng = np.random.default_rng(4)

@@ -151,3 +151,30 @@ def test_an_unusable_cache_means_the_fallback_with_a_reason(monkeypatch, tmp_pat
     monkeypatch.setattr(_batch_decode, "_state", {})
     assert _batch_decode.load() is None
     assert "building batch_decode failed" in _batch_decode.unavailable_reason()
+
+
+def test_decode_launch_without_a_function_decodes_only_and_times_itself(decoder, rng):
+    dec = decoder()
+    blobs = [encode(random_image(rng, 30 + k, 40), "JPEG") for k in range(4)] + [b"\xff\xd8 truncated"]
+    info = dec.parsed.parse(blobs, exif=True)
+    pick = np.flatnonzero(info[:, 3] == 1).astype(np.int32)
+    boxes = np.column_stack([np.zeros((len(pick), 2), np.int32), info[pick, :2]])
+    outs = [np.empty((h, w, 3), np.uint8) for h, w in info[pick, :2]]
+    launch = _batch_decode.Launch()  # no function, no events: the decode alone
+    status, launched = dec.decode_launch(dec.parsed, pick, boxes, np.array([o.ctypes.data for o in outs], np.uint64), 0, launch)
+    assert status.tolist() == [1] * len(pick) and not launched
+    assert launch.cuda_error == 0 and launch.seconds[1] > 0.0
+    for j, i in enumerate(pick):
+        np.testing.assert_array_equal(outs[j], _pillow(blobs[i]))
+
+
+def test_the_driver_reason_says_why_the_shim_cannot_launch():
+    reason = _batch_decode.driver_reason()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        assert reason is not None and "CUDA driver" in reason
+    else:
+        assert reason is None

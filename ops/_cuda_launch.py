@@ -1,0 +1,128 @@
+"""A lane's per-batch host memory and CUDA handles: pinned tables, an event, the shim's launch.
+
+Every CUDA call from Python drops the GIL and waits to take it back, up to the switch interval
+when another thread runs Python. So a lane's batch goes up in as few calls as possible: its kernel
+tables and labels sit in one pinned block (two copies), and when the shim can reach the CUDA
+driver (``_batch_decode.driver_reason``) the copies, the kernel and the event are issued by the
+same GIL-free call that decodes (``FusedLaunch``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["FusedLaunch", "Staging"]
+
+
+class Staging:
+    """One pinned host block and its device twin (the kernel's tables, then the labels), and the
+    event recorded after the batch that used them.
+
+    A lane uses its blocks in turn; each is reused four batches later. The lane waits, before
+    each decode, for its batch two back (``_cuda._Lane``), so when batch i fills block i mod 4,
+    the batch i - 4 that read it last has run: no wait here. ``ready`` is made (and recorded once)
+    up front, so the shim can record it by its handle; consumers wait on it (``Processed.ready``).
+    A later record only makes a late consumer wait for a later batch of the same stream.
+    """
+
+    _FIELDS = (("ptrs", np.uint64, 1), ("meta", np.int32, 8), ("geo", np.float32, 8), ("labels", np.int64, 1))
+
+    def __init__(self, cupy, stream: torch.cuda.Stream) -> None:
+        self.cupy = cupy
+        self.capacity = 0
+        self.ready = torch.cuda.Event()
+        self.ready.record(stream)
+
+    def host(self, n: int, stream) -> dict[str, np.ndarray]:
+        """The first ``n`` rows of each table (pinned), free to fill."""
+        if n > self.capacity:
+            self._grow(max(n, 2 * self.capacity, 64), stream)
+        return {name: view[:n] for name, view in self.views.items()}
+
+    def _grow(self, capacity: int, stream) -> None:
+        import cupyx
+
+        self.ready.synchronize()  # the old blocks' last copies have run
+        self.capacity, self.offsets, offset = capacity, {}, 0
+        for name, dtype, width in self._FIELDS:
+            self.offsets[name] = offset
+            offset += -(-capacity * width * np.dtype(dtype).itemsize // 256) * 256
+        self.h_block = cupyx.empty_pinned((offset,), dtype=np.uint8)
+        with stream:  # CuPy's pools are per stream: the block belongs to the lane's
+            self.d_block = self.cupy.empty((offset,), dtype=self.cupy.uint8)
+        self.views = {
+            name: self.h_block[self.offsets[name] :].view(dtype)[: capacity * width].reshape(
+                (capacity, width) if width > 1 else (capacity,))
+            for name, dtype, width in self._FIELDS
+        }
+
+    def device(self, name: str) -> int:
+        """The device address of table ``name``."""
+        return self.d_block.data.ptr + self.offsets[name]
+
+    def source(self, name: str) -> int:
+        """The pinned host address of table ``name``."""
+        return self.h_block.ctypes.data + self.offsets[name]
+
+    def upload_tables(self, stream) -> tuple[np.uint64, np.uint64, np.uint64]:
+        """Copy the kernel's tables up (one copy) and return their device addresses."""
+        self._copy(self.d_block.data.ptr, self.h_block.ctypes.data, self.offsets["labels"], stream)
+        return tuple(np.uint64(self.device(name)) for name in ("ptrs", "meta", "geo"))
+
+    def upload(self, name: str, destination: int, n: int, stream) -> None:
+        """Copy the first ``n`` rows of table ``name`` to device address ``destination``."""
+        self._copy(destination, self.source(name), n * self.views[name].strides[0], stream)
+
+    def _copy(self, destination: int, source: int, size: int, stream) -> None:
+        runtime = self.cupy.cuda.runtime
+        runtime.memcpyAsync(destination, source, size, runtime.memcpyHostToDevice, stream.ptr)
+
+
+class _ResampleArgs(ctypes.Structure):
+    """The fused resample kernel's arguments, in its signature's order (``_cuda_kernels``)."""
+
+    _fields_ = [
+        ("src", ctypes.c_uint64), ("meta", ctypes.c_uint64), ("geo", ctypes.c_uint64), ("out", ctypes.c_uint64),
+        ("oh", ctypes.c_int), ("ow", ctypes.c_int), ("c", ctypes.c_int), ("chw", ctypes.c_int),
+        ("normalize", ctypes.c_int), ("mean", ctypes.c_uint64), ("inv_std", ctypes.c_uint64),
+    ]
+
+
+class FusedLaunch:
+    """The shim's ``Launch`` for one lane: the fused kernel and its fixed arguments, set once; per
+    batch only the buffers, the batch size and the events change (``prepare``)."""
+
+    def __init__(self, kernel, *, size: tuple[int, int], channels: int, chw: bool, normalize: bool,
+                 mean: Any, inv_std: Any) -> None:
+        from ._batch_decode import Launch
+
+        oh, ow = size
+        self.args = _ResampleArgs(oh=oh, ow=ow, c=channels, chw=int(chw), normalize=int(normalize),
+                                  mean=mean.data.ptr, inv_std=inv_std.data.ptr)
+        base = ctypes.addressof(self.args)
+        self.params = (ctypes.c_void_p * len(_ResampleArgs._fields_))(
+            *(base + getattr(_ResampleArgs, name).offset for name, _ in _ResampleArgs._fields_)
+        )
+        self.launch = Launch(function=kernel.kernel.ptr, params=ctypes.addressof(self.params))
+        self.launch.grid[:] = ((ow + 31) // 32, (oh + 7) // 8, 1)
+        self.launch.block[:] = (32, 8, 1)
+
+    def prepare(self, stage: Staging, n: int, out: torch.Tensor, labels: torch.Tensor | None,
+                wait: torch.cuda.Event | None, record: bool) -> Any:
+        """The launch for a batch of ``n`` whose tables (and labels) ``stage`` holds."""
+        args, launch = self.args, self.launch
+        args.src, args.meta, args.geo = stage.device("ptrs"), stage.device("meta"), stage.device("geo")
+        args.out = out.data_ptr()
+        launch.grid[2] = n
+        launch.wait_event = wait.cuda_event if wait is not None else None
+        launch.copy_dst[0], launch.copy_src[0], launch.copy_size[0] = stage.device("ptrs"), stage.source("ptrs"), stage.offsets["labels"]
+        if labels is not None:
+            launch.copy_dst[1], launch.copy_src[1], launch.copy_size[1] = labels.data_ptr(), stage.source("labels"), 8 * n
+        else:
+            launch.copy_size[1] = 0
+        launch.event = stage.ready.cuda_event if record else None
+        return launch
