@@ -300,7 +300,7 @@ def _label(sample, name: str) -> int:
     if raw is None:
         raise TransformError(f"sample has no {name!r} field but others in its batch do", key=sample.key, source=sample.source)
     try:
-        return int(bytes(raw).strip())
+        return int(raw) if type(raw) is bytes else int(bytes(raw))  # int() skips surrounding whitespace
     except ValueError as exc:
         raise TransformError(
             f"label field {name!r} is not an integer: {bytes(raw)[:32]!r}", key=sample.key, source=sample.source

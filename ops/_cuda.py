@@ -74,8 +74,10 @@ class CudaExecutor:
 
     ``hw_load`` is the share of each batch offered to the hardware JPEG decoder first (the rest,
     and what it rejects, go to the CUDA decoder, then the CPU one), or ``"adaptive"``: nvImageCodec
-    moves the share batch by batch to keep both busy. ``decoder_threads`` are the
-    host threads of each lane's decoder.
+    moves the share batch by batch to keep both busy. ``decoder_threads`` are the host threads of
+    all the lanes' decoders together (default: the cores), shared equally: with more busy threads
+    than cores a lane thread holding the GIL is descheduled and every other thread waits for it
+    (ops/README.md).
     """
 
     def __init__(
@@ -100,7 +102,7 @@ class CudaExecutor:
         self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        threads = decoder_threads or (os.cpu_count() or 2)
+        threads = max(1, (decoder_threads or os.cpu_count() or 2) // lanes)
         # The C shim when it builds (GIL-free decode), else nvImageCodec's Python API.
         self.native = os.environ.get("HEADRACE_NATIVE_DECODE", "1") != "0" and batch_decode.load() is not None
         exif = pipeline.decode.exif
@@ -175,20 +177,22 @@ class CudaExecutor:
         # What nvImageCodec cannot parse, Pillow decodes, once (its error is the sample's).
         sizes = info[:, :2].astype(np.int64)
         pillow: dict[int, Image.Image] = {}
-        kept = []
-        for i in range(len(rows)):
-            if info[i, 3] != 1:
-                sample = samples[rows[i]]
-                try:
-                    pillow[i] = img = _pillow.decode(data[i], pipe.decode, sample.key, sample.source)
-                except LoaderError as exc:
-                    failures.append((rows[i], exc))
-                    continue
-                sizes[i] = (img.height, img.width)
-            kept.append(i)
+        unparsed = np.flatnonzero(info[:, 3] != 1).tolist()
+        kept = list(range(len(rows)))
+        for i in unparsed:
+            sample = samples[rows[i]]
+            try:
+                pillow[i] = img = _pillow.decode(data[i], pipe.decode, sample.key, sample.source)
+            except LoaderError as exc:
+                failures.append((rows[i], exc))
+                kept.remove(i)
+                continue
+            sizes[i] = (img.height, img.width)
         parse_idx = np.array(kept, dtype=np.int32)
-        sizes = sizes[parse_idx]
-        rows = [rows[i] for i in kept]
+        if len(kept) < len(rows):
+            sizes = sizes[parse_idx]
+            rows = [rows[i] for i in kept]
+            labels = [labels[i] for i in kept]
         # Geometry for the whole batch at once, keyed on each sample's index.
         indices = np.fromiter((samples[r].index for r in rows), dtype=np.int64, count=len(rows))
         randoms = [
@@ -203,11 +207,11 @@ class CudaExecutor:
         return _Prepared(
             batch=batch,
             rows=rows,
-            labels=[labels[i] for i in kept],
+            labels=labels,
             failures=failures,
             token=token,
             parse_idx=parse_idx,
-            on_gpu=np.array([i not in pillow for i in kept], dtype=bool),
+            on_gpu=np.isin(parse_idx, unparsed, invert=True),
             pillow={j: pillow[i] for j, i in enumerate(kept) if i in pillow},
             regions=regions,
             meta=meta,

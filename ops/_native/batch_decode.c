@@ -448,6 +448,7 @@ int hr_decode_launch(hr_decoder* d, const hr_parsed* p, int m, const int32_t* pi
     int ok = l->cuda_error ? 0 : decode_batch(d, p, m, pick, region, out, channels, exif, cuda_stream, status);
     double t2 = now();
     int launched = 0;
+    l->seconds[2] = 0.0;
     if (ok && l->function && driver.loaded > 0) {
         int all = 1;
         for (int j = 0; j < m; ++j)
@@ -455,11 +456,11 @@ int hr_decode_launch(hr_decoder* d, const hr_parsed* p, int m, const int32_t* pi
         if (all) {
             l->cuda_error = after_decode(l, cuda_stream);
             launched = !l->cuda_error;
+            l->seconds[2] = now() - t2;
         }
     }
     l->seconds[0] = t1 - t0;
     l->seconds[1] = t2 - t1;
-    l->seconds[2] = now() - t2;
     return ok ? 1 + launched : 0;
 }
 
