@@ -217,7 +217,7 @@ def main() -> None:
     print(f"data set: {args.images} JPEGs in {root} ({time.perf_counter() - t0:.0f} s)", flush=True)
     files = _files(root)
     workers = os.cpu_count() or 1
-    rows = args.rows.split(",")
+    rows = [r for r in args.rows.split(",") if r]  # --rows "" with --variants: the variants alone
     results: dict[str, dict] = {}
     runners = {
         "train": ("headrace (train)", lambda: bench_headrace(root, ops.training(224, dtype="float16"), args.batch, args.epochs, args.lanes)),
