@@ -207,8 +207,8 @@ class IndexedReader(Reader):
                     next_pos = end
                 pos, fut = pending.popleft()
                 samples = await asyncio.wrap_future(fut, loop=loop)
-                for offset, sample in enumerate(samples):
-                    sample.position = pos + offset
+                for position, sample in enumerate(samples, pos):
+                    sample.position = position
                 yield samples
         finally:
             try:

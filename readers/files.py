@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from headrace._errors import ConfigError, ReadError, StorageError, require_int
-from headrace._sample import Sample
+from headrace._sample import Sample, SampleList
 
 from ._base import IndexedReader
-from ._read_files import ChunkReader
+from ._read_files import ChunkReader, PathTable
 from ._storage import Storage, Store, is_url, redact_url, run_sync, with_retries
 
 __all__ = ["FileReader", "files"]
@@ -64,27 +64,40 @@ class FileReader(IndexedReader):
             self._sources = self.paths
         self._keys = [_key(p, root) for p in self._sources]
         self._exts = [_ext(p) for p in self._sources]
+        # Per-sample work done once here rather than in ``_fetch`` every epoch (it holds the GIL).
+        self._cls = _label_bytes(labels)
         self._chunks = ChunkReader()
+        self._table = PathTable(self.paths) if self._chunks.native and not self._fetch_on_loop else None
 
     def _dataset_size(self) -> int:
         return len(self.paths)
 
     def _fetch(self, indices: Sequence[int]) -> list[Sample]:
         # Two GIL-free calls for the chunk where the C helper builds (``_read_files``).
-        paths = self.paths
-        blobs = self._chunks.read([os.fsencode(paths[i]) for i in indices])
+        paths, keys, exts, cls = self.paths, self._keys, self._exts, self._cls
+        if self._table is not None:
+            blobs, failed = self._chunks.read_table(self._table, indices)
+        else:
+            blobs, failed = self._chunks.read([os.fsencode(paths[i]) for i in indices]), -1
+        if failed == 0:  # the common case, in one comprehension; its size counted from the blobs
+            nbytes = sum(map(len, blobs))
+            if cls is None:
+                return SampleList([Sample(keys[i], {exts[i]: blob}, paths[i], i) for i, blob in zip(indices, blobs)],
+                                  nbytes)
+            return SampleList([Sample(keys[i], {exts[i]: blob, "cls": cls[i]}, paths[i], i)
+                               for i, blob in zip(indices, blobs)], nbytes + sum(map(len, map(cls.__getitem__, indices))))
         out = []
         for i, blob in zip(indices, blobs):
             fields: dict = {}
             error = None
             if isinstance(blob, OSError):
-                error = ReadError(f"cannot read file: {blob.strerror or blob}", key=self._keys[i], source=paths[i])
+                error = ReadError(f"cannot read file: {blob.strerror or blob}", key=keys[i], source=paths[i])
                 error.__cause__ = blob
             else:
-                fields[self._exts[i]] = blob
-            if self.labels is not None:
-                fields["cls"] = str(self.labels[i]).encode()
-            out.append(Sample(self._keys[i], fields, paths[i], i, error=error))
+                fields[exts[i]] = blob
+            if cls is not None:
+                fields["cls"] = cls[i]
+            out.append(Sample(keys[i], fields, paths[i], i, error=error))
         return out
 
     def _io_session(self) -> Any:
@@ -107,8 +120,8 @@ class FileReader(IndexedReader):
                 except StorageError as exc:
                     exc.key = self._keys[i]
                     error = exc
-            if self.labels is not None:
-                fields["cls"] = str(self.labels[i]).encode()
+            if self._cls is not None:
+                fields["cls"] = self._cls[i]
             return Sample(self._keys[i], fields, self._sources[i], i, error=error)
 
         async with asyncio.TaskGroup() as group:  # no yield inside: the group ends with the chunk
@@ -136,6 +149,14 @@ def _key(path: str, root: Path | str | None) -> str:
     rel = os.path.relpath(path, root) if root is not None else path
     stem, _ = os.path.splitext(rel)
     return stem.replace(os.sep, "/")
+
+
+def _label_bytes(labels: Sequence[int] | None) -> list[bytes] | None:
+    """Each sample's ``cls`` field, one bytes object per distinct label."""
+    if labels is None:
+        return None
+    names = {v: str(v).encode() for v in set(labels)}
+    return [names[v] for v in labels]
 
 
 def _ext(path: str) -> str:

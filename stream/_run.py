@@ -154,8 +154,12 @@ class _Run:
                 return exc
         else:
             self.budget.record(len(batch.samples) - batch.padded, [])
-        kept = [batch.samples[i] for i in processed.kept]
-        padded = sum(1 for i in processed.kept if i >= len(batch.samples) - batch.padded)
+        samples, rows = batch.samples, processed.kept
+        if type(rows) is list and len(rows) == len(samples) and rows == list(range(len(samples))):  # common
+            kept, padded = samples, batch.padded
+        else:
+            kept = [samples[i] for i in rows]
+            padded = sum(1 for i in rows if i >= len(samples) - batch.padded) if batch.padded else 0
         return Batch(
             data=processed.data,
             sample_keys=[s.key for s in kept],

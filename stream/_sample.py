@@ -6,7 +6,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Batch", "Sample", "SampleBatch", "samples_nbytes"]
+__all__ = ["Batch", "Sample", "SampleBatch", "SampleList", "samples_nbytes"]
 
 FieldValue = bytes | bytearray | memoryview
 
@@ -36,8 +36,22 @@ class Sample:
         return sum(len(v) for v in self.fields.values())
 
 
+class SampleList(list):
+    """A reader's chunk that carries its ``samples_nbytes``, counted where that is cheap (the files
+    reader sums the sizes it read), so that the event loop need not touch every sample's fields.
+    The count holds while the list is not changed; readers hand their chunks over unchanged."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self, samples: Iterable[Sample], nbytes: int) -> None:
+        super().__init__(samples)
+        self.nbytes = nbytes
+
+
 def samples_nbytes(samples: list[Sample]) -> int:
     """Bytes held by ``samples``' fields (one comprehension: this runs on the loop for every chunk)."""
+    if type(samples) is SampleList:
+        return samples.nbytes
     return sum([len(v) for s in samples for v in s.fields.values()])
 
 

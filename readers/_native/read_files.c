@@ -80,3 +80,87 @@ void hr_close_files(int n, int* fds)
         }
     }
 }
+
+#ifdef HR_WITH_PYTHON
+/* The whole chunk in one call, for a caller that loads this library with ctypes.PyDLL (so it holds
+ * the GIL). Python's own work per file, making the bytes object and handing over its storage,
+ * cost more than the reads themselves when done one ctypes call per file; here it is a loop in C,
+ * between the two GIL-free phases above.
+ *
+ * Returns (blobs, failed): blobs[i] is file i's bytes, or its errno as an int where opening or
+ * reading it failed; failed counts those. NULL with an exception set (MemoryError) leaves no file
+ * open. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdlib.h>
+
+PyObject* hr_read_chunk(int n, const char** paths)
+{
+    PyObject* blobs = NULL;
+    int failed = 0;
+    int* fds = malloc(sizeof(int) * (size_t)(n > 0 ? n : 1) * 2);
+    int64_t* sizes = malloc(sizeof(int64_t) * (size_t)(n > 0 ? n : 1) * 2);
+    char** outs = malloc(sizeof(char*) * (size_t)(n > 0 ? n : 1));
+    if (fds == NULL || sizes == NULL || outs == NULL) {
+        free(fds), free(sizes), free(outs);
+        return PyErr_NoMemory();
+    }
+    int* errs = fds + n;
+    int64_t* wanted = sizes + n;
+    for (int i = 0; i < n; i++)
+        fds[i] = -1;
+
+    Py_BEGIN_ALLOW_THREADS
+    hr_open_files(n, paths, fds, sizes, errs);
+    Py_END_ALLOW_THREADS
+
+    blobs = PyList_New(n);
+    if (blobs == NULL)
+        goto fail;
+    for (int i = 0; i < n; i++) {
+        wanted[i] = sizes[i];
+        outs[i] = NULL;
+        PyObject* item;
+        if (fds[i] >= 0) {
+            item = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)sizes[i]);
+            if (item != NULL)
+                outs[i] = PyBytes_AS_STRING(item);
+        } else {
+            item = PyLong_FromLong(errs[i]);
+            failed++;
+        }
+        if (item == NULL)
+            goto fail;
+        PyList_SET_ITEM(blobs, i, item);
+    }
+
+    Py_BEGIN_ALLOW_THREADS
+    hr_read_files(n, fds, outs, sizes, errs);
+    Py_END_ALLOW_THREADS
+
+    for (int i = 0; i < n; i++) {
+        if (outs[i] == NULL)
+            continue;
+        PyObject* item = NULL;
+        if (errs[i] != 0) {
+            item = PyLong_FromLong(errs[i]);
+            failed++;
+        } else if (sizes[i] != wanted[i]) { /* the file shrank meanwhile: keep what was read */
+            item = PyBytes_FromStringAndSize(outs[i], (Py_ssize_t)sizes[i]);
+        } else {
+            continue;
+        }
+        if (item == NULL)
+            goto fail;
+        PyList_SetItem(blobs, i, item); /* drops the old bytes */
+    }
+    free(fds), free(sizes), free(outs);
+    return Py_BuildValue("(Ni)", blobs, failed);
+
+fail:
+    hr_close_files(n, fds);
+    free(fds), free(sizes), free(outs);
+    Py_XDECREF(blobs);
+    return NULL;
+}
+#endif

@@ -124,3 +124,31 @@ async def test_the_files_reader_names_a_file_it_cannot_read(monkeypatch, image_f
         assert s.error is None
         with open(s.source, "rb") as f:
             assert s.fields["jpg"] == f.read()
+
+
+@needs_helper
+def test_the_one_call_helper_and_the_two_call_fallback_read_the_same(monkeypatch, mixed_files):
+    chunks = _read_files.ChunkReader()
+    if chunks._lib.read_chunk is None:
+        pytest.skip("the helper was built without Python's headers")
+    paths = [os.fsencode(p) for p in mixed_files]
+    one_call = chunks.read(paths)
+    monkeypatch.setattr(chunks._lib, "read_chunk", None)
+    two_calls = chunks.read(paths)
+    for g, w in zip(one_call, two_calls):
+        assert (type(g), g.errno, g.filename) == (type(w), w.errno, w.filename) if isinstance(w, OSError) else g == w
+
+
+@needs_helper
+def test_a_path_table_reads_by_index_and_names_each_failure(mixed_files):
+    table = _read_files.PathTable(mixed_files)
+    order = [int(i) for i in np.random.default_rng(3).permutation(len(mixed_files))]
+    got, failed = _read_files.ChunkReader().read_table(table, order)
+    want = _python_reads([mixed_files[i] for i in order])
+    assert failed == 2
+    for i, g, w in zip(order, got, want):
+        if isinstance(w, OSError):
+            assert type(g) is type(w) and g.errno == w.errno and g.filename == mixed_files[i]
+        else:
+            assert type(g) is bytes and g == w
+    assert [table.path(i) for i in range(len(mixed_files))] == [os.fsencode(p) for p in mixed_files]
