@@ -235,7 +235,7 @@ def main() -> None:
         n, hw, *threads = variant.split(":")  # lanes:hw_load[:decoder threads per lane]
         hw_load = hw if hw == "adaptive" else float(hw)
         label = f"headrace (train, {n} lanes, hw_load={hw}" + (f", {threads[0]} threads)" if threads else ")")
-        runners[variant] = (label, lambda n=int(n), hw_load=hw_load, t=int(threads[0]) * int(n) if threads else None: bench_headrace(
+        runners[variant] = (label, lambda n=int(n), hw_load=hw_load, t=int(threads[0]) if threads else None: bench_headrace(
             root, ops.training(224, dtype="float16"), args.batch, args.epochs, n, hw_load, t))
         rows.append(variant)
     for k, options in enumerate(filter(None, args.options_variants.split(";"))):

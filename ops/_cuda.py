@@ -75,9 +75,8 @@ class CudaExecutor:
     ``hw_load`` is the share of each batch offered to the hardware JPEG decoder first (the rest,
     and what it rejects, go to the CUDA decoder, then the CPU one), or ``"adaptive"``: nvImageCodec
     moves the share batch by batch to keep both busy. ``decoder_threads`` are the host threads of
-    all the lanes' decoders together (default: the cores), shared equally: with more busy threads
-    than cores a lane thread holding the GIL is descheduled and every other thread waits for it
-    (ops/README.md).
+    each lane's decoder (default: the cores; sharing them among the lanes was slower on the H100,
+    ops/README.md).
     """
 
     def __init__(
@@ -102,7 +101,7 @@ class CudaExecutor:
         self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        threads = max(1, (decoder_threads or os.cpu_count() or 2) // lanes)
+        threads = decoder_threads or (os.cpu_count() or 2)
         # The C shim when it builds (GIL-free decode), else nvImageCodec's Python API.
         self.native = os.environ.get("HEADRACE_NATIVE_DECODE", "1") != "0" and batch_decode.load() is not None
         exif = pipeline.decode.exif

@@ -63,9 +63,9 @@ class Loader:
             (nvImageCodec moves the share batch by batch).
         last_batch: ``"partial"`` (default), ``"fill"`` or ``"drop"`` for the short last batch.
         seed: keys the reader's shuffle (unless it has its own seed) and every random op.
-        num_threads: CPU threads for decode and transforms: the CPU path's workers, or the GPU
-            lanes' nvImageCodec host threads, shared among the lanes (default: all cores, divided
-            among the processes torchrun started on the node, from ``LOCAL_WORLD_SIZE``).
+        num_threads: CPU threads for decode and transforms: the CPU path's workers, or each GPU
+            lane's nvImageCodec host threads (default: all cores, divided among the processes
+            torchrun started on the node, from ``LOCAL_WORLD_SIZE``).
         prefetch: batches in flight between the batcher and the consumer (decoding or done);
             default 3 on the CPU, ``lanes + 2`` on the GPU.
         max_bytes: bound on encoded bytes buffered between the reader and the batcher.
