@@ -91,8 +91,9 @@ class Launch(ctypes.Structure):
     """What ``BatchDecoder.decode_launch`` does around a decode (``hr_launch`` in the shim): wait
     for ``wait_event`` first; then, when every image decoded, copy ``copy_size[0]`` bytes up,
     launch ``function`` with ``params``, copy ``copy_size[1]`` bytes up and record ``event``, all on
-    the decode's stream. Addresses and CUDA handles are plain integers. The shim fills ``seconds``
-    (waiting, decoding, launching) and ``cuda_error``."""
+    the decode's stream; with ``meta_src`` set it first fills the fused kernel's tables in the
+    pinned block ``tables`` (``hr_launch`` says how). Addresses and CUDA handles are plain
+    integers. The shim fills ``seconds`` (waiting, decoding, launching) and ``cuda_error``."""
 
     _fields_ = [
         ("wait_event", ctypes.c_void_p),
@@ -104,6 +105,13 @@ class Launch(ctypes.Structure):
         ("copy_src", ctypes.c_void_p * 2),
         ("copy_size", ctypes.c_size_t * 2),
         ("event", ctypes.c_void_p),
+        ("tables", ctypes.c_void_p),
+        ("meta_offset", ctypes.c_size_t),
+        ("geo_offset", ctypes.c_size_t),
+        ("labels_offset", ctypes.c_size_t),
+        ("meta_src", ctypes.c_void_p),
+        ("geo_src", ctypes.c_void_p),
+        ("labels_src", ctypes.c_void_p),
         ("seconds", ctypes.c_double * 3),
         ("cuda_error", ctypes.c_int),
     ]

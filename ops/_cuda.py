@@ -207,6 +207,7 @@ class CudaExecutor:
             batch=batch,
             rows=rows,
             labels=labels,
+            label_array=np.array(labels, dtype=np.int64) if any(lbl is not None for lbl in labels) else None,
             failures=failures,
             token=token,
             parse_idx=parse_idx,
@@ -225,6 +226,7 @@ class _Prepared:
     batch: SampleBatch
     rows: list[int]  # batch rows still in the running
     labels: list[int | None]
+    label_array: np.ndarray | None  # the labels as int64, when there are any
     failures: list[tuple[int, LoaderError]]
     token: Any  # the header reader's parsed batch
     parse_idx: np.ndarray  # rows' positions in the parsed batch
@@ -267,7 +269,7 @@ class _Lane:
         with self.cp_stream:
             self.mean = cupy.asarray(np.resize(mean, c))
             self.inv_std = cupy.asarray(np.resize(inv, c))
-        self.staging = [Staging(cupy, self.stream) for _ in range(4)]
+        self.staging = [Staging(cupy, self.cp_stream) for _ in range(4)]
         self.turn = 0
         # (event after the batch's kernel, its decoded pixels): pixels stay alive, and their memory
         # unused, until two batches later, after a host wait on that event (GPU-NOTES §3: nvJPEG's
@@ -316,24 +318,16 @@ class _Lane:
             return self._done(result, stage, (decoded, uploads))
 
     def _decode_and_launch(self, prep: _Prepared, stage: Staging, wait, lap) -> tuple[Processed | None, Any]:
-        """The common case (every sample went to nvImageCodec): the tables are filled first, for
-        buffers chosen before the decode, and one shim call waits, decodes, copies, launches and
-        records. Returns (None, decoded) when an image failed: nothing was launched, and the lane
-        goes on as for any batch (``_finish_decoded``)."""
+        """The common case (every sample went to nvImageCodec): buffers and outputs are chosen
+        first, then one shim call waits, decodes, fills the kernel's tables from the prep thread's
+        arrays, copies them, launches and records. Returns (None, decoded) when an image failed:
+        nothing was launched, and the lane goes on as for any batch (``_finish_decoded``)."""
         n = len(prep.rows)
         pointers, row_strides, workspace = self.decoder.buffers(prep.regions, lambda: wait and wait.synchronize())
         out = torch.empty(self._out_shape(n), dtype=self._out_dtype(), device=self.owner.device)
-        has_labels = any(lbl is not None for lbl in prep.labels)
-        labels = torch.empty(n, dtype=torch.int64, device=self.owner.device) if has_labels else None
+        labels = torch.empty(n, dtype=torch.int64, device=self.owner.device) if prep.label_array is not None else None
         lap("alloc")
-        tables = stage.host(n, self.cp_stream)
-        tables["ptrs"][:] = pointers
-        tables["meta"][:] = prep.meta
-        tables["meta"][:, 2] = row_strides
-        tables["geo"][:] = prep.geo
-        if has_labels:
-            tables["labels"][:] = prep.labels
-        launch = self.fused.prepare(stage, n, out, labels, wait, record=self.post is None)
+        launch = self.fused.prepare(stage, out, prep.meta, prep.geo, prep.label_array, labels, wait, record=self.post is None)
         lap("tables")
         decoded = self.decoder.decode(prep.token, prep.parse_idx, prep.regions, self.cp_stream.ptr,
                                       buffers=(pointers, row_strides, workspace), launch=launch)
@@ -345,7 +339,7 @@ class _Lane:
             out = self._post(out, prep, ok)
             stage.ready.record(self.stream)
         data: dict[str, Any] = {"image": out}
-        if has_labels:
+        if labels is not None:
             data["label"] = labels
         lap("event")
         return Processed(data, list(prep.rows), sorted(prep.failures, key=lambda f: f[0])), decoded
@@ -377,7 +371,7 @@ class _Lane:
         out = torch.empty(self._out_shape(len(ok)), dtype=self._out_dtype(), device=self.owner.device)
         lap("alloc")
         # One pinned block per batch carries the kernel's tables and the labels: two copies.
-        tables = stage.host(len(ok), self.cp_stream)
+        tables = stage.host(len(ok))
         if len(ok):
             self._launch(out, tables, stage, pointers[ok], row_strides[ok], prep, ok, lap)
         if self.post is not None:

@@ -31,19 +31,24 @@ class Staging:
 
     _FIELDS = (("ptrs", np.uint64, 1), ("meta", np.int32, 8), ("geo", np.float32, 8), ("labels", np.int64, 1))
 
-    def __init__(self, cupy, stream: torch.cuda.Stream) -> None:
+    def __init__(self, cupy, stream) -> None:
         self.cupy = cupy
+        self.stream = stream  # CuPy's, the lane's
         self.capacity = 0
         self.ready = torch.cuda.Event()
-        self.ready.record(stream)
+        self.ready.record(torch.cuda.ExternalStream(stream.ptr))
 
-    def host(self, n: int, stream) -> dict[str, np.ndarray]:
+    def host(self, n: int) -> dict[str, np.ndarray]:
         """The first ``n`` rows of each table (pinned), free to fill."""
-        if n > self.capacity:
-            self._grow(max(n, 2 * self.capacity, 64), stream)
+        self.reserve(n)
         return {name: view[:n] for name, view in self.views.items()}
 
-    def _grow(self, capacity: int, stream) -> None:
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` rows."""
+        if n > self.capacity:
+            self._grow(max(n, 2 * self.capacity, 64))
+
+    def _grow(self, capacity: int) -> None:
         import cupyx
 
         self.ready.synchronize()  # the old blocks' last copies have run
@@ -52,7 +57,7 @@ class Staging:
             self.offsets[name] = offset
             offset += -(-capacity * width * np.dtype(dtype).itemsize // 256) * 256
         self.h_block = cupyx.empty_pinned((offset,), dtype=np.uint8)
-        with stream:  # CuPy's pools are per stream: the block belongs to the lane's
+        with self.stream:  # CuPy's pools are per stream: the block belongs to the lane's
             self.d_block = self.cupy.empty((offset,), dtype=self.cupy.uint8)
         self.views = {
             name: self.h_block[self.offsets[name] :].view(dtype)[: capacity * width].reshape(
@@ -111,18 +116,29 @@ class FusedLaunch:
         self.launch.grid[:] = ((ow + 31) // 32, (oh + 7) // 8, 1)
         self.launch.block[:] = (32, 8, 1)
 
-    def prepare(self, stage: Staging, n: int, out: torch.Tensor, labels: torch.Tensor | None,
+    def prepare(self, stage: Staging, out: torch.Tensor, meta: np.ndarray, geo: np.ndarray,
+                labels: np.ndarray | None, labels_out: torch.Tensor | None,
                 wait: torch.cuda.Event | None, record: bool) -> Any:
-        """The launch for a batch of ``n`` whose tables (and labels) ``stage`` holds."""
+        """The launch for a batch: the shim fills ``stage``'s tables from ``meta`` and ``geo`` (the
+        prep thread's, contiguous, one row per image) and ``labels``, copies them up, runs the
+        kernel into ``out``, copies the labels into ``labels_out`` and, with ``record``, records
+        ``stage.ready``. The arrays must live until the shim's call returns."""
+        n = len(meta)
+        stage.reserve(n)
         args, launch = self.args, self.launch
         args.src, args.meta, args.geo = stage.device("ptrs"), stage.device("meta"), stage.device("geo")
         args.out = out.data_ptr()
         launch.grid[2] = n
         launch.wait_event = wait.cuda_event if wait is not None else None
-        launch.copy_dst[0], launch.copy_src[0], launch.copy_size[0] = stage.device("ptrs"), stage.source("ptrs"), stage.offsets["labels"]
+        launch.tables = stage.source("ptrs")
+        launch.meta_offset, launch.geo_offset, launch.labels_offset = (
+            stage.offsets["meta"], stage.offsets["geo"], stage.offsets["labels"])
+        launch.meta_src, launch.geo_src = meta.ctypes.data, geo.ctypes.data
+        launch.copy_dst[0], launch.copy_src[0], launch.copy_size[0] = stage.device("ptrs"), launch.tables, stage.offsets["labels"]
         if labels is not None:
-            launch.copy_dst[1], launch.copy_src[1], launch.copy_size[1] = labels.data_ptr(), stage.source("labels"), 8 * n
+            launch.labels_src = labels.ctypes.data
+            launch.copy_dst[1], launch.copy_src[1], launch.copy_size[1] = labels_out.data_ptr(), stage.source("labels"), 8 * n
         else:
-            launch.copy_size[1] = 0
+            launch.labels_src, launch.copy_size[1] = None, 0
         launch.event = stage.ready.cuda_event if record else None
         return launch

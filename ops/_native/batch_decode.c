@@ -407,9 +407,33 @@ typedef struct {
     const void* copy_src[2];
     size_t copy_size[2];  /* 0: no copy */
     void* event;          /* recorded after the kernel, or NULL */
+    /* The fused kernel's tables (ops/_cuda_kernels.py), filled here before copy 0 when meta_src is
+       set, so the lane's Python copies no arrays (NumPy gives up the GIL for copies of more than a
+       few hundred elements): in the pinned block `tables`, each image's address (uint64) at 0, its
+       meta row (8 int32: meta_src's, with the row stride put in column 2) at meta_offset, its geo
+       row (8 float32) at geo_offset, and its label (int64, when labels_src is set) at labels_offset. */
+    unsigned char* tables;
+    size_t meta_offset, geo_offset, labels_offset;
+    const int32_t* meta_src;
+    const float* geo_src;
+    const int64_t* labels_src;
     double seconds[3];    /* out: waiting, decoding, launching */
     int cuda_error;       /* out: the driver's error code when a call failed, else 0 */
 } hr_launch;
+
+static void fill_tables(const hr_launch* l, int m, const int32_t* region, void* const* out, int channels)
+{
+    uint64_t* ptrs = (uint64_t*)l->tables;
+    int32_t* meta = (int32_t*)(l->tables + l->meta_offset);
+    for (int j = 0; j < m; ++j)
+        ptrs[j] = (uint64_t)(uintptr_t)out[j];
+    memcpy(meta, l->meta_src, sizeof(int32_t) * 8 * (size_t)m);
+    for (int j = 0; j < m; ++j)
+        meta[8 * j + 2] = (region[4 * j + 3] - region[4 * j + 1]) * channels; /* rows are packed */
+    memcpy(l->tables + l->geo_offset, l->geo_src, sizeof(float) * 8 * (size_t)m);
+    if (l->labels_src)
+        memcpy(l->tables + l->labels_offset, l->labels_src, sizeof(int64_t) * (size_t)m);
+}
 
 static double now(void)
 {
@@ -454,6 +478,8 @@ int hr_decode_launch(hr_decoder* d, const hr_parsed* p, int m, const int32_t* pi
         for (int j = 0; j < m; ++j)
             all &= status[j] == 1;
         if (all) {
+            if (l->meta_src)
+                fill_tables(l, m, region, out, channels);
             l->cuda_error = after_decode(l, cuda_stream);
             launched = !l->cuda_error;
             l->seconds[2] = now() - t2;
