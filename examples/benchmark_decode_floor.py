@@ -6,7 +6,8 @@ kernels, no event loop. What the whole pipeline reaches over this is what the ho
 (../shared/GPU-NOTES.md §6 has the Python API's numbers). Needs a GPU; prints one line per
 configuration (lanes, hw_load, decoder threads): median images/s of two passes after one.
 
-    python examples/benchmark_decode_floor.py /path/to/class-folders   # e.g. benchmark_gpu.py's --data
+    python examples/benchmark_decode_floor.py /path/to/class-folders [K ...]   # e.g. benchmark_gpu.py's --data;
+                                                                              # K: run only configuration K
 """
 import glob
 import os
@@ -36,7 +37,7 @@ def regions_for(info, k):
     rnd = [uniforms(0, 0, pos, idx, op.randoms) if op.randoms else None for pos, op in enumerate(pipe.image_ops, 1)]
     return roi_batch(plan_batch(info[:, 0], info[:, 1], pipe.image_ops, rnd), info[:, 0], info[:, 1]).astype(np.int32)
 
-def run(lanes, hw, threads, passes=3):
+def run(lanes, hw, threads, cuda_load=1.0, passes=3):
     rates = []
     class Lane(threading.Thread):
         def __init__(s, i):
@@ -44,7 +45,7 @@ def run(lanes, hw, threads, passes=3):
         def run(s):
             torch.cuda.set_device(0); cupy.cuda.Device(0).use()
             s.stream = cupy.cuda.Stream(non_blocking=True)
-            s.dec = BatchDecoder(0, threads=threads, hw_load=hw)
+            s.dec = BatchDecoder(0, threads=threads, hw_load=hw, cuda_load=cuda_load)
             s.parsed = ParsedBatch()
             s.ws = [torch.empty(B * 224 * 224 * 3 * 8, dtype=torch.uint8, device="cuda") for _ in range(2)]
             s.ready.set()
@@ -79,8 +80,14 @@ def run(lanes, hw, threads, passes=3):
     return statistics.median(rates), rates
 
 cores = os.cpu_count()
-configs = [(1, 0.65, cores), (2, 0.65, cores), (2, "adaptive", cores), (3, 0.65, cores), (3, "adaptive", cores),
-           (4, 0.65, cores), (4, "adaptive", cores), (2, 0.65, cores // 2), (2, 0.5, cores), (2, 0.8, cores), (3, 0.65, cores // 3)]
-for lanes, hw, th in configs:
-    med, rates = run(lanes, hw, th)
-    print(f"decode floor lanes={lanes} hw={hw} threads={th}: {med:,.0f} img/s  runs {[round(r) for r in rates]}", flush=True)
+# (lanes, hw_load, decoder threads, CUDA decoder's share of the rest: the remainder decodes on the CPU)
+configs = [(1, 0.65, cores, 1.0), (2, 0.65, cores, 1.0), (2, "adaptive", cores, 1.0), (2, 0.65, cores, 0.9),
+           (2, 0.65, cores, 0.8), (2, 0.5, cores, 0.8), (3, 0.65, cores, 1.0), (3, "adaptive", cores, 1.0),
+           (4, 0.65, cores, 1.0), (4, "adaptive", cores, 1.0), (2, 0.65, cores // 2, 1.0), (2, 0.5, cores, 1.0),
+           (2, 0.8, cores, 1.0), (3, 0.65, cores // 3, 1.0)]
+only = sys.argv[2:]  # optional: the indices of the configurations to run
+for k, (lanes, hw, th, cl) in enumerate(configs):
+    if only and str(k) not in only:
+        continue
+    med, rates = run(lanes, hw, th, cl)
+    print(f"decode floor lanes={lanes} hw={hw} threads={th} cuda_load={cl}: {med:,.0f} img/s  runs {[round(r) for r in rates]}", flush=True)

@@ -198,6 +198,8 @@ def main() -> None:
                     help="also run headrace (train) decoding through nvImageCodec's Python API (HEADRACE_NATIVE_DECODE=0)")
     ap.add_argument("--python-launch", action="store_true",
                     help="also run headrace (train) launching its kernel from Python, not from the decode shim")
+    ap.add_argument("--cuda-loads", default="",
+                    help="also run headrace (train) with these shares of the non-hardware part for the CUDA decoder (the rest on the CPU), e.g. 0.9,0.8")
     ap.add_argument("--hw-loads", default="", help="also run headrace (train) at these hw_load values, e.g. 0,1")
     ap.add_argument("--data", default=".data/bench-gpu")
     ap.add_argument("--photos", default=None, help="an .npz of photographs (for machines without scikit-image)")
@@ -227,6 +229,10 @@ def main() -> None:
         "nvimgcodec": ("nvImageCodec decode only (whole)", lambda: bench_nvimgcodec(files, args.batch, args.epochs)),
         "reader": ("files reader alone (no decode)", lambda: bench_reader(root, args.epochs)),
     }
+    for cl in filter(None, args.cuda_loads.split(",")):
+        runners[f"cuda{cl}"] = (f"headrace (train, cuda_load={cl})", lambda cl=cl: _with_env(
+            "HEADRACE_CUDA_LOAD", cl, lambda: bench_headrace(root, ops.training(224, dtype="float16"), args.batch, args.epochs, args.lanes)))
+        rows.append(f"cuda{cl}")
     for hw in filter(None, args.hw_loads.split(",")):
         runners[f"hw{hw}"] = (f"headrace (train, hw_load={hw})", lambda hw=float(hw): bench_headrace(
             root, ops.training(224, dtype="float16"), args.batch, args.epochs, args.lanes, hw))

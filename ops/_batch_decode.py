@@ -74,7 +74,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i, f, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_size_t
     lib.hr_instance_create.argtypes, lib.hr_instance_create.restype = [ctypes.c_char_p, ctypes.c_char_p, sz], p
     lib.hr_instance_destroy.argtypes, lib.hr_instance_destroy.restype = [p], None
-    lib.hr_decoder_create.argtypes = [p, i, i, i, f, i, ctypes.c_char_p, ctypes.c_char_p, sz]
+    lib.hr_decoder_create.argtypes = [p, i, i, i, f, f, i, ctypes.c_char_p, ctypes.c_char_p, sz]
     lib.hr_decoder_create.restype = p
     lib.hr_parsed_create.argtypes, lib.hr_parsed_create.restype = [], p
     lib.hr_parsed_release.argtypes, lib.hr_parsed_release.restype = [p], None
@@ -148,7 +148,8 @@ class BatchDecoder:
     ``device=None`` makes a CPU-only decoder writing to host memory (used by the tests on machines
     without a GPU); otherwise the hardware JPEG engine (``hw_load`` of each batch, or a share that
     nvImageCodec adapts batch by batch when ``hw_load="adaptive"``), then the CUDA decoder, then the
-    CPU one, writing to device memory on the stream given to ``decode``. ``options`` go to
+    CPU one (``cuda_load``: the share of what the engine leaves that the CUDA decoder takes; the
+    rest goes to the CPU), writing to device memory on the stream given to ``decode``. ``options`` go to
     nvImageCodec's decoder as they are (e.g. ``"nvjpeg_cuda_decoder:hybrid_huffman_threshold=0"``).
     """
 
@@ -158,6 +159,7 @@ class BatchDecoder:
         *,
         threads: int,
         hw_load: float | str = 0.65,
+        cuda_load: float = 1.0,
         channels: int = 3,
         exif: bool = True,
         options: str = "",
@@ -171,7 +173,8 @@ class BatchDecoder:
         adaptive = hw_load == "adaptive"
         share = 0.65 if adaptive else float(hw_load)
         handle = lib.hr_decoder_create(
-            _instance(lib), -1 if cpu_only else device, int(cpu_only), threads, share, int(adaptive), options.encode(), err, len(err)
+            _instance(lib), -1 if cpu_only else device, int(cpu_only), threads, share, cuda_load, int(adaptive),
+            options.encode(), err, len(err)
         )
         if not handle:
             raise RuntimeError(err.value.decode())

@@ -73,8 +73,11 @@ class NativeDecoder:
         self.channels = channels
         # Expert knob, for measuring: options for nvImageCodec's decoder, as its documentation spells them.
         options = os.environ.get("HEADRACE_NVIMGCODEC_OPTIONS", "")
+        # Expert knob, for measuring: the CUDA decoder's share of what the hardware engine leaves
+        # (the rest decodes on the CPU).
+        cuda_load = float(os.environ.get("HEADRACE_CUDA_LOAD", "1"))
         self.decoder = BatchDecoder(
-            device.index, threads=threads, hw_load=hw_load, channels=channels, exif=exif, options=options
+            device.index, threads=threads, hw_load=hw_load, cuda_load=cuda_load, channels=channels, exif=exif, options=options
         )
         # Two buffers, used in turn and grown when a batch needs more: memory stays flat over epochs.
         # The lane waits for its batch i-2's kernel before decoding batch i, so batch i's buffer is free.

@@ -78,9 +78,10 @@ void hr_instance_destroy(nvimgcodecInstance_t instance)
 
 /* device_id < 0 with cpu_only: the CPU backend only (libjpeg-turbo and friends), host output. */
 /* adaptive: nvImageCodec moves the split between backends batch by batch to minimise idle time,
-   starting from hw_load. */
+   starting from hw_load. cuda_load: the share of what the hardware engine leaves that goes to the
+   CUDA decoder; the rest goes on to the CPU decoder (1: none). */
 hr_decoder* hr_decoder_create(nvimgcodecInstance_t instance, int device_id, int cpu_only, int threads,
-                              float hw_load, int adaptive, const char* options, char* err, size_t errlen)
+                              float hw_load, float cuda_load, int adaptive, const char* options, char* err, size_t errlen)
 {
     nvimgcodecBackend_t backends[4];
     int n = 0;
@@ -94,7 +95,7 @@ hr_decoder* hr_decoder_create(nvimgcodecInstance_t instance, int device_id, int 
         backends[n].params.struct_type = NVIMGCODEC_STRUCTURE_TYPE_BACKEND_PARAMS;
         backends[n].params.struct_size = sizeof(nvimgcodecBackendParams_t);
         /* The hardware engine takes its share first; what it leaves or rejects falls through. */
-        backends[n].params.load_hint = (i == 0) ? hw_load : 1.0f;
+        backends[n].params.load_hint = (i == 0) ? hw_load : (i == 1) ? cuda_load : 1.0f;
         backends[n].params.load_hint_policy =
             adaptive ? NVIMGCODEC_LOAD_HINT_POLICY_ADAPTIVE_MINIMIZE_IDLE_TIME : NVIMGCODEC_LOAD_HINT_POLICY_FIXED;
     }
