@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from headrace import ops
-from headrace.ops._batch_decode import BatchDecoder, ParsedBatch
+from headrace.ops._batch_decode import BatchDecoder, Launch, ParsedBatch
 from headrace.ops._geometry import plan_batch, roi_batch
 from headrace.ops._random import uniforms
 
@@ -37,7 +37,7 @@ def regions_for(info, k):
     rnd = [uniforms(0, 0, pos, idx, op.randoms) if op.randoms else None for pos, op in enumerate(pipe.image_ops, 1)]
     return roi_batch(plan_batch(info[:, 0], info[:, 1], pipe.image_ops, rnd), info[:, 0], info[:, 1]).astype(np.int32)
 
-def run(lanes, hw, threads, cuda_load=1.0, passes=3):
+def run(lanes, hw, threads, cuda_load=1.0, order=None, passes=3):
     rates = []
     class Lane(threading.Thread):
         def __init__(s, i):
@@ -60,7 +60,11 @@ def run(lanes, hw, threads, cuda_load=1.0, passes=3):
                     slot = k // lanes % 2
                     if ev[slot] is not None: ev[slot].synchronize()
                     ptr = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.uint64) + np.uint64(s.ws[slot].data_ptr())
-                    st = s.dec.decode(s.parsed, np.arange(len(info), dtype=np.int32), reg, ptr, s.stream.ptr)
+                    launch = Launch()
+                    if order == "area":  # the largest share of its image first: the hardware decoder takes the first hw_load
+                        seq = np.argsort(-(h * w) / (info[:, 0] * info[:, 1]), kind="stable").astype(np.int32)
+                        launch.order = seq.ctypes.data
+                    st, _ = s.dec.decode_launch(s.parsed, np.arange(len(info), dtype=np.int32), reg, ptr, s.stream.ptr, launch)
                     assert (st == 1).all(), (st != 1).sum()
                     s.parsed.release()
                     ev[slot] = s.stream.record()
@@ -80,14 +84,16 @@ def run(lanes, hw, threads, cuda_load=1.0, passes=3):
     return statistics.median(rates), rates
 
 cores = os.cpu_count()
-# (lanes, hw_load, decoder threads, CUDA decoder's share of the rest: the remainder decodes on the CPU)
+# (lanes, hw_load, decoder threads, CUDA decoder's share of the rest: the remainder decodes on the CPU[, order])
 configs = [(1, 0.65, cores, 1.0), (2, 0.65, cores, 1.0), (2, "adaptive", cores, 1.0), (2, 0.65, cores, 0.9),
            (2, 0.65, cores, 0.8), (2, 0.5, cores, 0.8), (3, 0.65, cores, 1.0), (3, "adaptive", cores, 1.0),
            (4, 0.65, cores, 1.0), (4, "adaptive", cores, 1.0), (2, 0.65, cores // 2, 1.0), (2, 0.5, cores, 1.0),
-           (2, 0.8, cores, 1.0), (3, 0.65, cores // 3, 1.0)]
+           (2, 0.8, cores, 1.0), (3, 0.65, cores // 3, 1.0),
+           (2, 0.65, cores, 1.0, "area"), (2, 0.8, cores, 1.0, "area"), (1, 0.65, cores, 1.0, "area")]
 only = sys.argv[2:]  # optional: the indices of the configurations to run
-for k, (lanes, hw, th, cl) in enumerate(configs):
+for k, (lanes, hw, th, cl, *rest) in enumerate(configs):
     if only and str(k) not in only:
         continue
-    med, rates = run(lanes, hw, th, cl)
-    print(f"decode floor lanes={lanes} hw={hw} threads={th} cuda_load={cl}: {med:,.0f} img/s  runs {[round(r) for r in rates]}", flush=True)
+    order = rest[0] if rest else None
+    med, rates = run(lanes, hw, th, cl, order)
+    print(f"decode floor lanes={lanes} hw={hw} threads={th} cuda_load={cl} order={order}: {med:,.0f} img/s  runs {[round(r) for r in rates]}", flush=True)

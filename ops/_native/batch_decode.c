@@ -251,8 +251,10 @@ int hr_parse(nvimgcodecInstance_t instance, hr_parsed* p, int n, const unsigned 
  * nvImageCodec's processing status (or 0 when the image could not be set up). Blocks until the host
  * part of the decode is done; the device part is ordered on cuda_stream. Returns 0 when the whole
  * call failed (nothing decoded), else 1. */
+/* order (optional): the sequence in which the images are handed to nvImageCodec, a permutation of
+   0..m-1. Its hardware decoder takes the first share of a batch (hw_load), the CUDA decoder the rest. */
 static int decode_batch(hr_decoder* d, const hr_parsed* p, int m, const int32_t* pick, const int32_t* region, void* const* out,
-                        int channels, int exif, void* cuda_stream, int32_t* status)
+                        int channels, int exif, void* cuda_stream, int32_t* status, const int32_t* order)
 {
     if (!reserve(d, m))
         return 0;
@@ -263,6 +265,11 @@ static int decode_batch(hr_decoder* d, const hr_parsed* p, int m, const int32_t*
     for (int j = 0; j < m; ++j) {
         status[j] = 0;
         slot[j] = -1;
+    }
+    for (int q = 0; q < m; ++q) {
+        int j = order ? order[q] : q;
+        if (j < 0 || j >= m || slot[j] != -1)
+            continue;
         nvimgcodecCodeStream_t whole = pick[j] < p->capacity ? p->streams[pick[j]] : NULL;
         if (!whole)
             continue;
@@ -351,7 +358,7 @@ static int decode_batch(hr_decoder* d, const hr_parsed* p, int m, const int32_t*
 int hr_decode(hr_decoder* d, const hr_parsed* p, int m, const int32_t* pick, const int32_t* region, void* const* out, int channels,
               int exif, void* cuda_stream, int32_t* status)
 {
-    return decode_batch(d, p, m, pick, region, out, channels, exif, cuda_stream, status);
+    return decode_batch(d, p, m, pick, region, out, channels, exif, cuda_stream, status, NULL);
 }
 
 /* ---- Decode, then launch: the lane's whole batch in one GIL-free call ----
@@ -418,6 +425,7 @@ typedef struct {
     const int32_t* meta_src;
     const float* geo_src;
     const int64_t* labels_src;
+    const int32_t* order; /* the images' order for the decoder (decode_batch), or NULL */
     double seconds[3];    /* out: waiting, decoding, launching */
     int cuda_error;       /* out: the driver's error code when a call failed, else 0 */
 } hr_launch;
@@ -470,7 +478,7 @@ int hr_decode_launch(hr_decoder* d, const hr_parsed* p, int m, const int32_t* pi
     if (l->wait_event && driver.loaded > 0)
         l->cuda_error = driver.sync(l->wait_event);
     double t1 = now();
-    int ok = l->cuda_error ? 0 : decode_batch(d, p, m, pick, region, out, channels, exif, cuda_stream, status);
+    int ok = l->cuda_error ? 0 : decode_batch(d, p, m, pick, region, out, channels, exif, cuda_stream, status, l->order);
     double t2 = now();
     int launched = 0;
     l->seconds[2] = 0.0;

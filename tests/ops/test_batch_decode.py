@@ -178,3 +178,19 @@ def test_the_driver_reason_says_why_the_shim_cannot_launch():
         assert reason is not None and "CUDA driver" in reason
     else:
         assert reason is None
+
+
+def test_the_decode_order_changes_no_image_and_no_status(decoder, rng):
+    dec = decoder()
+    good = [encode(random_image(rng, 24 + 3 * k, 40), "JPEG") for k in range(5)]
+    blobs = good[:2] + [good[2][: len(good[2]) // 2]] + good[3:]  # a truncated one in the middle
+    info = dec.parsed.parse(blobs, exif=True)
+    boxes = np.column_stack([np.zeros((5, 2), np.int32), info[:, :2]])
+    outs = [np.zeros((h, w, 3), np.uint8) for h, w in info[:, :2]]
+    launch = _batch_decode.Launch()
+    order = np.array([4, 2, 0, 3, 1], dtype=np.int32)
+    launch.order = order.ctypes.data
+    status, _ = dec.decode_launch(dec.parsed, np.arange(5, dtype=np.int32), boxes, np.array([o.ctypes.data for o in outs], np.uint64), 0, launch)
+    assert status[2] != 1 and [status[i] for i in (0, 1, 3, 4)] == [1, 1, 1, 1]
+    for i in (0, 1, 3, 4):
+        np.testing.assert_array_equal(outs[i], _pillow(blobs[i]))
