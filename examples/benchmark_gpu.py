@@ -229,10 +229,6 @@ def main() -> None:
         "nvimgcodec": ("nvImageCodec decode only (whole)", lambda: bench_nvimgcodec(files, args.batch, args.epochs)),
         "reader": ("files reader alone (no decode)", lambda: bench_reader(root, args.epochs)),
     }
-    for cl in filter(None, args.cuda_loads.split(",")):
-        runners[f"cuda{cl}"] = (f"headrace (train, cuda_load={cl})", lambda cl=cl: _with_env(
-            "HEADRACE_CUDA_LOAD", cl, lambda: bench_headrace(root, ops.training(224, dtype="float16"), args.batch, args.epochs, args.lanes)))
-        rows.append(f"cuda{cl}")
     for hw in filter(None, args.hw_loads.split(",")):
         runners[f"hw{hw}"] = (f"headrace (train, hw_load={hw})", lambda hw=float(hw): bench_headrace(
             root, ops.training(224, dtype="float16"), args.batch, args.epochs, args.lanes, hw))
@@ -244,19 +240,19 @@ def main() -> None:
         runners[variant] = (label, lambda n=int(n), hw_load=hw_load, t=int(threads[0]) if threads else None: bench_headrace(
             root, ops.training(224, dtype="float16"), args.batch, args.epochs, n, hw_load, t))
         rows.append(variant)
+    def train_with(key: str, label: str, env: str, value: str) -> None:  # the train row with one environment variable set
+        runners[key] = (f"headrace (train, {label})", lambda: _with_env(env, value, lambda: bench_headrace(
+            root, ops.training(224, dtype="float16"), args.batch, args.epochs, args.lanes)))
+        rows.append(key)
+
+    for cl in filter(None, args.cuda_loads.split(",")):
+        train_with(f"cuda{cl}", f"cuda_load={cl}", "HEADRACE_CUDA_LOAD", cl)
     for k, options in enumerate(filter(None, args.options_variants.split(";"))):
-        runners[f"options{k}"] = (f"headrace (train, {options})", lambda options=options: _with_env(
-            "HEADRACE_NVIMGCODEC_OPTIONS", options, lambda: bench_headrace(
-                root, ops.training(224, dtype="float16"), args.batch, args.epochs, args.lanes)))
-        rows.append(f"options{k}")
+        train_with(f"options{k}", options, "HEADRACE_NVIMGCODEC_OPTIONS", options)
     if args.python_launch:
-        runners["python_launch"] = ("headrace (train, kernel launched from Python)", lambda: _with_env(
-            "HEADRACE_NATIVE_LAUNCH", "0", lambda: bench_headrace(root, ops.training(224, dtype="float16"), args.batch, args.epochs, args.lanes)))
-        rows.append("python_launch")
+        train_with("python_launch", "kernel launched from Python", "HEADRACE_NATIVE_LAUNCH", "0")
     if args.python_codec:
-        runners["python"] = ("headrace (train, Python nvImageCodec API)", lambda: _with_env(
-            "HEADRACE_NATIVE_DECODE", "0", lambda: bench_headrace(root, ops.training(224, dtype="float16"), args.batch, args.epochs, args.lanes)))
-        rows.append("python")
+        train_with("python", "Python nvImageCodec API", "HEADRACE_NATIVE_DECODE", "0")
     for key in rows:
         name, fn = runners[key]
         print(f"running {name} ...", flush=True)

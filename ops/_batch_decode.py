@@ -80,7 +80,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hr_parsed_release.argtypes, lib.hr_parsed_release.restype = [p], None
     lib.hr_parsed_destroy.argtypes, lib.hr_parsed_destroy.restype = [p], None
     lib.hr_parse.argtypes, lib.hr_parse.restype = [p, p, i, p, p, i, p], i
-    lib.hr_decode.argtypes, lib.hr_decode.restype = [p, p, i, p, p, p, i, i, p, p], i
     lib.hr_decoder_destroy.argtypes, lib.hr_decoder_destroy.restype = [p], None
     lib.hr_driver_load.argtypes, lib.hr_driver_load.restype = [ctypes.c_char_p, sz], i
     lib.hr_decode_launch.argtypes = [p, p, i, p, p, p, i, i, p, p, ctypes.POINTER(Launch)]
@@ -189,16 +188,7 @@ class BatchDecoder:
         ``regions[j]`` = (y0, x0, y1, x1), into the buffers at addresses ``out[j]`` (rows packed,
         ``channels`` uint8 per pixel), ordered on CUDA ``stream`` (an address; 0 for the CPU-only
         decoder). Returns an int32 status per image: 1 decoded, anything else failed."""
-        m = len(pick)
-        pick = np.ascontiguousarray(pick, dtype=np.int32)
-        regions = np.ascontiguousarray(regions, dtype=np.int32)
-        out = np.ascontiguousarray(out, dtype=np.uint64)
-        status = np.zeros(m, dtype=np.int32)
-        ok = self._lib.hr_decode(self._handle, parsed._handle, m, pick.ctypes.data, regions.ctypes.data, out.ctypes.data,
-                                 self.channels, int(self.exif), stream, status.ctypes.data)
-        if not ok:
-            status[:] = 0
-        return status
+        return self.decode_launch(parsed, pick, regions, out, stream, Launch())[0]
 
     def decode_launch(self, parsed: ParsedBatch, pick: np.ndarray, regions: np.ndarray, out: np.ndarray, stream: int,
                       launch: Launch) -> tuple[np.ndarray, bool]:

@@ -336,8 +336,8 @@ class _Lane:
         out = torch.empty(self._out_shape(n), dtype=self._out_dtype(), device=self.owner.device)
         labels = torch.empty(n, dtype=torch.int64, device=self.owner.device) if prep.label_array is not None else None
         lap("alloc")
-        launch = self.fused.prepare(stage, out, prep.meta, prep.geo, prep.label_array, labels, wait, record=self.post is None)
-        launch.order = prep.order.ctypes.data if prep.order is not None else None
+        launch = self.fused.prepare(stage, out, prep.meta, prep.geo, prep.label_array, labels, prep.order, wait,
+                                    record=self.post is None)
         lap("tables")
         decoded = self.decoder.decode(prep.token, prep.parse_idx, prep.regions, self.cp_stream.ptr,
                                       buffers=(pointers, row_strides, workspace), launch=launch)
@@ -387,10 +387,10 @@ class _Lane:
         if self.post is not None:
             out = self._post(out, prep, ok)
         data_out: dict[str, Any] = {"image": out}
-        if any(lbl is not None for lbl in prep.labels):
+        if prep.label_array is not None:
             # From pinned memory: a copy from pageable memory may wait for the lane's stream
             # (its decode and kernel) before it starts.
-            tables["labels"][:] = [prep.labels[i] for i in ok]
+            tables["labels"][:] = prep.label_array[ok]
             labels = torch.empty(len(ok), dtype=torch.int64, device=self.owner.device)
             if len(ok):
                 stage.upload("labels", labels.data_ptr(), len(ok), self.cp_stream)

@@ -117,12 +117,13 @@ class FusedLaunch:
         self.launch.block[:] = (32, 8, 1)
 
     def prepare(self, stage: Staging, out: torch.Tensor, meta: np.ndarray, geo: np.ndarray,
-                labels: np.ndarray | None, labels_out: torch.Tensor | None,
+                labels: np.ndarray | None, labels_out: torch.Tensor | None, order: np.ndarray | None,
                 wait: torch.cuda.Event | None, record: bool) -> Any:
-        """The launch for a batch: the shim fills ``stage``'s tables from ``meta`` and ``geo`` (the
-        prep thread's, contiguous, one row per image) and ``labels``, copies them up, runs the
-        kernel into ``out``, copies the labels into ``labels_out`` and, with ``record``, records
-        ``stage.ready``. The arrays must live until the shim's call returns."""
+        """The launch for a batch: the shim decodes in ``order`` (int32, optional), fills
+        ``stage``'s tables from ``meta`` and ``geo`` (the prep thread's, contiguous, one row per
+        image) and ``labels``, copies them up, runs the kernel into ``out``, copies the labels into
+        ``labels_out`` and, with ``record``, records ``stage.ready``. The arrays must live until the
+        shim's call returns."""
         n = len(meta)
         stage.reserve(n)
         args, launch = self.args, self.launch
@@ -141,4 +142,5 @@ class FusedLaunch:
         else:
             launch.labels_src, launch.copy_size[1] = None, 0
         launch.event = stage.ready.cuda_event if record else None
+        launch.order = order.ctypes.data if order is not None else None
         return launch

@@ -214,7 +214,7 @@ void hr_parsed_destroy(hr_parsed* p)
 /* Read the headers of n encoded images into p. For each: info[4i..4i+3] = height, width (as
  * displayed when exif is set: EXIF rotations by 90 or 270 degrees swap them), channels in the file,
  * and 1 when nvImageCodec parses it (else 0: the caller decodes it another way). The data must stay
- * alive and unchanged until hr_decode returns: the parsed streams point into it. Needs only the
+ * alive and unchanged until hr_decode_launch returns: the parsed streams point into it. Needs only the
  * instance (any thread). Returns 0 on allocation failure. */
 int hr_parse(nvimgcodecInstance_t instance, hr_parsed* p, int n, const unsigned char* const* data, const size_t* sizes,
              int exif, int32_t* info)
@@ -250,9 +250,9 @@ int hr_parse(nvimgcodecInstance_t instance, hr_parsed* p, int n, const unsigned 
  * channels is 3 (RGB) or 1 (gray). Work goes on cuda_stream. status[j] = 1 when decoded, else
  * nvImageCodec's processing status (or 0 when the image could not be set up). Blocks until the host
  * part of the decode is done; the device part is ordered on cuda_stream. Returns 0 when the whole
- * call failed (nothing decoded), else 1. */
-/* order (optional): the sequence in which the images are handed to nvImageCodec, a permutation of
-   0..m-1. Its hardware decoder takes the first share of a batch (hw_load), the CUDA decoder the rest. */
+ * call failed (nothing decoded), else 1. order (optional) is the sequence in which the images go to
+ * nvImageCodec, a permutation of 0..m-1: its hardware decoder takes the first share of a batch
+ * (hw_load), the CUDA decoder the rest. */
 static int decode_batch(hr_decoder* d, const hr_parsed* p, int m, const int32_t* pick, const int32_t* region, void* const* out,
                         int channels, int exif, void* cuda_stream, int32_t* status, const int32_t* order)
 {
@@ -353,12 +353,6 @@ static int decode_batch(hr_decoder* d, const hr_parsed* p, int m, const int32_t*
     }
     free(slot);
     return ok;
-}
-
-int hr_decode(hr_decoder* d, const hr_parsed* p, int m, const int32_t* pick, const int32_t* region, void* const* out, int channels,
-              int exif, void* cuda_stream, int32_t* status)
-{
-    return decode_batch(d, p, m, pick, region, out, channels, exif, cuda_stream, status, NULL);
 }
 
 /* ---- Decode, then launch: the lane's whole batch in one GIL-free call ----
@@ -466,7 +460,7 @@ static int after_decode(hr_launch* l, void* stream)
     return e;
 }
 
-/* hr_decode, preceded by a host wait on l->wait_event and followed, when every image decoded, by
+/* decode_batch, preceded by a host wait on l->wait_event and followed, when every image decoded, by
  * the copies, the kernel and the event of l, all on cuda_stream. Returns 0 when the decode call
  * failed as a whole, 1 when it decoded but launched nothing (an image failed, no function, or
  * l->cuda_error says a driver call failed), 2 when the kernel was launched. */
