@@ -277,12 +277,3 @@ def test_a_cpu_share_without_libjpeg_or_a_pool_is_refused_with_the_reason(monkey
     monkeypatch.setitem(_batch_decode._state, "jpeg", "no libjpeg found (Pillow's, or the system's)")
     with pytest.raises(RuntimeError, match="no CPU share: no libjpeg found"):
         _batch_decode.JpegPool(1)
-
-
-def test_the_cpu_shares_libjpeg_is_pillows_not_nvimgcodecs_extension():
-    # nvImageCodec's extensions directory holds a libjpeg_turbo_ext.so, mapped once a decoder
-    # exists: it has no libjpeg interface and must not be picked.
-    _batch_decode.BatchDecoder(None, threads=1).close()
-    path = _batch_decode._libjpeg_path()
-    assert path is not None and "libjpeg_turbo_ext" not in path
-    assert _batch_decode.jpeg_reason() is None or "libjpeg" in _batch_decode.jpeg_reason()
