@@ -10,8 +10,8 @@ configuration (lanes, hw_load, decoder threads): median images/s of two passes a
                                                                               # K: run only configuration K
     python examples/benchmark_decode_floor.py DATA 1 L:HW:THREADS:CPU_SHARE:CPU_THREADS ...  # also these
 
-The CPU share (CPU_SHARE of each batch, on CPU_THREADS threads that the lanes share) is decoded by
-the shim's own libjpeg-turbo threads beside nvImageCodec (ops/_native/jpeg_region.c).
+The CPU share (CPU_SHARE of each batch, on CPU_THREADS threads per lane) is decoded by the shim's
+own libjpeg-turbo threads beside nvImageCodec (ops/_native/jpeg_region.c).
 """
 import glob
 import os
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from headrace import ops
-from headrace.ops._batch_decode import BatchDecoder, JpegPool, Launch, ParsedBatch
+from headrace.ops._batch_decode import BatchDecoder, Launch, ParsedBatch
 from headrace.ops._geometry import plan_batch, roi_batch
 from headrace.ops._random import uniforms
 
@@ -43,14 +43,13 @@ def regions_for(info, k):
 
 def run(lanes, hw, threads, cuda_load=1.0, order=None, cpu_share=0.0, cpu_threads=0, passes=3):
     rates = []
-    pool = JpegPool(cpu_threads) if cpu_share > 0 else None
     class Lane(threading.Thread):
         def __init__(s, i):
             super().__init__(); s.i = i; s.ready = threading.Event(); s.go = threading.Event(); s.done = threading.Event()
         def run(s):
             torch.cuda.set_device(0); cupy.cuda.Device(0).use()
             s.stream = cupy.cuda.Stream(non_blocking=True)
-            s.dec = BatchDecoder(0, threads=threads, hw_load=hw, cuda_load=cuda_load, cpu_share=cpu_share, cpu_pool=pool)
+            s.dec = BatchDecoder(0, threads=threads, hw_load=hw, cuda_load=cuda_load, cpu_share=cpu_share, cpu_threads=cpu_threads)
             s.parsed = ParsedBatch()
             s.ws = [torch.empty(B * 224 * 224 * 3 * 8, dtype=torch.uint8, device="cuda") for _ in range(2)]
             s.ready.set()
@@ -87,8 +86,6 @@ def run(lanes, hw, threads, cuda_load=1.0, order=None, cpu_share=0.0, cpu_thread
         dt = time.perf_counter() - t
         if p: rates.append(len(blobs) / dt)
     for l in ls: l.join()
-    if pool is not None:
-        pool.close()
     return statistics.median(rates), rates, sum(l.cpu_decoded for l in ls) / (passes * len(blobs))
 
 cores = os.cpu_count()

@@ -203,7 +203,7 @@ def main() -> None:
     ap.add_argument("--cuda-loads", default="",
                     help="also run headrace (train) with these shares of the non-hardware part for the CUDA decoder (the rest on the CPU), e.g. 0.9,0.8")
     ap.add_argument("--cpu-shares", default="",
-                    help="also run headrace (train) with these SHARE[:THREADS] of each batch decoded by the shim's libjpeg-turbo threads (THREADS shared by the lanes), e.g. 0.2:4,0.3:6")
+                    help="also run headrace (train) with these SHARE[:THREADS] of each batch decoded by the shim's libjpeg-turbo threads (THREADS per lane), e.g. 0.2:4,0.3:6")
     ap.add_argument("--hw-loads", default="", help="also run headrace (train) at these hw_load values, e.g. 0,1")
     ap.add_argument("--data", default=".data/bench-gpu")
     ap.add_argument("--photos", default=None, help="an .npz of photographs (for machines without scikit-image)")
@@ -255,7 +255,7 @@ def main() -> None:
         train_with(f"options{k}", options, "HEADRACE_NVIMGCODEC_OPTIONS", options)
     for spec in filter(None, args.cpu_shares.split(",")):
         share, *threads = spec.split(":")
-        runners[f"cpu{spec}"] = (f"headrace (train, CPU share {share}" + (f" on {threads[0]} threads)" if threads else ")"),
+        runners[f"cpu{spec}"] = (f"headrace (train, CPU share {share}" + (f" on {threads[0]} threads/lane)" if threads else ")"),
                                  lambda share=share, threads=threads: _with_env("HEADRACE_CPU_SHARE", share, lambda: _with_env(
                                      "HEADRACE_CPU_THREADS", threads[0] if threads else None, lambda: bench_headrace(
                                          root, ops.training(224, dtype="float16"), args.batch, args.epochs, args.lanes))))

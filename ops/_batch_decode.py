@@ -25,7 +25,7 @@ from headrace import _native as native
 
 from ._cpu_decode import nvimgcodec
 
-__all__ = ["BatchDecoder", "JpegPool", "Launch", "ParsedBatch", "driver_reason", "jpeg_reason", "load", "unavailable_reason"]
+__all__ = ["BatchDecoder", "Launch", "ParsedBatch", "driver_reason", "jpeg_reason", "load", "unavailable_reason"]
 
 _HERE = Path(__file__).parent / "_native"
 _SOURCE = _HERE / "batch_decode.c"
@@ -76,7 +76,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i, f, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_size_t
     lib.hr_instance_create.argtypes, lib.hr_instance_create.restype = [ctypes.c_char_p, ctypes.c_char_p, sz], p
     lib.hr_instance_destroy.argtypes, lib.hr_instance_destroy.restype = [p], None
-    lib.hr_decoder_create.argtypes = [p, i, i, i, f, f, i, f, p, ctypes.c_char_p, ctypes.c_char_p, sz]
+    lib.hr_decoder_create.argtypes = [p, i, i, i, f, f, i, f, i, ctypes.c_char_p, ctypes.c_char_p, sz]
     lib.hr_decoder_create.restype = p
     lib.hr_parsed_create.argtypes, lib.hr_parsed_create.restype = [], p
     lib.hr_parsed_release.argtypes, lib.hr_parsed_release.restype = [p], None
@@ -87,8 +87,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hr_decode_launch.argtypes = [p, p, i, p, p, p, i, i, p, p, ctypes.POINTER(Launch)]
     lib.hr_decode_launch.restype = i
     lib.hr_jpeg_load.argtypes, lib.hr_jpeg_load.restype = [ctypes.c_char_p, ctypes.c_char_p, sz], i
-    lib.hr_jpeg_pool_create.argtypes, lib.hr_jpeg_pool_create.restype = [i], p
-    lib.hr_jpeg_pool_destroy.argtypes, lib.hr_jpeg_pool_destroy.restype = [p], None
     lib.hr_decoder_cpu_decoded.argtypes, lib.hr_decoder_cpu_decoded.restype = [p], ctypes.c_longlong
 
 
@@ -195,8 +193,9 @@ class BatchDecoder:
     nvImageCodec's decoder as they are (e.g. ``"nvjpeg_cuda_decoder:hybrid_huffman_threshold=0"``).
 
     ``cpu_share`` of each batch (its last images, in decode order) decodes beside nvImageCodec on
-    ``cpu_pool``'s threads with libjpeg-turbo, just each window, then is copied up on the decode's
-    stream. What libjpeg cannot decode cleanly goes to nvImageCodec after all, whose verdict stands.
+    ``cpu_threads`` threads of the shim's own, with libjpeg-turbo, just each window, then is copied up
+    on the decode's stream (``jpeg_reason()`` must be None). What libjpeg cannot decode cleanly goes
+    to nvImageCodec after all, whose verdict stands.
     """
 
     def __init__(
@@ -207,7 +206,7 @@ class BatchDecoder:
         hw_load: float | str = 0.65,
         cuda_load: float = 1.0,
         cpu_share: float = 0.0,
-        cpu_pool: JpegPool | None = None,
+        cpu_threads: int = 0,
         channels: int = 3,
         exif: bool = True,
         options: str = "",
@@ -219,17 +218,14 @@ class BatchDecoder:
         err = ctypes.create_string_buffer(256)
         cpu_only = device is None
         if cpu_share > 0:
-            if cpu_pool is None or not cpu_pool.handle:
-                raise ValueError("a CPU share needs an open JpegPool")
-            reason = None if cpu_only else driver_reason()
+            reason = jpeg_reason() or (None if cpu_only else driver_reason())
             if reason is not None:
                 raise RuntimeError(f"no CPU share: {reason}")
-        self._cpu_pool = cpu_pool  # outlives the decoder: the caller closes it after
         adaptive = hw_load == "adaptive"
         share = 0.65 if adaptive else float(hw_load)
         handle = lib.hr_decoder_create(
             _instance(lib), -1 if cpu_only else device, int(cpu_only), threads, share, cuda_load, int(adaptive),
-            cpu_share if cpu_share > 0 else 0.0, cpu_pool.handle if cpu_share > 0 else None, options.encode(), err, len(err)
+            cpu_share, cpu_threads if cpu_share > 0 else 0, options.encode(), err, len(err)
         )
         if not handle:
             raise RuntimeError(err.value.decode())
@@ -273,29 +269,6 @@ class BatchDecoder:
         if self._handle:
             self._lib.hr_decoder_destroy(self._handle)
             self._handle = None
-
-
-class JpegPool:
-    """The shim's libjpeg-turbo threads (``_native/jpeg_region.c``), shared by the decoders given
-    it as ``cpu_pool``; close it after them. Needs ``jpeg_reason()`` to be None."""
-
-    def __init__(self, threads: int) -> None:
-        if threads < 1:
-            raise ValueError(f"a JpegPool needs at least one thread, got {threads}")
-        reason = jpeg_reason()
-        if reason is not None:
-            raise RuntimeError(f"no CPU share: {reason}")
-        self._lib = load()
-        self.threads = threads
-        self.handle = self._lib.hr_jpeg_pool_create(threads)
-        if not self.handle:
-            raise RuntimeError("the CPU share's threads did not start")
-
-    def close(self) -> None:
-        """Stop the threads (after the work queued). Safe twice."""
-        if self.handle:
-            self._lib.hr_jpeg_pool_destroy(self.handle)
-            self.handle = None
 
 
 class ParsedBatch:

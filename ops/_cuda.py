@@ -112,18 +112,7 @@ class CudaExecutor:
         # Expert knob, for measuring: "area" hands each batch to nvImageCodec largest window share
         # first (its hardware decoder takes the first hw_load of a batch).
         self._decode_order = os.environ.get("HEADRACE_DECODE_ORDER", "")
-        # Expert knobs, for measuring: the share of each batch that the shim's libjpeg-turbo threads
-        # decode beside nvImageCodec (ops/_native/jpeg_region.c), and their number (all lanes').
-        self._cpu_share = float(os.environ.get("HEADRACE_CPU_SHARE", "0"))
-        self._jpeg_pool = None
-        if self.native and self._cpu_share > 0 and batch_decode.jpeg_reason() is None:
-            self._jpeg_pool = batch_decode.JpegPool(int(os.environ.get("HEADRACE_CPU_THREADS", str(max(1, threads // 2)))))
-        try:
-            self._lanes = [_Lane(self, i, hw_load, threads) for i in range(lanes)]
-        except BaseException:
-            if self._jpeg_pool is not None:
-                self._jpeg_pool.close()
-            raise
+        self._lanes = [_Lane(self, i, hw_load, threads) for i in range(lanes)]
         self._closed = False
 
     def timings(self) -> dict[str, float]:
@@ -167,8 +156,6 @@ class CudaExecutor:
         self._headers.close()
         for lane in self._lanes:
             lane.pool.shutdown(wait=True)
-        if self._jpeg_pool is not None:  # after the decoders that used it
-            self._jpeg_pool.close()
 
     def _prepare(self, batch: SampleBatch) -> _Prepared:
         """Labels, headers and each sample's crop plan and decode window (in the prep thread)."""
@@ -278,11 +265,8 @@ class _Lane:
         self.cp_stream = cupy.cuda.Stream(non_blocking=True)
         self.stream = torch.cuda.ExternalStream(self.cp_stream.ptr, device=dev)
         pipe = self.owner.pipeline
-        if self.owner.native:
-            self.decoder = NativeDecoder(dev, threads=threads, hw_load=hw_load, channels=pipe.channels, exif=pipe.decode.exif,
-                                         cpu_share=self.owner._cpu_share, cpu_pool=self.owner._jpeg_pool)
-        else:
-            self.decoder = PythonDecoder(dev, threads=threads, hw_load=hw_load, channels=pipe.channels, exif=pipe.decode.exif)
+        decoder = NativeDecoder if self.owner.native else PythonDecoder
+        self.decoder = decoder(dev, threads=threads, hw_load=hw_load, channels=pipe.channels, exif=pipe.decode.exif)
         # With post ops the fused kernel writes uint8 HWC; PostOps runs them, then normalises and
         # lays out the batch, all on this lane's stream.
         self.post = None

@@ -66,8 +66,7 @@ class NativeHeaders:
 
 
 class NativeDecoder:
-    def __init__(self, device: torch.device, *, threads: int, hw_load: float | str, channels: int, exif: bool,
-                 cpu_share: float = 0.0, cpu_pool: Any = None) -> None:
+    def __init__(self, device: torch.device, *, threads: int, hw_load: float | str, channels: int, exif: bool) -> None:
         from ._batch_decode import BatchDecoder
 
         self.device = device
@@ -77,9 +76,13 @@ class NativeDecoder:
         # Expert knob, for measuring: the CUDA decoder's share of what the hardware engine leaves
         # (the rest decodes on the CPU).
         cuda_load = float(os.environ.get("HEADRACE_CUDA_LOAD", "1"))
+        # Expert knobs, for measuring: the share of each batch decoded by the shim's own
+        # libjpeg-turbo threads beside nvImageCodec (ops/_native/jpeg_region.c), and their number.
+        cpu_share = float(os.environ.get("HEADRACE_CPU_SHARE", "0"))
+        cpu_threads = int(os.environ.get("HEADRACE_CPU_THREADS", str(max(1, (os.cpu_count() or 2) // 4))))
         self.decoder = BatchDecoder(
-            device.index, threads=threads, hw_load=hw_load, cuda_load=cuda_load, cpu_share=cpu_share if cpu_pool else 0.0,
-            cpu_pool=cpu_pool, channels=channels, exif=exif, options=options
+            device.index, threads=threads, hw_load=hw_load, cuda_load=cuda_load, cpu_share=cpu_share,
+            cpu_threads=cpu_threads, channels=channels, exif=exif, options=options
         )
         # Two buffers, used in turn and grown when a batch needs more: memory stays flat over epochs.
         # The lane waits for its batch i-2's kernel before decoding batch i, so batch i's buffer is free.

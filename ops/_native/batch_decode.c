@@ -45,7 +45,7 @@ typedef struct {
     nvimgcodecCodeStream_t* chosen;
     nvimgcodecProcessingStatus_t* status;
     /* The CPU share (jpeg_region.c): cpu_share of each batch decoded by libjpeg-turbo on the pool
-       (the caller's, shared by its lanes) into pinned staging, then copied up; NULL pool: none. */
+       into pinned staging, then copied up; NULL pool: none. */
     hr_jpeg_pool* pool;
     float cpu_share;
     unsigned char* staging;
@@ -164,14 +164,14 @@ void hr_instance_destroy(nvimgcodecInstance_t instance)
 }
 
 /* device_id < 0 with cpu_only: the CPU backend only (libjpeg-turbo and friends), host output. */
-/* cpu_share of each batch goes to pool (hr_jpeg_pool_create; the caller's, and it must outlive the
-   decoder), whose threads decode with libjpeg-turbo: into pinned staging copied up on the stream
-   (hr_driver_load must have succeeded), or for cpu_only straight into the output. */
+/* cpu_share of each batch goes to a pool of cpu_threads threads decoding with libjpeg-turbo
+   (jpeg_region.c; hr_jpeg_load must have succeeded, and for a GPU decoder hr_driver_load too):
+   into pinned staging copied up on the stream, or for cpu_only straight into the output. */
 /* adaptive: nvImageCodec moves the split between backends batch by batch to minimise idle time,
    starting from hw_load. cuda_load: the share of what the hardware engine leaves that goes to the
    CUDA decoder; the rest goes on to the CPU decoder (1: none). */
 hr_decoder* hr_decoder_create(nvimgcodecInstance_t instance, int device_id, int cpu_only, int threads,
-                              float hw_load, float cuda_load, int adaptive, float cpu_share, hr_jpeg_pool* pool,
+                              float hw_load, float cuda_load, int adaptive, float cpu_share, int cpu_threads,
                               const char* options, char* err, size_t errlen)
 {
     nvimgcodecBackend_t backends[4];
@@ -213,9 +213,15 @@ hr_decoder* hr_decoder_create(nvimgcodecInstance_t instance, int device_id, int 
     d->instance = instance;
     d->decoder = decoder;
     d->cpu_only = cpu_only;
-    if (pool && cpu_share > 0.0f && (cpu_only || driver.loaded > 0)) {
-        d->pool = pool;
+    if (cpu_share > 0.0f && cpu_threads > 0 && (cpu_only || driver.loaded > 0)) {
+        d->pool = hr_jpeg_pool_create(cpu_threads);
         d->cpu_share = cpu_share > 1.0f ? 1.0f : cpu_share;
+        if (!d->pool) {
+            nvimgcodecDecoderDestroy(decoder);
+            free(d);
+            snprintf(err, errlen, "the CPU share's threads did not start (is libjpeg-turbo loaded?)");
+            return NULL;
+        }
     }
     return d;
 }
@@ -708,6 +714,7 @@ void hr_decoder_destroy(hr_decoder* d)
         return;
     release_handles(d->views, d->capacity);
     nvimgcodecDecoderDestroy(d->decoder);
+    hr_jpeg_pool_destroy(d->pool);
     if (d->staged) {
         /* The caller's thread may have no current context: the staging's is pushed for the frees.
            The event sync makes sure no copy still reads the staging. */

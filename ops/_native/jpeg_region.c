@@ -296,7 +296,7 @@ void hr_jpeg_decode(hr_jpeg_pool* pool, int n, const unsigned char* const* data,
     hr_jpeg_wait(pool, &b);
 }
 
-/* Stops the threads once the queued batches are done (the decoders using it are gone). */
+/* Stops the threads once the queued batches are done. */
 void hr_jpeg_pool_destroy(hr_jpeg_pool* pool)
 {
     if (!pool)

@@ -35,20 +35,11 @@ def cpu_share(request):
 
 
 @pytest.fixture
-def jpeg_pool():
-    pool = _batch_decode.JpegPool(2) if _NO_JPEG is None else None
-    yield pool
-    if pool is not None:
-        pool.close()
-        pool.close()
-
-
-@pytest.fixture
-def decoder(cpu_share, jpeg_pool):
+def decoder(cpu_share):
     made = []
 
     def make(channels: int = 3, exif: bool = True):
-        dec = _batch_decode.BatchDecoder(None, threads=1, channels=channels, exif=exif, cpu_share=cpu_share, cpu_pool=jpeg_pool)
+        dec = _batch_decode.BatchDecoder(None, threads=1, channels=channels, exif=exif, cpu_share=cpu_share, cpu_threads=2)
         dec.parsed = _batch_decode.ParsedBatch()
         made.append(dec)
         return dec
@@ -224,7 +215,7 @@ def _cmyk_jpeg(rng) -> bytes:
 
 
 @pytest.mark.skipif(_NO_JPEG is not None, reason=f"no CPU share here: {_NO_JPEG}")
-def test_the_cpu_share_takes_plain_jpegs_and_leaves_the_rest_to_nvimgcodec(rng, jpeg_pool):
+def test_the_cpu_share_takes_plain_jpegs_and_leaves_the_rest_to_nvimgcodec(rng):
     photo = random_image(rng, 70, 90)
     blobs = {
         "baseline 4:2:0": encode(photo, "JPEG"),
@@ -239,7 +230,7 @@ def test_the_cpu_share_takes_plain_jpegs_and_leaves_the_rest_to_nvimgcodec(rng, 
     names = list(blobs)
     results = {}
     for share in (0.0, 1.0):
-        dec = _batch_decode.BatchDecoder(None, threads=1, cpu_share=share, cpu_pool=jpeg_pool)
+        dec = _batch_decode.BatchDecoder(None, threads=1, cpu_share=share, cpu_threads=3)
         dec.parsed = _batch_decode.ParsedBatch()
         windows = [None, (5, 7, 60, 81), (9, 0, 70, 90), None, (3, 3, 40, 50), None, None, (0, 10, 70, 90)]
         info, pick, boxes, status, outs = _decode(dec, list(blobs.values()), windows)
@@ -257,8 +248,8 @@ def test_the_cpu_share_takes_plain_jpegs_and_leaves_the_rest_to_nvimgcodec(rng, 
 
 
 @pytest.mark.skipif(_NO_JPEG is not None, reason=f"no CPU share here: {_NO_JPEG}")
-def test_the_cpu_share_is_its_share_of_each_batch(rng, jpeg_pool):
-    dec = _batch_decode.BatchDecoder(None, threads=1, cpu_share=0.25, cpu_pool=jpeg_pool)
+def test_the_cpu_share_is_its_share_of_each_batch(rng):
+    dec = _batch_decode.BatchDecoder(None, threads=1, cpu_share=0.25, cpu_threads=2)
     dec.parsed = _batch_decode.ParsedBatch()
     blobs = [encode(random_image(rng, 30, 30 + k), "JPEG") for k in range(12)]
     for _ in range(2):
@@ -271,9 +262,7 @@ def test_the_cpu_share_is_its_share_of_each_batch(rng, jpeg_pool):
     dec.close()
 
 
-def test_a_cpu_share_without_libjpeg_or_a_pool_is_refused_with_the_reason(monkeypatch):
-    with pytest.raises(ValueError, match="needs an open JpegPool"):
-        _batch_decode.BatchDecoder(None, threads=1, cpu_share=0.5)
+def test_a_cpu_share_without_libjpeg_is_refused_with_the_reason(monkeypatch):
     monkeypatch.setitem(_batch_decode._state, "jpeg", "no libjpeg found (Pillow's, or the system's)")
     with pytest.raises(RuntimeError, match="no CPU share: no libjpeg found"):
-        _batch_decode.JpegPool(1)
+        _batch_decode.BatchDecoder(None, threads=1, cpu_share=0.5, cpu_threads=1)
