@@ -8,10 +8,6 @@ configuration (lanes, hw_load, decoder threads): median images/s of two passes a
 
     python examples/benchmark_decode_floor.py /path/to/class-folders [K ...]   # e.g. benchmark_gpu.py's --data;
                                                                               # K: run only configuration K
-    python examples/benchmark_decode_floor.py DATA 1 L:HW:THREADS:CPU_SHARE:CPU_THREADS ...  # also these
-
-The CPU share (CPU_SHARE of each batch, on CPU_THREADS threads per lane) is decoded by the shim's
-own libjpeg-turbo threads beside nvImageCodec (ops/_native/jpeg_region.c).
 """
 import glob
 import os
@@ -41,7 +37,7 @@ def regions_for(info, k):
     rnd = [uniforms(0, 0, pos, idx, op.randoms) if op.randoms else None for pos, op in enumerate(pipe.image_ops, 1)]
     return roi_batch(plan_batch(info[:, 0], info[:, 1], pipe.image_ops, rnd), info[:, 0], info[:, 1]).astype(np.int32)
 
-def run(lanes, hw, threads, cuda_load=1.0, order=None, cpu_share=0.0, cpu_threads=0, passes=3):
+def run(lanes, hw, threads, cuda_load=1.0, order=None, passes=3):
     rates = []
     class Lane(threading.Thread):
         def __init__(s, i):
@@ -49,7 +45,7 @@ def run(lanes, hw, threads, cuda_load=1.0, order=None, cpu_share=0.0, cpu_thread
         def run(s):
             torch.cuda.set_device(0); cupy.cuda.Device(0).use()
             s.stream = cupy.cuda.Stream(non_blocking=True)
-            s.dec = BatchDecoder(0, threads=threads, hw_load=hw, cuda_load=cuda_load, cpu_share=cpu_share, cpu_threads=cpu_threads)
+            s.dec = BatchDecoder(0, threads=threads, hw_load=hw, cuda_load=cuda_load)
             s.parsed = ParsedBatch()
             s.ws = [torch.empty(B * 224 * 224 * 3 * 8, dtype=torch.uint8, device="cuda") for _ in range(2)]
             s.ready.set()
@@ -74,7 +70,6 @@ def run(lanes, hw, threads, cuda_load=1.0, order=None, cpu_share=0.0, cpu_thread
                     ev[slot] = s.stream.record()
                 s.stream.synchronize()
                 s.done.set()
-            s.cpu_decoded = s.dec.cpu_decoded
             s.dec.close(); s.parsed.close()
     ls = [Lane(i) for i in range(lanes)]
     for l in ls: l.start()
@@ -86,7 +81,7 @@ def run(lanes, hw, threads, cuda_load=1.0, order=None, cpu_share=0.0, cpu_thread
         dt = time.perf_counter() - t
         if p: rates.append(len(blobs) / dt)
     for l in ls: l.join()
-    return statistics.median(rates), rates, sum(l.cpu_decoded for l in ls) / (passes * len(blobs))
+    return statistics.median(rates), rates
 
 cores = os.cpu_count()
 # (lanes, hw_load, decoder threads, CUDA decoder's share of the rest: the remainder decodes on the CPU[, order])
@@ -95,15 +90,10 @@ configs = [(1, 0.65, cores, 1.0), (2, 0.65, cores, 1.0), (2, "adaptive", cores, 
            (4, 0.65, cores, 1.0), (4, "adaptive", cores, 1.0), (2, 0.65, cores // 2, 1.0), (2, 0.5, cores, 1.0),
            (2, 0.8, cores, 1.0), (3, 0.65, cores // 3, 1.0),
            (2, 0.65, cores, 1.0, "area"), (2, 0.8, cores, 1.0, "area"), (1, 0.65, cores, 1.0, "area")]
-only = [a for a in sys.argv[2:] if ":" not in a]  # optional: the indices of the configurations to run
-for spec in (a for a in sys.argv[2:] if ":" in a):  # lanes:hw:threads:cpu_share:cpu_threads
-    lanes, hw, th, share, cpu_th = spec.split(":")
-    configs.append((int(lanes), hw if hw == "adaptive" else float(hw), int(th), 1.0, None, float(share), int(cpu_th)))
-    only.append(str(len(configs) - 1))
+only = sys.argv[2:]  # optional: the indices of the configurations to run
 for k, (lanes, hw, th, cl, *rest) in enumerate(configs):
     if only and str(k) not in only:
         continue
-    order, share, cpu_th = list(rest) + [None, 0.0, 0][len(rest):]
-    med, rates, on_cpu = run(lanes, hw, th, cl, order, share, cpu_th)
-    print(f"decode floor lanes={lanes} hw={hw} threads={th} cuda_load={cl} order={order} cpu_share={share}x{cpu_th}: "
-          f"{med:,.0f} img/s  runs {[round(r) for r in rates]}  decoded on the CPU {on_cpu:.0%}", flush=True)
+    order = rest[0] if rest else None
+    med, rates = run(lanes, hw, th, cl, order)
+    print(f"decode floor lanes={lanes} hw={hw} threads={th} cuda_load={cl} order={order}: {med:,.0f} img/s  runs {[round(r) for r in rates]}", flush=True)

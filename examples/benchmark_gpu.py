@@ -169,9 +169,7 @@ def bench_nvimgcodec(files, batch: int, epochs: int) -> dict:
     return _timed_epochs(epoch, epochs)
 
 
-def _with_env(name: str, value: str | None, fn):
-    if value is None:  # nothing to set
-        return fn()
+def _with_env(name: str, value: str, fn):
     saved = os.environ.get(name)
     os.environ[name] = value
     try:
@@ -202,8 +200,6 @@ def main() -> None:
                     help="also run headrace (train) launching its kernel from Python, not from the decode shim")
     ap.add_argument("--cuda-loads", default="",
                     help="also run headrace (train) with these shares of the non-hardware part for the CUDA decoder (the rest on the CPU), e.g. 0.9,0.8")
-    ap.add_argument("--cpu-shares", default="",
-                    help="also run headrace (train) with these SHARE[:THREADS] of each batch decoded by the shim's libjpeg-turbo threads (THREADS per lane), e.g. 0.2:4,0.3:6")
     ap.add_argument("--hw-loads", default="", help="also run headrace (train) at these hw_load values, e.g. 0,1")
     ap.add_argument("--data", default=".data/bench-gpu")
     ap.add_argument("--photos", default=None, help="an .npz of photographs (for machines without scikit-image)")
@@ -253,13 +249,6 @@ def main() -> None:
         train_with(f"cuda{cl}", f"cuda_load={cl}", "HEADRACE_CUDA_LOAD", cl)
     for k, options in enumerate(filter(None, args.options_variants.split(";"))):
         train_with(f"options{k}", options, "HEADRACE_NVIMGCODEC_OPTIONS", options)
-    for spec in filter(None, args.cpu_shares.split(",")):
-        share, *threads = spec.split(":")
-        runners[f"cpu{spec}"] = (f"headrace (train, CPU share {share}" + (f" on {threads[0]} threads/lane)" if threads else ")"),
-                                 lambda share=share, threads=threads: _with_env("HEADRACE_CPU_SHARE", share, lambda: _with_env(
-                                     "HEADRACE_CPU_THREADS", threads[0] if threads else None, lambda: bench_headrace(
-                                         root, ops.training(224, dtype="float16"), args.batch, args.epochs, args.lanes))))
-        rows.append(f"cpu{spec}")
     if args.python_launch:
         train_with("python_launch", "kernel launched from Python", "HEADRACE_NATIVE_LAUNCH", "0")
     if args.python_codec:

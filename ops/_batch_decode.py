@@ -25,11 +25,10 @@ from headrace import _native as native
 
 from ._cpu_decode import nvimgcodec
 
-__all__ = ["BatchDecoder", "Launch", "ParsedBatch", "driver_reason", "jpeg_reason", "load", "unavailable_reason"]
+__all__ = ["BatchDecoder", "Launch", "ParsedBatch", "driver_reason", "load", "unavailable_reason"]
 
 _HERE = Path(__file__).parent / "_native"
 _SOURCE = _HERE / "batch_decode.c"
-_JPEG = (_HERE / "jpeg_region.c", _HERE / "jpeg_region.h", *sorted((_HERE / "jpeg").glob("*.h")))
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
@@ -57,9 +56,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     if not header.exists() or not library.exists():
         return None, f"nvImageCodec's C header or library is missing under {package}"
     target, reason = native.build(
-        "batch_decode", _SOURCE, sources=_JPEG[:1], inputs=(_HERE / "cuda_runtime_api.h", header, *_JPEG[1:]),
-        flags=(f"-I{_HERE}", f"-I{header.parent}", f"-L{package}", "-l:libnvimgcodec.so.0", f"-Wl,-rpath,{package}", "-ldl",
-               "-lpthread"),
+        "batch_decode", _SOURCE, inputs=(_HERE / "cuda_runtime_api.h", header),
+        flags=(f"-I{_HERE}", f"-I{header.parent}", f"-L{package}", "-l:libnvimgcodec.so.0", f"-Wl,-rpath,{package}", "-ldl"),
     )
     if target is None:
         return None, reason
@@ -76,7 +74,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i, f, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_size_t
     lib.hr_instance_create.argtypes, lib.hr_instance_create.restype = [ctypes.c_char_p, ctypes.c_char_p, sz], p
     lib.hr_instance_destroy.argtypes, lib.hr_instance_destroy.restype = [p], None
-    lib.hr_decoder_create.argtypes = [p, i, i, i, f, f, i, f, i, ctypes.c_char_p, ctypes.c_char_p, sz]
+    lib.hr_decoder_create.argtypes = [p, i, i, i, f, f, i, ctypes.c_char_p, ctypes.c_char_p, sz]
     lib.hr_decoder_create.restype = p
     lib.hr_parsed_create.argtypes, lib.hr_parsed_create.restype = [], p
     lib.hr_parsed_release.argtypes, lib.hr_parsed_release.restype = [p], None
@@ -86,8 +84,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hr_driver_load.argtypes, lib.hr_driver_load.restype = [ctypes.c_char_p, sz], i
     lib.hr_decode_launch.argtypes = [p, p, i, p, p, p, i, i, p, p, ctypes.POINTER(Launch)]
     lib.hr_decode_launch.restype = i
-    lib.hr_jpeg_load.argtypes, lib.hr_jpeg_load.restype = [ctypes.c_char_p, ctypes.c_char_p, sz], i
-    lib.hr_decoder_cpu_decoded.argtypes, lib.hr_decoder_cpu_decoded.restype = [p], ctypes.c_longlong
 
 
 class Launch(ctypes.Structure):
@@ -134,41 +130,6 @@ def driver_reason() -> str | None:
         return _state["driver"]
 
 
-def jpeg_reason() -> str | None:
-    """Why the decoders can have no CPU share here (None when they can): it needs libjpeg-turbo
-    with the libjpeg 6.2 interface, and takes the one Pillow was built with."""
-    lib = load()
-    if lib is None:
-        return unavailable_reason()
-    with _lock:
-        if "jpeg" not in _state:
-            path = _libjpeg_path()
-            if path is None:
-                _state["jpeg"] = "no libjpeg found (Pillow's, or the system's)"
-            else:
-                err = ctypes.create_string_buffer(512)
-                _state["jpeg"] = None if lib.hr_jpeg_load(path.encode(), err, len(err)) else err.value.decode()
-        return _state["jpeg"]
-
-
-def _libjpeg_path() -> str | None:
-    """The libjpeg that Pillow's JPEG decoder is linked to (its wheels bundle libjpeg-turbo), as
-    the process mapped it; else the system's."""
-    try:
-        from PIL import _imaging  # noqa: F401  (maps Pillow's libjpeg into the process)
-
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.split()[-1]
-                if "/libjpeg" in path and ".so" in path:
-                    return path
-    except (ImportError, OSError):
-        pass
-    import ctypes.util
-
-    return ctypes.util.find_library("jpeg")
-
-
 def _instance(lib: ctypes.CDLL) -> int:
     """One library instance per process (extensions loaded once); it lives until the process ends."""
     with _lock:
@@ -191,11 +152,6 @@ class BatchDecoder:
     CPU one (``cuda_load``: the share of what the engine leaves that the CUDA decoder takes; the
     rest goes to the CPU), writing to device memory on the stream given to ``decode``. ``options`` go to
     nvImageCodec's decoder as they are (e.g. ``"nvjpeg_cuda_decoder:hybrid_huffman_threshold=0"``).
-
-    ``cpu_share`` of each batch (its last images, in decode order) decodes beside nvImageCodec on
-    ``cpu_threads`` threads of the shim's own, with libjpeg-turbo, just each window, then is copied up
-    on the decode's stream (``jpeg_reason()`` must be None). What libjpeg cannot decode cleanly goes
-    to nvImageCodec after all, whose verdict stands.
     """
 
     def __init__(
@@ -205,8 +161,6 @@ class BatchDecoder:
         threads: int,
         hw_load: float | str = 0.65,
         cuda_load: float = 1.0,
-        cpu_share: float = 0.0,
-        cpu_threads: int = 0,
         channels: int = 3,
         exif: bool = True,
         options: str = "",
@@ -217,15 +171,11 @@ class BatchDecoder:
         self._lib = lib
         err = ctypes.create_string_buffer(256)
         cpu_only = device is None
-        if cpu_share > 0:
-            reason = jpeg_reason() or (None if cpu_only else driver_reason())
-            if reason is not None:
-                raise RuntimeError(f"no CPU share: {reason}")
         adaptive = hw_load == "adaptive"
         share = 0.65 if adaptive else float(hw_load)
         handle = lib.hr_decoder_create(
             _instance(lib), -1 if cpu_only else device, int(cpu_only), threads, share, cuda_load, int(adaptive),
-            cpu_share, cpu_threads if cpu_share > 0 else 0, options.encode(), err, len(err)
+            options.encode(), err, len(err)
         )
         if not handle:
             raise RuntimeError(err.value.decode())
@@ -258,11 +208,6 @@ class BatchDecoder:
         if not done:
             status[:] = 0
         return status, done == 2
-
-    @property
-    def cpu_decoded(self) -> int:
-        """Images the CPU share decoded so far."""
-        return self._lib.hr_decoder_cpu_decoded(self._handle) if self._handle else 0
 
     def close(self) -> None:
         """Destroy the decoder. Its stream's work must be done or still ordered after it. Safe twice."""

@@ -116,15 +116,11 @@ class CudaExecutor:
         self._closed = False
 
     def timings(self) -> dict[str, float]:
-        """Seconds spent per phase (prep thread, and lanes summed): where a batch's host time goes;
-        with a CPU share, also ``shim.cpu_share_images``: how many images it decoded."""
+        """Seconds spent per phase (prep thread, and lanes summed): where a batch's host time goes."""
         total: collections.Counter[str] = collections.Counter(self._prep_seconds)
         for lane in self._lanes:
             total.update(lane.seconds)
             total.update({f"shim.{name}": value for name, value in lane.decoder.seconds.items()})
-            cpu_decoded = getattr(getattr(lane.decoder, "decoder", None), "cpu_decoded", 0)
-            if cpu_decoded:
-                total["shim.cpu_share_images"] += cpu_decoded
         return dict(total)
 
     async def run(self, batch: SampleBatch) -> Processed:

@@ -76,13 +76,8 @@ class NativeDecoder:
         # Expert knob, for measuring: the CUDA decoder's share of what the hardware engine leaves
         # (the rest decodes on the CPU).
         cuda_load = float(os.environ.get("HEADRACE_CUDA_LOAD", "1"))
-        # Expert knobs, for measuring: the share of each batch decoded by the shim's own
-        # libjpeg-turbo threads beside nvImageCodec (ops/_native/jpeg_region.c), and their number.
-        cpu_share = float(os.environ.get("HEADRACE_CPU_SHARE", "0"))
-        cpu_threads = int(os.environ.get("HEADRACE_CPU_THREADS", str(max(1, (os.cpu_count() or 2) // 4))))
         self.decoder = BatchDecoder(
-            device.index, threads=threads, hw_load=hw_load, cuda_load=cuda_load, cpu_share=cpu_share,
-            cpu_threads=cpu_threads, channels=channels, exif=exif, options=options
+            device.index, threads=threads, hw_load=hw_load, cuda_load=cuda_load, channels=channels, exif=exif, options=options
         )
         # Two buffers, used in turn and grown when a batch needs more: memory stays flat over epochs.
         # The lane waits for its batch i-2's kernel before decoding batch i, so batch i's buffer is free.

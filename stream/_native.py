@@ -32,19 +32,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "headrace"
 
 
-def build(name: str, source: Path, *, sources: Sequence[Path] = (), inputs: Sequence[Path] = (),
-          flags: Sequence[str] = ()) -> tuple[Path | None, str | None]:
-    """The shared library built from ``source`` and ``sources`` (with ``flags``): (its path, None),
-    or (None, why not).
+def build(name: str, source: Path, *, inputs: Sequence[Path] = (), flags: Sequence[str] = ()) -> tuple[Path | None, str | None]:
+    """The shared library built from ``source`` (with ``flags``): (its path, None), or (None, why not).
 
-    ``inputs`` are other files the build reads (headers): a change to any of them, to the sources,
+    ``inputs`` are other files the build reads (headers): a change to any of them, to the source,
     the flags or the compiler makes a new build.
     """
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         return None, "no C compiler (set CC, or install gcc)"
     digest = hashlib.sha256()
-    for part in (source, *sources, *inputs):
+    for part in (source, *inputs):
         digest.update(part.read_bytes())
     digest.update("|".join([compiler, *flags]).encode())
     cache = cache_dir()
@@ -55,7 +53,7 @@ def build(name: str, source: Path, *, sources: Sequence[Path] = (), inputs: Sequ
         cache.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
-        done = subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", tmp, str(source), *map(str, sources), *flags],
+        done = subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", tmp, str(source), *flags],
                               capture_output=True, text=True)
     except OSError as exc:  # an unwritable cache, a compiler that cannot start
         return None, f"building {name} failed: {exc}"

@@ -21,7 +21,6 @@
 #include <dlfcn.h>
 
 #include "nvimgcodec.h"
-#include "jpeg_region.h"
 
 #define HR_OK 1
 
@@ -31,8 +30,6 @@
 typedef struct {
     int capacity;
     nvimgcodecCodeStream_t* streams;
-    const unsigned char** data; /* the encoded bytes, for the CPU share (jpeg_region.c) */
-    size_t* sizes;
 } hr_parsed;
 
 typedef struct {
@@ -44,22 +41,6 @@ typedef struct {
     nvimgcodecImage_t* images;
     nvimgcodecCodeStream_t* chosen;
     nvimgcodecProcessingStatus_t* status;
-    /* The CPU share (jpeg_region.c): cpu_share of each batch decoded by libjpeg-turbo on the pool
-       into pinned staging, then copied up; NULL pool: none. */
-    hr_jpeg_pool* pool;
-    float cpu_share;
-    unsigned char* staging;
-    size_t staging_capacity;
-    void* context;        /* the CUDA context staging and staged were made in */
-    void* staged;         /* event: the last copy out of staging */
-    long long cpu_decoded; /* images the CPU share decoded, over the decoder's life */
-    int* jobs;            /* per batch: the images given to the CPU share */
-    const unsigned char** job_data;
-    size_t* job_sizes;
-    int32_t* job_regions;
-    unsigned char** job_out;
-    int32_t* job_ok;
-    int job_capacity;
 } hr_decoder;
 
 static void set_error(char* err, size_t len, const char* what, int code)
@@ -68,74 +49,6 @@ static void set_error(char* err, size_t len, const char* what, int code)
         snprintf(err, len, "%s failed (nvimgcodecStatus %d)", what, code);
 }
 
-/* ---- Decode, then launch: the lane's whole batch in one GIL-free call ----
- *
- * Why: after a decode returns, each CUDA call a Python thread makes (a copy, a launch, an event)
- * drops the GIL and waits to take it back, up to the switch interval (5 ms) when another thread
- * runs Python; with two lanes those waits cost 2-10 ms a batch on the H100 (ops/README.md). Here
- * the wait for the buffers' last reader, the decode, the tables' copy, the kernel, the labels' copy
- * and the event are one call, and the lane takes the GIL back once.
- *
- * The CUDA driver is resolved from libcuda at first use (not linked), so the shim still loads,
- * and decodes, where it is missing; the caller launches from Python then. The calling thread's
- * current context must be the device's primary context (CUDA runtime calls on it set that). */
-typedef int (*hr_cu_launch)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*, void**, void**);
-typedef int (*hr_cu_copy)(unsigned long long, const void*, size_t, void*);
-typedef int (*hr_cu_event)(void*, void*);
-typedef int (*hr_cu_sync)(void*);
-typedef int (*hr_cu_host_alloc)(void**, size_t, unsigned);
-typedef int (*hr_cu_event_create)(void**, unsigned);
-typedef int (*hr_cu_ctx_get)(void**);
-
-static struct {
-    int loaded;
-    hr_cu_launch launch;
-    hr_cu_copy copy;
-    hr_cu_event record;
-    hr_cu_sync sync;
-    /* for the CPU share's pinned staging */
-    hr_cu_host_alloc host_alloc;
-    hr_cu_sync free_host, event_destroy, ctx_push;
-    hr_cu_event_create event_create;
-    hr_cu_ctx_get ctx_get, ctx_pop;
-} driver;
-
-/* 1 when the driver's entry points resolved (once per process; the caller serialises the first call). */
-int hr_driver_load(char* err, size_t errlen)
-{
-    if (driver.loaded)
-        return driver.loaded > 0;
-    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (lib) {
-        driver.launch = (hr_cu_launch)dlsym(lib, "cuLaunchKernel");
-        driver.copy = (hr_cu_copy)dlsym(lib, "cuMemcpyHtoDAsync_v2");
-        driver.record = (hr_cu_event)dlsym(lib, "cuEventRecord");
-        driver.sync = (hr_cu_sync)dlsym(lib, "cuEventSynchronize");
-        driver.host_alloc = (hr_cu_host_alloc)dlsym(lib, "cuMemHostAlloc");
-        driver.free_host = (hr_cu_sync)dlsym(lib, "cuMemFreeHost");
-        driver.event_create = (hr_cu_event_create)dlsym(lib, "cuEventCreate");
-        driver.event_destroy = (hr_cu_sync)dlsym(lib, "cuEventDestroy_v2");
-        driver.ctx_get = (hr_cu_ctx_get)dlsym(lib, "cuCtxGetCurrent");
-        driver.ctx_push = (hr_cu_sync)dlsym(lib, "cuCtxPushCurrent_v2");
-        driver.ctx_pop = (hr_cu_ctx_get)dlsym(lib, "cuCtxPopCurrent_v2");
-    }
-    driver.loaded = (lib && driver.launch && driver.copy && driver.record && driver.sync && driver.host_alloc &&
-                     driver.free_host && driver.event_create && driver.event_destroy && driver.ctx_get && driver.ctx_push &&
-                     driver.ctx_pop) ? 1 : -1;
-    if (driver.loaded < 0 && err && errlen)
-        snprintf(err, errlen, "the CUDA driver's entry points did not resolve: %s", lib ? "missing symbols" : dlerror());
-    return driver.loaded > 0;
-}
-
-/* Decode m of the images parsed into p: pick[j] is the index given to hr_parse, region[4j..4j+3] the
- * window y0, x0, y1, x1 to decode (in displayed coordinates when exif; the whole image is just the
- * full window), out[j] the buffer for its (y1-y0) x (x1-x0) x channels uint8 pixels, rows packed.
- * channels is 3 (RGB) or 1 (gray). Work goes on cuda_stream. status[j] = 1 when decoded, else
- * nvImageCodec's processing status (or 0 when the image could not be set up). Blocks until the host
- * part of the decode is done; the device part is ordered on cuda_stream. Returns 0 when the whole
- * call failed (nothing decoded), else 1. order (optional) is the sequence in which the images go to
- * nvImageCodec, a permutation of 0..m-1: its hardware decoder takes the first share of a batch
- * (hw_load), the CUDA decoder the rest. */
 nvimgcodecInstance_t hr_instance_create(const char* extensions_path, char* err, size_t errlen)
 {
     nvimgcodecInstanceCreateInfo_t info;
@@ -164,15 +77,11 @@ void hr_instance_destroy(nvimgcodecInstance_t instance)
 }
 
 /* device_id < 0 with cpu_only: the CPU backend only (libjpeg-turbo and friends), host output. */
-/* cpu_share of each batch goes to a pool of cpu_threads threads decoding with libjpeg-turbo
-   (jpeg_region.c; hr_jpeg_load must have succeeded, and for a GPU decoder hr_driver_load too):
-   into pinned staging copied up on the stream, or for cpu_only straight into the output. */
 /* adaptive: nvImageCodec moves the split between backends batch by batch to minimise idle time,
    starting from hw_load. cuda_load: the share of what the hardware engine leaves that goes to the
    CUDA decoder; the rest goes on to the CPU decoder (1: none). */
 hr_decoder* hr_decoder_create(nvimgcodecInstance_t instance, int device_id, int cpu_only, int threads,
-                              float hw_load, float cuda_load, int adaptive, float cpu_share, int cpu_threads,
-                              const char* options, char* err, size_t errlen)
+                              float hw_load, float cuda_load, int adaptive, const char* options, char* err, size_t errlen)
 {
     nvimgcodecBackend_t backends[4];
     int n = 0;
@@ -213,16 +122,6 @@ hr_decoder* hr_decoder_create(nvimgcodecInstance_t instance, int device_id, int 
     d->instance = instance;
     d->decoder = decoder;
     d->cpu_only = cpu_only;
-    if (cpu_share > 0.0f && cpu_threads > 0 && (cpu_only || driver.loaded > 0)) {
-        d->pool = hr_jpeg_pool_create(cpu_threads);
-        d->cpu_share = cpu_share > 1.0f ? 1.0f : cpu_share;
-        if (!d->pool) {
-            nvimgcodecDecoderDestroy(decoder);
-            free(d);
-            snprintf(err, errlen, "the CPU share's threads did not start (is libjpeg-turbo loaded?)");
-            return NULL;
-        }
-    }
     return d;
 }
 
@@ -271,9 +170,9 @@ static int reserve(hr_decoder* d, int n)
 
 static int reserve_parsed(hr_parsed* p, int n)
 {
-    void** ptrs[3] = {(void**)&p->streams, (void**)&p->data, (void**)&p->sizes};
-    size_t sizes[3] = {sizeof(nvimgcodecCodeStream_t), sizeof(unsigned char*), sizeof(size_t)};
-    return grow(ptrs, sizes, 3, &p->capacity, n);
+    void** ptrs[1] = {(void**)&p->streams};
+    size_t sizes[1] = {sizeof(nvimgcodecCodeStream_t)};
+    return grow(ptrs, sizes, 1, &p->capacity, n);
 }
 
 /* The stream's image info, and its height and width as displayed (EXIF rotations by 90 or 270
@@ -309,8 +208,6 @@ void hr_parsed_destroy(hr_parsed* p)
         return;
     hr_parsed_release(p);
     free(p->streams);
-    free(p->data);
-    free(p->sizes);
     free(p);
 }
 
@@ -327,8 +224,6 @@ int hr_parse(nvimgcodecInstance_t instance, hr_parsed* p, int n, const unsigned 
     for (int i = 0; i < n; ++i) {
         int32_t* row = info + 4 * i;
         row[0] = row[1] = row[2] = row[3] = 0;
-        p->data[i] = data[i];
-        p->sizes[i] = sizes[i];
         /* The handle of the previous batch is reused in place (no allocation per image). */
         if (nvimgcodecCodeStreamCreateFromHostMem(instance, &p->streams[i], data[i], sizes[i], NULL) !=
             NVIMGCODEC_STATUS_SUCCESS) {
@@ -349,221 +244,6 @@ int hr_parse(nvimgcodecInstance_t instance, hr_parsed* p, int n, const unsigned 
     return 1;
 }
 
-/* Set image j up for nvImageCodec as entry k of the decoder's arrays: 1 when it is. */
-static int add_image(hr_decoder* d, const hr_parsed* p, int j, int k, const int32_t* pick, const int32_t* region,
-                     void* const* out, int channels, int exif, void* cuda_stream)
-{
-    nvimgcodecCodeStream_t whole = pick[j] < p->capacity ? p->streams[pick[j]] : NULL;
-    if (!whole)
-        return 0;
-    const int32_t* r = region + 4 * j;
-    int rh = r[2] - r[0], rw = r[3] - r[1];
-    if (rh < 1 || rw < 1)
-        return 0;
-    nvimgcodecImageInfo_t ii;
-    int full_h, full_w;
-    if (!displayed_info(whole, exif, &ii, &full_h, &full_w))
-        return 0;
-    nvimgcodecCodeStream_t src = whole;
-    if (r[0] != 0 || r[1] != 0 || r[2] != full_h || r[3] != full_w) {
-        nvimgcodecCodeStreamView_t view;
-        memset(&view, 0, sizeof(view));
-        view.struct_type = NVIMGCODEC_STRUCTURE_TYPE_CODE_STREAM_VIEW;
-        view.struct_size = sizeof(view);
-        view.region.struct_type = NVIMGCODEC_STRUCTURE_TYPE_REGION;
-        view.region.struct_size = sizeof(view.region);
-        view.region.ndim = 2;
-        view.region.start[0] = r[0];
-        view.region.start[1] = r[1];
-        view.region.end[0] = r[2];
-        view.region.end[1] = r[3];
-        if (nvimgcodecCodeStreamGetSubCodeStream(whole, &d->views[k], &view) != NVIMGCODEC_STATUS_SUCCESS) {
-            release_handles(&d->views[k], 1);
-            return 0;
-        }
-        src = d->views[k];
-    }
-    ii.cuda_stream = (cudaStream_t)cuda_stream;
-    ii.chroma_subsampling = NVIMGCODEC_SAMPLING_NONE;
-    if (channels == 1) {
-        ii.sample_format = NVIMGCODEC_SAMPLEFORMAT_P_Y;
-        ii.color_spec = NVIMGCODEC_COLORSPEC_GRAY;
-    } else {
-        ii.sample_format = NVIMGCODEC_SAMPLEFORMAT_I_RGB;
-        ii.color_spec = NVIMGCODEC_COLORSPEC_SRGB;
-    }
-    ii.num_planes = 1;
-    ii.plane_info[0].struct_type = NVIMGCODEC_STRUCTURE_TYPE_IMAGE_PLANE_INFO;
-    ii.plane_info[0].struct_size = sizeof(nvimgcodecImagePlaneInfo_t);
-    ii.plane_info[0].height = (uint32_t)rh;
-    ii.plane_info[0].width = (uint32_t)rw;
-    ii.plane_info[0].num_channels = (uint32_t)channels;
-    ii.plane_info[0].row_stride = (size_t)rw * (size_t)channels;
-    ii.plane_info[0].sample_type = NVIMGCODEC_SAMPLE_DATA_TYPE_UINT8;
-    ii.plane_info[0].precision = 0;
-    ii.buffer = out[j];
-    ii.buffer_kind = d->cpu_only ? NVIMGCODEC_IMAGE_BUFFER_KIND_STRIDED_HOST : NVIMGCODEC_IMAGE_BUFFER_KIND_STRIDED_DEVICE;
-    nvimgcodecImage_t img = NULL;
-    if (nvimgcodecImageCreate(d->instance, &img, &ii) != NVIMGCODEC_STATUS_SUCCESS)
-        return 0;
-    d->images[k] = img;
-    d->chosen[k] = src;
-    return 1;
-}
-
-/* Decode the k images set up (entries 0..k-1); status[j] for each j with slot[j] = its entry.
-   0 when the call failed as a whole. */
-static int run_decoder(hr_decoder* d, int k, int m, const int* slot, int32_t* status, int exif)
-{
-    if (k == 0)
-        return 1;
-    int ok = 1;
-    nvimgcodecDecodeParams_t params;
-    memset(&params, 0, sizeof(params));
-    params.struct_type = NVIMGCODEC_STRUCTURE_TYPE_DECODE_PARAMS;
-    params.struct_size = sizeof(params);
-    params.apply_exif_orientation = exif;
-    nvimgcodecFuture_t future = NULL;
-    if (nvimgcodecDecoderDecode(d->decoder, d->chosen, d->images, k, &params, &future) != NVIMGCODEC_STATUS_SUCCESS) {
-        ok = 0;
-    } else {
-        nvimgcodecFutureWaitForAll(future);
-        size_t count = (size_t)k;
-        nvimgcodecFutureGetProcessingStatus(future, d->status, &count);
-        nvimgcodecFutureDestroy(future);
-        for (int j = 0; j < m; ++j)
-            if (slot[j] >= 0)
-                status[j] = (int32_t)d->status[slot[j]];
-    }
-    for (int i = 0; i < k; ++i) {
-        nvimgcodecImageDestroy(d->images[i]);
-        d->images[i] = NULL;
-    }
-    return ok;
-}
-
-/* Whether parsed image i may go to the CPU share: a JPEG shown as stored (no EXIF turn or flip). */
-static int cpu_eligible(const hr_parsed* p, int i, int exif)
-{
-    if (i >= p->capacity || !p->streams[i])
-        return 0;
-    nvimgcodecImageInfo_t ii;
-    int h, w;
-    if (!displayed_info(p->streams[i], exif, &ii, &h, &w) || strcmp(ii.codec_name, "jpeg") != 0)
-        return 0;
-    return !exif || (ii.orientation.rotated % 360 == 0 && !ii.orientation.flip_x && !ii.orientation.flip_y);
-}
-
-static int reserve_jobs(hr_decoder* d, int n)
-{
-    void** ptrs[6] = {(void**)&d->jobs, (void**)&d->job_data, (void**)&d->job_sizes, (void**)&d->job_regions,
-                      (void**)&d->job_out, (void**)&d->job_ok};
-    size_t sizes[6] = {sizeof(int), sizeof(unsigned char*), sizeof(size_t), 4 * sizeof(int32_t), sizeof(unsigned char*),
-                       sizeof(int32_t)};
-    return grow(ptrs, sizes, 6, &d->job_capacity, n);
-}
-
-/* Pinned staging of at least bytes, once the last copy out of it is done. 0: the driver failed (code in *e). */
-static int reserve_staging(hr_decoder* d, size_t bytes, int* e)
-{
-    if (!d->staged) {
-        if ((*e = driver.ctx_get(&d->context)) || (*e = driver.event_create(&d->staged, 0x2 /* no timing */)))
-            return 0;
-    }
-    if ((*e = driver.sync(d->staged)))
-        return 0;
-    if (bytes <= d->staging_capacity)
-        return 1;
-    if (d->staging)
-        driver.free_host(d->staging);
-    d->staging = NULL;
-    d->staging_capacity = 0;
-    size_t capacity = bytes + bytes / 4;
-    if ((*e = driver.host_alloc((void**)&d->staging, capacity, 0)))
-        return 0;
-    d->staging_capacity = capacity;
-    return 1;
-}
-
-/* Give the last images of the batch (in decode order, where nvImageCodec's CUDA decoder would
-   take them) to the CPU share and start them: their number, 0 when none. */
-static int start_cpu_share(hr_decoder* d, const hr_parsed* p, int m, const int32_t* pick, const int32_t* region,
-                           void* const* out, int channels, int exif, const int32_t* order, int* slot, hr_jpeg_batch* batch,
-                           int* cuda_error)
-{
-    int want = d->pool ? (int)(d->cpu_share * (float)m + 0.5f) : 0;
-    if (want <= 0 || !reserve_jobs(d, want))
-        return 0;
-    int n = 0;
-    size_t bytes = 0;
-    for (int q = m - 1; q >= 0 && n < want; --q) {
-        int j = order ? order[q] : q;
-        if (j < 0 || j >= m || slot[j] != -1 || !cpu_eligible(p, pick[j], exif))
-            continue;
-        const int32_t* r = region + 4 * j;
-        if (r[2] <= r[0] || r[3] <= r[1])
-            continue;
-        slot[j] = -2; /* the CPU's */
-        d->jobs[n] = j;
-        d->job_data[n] = p->data[pick[j]];
-        d->job_sizes[n] = p->sizes[pick[j]];
-        memcpy(d->job_regions + 4 * n, r, 4 * sizeof(int32_t));
-        bytes += (size_t)(r[2] - r[0]) * (size_t)(r[3] - r[1]) * (size_t)channels;
-        ++n;
-    }
-    if (n == 0)
-        return 0;
-    if (!d->cpu_only && !reserve_staging(d, bytes, cuda_error)) {
-        for (int i = 0; i < n; ++i)
-            slot[d->jobs[i]] = -1;
-        return 0;
-    }
-    size_t offset = 0;
-    for (int i = 0; i < n; ++i) {
-        const int32_t* r = d->job_regions + 4 * i;
-        /* host output: straight into the caller's buffer; device output: through staging */
-        d->job_out[i] = d->cpu_only ? (unsigned char*)out[d->jobs[i]] : d->staging + offset;
-        offset += (size_t)(r[2] - r[0]) * (size_t)(r[3] - r[1]) * (size_t)channels;
-    }
-    memset(batch, 0, sizeof(*batch));
-    batch->n = n;
-    batch->data = d->job_data;
-    batch->sizes = d->job_sizes;
-    batch->regions = d->job_regions;
-    batch->out = d->job_out;
-    batch->channels = channels;
-    batch->fancy = d->cpu_only; /* alone: Pillow's pixels; beside nvJPEG: its upsampling */
-    batch->ok = d->job_ok;
-    hr_jpeg_submit(d->pool, batch);
-    return n;
-}
-
-/* Wait for the CPU share; copy what it decoded up (device output), and hand what it could not
-   decode back (slot -1) for nvImageCodec, whose verdict stands. The number handed back. */
-static int finish_cpu_share(hr_decoder* d, int n, hr_jpeg_batch* batch, void* const* out, int channels, void* cuda_stream,
-                            int* slot, int32_t* status, int* cuda_error)
-{
-    hr_jpeg_wait(d->pool, batch);
-    int back = 0;
-    for (int i = 0; i < n; ++i) {
-        int j = d->jobs[i];
-        if (!d->job_ok[i]) {
-            slot[j] = -1;
-            ++back;
-            continue;
-        }
-        const int32_t* r = d->job_regions + 4 * i;
-        size_t bytes = (size_t)(r[2] - r[0]) * (size_t)(r[3] - r[1]) * (size_t)channels;
-        if (!d->cpu_only && !*cuda_error)
-            *cuda_error = driver.copy((unsigned long long)(uintptr_t)out[j], d->job_out[i], bytes, cuda_stream);
-        status[j] = 1;
-        d->cpu_decoded++;
-    }
-    if (!d->cpu_only && !*cuda_error)
-        *cuda_error = driver.record(d->staged, cuda_stream);
-    return back;
-}
-
 /* Decode m of the images parsed into p: pick[j] is the index given to hr_parse, region[4j..4j+3] the
  * window y0, x0, y1, x1 to decode (in displayed coordinates when exif; the whole image is just the
  * full window), out[j] the buffer for its (y1-y0) x (x1-x0) x channels uint8 pixels, rows packed.
@@ -572,13 +252,13 @@ static int finish_cpu_share(hr_decoder* d, int n, hr_jpeg_batch* batch, void* co
  * part of the decode is done; the device part is ordered on cuda_stream. Returns 0 when the whole
  * call failed (nothing decoded), else 1. order (optional) is the sequence in which the images go to
  * nvImageCodec, a permutation of 0..m-1: its hardware decoder takes the first share of a batch
- * (hw_load), the CUDA decoder the rest; the CPU share (when the decoder has one) takes from the end.
- * A failed CUDA call sets *cuda_error. */
+ * (hw_load), the CUDA decoder the rest. */
 static int decode_batch(hr_decoder* d, const hr_parsed* p, int m, const int32_t* pick, const int32_t* region, void* const* out,
-                        int channels, int exif, void* cuda_stream, int32_t* status, const int32_t* order, int* cuda_error)
+                        int channels, int exif, void* cuda_stream, int32_t* status, const int32_t* order)
 {
     if (!reserve(d, m))
         return 0;
+    int k = 0;
     int* slot = (int*)malloc(sizeof(int) * (size_t)(m > 0 ? m : 1));
     if (!slot)
         return 0;
@@ -586,30 +266,135 @@ static int decode_batch(hr_decoder* d, const hr_parsed* p, int m, const int32_t*
         status[j] = 0;
         slot[j] = -1;
     }
-    hr_jpeg_batch batch;
-    int on_cpu = start_cpu_share(d, p, m, pick, region, out, channels, exif, order, slot, &batch, cuda_error);
-    int k = 0;
     for (int q = 0; q < m; ++q) {
         int j = order ? order[q] : q;
-        if (j >= 0 && j < m && slot[j] == -1 && add_image(d, p, j, k, pick, region, out, channels, exif, cuda_stream))
-            slot[j] = k++;
-    }
-    int ok = run_decoder(d, k, m, slot, status, exif);
-    if (on_cpu && finish_cpu_share(d, on_cpu, &batch, out, channels, cuda_stream, slot, status, cuda_error) > 0 && ok) {
-        /* What the CPU share handed back (corrupt or unusual files): a second nvImageCodec call. */
-        for (int j = 0; j < m; ++j)
-            if (slot[j] >= 0)
-                slot[j] = -3; /* decoded in the first call: its status stands */
-        k = 0;
-        for (int i = 0; i < on_cpu; ++i) {
-            int j = d->jobs[i];
-            if (slot[j] == -1 && add_image(d, p, j, k, pick, region, out, channels, exif, cuda_stream))
-                slot[j] = k++;
+        if (j < 0 || j >= m || slot[j] != -1)
+            continue;
+        nvimgcodecCodeStream_t whole = pick[j] < p->capacity ? p->streams[pick[j]] : NULL;
+        if (!whole)
+            continue;
+        const int32_t* r = region + 4 * j;
+        int rh = r[2] - r[0], rw = r[3] - r[1];
+        if (rh < 1 || rw < 1)
+            continue;
+        nvimgcodecImageInfo_t ii;
+        int full_h, full_w;
+        if (!displayed_info(whole, exif, &ii, &full_h, &full_w))
+            continue;
+        nvimgcodecCodeStream_t src = whole;
+        if (r[0] != 0 || r[1] != 0 || r[2] != full_h || r[3] != full_w) {
+            nvimgcodecCodeStreamView_t view;
+            memset(&view, 0, sizeof(view));
+            view.struct_type = NVIMGCODEC_STRUCTURE_TYPE_CODE_STREAM_VIEW;
+            view.struct_size = sizeof(view);
+            view.region.struct_type = NVIMGCODEC_STRUCTURE_TYPE_REGION;
+            view.region.struct_size = sizeof(view.region);
+            view.region.ndim = 2;
+            view.region.start[0] = r[0];
+            view.region.start[1] = r[1];
+            view.region.end[0] = r[2];
+            view.region.end[1] = r[3];
+            if (nvimgcodecCodeStreamGetSubCodeStream(whole, &d->views[k], &view) != NVIMGCODEC_STATUS_SUCCESS) {
+                release_handles(&d->views[k], 1);
+                continue;
+            }
+            src = d->views[k];
         }
-        ok = run_decoder(d, k, m, slot, status, exif);
+        ii.cuda_stream = (cudaStream_t)cuda_stream;
+        ii.chroma_subsampling = NVIMGCODEC_SAMPLING_NONE;
+        if (channels == 1) {
+            ii.sample_format = NVIMGCODEC_SAMPLEFORMAT_P_Y;
+            ii.color_spec = NVIMGCODEC_COLORSPEC_GRAY;
+        } else {
+            ii.sample_format = NVIMGCODEC_SAMPLEFORMAT_I_RGB;
+            ii.color_spec = NVIMGCODEC_COLORSPEC_SRGB;
+        }
+        ii.num_planes = 1;
+        ii.plane_info[0].struct_type = NVIMGCODEC_STRUCTURE_TYPE_IMAGE_PLANE_INFO;
+        ii.plane_info[0].struct_size = sizeof(nvimgcodecImagePlaneInfo_t);
+        ii.plane_info[0].height = (uint32_t)rh;
+        ii.plane_info[0].width = (uint32_t)rw;
+        ii.plane_info[0].num_channels = (uint32_t)channels;
+        ii.plane_info[0].row_stride = (size_t)rw * (size_t)channels;
+        ii.plane_info[0].sample_type = NVIMGCODEC_SAMPLE_DATA_TYPE_UINT8;
+        ii.plane_info[0].precision = 0;
+        ii.buffer = out[j];
+        ii.buffer_kind = d->cpu_only ? NVIMGCODEC_IMAGE_BUFFER_KIND_STRIDED_HOST : NVIMGCODEC_IMAGE_BUFFER_KIND_STRIDED_DEVICE;
+        nvimgcodecImage_t img = NULL;
+        if (nvimgcodecImageCreate(d->instance, &img, &ii) != NVIMGCODEC_STATUS_SUCCESS)
+            continue;
+        d->images[k] = img;
+        d->chosen[k] = src;
+        slot[j] = k++;
+    }
+    int ok = 1;
+    if (k > 0) {
+        nvimgcodecDecodeParams_t params;
+        memset(&params, 0, sizeof(params));
+        params.struct_type = NVIMGCODEC_STRUCTURE_TYPE_DECODE_PARAMS;
+        params.struct_size = sizeof(params);
+        params.apply_exif_orientation = exif;
+        nvimgcodecFuture_t future = NULL;
+        if (nvimgcodecDecoderDecode(d->decoder, d->chosen, d->images, k, &params, &future) != NVIMGCODEC_STATUS_SUCCESS) {
+            ok = 0;
+        } else {
+            nvimgcodecFutureWaitForAll(future);
+            size_t count = (size_t)k;
+            nvimgcodecFutureGetProcessingStatus(future, d->status, &count);
+            nvimgcodecFutureDestroy(future);
+            for (int j = 0; j < m; ++j)
+                if (slot[j] >= 0)
+                    status[j] = (int32_t)d->status[slot[j]];
+        }
+        for (int i = 0; i < k; ++i) {
+            nvimgcodecImageDestroy(d->images[i]);
+            d->images[i] = NULL;
+        }
     }
     free(slot);
     return ok;
+}
+
+/* ---- Decode, then launch: the lane's whole batch in one GIL-free call ----
+ *
+ * Why: after a decode returns, each CUDA call a Python thread makes (a copy, a launch, an event)
+ * drops the GIL and waits to take it back, up to the switch interval (5 ms) when another thread
+ * runs Python; with two lanes those waits cost 2-10 ms a batch on the H100 (ops/README.md). Here
+ * the wait for the buffers' last reader, the decode, the tables' copy, the kernel, the labels' copy
+ * and the event are one call, and the lane takes the GIL back once.
+ *
+ * The CUDA driver is resolved from libcuda at first use (not linked), so the shim still loads,
+ * and decodes, where it is missing; the caller launches from Python then. The calling thread's
+ * current context must be the device's primary context (CUDA runtime calls on it set that). */
+typedef int (*hr_cu_launch)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*, void**, void**);
+typedef int (*hr_cu_copy)(unsigned long long, const void*, size_t, void*);
+typedef int (*hr_cu_event)(void*, void*);
+typedef int (*hr_cu_sync)(void*);
+
+static struct {
+    int loaded;
+    hr_cu_launch launch;
+    hr_cu_copy copy;
+    hr_cu_event record;
+    hr_cu_sync sync;
+} driver;
+
+/* 1 when the driver's entry points resolved (once per process; the caller serialises the first call). */
+int hr_driver_load(char* err, size_t errlen)
+{
+    if (driver.loaded)
+        return driver.loaded > 0;
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (lib) {
+        driver.launch = (hr_cu_launch)dlsym(lib, "cuLaunchKernel");
+        driver.copy = (hr_cu_copy)dlsym(lib, "cuMemcpyHtoDAsync_v2");
+        driver.record = (hr_cu_event)dlsym(lib, "cuEventRecord");
+        driver.sync = (hr_cu_sync)dlsym(lib, "cuEventSynchronize");
+    }
+    driver.loaded = (lib && driver.launch && driver.copy && driver.record && driver.sync) ? 1 : -1;
+    if (driver.loaded < 0 && err && errlen)
+        snprintf(err, errlen, "the CUDA driver's entry points did not resolve: %s", lib ? "missing symbols" : dlerror());
+    return driver.loaded > 0;
 }
 
 /* What follows the decode. Addresses are device pointers (copies' destinations), host pointers
@@ -687,11 +472,11 @@ int hr_decode_launch(hr_decoder* d, const hr_parsed* p, int m, const int32_t* pi
     if (l->wait_event && driver.loaded > 0)
         l->cuda_error = driver.sync(l->wait_event);
     double t1 = now();
-    int ok = l->cuda_error ? 0 : decode_batch(d, p, m, pick, region, out, channels, exif, cuda_stream, status, l->order, &l->cuda_error);
+    int ok = l->cuda_error ? 0 : decode_batch(d, p, m, pick, region, out, channels, exif, cuda_stream, status, l->order);
     double t2 = now();
     int launched = 0;
     l->seconds[2] = 0.0;
-    if (ok && !l->cuda_error && l->function && driver.loaded > 0) {
+    if (ok && l->function && driver.loaded > 0) {
         int all = 1;
         for (int j = 0; j < m; ++j)
             all &= status[j] == 1;
@@ -714,34 +499,9 @@ void hr_decoder_destroy(hr_decoder* d)
         return;
     release_handles(d->views, d->capacity);
     nvimgcodecDecoderDestroy(d->decoder);
-    hr_jpeg_pool_destroy(d->pool);
-    if (d->staged) {
-        /* The caller's thread may have no current context: the staging's is pushed for the frees.
-           The event sync makes sure no copy still reads the staging. */
-        void* popped = NULL;
-        if (!driver.ctx_push(d->context)) {
-            driver.sync(d->staged);
-            if (d->staging)
-                driver.free_host(d->staging);
-            driver.event_destroy(d->staged);
-            driver.ctx_pop(&popped);
-        }
-    }
-    free(d->jobs);
-    free(d->job_data);
-    free(d->job_sizes);
-    free(d->job_regions);
-    free(d->job_out);
-    free(d->job_ok);
     free(d->views);
     free(d->images);
     free(d->chosen);
     free(d->status);
     free(d);
-}
-
-/* Images the CPU share decoded over the decoder's life. */
-long long hr_decoder_cpu_decoded(const hr_decoder* d)
-{
-    return d ? d->cpu_decoded : 0;
 }

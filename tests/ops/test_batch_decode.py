@@ -3,8 +3,6 @@
 The GPU lanes use the same shim with the GPU backends (tests/gpu); here the CPU backend
 (libjpeg-turbo, the library Pillow uses) must give Pillow's pixels exactly, for whole images and
 for windows, with EXIF orientation applied, and must report what it cannot decode per image.
-Every test runs twice: through nvImageCodec alone, and with the whole batch offered to the shim's
-own CPU share (ops/_native/jpeg_region.c), which must change nothing that the tests can see.
 """
 
 from __future__ import annotations
@@ -24,22 +22,12 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-_NO_JPEG = _batch_decode.jpeg_reason()
-
-
-@pytest.fixture(params=[0.0, 1.0], ids=["nvimgcodec", "cpu-share"])
-def cpu_share(request):
-    if request.param and _NO_JPEG:
-        pytest.skip(f"no CPU share here: {_NO_JPEG}")
-    return request.param
-
-
 @pytest.fixture
-def decoder(cpu_share):
+def decoder():
     made = []
 
     def make(channels: int = 3, exif: bool = True):
-        dec = _batch_decode.BatchDecoder(None, threads=1, channels=channels, exif=exif, cpu_share=cpu_share, cpu_threads=2)
+        dec = _batch_decode.BatchDecoder(None, threads=1, channels=channels, exif=exif)
         dec.parsed = _batch_decode.ParsedBatch()
         made.append(dec)
         return dec
@@ -206,63 +194,3 @@ def test_the_decode_order_changes_no_image_and_no_status(decoder, rng):
     assert status[2] != 1 and [status[i] for i in (0, 1, 3, 4)] == [1, 1, 1, 1]
     for i in (0, 1, 3, 4):
         np.testing.assert_array_equal(outs[i], _pillow(blobs[i]))
-
-
-def _cmyk_jpeg(rng) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(random_image(rng, 24, 32)).convert("CMYK").save(buf, "JPEG", quality=90)
-    return buf.getvalue()
-
-
-@pytest.mark.skipif(_NO_JPEG is not None, reason=f"no CPU share here: {_NO_JPEG}")
-def test_the_cpu_share_takes_plain_jpegs_and_leaves_the_rest_to_nvimgcodec(rng):
-    photo = random_image(rng, 70, 90)
-    blobs = {
-        "baseline 4:2:0": encode(photo, "JPEG"),
-        "4:4:4": encode(photo, "JPEG", subsampling=0),
-        "progressive": encode(photo, "JPEG", progressive=True),
-        "gray": encode(random_image(rng, 50, 40, channels=1), "JPEG"),
-        "png": encode(photo, "PNG"),
-        "cmyk": _cmyk_jpeg(rng),
-        "turned by exif": with_orientation(photo, 6),
-        "corrupt scan": (lambda b: b[:300] + bytes(len(b) - 302) + b[-2:])(encode(photo, "JPEG")),
-    }
-    names = list(blobs)
-    results = {}
-    for share in (0.0, 1.0):
-        dec = _batch_decode.BatchDecoder(None, threads=1, cpu_share=share, cpu_threads=3)
-        dec.parsed = _batch_decode.ParsedBatch()
-        windows = [None, (5, 7, 60, 81), (9, 0, 70, 90), None, (3, 3, 40, 50), None, None, (0, 10, 70, 90)]
-        info, pick, boxes, status, outs = _decode(dec, list(blobs.values()), windows)
-        results[share] = (status.tolist(), outs, dec.cpu_decoded)
-        dec.parsed.close()
-        dec.close()
-    (status0, outs0, cpu0), (status1, outs1, cpu1) = results[0.0], results[1.0]
-    assert cpu0 == 0
-    # The four plain JPEGs are the CPU share's; PNG, CMYK and the EXIF-turned one are never
-    # offered to it; the corrupt one is offered, refused and handed back.
-    assert cpu1 == 4, names
-    assert status1 == status0
-    for name, a, b in zip(names, outs0, outs1):
-        np.testing.assert_array_equal(a, b, err_msg=name)
-
-
-@pytest.mark.skipif(_NO_JPEG is not None, reason=f"no CPU share here: {_NO_JPEG}")
-def test_the_cpu_share_is_its_share_of_each_batch(rng):
-    dec = _batch_decode.BatchDecoder(None, threads=1, cpu_share=0.25, cpu_threads=2)
-    dec.parsed = _batch_decode.ParsedBatch()
-    blobs = [encode(random_image(rng, 30, 30 + k), "JPEG") for k in range(12)]
-    for _ in range(2):
-        _, _, _, status, outs = _decode(dec, blobs, [None] * 12)
-        assert status.tolist() == [1] * 12
-        for blob, out in zip(blobs, outs):
-            np.testing.assert_array_equal(out, _pillow(blob))
-    assert dec.cpu_decoded == 2 * 3
-    dec.parsed.close()
-    dec.close()
-
-
-def test_a_cpu_share_without_libjpeg_is_refused_with_the_reason(monkeypatch):
-    monkeypatch.setitem(_batch_decode._state, "jpeg", "no libjpeg found (Pillow's, or the system's)")
-    with pytest.raises(RuntimeError, match="no CPU share: no libjpeg found"):
-        _batch_decode.BatchDecoder(None, threads=1, cpu_share=0.5, cpu_threads=1)
