@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -36,20 +37,43 @@ def _files(root: Path) -> list[tuple[str, int]]:
     return [(str(p), c) for c, name in enumerate(classes) for p in sorted((root / name).glob("*.jpg"))]
 
 
+class _GcPauses:
+    """Python's cyclic garbage collections during the timed epochs: how many, and how long the
+    process stood still for them (every thread that needs the GIL waits)."""
+
+    def __init__(self) -> None:
+        self.count = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.count[info["generation"]] += 1
+            self.seconds[info["generation"]] += time.perf_counter() - self._start
+
+
 def _timed_epochs(run_epoch, epochs: int) -> dict:
     run_epoch()  # warm-up
     rates, cpu, loop_share = [], [], []
-    for _ in range(epochs):
-        torch.cuda.synchronize()
-        wall0, cpu0, thr0 = time.perf_counter(), time.process_time(), time.thread_time()
-        n = run_epoch()
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - wall0
-        rates.append(n / wall)
-        cpu.append((time.process_time() - cpu0) / wall)
-        loop_share.append((time.thread_time() - thr0) / wall)
+    pauses = _GcPauses()
+    gc.callbacks.append(pauses)
+    try:
+        for _ in range(epochs):
+            torch.cuda.synchronize()
+            wall0, cpu0, thr0 = time.perf_counter(), time.process_time(), time.thread_time()
+            n = run_epoch()
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - wall0
+            rates.append(n / wall)
+            cpu.append((time.process_time() - cpu0) / wall)
+            loop_share.append((time.thread_time() - thr0) / wall)
+    finally:
+        gc.callbacks.remove(pauses)
     return {"images_per_s": statistics.median(rates), "runs": rates, "cores_busy": statistics.median(cpu),
-            "main_thread_busy": statistics.median(loop_share)}
+            "main_thread_busy": statistics.median(loop_share), "gc_collections": pauses.count,
+            "gc_seconds": pauses.seconds}
 
 
 IO_THREADS = 2  # the files reader's I/O threads (--io-threads)
@@ -74,10 +98,11 @@ def bench_reader(root: Path, epochs: int) -> dict:
 
 
 def bench_headrace(root: Path, pipeline, batch: int, epochs: int, lanes: int, hw_load: float | str = 0.65,
-                   threads: int | None = None) -> dict:
+                   threads: int | None = None, run_ahead: bool | None = None) -> dict:
     loop = headrace.new_event_loop()
     loader = headrace.Loader(readers.files(root, shuffle=True, io_threads=IO_THREADS), batch_size=batch, pipeline=pipeline,
-                             device="cuda", lanes=lanes, prefetch=lanes + 2, hw_load=hw_load, num_threads=threads)
+                             device="cuda", lanes=lanes, prefetch=lanes + 2, hw_load=hw_load, num_threads=threads,
+                             run_ahead=run_ahead)
 
     async def epoch() -> int:
         n = 0
@@ -196,6 +221,8 @@ def main() -> None:
                     help="also run headrace (train) with these nvImageCodec decoder options, ';'-separated")
     ap.add_argument("--python-codec", action="store_true",
                     help="also run headrace (train) decoding through nvImageCodec's Python API (HEADRACE_NATIVE_DECODE=0)")
+    ap.add_argument("--without-run-ahead", action="store_true",
+                    help="also run headrace (train) with each epoch drained before the next starts (Loader(run_ahead=False))")
     ap.add_argument("--python-launch", action="store_true",
                     help="also run headrace (train) launching its kernel from Python, not from the decode shim")
     ap.add_argument("--cuda-loads", default="",
@@ -249,6 +276,10 @@ def main() -> None:
         train_with(f"cuda{cl}", f"cuda_load={cl}", "HEADRACE_CUDA_LOAD", cl)
     for k, options in enumerate(filter(None, args.options_variants.split(";"))):
         train_with(f"options{k}", options, "HEADRACE_NVIMGCODEC_OPTIONS", options)
+    if args.without_run_ahead:
+        runners["no_ahead"] = ("headrace (train, epochs not run ahead)", lambda: bench_headrace(
+            root, ops.training(224, dtype="float16"), args.batch, args.epochs, args.lanes, run_ahead=False))
+        rows.append("no_ahead")
     if args.python_launch:
         train_with("python_launch", "kernel launched from Python", "HEADRACE_NATIVE_LAUNCH", "0")
     if args.python_codec:
@@ -268,6 +299,8 @@ def main() -> None:
         print(f"{name:44} {r['images_per_s']:>10,.0f} {ratio:>14} {ratio2:>16} {r['cores_busy']:>11.1f} {loop_busy:>10}")
     for name, r in results.items():
         if "peak_gpu_mib_torch" in r:
+            print(f"{name}: epochs {', '.join(f'{x:,.0f}' for x in r['runs'])} images/s; garbage collections "
+                  f"(gen 0/1/2) {r['gc_collections']}, {sum(r['gc_seconds']) * 1000:.0f} ms in all")
             print(f"{name}: lane seconds {', '.join(f'{k}={v:.2f}' for k, v in r['lane_seconds'].items())}")
             print(f"{name}: peak torch GPU memory {r['peak_gpu_mib_torch']:.0f} MiB, "
                   f"device memory still in use after the run {r['gpu_mib_in_use_after']:.0f} MiB")

@@ -68,6 +68,13 @@ class Loader:
             torchrun started on the node, from ``LOCAL_WORLD_SIZE``).
         prefetch: batches in flight between the batcher and the consumer (decoding or done);
             default 3 on the CPU, ``lanes + 2`` on the GPU.
+        run_ahead: once an epoch's last batch has gone to decode, start reading and decoding the
+            next epoch (up to ``prefetch`` batches), so the lanes do not drain and refill at every
+            epoch boundary, as DALI's pipeline runs on. The next ``async for`` takes that work over;
+            a ``load_state_dict``, a ``break`` or ``aclose()`` throws it away (``state_dict()`` never
+            counts it), and so does the end of each ``for`` of the ``sync()`` facade (each of its
+            epochs has its own event loop). Default: on for the GPU path (its executor is shared by the epochs), off on
+            the CPU (each epoch's run has its own threads).
         max_bytes: bound on encoded bytes buffered between the reader and the batcher.
         on_error: ``"raise"`` (default) raises the first sample error, typed and naming the sample;
             ``"skip"`` drops failed samples from their batch and counts them (``stats().dropped``).
@@ -124,6 +131,7 @@ class Loader:
         max_errors: int | float = 0,
         lanes: int = 2,
         hw_load: float | str = 0.65,
+        run_ahead: bool | None = None,
         distributed: bool = True,
         rank: int | None = None,
         world: int | None = None,
@@ -163,6 +171,9 @@ class Loader:
         self.device = device
         self.lanes = lanes
         self.hw_load = hw_load
+        if run_ahead is not None and not isinstance(run_ahead, bool):
+            raise ConfigError(f"run_ahead must be True, False or None, got {run_ahead!r}")
+        self.run_ahead = device.startswith("cuda") if run_ahead is None else run_ahead
         self._gpu_executor: Any = None
         self.last_batch = LastBatch.parse(last_batch)
         self.seed = seed
@@ -187,6 +198,7 @@ class Loader:
         self._history: list[tuple[int, int]] = []
         self._fresh = True
         self._active: _Run | None = None
+        self._ahead: _Run | None = None  # the next epoch's run, started early (run_ahead)
         self._closed = False
         self._stats = LoaderStats()
 
@@ -226,7 +238,12 @@ class Loader:
             self._epoch, self._position, self._batches = self._epoch + 1, 0, 0
             self._history = []
         self._fresh = False
-        run = _Run(self._cfg, self._epoch, self._position, self._batches, tuple(self._history))
+        where = (self._epoch, self._position, self._batches, tuple(self._history))
+        ahead = self._ahead
+        if ahead is not None and (ahead.epoch, ahead.start, ahead.first_batch, ahead.history) == where:
+            run, self._ahead = ahead, None  # started during the last epoch: take it over
+        else:
+            run = _Run(self._cfg, *where)  # (a stale run ahead, after load_state_dict, goes in _iterate)
         self._active = run
         return self._iterate(run)
 
@@ -234,8 +251,9 @@ class Loader:
         stats = self._stats
         stats.epoch = run.epoch
         completed = False
-        run.start_runner()
         try:
+            await self._close_ahead()
+            run.start_runner()
             while True:
                 item = await run.out_rx.receive()
                 if item is END:
@@ -244,6 +262,9 @@ class Loader:
                     break
                 if isinstance(item, BaseException):
                     raise item
+                if self.run_ahead and self._ahead is None and run.dispatched_all.is_set():
+                    self._ahead = _Run(self._cfg, run.epoch + 1, 0, 0)
+                    self._ahead.start_runner()
                 self._position, self._batches = item.extra["end_position"], item.index + 1
                 stats.batches += 1
                 stats.samples += item.size
@@ -259,6 +280,7 @@ class Loader:
             self._active = None
             await run.aclose()
             if not completed:  # break, cancel or error: the GPU lanes go too, not only the epoch
+                await self._close_ahead()
                 await self._close_gpu_executor()
 
     async def aclose(self) -> None:
@@ -267,7 +289,13 @@ class Loader:
         if run is not None:
             self._active = None
             await run.aclose()
+        await self._close_ahead()
         await self._close_gpu_executor()
+
+    async def _close_ahead(self) -> None:
+        run, self._ahead = self._ahead, None
+        if run is not None:
+            await run.aclose()
 
     async def _close_gpu_executor(self) -> None:
         executor, self._gpu_executor = self._gpu_executor, None

@@ -59,9 +59,14 @@ class _Run:
         self.out_tx, self.out_rx = open_channel(2, name="output")
         self._slots = asyncio.Semaphore(cfg.prefetch)
         self._runner: asyncio.Task[None] | None = None
+        # Set once every batch of the epoch has gone to the executor: the loader may then start
+        # the next epoch's run beside this one's last batches (``Loader(run_ahead=...)``).
+        self.dispatched_all = asyncio.Event()
 
     def start_runner(self) -> None:
-        self._runner = asyncio.create_task(self._main(), name=f"loader:run:epoch{self.epoch}")
+        """Start the stages (once; a run started ahead of its epoch is not started again)."""
+        if self._runner is None:
+            self._runner = asyncio.create_task(self._main(), name=f"loader:run:epoch{self.epoch}")
 
     def channels(self) -> list[ChannelStats]:
         return [c.statistics() for c in (self._chunks_rx, self._batches_rx, self._order_rx, self.out_rx)]
@@ -131,6 +136,7 @@ class _Run:
                 await self._slots.acquire()
                 task = tg.create_task(executor.run(batch), name=f"loader:ops:batch{batch.index}")
                 await self._order_tx.send((batch, task))
+            self.dispatched_all.set()
         finally:
             await self._order_tx.aclose()
 

@@ -1,7 +1,9 @@
 """The blocking facade: the same async loader, driven from a plain ``for`` loop.
 
 Each ``for`` runs one epoch on an event loop in a background thread (uvloop when installed) and
-hands batches over with ``run_coroutine_threadsafe``; nothing is implemented twice. Leaving the
+hands batches over with ``run_coroutine_threadsafe``; nothing is implemented twice. So it does not
+run ahead into the next epoch (``Loader(run_ahead=...)``): that work would be bound to a loop that
+ends with the epoch. Leaving the
 loop early, or an exception (KeyboardInterrupt included) in the consumer, closes the async
 iterator on its loop, which stops the pipeline, before the thread is joined.
 """
@@ -71,6 +73,9 @@ class SyncLoader:
                     yield batch
             finally:
                 asyncio.run_coroutine_threadsafe(agen.aclose(), loop).result()
+                # The next ``for`` gets a loop of its own, where a run started ahead on this one
+                # could not go on: it stops here, with the loop it belongs to.
+                asyncio.run_coroutine_threadsafe(self.loader._close_ahead(), loop).result()
         finally:
             loop.call_soon_threadsafe(loop.stop)
             thread.join()

@@ -1,0 +1,108 @@
+"""Running ahead into the next epoch (``Loader(run_ahead=True)``): the same batches, the same
+state, and nothing left running when the work ahead is thrown away.
+
+On the CPU executor, where it is off by default; tests/gpu runs the GPU path, where it is on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+
+import pytest
+import torch
+
+from headrace import ConfigError, Loader, ops, readers
+
+
+def _loader(folder, **kw):
+    kw.setdefault("device", "cpu")
+    kw.setdefault("batch_size", 8)
+    kw.setdefault("num_threads", 2)
+    kw.setdefault("seed", 3)
+    pipe = ops.Pipeline([ops.Decode(), ops.RandomResizedCrop(32), ops.Flip(), ops.Normalize()])
+    return Loader(readers.files(folder, shuffle=True), pipeline=pipe, **kw)
+
+
+async def _collect(loader):
+    return [b async for b in loader]
+
+
+def _same(a, b):
+    assert a.sample_keys == b.sample_keys and (a.epoch, a.index) == (b.epoch, b.index)
+    assert torch.equal(a["image"], b["image"]) and torch.equal(a["label"], b["label"])
+
+
+async def test_running_ahead_changes_no_batch(image_folder, leaks):
+    ahead, plain = _loader(image_folder, run_ahead=True), _loader(image_folder, run_ahead=False)
+    assert _loader(image_folder).run_ahead is False  # the CPU default
+    for epoch in range(3):
+        got = await _collect(ahead)
+        # The last batches of this epoch were still in flight when the next epoch's run started.
+        assert ahead._ahead is not None and ahead._ahead.epoch == epoch + 1
+        for x, y in zip(got, await _collect(plain), strict=True):
+            _same(x, y)
+        assert ahead.state_dict() == plain.state_dict()  # the work ahead is not counted
+    await ahead.aclose()
+    await leaks.check()
+
+
+async def test_a_loaded_state_discards_the_work_ahead(image_folder, leaks):
+    reference = _loader(image_folder, run_ahead=False)
+    await _collect(reference)
+    expected = await _collect(reference)  # epoch 1
+    saved = _loader(image_folder, run_ahead=False)
+    await _collect(saved)
+    async for batch in saved:
+        if batch.index == 4:
+            break
+    state = saved.state_dict()
+    await saved.aclose()
+
+    loader = _loader(image_folder, run_ahead=True)
+    await _collect(loader)  # epoch 0; epoch 1 runs ahead from its start
+    assert loader._ahead is not None
+    loader.load_state_dict(state)  # epoch 1 from batch 5: not where the run ahead started
+    rest = await _collect(loader)
+    for x, y in zip(expected[5:], rest, strict=True):
+        _same(x, y)
+    await loader.aclose()
+    await leaks.check()
+
+
+async def test_aclose_and_break_throw_the_work_ahead_away(image_folder, leaks):
+    loader = _loader(image_folder, run_ahead=True)
+    await _collect(loader)
+    await loader.aclose()  # with an epoch running ahead and nobody iterating
+    await leaks.check()
+
+    loader = _loader(image_folder, run_ahead=True, prefetch=4)
+    await _collect(loader)
+    async for _ in loader:  # takes the run ahead over, then leaves it
+        break
+    await leaks.check(settle=5.0)
+
+
+async def test_the_sync_facade_throws_the_work_ahead_away_with_each_epochs_loop(image_folder, leaks):
+    plain = _loader(image_folder, run_ahead=False)
+    expected = [await _collect(plain), await _collect(plain)]
+
+    def two_epochs():
+        with _loader(image_folder, run_ahead=True).sync() as loader:
+            epochs = []
+            for _ in range(2):
+                epochs.append(list(loader))
+                assert loader.loader._ahead is None  # it ran ahead, and stopped with the loop
+            return epochs
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        got = await asyncio.get_running_loop().run_in_executor(pool, two_epochs)
+    for want, have in zip(expected, got, strict=True):
+        for x, y in zip(want, have, strict=True):
+            _same(x, y)
+    await leaks.check()
+
+
+def test_run_ahead_must_be_a_bool(image_folder):
+    with pytest.raises(ConfigError, match="run_ahead"):
+        _loader(image_folder, run_ahead="yes")
