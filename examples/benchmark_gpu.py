@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -221,6 +222,8 @@ def main() -> None:
                     help="also run headrace (train) with these nvImageCodec decoder options, ';'-separated")
     ap.add_argument("--python-codec", action="store_true",
                     help="also run headrace (train) decoding through nvImageCodec's Python API (HEADRACE_NATIVE_DECODE=0)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the rows this many times in turn (A/B pairs interleaved, labels numbered)")
     ap.add_argument("--without-run-ahead", action="store_true",
                     help="also run headrace (train) with each epoch drained before the next starts (Loader(run_ahead=False))")
     ap.add_argument("--python-launch", action="store_true",
@@ -284,8 +287,9 @@ def main() -> None:
         train_with("python_launch", "kernel launched from Python", "HEADRACE_NATIVE_LAUNCH", "0")
     if args.python_codec:
         train_with("python", "Python nvImageCodec API", "HEADRACE_NATIVE_DECODE", "0")
-    for key in rows:
+    for turn, key in itertools.product(range(args.repeat), rows):
         name, fn = runners[key]
+        name = name if turn == 0 else f"{name} #{turn + 1}"
         print(f"running {name} ...", flush=True)
         results[name] = fn()
         print(f"  {results[name]['images_per_s']:,.0f} images/s", flush=True)
