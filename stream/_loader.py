@@ -73,8 +73,8 @@ class Loader:
             epoch boundary, as DALI's pipeline runs on. The next ``async for`` takes that work over;
             a ``load_state_dict``, a ``break`` or ``aclose()`` throws it away (``state_dict()`` never
             counts it), and so does the end of each ``for`` of the ``sync()`` facade (each of its
-            epochs has its own event loop). Default: on for the GPU path (its executor is shared by the epochs), off on
-            the CPU (each epoch's run has its own threads).
+            epochs has its own event loop). Default: on for the GPU path (its executor is shared
+            by the epochs), off on the CPU (each epoch's run has its own threads).
         max_bytes: bound on encoded bytes buffered between the reader and the batcher.
         on_error: ``"raise"`` (default) raises the first sample error, typed and naming the sample;
             ``"skip"`` drops failed samples from their batch and counts them (``stats().dropped``).

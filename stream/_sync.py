@@ -3,9 +3,9 @@
 Each ``for`` runs one epoch on an event loop in a background thread (uvloop when installed) and
 hands batches over with ``run_coroutine_threadsafe``; nothing is implemented twice. So it does not
 run ahead into the next epoch (``Loader(run_ahead=...)``): that work would be bound to a loop that
-ends with the epoch. Leaving the
-loop early, or an exception (KeyboardInterrupt included) in the consumer, closes the async
-iterator on its loop, which stops the pipeline, before the thread is joined.
+ends with the epoch. Leaving the loop early, or an exception (KeyboardInterrupt included) in the
+consumer, closes the async iterator on its loop, which stops the pipeline, before the thread is
+joined.
 """
 
 from __future__ import annotations
