@@ -72,8 +72,8 @@ class Loader:
             next epoch (up to ``prefetch`` batches), so the lanes do not drain and refill at every
             epoch boundary, as DALI's pipeline runs on. The next ``async for`` takes that work over;
             a ``load_state_dict``, a ``break`` or ``aclose()`` throws it away (``state_dict()`` never
-            counts it), and so does the end of each ``for`` of the ``sync()`` facade (each of its
-            epochs has its own event loop). Default: on for the GPU path (its executor is shared
+            counts it). The ``sync()`` facade does not run ahead (each of its epochs has its own
+            event loop, which the work would not outlive). Default: on for the GPU path (its executor is shared
             by the epochs), off on the CPU (each epoch's run has its own threads).
         max_bytes: bound on encoded bytes buffered between the reader and the batcher.
         on_error: ``"raise"`` (default) raises the first sample error, typed and naming the sample;
@@ -192,10 +192,7 @@ class Loader:
         )
         # Where the next batch comes from. ``_fresh``: nobody has started iterating from it yet;
         # an iteration left mid-epoch makes the next ``async for`` start the next epoch.
-        self._epoch, self._position, self._batches = 0, 0, 0
-        # The spans of the current epoch read on other world sizes before a resume, as
-        # (world, position) pairs; ``_position`` counts inside the span after them.
-        self._history: list[tuple[int, int]] = []
+        self._start_epoch(0)
         self._fresh = True
         self._active: _Run | None = None
         self._ahead: _Run | None = None  # the next epoch's run, started early (run_ahead)
@@ -229,14 +226,23 @@ class Loader:
         """The epoch the next (or current) ``async for`` iterates."""
         return self._epoch
 
+    def _start_epoch(self, epoch: int) -> None:
+        """Point the stream at ``epoch``'s first sample."""
+        self._epoch, self._position, self._batches = epoch, 0, 0
+        # The spans of the epoch read on other world sizes before a resume, as (world, position)
+        # pairs; ``_position`` counts inside the span after them.
+        self._history: list[tuple[int, int]] = []
+
     def __aiter__(self) -> AsyncIterator[Batch]:
+        return self._aiter(run_ahead=self.run_ahead)
+
+    def _aiter(self, *, run_ahead: bool) -> AsyncIterator[Batch]:
         if self._closed:
             raise ClosedError("loader is closed")
         if self._active is not None:
             raise LoaderError("this loader is already being iterated; finish or close that loop first")
         if not self._fresh:
-            self._epoch, self._position, self._batches = self._epoch + 1, 0, 0
-            self._history = []
+            self._start_epoch(self._epoch + 1)
         self._fresh = False
         where = (self._epoch, self._position, self._batches, tuple(self._history))
         ahead = self._ahead
@@ -245,9 +251,9 @@ class Loader:
         else:
             run = _Run(self._cfg, *where)  # (a stale run ahead, after load_state_dict, goes in _iterate)
         self._active = run
-        return self._iterate(run)
+        return self._iterate(run, run_ahead)
 
-    async def _iterate(self, run: _Run) -> AsyncIterator[Batch]:
+    async def _iterate(self, run: _Run, run_ahead: bool) -> AsyncIterator[Batch]:
         stats = self._stats
         stats.epoch = run.epoch
         completed = False
@@ -262,7 +268,7 @@ class Loader:
                     break
                 if isinstance(item, BaseException):
                     raise item
-                if self.run_ahead and self._ahead is None and run.dispatched_all.is_set():
+                if run_ahead and self._ahead is None and run.dispatched_all.is_set():
                     self._ahead = _Run(self._cfg, run.epoch + 1, 0, 0)
                     self._ahead.start_runner()
                 self._position, self._batches = item.extra["end_position"], item.index + 1
@@ -271,8 +277,7 @@ class Loader:
                 stats.dropped += item.dropped
                 item.handoff()
                 yield item
-            self._epoch, self._position, self._batches = run.epoch + 1, 0, 0
-            self._history = []
+            self._start_epoch(run.epoch + 1)
             self._fresh = True
             completed = True
         finally:

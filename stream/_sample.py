@@ -68,10 +68,6 @@ class SampleBatch:
         return len(self.samples)
 
     @property
-    def nbytes(self) -> int:
-        return samples_nbytes(self.samples)
-
-    @property
     def end_position(self) -> int:
         """Stream position just after this batch's last real (not padded) sample."""
         real = self.samples[: len(self.samples) - self.padded]

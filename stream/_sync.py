@@ -73,9 +73,6 @@ class SyncLoader:
                     yield batch
             finally:
                 asyncio.run_coroutine_threadsafe(agen.aclose(), loop).result()
-                # The next ``for`` gets a loop of its own, where a run started ahead on this one
-                # could not go on: it stops here, with the loop it belongs to.
-                asyncio.run_coroutine_threadsafe(self.loader._close_ahead(), loop).result()
         finally:
             loop.call_soon_threadsafe(loop.stop)
             thread.join()
@@ -83,5 +80,6 @@ class SyncLoader:
 
 
 async def _start(loader: Loader):
-    # __aiter__ runs on the loop's thread so the async generator is bound to that loop.
-    return loader.__aiter__()
+    # On the loop's thread, so the async generator is bound to that loop; no running ahead: the
+    # next ``for`` has a loop of its own, where work started on this one could not go on.
+    return loader._aiter(run_ahead=False)

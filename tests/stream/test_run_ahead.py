@@ -83,7 +83,7 @@ async def test_aclose_and_break_throw_the_work_ahead_away(image_folder, leaks):
     await leaks.check(settle=5.0)
 
 
-async def test_the_sync_facade_throws_the_work_ahead_away_with_each_epochs_loop(image_folder, leaks):
+async def test_the_sync_facade_does_not_run_ahead(image_folder, leaks):
     plain = _loader(image_folder, run_ahead=False)
     expected = [await _collect(plain), await _collect(plain)]
 
@@ -92,7 +92,7 @@ async def test_the_sync_facade_throws_the_work_ahead_away_with_each_epochs_loop(
             epochs = []
             for _ in range(2):
                 epochs.append(list(loader))
-                assert loader.loader._ahead is None  # it ran ahead, and stopped with the loop
+                assert loader.loader._ahead is None  # each epoch's loop ends with it
             return epochs
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
