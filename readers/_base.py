@@ -20,7 +20,7 @@ from headrace._threads import join_threads
 
 from ._storage._tasks import cancel_and_wait
 
-__all__ = ["IndexedReader", "Reader", "consumed_prefix", "epoch_order"]
+__all__ = ["IndexedReader", "Reader", "consumed_prefix", "epoch_order", "number_samples"]
 
 Equal = Literal["pad", "drop"] | None
 
@@ -101,6 +101,14 @@ def consumed_prefix(n: int, history: Sequence[tuple[int, int]], equal: Equal = N
             position = min(position, (n - done) // world)
         done = min(n, done + position * world)
     return done
+
+
+def number_samples(samples: list[Sample], first: int) -> list[Sample]:
+    """Give ``samples`` their stream positions from ``first`` on; the same list (a ``SampleList``
+    keeps its byte count)."""
+    for position, sample in enumerate(samples, first):
+        sample.position = position
+    return samples
 
 
 def _check_shard(rank: int, world: int, equal: Equal) -> None:
@@ -203,13 +211,10 @@ class IndexedReader(Reader):
                 # Keep one chunk per I/O thread in flight, plus the one being handed over.
                 while next_pos < len(order) and len(pending) <= self.io_threads:
                     end = min(next_pos + self.chunk_size, len(order))
-                    pending.append((next_pos, pool.submit(self._fetch, order[next_pos:end].tolist())))
+                    pending.append((next_pos, pool.submit(self._fetch_numbered, order[next_pos:end].tolist(), next_pos)))
                     next_pos = end
                 pos, fut = pending.popleft()
-                samples = await asyncio.wrap_future(fut, loop=loop)
-                for position, sample in enumerate(samples, pos):
-                    sample.position = position
-                yield samples
+                yield await asyncio.wrap_future(fut, loop=loop)
         finally:
             try:
                 pool.shutdown(wait=False, cancel_futures=True)
@@ -219,6 +224,10 @@ class IndexedReader(Reader):
                 pool.shutdown(wait=True)
             finally:
                 self._close_io()
+
+    def _fetch_numbered(self, indices: Sequence[int], first: int) -> list[Sample]:
+        # In the I/O thread: numbering a chunk is per-sample Python the event loop need not do.
+        return number_samples(self._fetch(indices), first)
 
     async def _read_on_loop(self, order: np.ndarray, start: int) -> AsyncIterator[list[Sample]]:
         """``read`` for ``_fetch_on_loop`` readers: the same chunks, fetched by tasks this generator owns."""
@@ -234,9 +243,6 @@ class IndexedReader(Reader):
                     pending.append((next_pos, task))
                     next_pos = end
                 pos, task = pending.popleft()
-                samples = await task
-                for offset, sample in enumerate(samples):
-                    sample.position = pos + offset
-                yield samples
+                yield number_samples(await task, pos)
         finally:
             await cancel_and_wait(task for _, task in pending)

@@ -66,8 +66,9 @@ class FileReader(IndexedReader):
         self._exts = [_ext(p) for p in self._sources]
         # Per-sample work done once here rather than in ``_fetch`` every epoch (it holds the GIL).
         self._cls = _label_bytes(labels)
-        self._chunks = ChunkReader()
-        self._table = PathTable(self.paths) if self._chunks.native and not self._fetch_on_loop else None
+        # Local files only: remote ones are fetched on the loop and never need the C helper built.
+        self._chunks = None if self._fetch_on_loop else ChunkReader()
+        self._table = PathTable(self.paths) if self._chunks is not None and self._chunks.native else None
 
     def _dataset_size(self) -> int:
         return len(self.paths)

@@ -37,7 +37,7 @@ import numpy as np
 from headrace._errors import ConfigError, ReadError, require_int
 from headrace._sample import Sample
 
-from ._base import Equal, Reader, _check_shard
+from ._base import Equal, Reader, _check_shard, number_samples
 from headrace._threads import join_threads
 
 from ._feed import END, Feed
@@ -280,9 +280,9 @@ class WebDatasetReader(Reader):
                 if not out:
                     continue
                 if limit is not None and emitted + len(out) >= limit:
-                    yield _number(out[: limit - emitted], start + emitted)
+                    yield number_samples(out[: limit - emitted], start + emitted)
                     return
-                yield _number(out, start + emitted)
+                yield number_samples(out, start + emitted)
                 emitted += len(out)
                 out = []
         if slot_of:
@@ -290,7 +290,7 @@ class WebDatasetReader(Reader):
                             "counts were taken", source=self._names[0])
         buf.drain(out, None if limit is None else limit - emitted)
         if out:
-            yield _number(out, start + emitted)
+            yield number_samples(out, start + emitted)
 
     def _index_jobs(self, indices: np.ndarray) -> list[_Job]:
         """Jobs that read exactly ``indices`` (dataset indices), in that order: one per run of
@@ -414,12 +414,6 @@ class WebDatasetReader(Reader):
         if chunk:
             feed.put(chunk)
         feed.put(END, force=True)
-
-
-def _number(out: list[Sample], first: int) -> list[Sample]:
-    for offset, s in enumerate(out):
-        s.position = first + offset
-    return out
 
 
 def _missing(fields: dict, require: list[tuple[str, ...]], key: str, path: str) -> ReadError | None:

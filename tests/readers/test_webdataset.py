@@ -1,16 +1,15 @@
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
 import subprocess
-import tarfile
 
 import pytest
 
 from headrace import ConfigError, ReadError, readers
 from headrace.readers._shards import INDEX_NAME, expand_braces
+from sample_data import tar_bytes
 
 
 
@@ -40,12 +39,8 @@ def no_index(tmp_path_factory, packed):
 
 
 def _tar(path, members):
-    """A tar written with tarfile from (name, bytes) pairs."""
-    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
+    """A tar of (name, bytes) pairs at path."""
+    path.write_bytes(tar_bytes(members))
     return path
 
 
