@@ -77,7 +77,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hr_decoder_create.argtypes = [p, i, i, i, f, f, i, ctypes.c_char_p, ctypes.c_char_p, sz]
     lib.hr_decoder_create.restype = p
     lib.hr_parsed_create.argtypes, lib.hr_parsed_create.restype = [], p
-    lib.hr_parsed_release.argtypes, lib.hr_parsed_release.restype = [p], None
     lib.hr_parsed_destroy.argtypes, lib.hr_parsed_destroy.restype = [p], None
     lib.hr_parse.argtypes, lib.hr_parse.restype = [p, p, i, p, p, i, p], i
     lib.hr_decoder_destroy.argtypes, lib.hr_decoder_destroy.restype = [p], None

@@ -109,9 +109,6 @@ class CudaExecutor:
         self._prep = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="headrace-prep")
         self._preparing: set[concurrent.futures.Future[Any]] = set()
         self._prep_seconds: collections.Counter[str] = collections.Counter()
-        # Expert knob, for measuring: "area" hands each batch to nvImageCodec largest window share
-        # first (its hardware decoder takes the first hw_load of a batch).
-        self._decode_order = os.environ.get("HEADRACE_DECODE_ORDER", "")
         self._lanes = [_Lane(self, i, hw_load, threads) for i in range(lanes)]
         self._closed = False
 
@@ -204,16 +201,12 @@ class CudaExecutor:
         plans = plan_batch(sizes[:, 0], sizes[:, 1], pipe.image_ops, randoms)
         regions = roi_batch(plans, sizes[:, 0], sizes[:, 1]).astype(np.int32)
         meta, geo = _kernel_tables(plans, regions)
-        order = None
-        if self._decode_order == "area":  # measuring knob: the largest share of its image first
-            fraction = (meta[:, 0].astype(np.float64) * meta[:, 1]) / np.maximum(sizes[:, 0] * sizes[:, 1], 1)
-            order = np.argsort(-fraction, kind="stable").astype(np.int32)
         self._prep_seconds["parse"] += t1 - t0
         self._prep_seconds["plan"] += time.perf_counter() - t1
         return _Prepared(
             batch=batch,
             rows=rows,
-            labels=labels,
+            indices=indices,
             label_array=np.array(labels, dtype=np.int64) if any(lbl is not None for lbl in labels) else None,
             failures=failures,
             token=token,
@@ -223,7 +216,6 @@ class CudaExecutor:
             regions=regions,
             meta=meta,
             geo=geo,
-            order=order,
         )
 
 
@@ -233,7 +225,7 @@ class _Prepared:
 
     batch: SampleBatch
     rows: list[int]  # batch rows still in the running
-    labels: list[int | None]
+    indices: np.ndarray  # their samples' dataset indices (int64), which key the random draws
     label_array: np.ndarray | None  # the labels as int64, when there are any
     failures: list[tuple[int, LoaderError]]
     token: Any  # the header reader's parsed batch
@@ -243,7 +235,6 @@ class _Prepared:
     regions: np.ndarray  # (y0, x0, y1, x1) decode windows
     meta: np.ndarray  # the fused kernel's tables (``_kernel_tables``), but the row strides
     geo: np.ndarray
-    order: np.ndarray | None = None  # the sequence in which the lane hands the images to nvImageCodec
 
 
 class _Lane:
@@ -336,7 +327,7 @@ class _Lane:
         out = torch.empty(self._out_shape(n), dtype=self._out_dtype(), device=self.owner.device)
         labels = torch.empty(n, dtype=torch.int64, device=self.owner.device) if prep.label_array is not None else None
         lap("alloc")
-        launch = self.fused.prepare(stage, out, prep.meta, prep.geo, prep.label_array, labels, prep.order, wait,
+        launch = self.fused.prepare(stage, out, prep.meta, prep.geo, prep.label_array, labels, wait,
                                     record=self.post is None)
         lap("tables")
         decoded = self.decoder.decode(prep.token, prep.parse_idx, prep.regions, self.cp_stream.ptr,
@@ -393,7 +384,7 @@ class _Lane:
             tables["labels"][:] = prep.label_array[ok]
             labels = torch.empty(len(ok), dtype=torch.int64, device=self.owner.device)
             if len(ok):
-                stage.upload("labels", labels.data_ptr(), len(ok), self.cp_stream)
+                stage.upload("labels", labels.data_ptr(), len(ok))
             data_out["label"] = labels
         lap("labels")
         stage.ready.record(self.stream)
@@ -418,8 +409,7 @@ class _Lane:
         return torch.uint8 if self.post is not None else self.owner.pipeline.dtype
 
     def _post(self, out: torch.Tensor, prep: _Prepared, ok: np.ndarray) -> torch.Tensor:
-        samples, rows = prep.batch.samples, prep.rows
-        indices = np.fromiter((samples[rows[i]].index for i in ok), dtype=np.int64, count=len(ok))
+        indices = prep.indices if len(ok) == len(prep.rows) else prep.indices[ok]
         return self.post.finish(self.post.apply(out, indices, prep.batch.epoch, inplace=True))
 
     def _cpu_decode(self, sample, region, decoded: Image.Image | None) -> torch.Tensor:
@@ -444,7 +434,7 @@ class _Lane:
         tables["meta"][:, 2] = row_strides
         tables["geo"][:] = prep.geo if every else prep.geo[ok]
         lap("tables")
-        d_ptrs, d_meta, d_geo = stage.upload_tables(self.cp_stream)
+        d_ptrs, d_meta, d_geo = stage.upload_tables()
         lap("upload")
         pipe = self.owner.pipeline
         oh, ow = pipe.output_size()

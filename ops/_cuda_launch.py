@@ -73,18 +73,18 @@ class Staging:
         """The pinned host address of table ``name``."""
         return self.h_block.ctypes.data + self.offsets[name]
 
-    def upload_tables(self, stream) -> tuple[np.uint64, np.uint64, np.uint64]:
-        """Copy the kernel's tables up (one copy) and return their device addresses."""
-        self._copy(self.d_block.data.ptr, self.h_block.ctypes.data, self.offsets["labels"], stream)
+    def upload_tables(self) -> tuple[np.uint64, np.uint64, np.uint64]:
+        """Copy the kernel's tables up (one copy, on the lane's stream) and return their device addresses."""
+        self._copy(self.d_block.data.ptr, self.h_block.ctypes.data, self.offsets["labels"])
         return tuple(np.uint64(self.device(name)) for name in ("ptrs", "meta", "geo"))
 
-    def upload(self, name: str, destination: int, n: int, stream) -> None:
-        """Copy the first ``n`` rows of table ``name`` to device address ``destination``."""
-        self._copy(destination, self.source(name), n * self.views[name].strides[0], stream)
+    def upload(self, name: str, destination: int, n: int) -> None:
+        """Copy the first ``n`` rows of table ``name`` to device address ``destination`` (lane's stream)."""
+        self._copy(destination, self.source(name), n * self.views[name].strides[0])
 
-    def _copy(self, destination: int, source: int, size: int, stream) -> None:
+    def _copy(self, destination: int, source: int, size: int) -> None:
         runtime = self.cupy.cuda.runtime
-        runtime.memcpyAsync(destination, source, size, runtime.memcpyHostToDevice, stream.ptr)
+        runtime.memcpyAsync(destination, source, size, runtime.memcpyHostToDevice, self.stream.ptr)
 
 
 class _ResampleArgs(ctypes.Structure):
@@ -117,10 +117,9 @@ class FusedLaunch:
         self.launch.block[:] = (32, 8, 1)
 
     def prepare(self, stage: Staging, out: torch.Tensor, meta: np.ndarray, geo: np.ndarray,
-                labels: np.ndarray | None, labels_out: torch.Tensor | None, order: np.ndarray | None,
+                labels: np.ndarray | None, labels_out: torch.Tensor | None,
                 wait: torch.cuda.Event | None, record: bool) -> Any:
-        """The launch for a batch: the shim decodes in ``order`` (int32, optional), fills
-        ``stage``'s tables from ``meta`` and ``geo`` (the prep thread's, contiguous, one row per
+        """The launch for a batch: the shim decodes, fills ``stage``'s tables from ``meta`` and ``geo`` (the prep thread's, contiguous, one row per
         image) and ``labels``, copies them up, runs the kernel into ``out``, copies the labels into
         ``labels_out`` and, with ``record``, records ``stage.ready``. The arrays must live until the
         shim's call returns."""
@@ -142,5 +141,4 @@ class FusedLaunch:
         else:
             launch.labels_src, launch.copy_size[1] = None, 0
         launch.event = stage.ready.cuda_event if record else None
-        launch.order = order.ctypes.data if order is not None else None
         return launch
