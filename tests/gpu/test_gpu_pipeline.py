@@ -199,6 +199,8 @@ async def test_stream_safety_consumer_on_its_own_stream_matches_a_synchronous_ru
 
 @pytest.mark.parametrize("run_ahead", [False, True])
 async def test_gpu_memory_is_flat_over_epochs(folder, run_ahead):
+    gc.collect()
+    before = torch.cuda.memory_allocated()
     async with _loader(folder, run_ahead=run_ahead) as loader:
         used, batch_bytes = [], 0
         for _ in range(5):
@@ -209,7 +211,9 @@ async def test_gpu_memory_is_flat_over_epochs(folder, run_ahead):
             torch.cuda.synchronize()
             free, _ = torch.cuda.mem_get_info()
             used.append((torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), free))
-    print(f"run_ahead={run_ahead}: allocated, reserved, device free per epoch:", used)
+    gc.collect()
+    print(f"run_ahead={run_ahead}: allocated, reserved, device free per epoch:", used,
+          f"allocated before the loader {before}, after its close {torch.cuda.memory_allocated()}")
     allocated = [u[0] for u in used[1:]]
     if run_ahead:
         # At an epoch's end the next one's run holds up to prefetch + 2 decoded batches (in flight
