@@ -200,6 +200,7 @@ async def test_stream_safety_consumer_on_its_own_stream_matches_a_synchronous_ru
 @pytest.mark.parametrize("run_ahead", [False, True])
 async def test_gpu_memory_is_flat_over_epochs(folder, run_ahead):
     gc.collect()
+    torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     async with _loader(folder, run_ahead=run_ahead) as loader:
         used, batch_bytes = [], 0
@@ -212,8 +213,10 @@ async def test_gpu_memory_is_flat_over_epochs(folder, run_ahead):
             free, _ = torch.cuda.mem_get_info()
             used.append((torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), free))
     gc.collect()
+    after = torch.cuda.memory_allocated()
     print(f"run_ahead={run_ahead}: allocated, reserved, device free per epoch:", used,
-          f"allocated before the loader {before}, after its close {torch.cuda.memory_allocated()}")
+          f"allocated before the loader {before}, after its close {after}")
+    assert after == before  # the run ahead, too, gave everything back
     allocated = [u[0] for u in used[1:]]
     if run_ahead:
         # At an epoch's end the next one's run holds up to prefetch + 2 decoded batches (in flight
@@ -226,6 +229,8 @@ async def test_gpu_memory_is_flat_over_epochs(folder, run_ahead):
 
 
 async def test_clean_shutdown_mid_epoch(folder, leaks):
+    gc.collect()  # earlier tests' garbage must not be freed inside the measurement
+    torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     loader = _loader(folder)
     async for b in loader:
