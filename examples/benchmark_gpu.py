@@ -6,6 +6,8 @@ Rows (training pipeline: decode → random resized crop 224 → flip → normali
 the GPU, unless the row says otherwise):
   headrace (train)           headrace on the GPU path
   headrace (validation)      resize shorter side 256 → centre crop 224 → normalize, float16
+  headrace (own sizes)       --rows sizes: resize shorter side 256 → normalize, float16, no crop:
+                             a list of tensors a batch (whole images decoded)
   DataLoader + PIL + tv v2   torch DataLoader, workers = cores, Pillow + torchvision v2, then .cuda()
   torchvision decode_jpeg    decode_jpeg(device="cuda") batched, torchvision v2 transforms per image
   nvImageCodec decode only   whole images, one synchronous decode call per batch, no transforms
@@ -254,6 +256,8 @@ def main() -> None:
     runners = {
         "train": ("headrace (train)", lambda: bench_headrace(root, ops.training(224, dtype="float16"), args.batch, args.epochs, args.lanes)),
         "val": ("headrace (validation)", lambda: bench_headrace(root, ops.validation(224, dtype="float16"), args.batch, args.epochs, args.lanes)),
+        "sizes": ("headrace (decode, resize 256, own sizes)", lambda: bench_headrace(
+            root, ops.Pipeline([ops.Decode(), ops.Resize(256), ops.Normalize(dtype="float16")]), args.batch, args.epochs, args.lanes)),
         "dataloader": (f"DataLoader ({workers} workers) + PIL + tv v2", lambda: bench_dataloader(files, args.batch, args.epochs, workers)),
         "torchvision": ("torchvision decode_jpeg(cuda) + v2", lambda: bench_torchvision_gpu(files, args.batch, args.epochs)),
         "nvimgcodec": ("nvImageCodec decode only (whole)", lambda: bench_nvimgcodec(files, args.batch, args.epochs)),

@@ -48,8 +48,6 @@ _OUT_NAMES = {torch.uint8: "uint8", torch.float32: "float32", torch.float16: "fl
 
 def gpu_unsupported(pipeline: Pipeline) -> str | None:
     """Why the GPU path cannot run ``pipeline`` (None when it can)."""
-    if pipeline.output_size() is None:
-        return "the GPU path needs a fixed output size: end the ops with a crop or an exact Resize"
     try:
         check_foldable(pipeline.image_ops)
     except ConfigError as exc:
@@ -278,7 +276,11 @@ class _Lane:
         self.seconds: collections.Counter[str] = collections.Counter()
         # The shim waits, decodes, copies, launches and records in one GIL-free call when it can.
         self.fused = None
-        if self.decoder.launch_unavailable is None and os.environ.get("HEADRACE_NATIVE_LAUNCH", "1") != "0":
+        # Without a fixed output size each image gets its own size and place in one allocation
+        # (``_ragged``); that launch goes from Python.
+        self.ragged = pipe.output_size() is None
+        if (not self.ragged and self.decoder.launch_unavailable is None
+                and os.environ.get("HEADRACE_NATIVE_LAUNCH", "1") != "0"):
             (oh, ow), chw = pipe.output_size(), pipe.layout == "CHW" and self.post is None
             self.fused = FusedLaunch(self.kernel, size=(oh, ow), channels=c, chw=chw,
                                      normalize=norm is not None and self.post is None, mean=self.mean, inv_std=self.inv_std)
@@ -369,15 +371,18 @@ class _Lane:
             uploads.append(pixels)
             pointers[i], row_strides[i], done[i] = pixels.data_ptr(), pixels.stride(0), True
         ok = np.flatnonzero(done)
-        out = torch.empty(self._out_shape(len(ok)), dtype=self._out_dtype(), device=self.owner.device)
-        lap("alloc")
         # One pinned block per batch carries the kernel's tables and the labels: two copies.
         tables = stage.host(len(ok))
+        if self.ragged:
+            out, images = self._ragged(prep.meta[ok], tables["offsets"])
+        else:
+            out = images = torch.empty(self._out_shape(len(ok)), dtype=self._out_dtype(), device=self.owner.device)
+        lap("alloc")
         if len(ok):
             self._launch(out, tables, stage, pointers[ok], row_strides[ok], prep, ok, lap)
         if self.post is not None:
-            out = self._post(out, prep, ok)
-        data_out: dict[str, Any] = {"image": out}
+            images = self._post(images, prep, ok)
+        data_out: dict[str, Any] = {"image": images}
         if prep.label_array is not None:
             # From pinned memory: a copy from pageable memory may wait for the lane's stream
             # (its decode and kernel) before it starts.
@@ -408,9 +413,28 @@ class _Lane:
     def _out_dtype(self) -> torch.dtype:
         return torch.uint8 if self.post is not None else self.owner.pipeline.dtype
 
-    def _post(self, out: torch.Tensor, prep: _Prepared, ok: np.ndarray) -> torch.Tensor:
+    def _ragged(self, meta: np.ndarray, offsets: np.ndarray) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One flat output for images of different sizes (``meta``'s columns 5 and 6), each image's
+        start written into ``offsets`` (the kernel's table), and the images as views into it: one
+        allocation and one launch a batch, as for a fixed size."""
+        pipe, c = self.owner.pipeline, self.owner.pipeline.channels
+        heights, widths = meta[:, 5].astype(np.int64), meta[:, 6].astype(np.int64)
+        sizes = heights * widths * c
+        offsets[:] = np.cumsum(sizes) - sizes
+        out = torch.empty(int(sizes.sum()), dtype=self._out_dtype(), device=self.owner.device)
+        chw = pipe.layout == "CHW" and self.post is None
+        images = [
+            out[o : o + s].view((c, h, w) if chw else (h, w, c))
+            for o, s, h, w in zip(offsets.tolist(), sizes.tolist(), heights.tolist(), widths.tolist())
+        ]
+        return out, images
+
+    def _post(self, images: Any, prep: _Prepared, ok: np.ndarray) -> Any:
         indices = prep.indices if len(ok) == len(prep.rows) else prep.indices[ok]
-        return self.post.finish(self.post.apply(out, indices, prep.batch.epoch, inplace=True))
+        images = self.post.apply(images, indices, prep.batch.epoch, inplace=True)
+        if isinstance(images, list):  # sizes differ: each image finished on its own
+            return [self.post.finish(image[None])[0] for image in images]
+        return self.post.finish(images)
 
     def _cpu_decode(self, sample, region, decoded: Image.Image | None) -> torch.Tensor:
         """``region`` of the sample's pixels on the device: Pillow's, decoded now unless already."""
@@ -434,31 +458,37 @@ class _Lane:
         tables["meta"][:, 2] = row_strides
         tables["geo"][:] = prep.geo if every else prep.geo[ok]
         lap("tables")
-        d_ptrs, d_meta, d_geo = stage.upload_tables()
+        d_ptrs, d_meta, d_geo, d_offsets = stage.upload_tables()
         lap("upload")
         pipe = self.owner.pipeline
-        oh, ow = pipe.output_size()
+        if self.ragged:  # the grid covers the largest image; each sample's size is in its meta row
+            oh, ow = int(tables["meta"][:, 5].max()), int(tables["meta"][:, 6].max())
+        else:
+            (oh, ow), d_offsets = pipe.output_size(), np.uint64(0)
         with self.cp_stream:
             self.kernel(
                 ((ow + 31) // 32, (oh + 7) // 8, n),
                 (32, 8, 1),
                 (d_ptrs, d_meta, d_geo, np.uint64(out.data_ptr()), np.int32(oh), np.int32(ow), np.int32(c),
                  np.int32(pipe.layout == "CHW" and self.post is None),
-                 np.int32(pipe.normalize is not None and self.post is None), self.mean, self.inv_std),
+                 np.int32(pipe.normalize is not None and self.post is None), self.mean, self.inv_std, d_offsets),
             )
         lap("kernel")
 
 
 def _kernel_tables(plans, regions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The fused kernel's per-sample tables (``_cuda_kernels``), row strides left 0 for the lane:
-    meta = (height, width, row stride, flip_h, flip_v, 0, 0, 0) of the decoded window; geo = the
-    box to read and the real pixels (outside them: zero padding), in window coordinates."""
+    meta = (height, width, row stride, flip_h, flip_v, out_h, out_w, 0) of the decoded window and
+    the output; geo = the box to read and the real pixels (outside them: zero padding), in window
+    coordinates."""
     n = len(regions)
     meta = np.zeros((n, 8), dtype=np.int32)
     meta[:, 0] = regions[:, 2] - regions[:, 0]
     meta[:, 1] = regions[:, 3] - regions[:, 1]
     meta[:, 3] = plans.flip_h
     meta[:, 4] = plans.flip_v
+    meta[:, 5] = plans.out_h
+    meta[:, 6] = plans.out_w
     origin = np.tile(regions[:, [1, 0]], 2).astype(np.float64)
     geo = np.empty((n, 8), dtype=np.float32)
     geo[:, 0:4] = plans.box - origin

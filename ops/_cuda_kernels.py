@@ -5,6 +5,10 @@ Each thread makes one output pixel (all channels) of one sample. It reads Pillow
 (horizontal, rounded to uint8, then vertical, rounded again), so the GPU matches the CPU path within
 one uint8 level before normalization. Samples differ in size: a per-sample table carries the source
 pointer, its size and row stride, the box to read, the valid (non-padding) range, and the flips.
+
+With ``offsets`` (not null) the outputs differ in size too (a pipeline without a fixed output size):
+sample b is meta[b][5] x meta[b][6] and starts ``offsets[b]`` elements into ``out``; OH_MAX and
+OW_MAX are then the batch's largest, which only bound the grid.
 """
 
 from __future__ import annotations
@@ -26,19 +30,20 @@ __device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn
 __device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 __device__ __forceinline__ void store(unsigned char* p, float v) { *p = (unsigned char)v; }
 
-// meta[b] = {src_h, src_w, row_stride_bytes, flip_h, flip_v, 0, 0, 0}
+// meta[b] = {src_h, src_w, row_stride_bytes, flip_h, flip_v, out_h, out_w, 0}
 // geo[b]  = {box_x0, box_y0, box_x1, box_y1, valid_x0, valid_y0, valid_x1, valid_y1}
 extern "C" __global__ void resample_OUTNAME(
     const unsigned long long* __restrict__ src, const int* __restrict__ meta, const float* __restrict__ geo,
-    OUT_T* __restrict__ out, const int OH, const int OW, const int C, const int chw, const int normalize,
-    const float* __restrict__ mean, const float* __restrict__ inv_std)
+    OUT_T* __restrict__ out, const int OH_MAX, const int OW_MAX, const int C, const int chw, const int normalize,
+    const float* __restrict__ mean, const float* __restrict__ inv_std, const long long* __restrict__ offsets)
 {
     const int ox = blockIdx.x * blockDim.x + threadIdx.x;
     const int oy = blockIdx.y * blockDim.y + threadIdx.y;
     const int b = blockIdx.z;
-    if (ox >= OW || oy >= OH) return;
     const int* m = meta + 8 * b;
     const float* g = geo + 8 * b;
+    const int OH = offsets ? m[5] : OH_MAX, OW = offsets ? m[6] : OW_MAX;
+    if (ox >= OW || oy >= OH) return;
     const int H = m[0], W = m[1], stride = m[2];
     const int xs = m[3] ? OW - 1 - ox : ox;
     const int ys = m[4] ? OH - 1 - oy : oy;
@@ -69,11 +74,11 @@ extern "C" __global__ void resample_OUTNAME(
         for (int c = 0; c < C; ++c) acc[c] = round_u8(acc[c]);
     }
     const long long plane = (long long)OH * OW;
+    OUT_T* const dst = out + (offsets ? offsets[b] : (long long)b * C * plane);
     for (int c = 0; c < C; ++c) {
         const float v = normalize ? (acc[c] - mean[c]) * inv_std[c] : acc[c];
-        const long long i = chw ? ((long long)b * C + c) * plane + (long long)oy * OW + ox
-                                : (((long long)b * OH + oy) * OW + ox) * C + c;
-        store(out + i, v);
+        const long long i = chw ? c * plane + (long long)oy * OW + ox : ((long long)oy * OW + ox) * C + c;
+        store(dst + i, v);
     }
 }
 """

@@ -29,7 +29,9 @@ class Staging:
     A later record only makes a late consumer wait for a later batch of the same stream.
     """
 
-    _FIELDS = (("ptrs", np.uint64, 1), ("meta", np.int32, 8), ("geo", np.float32, 8), ("labels", np.int64, 1))
+    # Everything before "labels" goes up in one copy (``upload_tables``); "offsets" only for list outputs.
+    _FIELDS = (("ptrs", np.uint64, 1), ("meta", np.int32, 8), ("geo", np.float32, 8), ("offsets", np.int64, 1),
+               ("labels", np.int64, 1))
 
     def __init__(self, cupy, stream) -> None:
         self.cupy = cupy
@@ -73,10 +75,11 @@ class Staging:
         """The pinned host address of table ``name``."""
         return self.h_block.ctypes.data + self.offsets[name]
 
-    def upload_tables(self) -> tuple[np.uint64, np.uint64, np.uint64]:
-        """Copy the kernel's tables up (one copy, on the lane's stream) and return their device addresses."""
+    def upload_tables(self) -> tuple[np.uint64, np.uint64, np.uint64, np.uint64]:
+        """Copy the kernel's tables up (one copy, on the lane's stream) and return their device
+        addresses (ptrs, meta, geo, offsets)."""
         self._copy(self.d_block.data.ptr, self.h_block.ctypes.data, self.offsets["labels"])
-        return tuple(np.uint64(self.device(name)) for name in ("ptrs", "meta", "geo"))
+        return tuple(np.uint64(self.device(name)) for name in ("ptrs", "meta", "geo", "offsets"))
 
     def upload(self, name: str, destination: int, n: int) -> None:
         """Copy the first ``n`` rows of table ``name`` to device address ``destination`` (lane's stream)."""
@@ -94,6 +97,7 @@ class _ResampleArgs(ctypes.Structure):
         ("src", ctypes.c_uint64), ("meta", ctypes.c_uint64), ("geo", ctypes.c_uint64), ("out", ctypes.c_uint64),
         ("oh", ctypes.c_int), ("ow", ctypes.c_int), ("c", ctypes.c_int), ("chw", ctypes.c_int),
         ("normalize", ctypes.c_int), ("mean", ctypes.c_uint64), ("inv_std", ctypes.c_uint64),
+        ("offsets", ctypes.c_uint64),  # null: every output has the fixed size
     ]
 
 

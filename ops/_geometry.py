@@ -113,8 +113,8 @@ class PlanBatch:
 
     box: np.ndarray  # (B, 4) float64: x0, y0, x1, y1
     clip: np.ndarray  # (B, 4) float64
-    out_w: int
-    out_h: int
+    out_w: np.ndarray  # (B,) int64: equal for a pipeline with a fixed output size
+    out_h: np.ndarray  # (B,) int64
     flip_h: np.ndarray  # (B,) bool
     flip_v: np.ndarray  # (B,) bool
 
@@ -154,7 +154,7 @@ def plan_batch(h: np.ndarray, w: np.ndarray, ops: tuple[Op, ...], randoms: list[
                 flip_v ^= flips
             else:
                 flip_h ^= flips
-    out_h, out_w = (int(ch[0]), int(cw[0])) if n else (0, 0)
+    out_h, out_w = np.broadcast_to(ch, (n,)).astype(np.int64), np.broadcast_to(cw, (n,)).astype(np.int64)
     return PlanBatch(np.stack([x0, y0, x1, y1], 1), np.stack(clip, 1), out_w, out_h, flip_h, flip_v)
 
 

@@ -131,14 +131,31 @@ def _describe(value: Any) -> str:
 
 def hand_off(values: Iterable[Any], ready: Any) -> None:
     """Make the current CUDA stream wait on ``ready`` (a lane's event) without blocking the host,
-    and record each CUDA tensor among ``values`` on that stream, so its memory is reused only after
-    the work queued there. Nothing to do when ``ready`` is None (CPU results)."""
+    and record each CUDA tensor among ``values`` (or in a list among them: images of different
+    sizes) on that stream, so its memory is reused only after the work queued there. Nothing to do
+    when ``ready`` is None (CPU results)."""
     if ready is None:
         return
     import torch
 
-    for value in values:
-        if isinstance(value, torch.Tensor) and value.is_cuda:
-            stream = torch.cuda.current_stream(value.device)
+    streams: dict[Any, Any] = {}
+    recorded: set[int] = set()
+    for tensor in _cuda_tensors(values):
+        stream = streams.get(tensor.device)
+        if stream is None:
+            stream = streams[tensor.device] = torch.cuda.current_stream(tensor.device)
             stream.wait_event(ready)
-            value.record_stream(stream)
+        storage = tensor.untyped_storage().data_ptr()
+        if storage not in recorded:  # a list's images are views of one allocation: record it once
+            tensor.record_stream(stream)
+            recorded.add(storage)
+
+
+def _cuda_tensors(values: Iterable[Any]) -> Iterator[Any]:
+    import torch
+
+    for value in values:
+        if isinstance(value, list):
+            yield from _cuda_tensors(value)
+        elif isinstance(value, torch.Tensor) and value.is_cuda:
+            yield value

@@ -94,6 +94,50 @@ async def test_kernel_matches_cpu_path_on_random_images_of_random_sizes(name, gr
     assert torch.equal(a.data["label"], b.data["label"].cpu())
 
 
+RAGGED = {
+    "decode-only": ([], "uint8"),
+    "resize-short": ([ops.Resize(40)], "uint8"),
+    "resize-short-hwc": ([ops.Resize(37), ops.Flip(1.0), ops.Normalize(dtype="float16", layout="HWC")], "norm"),
+    "flip-f32": ([ops.Flip(), ops.Normalize()], "norm"),
+    "vflip-bf16": ([ops.Resize(50), ops.Flip(1.0, vertical=True), ops.Normalize(dtype="bfloat16")], "norm"),
+    "resize-short+color": ([ops.Resize(40), ops.ColorTwist(0.3, 0.3, 0.3, 0.05)], "post"),
+}
+
+
+@pytest.mark.parametrize("name", list(RAGGED))
+@pytest.mark.parametrize("gray", [False, True])
+async def test_images_of_their_own_sizes_match_the_cpu_path(name, gray):
+    # No op fixes the output size: the GPU path hands out a list of CUDA tensors (views of one
+    # allocation, one launch a batch), each as the CPU path's list has it.
+    op_list, kind = RAGGED[name]
+    if gray and name == "resize-short+color":
+        op_list = [ops.Resize(40), ops.ColorTwist(0.3, 0.3)]  # saturation and hue need colour
+    if gray and kind == "norm":
+        op_list = op_list[:-1] + [ops.Normalize((0.5,), (0.25,), dtype=op_list[-1].dtype, layout=op_list[-1].layout)]
+    pipeline = ops.Pipeline([ops.Decode("gray" if gray else "rgb"), *op_list])
+    assert pipeline.output_size() is None
+    rng = np.random.default_rng(hash((name, gray, "ragged")) % 2**32)
+    blobs = [_png(rng, int(rng.integers(8, 300)), int(rng.integers(8, 300)), gray) for _ in range(40)]
+    a, b = await _both(pipeline, _batch(blobs))
+    assert a.kept == b.kept == list(range(40))
+    ref, got = a.data["image"], b.data["image"]
+    assert isinstance(got, list) and len(got) == len(ref) == 40
+    # "post": the geometry's 2 levels, scaled by the colour twist's gain, plus its rounding (the
+    # bound of test_gpu_post_ops.py's whole-pipeline test)
+    bound = {"uint8": UINT8_BOUND, "post": 6, "norm": NORM_BOUND * (4 if gray else 1)}[kind]
+    worst = 0.0
+    for x, y in zip(ref, got):
+        assert y.is_cuda and y.dtype == x.dtype and y.shape == x.shape, (x.shape, y.shape)
+        err = (y.float().cpu() - x.float()).abs().max().item()
+        extra = x.float().abs().max().item() * {torch.float16: 2**-11, torch.bfloat16: 2**-8}.get(x.dtype, 0.0)
+        assert err <= bound + extra
+        worst = max(worst, err)
+    print(f"{name} gray={gray}: max error {worst:.4g} (bound {bound:.4g} + rounding of the dtype)")
+    if kind == "uint8" and not op_list:
+        assert worst == 0  # decode alone: the same pixels (PNG is lossless)
+    assert torch.equal(a.data["label"], b.data["label"].cpu())
+
+
 async def test_gpu_jpeg_decode_is_close_to_cpu_decode():
     # nvJPEG and libjpeg-turbo differ in IDCT and chroma upsampling: close, not equal.
     rng = np.random.default_rng(1)
@@ -167,7 +211,7 @@ def _loader(folder, **kw):
 
 async def test_loader_picks_the_gpu_and_yields_every_sample(folder):
     assert Loader(readers.files(folder), batch_size=4, pipeline=ops.training(64)).device == "cuda"  # auto
-    assert Loader(readers.files(folder), batch_size=4).device == "cpu"  # sizes differ: only the CPU path can
+    assert Loader(readers.files(folder), batch_size=4).device == "cuda"  # decode only: a list a batch
     async with _loader(folder) as loader:
         batches = [b async for b in loader]
     keys = [k for b in batches for k in b.sample_keys]
@@ -175,6 +219,28 @@ async def test_loader_picks_the_gpu_and_yields_every_sample(folder):
     b = batches[0]
     assert b["image"].is_cuda and b["image"].dtype == torch.float16 and b["image"].shape == (16, 3, 64, 64)
     assert b["label"].is_cuda and b["label"].tolist() == [int(k[1]) for k in b.sample_keys]
+
+
+async def test_loader_hands_out_images_of_their_own_sizes_on_the_gpu(folder):
+    pipeline = ops.Pipeline([ops.Decode(), ops.Resize(72), ops.Flip(), ops.Normalize(dtype="float16")])
+    results = {}
+    for device in ("cuda", "cpu"):
+        images = results[device] = {}
+        async with Loader(readers.files(folder), batch_size=16, pipeline=pipeline, device=device, seed=5) as loader:
+            with torch.cuda.stream(torch.cuda.Stream()):  # the consumer reads on its own stream
+                async for b in loader:
+                    assert isinstance(b["image"], list) and len(b["image"]) == len(b.sample_keys)
+                    assert all(x.is_cuda == (device == "cuda") for x in b["image"])
+                    images.update({k: x.float().cpu() for k, x in zip(b.sample_keys, b["image"])})
+    gpu, cpu = results["cuda"], results["cpu"]
+    assert gpu.keys() == cpu.keys() and len(gpu) == 120
+    diffs = []
+    for k in gpu:
+        assert gpu[k].shape == cpu[k].shape and min(gpu[k].shape[1:]) == 72
+        diffs.append((gpu[k] - cpu[k]).abs().mean().item())
+    # JPEG: nvJPEG and libjpeg-turbo differ a little (as in the decode test), in normalized units here
+    print(f"list outputs GPU vs CPU: mean abs difference {np.mean(diffs):.4f}, worst image {max(diffs):.4f}")
+    assert np.mean(diffs) < 2.0 / 255 / min(ops.IMAGENET_STD)
 
 
 async def test_stream_safety_consumer_on_its_own_stream_matches_a_synchronous_run(folder):

@@ -89,6 +89,10 @@ PIPELINES = [
     (CenterCrop(16),),
     (Resize(20), CenterCrop(28)),  # crop larger than the image: zero padding
     (RandomResizedCrop((20, 30), scale=(0.5, 1.0)), CenterCrop(12), Flip(1.0)),
+    # no fixed output size: each sample's own (the GPU path's list outputs)
+    (Resize(40),),
+    (Resize(33), Flip(1.0)),
+    (Flip(1.0, vertical=True),),
 ]
 
 
@@ -146,5 +150,5 @@ def test_vectorised_plan_equals_the_scalar_reference(ops):
     for i in range(n):
         p = plan(int(h[i]), int(w[i]), ops, [None if u is None else u[i] for u in us])
         assert tuple(batch.box[i]) == p.box and tuple(batch.clip[i]) == p.clip
-        assert (batch.out_w, batch.out_h, bool(batch.flip_h[i]), bool(batch.flip_v[i])) == (p.out_w, p.out_h, p.flip_h, p.flip_v)
+        assert (int(batch.out_w[i]), int(batch.out_h[i]), bool(batch.flip_h[i]), bool(batch.flip_v[i])) == (p.out_w, p.out_h, p.flip_h, p.flip_v)
         assert tuple(regions[i]) == roi(p, int(h[i]), int(w[i]))
