@@ -423,10 +423,12 @@ class _Lane:
         offsets[:] = np.cumsum(sizes) - sizes
         out = torch.empty(int(sizes.sum()), dtype=self._out_dtype(), device=self.owner.device)
         chw = pipe.layout == "CHW" and self.post is None
-        images = [
-            out[o : o + s].view((c, h, w) if chw else (h, w, c))
-            for o, s, h, w in zip(offsets.tolist(), sizes.tolist(), heights.tolist(), widths.tolist())
-        ]
+        # as_strided: one call an image (slicing then viewing took two, 7 ms a batch of 256 with two lanes)
+        view = out.as_strided
+        if chw:
+            images = [view((c, h, w), (h * w, w, 1), o) for o, h, w in zip(offsets.tolist(), heights.tolist(), widths.tolist())]
+        else:
+            images = [view((h, w, c), (w * c, c, 1), o) for o, h, w in zip(offsets.tolist(), heights.tolist(), widths.tolist())]
         return out, images
 
     def _post(self, images: Any, prep: _Prepared, ok: np.ndarray) -> Any:
