@@ -19,12 +19,14 @@ __all__ = ["Distributed", "detect_distributed"]
 
 @dataclass(frozen=True, slots=True)
 class Distributed:
-    """This process's place in the job. ``local_rank`` is None when no launcher gave one."""
+    """This process's place in the job. ``local_rank`` is None when no launcher gave one;
+    ``local_world`` is how many processes share this node (``LOCAL_WORLD_SIZE``, else 1)."""
 
     rank: int = 0
     world: int = 1
     local_rank: int | None = None
     source: str = "none"  # "arguments", "torch.distributed", "environment" or "none"
+    local_world: int = 1
 
 
 def detect_distributed(*, distributed: bool = True, rank: int | None = None, world: int | None = None) -> Distributed:
@@ -45,7 +47,7 @@ def detect_distributed(*, distributed: bool = True, rank: int | None = None, wor
         if rank is None or world is None:
             raise ConfigError("give both rank= and world=, or neither (to take them from torch.distributed)")
         _check(rank, world, "")
-        return Distributed(rank, world, _env_int("LOCAL_RANK"), "arguments")
+        return Distributed(rank, world, _env_int("LOCAL_RANK"), "arguments", _local_world(world))
     if not distributed:
         return Distributed()
     found = _from_process_group()
@@ -59,7 +61,14 @@ def detect_distributed(*, distributed: bool = True, rank: int | None = None, wor
     local = _env_int("LOCAL_RANK")
     if local is None:
         local = r % max(1, _visible_gpus())
-    return Distributed(r, w, local, source)
+    return Distributed(r, w, local, source, _local_world(w))
+
+
+def _local_world(world: int) -> int:
+    local_world = _env_int("LOCAL_WORLD_SIZE") if world > 1 else None
+    if local_world is not None and local_world < 1:
+        raise ConfigError(f"environment variable LOCAL_WORLD_SIZE={local_world} is not a positive integer")
+    return local_world or 1
 
 
 def _from_process_group() -> tuple[int, int, str] | None:

@@ -155,8 +155,7 @@ class Loader:
         if on_error not in ("raise", "skip"):
             raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         if num_threads is None:  # the node's cores, shared by the processes torchrun started on it
-            local_procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if dist.world > 1 else 1
-            num_threads = max(1, (os.cpu_count() or 1) // max(1, local_procs))
+            num_threads = max(1, (os.cpu_count() or 1) // dist.local_world)
         if prefetch is None:  # on the GPU: one batch per lane, one being prepared, one handed over
             prefetch = lanes + 2 if device.startswith("cuda") else 3
         for name, value in (("num_threads", num_threads), ("prefetch", prefetch), ("max_bytes", max_bytes)):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import subprocess
 import sys
 import time
@@ -257,6 +258,22 @@ async def test_torchrun_environment_shards_the_loader(data, monkeypatch):
     assert (loader.rank, loader.world, len(loader.reader)) == (1, 2, 38)
     alone = Loader(readers.files(data["folder"]), batch_size=4, device="cpu", distributed=False)
     assert (alone.world, len(alone.reader)) == (1, N)
+
+
+async def test_processes_on_a_node_share_its_cores(data, monkeypatch):
+    cores = os.cpu_count() or 1
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert detect_distributed().local_world == 1  # no LOCAL_WORLD_SIZE: the node is this process's
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert detect_distributed().local_world == 2
+    loader = Loader(readers.files(data["folder"]), batch_size=4, device="cpu")
+    assert loader.num_threads == max(1, cores // 2)
+    assert Loader(readers.files(data["folder"]), batch_size=4, device="cpu", distributed=False).num_threads == cores
+    for bad in ("two", "0"):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", bad)
+        with pytest.raises(ConfigError, match="LOCAL_WORLD_SIZE"):
+            Loader(readers.files(data["folder"]), batch_size=4, device="cpu")
 
 
 async def test_version_1_states_still_load(data):
