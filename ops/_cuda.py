@@ -35,7 +35,7 @@ from . import _batch_decode as batch_decode
 from . import _pillow
 from ._cpu import Processed, _image_field, _label, _read_failure
 from ._cuda_codecs import NativeDecoder, NativeHeaders, PythonDecoder, PythonHeaders
-from ._cuda_kernels import resample_kernel
+from ._cuda_kernels import BLOCK, grid, resample_kernel
 from ._cuda_launch import FusedLaunch, Staging
 from ._geometry import check_foldable, plan_batch, roi_batch
 from ._pipeline import Pipeline
@@ -260,6 +260,9 @@ class _Lane:
 
             self.post = PostOps(pipe, self.cp_stream, seed=self.owner.seed, device=dev)
         self.kernel = resample_kernel("uint8" if self.post is not None else _OUT_NAMES[pipe.dtype])
+        # What the kernel writes: the pipeline's layout and normalization, or uint8 HWC for PostOps.
+        self.chw = pipe.layout == "CHW" and self.post is None
+        self.normalize = pipe.normalize is not None and self.post is None
         norm = pipe.normalize
         c = pipe.channels
         mean = np.array(norm.mean if norm else (0.0,) * c, dtype=np.float32) * 255.0
@@ -281,9 +284,8 @@ class _Lane:
         self.ragged = pipe.output_size() is None
         if (not self.ragged and self.decoder.launch_unavailable is None
                 and os.environ.get("HEADRACE_NATIVE_LAUNCH", "1") != "0"):
-            (oh, ow), chw = pipe.output_size(), pipe.layout == "CHW" and self.post is None
-            self.fused = FusedLaunch(self.kernel, size=(oh, ow), channels=c, chw=chw,
-                                     normalize=norm is not None and self.post is None, mean=self.mean, inv_std=self.inv_std)
+            self.fused = FusedLaunch(self.kernel, size=pipe.output_size(), channels=c, chw=self.chw,
+                                     normalize=self.normalize, mean=self.mean, inv_std=self.inv_std)
 
     def close(self) -> None:
         # The stream must outlive every image decoded on it and the decoder (GPU-NOTES §6).
@@ -406,9 +408,7 @@ class _Lane:
     def _out_shape(self, n: int) -> tuple[int, ...]:
         pipe = self.owner.pipeline
         (oh, ow), c = pipe.output_size(), pipe.channels
-        if self.post is not None or pipe.layout != "CHW":
-            return (n, oh, ow, c)
-        return (n, c, oh, ow)
+        return (n, c, oh, ow) if self.chw else (n, oh, ow, c)
 
     def _out_dtype(self) -> torch.dtype:
         return torch.uint8 if self.post is not None else self.owner.pipeline.dtype
@@ -417,15 +417,14 @@ class _Lane:
         """One flat output for images of different sizes (``meta``'s columns 5 and 6), each image's
         start written into ``offsets`` (the kernel's table), and the images as views into it: one
         allocation and one launch a batch, as for a fixed size."""
-        pipe, c = self.owner.pipeline, self.owner.pipeline.channels
+        c = self.owner.pipeline.channels
         heights, widths = meta[:, 5].astype(np.int64), meta[:, 6].astype(np.int64)
         sizes = heights * widths * c
         offsets[:] = np.cumsum(sizes) - sizes
         out = torch.empty(int(sizes.sum()), dtype=self._out_dtype(), device=self.owner.device)
-        chw = pipe.layout == "CHW" and self.post is None
         # as_strided: one call an image (slicing then viewing took two, 7 ms a batch of 256 with two lanes)
         view = out.as_strided
-        if chw:
+        if self.chw:
             images = [view((c, h, w), (h * w, w, 1), o) for o, h, w in zip(offsets.tolist(), heights.tolist(), widths.tolist())]
         else:
             images = [view((h, w, c), (w * c, c, 1), o) for o, h, w in zip(offsets.tolist(), heights.tolist(), widths.tolist())]
@@ -469,11 +468,10 @@ class _Lane:
             (oh, ow), d_offsets = pipe.output_size(), np.uint64(0)
         with self.cp_stream:
             self.kernel(
-                ((ow + 31) // 32, (oh + 7) // 8, n),
-                (32, 8, 1),
+                grid(oh, ow, n),
+                BLOCK,
                 (d_ptrs, d_meta, d_geo, np.uint64(out.data_ptr()), np.int32(oh), np.int32(ow), np.int32(c),
-                 np.int32(pipe.layout == "CHW" and self.post is None),
-                 np.int32(pipe.normalize is not None and self.post is None), self.mean, self.inv_std, d_offsets),
+                 np.int32(self.chw), np.int32(self.normalize), self.mean, self.inv_std, d_offsets),
             )
         lap("kernel")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["OUT_TYPES", "resample_kernel"]
+__all__ = ["BLOCK", "OUT_TYPES", "grid", "resample_kernel"]
 
 OUT_TYPES = {"uint8": "unsigned char", "float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 
@@ -82,6 +82,14 @@ extern "C" __global__ void resample_OUTNAME(
     }
 }
 """
+
+
+BLOCK = (32, 8, 1)  # a warp along a row
+
+
+def grid(oh: int, ow: int, n: int) -> tuple[int, int, int]:
+    """The launch grid for ``n`` outputs of (at most) ``oh`` x ``ow``: a thread an output pixel."""
+    return (ow + BLOCK[0] - 1) // BLOCK[0], (oh + BLOCK[1] - 1) // BLOCK[1], n
 
 
 @functools.cache

@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._cuda_kernels import BLOCK, grid
+
 __all__ = ["FusedLaunch", "Staging"]
 
 
@@ -117,8 +119,8 @@ class FusedLaunch:
             *(base + getattr(_ResampleArgs, name).offset for name, _ in _ResampleArgs._fields_)
         )
         self.launch = Launch(function=kernel.kernel.ptr, params=ctypes.addressof(self.params))
-        self.launch.grid[:] = ((ow + 31) // 32, (oh + 7) // 8, 1)
-        self.launch.block[:] = (32, 8, 1)
+        self.launch.grid[:] = grid(oh, ow, 1)
+        self.launch.block[:] = BLOCK
 
     def prepare(self, stage: Staging, out: torch.Tensor, meta: np.ndarray, geo: np.ndarray,
                 labels: np.ndarray | None, labels_out: torch.Tensor | None,
