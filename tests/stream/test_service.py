@@ -330,13 +330,17 @@ def test_bad_arguments_are_config_errors(kwargs):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ops.cuda_available(), reason="needs CUDA, CuPy and nvImageCodec")
-async def test_gpu_results_stay_on_the_device_and_match_the_cpu(jpegs, leaks):
-    pipe = ops.validation(64, resize=72, label=None)
+@pytest.mark.parametrize("sizes", ["fixed", "own"])
+async def test_gpu_results_stay_on_the_device_and_match_the_cpu(jpegs, leaks, sizes):
+    if sizes == "fixed":
+        pipe = ops.validation(64, resize=72, label=None)
+    else:  # no crop: each request's image keeps its own aspect (a detection service's input)
+        pipe = ops.Pipeline([ops.Decode(), ops.Resize(72), ops.Normalize()], label=None)
     async with _service(pipeline=pipe, max_batch=8) as cpu:
         expected = await asyncio.gather(*(cpu(img) for img in jpegs))
     async with Preprocessor(pipe, device="cuda", max_batch=8, wait_ready=True) as gpu:
         got = await asyncio.gather(*(gpu(img) for img in jpegs))
     for a, b in zip(got, expected):
-        assert a.is_cuda
+        assert a.is_cuda and a.shape == b.shape
         assert torch.allclose(a.cpu(), b, atol=0.1)  # rounding differences of the two resamplers
     await leaks.check()
