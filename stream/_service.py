@@ -348,7 +348,9 @@ class Preprocessor:
         if self.wait_ready and ready is not None:
             import torch
 
-            torch.cuda.current_stream(images.device).synchronize()
+            first = images[0] if isinstance(images, list) and images else images  # a list: sizes differ
+            if isinstance(first, torch.Tensor):
+                torch.cuda.current_stream(first.device).synchronize()
         return outputs
 
     # --- lifetime -----------------------------------------------------------------------------------
