@@ -263,16 +263,21 @@ async def test_stream_safety_consumer_on_its_own_stream_matches_a_synchronous_ru
         assert torch.equal(x, (y.float() * 2).half())
 
 
-@pytest.mark.parametrize("run_ahead", [False, True])
-async def test_gpu_memory_is_flat_over_epochs(folder, run_ahead):
+def _nbytes(value) -> int:
+    return sum(x.nbytes for x in value) if isinstance(value, list) else value.nbytes
+
+
+@pytest.mark.parametrize(("sizes", "run_ahead"), [("fixed", False), ("fixed", True), ("own", False)])
+async def test_gpu_memory_is_flat_over_epochs(folder, sizes, run_ahead):
     gc.collect()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    async with _loader(folder, run_ahead=run_ahead) as loader:
+    pipeline = ops.training(64, dtype="float16") if sizes == "fixed" else ops.Pipeline([ops.Decode(), ops.Resize(72)])
+    async with _loader(folder, run_ahead=run_ahead, pipeline=pipeline) as loader:
         used, batch_bytes = [], 0
         for _ in range(5):
             async for b in loader:
-                batch_bytes = max(batch_bytes, b["image"].nbytes + b["label"].nbytes)
+                batch_bytes = max(batch_bytes, _nbytes(b["image"]) + b["label"].nbytes)
                 del b
             gc.collect()
             torch.cuda.synchronize()
@@ -280,7 +285,7 @@ async def test_gpu_memory_is_flat_over_epochs(folder, run_ahead):
             used.append((torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), free))
     gc.collect()
     after = torch.cuda.memory_allocated()
-    print(f"run_ahead={run_ahead}: allocated, reserved, device free per epoch:", used,
+    print(f"sizes={sizes} run_ahead={run_ahead}: allocated, reserved, device free per epoch:", used,
           f"allocated before the loader {before}, after its close {after}")
     assert after == before  # the run ahead, too, gave everything back
     allocated = [u[0] for u in used[1:]]
@@ -290,7 +295,11 @@ async def test_gpu_memory_is_flat_over_epochs(folder, run_ahead):
         assert max(allocated) - min(allocated) <= (loader._cfg.prefetch + 2) * batch_bytes
     else:
         assert len(set(allocated)) == 1
-        assert max(u[1] for u in used[1:]) == used[1][1]
+    reserved = [u[1] for u in used[1:]]
+    if sizes == "fixed" and not run_ahead:
+        assert max(reserved) == reserved[0]
+    else:  # timing, or each epoch's batches of other sizes, may still grow the allocator's cache a little
+        assert max(reserved) - reserved[0] < 64 << 20
     assert max(u[2] for u in used[1:]) - min(u[2] for u in used[1:]) < 64 << 20
 
 
