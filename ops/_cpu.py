@@ -126,6 +126,7 @@ class CpuExecutor:
         data: dict[str, Any] = {"image": images}
         if labels is not None:
             data["label"] = torch.tensor([labels[i] for i in kept], dtype=torch.int64)
+        data.update(field_columns(batch.samples, kept, self.pipeline.fields))
         return Processed(data, kept, sorted(failures, key=lambda f: f[0]))
 
     def _submit(self, fn, *args) -> concurrent.futures.Future[Any]:
@@ -188,6 +189,7 @@ class CpuExecutor:
                     raise _read_failure(sample)
                 if labels is not None:
                     labels[lo + i] = _label(sample, pipe.label_field)
+                _check_fields(sample, pipe.fields)
                 job = _Job(i, _image_field(sample, pipe.image_fields))
             except LoaderError as exc:
                 failures.append((lo + i, _named(exc, sample)))
@@ -293,6 +295,20 @@ def _image_field(sample, names: tuple[str, ...]) -> Any:
         key=sample.key,
         source=sample.source,
     )
+
+
+def _check_fields(sample, names: tuple[str, ...]) -> None:
+    """Raise a TransformError naming the sample when it lacks one of the pipeline's ``fields``."""
+    for name in names:
+        if sample.fields.get(name) is None:
+            raise TransformError(f"sample has no {name!r} field (Pipeline fields={names!r}; it has "
+                                 f"{', '.join(sample.fields) or 'none'})", key=sample.key, source=sample.source)
+
+
+def field_columns(samples, rows: list[int], names: tuple[str, ...]) -> dict[str, list[bytes]]:
+    """The pipeline's pass-through ``fields`` of ``samples[rows]``: a list of bytes per name (checked
+    present by ``_check_fields`` before)."""
+    return {name: [bytes(samples[r].fields[name]) for r in rows] for name in names}
 
 
 def _label(sample, name: str) -> int:

@@ -33,7 +33,7 @@ from PIL import Image
 
 from . import _batch_decode as batch_decode
 from . import _pillow
-from ._cpu import Processed, _image_field, _label, _read_failure
+from ._cpu import Processed, _check_fields, _image_field, _label, _read_failure, field_columns
 from ._cuda_codecs import NativeDecoder, NativeHeaders, PythonDecoder, PythonHeaders
 from ._cuda_kernels import BLOCK, grid, resample_kernel
 from ._cuda_launch import FusedLaunch, Staging
@@ -160,6 +160,7 @@ class CudaExecutor:
                 if sample.error is not None:
                     raise _read_failure(sample)
                 label = _label(sample, pipe.label_field) if pipe.label_field in sample.fields else None
+                _check_fields(sample, pipe.fields)
                 blob = _image_field(sample, pipe.image_fields)
                 if len(blob) == 0:
                     raise DecodeError("empty file: nothing to decode", key=sample.key, source=sample.source)
@@ -305,7 +306,7 @@ class _Lane:
                 if self.fused is not None and len(prep.rows) and prep.on_gpu.all():
                     result, decoded = self._decode_and_launch(prep, stage, wait, lap)
                     if result is not None:
-                        return self._done(result, stage, decoded)
+                        return self._done(prep, result, stage, decoded)
                     # An image failed: nothing was launched; the batch goes on as any other.
                 else:
                     if wait is not None:
@@ -319,7 +320,7 @@ class _Lane:
             finally:
                 self.owner._headers.recycle(prep.token)
             result, uploads = self._finish_decoded(prep, stage, decoded, lap)
-            return self._done(result, stage, (decoded, uploads))
+            return self._done(prep, result, stage, (decoded, uploads))
 
     def _decode_and_launch(self, prep: _Prepared, stage: Staging, wait, lap) -> tuple[Processed | None, Any]:
         """The common case (every sample went to nvImageCodec): buffers and outputs are chosen
@@ -398,7 +399,10 @@ class _Lane:
         lap("event")
         return Processed(data_out, [rows[i] for i in ok], sorted(failures, key=lambda f: f[0])), uploads
 
-    def _done(self, result: Processed, stage: Staging, keep: Any) -> Processed:
+    def _done(self, prep: _Prepared, result: Processed, stage: Staging, keep: Any) -> Processed:
+        fields = self.owner.pipeline.fields
+        if fields:
+            result.data.update(field_columns(prep.batch.samples, result.kept, fields))
         # The decoded pixels (and Pillow's uploads) stay alive until the host wait two batches later.
         self.recent.append((stage.ready, keep))
         result.ready = stage.ready

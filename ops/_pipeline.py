@@ -40,8 +40,9 @@ class Pipeline:
     the uint8 image the geometry made. An op's random numbers are keyed by its index in ``ops``.
     ``image`` names the field(s) holding the encoded image (default: the first field whose name is
     an image extension); ``label`` names the field holding the class as ASCII digits (WebDataset's
-    ``cls``), or None for no label. ``layout`` applies to uint8 output (no Normalize); Normalize
-    carries its own.
+    ``cls``), or None for no label. ``fields`` names other fields handed out as they are:
+    ``batch[name]`` is a list of bytes, one per row (a caption, a JSON of boxes); every sample must
+    have them. ``layout`` applies to uint8 output (no Normalize); Normalize carries its own.
 
     Raises ConfigError for an op list that breaks these rules.
     """
@@ -52,6 +53,7 @@ class Pipeline:
         *,
         image: str | Sequence[str] | None = None,
         label: str | None = "cls",
+        fields: Sequence[str] = (),
         layout: Literal["CHW", "HWC"] = "CHW",
     ) -> None:
         ops = list(ops)
@@ -88,6 +90,11 @@ class Pipeline:
         if label is not None and not isinstance(label, str):
             raise ConfigError(f"Pipeline: label must be a field name or None, got {label!r}")
         self.label_field = label
+        if isinstance(fields, str) or not all(isinstance(name, str) and name for name in fields):
+            raise ConfigError(f"Pipeline: fields must be a sequence of field names, got {fields!r}")
+        if {"image", "label"} & set(fields):
+            raise ConfigError("Pipeline: fields cannot be named 'image' or 'label' (the batch's own keys)")
+        self.fields: tuple[str, ...] = tuple(dict.fromkeys(fields))
         self.layout = self.normalize.layout if self.normalize else layout
         if self.normalize and len(self.normalize.mean) not in (1, self.decode.channels):
             raise ConfigError(
@@ -121,7 +128,8 @@ class Pipeline:
         return size
 
     def __repr__(self) -> str:
-        return f"Pipeline({list(self.ops)!r}, image={self.image_fields!r}, label={self.label_field!r})"
+        fields = f", fields={self.fields!r}" if self.fields else ""
+        return f"Pipeline({list(self.ops)!r}, image={self.image_fields!r}, label={self.label_field!r}{fields})"
 
 
 def training(

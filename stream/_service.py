@@ -131,6 +131,9 @@ class Preprocessor:
         pipeline = ops.validation(label=None) if pipeline is None else pipeline
         if not isinstance(pipeline, ops.Pipeline):
             raise ConfigError(f"pipeline must be a headrace.ops.Pipeline, got {type(pipeline).__name__}")
+        if pipeline.fields:
+            raise ConfigError(f"Preprocessor: a request carries only its image; the pipeline's fields={pipeline.fields!r} "
+                              "cannot be filled")
         self.max_batch = require_int("max_batch", max_batch)
         if isinstance(max_delay, bool) or not isinstance(max_delay, (int, float)) or not 0 <= max_delay < float("inf"):
             raise ConfigError(f"max_delay must be a finite number of seconds >= 0, got {max_delay!r}")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from headrace import DecodeError, Loader, Sample, SampleBatch, ops, readers
+from headrace import DecodeError, Loader, Sample, SampleBatch, TransformError, ops, readers
 
 # Bounds, explained: the kernel computes the antialiased bilinear filter in two passes (rounding
 # between them, as Pillow does) in float arithmetic; the CPU path uses torch's uint8 antialiased
@@ -167,6 +167,23 @@ async def test_bad_samples_fail_alone_with_typed_errors():
     for row, err in b.failures:
         assert isinstance(err, DecodeError) and err.key == f"s{row}" and err.source == f"mem://{row}"
     assert b.data["image"].shape[0] == 2
+
+
+@pytest.mark.parametrize("pipeline", [ops.training(48, fields=("txt",)), ops.Pipeline([ops.Resize(40)], fields=("txt",))],
+                         ids=["fixed", "own-sizes"])
+async def test_fields_ride_beside_their_images(pipeline):
+    # The lane's two ways out (the shim's launch; the launch from Python for list outputs) both
+    # hand out the pass-through field for the rows they kept, as the CPU path does.
+    rng = np.random.default_rng(6)
+    batch = _batch([_jpeg(rng, int(rng.integers(64, 200)), int(rng.integers(64, 200))) for _ in range(12)], "jpg")
+    for s in batch.samples:
+        if s.key != "s4":
+            s.fields["txt"] = f"caption of {s.key}".encode()
+    a, b = await _both(pipeline, batch)
+    assert a.kept == b.kept == [i for i in range(12) if i != 4]
+    assert b.data["txt"] == a.data["txt"] == [f"caption of s{i}".encode() for i in b.kept]
+    [(row, err)] = b.failures
+    assert row == 4 and isinstance(err, TransformError) and err.key == "s4" and "'txt'" in str(err)
 
 
 async def test_the_shims_launch_equals_the_launch_from_python(monkeypatch):
