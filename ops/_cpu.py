@@ -46,7 +46,8 @@ class _Job:
 
 @dataclass
 class Processed:
-    """One batch through the ops: outputs for the rows in ``kept``, and the failures of the others."""
+    """One batch through the ops: outputs for the rows in ``kept`` (ascending, no repeats), and the
+    failures of the others."""
 
     data: dict[str, Any]
     kept: list[int]

@@ -125,10 +125,10 @@ class FusedLaunch:
     def prepare(self, stage: Staging, out: torch.Tensor, meta: np.ndarray, geo: np.ndarray,
                 labels: np.ndarray | None, labels_out: torch.Tensor | None,
                 wait: torch.cuda.Event | None, record: bool) -> Any:
-        """The launch for a batch: the shim decodes, fills ``stage``'s tables from ``meta`` and ``geo`` (the prep thread's, contiguous, one row per
-        image) and ``labels``, copies them up, runs the kernel into ``out``, copies the labels into
-        ``labels_out`` and, with ``record``, records ``stage.ready``. The arrays must live until the
-        shim's call returns."""
+        """The launch for a batch: the shim decodes, fills ``stage``'s tables from ``meta`` and
+        ``geo`` (the prep thread's, contiguous, one row per image) and ``labels``, copies them up,
+        runs the kernel into ``out``, copies the labels into ``labels_out`` and, with ``record``,
+        records ``stage.ready``. The arrays must live until the shim's call returns."""
         n = len(meta)
         stage.reserve(n)
         args, launch = self.args, self.launch

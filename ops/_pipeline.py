@@ -90,7 +90,7 @@ class Pipeline:
         if label is not None and not isinstance(label, str):
             raise ConfigError(f"Pipeline: label must be a field name or None, got {label!r}")
         self.label_field = label
-        if isinstance(fields, str) or not all(isinstance(name, str) and name for name in fields):
+        if not isinstance(fields, (list, tuple)) or not all(isinstance(name, str) and name for name in fields):
             raise ConfigError(f"Pipeline: fields must be a sequence of field names, got {fields!r}")
         if {"image", "label"} & set(fields):
             raise ConfigError("Pipeline: fields cannot be named 'image' or 'label' (the batch's own keys)")

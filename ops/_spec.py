@@ -278,4 +278,4 @@ def crop_mirror_normalize(
     return ops
 
 
-# Post ops (colour, warps, blur on the fixed-size uint8 HWC image) live in _post_spec.py.
+# Post ops (colour, warps, blur on the uint8 HWC image the geometry made) live in _post_spec.py.

@@ -161,7 +161,7 @@ class _Run:
         else:
             self.budget.record(len(batch.samples) - batch.padded, [])
         samples, rows = batch.samples, processed.kept
-        if type(rows) is list and len(rows) == len(samples) and rows == list(range(len(samples))):  # common
+        if len(rows) == len(samples):  # none failed (kept rows ascend without repeats: all of them)
             kept, padded = samples, batch.padded
         else:
             kept = [samples[i] for i in rows]

@@ -74,7 +74,7 @@ async def test_a_sample_without_a_field_is_an_error_naming_it(tmp_path, leaks):
     await leaks.check()
 
 
-@pytest.mark.parametrize("fields", ["txt", ("image",), ("txt", "label"), ("",), (3,)])
+@pytest.mark.parametrize("fields", ["txt", 3, ("image",), ("txt", "label"), ("",), (3,)])
 def test_wrong_fields_are_config_errors(fields):
     with pytest.raises(ConfigError):
         ops.Pipeline(fields=fields)
