@@ -69,14 +69,31 @@ class Decode(Op):
 
     ``color`` is ``"rgb"`` (3 channels) or ``"gray"`` (1). ``exif=True`` turns images upright by
     their EXIF orientation tag, as browsers and Pillow's ``exif_transpose`` do.
+
+    ``max_pixels`` is the largest width x height a file may claim, read from its header before any
+    pixel memory is allocated: a file over it is a ``DecodeError`` naming the sample and its claimed
+    size. The same limit bounds every op's output (a resize that would make a larger image is a
+    ``TransformError``). ``max_batch_bytes`` is the most bytes of decoded pixels an executor holds
+    at once for decoding (the CPU executor: all its threads together; a GPU lane: its decode
+    workspace); a batch over it is decoded in parts. None for either means no limit.
+
+    Raises ConfigError for a color other than rgb/gray or a limit that is not a positive int or None.
     """
 
     color: Literal["rgb", "gray"] = "rgb"
     exif: bool = True
+    max_pixels: int | None = 2**26
+    max_batch_bytes: int | None = 1 << 30
 
     def __post_init__(self) -> None:
         if self.color not in ("rgb", "gray"):
             raise ConfigError(f"Decode: color must be 'rgb' or 'gray', got {self.color!r}")
+        if not isinstance(self.exif, bool):
+            raise ConfigError(f"Decode: exif must be True or False, got {self.exif!r}")
+        for name in ("max_pixels", "max_batch_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ConfigError(f"Decode: {name} must be a positive int or None, got {value!r}")
 
     @property
     def channels(self) -> int:
