@@ -24,24 +24,44 @@ from headrace._threads import join_threads
 from . import _cpu_ops, _cpu_post, _pillow
 from ._cpu_decode import Header, JpegDecoders, nvimgcodec
 from ._cpu_omp import limit_openmp_threads
+from ._geometry import output_error
+from ._limits import ByteBudget
 from ._pipeline import Pipeline
 from ._random import uniforms
 
 __all__ = ["CpuExecutor", "Processed"]
 
-_GROUP = 16  # samples decoded together before they are transformed
+_GROUP = 16  # samples decoded together before they are transformed (fewer where the byte budget says)
 
 
 @dataclass(slots=True)
 class _Job:
-    """One sample through decode: its image bytes, nvImageCodec header and window, and pixels
-    (only the window's when ``window`` is set)."""
+    """One sample through decode: its image bytes; its nvImageCodec header and window, or its
+    Pillow header (``opened``); the decoded bytes predicted from the header; then its pixels (only
+    the window's when ``window`` is set)."""
 
     i: int
     data: Any
     header: Header | None = None
     window: tuple[int, int, int, int] | None = None
+    opened: _pillow.Opened | None = None
+    nbytes: int = 0
     pixels: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class _Chunk:
+    """What one chunk's thread works with: its samples (rows ``lo`` on in the batch), their
+    uniforms, and where results and failures go."""
+
+    samples: list[Any]
+    lo: int
+    randoms: list[np.ndarray | None]
+    post: list[np.ndarray | None]
+    out: torch.Tensor | None
+    rows: list[Any]
+    failures: list[tuple[int, LoaderError]]
+    scratch: torch.Tensor | None = None
 
 
 @dataclass
@@ -76,7 +96,8 @@ class CpuExecutor:
         if pipeline.decode.color == "rgb":
             nvc = nvimgcodec()
             if nvc is not None:
-                self._jpeg = JpegDecoders(nvc, exif=pipeline.decode.exif)
+                self._jpeg = JpegDecoders(nvc, exif=pipeline.decode.exif, max_pixels=pipeline.decode.max_pixels)
+        self._budget = ByteBudget(pipeline.decode.max_batch_bytes)
         # Each worker runs torch's kernels on one OpenMP thread (see _cpu_omp).
         self._pool = concurrent.futures.ThreadPoolExecutor(
             num_threads, thread_name_prefix=name, initializer=limit_openmp_threads
@@ -99,6 +120,7 @@ class CpuExecutor:
         """Decode and transform ``batch``; per-sample failures come back in ``Processed.failures``.
 
         A sample that arrives with ``error`` set (its read failed) is a failure with that error.
+        Cancelled, it cancels its chunks that have not started (``drain`` waits for running ones).
         Raises ClosedError after ``aclose()``.
         """
         if self._closed:
@@ -108,13 +130,16 @@ class CpuExecutor:
         if self._out_shape is not None:
             out = torch.empty((n, *self._out_shape), dtype=self.pipeline.dtype)
         rows: list[Any] = [None] * n
-        label_field = self.pipeline.label_field
-        has_label = label_field is not None and any(label_field in s.fields for s in batch.samples)
-        labels: list[int] | None = [0] * n if has_label else None
+        labels: list[int] | None = [0] * n if self.pipeline.label_field is not None else None
         failures: list[tuple[int, LoaderError]] = []
         chunks = _split(n, max(1, min(n, 2 * self.num_threads)))
         futures = [self._submit(self._process_chunk, batch, lo, hi, out, rows, labels, failures) for lo, hi in chunks]
-        await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        try:
+            await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        except BaseException:
+            for f in futures:  # the chunks not started; running ones finish (drain() waits for them)
+                f.cancel()
+            raise
         failed = {row for row, _ in failures}
         kept = [i for i in range(n) if i not in failed]
         images: Any
@@ -145,77 +170,114 @@ class CpuExecutor:
             for pos, op in enumerate(pipe.image_ops, start=1)
         ]
         post = pipe.post_uniforms(self.seed, batch.epoch, indices)
-        scratch = None
+        chunk = _Chunk(samples, lo, randoms, post, out, rows, failures)
         # Decode a group, then transform it: measured 3-13% faster than alternating decode and
-        # transforms image by image (each library's code stays hot); the group bounds the memory.
+        # transforms image by image (each library's code stays hot). The group's decoded bytes,
+        # predicted from the headers, are held from the executor's budget while it is decoded and
+        # transformed; a group over the budget is decoded in parts.
         for start in range(0, len(samples), _GROUP):
-            group = range(start, min(start + _GROUP, len(samples)))
-            for job in self._decode_group(samples, lo, group, randoms, labels, failures):
-                i, pixels = job.i, job.pixels
-                sample, row = samples[i], lo + i
-                us = [None if u is None else u[i] for u in randoms]
-                try:
-                    ops = pipe.image_ops
-                    if job.window is not None:  # the first op's window is what was decoded
-                        pixels = _cpu_ops.after_leading_window(pixels, ops[0])
-                        pixels = _cpu_ops.apply_image_ops(pixels, ops[1:], us[1:])
-                    else:
-                        pixels = _cpu_ops.apply_image_ops(pixels, ops, us)
-                    if pipe.post_ops:
-                        pixels = _cpu_post.apply(pixels, pipe.post_ops, [None if u is None else u[i : i + 1] for u in post])
-                    target = out[row] if out is not None else None
-                    rows[row], scratch = self._finish(pixels, target, scratch)
-                except LoaderError as exc:
-                    failures.append((row, _named(exc, sample)))
-                except Exception as exc:
-                    err = TransformError(f"{type(exc).__name__}: {exc}", key=sample.key, source=sample.source)
-                    err.__cause__ = exc
-                    failures.append((row, err))
+            jobs = [job for i in range(start, min(start + _GROUP, len(samples)))
+                    if (job := self._header(chunk, i, labels)) is not None]
+            while jobs:
+                retry: list[_Job] = []
+                for part in _parts(jobs, self._budget.limit):
+                    with self._budget.hold(sum(job.nbytes for job in part)):
+                        retry += self._decode(chunk, part)
+                        for job in part:
+                            if job.pixels is not None:
+                                self._transform(chunk, job)
+                jobs = retry  # JPEGs nvImageCodec failed on: Pillow's turn, with Pillow's prediction
 
-    def _decode_group(self, samples, lo: int, group: range, randoms, labels, failures) -> list[_Job]:
-        """Labels, and the HWC uint8 pixels of ``samples[i]`` for i in ``group`` (a ``_Job`` each);
-        failures go to ``failures``.
+    def _header(self, chunk: _Chunk, i: int, labels) -> _Job | None:
+        """Sample ``i``'s label and image header, checked against the limits (pixels claimed, end of
+        file, output sizes), as a ``_Job``; None when it failed (the failure is recorded)."""
+        pipe = self.pipeline
+        sample = chunk.samples[i]
+        try:
+            if sample.error is not None:
+                raise _read_failure(sample)
+            if labels is not None:
+                labels[chunk.lo + i] = _label(sample, pipe.label_field)
+            _check_fields(sample, pipe.fields)
+            job = _Job(i, _image_field(sample, pipe.image_fields))
+            ops = pipe.image_ops
+            header = self._jpeg.header(job.data, sample.key, sample.source) if self._jpeg is not None else None
+            if header is not None:
+                u = chunk.randoms[0][i] if ops and chunk.randoms[0] is not None else None
+                job.header, job.window = header, _cpu_ops.leading_window(ops, header.height, header.width, u)
+                h, w = header.height, header.width
+                ch, cw = (h, w) if job.window is None else job.window[2:]
+                job.nbytes = 2 * 3 * ch * cw  # the region, and nvImageCodec's or rot90's copy of it
+            else:
+                job.opened = _pillow.open_image(job.data, pipe.decode, sample.key, sample.source)
+                h, w = job.opened.height, job.opened.width
+                job.nbytes = job.opened.predicted_bytes(pipe.channels)
+            reason = output_error(h, w, ops, pipe.decode.max_pixels)
+            if reason is not None:
+                raise TransformError(reason, key=sample.key, source=sample.source)
+            return job
+        except Exception as exc:  # noqa: BLE001 - a surprise reading one header fails that sample only
+            chunk.failures.append((chunk.lo + i, _decode_failure(exc, sample)))
+        return None
+
+    def _decode(self, chunk: _Chunk, part: list[_Job]) -> list[_Job]:
+        """Decode the jobs of ``part`` (their HWC uint8 pixels into ``job.pixels``; failures recorded).
 
         nvImageCodec decodes the JPEGs it takes (only the window when the first op is a crop inside
-        the image), in one call; Pillow decodes the rest, and those nvImageCodec fails on, whole.
+        the image), in one call; Pillow decodes the others whole. Returns the JPEGs nvImageCodec
+        failed on, opened for Pillow, to be decoded with their own budget.
         """
         pipe = self.pipeline
-        jpeg = self._jpeg
-        ops = pipe.image_ops
-        jobs: list[_Job] = []
-        for i in group:
-            sample = samples[i]
-            try:
-                if sample.error is not None:
-                    raise _read_failure(sample)
-                if labels is not None:
-                    labels[lo + i] = _label(sample, pipe.label_field)
-                _check_fields(sample, pipe.fields)
-                job = _Job(i, _image_field(sample, pipe.image_fields))
-            except LoaderError as exc:
-                failures.append((lo + i, _named(exc, sample)))
-                continue
-            if jpeg is not None and (header := jpeg.header(job.data)) is not None:
-                u = randoms[0][i] if ops and randoms[0] is not None else None
-                job.header, job.window = header, _cpu_ops.leading_window(ops, header.height, header.width, u)
-            jobs.append(job)
-        fast = [job for job in jobs if job.header is not None]
+        fast = [job for job in part if job.header is not None]
+        retry = []
         if fast:
-            for job, pixels in zip(fast, jpeg.decode([(job.header, job.window) for job in fast])):
+            for job, pixels in zip(fast, self._jpeg.decode([(job.header, job.window) for job in fast])):
                 job.pixels = pixels
-        done = []
-        for job in jobs:
-            if job.pixels is None:
-                sample = samples[job.i]
-                try:
-                    img = _pillow.decode(job.data, pipe.decode, sample.key, sample.source)
-                except LoaderError as exc:
-                    failures.append((lo + job.i, _named(exc, sample)))
-                    continue
-                job.pixels = torch.from_numpy(np.array(img).reshape(img.height, img.width, -1))
-                job.window = None
-            done.append(job)
-        return done
+                if pixels is None:
+                    retry.append(job)
+        for job in part:
+            if job.opened is None:
+                continue
+            try:
+                job.pixels = _pillow.pixels(job.opened, pipe.decode)
+            except Exception as exc:  # noqa: BLE001 - DecodeError, or a surprise: this sample's failure
+                chunk.failures.append((chunk.lo + job.i, _decode_failure(exc, chunk.samples[job.i])))
+            finally:
+                job.opened = None  # the Pillow image: its memory goes now
+        for job in retry:
+            sample = chunk.samples[job.i]
+            job.header = job.window = None
+            try:
+                job.opened = _pillow.open_image(job.data, pipe.decode, sample.key, sample.source)
+                job.nbytes = job.opened.predicted_bytes(pipe.channels)
+            except Exception as exc:  # noqa: BLE001
+                chunk.failures.append((chunk.lo + job.i, _decode_failure(exc, sample)))
+        return [job for job in retry if job.opened is not None]
+
+    def _transform(self, chunk: _Chunk, job: _Job) -> None:
+        """Run the image ops and post ops on ``job.pixels`` and write the result into its row."""
+        pipe = self.pipeline
+        i, pixels = job.i, job.pixels
+        job.pixels = None
+        sample, row = chunk.samples[i], chunk.lo + i
+        us = [None if u is None else u[i] for u in chunk.randoms]
+        try:
+            ops = pipe.image_ops
+            if job.window is not None:  # the first op's window is what was decoded
+                pixels = _cpu_ops.after_leading_window(pixels, ops[0])
+                pixels = _cpu_ops.apply_image_ops(pixels, ops[1:], us[1:])
+            else:
+                pixels = _cpu_ops.apply_image_ops(pixels, ops, us)
+            if pipe.post_ops:
+                pixels = _cpu_post.apply(pixels, pipe.post_ops, [None if u is None else u[i : i + 1] for u in chunk.post])
+            target = chunk.out[row] if chunk.out is not None else None
+            chunk.rows[row], chunk.scratch = self._finish(pixels, target, chunk.scratch)
+        except LoaderError as exc:
+            chunk.failures.append((row, _named(exc, sample)))
+        except Exception as exc:  # noqa: BLE001 - MemoryError, a torch error: this sample's failure
+            err = TransformError(f"{type(exc).__name__}: {exc}", key=sample.key, source=sample.source)
+            err.__cause__ = exc
+            chunk.failures.append((row, err))
 
     def _finish(self, pixels: torch.Tensor, target: torch.Tensor | None, scratch):
         """Write one HWC uint8 image into ``target`` (or a new tensor), normalised and laid out."""
@@ -244,6 +306,17 @@ class CpuExecutor:
             target.copy_(scratch)
         return result, scratch
 
+    async def drain(self) -> None:
+        """Cancel the chunks ``run`` submitted that have not started, and wait until none is running.
+
+        Safe to call when idle; when cancelled it still waits, then re-raises. Afterwards the
+        executor takes new ``run`` calls.
+        """
+        running = list(self._running)
+        for fut in running:
+            fut.cancel()
+        await join_threads(running)
+
     async def aclose(self) -> None:
         """Cancel queued chunks, wait for running ones, join the threads. Safe to call twice."""
         if self._closed:
@@ -260,6 +333,15 @@ def _named(exc: LoaderError, sample) -> LoaderError:
     if exc.key is None:  # raised below the sample's level (e.g. a shape check)
         exc.key, exc.source = sample.key, sample.source
     return exc
+
+
+def _decode_failure(exc: Exception, sample) -> LoaderError:
+    """``exc`` as the sample's LoaderError: its own when it is one, else a DecodeError caused by it."""
+    if isinstance(exc, LoaderError):
+        return _named(exc, sample)
+    err = DecodeError(f"{type(exc).__name__}: {exc}", key=sample.key, source=sample.source)
+    err.__cause__ = exc
+    return err
 
 
 def _row_shape(size, channels: int, layout: str) -> tuple[int, int, int]:
@@ -315,10 +397,32 @@ def field_columns(samples, rows: list[int], names: tuple[str, ...]) -> dict[str,
 def _label(sample, name: str) -> int:
     raw = sample.fields.get(name)
     if raw is None:
-        raise TransformError(f"sample has no {name!r} field but others in its batch do", key=sample.key, source=sample.source)
+        raise TransformError(
+            f"sample has no {name!r} field (the pipeline reads labels from it; Pipeline(label=None) for data without labels)",
+            key=sample.key,
+            source=sample.source,
+        )
     try:
-        return int(raw) if type(raw) is bytes else int(bytes(raw))  # int() skips surrounding whitespace
+        value = int(raw) if type(raw) is bytes else int(bytes(raw))  # int() skips surrounding whitespace
+        if not -(2**63) <= value < 2**63:
+            raise ValueError("out of int64's range")
     except ValueError as exc:
         raise TransformError(
-            f"label field {name!r} is not an integer: {bytes(raw)[:32]!r}", key=sample.key, source=sample.source
+            f"label field {name!r} is not an int64 integer: {bytes(raw)[:32]!r}", key=sample.key, source=sample.source
         ) from exc
+    return value
+
+
+def _parts(jobs: list[_Job], limit: int | None) -> list[list[_Job]]:
+    """``jobs`` in order, cut where a part's predicted bytes would pass ``limit`` (a job over it alone)."""
+    if limit is None:
+        return [jobs]
+    parts: list[list[_Job]] = []
+    total = limit + 1
+    for job in jobs:
+        if total + job.nbytes > limit:
+            parts.append([])
+            total = 0
+        parts[-1].append(job)
+        total += job.nbytes
+    return parts

@@ -8,13 +8,15 @@ are libjpeg-turbo's with the same settings as Pillow's (accurate integer IDCT, f
 on every JPEG the tests make (4:2:0, 4:2:2, 4:4:4, gray, progressive, restart markers) the region
 equals Pillow's decode then crop, bit for bit.
 
-Which samples take this path: JPEGs with 1 or 3 components, 8 bits, at most Pillow's
-``MAX_IMAGE_PIXELS``, whose last two bytes are the EOI marker, when RGB output is asked for.
-Everything else, and any sample nvImageCodec fails on, goes to Pillow, which also produces the
-typed error. The EOI rule keeps truncated files failing whatever their crop: a region decode stops
-reading after the crop's last row, so a file cut below it would decode. Damage inside a file that
-still ends in EOI (a corrupted scan) is different: libjpeg-turbo decodes what it can, where Pillow
-may raise; the GPU path does the same.
+Which samples take this path: JPEGs with 1 or 3 components, 8 bits, whose last two bytes are the
+EOI marker, when RGB output is asked for. Everything else, and any sample nvImageCodec fails on,
+goes to Pillow, which also produces the typed error. The EOI rule keeps truncated files failing
+whatever their crop: a region decode stops reading after the crop's last row, so a file cut below
+it would decode. Damage inside a file that still ends in EOI (a corrupted scan) is different:
+libjpeg-turbo decodes what it can, where Pillow may raise; the GPU path does the same.
+
+The pixel limit (``Decode.max_pixels``) is checked on the header nvImageCodec parsed, before any
+decode: a JPEG over it is the sample's DecodeError here, never handed to Pillow.
 
 EXIF orientation is applied here, not by nvImageCodec: the window is drawn on the upright image,
 mapped to the stored image (``stored_region``), decoded, then turned upright with tensor moves.
@@ -34,9 +36,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 
 from ._exif import jpeg_orientation
+from ._limits import check_pixels
 
 __all__ = ["JpegDecoders", "nvimgcodec", "stored_region", "upright"]
 
@@ -99,9 +101,10 @@ class JpegDecoders:
     upright region as an HWC uint8 tensor, or None where nvImageCodec fails (the caller then uses Pillow).
     """
 
-    def __init__(self, nvc: Any, *, exif: bool) -> None:
+    def __init__(self, nvc: Any, *, exif: bool, max_pixels: int | None = None) -> None:
         self.nvc = nvc
         self.exif = exif
+        self.max_pixels = max_pixels
         self.params = nvc.DecodeParams(
             apply_exif_orientation=False, color_spec=nvc.ColorSpec.SRGB, sample_format=nvc.SampleFormat.I_RGB
         )
@@ -110,9 +113,10 @@ class JpegDecoders:
         self._made: list[Any] = []
         self._closed = False
 
-    def header(self, data: Any) -> Header | None:
+    def header(self, data: Any, key: str | None = None, source: str | None = None) -> Header | None:
         """The header of a JPEG this path decodes; None for the others (not a JPEG, no EOI at the end,
-        CMYK, 12-bit, over Pillow's pixel limit, unreadable header)."""
+        CMYK, 12-bit, unreadable header). Raises DecodeError naming the sample when the header
+        claims more than ``max_pixels``."""
         n = len(data)
         if n < 4 or data[0] != 0xFF or data[1] != 0xD8 or data[n - 2] != 0xFF or data[n - 1] != 0xD9:
             return None
@@ -121,12 +125,10 @@ class JpegDecoders:
             if stream.codec_name != "jpeg" or stream.num_channels not in (1, 3) or stream.precision != 8:
                 return None
             h, w = stream.height, stream.width
-            limit = Image.MAX_IMAGE_PIXELS
-            if h < 1 or w < 1 or (limit is not None and h * w > limit):
-                return None  # Pillow warns or raises DecompressionBombError for these; keep its behaviour
-            orientation = jpeg_orientation(data) if self.exif else 1
         except Exception:  # noqa: BLE001 - "Failed to get image info" and the like: Pillow says what is wrong
             return None
+        check_pixels(w, h, self.max_pixels, key, source)
+        orientation = jpeg_orientation(data) if self.exif else 1
         if orientation >= 5:
             h, w = w, h
         return Header(stream, h, w, orientation)

@@ -1,49 +1,126 @@
-"""EXIF orientation from JPEG bytes, without decoding: the GPU path needs it to plan crops before decode."""
+"""EXIF orientation from encoded bytes, without decoding: one parser for every path and colour mode.
+
+The GPU path needs the orientation to plan crops before decode; the CPU path's two decoders
+(nvImageCodec for JPEG, Pillow for the rest) take it from here too, so the same bytes turn the
+same way whichever decoder or colour mode runs. Where the tag lives:
+
+- JPEG: the TIFF structure in the first APP1 segment that starts ``Exif\\0\\0``;
+- PNG: the ``eXIf`` chunk; WebP: the ``EXIF`` chunk of its RIFF container;
+- TIFF: the file's own first IFD.
+
+The rule (CIPA DC-008): tag 0x0112 in IFD0, type SHORT, count 1, value 1..8. Anything else (a
+wrong type or count, a value out of range, an offset outside the data, a truncated table) reads
+as 1, the image as stored. XMP's ``tiff:Orientation`` and PNG text chunks are not read (browsers
+do not read them either).
+"""
 
 from __future__ import annotations
 
 import struct
+from typing import Any
 
-__all__ = ["jpeg_orientation"]
+__all__ = ["jpeg_orientation", "orientation", "tiff_orientation"]
+
+_TAG = 0x0112
+_SHORT = 3
+_EXIF_HEADER = b"Exif\x00\x00"
 
 
-def jpeg_orientation(data: bytes | memoryview) -> int:
-    """The EXIF orientation tag (1-8) of a JPEG, or 1 when absent or unreadable."""
-    buf = bytes(data[:65536]) if not isinstance(data, bytes) else data
-    # Exif's APP1 comes first after SOI (or after a JFIF APP0): most files settle in one find().
-    if buf[:2] != b"\xff\xd8" or buf.find(b"Exif\x00\x00", 0, 1024) < 0:
-        return 1
-    pos, n = 2, len(buf)
-    while pos + 4 <= n and buf[pos] == 0xFF:
-        marker = buf[pos + 1]
-        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:
-            pos += 2
-            continue
-        if marker == 0xDA:  # start of scan: no EXIF before the image data
-            return 1
-        (length,) = struct.unpack(">H", buf[pos + 2 : pos + 4])
-        if marker == 0xE1 and buf[pos + 4 : pos + 10] == b"Exif\x00\x00":
-            return _tiff_orientation(buf[pos + 10 : pos + 2 + length])
-        pos += 2 + length
+def orientation(data: Any) -> int:
+    """The EXIF orientation (1-8) of a JPEG, PNG, WebP or TIFF file; 1 when absent, malformed, or another format."""
+    buf = _bytes_view(data)
+    head = bytes(buf[:12])
+    if head[:2] == b"\xff\xd8":
+        return _jpeg(buf)
+    if head[:8] == b"\x89PNG\r\n\x1a\n":
+        return _png(buf)
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return _webp(buf)
+    if head[:4] in (b"II*\x00", b"MM\x00*"):
+        return tiff_orientation(buf)
     return 1
 
 
-def _tiff_orientation(tiff: bytes) -> int:
-    if len(tiff) < 8:
+def jpeg_orientation(data: Any) -> int:
+    """The EXIF orientation tag (1-8) of a JPEG, or 1 when absent, malformed, or not a JPEG."""
+    buf = _bytes_view(data)
+    return _jpeg(buf) if bytes(buf[:2]) == b"\xff\xd8" else 1
+
+
+def tiff_orientation(tiff: Any) -> int:
+    """Tag 0x0112 of IFD0 of a TIFF structure (a TIFF file, or the body of an EXIF block)."""
+    buf = _bytes_view(tiff)
+    n = len(buf)
+    if n < 8:
         return 1
-    endian = {b"II": "<", b"MM": ">"}.get(tiff[:2])
+    endian = {b"II": "<", b"MM": ">"}.get(bytes(buf[:2]))
     if endian is None:
         return 1
-    (ifd,) = struct.unpack(endian + "I", tiff[4:8])
-    if ifd + 2 > len(tiff):
+    magic, ifd = struct.unpack_from(endian + "HI", buf, 2)
+    if magic != 42 or ifd < 8 or ifd + 2 > n:
         return 1
-    (count,) = struct.unpack(endian + "H", tiff[ifd : ifd + 2])
+    (count,) = struct.unpack_from(endian + "H", buf, ifd)
     for i in range(count):
         entry = ifd + 2 + 12 * i
-        if entry + 12 > len(tiff):
-            break
-        tag, typ = struct.unpack(endian + "HH", tiff[entry : entry + 4])
-        if tag == 0x0112 and typ == 3:
-            (value,) = struct.unpack(endian + "H", tiff[entry + 8 : entry + 10])
+        if entry + 12 > n:
+            return 1  # the table runs off the end: malformed
+        tag, typ, num = struct.unpack_from(endian + "HHI", buf, entry)
+        if tag == _TAG:
+            if typ != _SHORT or num != 1:
+                return 1
+            (value,) = struct.unpack_from(endian + "H", buf, entry + 8)  # a lone SHORT sits at the value's start
             return value if 1 <= value <= 8 else 1
+    return 1
+
+
+def _bytes_view(data: Any) -> memoryview:
+    view = data if isinstance(data, memoryview) else memoryview(data)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _jpeg(buf: memoryview) -> int:
+    # Markers up to the first scan; the first APP1 that is Exif decides (as Pillow's loader takes it).
+    pos, n = 2, len(buf)
+    while pos + 4 <= n and buf[pos] == 0xFF:
+        marker = buf[pos + 1]
+        if marker == 0xFF:  # fill byte before a marker
+            pos += 1
+            continue
+        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:
+            pos += 2
+            continue
+        if marker in (0xDA, 0xD9):  # start of scan or end of image: no EXIF before the pixels
+            return 1
+        (length,) = struct.unpack_from(">H", buf, pos + 2)
+        if length < 2:
+            return 1
+        end = pos + 2 + length
+        if marker == 0xE1 and bytes(buf[pos + 4 : pos + 10]) == _EXIF_HEADER:
+            return tiff_orientation(buf[pos + 10 : min(end, n)])
+        pos = end
+    return 1
+
+
+def _png(buf: memoryview) -> int:
+    pos, n = 8, len(buf)
+    while pos + 8 <= n:
+        length, kind = struct.unpack_from(">I4s", buf, pos)
+        if kind == b"eXIf":
+            return tiff_orientation(buf[pos + 8 : min(pos + 8 + length, n)])
+        if kind == b"IEND":
+            return 1
+        pos += 12 + length
+    return 1
+
+
+def _webp(buf: memoryview) -> int:
+    pos, n = 12, len(buf)
+    while pos + 8 <= n:
+        kind, length = struct.unpack_from("<4sI", buf, pos)
+        if kind == b"EXIF":
+            body = buf[pos + 8 : min(pos + 8 + length, n)]
+            if bytes(body[:6]) == _EXIF_HEADER:  # some writers keep JPEG's prefix
+                body = body[6:]
+            return tiff_orientation(body)
+        pos += 8 + length + (length & 1)
     return 1

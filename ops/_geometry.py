@@ -18,7 +18,7 @@ from headrace._errors import ConfigError
 
 from ._spec import CenterCrop, Flip, Op, RandomResizedCrop, Resize
 
-__all__ = ["Plan", "check_foldable", "plan", "roi"]
+__all__ = ["Plan", "check_foldable", "output_error", "output_pixels", "plan", "roi"]
 
 
 @dataclass(slots=True)
@@ -51,6 +51,45 @@ def check_foldable(ops: tuple[Op, ...]) -> None:
         resizes += isinstance(op, (Resize, RandomResizedCrop))
         if resizes > 1:
             raise ConfigError(f"the GPU path fuses one resize per pipeline; {op!r} is a second one")
+
+
+def output_error(h: int, w: int, ops: tuple[Op, ...], max_pixels: int | None) -> str | None:
+    """Why the ops on an h x w image would make an image over ``max_pixels``, or None.
+
+    Every op's output counts, not only the last: the CPU path allocates each one (Resize(256) of
+    a 32768 x 2 image is 256 x 4,194,304 before any crop), and the GPU path refuses the same
+    samples so that both give one verdict. Only Resize depends on the image; the crops' outputs
+    are their fixed sizes.
+    """
+    if max_pixels is None:
+        return None
+    for op in ops:
+        if isinstance(op, Resize):
+            h, w = op.target(h, w)
+        elif isinstance(op, (RandomResizedCrop, CenterCrop)):
+            h, w = op.size
+        else:
+            continue
+        if h * w > max_pixels:
+            return f"{op!r} would make a {w}x{h} image ({h * w} pixels), over max_pixels={max_pixels}"
+    return None
+
+
+def output_pixels(h: np.ndarray, w: np.ndarray, ops: tuple[Op, ...]) -> np.ndarray:
+    """Vectorised over a batch: the largest image (in pixels) any of ``ops`` makes from each h x w
+    image; 0 where no op makes one. Compare with ``Decode.max_pixels``; ``output_error`` says why."""
+    h = np.asarray(h, dtype=np.int64)
+    w = np.asarray(w, dtype=np.int64)
+    largest = np.zeros(len(h), dtype=np.int64)
+    for op in ops:
+        if isinstance(op, Resize):
+            h, w = _resize_targets(op, h, w)
+        elif isinstance(op, (RandomResizedCrop, CenterCrop)):
+            h, w = np.full(len(h), op.size[0]), np.full(len(h), op.size[1])
+        else:
+            continue
+        largest = np.maximum(largest, h.astype(np.int64) * w.astype(np.int64))
+    return largest
 
 
 def plan(h: int, w: int, ops: tuple[Op, ...], randoms: list[np.ndarray | None]) -> Plan:

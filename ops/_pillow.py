@@ -1,25 +1,40 @@
-"""Pillow-backed decode for one image.
+"""Pillow-backed decode for one image, in two steps: the header, then the pixels.
 
-``decode`` is the CPU path's decoder for everything nvImageCodec does not take (PNG and other
-formats, CMYK or 12-bit JPEGs, gray output, files without an EOI marker, and any JPEG nvImageCodec
-fails on), and the GPU path's CPU fallback. Pillow releases the GIL inside decode, so worker
-threads run in parallel.
+``open_image`` reads the header only (Pillow's ``open`` is lazy) and applies the verdict rules
+before any pixel memory exists: the pixel limit (``Decode.max_pixels``; Pillow's own
+``MAX_IMAGE_PIXELS`` check is bypassed, so our limit and message decide, whatever the user set
+there), the end-of-file rule (``_limits.incomplete``, and a TIFF's strips must lie inside the
+file), and the EXIF orientation from ``_exif`` (never ``getexif()``, which loads a PNG's pixels to
+look for a late eXIf chunk and would swallow a load error). ``pixels`` then decodes to an upright
+HWC uint8 tensor; ``decode`` to an upright Pillow image (the GPU path's CPU fallback).
+
+This is the CPU path's decoder for everything nvImageCodec does not take (PNG and other formats,
+CMYK or 12-bit JPEGs, gray output, and any JPEG nvImageCodec fails on). Pillow releases the GIL
+inside decode, so worker threads run in parallel. Every failure is a DecodeError naming the sample.
 """
 
 from __future__ import annotations
 
 import io
+import struct
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import torch
 from PIL import Image, UnidentifiedImageError
 
 from headrace._errors import DecodeError
 
+from ._cpu_decode import upright
+from ._exif import orientation as exif_orientation
+from ._limits import check_pixels, incomplete
 from ._spec import Decode
 
-__all__ = ["decode"]
+__all__ = ["Opened", "decode", "open_image", "pixels"]
 
-_EXIF_ORIENTATION = 0x0112
+_ORIENTATION_TAG = 0x0112
+_INVERSE = {1: 1, 2: 2, 3: 3, 4: 4, 5: 5, 6: 8, 7: 7, 8: 6}  # the move that undoes each orientation
 _TRANSPOSE = {
     2: (Image.Transpose.FLIP_LEFT_RIGHT,),
     3: (Image.Transpose.ROTATE_180,),
@@ -29,39 +44,170 @@ _TRANSPOSE = {
     7: (Image.Transpose.TRANSVERSE,),
     8: (Image.Transpose.ROTATE_90,),
 }
+# Bytes a pixel takes in Pillow's own storage, by mode: RGB-like modes use 4, whatever their bands.
+_PILLOW_BYTES = {"1": 1, "L": 1, "P": 1, "I;16": 2, "I;16B": 2, "I;16L": 2, "I;16N": 2}
+_STRIP_TAGS = ((273, 279), (324, 325))  # (StripOffsets, StripByteCounts), (TileOffsets, TileByteCounts)
 
 
-def decode(data: Any, spec: Decode, key: str, source: str) -> Image.Image:
-    """Decode ``data`` to an RGB or L image, upright by its EXIF orientation. Raises DecodeError."""
+@dataclass(slots=True)
+class Opened:
+    """A file whose header passed the checks: Pillow's lazy image and the orientation to apply."""
+
+    img: Image.Image
+    orientation: int  # EXIF orientation, as ``_exif`` reads it (1 when Decode(exif=False))
+    height: int  # upright size: what the pixels will be
+    width: int
+    key: str | None
+    source: str | None
+
+    def predicted_bytes(self, channels: int) -> int:
+        """Peak bytes ``pixels`` holds for this image: Pillow's decoded image, its converted copies
+        when the mode differs, the array (which NumPy fills from a ``tobytes`` copy), and the copies
+        that turning it upright makes."""
+        mode = self.img.mode
+        stored = _PILLOW_BYTES.get(mode, 4)
+        target = 1 if channels == 1 else 4
+        converted = 0
+        if mode in ("RGBA", "LA", "PA") or (mode == "P" and "transparency" in self.img.info):
+            converted += 4
+        if mode not in ("RGB", "L") or (channels == 1) != (mode == "L"):
+            converted += target
+        turned = stored + channels if self.orientation != 1 or _pillow_orientation(self.img) != 1 else 0
+        return self.height * self.width * (stored + converted + 2 * channels + turned)
+
+
+def open_image(data: Any, spec: Decode, key: str | None, source: str | None) -> Opened:
+    """Read the header of ``data`` and check it against ``spec``'s limits. Raises DecodeError."""
     if len(data) == 0:
         raise DecodeError("empty file: nothing to decode", key=key, source=source)
     try:
-        img = Image.open(io.BytesIO(data))
-        orientation = _orientation(img) if spec.exif else 1
-        mode = "RGB" if spec.color == "rgb" else "L"
-        if img.mode == "RGBA" or img.mode == "LA" or (img.mode == "P" and "transparency" in img.info):
-            img = img.convert("RGBA")  # drop alpha the way Pillow's RGB conversion does
-        img = img.convert(mode) if img.mode != mode else _loaded(img)
-        for method in _TRANSPOSE.get(orientation, ()):
-            img = img.transpose(method)
+        img = _open(data)
+        width, height = img.size
     except UnidentifiedImageError as exc:
         raise DecodeError("not an image format the decoder knows", key=key, source=source) from exc
     except Exception as exc:  # noqa: BLE001 - plugins raise OSError, ValueError, struct.error, ...
-        # Corrupt bytes surface as whatever the format plugin trips over; all of them mean the
-        # same thing to the caller, and one sample's bad file must not fail its whole batch.
+        raise DecodeError(f"unreadable image header: {type(exc).__name__}: {exc}", key=key, source=source) from exc
+    check_pixels(width, height, spec.max_pixels, key, source)
+    reason = incomplete(data) or _tiff_outside(img, len(data))
+    if reason is not None:
+        raise DecodeError(reason, key=key, source=source)
+    try:
+        orientation = exif_orientation(data) if spec.exif else 1
+    except Exception:  # noqa: BLE001 - the parser reads malformed blocks as 1; this is only a guard
+        orientation = 1
+    applied = _pillow_orientation(img)
+    if _INVERSE[applied] >= 5:  # Pillow reports the size it will make: the stored size swapped
+        width, height = height, width
+    if orientation >= 5:
+        width, height = height, width
+    return Opened(img, orientation, height, width, key, source)
+
+
+def pixels(opened: Opened, spec: Decode) -> torch.Tensor:
+    """Decode an opened image to an upright HWC uint8 tensor of ``spec.channels``. Raises DecodeError."""
+    key, source = opened.key, opened.source
+    try:
+        img, applied = _loaded(opened.img, spec)
+        arr = np.array(img)
+        del img
+        if arr.dtype != np.uint8 or arr.ndim not in (2, 3):
+            raise ValueError(f"Pillow gave {arr.dtype} pixels of shape {arr.shape}")
+        x = torch.from_numpy(arr.reshape(arr.shape[0], arr.shape[1], -1))
+        if x.shape[2] != spec.channels:
+            raise ValueError(f"Pillow gave {x.shape[2]} channels, expected {spec.channels}")
+        x = upright(upright(x, _INVERSE[applied]), opened.orientation)
+    except MemoryError as exc:
+        raise DecodeError(f"out of memory decoding a {opened.width}x{opened.height} image", key=key, source=source) from exc
+    except Exception as exc:  # noqa: BLE001 - see _loaded
+        raise DecodeError(f"corrupt or truncated image: {type(exc).__name__}: {exc}", key=key, source=source) from exc
+    if tuple(x.shape[:2]) != (opened.height, opened.width):
+        raise DecodeError(f"decoded {tuple(x.shape[:2])} pixels, the header said {(opened.height, opened.width)}",
+                          key=key, source=source)
+    return x
+
+
+def decode(data: Any, spec: Decode, key: str | None, source: str | None) -> Image.Image:
+    """Decode ``data`` to an RGB or L Pillow image, upright by its EXIF orientation. Raises DecodeError."""
+    opened = open_image(data, spec, key, source)
+    try:
+        img, applied = _loaded(opened.img, spec)
+        for orientation in (_INVERSE[applied], opened.orientation):
+            for method in _TRANSPOSE.get(orientation, ()):
+                img = img.transpose(method)
+    except MemoryError as exc:
+        raise DecodeError(f"out of memory decoding a {opened.width}x{opened.height} image", key=key, source=source) from exc
+    except Exception as exc:  # noqa: BLE001 - see _loaded
         raise DecodeError(f"corrupt or truncated image: {type(exc).__name__}: {exc}", key=key, source=source) from exc
     return img
 
 
-def _orientation(img: Image.Image) -> int:
-    """The EXIF orientation tag (1..8), read as ``ImageOps.exif_transpose`` reads it; 1 if none."""
-    try:
-        value = img.getexif().get(_EXIF_ORIENTATION, 1)
-    except Exception:  # noqa: BLE001 - a broken EXIF block should not cost the pixels
-        return 1
-    return value if isinstance(value, int) and 1 <= value <= 8 else 1
+def _loaded(img: Image.Image, spec: Decode) -> tuple[Image.Image, int]:
+    """``img`` decoded and converted to RGB or L, and the orientation Pillow applied while loading.
+
+    Corrupt bytes surface as whatever the format plugin trips over (OSError, ValueError,
+    struct.error, ...); the callers turn every one into the sample's DecodeError.
+    """
+    before = _pillow_orientation(img)
+    mode = "RGB" if spec.color == "rgb" else "L"
+    out = img
+    if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
+        out = img.convert("RGBA")  # drop alpha the way Pillow's RGB conversion does
+    if out.mode != mode:
+        out = out.convert(mode)
+    else:
+        out.load()
+    # Pillow's TIFF loader turns the image upright itself and then drops the tag (Pillow >= 10);
+    # where the tag is still there, it did not.
+    applied = before if before != 1 and _ORIENTATION_TAG not in getattr(img, "tag_v2", {}) else 1
+    return out, applied
 
 
-def _loaded(img: Image.Image) -> Image.Image:
-    img.load()
-    return img
+def _pillow_orientation(img: Image.Image) -> int:
+    """The orientation Pillow's TIFF loader applies on load (1 for other formats, or none set)."""
+    tags = getattr(img, "tag_v2", None) if img.format == "TIFF" else None
+    value = tags.get(_ORIENTATION_TAG) if tags is not None else None
+    return value if type(value) is int and 1 <= value <= 8 else 1
+
+
+def _tiff_outside(img: Image.Image, size: int) -> str | None:
+    """Why a TIFF's strips or tiles do not all lie inside its ``size`` bytes (truncated), or None."""
+    tags = getattr(img, "tag_v2", None) if img.format == "TIFF" else None
+    if tags is None:
+        return None
+    for offsets_tag, counts_tag in _STRIP_TAGS:
+        offsets, counts = tags.get(offsets_tag), tags.get(counts_tag)
+        if offsets is None or counts is None:
+            continue
+        offsets = offsets if isinstance(offsets, tuple) else (offsets,)
+        counts = counts if isinstance(counts, tuple) else (counts,)
+        ends = [o + c for o, c in zip(offsets, counts) if isinstance(o, int) and isinstance(c, int)]
+        if ends and max(ends) > size:
+            return f"TIFF image data runs to byte {max(ends)}, the file has {size} (truncated)"
+    return None
+
+
+def _open(data: Any) -> Image.Image:
+    """``Image.open`` without its decompression-bomb check (``Decode.max_pixels`` decides instead).
+
+    The same search as Pillow's: the commonly used plugins first, then all of them; a plugin that
+    rejects the bytes with SyntaxError (and the like) lets the next one try.
+    """
+    fp = io.BytesIO(data)
+    prefix = bytes(data[:16])
+    Image.preinit()
+    tried: set[str] = set()
+    for load_plugins in (None, Image.init):
+        if load_plugins is not None:
+            load_plugins()
+        for name in [f for f in Image.ID if f not in tried]:
+            tried.add(name)
+            factory, accept = Image.OPEN[name]
+            ok = not accept or accept(prefix)
+            if not ok or isinstance(ok, str):
+                continue
+            fp.seek(0)
+            try:
+                return factory(fp, "")
+            except (SyntaxError, IndexError, TypeError, struct.error):
+                continue
+    raise UnidentifiedImageError("cannot identify image file")

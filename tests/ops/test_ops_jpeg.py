@@ -78,7 +78,7 @@ class Spy:
     def __init__(self, monkeypatch) -> None:
         self.nvimgcodec = 0
         self.pillow = 0
-        decode_jpeg, decode_pillow = _cpu_decode.JpegDecoders.decode, _pillow.decode
+        decode_jpeg, decode_pillow = _cpu_decode.JpegDecoders.decode, _pillow.pixels
 
         def jpeg(decoders, jobs):
             got = decode_jpeg(decoders, jobs)
@@ -90,7 +90,7 @@ class Spy:
             return decode_pillow(*args, **kw)
 
         monkeypatch.setattr(_cpu_decode.JpegDecoders, "decode", jpeg)
-        monkeypatch.setattr(_pillow, "decode", pillow)
+        monkeypatch.setattr(_pillow, "pixels", pillow)
 
 
 async def run_both(pipeline, datas, monkeypatch, epoch=0):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from ops_refs import batch, encode, half_ulp, normalize_ref, random_image, sample, tv_center_crop
 
-from headrace import ConfigError
+from headrace import ConfigError, TransformError
 from headrace.ops import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -151,5 +151,11 @@ async def test_labels(make_executor, rng):
     assert out.data["label"].tolist() == [0, 7, 14, 12, 28]
     no_label = await make_executor(Pipeline([CenterCrop(8)], label=None)).run(batch(samples))
     assert "label" not in no_label.data
-    unlabeled = await make_executor(Pipeline([CenterCrop(8)])).run(batch([sample(i, data, label=None) for i in range(3)]))
-    assert "label" not in unlabeled.data and unlabeled.data["image"].shape == (3, 3, 8, 8)
+    # A batch where no sample has the label field is as wrong as a mixed one: each sample fails.
+    unlabeled = [sample(i, data, label=None) for i in range(3)]
+    out = await make_executor(Pipeline([CenterCrop(8)])).run(batch(unlabeled))
+    assert out.kept == [] and out.data["label"].shape == (0,) and out.data["image"].shape == (0, 3, 8, 8)
+    assert [(type(e), e.key, e.source) for _, e in out.failures] == [(TransformError, s.key, s.source) for s in unlabeled]
+    assert all("Pipeline(label=None)" in str(e) for _, e in out.failures)
+    out = await make_executor(Pipeline([CenterCrop(8)], label=None)).run(batch(unlabeled))
+    assert "label" not in out.data and out.data["image"].shape == (3, 3, 8, 8)
