@@ -12,6 +12,11 @@ lanes work on different batches at once, and each lane's batches stay in order o
 Hand-off: the output is allocated by torch on the lane's stream; the consumer's current stream
 waits on the lane's event and the tensor is recorded on that stream, so the caching allocator
 reuses the memory only after the consumer's work on it. The event loop never blocks on the device.
+
+Bounds (``Decode``): the prep thread refuses a file whose header claims more than ``max_pixels``
+and an op output larger than that, before anything is allocated (``_cuda_prep``); a batch whose
+decode windows need more than half of ``max_batch_bytes`` (a lane keeps two workspaces) is
+decoded in parts, each resampled into its rows before the next part reuses the workspace.
 """
 
 from __future__ import annotations
@@ -19,27 +24,27 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import functools
 import os
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-from headrace._errors import ConfigError, DecodeError, LoaderError
+from headrace._errors import ClosedError, ConfigError, LoaderError
 from headrace._sample import SampleBatch
 from headrace._threads import join_threads
 from PIL import Image
 
 from . import _batch_decode as batch_decode
 from . import _pillow
-from ._cpu import Processed, _check_fields, _image_field, _label, _read_failure, field_columns
+from ._cpu import Processed, _image_field, field_columns
 from ._cuda_codecs import NativeDecoder, NativeHeaders, PythonDecoder, PythonHeaders
 from ._cuda_kernels import BLOCK, grid, resample_kernel
 from ._cuda_launch import FusedLaunch, Staging
-from ._geometry import check_foldable, plan_batch, roi_batch
+from ._cuda_prep import Prepared, lane_budget, prepare
+from ._geometry import check_foldable
 from ._pipeline import Pipeline
-from ._random import uniforms
 
 __all__ = ["CudaExecutor", "cuda_available", "gpu_unsupported"]
 
@@ -75,6 +80,11 @@ class CudaExecutor:
     moves the share batch by batch to keep both busy. ``decoder_threads`` are the host threads of
     each lane's decoder (default: the cores; sharing them among the lanes was slower on the H100,
     ops/README.md).
+
+    ``run`` may be awaited for several batches at once. Cancelling it cancels its thread jobs that
+    have not started (their parsed headers go back to the reader); one already running finishes
+    and its output is dropped. ``drain`` waits for those, after which the executor takes new
+    batches; ``aclose`` drains, then frees decoders, streams, workspaces and threads.
     """
 
     def __init__(
@@ -105,7 +115,8 @@ class CudaExecutor:
         exif = pipeline.decode.exif
         self._headers = NativeHeaders(exif=exif) if self.native else PythonHeaders(exif=exif)
         self._prep = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="headrace-prep")
-        self._preparing: set[concurrent.futures.Future[Any]] = set()
+        # Thread jobs submitted by run() and not finished (prep and lanes): what drain() cancels or awaits.
+        self._pending: set[concurrent.futures.Future[Any]] = set()
         self._prep_seconds: collections.Counter[str] = collections.Counter()
         self._lanes = [_Lane(self, i, hw_load, threads) for i in range(lanes)]
         self._closed = False
@@ -119,121 +130,75 @@ class CudaExecutor:
         return dict(total)
 
     async def run(self, batch: SampleBatch) -> Processed:
+        """Decode and transform ``batch`` on the GPU; per-sample failures come back in
+        ``Processed.failures`` (LoaderError subclasses naming the sample). Raises ClosedError after
+        ``aclose()``."""
+        if self._closed:
+            raise ClosedError("CudaExecutor.run after aclose()")
         # Headers and plans in the prep thread, decode and kernel in a lane: the next batch is
         # parsed while lanes decode, and nothing per image waits for the GIL inside a lane.
-        job = self._prep.submit(self._prepare, batch)
-        self._preparing.add(job)
-        job.add_done_callback(self._preparing.discard)
-        prepared = await asyncio.wrap_future(job)
+        job = self._submit(self._prep, prepare, batch, self.pipeline, self._headers, self.seed, self._prep_seconds)
+        try:
+            prepared = await asyncio.wrap_future(job)
+        except asyncio.CancelledError:
+            job.add_done_callback(_release_result)  # still running: its headers go back when it ends
+            raise
         lane = self._lanes[batch.index % len(self._lanes)]
-        future = lane.pool.submit(lane.finish, prepared)
+        future = self._submit(lane.pool, lane.finish, prepared)
+        # Cancelled before it started (by run's cancellation or drain()): its parsed headers go back unused.
+        future.add_done_callback(functools.partial(_release_if_cancelled, prepared))
         try:
             return await asyncio.wrap_future(future)
-        except asyncio.CancelledError:
-            if future.cancel():  # never started: its parsed headers go back unused
-                self._headers.recycle(prepared.token)
+        except BaseException:
+            # A cancelled run's batch may still finish in its lane: its output (device memory) must
+            # not live on through this frame, which the CancelledError's traceback keeps.
+            del future, prepared
             raise
 
+    def _submit(self, pool: concurrent.futures.ThreadPoolExecutor, fn, *args) -> concurrent.futures.Future[Any]:
+        job = pool.submit(fn, *args)
+        self._pending.add(job)
+        job.add_done_callback(self._pending.discard)
+        return job
+
+    async def drain(self) -> None:
+        """Cancel the thread jobs ``run`` submitted that have not started, wait for the running
+        ones, then let each lane's stream finish and drop what it kept for batches in flight.
+        Safe when idle; when cancelled, it still waits for the running jobs, then re-raises.
+        The executor takes new batches afterwards (unless closed)."""
+        while self._pending:
+            jobs = list(self._pending)
+            for job in jobs:
+                job.cancel()
+            await join_threads(jobs)
+        if not self._closed:
+            await join_threads([lane.pool.submit(lane.settle) for lane in self._lanes])
+
     async def aclose(self) -> None:
-        """Wait for the running batches, then free decoders, streams and threads. Safe twice."""
+        """Drain, then free decoders, streams, workspaces and threads. Final (``run`` raises
+        ClosedError afterwards); safe twice; when cancelled it still finishes, then re-raises."""
         if self._closed:
             return
         self._closed = True
-        # The prep thread's queued batches are dropped; one still running finishes first.
-        self._prep.shutdown(wait=False, cancel_futures=True)
-        await join_threads(list(self._preparing))
-        await join_threads([lane.pool.submit(lane.close) for lane in self._lanes])
-        self._prep.shutdown(wait=True)
-        self._headers.close()
-        for lane in self._lanes:
-            lane.pool.shutdown(wait=True)
-
-    def _prepare(self, batch: SampleBatch) -> _Prepared:
-        """Labels, headers and each sample's crop plan and decode window (in the prep thread)."""
-        t0 = time.perf_counter()
-        pipe = self.pipeline
-        samples = batch.samples
-        failures: list[tuple[int, LoaderError]] = []
-        rows, data, labels = [], [], []
-        for row, sample in enumerate(samples):
-            try:
-                if sample.error is not None:
-                    raise _read_failure(sample)
-                label = _label(sample, pipe.label_field) if pipe.label_field in sample.fields else None
-                _check_fields(sample, pipe.fields)
-                blob = _image_field(sample, pipe.image_fields)
-                if len(blob) == 0:
-                    raise DecodeError("empty file: nothing to decode", key=sample.key, source=sample.source)
-            except LoaderError as exc:
-                failures.append((row, exc))
-                continue
-            rows.append(row)
-            data.append(blob)
-            labels.append(label)
-        token, info = self._headers.parse(data)
-        t1 = time.perf_counter()
-        # What nvImageCodec cannot parse, Pillow decodes, once (its error is the sample's).
-        sizes = info[:, :2].astype(np.int64)
-        pillow: dict[int, Image.Image] = {}
-        unparsed = np.flatnonzero(info[:, 3] != 1).tolist()
-        kept = list(range(len(rows)))
-        for i in unparsed:
-            sample = samples[rows[i]]
-            try:
-                pillow[i] = img = _pillow.decode(data[i], pipe.decode, sample.key, sample.source)
-            except LoaderError as exc:
-                failures.append((rows[i], exc))
-                kept.remove(i)
-                continue
-            sizes[i] = (img.height, img.width)
-        parse_idx = np.array(kept, dtype=np.int32)
-        if len(kept) < len(rows):
-            sizes = sizes[parse_idx]
-            rows = [rows[i] for i in kept]
-            labels = [labels[i] for i in kept]
-        # Geometry for the whole batch at once, keyed on each sample's index.
-        indices = np.fromiter((samples[r].index for r in rows), dtype=np.int64, count=len(rows))
-        randoms = [
-            uniforms(self.seed, batch.epoch, pos, indices, op.randoms) if op.randoms else None
-            for pos, op in enumerate(pipe.image_ops, start=1)
-        ]
-        plans = plan_batch(sizes[:, 0], sizes[:, 1], pipe.image_ops, randoms)
-        regions = roi_batch(plans, sizes[:, 0], sizes[:, 1]).astype(np.int32)
-        meta, geo = _kernel_tables(plans, regions)
-        self._prep_seconds["parse"] += t1 - t0
-        self._prep_seconds["plan"] += time.perf_counter() - t1
-        return _Prepared(
-            batch=batch,
-            rows=rows,
-            indices=indices,
-            label_array=np.array(labels, dtype=np.int64) if any(lbl is not None for lbl in labels) else None,
-            failures=failures,
-            token=token,
-            parse_idx=parse_idx,
-            on_gpu=np.isin(parse_idx, unparsed, invert=True),
-            pillow={j: pillow[i] for j, i in enumerate(kept) if i in pillow},
-            regions=regions,
-            meta=meta,
-            geo=geo,
-        )
+        try:
+            await self.drain()
+        finally:
+            await join_threads([lane.pool.submit(lane.close) for lane in self._lanes])
+            self._prep.shutdown(wait=True)
+            self._headers.close()
+            for lane in self._lanes:
+                lane.pool.shutdown(wait=True)
 
 
-@dataclass
-class _Prepared:
-    """One batch, ready for a lane: what survived, its parsed headers, plans and decode windows."""
+def _release_if_cancelled(prepared: Prepared, job: concurrent.futures.Future[Any]) -> None:
+    if job.cancelled():
+        prepared.release()
 
-    batch: SampleBatch
-    rows: list[int]  # batch rows still in the running
-    indices: np.ndarray  # their samples' dataset indices (int64), which key the random draws
-    label_array: np.ndarray | None  # the labels as int64, when there are any
-    failures: list[tuple[int, LoaderError]]
-    token: Any  # the header reader's parsed batch
-    parse_idx: np.ndarray  # rows' positions in the parsed batch
-    on_gpu: np.ndarray  # nvImageCodec decodes it (else Pillow already did)
-    pillow: dict[int, Image.Image]
-    regions: np.ndarray  # (y0, x0, y1, x1) decode windows
-    meta: np.ndarray  # the fused kernel's tables (``_kernel_tables``), but the row strides
-    geo: np.ndarray
+
+def _release_result(job: concurrent.futures.Future[Any]) -> None:
+    """Give back the headers of a prep job whose ``run`` was cancelled while it ran."""
+    if not job.cancelled() and job.exception() is None:
+        job.result().release()
 
 
 class _Lane:
@@ -251,8 +216,12 @@ class _Lane:
         self.cp_stream = cupy.cuda.Stream(non_blocking=True)
         self.stream = torch.cuda.ExternalStream(self.cp_stream.ptr, device=dev)
         pipe = self.owner.pipeline
-        decoder = NativeDecoder if self.owner.native else PythonDecoder
-        self.decoder = decoder(dev, threads=threads, hw_load=hw_load, channels=pipe.channels, exif=pipe.decode.exif)
+        if self.owner.native:
+            self.decoder = NativeDecoder(dev, threads=threads, hw_load=hw_load, channels=pipe.channels,
+                                         exif=pipe.decode.exif, budget=lane_budget(pipe.decode.max_batch_bytes))
+        else:
+            self.decoder = PythonDecoder(dev, threads=threads, hw_load=hw_load, channels=pipe.channels,
+                                         exif=pipe.decode.exif)
         # With post ops the fused kernel writes uint8 HWC; PostOps runs them, then normalises and
         # lays out the batch, all on this lane's stream.
         self.post = None
@@ -277,16 +246,22 @@ class _Lane:
         # unused, until two batches later, after a host wait on that event (GPU-NOTES §3: nvJPEG's
         # hardware decoder was seen writing before earlier work on its stream had finished).
         self.recent: collections.deque[tuple[Any, Any]] = collections.deque(maxlen=2)
+        self.part_done = torch.cuda.Event()  # a part's kernel has read its windows (``_in_parts``)
         self.seconds: collections.Counter[str] = collections.Counter()
         # The shim waits, decodes, copies, launches and records in one GIL-free call when it can.
         self.fused = None
         # Without a fixed output size each image gets its own size and place in one allocation
-        # (``_ragged``); that launch goes from Python.
+        # (``_views``); that launch goes from Python.
         self.ragged = pipe.output_size() is None
         if (not self.ragged and self.decoder.launch_unavailable is None
                 and os.environ.get("HEADRACE_NATIVE_LAUNCH", "1") != "0"):
             self.fused = FusedLaunch(self.kernel, size=pipe.output_size(), channels=c, chw=self.chw,
                                      normalize=self.normalize, mean=self.mean, inv_std=self.inv_std)
+
+    def settle(self) -> None:
+        """After a drain: the stream's work done, nothing kept for batches in flight."""
+        self.cp_stream.synchronize()
+        self.recent.clear()
 
     def close(self) -> None:
         # The stream must outlive every image decoded on it and the decoder (GPU-NOTES §6).
@@ -294,35 +269,43 @@ class _Lane:
         self.recent.clear()
         self.decoder.close()
         self.staging = []
+        self.post = self.fused = None
 
-    def finish(self, prep: _Prepared) -> Processed:
+    def finish(self, prep: Prepared) -> Processed:
         """Decode the prepared batch's windows and launch the fused kernel (in the lane's thread)."""
+        try:
+            with torch.cuda.stream(self.stream):
+                return self._finish(prep)
+        finally:
+            prep.release()
+
+    def _finish(self, prep: Prepared) -> Processed:
         lap = _Laps(self.seconds)
         stage = self.staging[self.turn % len(self.staging)]
         self.turn += 1
-        with torch.cuda.stream(self.stream):
-            wait = self.recent[0][0] if len(self.recent) == self.recent.maxlen else None
-            try:
-                if self.fused is not None and len(prep.rows) and prep.on_gpu.all():
-                    result, decoded = self._decode_and_launch(prep, stage, wait, lap)
-                    if result is not None:
-                        return self._done(prep, result, stage, decoded)
-                    # An image failed: nothing was launched; the batch goes on as any other.
-                else:
-                    if wait is not None:
-                        wait.synchronize()
-                    lap("wait")
-                    decoded = None
-                    if prep.on_gpu.any():
-                        on_gpu = prep.on_gpu
-                        decoded = self.decoder.decode(prep.token, prep.parse_idx[on_gpu], prep.regions[on_gpu], self.cp_stream.ptr)
-                    lap("decode")
-            finally:
-                self.owner._headers.recycle(prep.token)
-            result, uploads = self._finish_decoded(prep, stage, decoded, lap)
-            return self._done(prep, result, stage, (decoded, uploads))
+        if prep.parts is not None:
+            return self._done(prep, self._in_parts(prep, stage, lap), stage, None)
+        wait = self.recent[0][0] if len(self.recent) == self.recent.maxlen else None
+        decoded = None
+        if self.fused is not None and len(prep.rows) and prep.on_gpu.all():
+            result, decoded = self._decode_and_launch(prep, stage, wait, lap)
+            prep.release()
+            if result is not None:
+                return self._done(prep, result, stage, decoded)
+            # An image failed: nothing was launched; the batch goes on as any other.
+        else:
+            if wait is not None:
+                wait.synchronize()
+            lap("wait")
+            on_gpu = prep.on_gpu
+            if on_gpu.any():
+                decoded = self.decoder.decode(prep.token, prep.parse_idx[on_gpu], prep.regions[on_gpu], self.cp_stream.ptr)
+            prep.release()
+            lap("decode")
+        result, uploads = self._finish_decoded(prep, stage, decoded, lap)
+        return self._done(prep, result, stage, (decoded, uploads))
 
-    def _decode_and_launch(self, prep: _Prepared, stage: Staging, wait, lap) -> tuple[Processed | None, Any]:
+    def _decode_and_launch(self, prep: Prepared, stage: Staging, wait, lap) -> tuple[Processed | None, Any]:
         """The common case (every sample went to nvImageCodec): buffers and outputs are chosen
         first, then one shim call waits, decodes, fills the kernel's tables from the prep thread's
         arrays, copies them, launches and records. Returns (None, decoded) when an image failed:
@@ -350,56 +333,111 @@ class _Lane:
         lap("event")
         return Processed(data, list(prep.rows), sorted(prep.failures, key=lambda f: f[0])), decoded
 
-    def _finish_decoded(self, prep: _Prepared, stage: Staging, decoded, lap) -> tuple[Processed, list]:
+    def _finish_decoded(self, prep: Prepared, stage: Staging, decoded, lap) -> tuple[Processed, list]:
         """After the decode: Pillow for what nvImageCodec did not decode (its pixels uploaded, returned
         to be kept alive), then the kernel from Python."""
-        samples = prep.batch.samples
-        rows, regions, on_gpu, failures = prep.rows, prep.regions, prep.on_gpu, prep.failures
-        n = len(rows)
-        pointers = np.zeros(n, dtype=np.uint64)
-        row_strides = np.zeros(n, dtype=np.int64)
-        done = np.zeros(n, dtype=bool)
-        if decoded is not None:
-            pointers[on_gpu], row_strides[on_gpu] = decoded.pointers, decoded.row_strides
-            done[on_gpu] = decoded.status == 1
-        uploads = []
-        for i in np.flatnonzero(~done).tolist():  # Pillow's pixels, uploaded
-            sample = samples[rows[i]]
-            self.seconds["cpu_fallback"] += bool(on_gpu[i])
-            try:
-                pixels = self._cpu_decode(sample, regions[i], prep.pillow.get(i))
-            except LoaderError as exc:
-                failures.append((rows[i], exc))
-                continue
-            uploads.append(pixels)
-            pointers[i], row_strides[i], done[i] = pixels.data_ptr(), pixels.stride(0), True
+        pointers, row_strides, done, uploads = self._pixels(prep, np.arange(len(prep.rows)), decoded)
         ok = np.flatnonzero(done)
         # One pinned block per batch carries the kernel's tables and the labels: two copies.
         tables = stage.host(len(ok))
+        offsets = None
         if self.ragged:
-            out, images = self._ragged(prep.meta[ok], tables["offsets"])
+            out, images, offsets = self._views(prep.meta[ok])
         else:
             out = images = torch.empty(self._out_shape(len(ok)), dtype=self._out_dtype(), device=self.owner.device)
         lap("alloc")
         if len(ok):
-            self._launch(out, tables, stage, pointers[ok], row_strides[ok], prep, ok, lap)
+            self._launch(out, tables, stage, pointers[ok], row_strides[ok], prep, ok, offsets, lap)
+        return self._outputs(prep, stage, images, ok, lap), uploads
+
+    def _in_parts(self, prep: Prepared, stage: Staging, lap) -> Processed:
+        """A batch over the lane's budget, decoded part after part (``Prepared.parts``): each part's
+        windows into the lane's workspaces, then resampled into its rows of one output, and the
+        part's kernel waited for before the next part reuses them. Rows are placed by offsets, so a
+        failed row leaves a gap, closed at the end (rare: a decode failure in a batch this large)."""
+        n = len(prep.rows)
+        if self.recent:  # all earlier work of this lane's stream: both workspaces are free
+            self.recent[-1][0].synchronize()
+            self.recent.clear()  # and an outgrown workspace is freed when replaced
+        stage.reserve(n)  # no growth (which would drop the pinned block under a copy) between parts
+        lap("wait")
+        out, views, offsets = self._views(prep.meta)
+        done = np.zeros(n, dtype=bool)
+        for lo, hi in prep.parts:
+            rows = np.arange(lo, hi)
+            gpu = rows[prep.on_gpu[rows]]
+            decoded = None
+            if len(gpu):
+                decoded = self.decoder.decode(prep.token, prep.parse_idx[gpu], prep.regions[gpu], self.cp_stream.ptr)
+            lap("decode")
+            pointers, row_strides, ok, uploads = self._pixels(prep, rows, decoded)
+            ok_rows = rows[ok]
+            if len(ok_rows):
+                tables = stage.host(len(ok_rows))
+                self._launch(out, tables, stage, pointers[ok], row_strides[ok], prep, ok_rows, offsets[ok_rows], lap)
+            done[ok_rows] = True
+            self.part_done.record(self.stream)
+            self.part_done.synchronize()  # the windows, the uploads and the tables are free again
+            del decoded, uploads
+        prep.release()
+        ok = np.flatnonzero(done)
+        if self.ragged:
+            images: Any = [views[i] for i in ok.tolist()]
+        else:
+            images = out.view(self._out_shape(n))
+            if len(ok) < n:
+                images = images.index_select(0, torch.from_numpy(ok).to(self.owner.device))
+        self.seconds["parts"] += len(prep.parts)
+        return self._outputs(prep, stage, images, ok, lap)
+
+    def _pixels(self, prep: Prepared, rows: np.ndarray, decoded) -> tuple[np.ndarray, np.ndarray, np.ndarray, list]:
+        """Where the windows of ``rows`` (positions in ``prep``) lie: nvImageCodec's (``decoded``, for
+        those of them on the GPU), else Pillow's, uploaded. Returns addresses, row strides, which
+        have pixels, and the uploads (to keep alive until the kernel has read them); Pillow's
+        errors join ``prep.failures``."""
+        samples = prep.batch.samples
+        on_gpu = prep.on_gpu[rows]
+        m = len(rows)
+        pointers = np.zeros(m, dtype=np.uint64)
+        row_strides = np.zeros(m, dtype=np.int64)
+        done = np.zeros(m, dtype=bool)
+        if decoded is not None:
+            pointers[on_gpu], row_strides[on_gpu] = decoded.pointers, decoded.row_strides
+            done[on_gpu] = decoded.status == 1
+        uploads = []
+        for k in np.flatnonzero(~done).tolist():  # Pillow's pixels, uploaded
+            i = int(rows[k])
+            sample = samples[prep.rows[i]]
+            self.seconds["cpu_fallback"] += bool(on_gpu[k])
+            try:
+                pixels = self._cpu_decode(sample, prep.regions[i], prep.pillow.get(i))
+            except LoaderError as exc:
+                prep.failures.append((prep.rows[i], exc))
+                continue
+            uploads.append(pixels)
+            pointers[k], row_strides[k], done[k] = pixels.data_ptr(), pixels.stride(0), True
+        return pointers, row_strides, done, uploads
+
+    def _outputs(self, prep: Prepared, stage: Staging, images: Any, ok: np.ndarray, lap) -> Processed:
+        """The batch's rows ``ok`` (their images resampled): post ops, labels, the lane's event."""
         if self.post is not None:
             images = self._post(images, prep, ok)
-        data_out: dict[str, Any] = {"image": images}
+        data: dict[str, Any] = {"image": images}
         if prep.label_array is not None:
             # From pinned memory: a copy from pageable memory may wait for the lane's stream
             # (its decode and kernel) before it starts.
+            tables = stage.host(len(ok))
             tables["labels"][:] = prep.label_array[ok]
             labels = torch.empty(len(ok), dtype=torch.int64, device=self.owner.device)
             if len(ok):
                 stage.upload("labels", labels.data_ptr(), len(ok))
-            data_out["label"] = labels
+            data["label"] = labels
         lap("labels")
         stage.ready.record(self.stream)
         lap("event")
-        return Processed(data_out, [rows[i] for i in ok], sorted(failures, key=lambda f: f[0])), uploads
+        return Processed(data, [prep.rows[i] for i in ok.tolist()], sorted(prep.failures, key=lambda f: f[0]))
 
-    def _done(self, prep: _Prepared, result: Processed, stage: Staging, keep: Any) -> Processed:
+    def _done(self, prep: Prepared, result: Processed, stage: Staging, keep: Any) -> Processed:
         fields = self.owner.pipeline.fields
         if fields:
             result.data.update(field_columns(prep.batch.samples, result.kept, fields))
@@ -417,14 +455,14 @@ class _Lane:
     def _out_dtype(self) -> torch.dtype:
         return torch.uint8 if self.post is not None else self.owner.pipeline.dtype
 
-    def _ragged(self, meta: np.ndarray, offsets: np.ndarray) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """One flat output for images of different sizes (``meta``'s columns 5 and 6), each image's
-        start written into ``offsets`` (the kernel's table), and the images as views into it: one
+    def _views(self, meta: np.ndarray) -> tuple[torch.Tensor, list[torch.Tensor], np.ndarray]:
+        """One flat output for images of the sizes in ``meta``'s columns 5 and 6, each image's start
+        in it (elements; the kernel's offsets table), and the images as views into it: one
         allocation and one launch a batch, as for a fixed size."""
         c = self.owner.pipeline.channels
         h, w = meta[:, 5].astype(np.int64), meta[:, 6].astype(np.int64)
         sizes = h * w * c
-        offsets[:] = np.cumsum(sizes) - sizes
+        offsets = np.cumsum(sizes) - sizes
         out = torch.empty(int(sizes.sum()), dtype=self._out_dtype(), device=self.owner.device)
         ones = np.ones_like(h)
         shapes, strides = (np.stack([c * ones, h, w], 1), np.stack([h * w, w, ones], 1)) if self.chw else (
@@ -432,9 +470,11 @@ class _Lane:
         # The views made by map() over C functions: no Python bytecode per image, so no GIL hand-off
         # to the other threads mid-way (a Python loop here cost 7-8 ms a batch of 256, two lanes).
         images = list(map(out.as_strided, shapes.tolist(), strides.tolist(), offsets.tolist()))
-        return out, images
+        return out, images, offsets
 
-    def _post(self, images: Any, prep: _Prepared, ok: np.ndarray) -> Any:
+    def _post(self, images: Any, prep: Prepared, ok: np.ndarray) -> Any:
+        if len(ok) == 0:  # nothing survived: the output's final form, empty
+            return [] if isinstance(images, list) else self.post.finish(images)
         indices = prep.indices if len(ok) == len(prep.rows) else prep.indices[ok]
         images = self.post.apply(images, indices, prep.batch.epoch, inplace=True)
         if isinstance(images, list):  # sizes differ: each image finished on its own
@@ -452,7 +492,9 @@ class _Lane:
         return torch.from_numpy(arr).to(self.owner.device, non_blocking=False)
 
     def _launch(self, out: torch.Tensor, tables, stage: Staging, pointers: np.ndarray, row_strides: np.ndarray,
-                prep: _Prepared, ok, lap) -> None:
+                prep: Prepared, ok: np.ndarray, offsets: np.ndarray | None, lap) -> None:
+        """The kernel for rows ``ok`` of ``prep``, into ``out``: row j of the launch at ``offsets[j]``
+        elements (images of their own sizes, or a batch in parts), else at j times the fixed size."""
         # The tables were computed in the prep thread: here only what the decode decided (the
         # pixels' addresses and row strides, which samples made it) joins them, in few NumPy calls.
         n = len(ok)
@@ -462,14 +504,15 @@ class _Lane:
         tables["meta"][:] = prep.meta if every else prep.meta[ok]
         tables["meta"][:, 2] = row_strides
         tables["geo"][:] = prep.geo if every else prep.geo[ok]
+        if offsets is not None:
+            tables["offsets"][:] = offsets
         lap("tables")
         d_ptrs, d_meta, d_geo, d_offsets = stage.upload_tables()
         lap("upload")
-        pipe = self.owner.pipeline
-        if self.ragged:  # the grid covers the largest image; each sample's size is in its meta row
+        if offsets is not None:  # the grid covers the largest image; each sample's size is in its meta row
             oh, ow = int(tables["meta"][:, 5].max()), int(tables["meta"][:, 6].max())
         else:
-            (oh, ow), d_offsets = pipe.output_size(), np.uint64(0)
+            (oh, ow), d_offsets = self.owner.pipeline.output_size(), np.uint64(0)
         with self.cp_stream:
             self.kernel(
                 grid(oh, ow, n),
@@ -478,26 +521,6 @@ class _Lane:
                  np.int32(self.chw), np.int32(self.normalize), self.mean, self.inv_std, d_offsets),
             )
         lap("kernel")
-
-
-def _kernel_tables(plans, regions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The fused kernel's per-sample tables (``_cuda_kernels``), row strides left 0 for the lane:
-    meta = (height, width, row stride, flip_h, flip_v, out_h, out_w, 0) of the decoded window and
-    the output; geo = the box to read and the real pixels (outside them: zero padding), in window
-    coordinates."""
-    n = len(regions)
-    meta = np.zeros((n, 8), dtype=np.int32)
-    meta[:, 0] = regions[:, 2] - regions[:, 0]
-    meta[:, 1] = regions[:, 3] - regions[:, 1]
-    meta[:, 3] = plans.flip_h
-    meta[:, 4] = plans.flip_v
-    meta[:, 5] = plans.out_h
-    meta[:, 6] = plans.out_w
-    origin = np.tile(regions[:, [1, 0]], 2).astype(np.float64)
-    geo = np.empty((n, 8), dtype=np.float32)
-    geo[:, 0:4] = plans.box - origin
-    geo[:, 4:8] = plans.clip - origin
-    return meta, geo
 
 
 class _Laps:

@@ -44,14 +44,29 @@ class NativeHeaders:
     def __init__(self, *, exif: bool) -> None:
         self.exif = exif
         self._free: list[Any] = []  # parsed-batch objects not in use (their handles are reused)
+        self._made = 0
         self._lock = threading.Lock()
+
+    @property
+    def in_use(self) -> int:
+        """Parsed batches handed out and not recycled yet (0 once the executor is drained)."""
+        with self._lock:
+            return self._made - len(self._free)
 
     def parse(self, data: list) -> tuple[Any, np.ndarray]:
         from ._batch_decode import ParsedBatch
 
         with self._lock:
-            parsed = self._free.pop() if self._free else ParsedBatch()
-        return parsed, parsed.parse(data, exif=self.exif)
+            if self._free:
+                parsed = self._free.pop()
+            else:
+                parsed = ParsedBatch()
+                self._made += 1
+        try:
+            return parsed, parsed.parse(data, exif=self.exif)
+        except BaseException:
+            self.recycle(parsed)
+            raise
 
     def recycle(self, parsed: Any) -> None:
         parsed.release()
@@ -61,16 +76,21 @@ class NativeHeaders:
     def close(self) -> None:
         with self._lock:
             free, self._free = self._free, []
+            self._made -= len(free)
         for parsed in free:
             parsed.close()
 
 
 class NativeDecoder:
-    def __init__(self, device: torch.device, *, threads: int, hw_load: float | str, channels: int, exif: bool) -> None:
+    def __init__(self, device: torch.device, *, threads: int, hw_load: float | str, channels: int, exif: bool,
+                 budget: int | None = None) -> None:
         from ._batch_decode import BatchDecoder
 
         self.device = device
         self.channels = channels
+        # A workspace grows to at most this many bytes, or to one batch's need where that is more
+        # (the executor hands a lane no batch over it but a single window: ``_cuda_prep.parts``).
+        self.budget = budget
         # Expert knob, for measuring: options for nvImageCodec's decoder, as its documentation spells them.
         options = os.environ.get("HEADRACE_NVIMGCODEC_OPTIONS", "")
         # Expert knob, for measuring: the CUDA decoder's share of what the hardware engine leaves
@@ -79,7 +99,8 @@ class NativeDecoder:
         self.decoder = BatchDecoder(
             device.index, threads=threads, hw_load=hw_load, cuda_load=cuda_load, channels=channels, exif=exif, options=options
         )
-        # Two buffers, used in turn and grown when a batch needs more: memory stays flat over epochs.
+        # Two buffers, used in turn and grown when a batch needs more (up to ``budget``): memory stays
+        # flat over epochs.
         # The lane waits for its batch i-2's kernel before decoding batch i, so batch i's buffer is free.
         self.workspaces = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(2)]
         self.turn = 0
@@ -108,7 +129,8 @@ class NativeDecoder:
             before_growth()
             del workspace
             self.workspaces[slot] = torch.empty(0, dtype=torch.uint8, device=self.device)  # free the old one first
-            workspace = self.workspaces[slot] = torch.empty(_grown(need), dtype=torch.uint8, device=self.device)
+            size = _grown(need) if self.budget is None else max(need, min(_grown(need), self.budget))
+            workspace = self.workspaces[slot] = torch.empty(size, dtype=torch.uint8, device=self.device)
         return offsets + np.uint64(workspace.data_ptr()), row_strides, workspace
 
     def decode(self, parsed: Any, pick: np.ndarray, regions: np.ndarray, stream: int, *,

@@ -48,8 +48,8 @@ class Staging:
         return {name: view[:n] for name, view in self.views.items()}
 
     def reserve(self, n: int) -> None:
-        """Room for ``n`` rows."""
-        if n > self.capacity:
+        """Room for ``n`` rows (the blocks exist after this, even for none: a batch may have no rows left)."""
+        if n > self.capacity or not self.capacity:
             self._grow(max(n, 2 * self.capacity, 64))
 
     def _grow(self, capacity: int) -> None:

@@ -344,12 +344,15 @@ def test_sync_facade_on_gpu(folder):
     assert not [t for t in threading.enumerate() if t.name.startswith("headrace")]
 
 
-async def test_lanes_outlive_a_completed_epoch_but_not_a_break(folder, leaks):
+async def test_lanes_outlive_completed_epochs_and_breaks_until_aclose(folder, leaks):
     loader = _loader(folder)
     [b async for b in loader]
-    assert [t for t in threading.enumerate() if t.name.startswith("headrace-lane")]  # kept for the next epoch
+    lanes = [t for t in threading.enumerate() if t.name.startswith("headrace-lane")]
+    assert lanes  # kept for the next epoch
     async for b in loader:
         break
     del b
-    await leaks.check(settle=5.0)  # the break closed the lanes with the epoch
+    assert [b.size async for b in loader] and lanes == [t for t in threading.enumerate() if t.name.startswith("headrace-lane")]
+    await loader.aclose()  # the executor lives as long as the loader
+    await leaks.check(settle=5.0)
     assert not [t for t in threading.enumerate() if t.name.startswith("headrace")]

@@ -1,0 +1,234 @@
+"""The GPU path's prep thread: which samples of a batch go on, their headers, plans, windows and parts.
+
+Runs in the executor's prep thread, vectorised over the batch where it can (per-image Python is
+paid under the GIL, beside the lanes). Before any pixel memory is allocated, a sample must pass
+what the CPU path checks too:
+
+- its read succeeded; it has the label field (when the pipeline reads labels), the pass-through
+  fields and a non-empty image field;
+- its header's width x height is within ``Decode.max_pixels`` (else a DecodeError naming the
+  claimed size, ``_limits.pixel_error``), read by nvImageCodec before any decode;
+- a file goes to nvImageCodec only when it ends where its format says (``_limits.incomplete``: a
+  JPEG's last two bytes are the EOI marker, a PNG's chunks are whole, ...), the CPU path's rule:
+  a window decode stops after the window's last row, so a file cut below it would decode (nvJPEG
+  fills what is missing with grey). The others go to Pillow, which checks the same rule and
+  raises the typed error;
+- every image the ops make is within ``max_pixels`` (else a TransformError; ``_geometry.output_pixels``).
+
+Then, when the batch's decode windows need more than a lane's share of ``Decode.max_batch_bytes``,
+the parts the lane decodes it in (``parts``).
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import repeat
+from typing import Any
+
+import numpy as np
+from headrace._errors import DecodeError, LoaderError, TransformError
+from headrace._sample import SampleBatch
+from PIL import Image
+
+from . import _pillow
+from ._cpu import _check_fields, _image_field, _label, _read_failure
+from ._geometry import output_error, output_pixels, plan_batch, roi_batch
+from ._limits import incomplete, pixel_error
+from ._pipeline import Pipeline
+from ._random import uniforms
+
+__all__ = ["Prepared", "cut_short", "kernel_tables", "lane_budget", "parts", "prepare"]
+
+_SOI, _EOI = b"\xff\xd8", b"\xff\xd9"
+_head = operator.itemgetter(slice(0, 2))
+_tail = operator.itemgetter(slice(-2, None))
+_ALIGN = 256  # each window starts on a 256-byte boundary of a lane's workspace (``NativeDecoder.buffers``)
+
+
+@dataclass
+class Prepared:
+    """One batch, ready for a lane: what survived, its parsed headers, plans and decode windows."""
+
+    batch: SampleBatch
+    rows: list[int]  # batch rows still in the running
+    indices: np.ndarray  # their samples' dataset indices (int64), which key the random draws
+    label_array: np.ndarray | None  # the labels as int64 (None: the pipeline reads no labels)
+    failures: list[tuple[int, LoaderError]]
+    token: Any  # the header reader's parsed batch; None once given back (``release``)
+    parse_idx: np.ndarray  # rows' positions in the parsed batch
+    on_gpu: np.ndarray  # nvImageCodec decodes it (else Pillow already did)
+    pillow: dict[int, Image.Image]
+    regions: np.ndarray  # (y0, x0, y1, x1) decode windows
+    meta: np.ndarray  # the fused kernel's tables (``kernel_tables``), but the row strides
+    geo: np.ndarray
+    parts: list[tuple[int, int]] | None  # row ranges decoded one after another; None: the batch at once
+    recycle: Callable[[Any], None] | None = None  # gives ``token`` back to its header reader
+
+    def release(self) -> None:
+        """Give the parsed headers back (once; later calls do nothing)."""
+        token, self.token = self.token, None
+        if token is not None and self.recycle is not None:
+            self.recycle(token)
+
+
+def _jpeg_heads(data: list) -> np.ndarray:
+    return np.fromiter(map(operator.eq, map(_head, data), repeat(_SOI)), dtype=bool, count=len(data))
+
+
+def cut_short(data: list) -> np.ndarray:
+    """For each blob: True when it starts as a JPEG (SOI) and does not end with EOI, the JPEG case of
+    ``_limits.incomplete`` without a Python call per blob (C-level maps over the list; bytes and
+    memoryviews alike)."""
+    ended = np.fromiter(map(operator.eq, map(_tail, data), repeat(_EOI)), dtype=bool, count=len(data))
+    return _jpeg_heads(data) & ~ended
+
+
+def lane_budget(max_batch_bytes: int | None) -> int | None:
+    """A lane's bytes for one batch's decoded windows: half of ``max_batch_bytes``, as a lane keeps
+    two workspaces (batch i decodes while batch i-1's kernel may still read the other)."""
+    return None if max_batch_bytes is None else max(1, max_batch_bytes // 2)
+
+
+def window_bytes(regions: np.ndarray, channels: int) -> np.ndarray:
+    """Bytes each decode window takes in a lane's workspace, aligned as ``NativeDecoder.buffers`` lays them."""
+    sizes = (regions[:, 2] - regions[:, 0]).astype(np.int64) * (regions[:, 3] - regions[:, 1]) * channels
+    return (sizes + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def parts(regions: np.ndarray, channels: int, budget: int | None) -> list[tuple[int, int]] | None:
+    """None when the windows of the whole batch fit ``budget`` bytes (the common case, one sum);
+    else consecutive row ranges, each within it (a window larger than the budget alone in its part)."""
+    if budget is None or len(regions) == 0:
+        return None
+    cum = np.cumsum(window_bytes(regions, channels))
+    if int(cum[-1]) <= budget:
+        return None
+    out, lo, base, n = [], 0, 0, len(cum)
+    while lo < n:
+        hi = max(int(np.searchsorted(cum, base + budget, side="right")), lo + 1)
+        out.append((lo, hi))
+        lo, base = hi, int(cum[hi - 1])
+    return out
+
+
+def prepare(batch: SampleBatch, pipe: Pipeline, headers: Any, seed: int, seconds: Any) -> Prepared:
+    """Labels, headers and each sample's crop plan and decode window (in the prep thread)."""
+    t0 = time.perf_counter()
+    samples = batch.samples
+    failures: list[tuple[int, LoaderError]] = []
+    rows, data, labels = [], [], []
+    for row, sample in enumerate(samples):
+        try:
+            if sample.error is not None:
+                raise _read_failure(sample)
+            label = _label(sample, pipe.label_field) if pipe.label_field is not None else None
+            _check_fields(sample, pipe.fields)
+            blob = _image_field(sample, pipe.image_fields)
+            if len(blob) == 0:
+                raise DecodeError("empty file: nothing to decode", key=sample.key, source=sample.source)
+        except LoaderError as exc:
+            failures.append((row, exc))
+            continue
+        rows.append(row)
+        data.append(blob)
+        labels.append(label)
+    token, info = headers.parse(data)
+    t1 = time.perf_counter()
+    try:
+        return _plan(batch, pipe, seed, rows, data, labels, failures, token, info, headers.recycle, seconds, t0, t1)
+    except BaseException:
+        headers.recycle(token)
+        raise
+
+
+def _plan(batch, pipe, seed, rows, data, labels, failures, token, info, recycle, seconds, t0, t1) -> Prepared:
+    samples = batch.samples
+    limit = pipe.decode.max_pixels
+    sizes = info[:, :2].astype(np.int64)
+    parsed = info[:, 3] == 1
+    alive = np.ones(len(rows), dtype=bool)
+    # A header nvImageCodec read: its claim checked as the CPU path does (``_limits.pixel_error``).
+    refused = parsed & (sizes.min(1) < 1)
+    if limit is not None:
+        refused |= parsed & (sizes[:, 0] * sizes[:, 1] > limit)
+    for i in np.flatnonzero(refused).tolist():
+        sample = samples[rows[i]]
+        why = pixel_error(int(sizes[i, 1]), int(sizes[i, 0]), limit)
+        failures.append((rows[i], DecodeError(why, key=sample.key, source=sample.source)))
+        alive[i] = False
+    # What nvImageCodec cannot parse, or must not decode (a file that does not end where its format
+    # says, ``_limits.incomplete``), Pillow decodes, once (its error is the sample's).
+    to_pillow = alive & ~parsed
+    to_pillow |= alive & cut_short(data)
+    for i in np.flatnonzero(alive & parsed & ~to_pillow & ~_jpeg_heads(data)).tolist():
+        to_pillow[i] = incomplete(data[i]) is not None  # other formats: rare, one call each
+    pillow: dict[int, Image.Image] = {}
+    for i in np.flatnonzero(to_pillow).tolist():
+        sample = samples[rows[i]]
+        try:
+            img = _pillow.decode(data[i], pipe.decode, sample.key, sample.source)
+        except LoaderError as exc:
+            failures.append((rows[i], exc))
+            alive[i] = False
+            continue
+        pillow[i] = img
+        sizes[i] = (img.height, img.width)
+    if limit is not None:  # what the ops would make, bounded as the files are (as on the CPU path)
+        idx = np.flatnonzero(alive)
+        for i in idx[output_pixels(sizes[idx, 0], sizes[idx, 1], pipe.image_ops) > limit].tolist():
+            sample = samples[rows[i]]
+            why = output_error(int(sizes[i, 0]), int(sizes[i, 1]), pipe.image_ops, limit)
+            failures.append((rows[i], TransformError(why, key=sample.key, source=sample.source)))
+            alive[i] = False
+    kept = np.flatnonzero(alive)
+    # Geometry for the whole batch at once, keyed on each sample's index.
+    indices = np.fromiter((samples[rows[i]].index for i in kept.tolist()), dtype=np.int64, count=len(kept))
+    randoms = [
+        uniforms(seed, batch.epoch, pos, indices, op.randoms) if op.randoms else None
+        for pos, op in enumerate(pipe.image_ops, start=1)
+    ]
+    plans = plan_batch(sizes[kept, 0], sizes[kept, 1], pipe.image_ops, randoms)
+    regions = roi_batch(plans, sizes[kept, 0], sizes[kept, 1]).astype(np.int32)
+    meta, geo = kernel_tables(plans, regions)
+    keep = kept.tolist()
+    seconds["parse"] += t1 - t0
+    seconds["plan"] += time.perf_counter() - t1
+    return Prepared(
+        batch=batch,
+        rows=[rows[i] for i in keep],
+        indices=indices,
+        label_array=None if pipe.label_field is None else np.array([labels[i] for i in keep], dtype=np.int64),
+        failures=failures,
+        token=token,
+        parse_idx=kept.astype(np.int32),
+        on_gpu=~to_pillow[kept],
+        pillow={j: pillow[i] for j, i in enumerate(keep) if i in pillow},
+        regions=regions,
+        meta=meta,
+        geo=geo,
+        parts=parts(regions, pipe.channels, lane_budget(pipe.decode.max_batch_bytes)),
+        recycle=recycle,
+    )
+
+
+def kernel_tables(plans, regions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The fused kernel's per-sample tables (``_cuda_kernels``), row strides left 0 for the lane:
+    meta = (height, width, row stride, flip_h, flip_v, out_h, out_w, 0) of the decoded window and
+    the output; geo = the box to read and the real pixels (outside them: zero padding), in window
+    coordinates."""
+    n = len(regions)
+    meta = np.zeros((n, 8), dtype=np.int32)
+    meta[:, 0] = regions[:, 2] - regions[:, 0]
+    meta[:, 1] = regions[:, 3] - regions[:, 1]
+    meta[:, 3] = plans.flip_h
+    meta[:, 4] = plans.flip_v
+    meta[:, 5] = plans.out_h
+    meta[:, 6] = plans.out_w
+    origin = np.tile(regions[:, [1, 0]], 2).astype(np.float64)
+    geo = np.empty((n, 8), dtype=np.float32)
+    geo[:, 0:4] = plans.box - origin
+    geo[:, 4:8] = plans.clip - origin
+    return meta, geo

@@ -1,0 +1,303 @@
+"""The GPU path under bad input and early exits: typed errors, the CPU path's verdicts, bounded
+memory, and an executor that drains, is reused, and gives everything back when closed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import io
+import random
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from headrace import ClosedError, DecodeError, Loader, LoaderError, Sample, SampleBatch, TransformError, ops, readers
+from headrace.ops import _cuda_prep
+
+
+def _jpeg(rng, h, w, quality=90) -> bytes:
+    small = rng.integers(0, 256, size=(6, 6, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(small).resize((w, h), Image.Resampling.BICUBIC).save(buf, "JPEG", quality=quality)
+    return buf.getvalue()
+
+
+def _png(rng, h, w) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _claiming(jpeg: bytes, h: int, w: int) -> bytes:
+    """``jpeg`` with its frame header (SOF) rewritten to claim h x w: the rest of the file unchanged."""
+    data = bytearray(jpeg)
+    i = 2
+    while data[i + 1] not in (0xC0, 0xC1, 0xC2):
+        i += 2 + int.from_bytes(data[i + 2 : i + 4], "big")
+    data[i + 5 : i + 9] = h.to_bytes(2, "big") + w.to_bytes(2, "big")
+    return bytes(data)
+
+
+def _bad_files(rng) -> dict[str, bytes]:
+    """The issue's inputs: each must be a typed error on the GPU path, as it is on the CPU path."""
+    good = _jpeg(rng, 240, 320)
+    return {
+        "empty": b"",
+        "text": b"just some text, no image here\n" * 4,
+        "header-only": good[: good.index(b"\xff\xda")],  # everything before the scan
+        "cut-50": good[: len(good) // 2],
+        "cut-90": good[: len(good) * 9 // 10],
+        "claims-60000": _claiming(good, 60000, 60000),
+    }
+
+
+def _sample(key: str, blob: bytes, index: int, label: bool = True) -> Sample:
+    fields = {"jpg": blob, "cls": str(index % 5).encode()} if label else {"jpg": blob}
+    return Sample(key, fields, f"mem://{key}", index, position=index)
+
+
+PIPELINES = {
+    "train": lambda: ops.training(224),
+    "val": lambda: ops.validation(224),
+    "list": lambda: ops.Pipeline([ops.Resize(256)]),
+    "train+post": lambda: ops.Pipeline([ops.RandomResizedCrop(224), ops.Flip(), ops.ColorTwist(0.3, 0.3, 0.3, 0.05),
+                                        ops.Normalize()]),
+    "list+post": lambda: ops.Pipeline([ops.Resize(64), ops.ColorTwist(0.3, 0.3)]),
+}
+# The lane's ways: the shim's fused launch, the launch from Python, nvImageCodec's Python API.
+LAUNCHES = {"shim": {}, "python": {"HEADRACE_NATIVE_LAUNCH": "0"}, "pyapi": {"HEADRACE_NATIVE_DECODE": "0"}}
+
+
+def _empty_output(images) -> bool:
+    return images == [] if isinstance(images, list) else images.shape[0] == 0
+
+
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+@pytest.mark.parametrize("name", list(PIPELINES))
+async def test_bad_files_get_the_cpu_paths_verdict_and_batches_may_lose_every_sample(monkeypatch, name, launch):
+    for var, value in LAUNCHES[launch].items():
+        monkeypatch.setenv(var, value)
+    rng = np.random.default_rng(11)
+    bad = _bad_files(rng)
+    samples = [_sample("good-0", _jpeg(rng, 300, 400), 0)]
+    samples += [_sample(key, blob, i) for i, (key, blob) in enumerate(bad.items(), start=1)]
+    samples += [_sample("good-1", _jpeg(rng, 260, 200), 7), _sample("no-label", _jpeg(rng, 100, 100), 8, label=False)]
+    pipeline = PIPELINES[name]()
+    cpu = ops.CpuExecutor(pipeline, num_threads=2, seed=3)
+    gpu = ops.CudaExecutor(pipeline, seed=3)
+    try:
+        a = await cpu.run(SampleBatch(samples, 0, 0))
+        b = await gpu.run(SampleBatch(samples, 0, 0))
+        # every sample of a batch failed before decode (both lanes, as batches alternate)
+        nothing = [await gpu.run(SampleBatch(samples[1:7], 0, i)) for i in (1, 2)]
+        after = await gpu.run(SampleBatch(samples[:1], 0, 3))  # the lanes go on
+        torch.cuda.synchronize()
+    finally:
+        await cpu.aclose()
+        await gpu.aclose()
+    assert b.kept == a.kept == [0, 7]
+    assert [(row, type(err)) for row, err in b.failures] == [(row, type(err)) for row, err in a.failures]
+    for (row, err), (_, ref) in zip(b.failures, a.failures):
+        assert isinstance(err, LoaderError) and err.key == samples[row].key and err.source == f"mem://{err.key}"
+        assert str(err) == str(ref)
+        print(f"{name}/{launch} {err.key}: {type(err).__name__}: {err}")
+    failures = {samples[row].key: err for row, err in b.failures}
+    assert all(isinstance(failures[key], DecodeError) for key in bad)
+    assert "claims 60000x60000 pixels, over max_pixels=67108864" in str(failures["claims-60000"])
+    assert isinstance(failures["no-label"], TransformError) and "'cls'" in str(failures["no-label"])
+    for out in nothing:
+        assert out.kept == [] and [row for row, _ in out.failures] == list(range(6))
+        assert all(isinstance(err, DecodeError) for _, err in out.failures)
+        assert _empty_output(out.data["image"]) and out.data["label"].numel() == 0
+    assert after.kept == [0] and after.data["label"].tolist() == [0]
+
+
+@pytest.mark.parametrize("launch", ["shim", "python"])
+async def test_labels_are_required_per_sample_unless_the_pipeline_reads_none(monkeypatch, launch):
+    for var, value in LAUNCHES[launch].items():
+        monkeypatch.setenv(var, value)
+    rng = np.random.default_rng(12)
+    samples = [_sample(f"s{i}", _jpeg(rng, 120, 150), i, label=False) for i in range(4)]
+    for label, kept in (("cls", []), (None, [0, 1, 2, 3])):
+        gpu = ops.CudaExecutor(ops.training(32, label=label), seed=1)
+        try:
+            out = await gpu.run(SampleBatch(samples, 0, 0))
+        finally:
+            await gpu.aclose()
+        assert out.kept == kept
+        if label is None:
+            assert "label" not in out.data and out.data["image"].shape[0] == 4
+        else:
+            assert all(isinstance(err, TransformError) and "'cls'" in str(err) for _, err in out.failures)
+
+
+@pytest.mark.parametrize("native", ["1", "0"], ids=["shim", "pyapi"])
+@pytest.mark.parametrize("kind", ["fixed", "own-sizes", "post"])
+async def test_a_batch_over_max_batch_bytes_is_decoded_in_parts_like_the_whole(monkeypatch, kind, native):
+    monkeypatch.setenv("HEADRACE_NATIVE_DECODE", native)
+    rng = np.random.default_rng(13)
+    samples = [_sample(f"s{i}", _jpeg(rng, int(rng.integers(300, 600)), int(rng.integers(300, 600))), i)
+               for i in range(24)]
+    samples[5] = Sample("png", {"png": _png(rng, 200, 300), "cls": b"1"}, "mem://png", 5, position=5)  # not a JPEG
+    ops_after = {"fixed": [ops.RandomResizedCrop(64), ops.Flip()], "own-sizes": [ops.Resize(48)],
+                 "post": [ops.RandomResizedCrop(64), ops.ColorTwist(0.3, 0.3, 0.3, 0.05)]}[kind]
+    budget = 1 << 20  # a lane's half, 512 KiB: a few crop windows a part; a whole image may be more, alone
+    outs = {}
+    for limit in (None, budget):
+        # hw_load 0: every image to the same (CUDA) decoder, however the batch is cut
+        gpu = ops.CudaExecutor(ops.Pipeline([ops.Decode(max_batch_bytes=limit), *ops_after]), seed=4, lanes=1, hw_load=0.0)
+        try:
+            outs[limit] = [await gpu.run(SampleBatch(samples, e, e)) for e in range(3)]
+            torch.cuda.synchronize()
+            parts = gpu.timings().get("parts", 0)
+            workspaces = [w.numel() for w in getattr(gpu._lanes[0].decoder, "workspaces", [])]
+        finally:
+            await gpu.aclose()
+        if limit is None:
+            assert parts == 0
+        else:
+            windows = _cuda_prep.window_bytes(np.array([[0, 0, 600, 600]]), 3)[0]
+            assert parts >= 3 * 4, parts  # each batch in at least 4 parts
+            assert all(size <= max(budget // 2, windows) for size in workspaces), workspaces
+        print(f"{kind}/native={native} max_batch_bytes={limit}: {parts} parts, workspaces {workspaces}")
+    worst = 0.0
+    for whole, cut in zip(outs[None], outs[budget]):
+        assert whole.kept == cut.kept == list(range(24)) and torch.equal(whole.data["label"], cut.data["label"])
+        pairs = zip(whole.data["image"], cut.data["image"]) if kind == "own-sizes" else [(whole.data["image"], cut.data["image"])]
+        for x, y in pairs:
+            assert x.shape == y.shape and x.dtype == y.dtype
+            worst = max(worst, (x.float() - y.float()).abs().max().item())
+    print(f"{kind}/native={native}: in parts vs whole, max difference {worst} levels")
+    assert worst <= 1
+
+
+def _workspace_bytes(gpu) -> int:
+    """What a drained executor may keep allocated through torch: its lanes' decode workspaces."""
+    return sum(w.untyped_storage().nbytes() for lane in gpu._lanes for w in getattr(lane.decoder, "workspaces", []))
+
+
+def _requested() -> int:
+    """Bytes torch's allocator was asked for and has not got back (exact sizes: a block it hands
+    out may be larger, which ``memory_allocated`` counts)."""
+    return torch.cuda.memory_stats()["requested_bytes.all.current"]
+
+
+@pytest.mark.parametrize("native", ["1", "0"], ids=["shim", "pyapi"])
+async def test_cancelled_runs_then_drain_keep_only_the_workspaces_and_aclose_frees_all(monkeypatch, native):
+    monkeypatch.setenv("HEADRACE_NATIVE_DECODE", native)
+    rng = np.random.default_rng(14)
+    samples = [_sample(f"s{i}", _jpeg(rng, int(rng.integers(150, 400)), int(rng.integers(150, 400))), i)
+               for i in range(32)]
+    gc.collect()
+    torch.cuda.synchronize()
+    before, asked = torch.cuda.memory_allocated(), _requested()
+    gpu = ops.CudaExecutor(ops.training(64, dtype="float16"), seed=2)
+    pace = random.Random(0)
+    held = []
+    try:
+        for r in range(15):
+            tasks = [asyncio.create_task(gpu.run(SampleBatch(samples, r, i))) for i in range(6)]
+            await asyncio.sleep(pace.uniform(0.0, 0.03))
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            del tasks
+            await gpu.drain()
+            await gpu.drain()  # idle: returns at once
+            gc.collect()
+            torch.cuda.synchronize()
+            held.append(_requested() - asked - _workspace_bytes(gpu))
+            if native == "1":
+                assert gpu._headers.in_use == 0  # every parsed batch went back, run or not
+        out = await gpu.run(SampleBatch(samples, 99, 0))  # drained, it takes batches again
+        assert out.kept == list(range(32)) and out.data["image"].shape == (32, 3, 64, 64)
+        del out
+    finally:
+        await gpu.aclose()
+    print(f"native={native}: allocated beyond the workspaces after each drain: {held}")
+    assert held == [0] * len(held)
+    gc.collect()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+    with pytest.raises(ClosedError):
+        await gpu.run(SampleBatch(samples, 0, 0))
+    await gpu.aclose()  # twice: nothing to do
+
+
+@pytest.fixture
+def folder(tmp_path):
+    rng = np.random.default_rng(15)
+    for c in range(2):
+        (tmp_path / f"c{c}").mkdir()
+        for i in range(30):
+            (tmp_path / f"c{c}" / f"{i:03d}.jpg").write_bytes(_jpeg(rng, int(rng.integers(100, 300)), int(rng.integers(100, 300))))
+    return tmp_path
+
+
+async def test_cancelled_and_left_epochs_reuse_the_loader_and_give_back_cuda_memory(folder, leaks):
+    gc.collect()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    every = sorted(f"c{c}/{i:03d}" for c in range(2) for i in range(30))
+    loader = Loader(readers.files(folder, shuffle=True), batch_size=8, device="cuda",
+                    pipeline=ops.training(64, dtype="float16"))
+    pace = random.Random(1)
+
+    async def consume():
+        async for _ in loader:
+            pass
+
+    for r in range(20):
+        if r % 4 == 3:
+            async for b in loader:  # a bare break, the loop left with its iterator open
+                break
+            del b
+        else:
+            task = asyncio.create_task(consume())
+            await asyncio.sleep(pace.uniform(0.0, 0.05))
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    keys = [k async for b in loader for k in b.sample_keys]
+    assert sorted(keys) == every  # a whole, correct epoch after all that
+    await loader.aclose()
+    gc.collect()
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_allocated()
+    print(f"allocated before the loader {before}, after 20 left epochs and its close {after}")
+    assert after == before
+    await leaks.check(settle=5.0)
+
+
+@pytest.mark.parametrize("name", ["train", "val", "list"])
+async def test_loader_raises_typed_errors_or_skips_and_counts_them(tmp_path, name):
+    rng = np.random.default_rng(16)
+    (tmp_path / "c0").mkdir()
+    (tmp_path / "c1").mkdir()
+    for i in range(8):
+        (tmp_path / "c0" / f"{i:03d}.jpg").write_bytes(_jpeg(rng, 200, 260))
+    bad = _bad_files(rng)
+    for key, blob in bad.items():
+        (tmp_path / "c1" / f"{key}.jpg").write_bytes(blob)
+    loader = Loader(readers.files(tmp_path), batch_size=4, device="cuda", pipeline=PIPELINES[name]())
+    try:
+        for _ in range(2):  # the loader stays usable after an epoch ended by an error
+            with pytest.raises(DecodeError) as info:
+                async for _ in loader:
+                    pass
+            assert info.value.key.startswith("c1/")
+    finally:
+        await loader.aclose()
+    loader = Loader(readers.files(tmp_path), batch_size=4, device="cuda", pipeline=PIPELINES[name](),
+                    on_error="skip", max_errors=len(bad) + 2)
+    try:
+        keys = [k async for b in loader for k in b.sample_keys]
+        stats = loader.stats()
+    finally:
+        await loader.aclose()
+    assert sorted(keys) == [f"c0/{i:03d}" for i in range(8)]
+    assert stats.dropped == len(bad) and stats.errors == {"DecodeError": len(bad)}
+    assert sorted(r.key for r in stats.recent_errors) == sorted(f"c1/{key}" for key in bad)
