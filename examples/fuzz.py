@@ -540,12 +540,23 @@ async def _run_preprocessor(paths: list[str], indices: list[int], args: argparse
     import headrace
     import torch
 
-    progress.set(suspects=indices)
     part = _blank_part(indices)
     errors: Counter[str] = Counter()
     verdicts: dict[int, str] = {}
+    pending = set(indices)
+
+    async def report_pending() -> None:  # if the worker dies or hangs, the suspects are the unanswered
+        while True:
+            progress.set(suspects=sorted(pending))
+            await asyncio.sleep(0.2)
 
     async def one(pre: Any, i: int, data: bytes) -> None:
+        try:
+            await _answered(pre, i, data)
+        finally:
+            pending.discard(i)
+
+    async def _answered(pre: Any, i: int, data: bytes) -> None:
         try:
             out = await pre(data, key=str(i))
         except headrace.LoaderError as exc:
@@ -566,8 +577,12 @@ async def _run_preprocessor(paths: list[str], indices: list[int], args: argparse
     try:
         pre = headrace.Preprocessor(_pipeline(args.pipeline, None), device=args.device, max_batch=args.batch_size,
                                     seed=args.seed)
-        async with pre:
-            await asyncio.gather(*(one(pre, i, d) for i, d in zip(indices, datas)))
+        ticker = asyncio.create_task(report_pending())
+        try:
+            async with pre:
+                await asyncio.gather(*(one(pre, i, d) for i, d in zip(indices, datas)))
+        finally:
+            ticker.cancel()
     except Exception as exc:  # noqa: BLE001 - setup or close failed
         part["untyped"].append(_untyped(exc, "preprocessor (setup or close)", []))
     part["delivered"] = sum(v == "delivered" for v in verdicts.values())
@@ -726,13 +741,17 @@ def tally(runs: list[WorkerRun], paths: list[str], manifest: list[dict[str, Any]
         t["inputs"] += n
         t["seconds"] += run.seconds
         part = run.report
-        if part is None:  # died or hung: none of the slice's inputs is accounted for
-            t["lost"] += n
+        if run.outcome != "ok":
+            # Before its report, none of the slice is accounted for; after it (a thread that kept the
+            # interpreter from exiting, a crash in teardown), the report stands and the failure too.
             key = {"hang": "hangs", "memory": "memory"}.get(run.outcome, "crashes")
             t[key].append({"slice": [run.start, run.stop], "returncode": run.returncode,
                            "seconds": round(run.seconds, 1), "peak_rss": run.peak_rss,
+                           "after_report": part is not None,
                            "suspects": run.progress.get("suspects", []), "stderr": run.stderr_tail[-1200:],
                            "culprits": run.culprits})
+        if part is None:
+            t["lost"] += n
             continue
         t["delivered"] += part["delivered"]
         t["skipped"] += part["skipped"]
@@ -745,7 +764,8 @@ def tally(runs: list[WorkerRun], paths: list[str], manifest: list[dict[str, Any]
         t["duplicated"] += part["duplicated"]
         t["problems"] += part["problems"]
         t["verdicts"].update({int(k): v for k, v in part["verdicts"].items()})
-        t["completed"].append([run.start, run.stop])
+        if not (part["aborted"] or any(u["phase"] == "loader" for u in part["untyped"])):
+            t["completed"].append([run.start, run.stop])  # every input has its verdict
         # A request answered with an untyped error is accounted for (and counted as untyped); an
         # untyped error out of the loader ends its epoch, and what it had not delivered is lost.
         answered = sum(u["phase"] == "preprocessor" for u in part["untyped"])
@@ -756,12 +776,14 @@ def tally(runs: list[WorkerRun], paths: list[str], manifest: list[dict[str, Any]
             t["problems"].append(f"slice {run.start}-{run.stop}: {accounted} delivered + skipped of {n} inputs")
     for t in totals.values():
         t["errors"] = dict(t["errors"])
+        # Untouched photographs must come out: a refused control is a good sample lost.
+        t["controls_refused"] = sorted(i for i in _completed(t) - _delivered(t) if manifest[i]["kind"] == "control")
     return totals
 
 
 def failed(total: dict[str, Any]) -> bool:
     return bool(total["untyped"] or total["aborted"] or total["crashes"] or total["hangs"] or total["memory"]
-                or total["lost"] or total["duplicated"] or total["problems"])
+                or total["lost"] or total["duplicated"] or total["problems"] or total["controls_refused"])
 
 
 def _completed(total: dict[str, Any]) -> set[int]:
@@ -831,6 +853,7 @@ def print_table(result: dict[str, Any]) -> None:
     row("lost", lambda t: t["lost"])
     row("duplicated", lambda t: len(t["duplicated"]))
     row("wrong batches/outputs", lambda t: len(t["problems"]))
+    row("untouched controls refused", lambda t: len(t["controls_refused"]))
     row("seconds (workers)", lambda t: f"{t['seconds']:.1f}")
     _print_rows(rows)
     print(f"peak RSS of a worker: {_gib(result['peak_rss'])} (limit {_gib(result['rss_limit'])})")
@@ -852,15 +875,16 @@ def print_table(result: dict[str, Any]) -> None:
 
 
 def print_kinds(result: dict[str, Any], manifest: list[dict[str, Any]]) -> None:
-    """Delivered of each mutation kind, per path."""
+    """Delivered of each mutation kind, per path, among the inputs its workers ran to the end."""
     paths = list(result["paths"])
-    rows: list[tuple[str, ...]] = [("delivered / inputs", *paths, "Pillow decodes")]
+    rows: list[tuple[str, ...]] = [("delivered / ran", *paths, "Pillow decodes (of all)")]
     for kind in KINDS:
         mine = [m["index"] for m in manifest if m["kind"] == kind]
         cells = []
         for p in paths:
-            verdicts = result["paths"][p]["verdicts"]
-            cells.append(f"{sum(verdicts.get(i) == 'delivered' for i in mine)} / {len(mine)}")
+            total = result["paths"][p]
+            ran, delivered = _completed(total), _delivered(total)
+            cells.append(f"{sum(i in delivered for i in mine)} / {sum(i in ran for i in mine)}")
         rows.append((f"  {kind}", *cells, str(sum(manifest[i]["pillow"] == "decodes" for i in mine))))
     _print_rows(rows)
 
@@ -869,9 +893,11 @@ def print_failures(result: dict[str, Any], manifest: list[dict[str, Any]]) -> No
     seed = result["seed"]
 
     def culprits(item: dict[str, Any]) -> None:
-        for i, verdict in sorted(item.get("culprits", {}).items(), key=lambda kv: int(kv[0])):
-            if verdict == "delivered" or verdict.startswith("skipped"):
-                continue
+        found = item.get("culprits", {})
+        bad = {i: v for i, v in found.items() if v != "delivered" and not v.startswith("skipped")}
+        if found and not bad:
+            print(f"    its {len(found)} suspects, each alone, all came through: only together (or not among them)")
+        for i, verdict in sorted(bad.items(), key=lambda kv: int(kv[0])):
             m = manifest[int(i)]
             print(f"    input {i} alone: {verdict}")
             print(f"      {m['kind']} ({m['detail']}); reproduce: --seed {seed} --dump {i}")
@@ -879,7 +905,8 @@ def print_failures(result: dict[str, Any], manifest: list[dict[str, Any]]) -> No
     for path, t in result["paths"].items():
         for label, items in (("untyped", t["untyped"]), ("epoch ended by", t["aborted"])):
             for u in items:
-                print(f"[{path}] {label} {u['type']}: {u['message'][:200]}")
+                leaves = f" of {', '.join(u['leaf_types'])}" if u.get("leaf_types") and "Group" in u["type"] else ""
+                print(f"[{path}] {label} {u['type']}{leaves}: {u['message'][:200]}")
                 if u.get("where"):
                     print(f"    at {' <- '.join(reversed(u['where']))}")
                 print(f"    batch inputs {u['indices'][:12]}{'...' if len(u['indices']) > 12 else ''} kinds {u['kinds']}")
@@ -887,7 +914,8 @@ def print_failures(result: dict[str, Any], manifest: list[dict[str, Any]]) -> No
         for name in ("crashes", "hangs", "memory"):
             for c in t[name]:
                 what = {"crashes": "crash", "hangs": "hang", "memory": "killed over the RSS limit"}[name]
-                print(f"[{path}] {what} in slice {c['slice']} (exit {c['returncode']}, {c['seconds']} s, "
+                when = " after its report (at exit)" if c["after_report"] else ""
+                print(f"[{path}] {what}{when} in slice {c['slice']} (exit {c['returncode']}, {c['seconds']} s, "
                       f"peak RSS {_gib(c['peak_rss'])})")
                 if c["stderr"].strip():
                     print("    stderr: " + c["stderr"].strip().splitlines()[-1][:300])
@@ -896,6 +924,8 @@ def print_failures(result: dict[str, Any], manifest: list[dict[str, Any]]) -> No
             print(f"[{path}] {p}")
         if t["duplicated"]:
             print(f"[{path}] duplicated inputs {t['duplicated'][:20]}")
+        if t["controls_refused"]:
+            print(f"[{path}] untouched controls refused: {t['controls_refused'][:20]}")
 
 
 def _suspects(run: WorkerRun, limit: int) -> list[int]:
@@ -917,7 +947,7 @@ def run(args: argparse.Namespace) -> int:
         for start in range(0, args.count, args.slice):
             for path in args.paths:
                 w = run_worker_process(args, corpus, path, start, min(start + args.slice, args.count))
-                bad = w.outcome != "ok" or (w.report and (w.report["untyped"] or w.report["aborted"]))
+                bad = (w.outcome != "ok" and w.report is None) or (w.report and (w.report["untyped"] or w.report["aborted"]))
                 suspects = _suspects(w, args.isolate) if bad else []
                 if suspects:
                     w.culprits = isolate(args, corpus, path, suspects)
