@@ -44,7 +44,8 @@ class Pipeline:
     ``batch[name]`` is a list of bytes, one per row (a caption, a JSON of boxes); every sample must
     have them. ``layout`` applies to uint8 output (no Normalize); Normalize carries its own.
 
-    Raises ConfigError for an op list that breaks these rules.
+    Raises ConfigError for an op list that breaks these rules, or a fixed output size over
+    ``Decode.max_pixels`` (that limit bounds every op's output; see ``Decode``).
     """
 
     def __init__(
@@ -100,6 +101,11 @@ class Pipeline:
             raise ConfigError(
                 f"Pipeline: Normalize has {len(self.normalize.mean)} channels, Decode gives {self.decode.channels}"
             )
+        limit = self.decode.max_pixels
+        for op in self.image_ops:
+            size = getattr(op, "size", None)  # a tuple where the output size is fixed
+            if isinstance(size, tuple) and limit is not None and size[0] * size[1] > limit:
+                raise ConfigError(f"Pipeline: {op!r} makes {size[0] * size[1]} pixels, over Decode's max_pixels={limit}")
         for op in self.post_ops:
             fill = getattr(op, "fill", (0.0,))
             if len(fill) not in (1, self.decode.channels):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import io
 import math
+import struct
+import zlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -198,3 +200,41 @@ def half_ulp(ref: np.ndarray, mantissa_bits: int, slack: float = 1e-6) -> np.nda
     most that rounding to it can move a value within ``slack`` of ``ref`` (float16: 10, bfloat16: 7)."""
     mag = np.maximum(np.abs(ref) + slack, 2.0**-14)
     return 0.5 * 2.0 ** (np.floor(np.log2(mag)) - mantissa_bits)
+
+
+# --- real photographs, and files that lie about themselves ----------------------------------------
+
+
+def photo(name: str = "astronaut", h: int | None = None, w: int | None = None) -> np.ndarray:
+    """A photograph from scikit-image's data (RGB uint8), resized to h x w when given."""
+    from skimage import data
+
+    a = getattr(data, name)()
+    if a.ndim == 2:
+        a = np.repeat(a[..., None], 3, axis=2)
+    if h is not None and w is not None:
+        a = np.asarray(Image.fromarray(a).resize((w, h), Image.Resampling.BILINEAR))
+    return a
+
+
+def with_sof_size(jpeg: bytes, h: int, w: int) -> bytes:
+    """A JPEG whose SOF0 header claims ``h`` x ``w``; the scan data is still the original's."""
+    b = bytearray(jpeg)
+    sof = b.index(b"\xff\xc0")
+    b[sof + 5 : sof + 9] = struct.pack(">HH", h, w)
+    return bytes(b)
+
+
+def with_ihdr_size(png: bytes, h: int, w: int) -> bytes:
+    """A PNG whose IHDR claims ``h`` x ``w`` (with a matching CRC); the pixel data is the original's."""
+    b = bytearray(png)
+    b[16:24] = struct.pack(">II", w, h)
+    b[29:33] = struct.pack(">I", zlib.crc32(bytes(b[12:29])))
+    return bytes(b)
+
+
+def flat_jpeg(h: int, w: int, quality: int = 50) -> bytes:
+    """A real JPEG of h x w in one colour: large in pixels, small in bytes."""
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), (120, 80, 40)).save(buf, "JPEG", quality=quality)
+    return buf.getvalue()

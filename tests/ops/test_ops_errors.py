@@ -138,3 +138,111 @@ async def test_cancelled_run_leaves_threads_idle(rng):
         await task
     await executor.aclose()
     assert not [t for t in threading.enumerate() if t.name.startswith("ops-test-cancel")]
+
+
+async def test_label_rule_every_sample_needs_the_field(make_executor, rng):
+    """Pipeline(label="cls") (the default): a sample without the field fails alone, whether or not
+    others in its batch have it; label=None hands out no labels and needs none."""
+    good = encode(random_image(rng, 30, 30))
+    mixed = [sample(0, good), sample(1, good, label=None), sample(2, good)]
+    none = [sample(i, good, label=None) for i in range(3)]
+    for samples, kept in ((mixed, [0, 2]), (none, [])):
+        out = await make_executor(Pipeline([Resize((8, 8))])).run(batch(samples))
+        assert out.kept == kept and out.data["label"].tolist() == [3] * len(kept)
+        for row, err in out.failures:
+            assert type(err) is TransformError and (err.key, err.source) == (samples[row].key, samples[row].source)
+            assert str(err).startswith("sample has no 'cls' field (the pipeline reads labels from it; "
+                                       "Pipeline(label=None) for data without labels)")
+    out = await make_executor(Pipeline([Resize((8, 8))], label=None)).run(batch(mixed))
+    assert out.kept == [0, 1, 2] and "label" not in out.data
+
+
+async def test_labels_out_of_int64_range_fail_alone(make_executor, rng):
+    good = encode(random_image(rng, 30, 30))
+    samples = [sample(0, good), sample(1, good)]
+    samples[1].fields["cls"] = b"99999999999999999999999"
+    out = await make_executor(Pipeline([Resize((8, 8))])).run(batch(samples))
+    assert out.kept == [0] and type(out.failures[0][1]) is TransformError
+
+
+async def test_drain_waits_for_running_chunks_and_cancels_queued_ones(rng):
+    """A cancelled run leaves chunks running in the threads; drain() cancels the queued ones, waits
+    for the running ones, and the executor then serves the next run (the next epoch) as before."""
+    import asyncio
+
+    data = encode(random_image(rng, 300, 300))
+    executor = CpuExecutor(training(32), num_threads=2, seed=0, name="ops-test-drain")
+    try:
+        await executor.drain()  # idle: returns at once
+        expected = await executor.run(batch([sample(i, data) for i in range(8)]))
+        for _ in range(3):
+            task = asyncio.create_task(executor.run(batch([sample(i, data) for i in range(256)])))
+            await asyncio.sleep(0.02)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await executor.drain()
+            assert not executor._running
+            again = await executor.run(batch([sample(i, data) for i in range(8)]))
+            assert torch.equal(again.data["image"], expected.data["image"])
+    finally:
+        await executor.aclose()
+
+
+async def test_drain_still_waits_when_cancelled(rng):
+    import asyncio
+
+    data = encode(random_image(rng, 300, 300))
+    executor = CpuExecutor(training(32), num_threads=2, seed=0)
+    try:
+        run = asyncio.create_task(executor.run(batch([sample(i, data) for i in range(128)])))
+        await asyncio.sleep(0.02)
+        run.cancel()
+        drain = asyncio.create_task(executor.drain())
+        await asyncio.sleep(0)
+        drain.cancel()  # cancelled at once: it waits for the running chunks all the same
+        with pytest.raises(asyncio.CancelledError):
+            await drain
+        assert not [f for f in executor._running if f.running()]
+        with pytest.raises(asyncio.CancelledError):
+            await run
+    finally:
+        await executor.aclose()
+
+
+_MEMORY_CHILD = r"""
+import asyncio, json, resource, sys
+sys.path[:0] = sys.argv[1:2]
+from ops_refs import batch, encode, photo, sample, with_sof_size
+from headrace.ops import CpuExecutor, Decode, Pipeline
+
+size = int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmSize:"))) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (size + (1536 << 20), resource.RLIM_INFINITY))
+good = encode(photo("chelsea"))
+huge = with_sof_size(encode(photo("astronaut")), 30000, 30000)  # 2.5 GiB of RGB pixels claimed
+
+async def main():
+    executor = CpuExecutor(Pipeline([Decode(max_pixels=None)]), num_threads=1, seed=0)
+    out = await executor.run(batch([sample(0, good), sample(1, huge), sample(2, good)]))
+    await executor.aclose()
+    (row, err), = out.failures
+    print(json.dumps([out.kept, row, type(err).__name__, err.key, type(err.__cause__).__name__, str(err)]))
+
+asyncio.run(main())
+"""
+
+
+def test_out_of_memory_is_the_samples_decode_error():
+    """With no pixel limit, a header claiming 30000 x 30000 makes the decoder ask for 2.5 GiB; in a
+    process allowed 1.5 GiB more than it has, that MemoryError is the sample's DecodeError."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, os.path.dirname(__file__)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    kept, row, kind, key, cause, message = json.loads(proc.stdout.strip().splitlines()[-1])
+    print("\n" + message)
+    assert (kept, row, kind, key, cause) == ([0, 2], 1, "DecodeError", "s0001", "MemoryError")
