@@ -4,6 +4,7 @@ memory, and an executor that drains, is reused, and gives everything back when c
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import gc
 import io
@@ -115,6 +116,70 @@ async def test_bad_files_get_the_cpu_paths_verdict_and_batches_may_lose_every_sa
     assert after.kept == [0] and after.data["label"].tolist() == [0]
 
 
+def _mutated(rng, base: bytes) -> tuple[str, bytes]:
+    """One damaged variant of ``base`` (a JPEG), of a kind drawn at random, and the kind."""
+    kind = str(rng.choice(["control", "bitflip", "truncate", "insert", "delete", "sof", "thin", "huge"]))
+    data = bytearray(base)
+    if kind == "bitflip":
+        for pos in rng.integers(2, len(data), size=int(rng.integers(1, 20))):
+            data[pos] ^= 1 << int(rng.integers(0, 8))
+    elif kind == "truncate":
+        data = data[: int(rng.integers(2, len(data)))]
+    elif kind == "insert":
+        pos = int(rng.integers(2, len(data)))
+        data[pos:pos] = rng.integers(0, 256, size=int(rng.integers(1, 64)), dtype=np.uint8).tobytes()
+    elif kind == "delete":
+        pos = int(rng.integers(2, len(data) - 2))
+        del data[pos : pos + int(rng.integers(1, 64))]
+    elif kind in ("sof", "thin", "huge"):
+        if kind == "sof":
+            h, w = (int(v) if v > 0 else int(rng.integers(1, 65536)) for v in rng.choice([0, 1, 65535, -1], size=2))
+        else:
+            h, w = (60000, 60000) if kind == "huge" else [(32768, 2), (2, 32768), (1, 65500), (65500, 1)][int(rng.integers(4))]
+        data = bytearray(_claiming(bytes(data), h, w))
+    return kind, bytes(data)
+
+
+@pytest.mark.parametrize("launch", ["shim", "python"])
+@pytest.mark.parametrize("name", ["train", "val", "list"])
+async def test_mutated_jpegs_come_out_as_images_or_typed_errors_within_the_memory_limits(monkeypatch, name, launch):
+    for var, value in LAUNCHES[launch].items():
+        monkeypatch.setenv(var, value)
+    rng = np.random.default_rng(17)
+    bases = [_jpeg(rng, int(rng.integers(48, 400)), int(rng.integers(48, 400)), quality=int(rng.integers(50, 96)))
+             for _ in range(8)]
+    inputs = [_mutated(rng, bases[i % len(bases)]) for i in range(320)]
+    samples = [_sample(f"{kind}-{i}", blob, i) for i, (kind, blob) in enumerate(inputs)]
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    gpu = ops.CudaExecutor(PIPELINES[name](), seed=5)
+    kinds: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    try:
+        for lo in range(0, len(samples), 32):
+            out = await gpu.run(SampleBatch(samples[lo : lo + 32], 0, lo // 32))
+            failed = [row for row, _ in out.failures]
+            assert sorted(out.kept + failed) == list(range(len(samples[lo : lo + 32])))  # each exactly once
+            images = out.data["image"]
+            assert (len(images) if isinstance(images, list) else images.shape[0]) == len(out.kept)
+            for row, err in out.failures:
+                assert isinstance(err, LoaderError) and err.key == samples[lo + row].key, repr(err)
+                kinds[samples[lo + row].key.split("-")[0]][type(err).__name__] += 1
+            for row in out.kept:
+                kinds[samples[lo + row].key.split("-")[0]]["delivered"] += 1
+            del out, images
+        torch.cuda.synchronize()
+        workspaces = [w.numel() for lane in gpu._lanes for w in lane.decoder.workspaces]
+    finally:
+        await gpu.aclose()
+    peak = torch.cuda.max_memory_allocated() - before
+    print(f"{name}/{launch}: peak {peak / 2**20:.0f} MiB, workspaces {workspaces}, by kind {dict(kinds)}")
+    assert kinds["control"]["delivered"] == sum(kinds["control"].values())  # untouched files come through
+    assert all(size <= (1 << 30) // 2 for size in workspaces)  # a lane's share of max_batch_bytes
+    assert peak < 3 << 30
+
+
 @pytest.mark.parametrize("launch", ["shim", "python"])
 async def test_labels_are_required_per_sample_unless_the_pipeline_reads_none(monkeypatch, launch):
     for var, value in LAUNCHES[launch].items():
@@ -204,7 +269,7 @@ async def test_cancelled_runs_then_drain_keep_only_the_workspaces_and_aclose_fre
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            del tasks
+            del tasks, task  # a finished run's output lives as long as its task
             await gpu.drain()
             await gpu.drain()  # idle: returns at once
             gc.collect()
