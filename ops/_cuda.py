@@ -488,7 +488,7 @@ class _Lane:
             _image_field(sample, pipe.image_fields), pipe.decode, sample.key, sample.source
         )
         y0, x0, y1, x1 = (int(v) for v in region)
-        arr = np.ascontiguousarray(np.asarray(img.crop((x0, y0, x1, y1))).reshape(y1 - y0, x1 - x0, -1))
+        arr = np.array(img.crop((x0, y0, x1, y1))).reshape(y1 - y0, x1 - x0, -1)  # a writable copy, for torch
         return torch.from_numpy(arr).to(self.owner.device, non_blocking=False)
 
     def _launch(self, out: torch.Tensor, tables, stage: Staging, pointers: np.ndarray, row_strides: np.ndarray,
