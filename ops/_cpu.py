@@ -78,9 +78,14 @@ class Processed:
 class CpuExecutor:
     """Runs a pipeline on the CPU with ``num_threads`` worker threads.
 
-    ``run`` may be awaited for several batches at once; their chunks share the threads. ``aclose``
-    waits for chunks already running (a thread cannot be interrupted), joins the threads and
-    releases their decoders.
+    ``run`` may be awaited for several batches at once; their chunks share the threads. The
+    executor lives as long as its loader, across epochs: ``drain`` (between epochs, when no ``run``
+    is awaited) cancels queued chunks and waits for running ones; ``aclose`` also joins the threads
+    and releases their decoders.
+
+    Limits (``pipeline.decode``): a header claiming more than ``max_pixels``, or ops that would make
+    a larger image, fail their sample before decoding; the decoded pixels all threads hold at once
+    stay within ``max_batch_bytes`` (predicted from the headers; see ``_limits.ByteBudget``).
 
     JPEGs are decoded by nvImageCodec's CPU backend when ``nvidia.nvimgcodec`` imports and the
     pipeline asks for RGB, by Pillow otherwise; both give the same pixels (libjpeg-turbo, same

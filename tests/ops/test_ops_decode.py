@@ -339,3 +339,23 @@ async def test_odd_modes_decode_or_fail_typed(make_executor, rng, color):
     failed = {list(files)[row] for row, _ in out.failures}
     assert failed <= {"LAB TIFF"}, failed  # Pillow converts every other mode; LAB has no luma conversion
     assert len(out.kept) >= len(files) - 1
+
+
+def test_jpeg_exif_behind_large_application_segments():
+    """The Exif APP1 is found behind other application segments of any size (a 60 KB ICC-like APP2,
+    a JFIF APP0); one placed after the tables (not where the standard puts it) is not read."""
+    from headrace.ops._exif import jpeg_orientation, orientation
+
+    a = random_image(np.random.default_rng(5), 16, 24)
+    data = with_orientation(a, 6)
+    app2 = b"\xff\xe2" + struct.pack(">H", 60002) + bytes(60000)
+    behind = data[:2] + app2 + app2 + data[2:]
+    assert jpeg_orientation(behind) == orientation(behind) == orientation(memoryview(behind)) == 6
+    assert np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(behind)))).shape[:2] == (24, 16)  # Pillow agrees
+    exif_at = data.index(b"\xff\xe1")
+    exif_len = struct.unpack(">H", data[exif_at + 2 : exif_at + 4])[0] + 2
+    segment, rest = data[exif_at : exif_at + exif_len], data[:exif_at] + data[exif_at + exif_len :]
+    dqt = rest.index(b"\xff\xdb")
+    late = rest[: dqt + 4 + struct.unpack(">H", rest[dqt + 2 : dqt + 4])[0] - 2] + segment
+    late += rest[len(late) - len(segment) :]
+    assert Image.open(io.BytesIO(late)).size == (24, 16) and jpeg_orientation(late) == 1

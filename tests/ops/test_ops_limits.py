@@ -9,8 +9,6 @@ subprocess where the number must be exact.
 
 from __future__ import annotations
 
-import asyncio
-import io
 import json
 import os
 import subprocess
@@ -21,15 +19,13 @@ import warnings
 
 import numpy as np
 import pytest
-from ops_refs import batch, encode, flat_jpeg, photo, sample, with_ihdr_size, with_sof_size
+from ops_refs import batch, encode, photo, sample, with_ihdr_size, with_sof_size
 from PIL import Image
 
 from headrace import ConfigError, DecodeError, TransformError
 from headrace.ops import (
     CenterCrop,
-    CpuExecutor,
     Decode,
-    Normalize,
     Pipeline,
     RandomResizedCrop,
     Resize,
