@@ -6,6 +6,7 @@ import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
+from collections.abc import Callable
 
 from ._batcher import LastBatch, batches_per_epoch
 from ._budget import ErrorBudget
@@ -14,6 +15,7 @@ from ._device import resolve_device
 from ._distributed import detect_distributed
 from ._errors import ClosedError, ConfigError, LoaderError, require_int
 from ._markers import END
+from ._policy import DEFAULT_MAX_ERRORS, ErrorLog, ErrorRecord, check_on_error
 from ._run import RunConfig, _Run
 from ._sample import Batch
 
@@ -25,12 +27,20 @@ _EQUAL = ("pad", "drop", None)
 
 @dataclass
 class LoaderStats:
-    """Counters since the loader was made, plus the channels of the current or last epoch."""
+    """Counters since the loader was made, plus the channels of the current or last epoch.
+
+    ``dropped`` counts samples skipped and ``replaced`` samples whose row another sample took
+    (``on_error``); ``errors`` counts every failed sample by error class (``{"DecodeError": 3}``),
+    and ``recent_errors`` holds the last 32 failures, newest last.
+    """
 
     epoch: int = 0
     batches: int = 0
     samples: int = 0
     dropped: int = 0
+    replaced: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    recent_errors: list[ErrorRecord] = field(default_factory=list)
     channels: list[ChannelStats] = field(default_factory=list)
     lanes: dict[str, float] = field(default_factory=dict)  # GPU path: seconds per lane phase
 
@@ -76,9 +86,17 @@ class Loader:
             event loop, which the work would not outlive). Default: on for the GPU path (its executor is shared
             by the epochs), off on the CPU (each epoch's run has its own threads).
         max_bytes: bound on encoded bytes buffered between the reader and the batcher.
-        on_error: ``"raise"`` (default) raises the first sample error, typed and naming the sample;
-            ``"skip"`` drops failed samples from their batch and counts them (``stats().dropped``).
-        max_errors: the skip budget per epoch: an int count, or a float fraction of samples seen.
+        on_error: what a sample that cannot be read, decoded or transformed does to the run.
+            ``"raise"`` (default): the first one raises, typed and naming the sample, after the good
+            batches before it. ``"skip"``: it leaves its batch (``stats().dropped``). ``"replace"``:
+            another sample of the same batch, chosen by the seed (the same on resume), takes its row,
+            so batches stay full (``stats().replaced``; a batch with no good sample is left out).
+            A callable gets the ``LoaderError`` and returns one of those three words. Every failure
+            is counted by class in ``stats().errors`` and recorded in ``stats().recent_errors``;
+            skips and replacements are logged on the ``headrace`` logger, at most a line a second.
+        max_errors: the budget of skipped and replaced samples per epoch, past which the loader
+            raises ``ErrorBudgetExceeded``: an int count, or a float fraction of the samples seen
+            (checked once 100 were seen). Default: 1% (``0.01``).
         distributed: take this process's rank and world size from ``torch.distributed`` (when its
             default process group is initialised) or from torchrun's ``RANK``/``WORLD_SIZE``
             (``headrace._distributed``); False: this process reads the whole data set.
@@ -90,15 +108,18 @@ class Loader:
             ``world``), ``"drop"`` cuts the long ones, None leaves the parts unequal (ranks may then
             yield different batch counts, and a collective can wait forever).
 
-    GPU lanes (decoders, streams, compiled kernels) are costly to make, so they outlive a
-    completed epoch and serve the next; leaving a loop early, an error or cancellation closes them
-    with the epoch, and ``aclose()`` (or ``async with``) closes them in any case.
+    Lifetime: the executor (worker threads; on the GPU the lanes' decoders, streams and compiled
+    kernels) is made at the first epoch and serves every epoch until ``aclose()`` (or the end of
+    ``async with loader``), which releases it; the loader cannot be used after that
+    (``ClosedError``). Leaving an epoch early in any way (``break``, an exception in the loop's
+    body, cancellation, a timeout) stops that epoch's tasks and waits for the batches it had in
+    flight, no more; the next ``async for`` then starts the next epoch at once, even right after a
+    bare ``break`` whose iterator the garbage collector has not closed yet. Only one loop may
+    iterate at a time: a second ``async for`` while another task is waiting inside the first
+    raises ``LoaderError``.
 
     Backpressure: the consumer sets the pace; the pipeline runs at most ``prefetch`` batches ahead
-    and the reader at most ``max_bytes`` ahead of the batcher. Breaking out of the loop, an error or
-    cancellation stops every task, joins every thread and closes every file before control returns
-    (``break`` is cleaned up by the asyncgen finaliser on the next loop turns; ``async with loader``
-    or ``await loader.aclose()`` makes it immediate).
+    and the reader at most ``max_bytes`` ahead of the batcher.
 
     Resume: ``state_dict()`` at any point between batches, ``load_state_dict()`` on a new loader
     with the same arguments, and the next ``async for`` yields exactly the batches the
@@ -127,8 +148,8 @@ class Loader:
         num_threads: int | None = None,
         prefetch: int | None = None,
         max_bytes: int = 256 << 20,
-        on_error: Literal["raise", "skip"] = "raise",
-        max_errors: int | float = 0,
+        on_error: Literal["raise", "skip", "replace"] | Callable[[LoaderError], str] = "raise",
+        max_errors: int | float | None = None,
         lanes: int = 2,
         hw_load: float | str = 0.65,
         run_ahead: bool | None = None,
@@ -152,8 +173,9 @@ class Loader:
         reader = _shard_for(reader, dist.rank, dist.world, equal, explicit=rank is not None)
         device = resolve_device(pipeline, device, local_rank=dist.local_rank)
         require_int("lanes", lanes)
-        if on_error not in ("raise", "skip"):
-            raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        check_on_error(on_error)
+        if max_errors is None:
+            max_errors = 0 if on_error == "raise" else DEFAULT_MAX_ERRORS
         if num_threads is None:  # the node's cores, shared by the processes torchrun started on it
             num_threads = max(1, (os.cpu_count() or 1) // dist.local_world)
         if prefetch is None:  # on the GPU: one batch per lane, one being prepared, one handed over
@@ -173,21 +195,20 @@ class Loader:
         if run_ahead is not None and not isinstance(run_ahead, bool):
             raise ConfigError(f"run_ahead must be True, False or None, got {run_ahead!r}")
         self.run_ahead = device.startswith("cuda") if run_ahead is None else run_ahead
-        self._gpu_executor: Any = None
+        self._executor: Any = None
         self.last_batch = LastBatch.parse(last_batch)
         self.seed = seed
         self.num_threads = num_threads
         self._cfg = RunConfig(
             reader=reader,
-            open_executor=self._open_executor,
-            close_executor=self._close_executor,
+            executor=self._open_executor,
             batch_size=batch_size,
             last_batch=self.last_batch,
             seed=seed,
             prefetch=prefetch,
             max_bytes=max_bytes,
             on_error=on_error,
-            max_errors=max_errors if on_error == "skip" else 0,
+            max_errors=max_errors if on_error != "raise" else 0,
         )
         # Where the next batch comes from. ``_fresh``: nobody has started iterating from it yet;
         # an iteration left mid-epoch makes the next ``async for`` start the next epoch.
@@ -195,26 +216,28 @@ class Loader:
         self._fresh = True
         self._active: _Run | None = None
         self._ahead: _Run | None = None  # the next epoch's run, started early (run_ahead)
+        # A run whose loop was left without closing its iterator (a bare ``break``): the next
+        # ``async for`` tears it down before it starts its own.
+        self._abandoned: _Run | None = None
         self._closed = False
         self._stats = LoaderStats()
+        self._errors = ErrorLog()
 
     async def _open_executor(self) -> Any:
+        """The loader's executor, made at the first epoch and kept until ``aclose()``."""
         from headrace.ops import CpuExecutor, CudaExecutor
 
-        if self.device == "cpu":
-            return CpuExecutor(self.pipeline, num_threads=self.num_threads, seed=self.seed)
-        if self._gpu_executor is None:
-            # Made once (decoders, streams, compiled kernels) and kept until aclose(): this blocks
-            # the loop once, before the first batch.
-            self._gpu_executor = CudaExecutor(
-                self.pipeline, device=self.device,
-                lanes=self.lanes, seed=self.seed, hw_load=self.hw_load, decoder_threads=self.num_threads,
-            )
-        return self._gpu_executor
-
-    async def _close_executor(self, executor: Any) -> None:
-        if executor is not self._gpu_executor:
-            await executor.aclose()
+        if self._closed:
+            raise ClosedError("loader is closed")
+        if self._executor is None:
+            if self.device == "cpu":
+                self._executor = CpuExecutor(self.pipeline, num_threads=self.num_threads, seed=self.seed)
+            else:  # decoders, streams, compiled kernels: this blocks the loop once, before the first batch
+                self._executor = CudaExecutor(
+                    self.pipeline, device=self.device,
+                    lanes=self.lanes, seed=self.seed, hw_load=self.hw_load, decoder_threads=self.num_threads,
+                )
+        return self._executor
 
     def __len__(self) -> int:
         """Batches per epoch on this rank."""
@@ -238,14 +261,22 @@ class Loader:
     def _aiter(self, *, run_ahead: bool) -> AsyncIterator[Batch]:
         if self._closed:
             raise ClosedError("loader is closed")
-        if self._active is not None:
-            raise LoaderError("this loader is already being iterated; finish or close that loop first")
+        previous = self._active
+        if previous is not None:
+            if previous.consumer_inside:
+                raise LoaderError("this loader is already being iterated by another task; "
+                                  "finish or close that loop first")
+            # The last loop was left without closing its iterator (a bare ``break``, or an
+            # exception in its body): this one takes over and tears that run down first.
+            previous.superseded = True
+            self._abandoned, self._active = previous, None
         if not self._fresh:
             self._start_epoch(self._epoch + 1)
         self._fresh = False
         where = (self._epoch, self._position, self._batches, tuple(self._history))
         ahead = self._ahead
-        if ahead is not None and (ahead.epoch, ahead.start, ahead.first_batch, ahead.history) == where:
+        if (previous is None and ahead is not None
+                and (ahead.epoch, ahead.start, ahead.first_batch, ahead.history) == where):
             run, self._ahead = ahead, None  # started during the last epoch: take it over
         else:
             run = _Run(self._cfg, *where)  # (a stale run ahead, after load_state_dict, goes in _iterate)
@@ -254,10 +285,16 @@ class Loader:
 
     async def _iterate(self, run: _Run, run_ahead: bool) -> AsyncIterator[Batch]:
         stats = self._stats
-        stats.epoch = run.epoch
         completed = False
+        run.consumer_inside = True
         try:
+            if run.superseded:  # a later ``async for`` took over before this one started
+                raise ClosedError("this iteration was replaced by a later async for on the same loader")
+            abandoned, self._abandoned = self._abandoned, None
+            if abandoned is not None:
+                await self._stop_early(abandoned)
             await self._close_ahead()
+            stats.epoch = run.epoch
             run.start_runner()
             while True:
                 item = await run.out_rx.receive()
@@ -265,46 +302,82 @@ class Loader:
                     if run.failure is not None:
                         raise run.failure
                     break
+                item, outcomes = item
+                for error, action in outcomes:
+                    self._errors.add(error, action)
+                self._sync_error_stats()
                 if isinstance(item, BaseException):
                     raise item
                 if run_ahead and self._ahead is None and run.dispatched_all.is_set():
                     self._ahead = _Run(self._cfg, run.epoch + 1, 0, 0)
                     self._ahead.start_runner()
                 self._position, self._batches = item.extra["end_position"], item.index + 1
+                stats.dropped += item.dropped
+                stats.replaced += item.replaced
+                if not item.sample_keys:
+                    continue  # every sample of the batch failed: nothing to hand out
                 stats.batches += 1
                 stats.samples += item.size
-                stats.dropped += item.dropped
                 item.handoff()
+                item.substitute()
+                run.consumer_inside = False
                 yield item
+                if run.superseded:
+                    raise ClosedError("this iteration was replaced by a later async for on the same loader")
+                run.consumer_inside = True
             self._start_epoch(run.epoch + 1)
             self._fresh = True
             completed = True
         finally:
+            run.consumer_inside = False
             stats.channels = run.channels()
-            self._active = None
+            if completed:
+                self._active = None
+                await run.aclose()
+            elif run.superseded:
+                await run.aclose()  # the loop that replaced this one stops the rest
+            else:
+                # ``_active`` stays this run until it is stopped: a new ``async for`` meanwhile
+                # takes it as abandoned and waits for the same teardown before it starts.
+                try:
+                    await self._stop_early(run)
+                finally:
+                    if self._active is run:
+                        self._active = None
+
+    async def _stop_early(self, run: _Run) -> None:
+        """Tear down an epoch left early: its tasks, the work running ahead, and the batches it had
+        in flight in the executor (which stays, for the next epoch)."""
+        try:
             await run.aclose()
-            if not completed:  # break, cancel or error: the GPU lanes go too, not only the epoch
-                await self._close_ahead()
-                await self._close_gpu_executor()
+            await self._close_ahead()
+        finally:
+            if self._executor is not None:
+                await self._executor.drain()
+
+    def _sync_error_stats(self) -> None:
+        self._stats.errors = dict(self._errors.counts)
+        self._stats.recent_errors = list(self._errors.recent)
 
     async def aclose(self) -> None:
-        """Stop the epoch in progress, if any, and release everything. Safe to call twice."""
-        run = self._active
-        if run is not None:
-            self._active = None
-            await run.aclose()
-        await self._close_ahead()
-        await self._close_gpu_executor()
+        """Stop the epoch in progress, if any, and release everything: tasks, threads, files,
+        decoders and GPU memory. Final: the loader raises ``ClosedError`` when used again. Safe to
+        call twice, and from a task being cancelled (it finishes the cleanup, then re-raises)."""
+        self._closed = True
+        runs = [r for r in (self._active, self._abandoned, self._ahead) if r is not None]
+        self._active = self._abandoned = self._ahead = None
+        executor, self._executor = self._executor, None
+        try:
+            for run in runs:
+                await run.aclose()
+        finally:
+            if executor is not None:
+                await executor.aclose()
 
     async def _close_ahead(self) -> None:
         run, self._ahead = self._ahead, None
         if run is not None:
             await run.aclose()
-
-    async def _close_gpu_executor(self) -> None:
-        executor, self._gpu_executor = self._gpu_executor, None
-        if executor is not None:
-            await executor.aclose()
 
     async def __aenter__(self) -> Loader:
         return self
@@ -321,8 +394,9 @@ class Loader:
     def stats(self) -> LoaderStats:
         if self._active is not None:
             self._stats.channels = self._active.channels()
-        if self._gpu_executor is not None:
-            self._stats.lanes = self._gpu_executor.timings()
+        timings = getattr(self._executor, "timings", None)
+        if timings is not None:
+            self._stats.lanes = timings()
         return self._stats
 
     def state_dict(self) -> dict[str, Any]:

@@ -2,8 +2,14 @@
 
 A ``_Run`` owns a runner task, and the runner owns every stage task through one TaskGroup. The
 consumer never runs inside that TaskGroup: it only receives from the output channel, so leaving
-its loop early cancels the runner from the outside, and the runner's ``finally`` closes the
-executor (joining its threads) and the reader (closing its files).
+its loop early cancels the runner from the outside; the stages' ``finally`` blocks close the
+reader (its files), and each batch's ops task, cancelled, stops the thread work it queued. The
+executor (threads, decoders, GPU lanes) belongs to the loader, not to the run: the next epoch
+uses it again.
+
+Whatever escapes a stage reaches the consumer as one ``LoaderError``: a sample's error as it is,
+anything else (a bug) as a ``LoaderError`` whose ``__cause__`` is the original, never an
+``ExceptionGroup``.
 """
 
 from __future__ import annotations
@@ -18,28 +24,26 @@ from ._batcher import LastBatch, batch_samples
 from ._budget import ErrorBudget
 from ._channel import ChannelStats, open_channel
 from ._errors import LoaderError
+from ._policy import decide
 from ._sample import Batch, SampleBatch, samples_nbytes
+from ._threads import wait_all
 
 __all__ = ["RunConfig", "_Run"]
 
 
 @dataclass(frozen=True, slots=True)
 class RunConfig:
-    """What one epoch's run needs from the loader.
-
-    The loader decides an executor's lifetime through ``open_executor``/``close_executor``: the CPU
-    one lives for a run, the GPU one (its decoders and streams are costly to make) for the loader.
-    """
+    """What one epoch's run needs from the loader. ``executor`` gives the loader's executor (made
+    on first use, kept until the loader closes)."""
 
     reader: Any
-    open_executor: Callable[[], Awaitable[Any]]
-    close_executor: Callable[[Any], Awaitable[None]]
+    executor: Callable[[], Awaitable[Any]]
     batch_size: int
     last_batch: LastBatch
     seed: int
     prefetch: int
     max_bytes: int
-    on_error: str
+    on_error: Any  # "raise", "skip", "replace" or a callable (``_policy``)
     max_errors: int | float
 
 
@@ -62,6 +66,10 @@ class _Run:
         # Set once every batch of the epoch has gone to the executor: the loader may then start
         # the next epoch's run beside this one's last batches (``Loader(run_ahead=...)``).
         self.dispatched_all = asyncio.Event()
+        # Set by the loader: a consumer is inside this run's iterator (between two batches), or a
+        # later ``async for`` replaced the iterator that a loop left without closing it.
+        self.consumer_inside = False
+        self.superseded = False
 
     def start_runner(self) -> None:
         """Start the stages (once; a run started ahead of its epoch is not started again)."""
@@ -78,17 +86,16 @@ class _Run:
             return
         if not runner.done():
             runner.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait([runner])
-        await self.out_rx.aclose()
+        try:
+            await wait_all([runner])  # the runner's cleanup finishes even if we are cancelled
+        finally:
+            await self.out_rx.aclose()
+            if runner.done() and not runner.cancelled():
+                runner.exception()  # retrieved: its failure went to the consumer as ``failure``
 
     async def _main(self) -> None:
         try:
-            executor = await self.cfg.open_executor()
-        except BaseException:
-            await self.out_tx.aclose()
-            raise
-        try:
+            executor = await self.cfg.executor()
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(_noted(self._read(), "read"), name="loader:read")
                 tg.create_task(_noted(self._batch(), "batch"), name="loader:batch")
@@ -96,14 +103,13 @@ class _Run:
                 tg.create_task(_noted(self._emit(), "emit"), name="loader:emit")
         except BaseExceptionGroup as group:
             leaves = _leaves(group)
-            if any(isinstance(e, asyncio.CancelledError) for e in leaves) and len(leaves) == 1:
+            if all(isinstance(e, asyncio.CancelledError) for e in leaves):
                 raise leaves[0] from None
-            self.failure = leaves[0] if len(leaves) == 1 else group
+            self.failure = _one_failure([e for e in leaves if not isinstance(e, asyncio.CancelledError)])
+        except Exception as exc:  # making the executor failed
+            self.failure = _one_failure([exc])
         finally:
-            try:
-                await self.cfg.close_executor(executor)
-            finally:
-                await self.out_tx.aclose()
+            await self.out_tx.aclose()
 
     async def _read(self) -> None:
         cfg = self.cfg
@@ -142,39 +148,60 @@ class _Run:
 
     async def _emit(self) -> None:
         async for batch, task in self._order_rx:
-            processed = await task
-            item = self._finish(batch, processed)
-            await self.out_tx.send(item)
+            outcomes: list[tuple[LoaderError, str]] = []
+            try:
+                processed = await task
+                item = self._finish(batch, processed, outcomes)
+            except LoaderError as exc:  # the on_error callable failed, or the budget is spent
+                item = exc
+            except Exception as exc:
+                item = _unexpected(exc, f"processing batch {batch.index}", batch)
+            # The failures go along: the loader counts and logs them when the consumer gets here.
+            await self.out_tx.send((item, outcomes))
             self._slots.release()
             if isinstance(item, LoaderError):
                 return  # the consumer raises it; everything after it is cancelled
 
-    def _finish(self, batch: SampleBatch, processed: Any) -> Batch | LoaderError:
-        failures = [err for _, err in processed.failures]
-        if failures:
-            if self.cfg.on_error == "raise":
-                return failures[0]
-            try:
-                self.budget.record(len(batch.samples) - batch.padded, failures)
-            except LoaderError as exc:
-                return exc
+    def _finish(self, batch: SampleBatch, processed: Any, outcomes: list[tuple[LoaderError, str]]) -> Batch | LoaderError:
+        """The batch as the consumer gets it, after the ``on_error`` policy met its failures.
+
+        Skipped rows leave the batch; a replaced row holds another sample of the same batch (chosen
+        by the seed, epoch and the failed sample's index, so a resumed run chooses the same), named
+        by that sample's key. A batch left with no row is still sent (empty), for its counts; the
+        loader does not hand it out. Each failure and what was done with it goes to ``outcomes``.
+        """
+        samples, kept = batch.samples, processed.kept
+        real = len(samples) - batch.padded
+        replaced: dict[int, int] = {}  # failed row -> position in ``kept`` of its substitute
+        for row, err in processed.failures:
+            action = decide(self.cfg.on_error, err)
+            if action == "raise":
+                outcomes.append((err, "raise"))
+                return err
+            if action == "replace" and kept:
+                replaced[row] = hash((self.cfg.seed, batch.epoch, samples[row].index)) % len(kept)
+            outcomes.append((err, "replace" if row in replaced else "skip"))
+        self.budget.record(real, [err for err, _ in outcomes])  # ErrorBudgetExceeded when spent
+        if len(kept) == len(samples):  # none failed (kept rows ascend without repeats: all of them)
+            slots, rows, take = kept, kept, None
         else:
-            self.budget.record(len(batch.samples) - batch.padded, [])
-        samples, rows = batch.samples, processed.kept
-        if len(rows) == len(samples):  # none failed (kept rows ascend without repeats: all of them)
-            kept, padded = samples, batch.padded
-        else:
-            kept = [samples[i] for i in rows]
-            padded = sum(1 for i in rows if i >= len(samples) - batch.padded) if batch.padded else 0
+            position = {row: p for p, row in enumerate(kept)}
+            slots = [row for row in range(len(samples)) if row in position or row in replaced]
+            take = [position[row] if row in position else replaced[row] for row in slots]
+            rows = [kept[p] for p in take]  # the sample each output row holds
+            if not replaced:
+                take = None  # the executor's output already is the kept rows, in order
+        kept_samples = [samples[r] for r in rows]
         return Batch(
             data=processed.data,
-            sample_keys=[s.key for s in kept],
-            sources=[s.source for s in kept],
+            sample_keys=[s.key for s in kept_samples],
+            sources=[s.source for s in kept_samples],
             epoch=batch.epoch,
             index=batch.index,
-            padded=padded,
-            dropped=len(failures),
-            extra={"end_position": batch.end_position, "ready": processed.ready},
+            padded=sum(1 for slot in slots if slot >= real) if batch.padded else 0,
+            dropped=len(outcomes) - len(replaced),
+            replaced=len(replaced),
+            extra={"end_position": batch.end_position, "ready": processed.ready, "take": take},
         )
 
 
@@ -184,6 +211,30 @@ async def _noted(coro: Awaitable[None], stage: str) -> None:
     except Exception as exc:
         exc.add_note(f"in headrace stage {stage!r}")
         raise
+
+
+def _one_failure(errors: list[BaseException]) -> LoaderError:
+    """One LoaderError for what the stages raised: the first LoaderError, or a LoaderError wrapping
+    the first foreign exception (a bug: its traceback is the cause); the others become notes."""
+    first = next((e for e in errors if isinstance(e, LoaderError)), None)
+    if first is None:
+        first = _unexpected(errors[0], "in the loader")
+    for other in errors:
+        if other is not first and other is not first.__cause__:
+            first.add_note(f"also failed: {type(other).__name__}: {other}")
+    return first
+
+
+def _unexpected(exc: BaseException, where: str, batch: SampleBatch | None = None) -> LoaderError:
+    """An exception no stage should raise, as a LoaderError naming the batch's first sample."""
+    sample = batch.samples[0] if batch is not None and batch.samples else None
+    notes = "; ".join(getattr(exc, "__notes__", []))
+    err = LoaderError(
+        f"unexpected {type(exc).__name__} {where}: {exc}" + (f" ({notes})" if notes else ""),
+        key=sample.key if sample else None, source=sample.source if sample else None, stage="internal",
+    )
+    err.__cause__ = exc
+    return err
 
 
 def _leaves(group: BaseExceptionGroup) -> list[BaseException]:

@@ -89,7 +89,8 @@ class Batch(Mapping[str, Any]):
     epoch: int
     index: int
     padded: int = 0
-    dropped: int = 0
+    dropped: int = 0  # samples of this batch skipped (``on_error="skip"``)
+    replaced: int = 0  # rows holding another sample of the batch (``on_error="replace"``)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __getitem__(self, name: str) -> Any:
@@ -103,6 +104,31 @@ class Batch(Mapping[str, Any]):
         recorded on the stream so its memory is reused only after the consumer's work on it.
         """
         hand_off(self.data.values(), self.extra.get("ready"))
+
+    def substitute(self) -> None:
+        """Fill the rows of replaced samples (``on_error="replace"``) from their substitutes.
+
+        Called by the loader right after ``handoff()``, so on the GPU the gather runs on the
+        consumer's stream, after the lane; the event recorded after it is the batch's new ``ready``
+        (the sync facade's consumer thread waits on that one).
+        """
+        take = self.extra.pop("take", None)
+        if take is None:
+            return
+        import torch
+
+        index = torch.tensor(take, dtype=torch.int64)
+        device = None
+        for name, value in list(self.data.items()):
+            if isinstance(value, torch.Tensor):
+                self.data[name] = value.index_select(0, index.to(value.device))
+                device = value.device if value.is_cuda else device
+            elif isinstance(value, list):
+                self.data[name] = [value[i] for i in take]
+        if self.extra.get("ready") is not None and device is not None:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            self.extra["ready"] = event
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.data)

@@ -46,8 +46,9 @@ class Leaks:
         self.threads = set(threading.enumerate())
         self.fds = open_fds()
 
-    async def check(self, settle: float = 0.0) -> None:
-        """Assert nothing is left; ``settle`` seconds are allowed for a close scheduled by a finaliser."""
+    async def check(self, settle: float = 0.0, *, threads: bool = True) -> None:
+        """Assert nothing is left; ``settle`` seconds are allowed for a close scheduled by a finaliser.
+        ``threads=False`` checks tasks only (a loader's worker threads live until its ``aclose()``)."""
         current = asyncio.current_task()
         deadline = asyncio.get_running_loop().time() + settle
         while True:
@@ -57,6 +58,8 @@ class Leaks:
                 break
             await asyncio.sleep(0.005)
         assert tasks == [], f"tasks left behind: {[t.get_name() for t in tasks]}"
+        if not threads:
+            return
         threads = [t for t in threading.enumerate() if t not in self.threads and t.is_alive()]
         assert threads == [], f"threads left behind: {[t.name for t in threads]}"
         assert open_fds() - self.fds == set(), "files left open"

@@ -128,4 +128,5 @@ async def test_loader_trains_on_a_packed_lmdb(packed, leaks):
     assert sum(b.size for b in batches) == 75
     for b in batches:
         assert b["label"].tolist() == [int(k[1]) for k in b.sample_keys]
+    await loader.aclose()
     await leaks.check()

@@ -135,7 +135,8 @@ async def test_loader_over_http_resumes_exactly(s3_env, leaks):
         source = readers.webdataset(f"{s3_env.http}/{WDS}", shuffle=True, shuffle_buffer=16)
         return headrace.Loader(source, batch_size=8, pipeline=ops.training(32), num_threads=2, seed=5, device="cpu")
 
-    batches = [b async for b in loader()]
+    async with loader() as whole:
+        batches = [b async for b in whole]
     first = loader()
     async for batch in first:
         if batch.index == 3:
@@ -145,6 +146,7 @@ async def test_loader_over_http_resumes_exactly(s3_env, leaks):
     second = loader()
     second.load_state_dict(state)
     rest = [b async for b in second]
+    await second.aclose()
     for x, y in zip(batches[4:], rest, strict=True):
         assert x.sample_keys == y.sample_keys and torch.equal(x["image"], y["image"])
     await leaks.check()

@@ -309,6 +309,8 @@ async def test_loader_trains_on_packed_shards_and_resumes_exactly(packed, leaks)
     second = _loader(packed)
     second.load_state_dict(state)
     rest = [b async for b in second]
+    await loader.aclose()
+    await second.aclose()
     for x, y in zip(batches[4:], rest, strict=True):
         assert x.sample_keys == y.sample_keys and torch.equal(x["image"], y["image"])
     await leaks.check()

@@ -44,6 +44,7 @@ async def test_one_epoch_yields_every_sample_once_with_labels(image_folder, leak
         assert b["image"].shape == (b.size, 3, 32, 32) and b["image"].dtype == torch.float32
         assert b["label"].tolist() == [int(k[1]) for k in b.sample_keys]
     assert batches[-1].size == 3
+    await loader.aclose()  # the worker threads live until then, for the next epoch
     await leaks.check()
 
 
@@ -76,9 +77,15 @@ async def test_last_batch_policy(image_folder, policy, sizes):
 
 
 async def test_sync_facade_matches_async(image_folder, leaks):
-    async_batches = await _collect(_loader(image_folder))
+    async with _loader(image_folder) as loader:
+        async_batches = await _collect(loader)
+
+    def one_epoch():
+        with _loader(image_folder).sync() as sync_loader:
+            return list(sync_loader)
+
     with concurrent.futures.ThreadPoolExecutor(1) as pool:  # joined on exit: no thread of ours left
-        sync_batches = await asyncio.get_running_loop().run_in_executor(pool, lambda: list(_loader(image_folder).sync()))
+        sync_batches = await asyncio.get_running_loop().run_in_executor(pool, one_epoch)
     for x, y in zip(async_batches, sync_batches, strict=True):
         _same(x, y)
     await leaks.check()
@@ -92,8 +99,11 @@ def test_sync_break_closes_everything(image_folder):
     for i, _ in enumerate(loader):
         if i == 1:
             break
-    assert [t for t in threading.enumerate() if t not in before] == []
+    # Only the loader's worker threads remain (kept for the next epoch): no loop thread.
+    assert all(t.name.startswith("headrace-cpu") for t in threading.enumerate() if t not in before)
     assert len(list(loader)) == 10  # the next loop is the next epoch, in full
+    loader.close()
+    assert [t for t in threading.enumerate() if t not in before] == []
 
 
 async def test_break_shuts_everything_down(image_folder, leaks):
@@ -101,8 +111,10 @@ async def test_break_shuts_everything_down(image_folder, leaks):
     async for _ in loader:
         break
     # A bare `break` leaves closing to the asyncgen finaliser, which runs on the next loop turns
-    # and must wait for chunks already decoding in threads.
-    await leaks.check(settle=5.0)
+    # and must wait for chunks already decoding in threads; the worker threads stay until aclose.
+    await leaks.check(settle=5.0, threads=False)
+    await loader.aclose()
+    await leaks.check()
     async with _loader(image_folder) as loader2:
         async for _ in loader2:
             break
@@ -154,6 +166,7 @@ async def test_corrupt_file_raises_typed_error_naming_it_after_good_batches(tmp_
     assert info.value.key == "c1/0003" and info.value.source == str(bad)
     assert info.value.stage == "decode"
     assert loader.state_dict()["position"] == 24
+    await loader.aclose()
     await leaks.check()
 
 
@@ -171,6 +184,8 @@ async def test_skip_policy_drops_and_counts_then_budget_stops(tmp_path, image_fo
     with pytest.raises(ErrorBudgetExceeded) as info:
         await _collect(strict)
     assert info.value.key == "c2/0007" and isinstance(info.value.__cause__, DecodeError)
+    await loader.aclose()
+    await strict.aclose()
     await leaks.check()
 
 
@@ -180,6 +195,7 @@ async def test_missing_listed_file_is_a_read_error_naming_it(image_folder, leaks
     with pytest.raises(ReadError) as info:
         await _collect(loader)
     assert info.value.source == str(image_folder / "gone.jpg")
+    await loader.aclose()
     await leaks.check()
 
 
@@ -236,12 +252,29 @@ async def test_backpressure_bounds_work_ahead_of_a_slow_consumer(image_folder):
 
 
 async def test_a_second_concurrent_iteration_is_refused(image_folder):
-    loader = _loader(image_folder)
-    it = loader.__aiter__()
-    await it.__anext__()
-    with pytest.raises(headrace.LoaderError):
+    reader = SlowReader(readers.files(image_folder, chunk_size=4), delay=0.05)
+    loader = Loader(reader, batch_size=8, pipeline=_pipe(), device="cpu")
+    first = loader.__aiter__()
+    waiting = asyncio.create_task(first.__anext__())  # another task is inside the first loop
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    with pytest.raises(headrace.LoaderError, match="already being iterated"):
         loader.__aiter__()
-    await it.aclose()
+    await waiting
+    await first.aclose()
+    await loader.aclose()
+
+
+async def test_a_new_loop_replaces_one_left_without_closing(image_folder, leaks):
+    loader = _loader(image_folder)
+    first = loader.__aiter__()
+    await first.__anext__()  # suspended between batches, as after a bare ``break``
+    second = [b async for b in loader]  # starts at once: the next epoch, whole
+    assert len(second) == 10 and {b.epoch for b in second} == {1}
+    with pytest.raises(headrace.ClosedError, match="replaced"):
+        await first.__anext__()
+    await loader.aclose()
+    await leaks.check()
 
 
 @pytest.mark.parametrize(

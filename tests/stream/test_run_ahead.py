@@ -44,6 +44,7 @@ async def test_running_ahead_changes_no_batch(image_folder, leaks):
             _same(x, y)
         assert ahead.state_dict() == plain.state_dict()  # the work ahead is not counted
     await ahead.aclose()
+    await plain.aclose()
     await leaks.check()
 
 
@@ -58,6 +59,7 @@ async def test_a_loaded_state_discards_the_work_ahead(image_folder, leaks):
             break
     state = saved.state_dict()
     await saved.aclose()
+    await reference.aclose()
 
     loader = _loader(image_folder, run_ahead=True)
     await _collect(loader)  # epoch 0; epoch 1 runs ahead from its start
@@ -80,12 +82,15 @@ async def test_aclose_and_break_throw_the_work_ahead_away(image_folder, leaks):
     await _collect(loader)
     async for _ in loader:  # takes the run ahead over, then leaves it
         break
-    await leaks.check(settle=5.0)
+    await leaks.check(settle=5.0, threads=False)  # tasks gone; the worker threads stay for the next epoch
+    await loader.aclose()
+    await leaks.check()
 
 
 async def test_the_sync_facade_does_not_run_ahead(image_folder, leaks):
     plain = _loader(image_folder, run_ahead=False)
     expected = [await _collect(plain), await _collect(plain)]
+    await plain.aclose()
 
     def two_epochs():
         with _loader(image_folder, run_ahead=True).sync() as loader:
