@@ -17,6 +17,7 @@ from ._errors import (
 from ._loader import Loader, LoaderStats
 from ._loop import new_event_loop
 from ._markers import END, EPOCH_END
+from ._policy import ErrorRecord
 from ._sample import Batch, Sample, SampleBatch
 from ._service import Preprocessor, PreprocessorStats
 from ._sync import SyncLoader
@@ -33,6 +34,7 @@ __all__ = [
     "DecodeError",
     "Distributed",
     "ErrorBudgetExceeded",
+    "ErrorRecord",
     "LastBatch",
     "Loader",
     "LoaderError",
