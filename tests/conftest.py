@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from open_files import open_fds
 from sample_data import jpeg_bytes
 
 
@@ -27,16 +28,6 @@ def make_folder(root: Path, classes: int, per_class: int, seed: int = 0) -> Path
 def image_folder(tmp_path_factory) -> Path:
     """3 classes x 25 JPEGs of random sizes (40-120 px): 75 samples."""
     return make_folder(tmp_path_factory.mktemp("images"), classes=3, per_class=25)
-
-
-def open_fds() -> set[str]:
-    fds = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            fds.add(os.readlink(f"/proc/self/fd/{fd}"))
-        except OSError:
-            pass
-    return {f for f in fds if not f.startswith(("pipe:", "anon_inode:", "socket:", "/dev/"))}
 
 
 class Leaks:

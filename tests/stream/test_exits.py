@@ -1,5 +1,5 @@
 """Leaving epochs in every way training code does, hundreds of times, on one loader: each next
-epoch starts at once and is whole, and nothing (files, threads, tasks) grows (tests/stream/exits.py).
+epoch starts at once and is whole, and nothing (files, threads, tasks) grows (tests/exits.py).
 
 ``HEADRACE_EXIT_ROUNDS`` sets the number of rounds (300 by default; the closing notes of issue 15
 ran 1,000)."""

@@ -18,7 +18,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 
-from conftest import open_fds
+from open_files import open_fds
 
 import headrace
 
