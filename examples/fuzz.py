@@ -70,12 +70,14 @@ KINDS: dict[str, int] = {
     "webp_size": 6,        # WebP VP8/VP8L/VP8X size fields
     "claim_huge": 4,       # the header claims 60000x60000 (WebP: 16383x16383, its largest)
     "claim_thin": 4,       # the header claims 32768x2, 2x32768, 1x65500 or 65500x1 (WebP: 16383 at most)
+    "claim_large": 3,      # claims just under the default pixel limit (8192x8192, 16384x4096, ...): decoded
     "empty": 2,            # zero bytes
     "text": 2,             # a text file with an image extension
 }
 FORMAT_OF = {"jpeg_sof": "jpg", "png_ihdr": "png", "png_idat": "png", "webp_size": "webp"}
 HUGE = (60000, 60000)
 THIN = ((32768, 2), (2, 32768), (1, 65500), (65500, 1))
+LARGE = ((8192, 8192), (16384, 4096), (4096, 16384), (6000, 6000))  # at most 2**26 pixels
 
 
 @dataclass(frozen=True)
@@ -135,10 +137,15 @@ def _encode(image: Any, ext: str, rng: np.random.Generator) -> tuple[bytes, str]
     return out.getvalue(), how
 
 
-def make_input(seed: int, index: int, sides: tuple[int, int] = (32, 256)) -> FuzzInput:
-    """Input ``index`` of the corpus for ``seed``: the same bytes every time, whatever else is made."""
+def make_input(seed: int, index: int, sides: tuple[int, int] = (32, 256),
+               kinds: tuple[str, ...] | None = None) -> FuzzInput:
+    """Input ``index`` of the corpus for ``seed``: the same bytes every time, whatever else is made.
+
+    ``kinds`` draws from those mutation kinds only (a batch full of large claims, say).
+    """
     rng = np.random.default_rng([seed, index])
-    names, weights = list(KINDS), np.array(list(KINDS.values()), dtype=float)
+    names = list(kinds or KINDS)
+    weights = np.array([KINDS[k] for k in names], dtype=float)
     kind = names[rng.choice(len(names), p=weights / weights.sum())]
     ext = FORMAT_OF.get(kind) or str(rng.choice(["jpg", "jpg", "png", "webp"]))
     if kind == "empty":
@@ -343,11 +350,12 @@ MUTATIONS = {
     "webp_size": _webp_size,
     "claim_huge": _claim((HUGE,)),
     "claim_thin": _claim(THIN),
+    "claim_large": _claim(LARGE),
 }
 assert set(MUTATIONS) | {"empty", "text"} == set(KINDS)
 
 
-def pillow_verdict(data: bytes, max_pixels: int = 2**26) -> str:
+def pillow_verdict(data: bytes, max_pixels: int = 2**22) -> str:
     """A reference: does Pillow decode these bytes whole, strictly (no truncated images)?
 
     Not the rule headrace must follow (that is stated in the README), but a second opinion: an
@@ -375,14 +383,15 @@ def file_name(index: int, ext: str) -> str:
     return f"{index:07d}.{ext}"
 
 
-def write_corpus(folder: Path, seed: int, count: int, sides: tuple[int, int]) -> list[dict[str, Any]]:
+def write_corpus(folder: Path, seed: int, count: int, sides: tuple[int, int],
+                 kinds: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
     """Write inputs 0..count-1 to ``folder``; returns the manifest (everything but the bytes)."""
     manifest = []
     for i in range(count):
-        item = make_input(seed, i, sides)
+        item = make_input(seed, i, sides, kinds)
         (folder / file_name(i, item.ext)).write_bytes(item.data)
         manifest.append({"index": i, "kind": item.kind, "ext": item.ext, "bytes": len(item.data),
-                         "detail": item.detail, "pillow": pillow_verdict(item.data)})
+                         "detail": item.detail, "pillow": pillow_verdict(item.data, 2**22)})
     (folder / "manifest.json").write_text(json.dumps(manifest))
     return manifest
 
@@ -811,8 +820,9 @@ def versus_pillow(total: dict[str, Any], manifest: list[dict[str, Any]]) -> dict
 def compare(result: dict[str, Any], other_path: str) -> dict[str, list[int]]:
     """Per path, the inputs whose verdict differs from another run's JSON (say the GPU's vs the CPU's)."""
     other = json.loads(Path(other_path).read_text())
-    if (other["seed"], other["sides"]) != (result["seed"], result["sides"]):
-        raise SystemExit(f"--compare: {other_path} was made with another --seed or --sides")
+    same = ("seed", "sides", "kinds_drawn")
+    if [other.get(k) for k in same] != [result[k] for k in same]:
+        raise SystemExit(f"--compare: {other_path} was made with another --seed, --sides or --kinds")
     out = {}
     for path, total in result["paths"].items():
         if path in other["paths"]:
@@ -941,7 +951,7 @@ def run(args: argparse.Namespace) -> int:
         corpus = Path(args.corpus or tmp)
         corpus.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        manifest = write_corpus(corpus, args.seed, args.count, sides)
+        manifest = write_corpus(corpus, args.seed, args.count, sides, args.kinds)
         corpus_seconds = time.perf_counter() - t0
         runs = []
         for start in range(0, args.count, args.slice):
@@ -961,7 +971,7 @@ def run(args: argparse.Namespace) -> int:
         on_gpu = args.device.startswith("cuda")
         result = {
             "seed": args.seed, "count": args.count, "slice": args.slice, "slices": -(-args.count // args.slice),
-            "sides": list(sides), "device": args.device, "pipeline": args.pipeline, "batch_size": args.batch_size,
+            "sides": list(sides), "kinds_drawn": list(args.kinds or KINDS), "device": args.device, "pipeline": args.pipeline, "batch_size": args.batch_size,
             "paths": totals, "kinds": dict(Counter(m["kind"] for m in manifest)),
             "disagree": disagreements(*totals.values()) if len(totals) == 2 else [],
             "versus_pillow": {p: versus_pillow(t, manifest) for p, t in totals.items()},
@@ -988,7 +998,7 @@ def dump(args: argparse.Namespace) -> int:
     out = Path(args.dump_dir)
     out.mkdir(parents=True, exist_ok=True)
     for i in args.dump:
-        item = make_input(args.seed, i, sides)
+        item = make_input(args.seed, i, sides, args.kinds)
         path = out / file_name(i, item.ext)
         path.write_bytes(item.data)
         print(f"{path}: {item.kind}: {item.detail} ({len(item.data)} bytes)")
@@ -1007,6 +1017,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rss-limit", type=float, default=8.0, help="GiB a worker may hold before it is killed")
     p.add_argument("--paths", dest="paths_arg", choices=["loader", "preprocessor", "both"], default="both")
     p.add_argument("--sides", default="32,256", help="range of an image's shorter side, in pixels: MIN,MAX")
+    p.add_argument("--kinds", help="comma-separated mutation kinds to draw from (default: all): "
+                                   + ", ".join(KINDS))
     p.add_argument("--isolate", type=int, default=256,
                    help="after a failure, run up to this many suspect inputs one at a time to name the culprits (0: off)")
     p.add_argument("--json", help="write the full result here")
@@ -1027,6 +1039,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.paths = list(RUNNERS) if args.paths_arg == "both" else [args.paths_arg]
     args.rss_limit = int(args.rss_limit * 2**30)
+    if args.kinds:
+        args.kinds = tuple(k.strip() for k in args.kinds.split(","))
+        unknown = set(args.kinds) - set(KINDS)
+        if unknown:
+            p.error(f"unknown --kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
     return args
 
 

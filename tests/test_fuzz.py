@@ -58,7 +58,7 @@ def test_corpus_covers_every_mutation(fuzz):
         if item.kind == "empty":
             assert item.data == b""
     # The claimed sizes are what a header parser reads: each claim parses to the size it says.
-    claims = [item for item in items if item.kind in ("claim_huge", "claim_thin")]
+    claims = [item for item in items if item.kind.startswith("claim_")]
     assert {item.ext for item in claims} == {"jpg", "png", "webp"}
     saved, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None  # read the header only, never decode
     try:
@@ -71,14 +71,14 @@ def test_corpus_covers_every_mutation(fuzz):
 
 @pytest.mark.parametrize("pipeline", ["training", "validation"])
 def test_fuzz_cpu(fuzz, tmp_path, pipeline):
-    """1,200 inputs a pipeline through both paths, in 2 worker subprocesses a path (about 25 s each).
+    """1,000 inputs a pipeline through both paths, in 2 worker subprocesses a path (about 25 s each).
 
     A worker holding more than 4 GiB is killed and counted: decode memory is bounded by
     ``Decode(max_batch_bytes=1 GiB)`` and claimed sizes by ``max_pixels``, whatever the files say.
     To name the inputs behind a failure, run the same command with ``--isolate 256``.
     """
     out = tmp_path / "fuzz.json"
-    argv = ["--count", "1200", "--slice", "600", "--seed", "0", "--sides", "32,128", "--device", "cpu",
+    argv = ["--count", "1000", "--slice", "500", "--seed", "0", "--sides", "32,128", "--device", "cpu",
             "--pipeline", pipeline, "--rss-limit", "4", "--timeout", "120"]
     status = fuzz.main([*argv, "--isolate", "0", "--quiet", "--json", str(out)])
     result = json.loads(out.read_text())
@@ -88,7 +88,7 @@ def test_fuzz_cpu(fuzz, tmp_path, pipeline):
                    f"hangs {len(total['hangs'])}, over 4 GiB {len(total['memory'])}, lost {total['lost']}, "
                    f"duplicated {total['duplicated'][:10]}, wrong {total['problems'][:3]} "
                    f"(to name the inputs: python examples/fuzz.py {' '.join(argv)} --isolate 256)")
-        assert total["inputs"] == 1200, summary
+        assert total["inputs"] == 1000, summary
         assert total["untyped"] == [], summary
         assert total["aborted"] == [], summary
         assert total["crashes"] == [] and total["hangs"] == [] and total["memory"] == [], summary
