@@ -3,7 +3,7 @@
 L lanes (a thread, a CUDA stream and a decoder each) parse and decode batches of 256 in turn, the
 training pipeline's random-resized-crop windows, from JPEGs already in memory: no reader, no
 kernels, no event loop. What the whole pipeline reaches over this is what the host side costs
-(../shared/GPU-NOTES.md §6 has the Python API's numbers). Needs a GPU; prints one line per
+(docs/gpu-notes.md §6 has the Python API's numbers). Needs a GPU; prints one line per
 configuration (lanes, hw_load, decoder threads): median images/s of two passes after one.
 
     python examples/benchmark_decode_floor.py /path/to/class-folders [K ...]   # e.g. benchmark_gpu.py's --data;

@@ -243,7 +243,7 @@ class _Lane:
         self.staging = [Staging(cupy, self.cp_stream) for _ in range(4)]
         self.turn = 0
         # (event after the batch's kernel, its decoded pixels): pixels stay alive, and their memory
-        # unused, until two batches later, after a host wait on that event (GPU-NOTES §3: nvJPEG's
+        # unused, until two batches later, after a host wait on that event (docs/gpu-notes.md §3: nvJPEG's
         # hardware decoder was seen writing before earlier work on its stream had finished).
         self.recent: collections.deque[tuple[Any, Any]] = collections.deque(maxlen=2)
         self.part_done = torch.cuda.Event()  # a part's kernel has read its windows (``_in_parts``)
@@ -264,7 +264,7 @@ class _Lane:
         self.recent.clear()
 
     def close(self) -> None:
-        # The stream must outlive every image decoded on it and the decoder (GPU-NOTES §6).
+        # The stream must outlive every image decoded on it and the decoder (docs/gpu-notes.md §6).
         self.cp_stream.synchronize()
         self.recent.clear()
         self.decoder.close()

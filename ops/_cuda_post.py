@@ -1,7 +1,7 @@
 """The GPU path's post ops: colour twist, warps and blur, one kernel launch a batch each, then finish.
 
 ``PostOps`` belongs to a lane: it launches on the lane's CuPy stream and allocates its outputs with
-torch on that stream (GPU-NOTES: ``record_stream`` ignores memory torch did not allocate). Images
+torch on that stream (docs/gpu-notes.md §3: ``record_stream`` ignores memory torch did not allocate). Images
 of a batch may differ in size: each launch reads per-sample tables (addresses, sizes, row strides,
 the op's numbers) that ``_cuda_post`` packs into pinned host memory and copies to the device
 asynchronously. The numbers are the CPU path's (``PostOp.tables``), so both draw the same
