@@ -22,7 +22,7 @@ EXIF orientation is applied here, not by nvImageCodec: the window is drawn on th
 mapped to the stored image (``stored_region``), decoded, then turned upright with tensor moves.
 The orientation comes from ``_exif.jpeg_orientation``, as on the GPU path.
 
-A ``Decoder`` must not be used by two threads at once (GPU-NOTES §2), so each worker thread makes
+A ``Decoder`` must not be used by two threads at once (docs/gpu-notes.md §2), so each worker thread makes
 its own, single-threaded, on first use; ``close()`` drops them all once the threads are joined.
 """
 

@@ -176,10 +176,14 @@ class Preprocessor:
 
     async def __call__(self, images: ImageBytes | Sequence[ImageBytes], *, key: str | None = None) -> Any:
         single = isinstance(images, (bytes, bytearray, memoryview))
+        if not single and (isinstance(images, str) or not isinstance(images, Sequence)):
+            raise ConfigError(f"Preprocessor: an image must be bytes, bytearray or memoryview (or a list of them), "
+                              f"got {type(images).__name__}", key=key)
         datas = [images] if single else list(images)
         for data in datas:
             if not isinstance(data, (bytes, bytearray, memoryview)):
-                raise TypeError(f"Preprocessor: an image must be bytes, bytearray or memoryview, got {type(data).__name__}")
+                raise ConfigError(f"Preprocessor: an image must be bytes, bytearray or memoryview, got "
+                                  f"{type(data).__name__}", key=key)
         if not datas:
             raise ConfigError("Preprocessor: an empty list of images")
         self._start()

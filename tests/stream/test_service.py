@@ -105,7 +105,7 @@ async def test_a_list_is_one_stacked_tensor(jpegs):
         got = await pre(jpegs[:5])  # longer than max_batch: split, then put back in order
         with pytest.raises(ConfigError):
             await pre([])
-        with pytest.raises(TypeError):
+        with pytest.raises(ConfigError):
             await pre("not bytes")  # type: ignore[arg-type]
     assert got.shape == (5, 3, 32, 32)
     assert all(torch.equal(got[i], expected[i]) for i in range(5))
