@@ -25,7 +25,7 @@ from . import _cpu_ops, _cpu_post, _pillow
 from ._cpu_decode import Header, JpegDecoders, nvimgcodec
 from ._cpu_omp import limit_openmp_threads
 from ._geometry import output_error
-from ._limits import ByteBudget
+from ._limits import ByteBudget, release_frames
 from ._pipeline import Pipeline
 from ._random import uniforms
 
@@ -212,7 +212,9 @@ class CpuExecutor:
                 job.header, job.window = header, _cpu_ops.leading_window(ops, header.height, header.width, u)
                 h, w = header.height, header.width
                 ch, cw = (h, w) if job.window is None else job.window[2:]
-                job.nbytes = 2 * 3 * ch * cw  # the region, and nvImageCodec's or rot90's copy of it
+                # The region, and up to two more of its size inside nvImageCodec (measured: 2x for
+                # clean files, 3x for some damaged ones) or for rot90's copy.
+                job.nbytes = 3 * 3 * ch * cw
             else:
                 job.opened = _pillow.open_image(job.data, pipe.decode, sample.key, sample.source)
                 h, w = job.opened.height, job.opened.width
@@ -278,11 +280,11 @@ class CpuExecutor:
             target = chunk.out[row] if chunk.out is not None else None
             chunk.rows[row], chunk.scratch = self._finish(pixels, target, chunk.scratch)
         except LoaderError as exc:
-            chunk.failures.append((row, _named(exc, sample)))
+            chunk.failures.append((row, _named(release_frames(exc), sample)))
         except Exception as exc:  # noqa: BLE001 - MemoryError, a torch error: this sample's failure
             err = TransformError(f"{type(exc).__name__}: {exc}", key=sample.key, source=sample.source)
             err.__cause__ = exc
-            chunk.failures.append((row, err))
+            chunk.failures.append((row, release_frames(err, keep_text=True)))
 
     def _finish(self, pixels: torch.Tensor, target: torch.Tensor | None, scratch):
         """Write one HWC uint8 image into ``target`` (or a new tensor), normalised and laid out."""
@@ -341,12 +343,13 @@ def _named(exc: LoaderError, sample) -> LoaderError:
 
 
 def _decode_failure(exc: Exception, sample) -> LoaderError:
-    """``exc`` as the sample's LoaderError: its own when it is one, else a DecodeError caused by it."""
+    """``exc`` as the sample's LoaderError: its own when it is one, else a DecodeError caused by it.
+    Either way the frames it passed through let go of their pixels (``release_frames``)."""
     if isinstance(exc, LoaderError):
-        return _named(exc, sample)
+        return _named(release_frames(exc), sample)
     err = DecodeError(f"{type(exc).__name__}: {exc}", key=sample.key, source=sample.source)
     err.__cause__ = exc
-    return err
+    return release_frames(err, keep_text=True)  # a surprise: where it came from stays readable
 
 
 def _row_shape(size, channels: int, layout: str) -> tuple[int, int, int]:

@@ -4,26 +4,35 @@ the rule for files that do not end where their format says.
 Shared by the CPU and GPU paths so that the same bytes get the same verdict on both:
 
 - ``pixel_error`` / ``check_pixels``: a header claiming more than ``max_pixels`` (width x height)
-  is refused before anything is allocated for its pixels.
+  is refused before anything is allocated for its pixels. ``claimed_size`` reads the claim of a
+  JPEG, PNG, WebP or GIF from the bytes, before any decoder library sees them (some of Pillow's
+  format plugins allocate, or apply Pillow's own limit, while they open a file).
 - ``incomplete``: the byte-level end-of-file rule (strict): a JPEG must end with its EOI marker,
   a PNG with its IEND chunk and every chunk's CRC must match, a WebP must be as long as its RIFF
   header says, a GIF must end with its trailer byte. A truncated file fails this whatever part of
   it a decoder would read (a region decode stops after the crop's last row; libwebp and nvJPEG
   fill what is missing with grey), and so does a file with bytes after its end.
 - ``ByteBudget``: the bytes of decoded pixels that the threads of one executor hold at once.
+- ``release_frames``: a sample's error must not keep its pixels alive.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import struct
 import threading
+import traceback
 import zlib
 from collections import deque
 from typing import Any
 
 from headrace._errors import DecodeError
 
-__all__ = ["ByteBudget", "check_pixels", "incomplete", "pixel_error"]
+__all__ = ["ByteBudget", "check_pixels", "claimed_size", "incomplete", "pixel_error", "release_frames"]
+
+# A grant this large is given back to the C allocator's arenas when it ends (see ByteBudget).
+TRIM_AT = 64 << 20
 
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -42,6 +51,65 @@ def check_pixels(width: int, height: int, max_pixels: int | None, key: str | Non
     reason = pixel_error(width, height, max_pixels)
     if reason is not None:
         raise DecodeError(reason, key=key, source=source)
+
+
+def claimed_size(data: Any) -> tuple[int, int] | None:
+    """(width, height) as the header of a JPEG, PNG, WebP or GIF states it; None for other formats
+    and for headers too damaged to say (the decoder then reports them)."""
+    head = bytes(data[:32])
+    try:
+        if head[:2] == b"\xff\xd8":
+            return _jpeg_size(data)
+        if head[:8] == _PNG_SIGNATURE and head[12:16] == b"IHDR":
+            width, height = struct.unpack_from(">II", head, 16)
+            return width, height
+        if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+            return _webp_size(head)
+        if head[:6] in (b"GIF87a", b"GIF89a"):
+            width, height = struct.unpack_from("<HH", head, 6)
+            return width, height
+    except (struct.error, IndexError):
+        return None
+    return None
+
+
+_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # start-of-frame markers (not DHT, JPG, DAC)
+
+
+def _jpeg_size(data: Any) -> tuple[int, int] | None:
+    pos, n = 2, len(data)
+    while pos + 9 <= n and data[pos] == 0xFF:
+        marker = data[pos + 1]
+        if marker == 0xFF:
+            pos += 1
+            continue
+        if marker in _SOF:
+            height = (data[pos + 5] << 8) | data[pos + 6]
+            width = (data[pos + 7] << 8) | data[pos + 8]
+            return width, height
+        if marker in (0xDA, 0xD9):
+            return None
+        if marker == 0x01 or 0xD0 <= marker <= 0xD7:
+            pos += 2
+            continue
+        pos += 2 + ((data[pos + 2] << 8) | data[pos + 3])
+    return None
+
+
+def _webp_size(head: bytes) -> tuple[int, int] | None:
+    kind = head[12:16]
+    body = 20  # the first chunk's payload
+    if kind == b"VP8X":
+        width = int.from_bytes(head[body + 4 : body + 7], "little") + 1
+        height = int.from_bytes(head[body + 7 : body + 10], "little") + 1
+        return width, height
+    if kind == b"VP8 " and head[body + 3 : body + 6] == b"\x9d\x01\x2a":
+        width, height = struct.unpack_from("<HH", head, body + 6)
+        return width & 0x3FFF, height & 0x3FFF
+    if kind == b"VP8L" and head[body] == 0x2F:
+        bits = int.from_bytes(head[body + 1 : body + 5], "little")
+        return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
+    return None
 
 
 def incomplete(data: Any) -> str | None:
@@ -127,7 +195,9 @@ class ByteBudget:
             self.peak = max(self.peak, self.limit - self._free)
         return grant
 
-    def _release(self, grant: int) -> None:
+    def _release(self, grant: int, asked: int) -> None:
+        if asked >= TRIM_AT:
+            _trim_heap()
         if grant:
             with self._cond:
                 self._free += grant
@@ -144,4 +214,57 @@ class _Grant:
         self._grant = self._budget._acquire(self._n)
 
     def __exit__(self, *exc) -> None:
-        self._budget._release(self._grant)
+        self._budget._release(self._grant, self._n)
+
+
+def _load_malloc_trim():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+_malloc_trim = _load_malloc_trim()
+
+
+def _trim_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``; elsewhere nothing).
+
+    Why: glibc serves a worker thread's allocations from that thread's arena and, once it has freed
+    a block as large as a decoded image, raises its threshold for using mmap (up to 32 MiB). The
+    16 MiB blocks Pillow allocates an image in then come from the arena, and their pages stay with
+    the process after they are freed: each thread that decoded a large image kept it resident, and
+    a 610 MiB budget held one image at a time peaked at 950 MiB on two threads. Trimming when a
+    large grant ends keeps the resident size to what the budget holds (ops/README.md).
+    """
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
+def release_frames(exc: BaseException, *, keep_text: bool = False) -> BaseException:
+    """Drop the tracebacks of ``exc`` and of its causes; return ``exc``. With ``keep_text`` the
+    causes' tracebacks stay readable, as a note on each (``add_note``).
+
+    Why: a failed sample's error is kept (in ``Processed.failures``, then in the loader's recent
+    errors), and a traceback keeps every frame it passes through alive, and through each frame
+    its callers, with their local variables: the decoder's half-filled image, the pixels an op was
+    resizing, the executor loop's last decoded image. Thirty errors from files claiming 8192 x
+    8192 held 3-7 GiB until their batch was dropped. Clearing the frames' locals is not enough
+    (a frame keeps its caller, which keeps its own locals once it returns).
+    """
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if e.__traceback__ is not None:
+            if keep_text and e is not exc:
+                e.add_note("".join(["Traceback (frames released):\n", *traceback.format_tb(e.__traceback__)]).rstrip())
+            e.__traceback__ = None
+        pending += [e.__cause__, e.__context__]
+    return exc

@@ -28,7 +28,7 @@ from headrace._errors import DecodeError
 
 from ._cpu_decode import upright
 from ._exif import orientation as exif_orientation
-from ._limits import check_pixels, incomplete
+from ._limits import check_pixels, claimed_size, incomplete, release_frames
 from ._spec import Decode
 
 __all__ = ["Opened", "decode", "open_image", "pixels"]
@@ -80,11 +80,17 @@ def open_image(data: Any, spec: Decode, key: str | None, source: str | None) -> 
     """Read the header of ``data`` and check it against ``spec``'s limits. Raises DecodeError."""
     if len(data) == 0:
         raise DecodeError("empty file: nothing to decode", key=key, source=source)
+    claimed = claimed_size(data)
+    if claimed is not None:  # before Pillow: some of its plugins allocate, or check, while opening
+        check_pixels(*claimed, spec.max_pixels, key, source)
     try:
         img = _open(data)
         width, height = img.size
     except UnidentifiedImageError as exc:
         raise DecodeError("not an image format the decoder knows", key=key, source=source) from exc
+    except Image.DecompressionBombError as exc:  # only where max_pixels allows more than Pillow does
+        raise DecodeError(f"Pillow's own limit refuses it ({exc}); raise PIL.Image.MAX_IMAGE_PIXELS as well as "
+                          f"max_pixels={spec.max_pixels} to decode it", key=key, source=source) from exc
     except Exception as exc:  # noqa: BLE001 - plugins raise OSError, ValueError, struct.error, ...
         raise DecodeError(f"unreadable image header: {type(exc).__name__}: {exc}", key=key, source=source) from exc
     check_pixels(width, height, spec.max_pixels, key, source)
@@ -109,17 +115,17 @@ def pixels(opened: Opened, spec: Decode) -> torch.Tensor:
     try:
         img, applied = _loaded(opened.img, spec)
         arr = np.array(img)
-        del img
+        img.close()  # Pillow's pixels go now, not when the last reference does
         if arr.dtype != np.uint8 or arr.ndim not in (2, 3):
             raise ValueError(f"Pillow gave {arr.dtype} pixels of shape {arr.shape}")
         x = torch.from_numpy(arr.reshape(arr.shape[0], arr.shape[1], -1))
         if x.shape[2] != spec.channels:
             raise ValueError(f"Pillow gave {x.shape[2]} channels, expected {spec.channels}")
         x = upright(upright(x, _INVERSE[applied]), opened.orientation)
-    except MemoryError as exc:
-        raise DecodeError(f"out of memory decoding a {opened.width}x{opened.height} image", key=key, source=source) from exc
     except Exception as exc:  # noqa: BLE001 - see _loaded
-        raise DecodeError(f"corrupt or truncated image: {type(exc).__name__}: {exc}", key=key, source=source) from exc
+        raise _failure(exc, opened) from exc
+    finally:
+        opened.img.close()
     if tuple(x.shape[:2]) != (opened.height, opened.width):
         raise DecodeError(f"decoded {tuple(x.shape[:2])} pixels, the header said {(opened.height, opened.width)}",
                           key=key, source=source)
@@ -134,11 +140,22 @@ def decode(data: Any, spec: Decode, key: str | None, source: str | None) -> Imag
         for orientation in (_INVERSE[applied], opened.orientation):
             for method in _TRANSPOSE.get(orientation, ()):
                 img = img.transpose(method)
-    except MemoryError as exc:
-        raise DecodeError(f"out of memory decoding a {opened.width}x{opened.height} image", key=key, source=source) from exc
     except Exception as exc:  # noqa: BLE001 - see _loaded
-        raise DecodeError(f"corrupt or truncated image: {type(exc).__name__}: {exc}", key=key, source=source) from exc
+        opened.img.close()
+        raise _failure(exc, opened) from exc
     return img
+
+
+def _failure(exc: Exception, opened: Opened) -> DecodeError:
+    """The sample's DecodeError for a failure while decoding. The failure's traceback is dropped:
+    the error outlives the decode, and its frames would keep the decode's memory (see
+    ``_limits.release_frames``)."""
+    release_frames(exc)
+    if isinstance(exc, MemoryError):
+        message = f"out of memory decoding a {opened.width}x{opened.height} image"
+    else:
+        message = f"corrupt or truncated image: {type(exc).__name__}: {exc}"
+    return DecodeError(message, key=opened.key, source=opened.source)
 
 
 def _loaded(img: Image.Image, spec: Decode) -> tuple[Image.Image, int]:

@@ -238,3 +238,18 @@ def flat_jpeg(h: int, w: int, quality: int = 50) -> bytes:
     buf = io.BytesIO()
     Image.new("RGB", (w, h), (120, 80, 40)).save(buf, "JPEG", quality=quality)
     return buf.getvalue()
+
+
+def with_webp_size(webp: bytes, h: int, w: int) -> bytes:
+    """A WebP whose first chunk (VP8X canvas, VP8 frame or VP8L header) claims ``h`` x ``w``."""
+    b = bytearray(webp)
+    kind, body = bytes(b[12:16]), 20
+    if kind == b"VP8X":
+        b[body + 4 : body + 7] = (w - 1).to_bytes(3, "little")
+        b[body + 7 : body + 10] = (h - 1).to_bytes(3, "little")
+    elif kind == b"VP8 ":
+        struct.pack_into("<HH", b, body + 6, w & 0x3FFF, h & 0x3FFF)
+    else:
+        bits = struct.unpack_from("<I", b, body + 1)[0] & ~0xFFFFFFF
+        struct.pack_into("<I", b, body + 1, bits | ((w - 1) & 0x3FFF) | (((h - 1) & 0x3FFF) << 14))
+    return bytes(b)

@@ -9,6 +9,7 @@ subprocess where the number must be exact.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -19,7 +20,7 @@ import warnings
 
 import numpy as np
 import pytest
-from ops_refs import batch, encode, photo, sample, with_ihdr_size, with_sof_size
+from ops_refs import batch, encode, photo, sample, with_ihdr_size, with_sof_size, with_webp_size
 from PIL import Image
 
 from headrace import ConfigError, DecodeError, TransformError
@@ -33,7 +34,7 @@ from headrace.ops import (
     validation,
 )
 from headrace.ops._geometry import output_error, output_pixels
-from headrace.ops._limits import ByteBudget
+from headrace.ops._limits import ByteBudget, claimed_size
 
 MiB = 1 << 20
 DEFAULT_PIXELS = 2**26
@@ -101,6 +102,9 @@ def lying_headers() -> dict[str, bytes]:
         "jpeg-9000x9000": with_sof_size(jpeg[: len(jpeg) // 3] + b"\xff\xd9", 9000, 9000),
         "png-60000x60000": with_ihdr_size(png, 60000, 60000),
         "png-1x2000000000": with_ihdr_size(png, 2_000_000_000, 1),
+        "webp-16383x16383": with_webp_size(encode(photo("rocket"), "WEBP"), 16383, 16383),
+        "webp-16384x16384": with_webp_size(encode(photo("rocket"), "WEBP", exif=b"Exif\x00\x00II*\x00\x08\x00\x00\x00\x00\x00"), 16384, 16384),
+        "webp-9000x9000": with_webp_size(encode(photo("rocket"), "WEBP", lossless=True), 9000, 9000),
     }
 
 
@@ -123,6 +127,16 @@ async def test_headers_over_max_pixels_fail_before_allocating(make_executor, jpe
     assert peak.bytes < 64 * MiB  # a 60000 x 60000 RGB image would be 10 GiB
 
 
+@pytest.mark.parametrize("fmt,kw", [("JPEG", {}), ("JPEG", {"progressive": True}), ("PNG", {}), ("WEBP", {}),
+                                    ("WEBP", {"lossless": True}), ("WEBP", {"exif": Image.Exif().tobytes()}), ("GIF", {})])
+def test_claimed_size_is_what_pillow_reads(rng, fmt, kw):
+    for _ in range(5):
+        h, w = (int(v) for v in rng.integers(1, 700, 2))
+        data = encode(photo("coffee", h, w), fmt, **kw)
+        assert claimed_size(data) == Image.open(io.BytesIO(data)).size == (w, h)
+    assert claimed_size(encode(photo("coffee", 30, 40), "BMP")) is None  # formats it does not read: Pillow's size decides
+
+
 @pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP", "TIFF", "BMP", "GIF"])
 async def test_a_smaller_max_pixels_refuses_real_files(make_executor, jpeg_decoder, fmt):
     a = photo("rocket", 120, 180)
@@ -138,6 +152,7 @@ async def test_a_smaller_max_pixels_refuses_real_files(make_executor, jpeg_decod
 async def test_max_pixels_none_decodes_past_pillows_own_limit(make_executor, monkeypatch):
     """Pillow's MAX_IMAGE_PIXELS does not decide: our limit (here none) does, with no warning."""
     data = encode(photo("coffee", 60, 90), "PNG")
+    webp = encode(photo("coffee", 60, 90), "WEBP")
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # Pillow would raise over 2000
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -145,6 +160,13 @@ async def test_max_pixels_none_decodes_past_pillows_own_limit(make_executor, mon
     assert out.kept == [0] and out.data["image"][0].shape == (3, 60, 90)
     out = await make_executor(Pipeline([Decode(max_pixels=5000)])).run(batch([sample(0, data)]))
     assert "claims 90x60 pixels, over max_pixels=5000" in str(out.failures[0][1])
+    # Some of Pillow's format plugins (WebP, GIF, TIFF, ...) apply its limit themselves while they
+    # open a file: where max_pixels allows more than Pillow, the error says which limit to raise.
+    out = await make_executor(Pipeline([Decode(max_pixels=None)])).run(batch([sample(0, webp)]))
+    (row, err), = out.failures
+    assert type(err) is DecodeError and "PIL.Image.MAX_IMAGE_PIXELS" in str(err)
+    out = await make_executor(Pipeline([Decode(max_pixels=5000)])).run(batch([sample(0, webp)]))
+    assert "claims 90x60 pixels, over max_pixels=5000" in str(out.failures[0][1])  # ours is stricter: ours decides
 
 
 # --- output sizes -------------------------------------------------------------------------------
@@ -309,3 +331,22 @@ def test_an_image_over_the_whole_budget_runs_alone():
     print(f"\n4 x 8000x8000 JPEG, budget 64 MiB: peak growth {got['growth'] / MiB:.0f} MiB, one image's pixels {one / MiB:.0f} MiB")
     assert got["kept"] == 4 and got["granted_peak"] == 64 * MiB
     assert got["growth"] < 4 * one  # one at a time (each decode holds about 2 images' worth), never two together
+
+
+@needs_proc
+async def test_failed_decodes_do_not_keep_their_memory(make_executor, jpeg_decoder):
+    """Errors outlive their batch (Processed.failures, the loader's recent errors): they must not
+    keep the memory their decode had (tracebacks pin frames, and frames their callers' locals)."""
+    big_png = with_ihdr_size(encode(photo("coffee"), "PNG"), 5000, 5000)  # CRC fixed: Pillow allocates, then fails
+    big_jpeg = with_sof_size(encode(photo("astronaut")), 5000, 5000)  # decodes: grey past the real scan
+    samples = [sample(i, big_png if i % 2 else big_jpeg) for i in range(8)]
+    executor = make_executor(validation(224))
+    before = _status("VmRSS")
+    out = await executor.run(batch(samples))
+    held = _status("VmRSS") - before
+    print(f"\n{jpeg_decoder}: 4 failed 5000x5000 decodes, 4 delivered: {held / MiB:.1f} MiB held after the run")
+    assert out.kept == [0, 2, 4, 6] and [row for row, _ in out.failures] == [1, 3, 5, 7]
+    for _, err in out.failures:
+        assert type(err) is DecodeError and "truncated" in str(err)
+        assert err.__traceback__ is None and (err.__cause__ is None or err.__cause__.__traceback__ is None)
+    assert held < 48 * MiB  # one failed decode held 100 MiB (5000 x 5000 x 4)
