@@ -39,9 +39,12 @@ async def random_exits(
     max_delay: float = 0.05,
     memory: Callable[[], int] | None = None,
     memory_slack: int = 0,
+    weights: dict[str, float] | None = None,
 ) -> Counter[str]:
-    """Run ``rounds`` random exits; return how many of each kind ran (and "whole" epochs)."""
+    """Run ``rounds`` random exits; return how many of each kind ran (and "whole" epochs).
+    ``weights`` makes some exits likelier than others (default: all alike)."""
     rng = random.Random(seed)
+    kinds, odds = list(EXITS), [1.0 if weights is None else weights.get(k, 1.0) for k in EXITS]
     done: Counter[str] = Counter()
     loader = make_loader()
     assert await _whole_epoch(loader) == expected_keys
@@ -55,7 +58,7 @@ async def random_exits(
             keys = await _whole_epoch(loader)
             assert keys == expected_keys, f"round {round_}: epoch after exits lost or repeated samples"
         else:
-            kind = rng.choice(EXITS)
+            kind = rng.choices(kinds, odds)[0]
             loader = await _leave(loader, kind, rng.randrange(0, 6), rng.uniform(0, max_delay), make_loader)
             if kind == "aclose":  # a new loader: its first epoch makes its threads, the new baseline
                 assert await _whole_epoch(loader) == expected_keys
