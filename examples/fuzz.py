@@ -28,6 +28,7 @@ machines a few percent differ, and ``--diff`` compares only the inputs whose byt
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import asyncio
 import hashlib
 import io
@@ -388,16 +389,30 @@ def file_name(index: int, ext: str) -> str:
 
 
 def write_corpus(folder: Path, seed: int, count: int, sides: tuple[int, int],
-                 kinds: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
-    """Write inputs 0..count-1 to ``folder``; returns the manifest (everything but the bytes)."""
+                 kinds: tuple[str, ...] | None = None, jobs: int = 1) -> list[dict[str, Any]]:
+    """Write inputs 0..count-1 to ``folder``; returns the manifest (everything but the bytes).
+    ``jobs`` processes make them (input i depends only on the seed and i, so the corpus is the same)."""
+    if jobs > 1:
+        step = max(1, -(-count // (jobs * 4)))
+        spans = [(lo, min(lo + step, count)) for lo in range(0, count, step)]
+        with concurrent.futures.ProcessPoolExecutor(jobs) as pool:
+            parts = pool.map(_write_span, [(folder, seed, lo, hi, sides, kinds) for lo, hi in spans])
+            manifest = [entry for part in parts for entry in part]
+    else:
+        manifest = _write_span((folder, seed, 0, count, sides, kinds))
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return manifest
+
+
+def _write_span(job: tuple) -> list[dict[str, Any]]:
+    folder, seed, lo, hi, sides, kinds = job
     manifest = []
-    for i in range(count):
+    for i in range(lo, hi):
         item = make_input(seed, i, sides, kinds)
         (folder / file_name(i, item.ext)).write_bytes(item.data)
         manifest.append({"index": i, "kind": item.kind, "ext": item.ext, "bytes": len(item.data),
                          "detail": item.detail, "sha1": hashlib.sha1(item.data).hexdigest()[:16],
                          "pillow": pillow_verdict(item.data, 2**22)})
-    (folder / "manifest.json").write_text(json.dumps(manifest))
     return manifest
 
 
@@ -989,21 +1004,24 @@ def run(args: argparse.Namespace) -> int:
         corpus = Path(args.corpus or tmp)
         corpus.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        manifest = write_corpus(corpus, args.seed, args.count, sides, args.kinds)
+        manifest = write_corpus(corpus, args.seed, args.count, sides, args.kinds, args.jobs)
         corpus_seconds = time.perf_counter() - t0
         runs = []
-        for start in range(0, args.count, args.slice):
-            for path in args.paths:
-                w = run_worker_process(args, corpus, path, start, min(start + args.slice, args.count))
-                bad = (w.outcome != "ok" and w.report is None) or (w.report and (w.report["untyped"] or w.report["aborted"]))
-                suspects = _suspects(w, args.isolate) if bad else []
-                if suspects:
-                    w.culprits = isolate(args, corpus, path, suspects)
-                runs.append(w)
-                if not args.quiet:
-                    print(f"{path} {w.start}-{w.stop}: {w.outcome} in {w.seconds:.1f} s, "
-                          f"peak RSS {_gib(w.peak_rss)}{f', {len(suspects)} isolated' if suspects else ''}",
-                          file=sys.stderr)
+        slices = [(path, start) for start in range(0, args.count, args.slice) for path in args.paths]
+        # ``--jobs`` workers at a time (each its own process, loader and, on the GPU, lanes).
+        with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+            done = list(pool.map(lambda job: run_worker_process(args, corpus, job[0], job[1],
+                                                                min(job[1] + args.slice, args.count)), slices))
+        for (path, start), w in zip(slices, done):
+            bad = (w.outcome != "ok" and w.report is None) or (w.report and (w.report["untyped"] or w.report["aborted"]))
+            suspects = _suspects(w, args.isolate) if bad else []
+            if suspects:
+                w.culprits = isolate(args, corpus, path, suspects)
+            runs.append(w)
+            if not args.quiet:
+                print(f"{path} {w.start}-{w.stop}: {w.outcome} in {w.seconds:.1f} s, "
+                      f"peak RSS {_gib(w.peak_rss)}{f', {len(suspects)} isolated' if suspects else ''}",
+                      file=sys.stderr)
         totals = tally(runs, args.paths, manifest)
         reports = [r.report for r in runs if r.report]
         on_gpu = args.device.startswith("cuda")
@@ -1049,6 +1067,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--count", type=int, default=3000, help="inputs in the corpus")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slice", type=int, default=500, help="inputs per worker subprocess")
+    p.add_argument("--jobs", type=int, default=1, help="worker subprocesses at a time (and corpus makers)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--pipeline", choices=["training", "validation"], default="training")
     p.add_argument("--batch-size", type=int, default=32)

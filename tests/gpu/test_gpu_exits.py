@@ -16,6 +16,9 @@ from sample_data import jpeg_bytes
 from headrace import Loader, ops, readers
 
 
+_SLACK = 32 << 20
+
+
 def _allocated() -> int:
     gc.collect()
     torch.cuda.synchronize()
@@ -37,11 +40,13 @@ async def test_random_exits_on_the_gpu_give_back_every_cuda_byte(tmp_path, leaks
         return Loader(readers.files(tmp_path, shuffle=True, chunk_size=8), batch_size=16, device="cuda",
                       pipeline=ops.training(96, dtype="float16"))
 
-    # Between epochs the loader keeps its lanes' workspaces and staging blocks (one epoch's working
-    # set); what a left epoch had in flight must be given back, so memory may not grow past that.
+    # Between epochs the loader keeps its lanes' decode workspaces, which grow (in whole MiB) when a
+    # later epoch's crops need more than the first's: one epoch's working set. What a left epoch had
+    # in flight must be given back: a batch's output is 0.9 MiB, so a leak of one a round would pass
+    # the slack within 40 rounds.
     # 'aclose' makes a new loader, whose lanes take about a second to make: a quarter as often.
     done = await random_exits(make, rounds=rounds, expected_keys=keys, seed=15, max_delay=0.05,
-                              memory=_allocated, memory_slack=0, weights={"aclose": 0.25})
+                              memory=_allocated, memory_slack=_SLACK, weights={"aclose": 0.25})
     after = _allocated()
     print(f"random exits on the GPU: {dict(done)}; CUDA bytes allocated before {before}, after close {after}")
     assert set(EXITS) <= set(done)

@@ -337,7 +337,9 @@ async def test_odd_modes_decode_or_fail_typed(make_executor, rng, color):
     for row, err in out.failures:
         assert type(err) is DecodeError and err.key == samples[row].key, (list(files)[row], err)
     failed = {list(files)[row] for row, _ in out.failures}
-    assert failed <= {"LAB TIFF"}, failed  # Pillow converts every other mode; LAB has no luma conversion
+    # Pillow converts every other mode; LAB has no luma conversion, and some Pillow builds (the GPU
+    # machine's) cannot read YCbCr TIFFs: those fail typed, which is what this test is about.
+    assert failed <= {"LAB TIFF", "YCbCr TIFF"}, failed
     assert len(out.kept) >= len(files) - 1
 
 

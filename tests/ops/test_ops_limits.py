@@ -163,8 +163,11 @@ async def test_max_pixels_none_decodes_past_pillows_own_limit(make_executor, mon
     # Some of Pillow's format plugins (WebP, GIF, TIFF, ...) apply its limit themselves while they
     # open a file: where max_pixels allows more than Pillow, the error says which limit to raise.
     out = await make_executor(Pipeline([Decode(max_pixels=None)])).run(batch([sample(0, webp)]))
-    (row, err), = out.failures
-    assert type(err) is DecodeError and "PIL.Image.MAX_IMAGE_PIXELS" in str(err)
+    if out.failures:
+        (row, err), = out.failures
+        assert type(err) is DecodeError and "PIL.Image.MAX_IMAGE_PIXELS" in str(err)
+    else:  # a Pillow whose WebP plugin leaves the limit to the caller (seen on the GPU machine's)
+        assert out.kept == [0]
     out = await make_executor(Pipeline([Decode(max_pixels=5000)])).run(batch([sample(0, webp)]))
     assert "claims 90x60 pixels, over max_pixels=5000" in str(out.failures[0][1])  # ours is stricter: ours decides
 
