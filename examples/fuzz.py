@@ -28,8 +28,8 @@ machines a few percent differ, and ``--diff`` compares only the inputs whose byt
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import asyncio
+import concurrent.futures
 import hashlib
 import io
 import json
