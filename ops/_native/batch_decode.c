@@ -211,71 +211,6 @@ void hr_parsed_destroy(hr_parsed* p)
     free(p);
 }
 
-/* 0 when a JPEG holds a Huffman table libjpeg refuses ("Bogus Huffman table definition": more than
- * 256 codes, a class or slot out of range, lengths that over-fill the code space, a DC symbol over 15),
- * else 1 (and for anything that is not a JPEG). nvImageCodec's GPU decoders were seen crashing the
- * process on batches holding such files (fuzzing on an H100, docs/benchmarks.md), so they go to
- * Pillow, which refuses them with a typed error, as the CPU path does. Every DHT segment counts,
- * those between a progressive file's scans too: the scan data is skipped with memchr. */
-static int huffman_sound(const unsigned char* d, size_t n)
-{
-    if (n < 4 || d[0] != 0xFF || d[1] != 0xD8)
-        return 1;
-    size_t pos = 2;
-    while (pos + 4 <= n) {
-        if (d[pos] != 0xFF) { /* entropy-coded data: on to the next 0xFF */
-            const unsigned char* next = memchr(d + pos, 0xFF, n - pos);
-            if (!next)
-                return 1;
-            pos = (size_t)(next - d);
-            continue;
-        }
-        unsigned char m = d[pos + 1];
-        if (m == 0xFF) { /* fill byte */
-            pos += 1;
-            continue;
-        }
-        if (m == 0x00 || m == 0x01 || m == 0xD8 || (m >= 0xD0 && m <= 0xD7)) {
-            pos += 2;
-            continue;
-        }
-        if (m == 0xD9)
-            return 1;
-        size_t len = ((size_t)d[pos + 2] << 8) | d[pos + 3];
-        if (len < 2 || pos + 2 + len > n)
-            return 1; /* a broken segment: the other checks and the decoders' own say so */
-        if (m == 0xC4) {
-            size_t p = pos + 4, end = pos + 2 + len;
-            while (p < end) {
-                if (p + 17 > end || (d[p] >> 4) > 1 || (d[p] & 15) > 3)
-                    return 0;
-                int dc = (d[p] >> 4) == 0, last = 0;
-                unsigned total = 0;
-                for (int l = 1; l <= 16; ++l) {
-                    total += d[p + l];
-                    if (d[p + l])
-                        last = l;
-                }
-                if (total > 256 || p + 17 + total > end)
-                    return 0;
-                long code = 0;
-                for (int l = 1; l <= last; ++l) {
-                    code += d[p + l];
-                    if (code >= (1L << l))
-                        return 0;
-                    code <<= 1;
-                }
-                for (unsigned k = 0; dc && k < total; ++k)
-                    if (d[p + 17 + k] > 15)
-                        return 0;
-                p += 17 + total;
-            }
-        }
-        pos += 2 + len;
-    }
-    return 1;
-}
-
 /* Read the headers of n encoded images into p. For each: info[4i..4i+3] = height, width (as
  * displayed when exif is set: EXIF rotations by 90 or 270 degrees swap them), channels in the file,
  * and 1 when nvImageCodec parses it (else 0: the caller decodes it another way). The data must stay
@@ -289,10 +224,6 @@ int hr_parse(nvimgcodecInstance_t instance, hr_parsed* p, int n, const unsigned 
     for (int i = 0; i < n; ++i) {
         int32_t* row = info + 4 * i;
         row[0] = row[1] = row[2] = row[3] = 0;
-        if (!huffman_sound(data[i], sizes[i])) {
-            release_handles(&p->streams[i], 1);
-            continue; /* left unparsed: Pillow decides */
-        }
         /* The handle of the previous batch is reused in place (no allocation per image). */
         if (nvimgcodecCodeStreamCreateFromHostMem(instance, &p->streams[i], data[i], sizes[i], NULL) !=
             NVIMGCODEC_STATUS_SUCCESS) {
