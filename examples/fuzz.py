@@ -736,7 +736,7 @@ def run_worker_process(args: argparse.Namespace, corpus: Path, path: str, start:
         progress = {}
     if report is not None:
         peak = max(peak, report.get("peak_rss", 0))
-    return WorkerRun(path, start, stop, outcome, proc.returncode, seconds, peak, report, progress, stderr[-3000:])
+    return WorkerRun(path, start, stop, outcome, proc.returncode, seconds, peak, report, progress, stderr[-6000:])
 
 
 def isolate(args: argparse.Namespace, corpus: Path, path: str, suspects: list[int]) -> dict[int, str]:
@@ -777,7 +777,7 @@ def tally(runs: list[WorkerRun], paths: list[str], manifest: list[dict[str, Any]
             t[key].append({"slice": [run.start, run.stop], "returncode": run.returncode,
                            "seconds": round(run.seconds, 1), "peak_rss": run.peak_rss,
                            "after_report": part is not None,
-                           "suspects": run.progress.get("suspects", []), "stderr": run.stderr_tail[-1200:],
+                           "suspects": run.progress.get("suspects", []), "stderr": run.stderr_tail[-4000:],
                            "culprits": run.culprits})
         if part is None:
             t["lost"] += n
