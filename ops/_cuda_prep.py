@@ -36,7 +36,7 @@ from PIL import Image
 from . import _pillow
 from ._cpu import _check_fields, _image_field, _label, _read_failure
 from ._geometry import output_error, output_pixels, plan_batch, roi_batch
-from ._limits import incomplete, pixel_error
+from ._limits import MAX_SIDE, incomplete, pixel_error
 from ._pipeline import Pipeline
 from ._random import uniforms
 
@@ -151,7 +151,7 @@ def _plan(batch, pipe, seed, rows, data, labels, failures, token, info, recycle,
     parsed = info[:, 3] == 1
     alive = np.ones(len(rows), dtype=bool)
     # A header nvImageCodec read: its claim checked as the CPU path does (``_limits.pixel_error``).
-    refused = parsed & (sizes.min(1) < 1)
+    refused = parsed & ((sizes.min(1) < 1) | (sizes.max(1) > MAX_SIDE))
     if limit is not None:
         refused |= parsed & (sizes[:, 0] * sizes[:, 1] > limit)
     for i in np.flatnonzero(refused).tolist():

@@ -37,12 +37,19 @@ TRIM_AT = 64 << 20
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
+# libjpeg refuses a side over 65,500 pixels (JPEG_MAX_DIMENSION) where nvJPEG decodes it: the same
+# bytes got two verdicts. Every format, on both paths, is held to it, so they agree.
+MAX_SIDE = 65500
+
+
 def pixel_error(width: int, height: int, max_pixels: int | None) -> str | None:
     """Why a header claiming ``width`` x ``height`` is refused, or None when it is within the limit."""
     if width < 1 or height < 1:
         return f"header claims {width}x{height} pixels: an empty image"
     if max_pixels is not None and width * height > max_pixels:
         return f"header claims {width}x{height} pixels, over max_pixels={max_pixels}"
+    if max(width, height) > MAX_SIDE:
+        return f"header claims {width}x{height} pixels: a side over {MAX_SIDE}, more than JPEG decoders take"
     return None
 
 

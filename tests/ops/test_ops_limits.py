@@ -353,3 +353,20 @@ async def test_failed_decodes_do_not_keep_their_memory(make_executor, jpeg_decod
         assert type(err) is DecodeError and "truncated" in str(err)
         assert err.__traceback__ is None and (err.__cause__ is None or err.__cause__.__traceback__ is None)
     assert held < 48 * MiB  # one failed decode held 100 MiB (5000 x 5000 x 4)
+
+
+@pytest.mark.parametrize("claim", [(65535, 311), (1, 65535), (65501, 2)])
+async def test_a_side_over_65500_is_refused_as_libjpeg_does(make_executor, claim):
+    """libjpeg refuses such headers and nvJPEG decodes them: both paths refuse them, by our rule."""
+    h, w = claim
+    data = _claiming_jpeg(h, w)
+    out = await make_executor(Pipeline([Decode(max_pixels=None)])).run(batch([sample(0, data)]))
+    (row, err), = out.failures
+    assert type(err) is DecodeError and f"claims {w}x{h} pixels: a side over 65500" in str(err)
+
+
+def _claiming_jpeg(h: int, w: int) -> bytes:
+    data = bytearray(encode(photo("rocket", 32, 48), "JPEG"))
+    i = data.index(b"\xff\xc0")
+    data[i + 5 : i + 9] = h.to_bytes(2, "big") + w.to_bytes(2, "big")
+    return bytes(data)
