@@ -23,6 +23,7 @@ __all__ = ["Loader", "LoaderStats"]
 
 STATE_VERSION = 2  # 2: world, rank and the epoch's spans on other world sizes ("history")
 _EQUAL = ("pad", "drop", None)
+_REPLACED = "this iteration was replaced by a later async for on the same loader"
 
 
 @dataclass
@@ -289,7 +290,7 @@ class Loader:
         run.consumer_inside = True
         try:
             if run.superseded:  # a later ``async for`` took over before this one started
-                raise ClosedError("this iteration was replaced by a later async for on the same loader")
+                raise ClosedError(_REPLACED)
             abandoned, self._abandoned = self._abandoned, None
             if abandoned is not None:
                 await self._stop_early(abandoned)
@@ -305,7 +306,6 @@ class Loader:
                 item, outcomes = item
                 for error, action in outcomes:
                     self._errors.add(error, action)
-                self._sync_error_stats()
                 if isinstance(item, BaseException):
                     raise item
                 if run_ahead and self._ahead is None and run.dispatched_all.is_set():
@@ -323,7 +323,7 @@ class Loader:
                 run.consumer_inside = False
                 yield item
                 if run.superseded:
-                    raise ClosedError("this iteration was replaced by a later async for on the same loader")
+                    raise ClosedError(_REPLACED)
                 run.consumer_inside = True
             self._start_epoch(run.epoch + 1)
             self._fresh = True
@@ -354,10 +354,6 @@ class Loader:
         finally:
             if self._executor is not None:
                 await self._executor.drain()
-
-    def _sync_error_stats(self) -> None:
-        self._stats.errors = dict(self._errors.counts)
-        self._stats.recent_errors = list(self._errors.recent)
 
     async def aclose(self) -> None:
         """Stop the epoch in progress, if any, and release everything: tasks, threads, files,
@@ -394,6 +390,9 @@ class Loader:
     def stats(self) -> LoaderStats:
         if self._active is not None:
             self._stats.channels = self._active.channels()
+        # Derived here, not per batch: the error log is the record.
+        self._stats.errors = dict(self._errors.counts)
+        self._stats.recent_errors = list(self._errors.recent)
         timings = getattr(self._executor, "timings", None)
         if timings is not None:
             self._stats.lanes = timings()
