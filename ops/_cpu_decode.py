@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ._exif import jpeg_orientation
-from ._limits import check_pixels
+from ._limits import check_pixels, too_few_bits
 
 __all__ = ["JpegDecoders", "nvimgcodec", "stored_region", "upright"]
 
@@ -115,8 +115,8 @@ class JpegDecoders:
 
     def header(self, data: Any, key: str | None = None, source: str | None = None) -> Header | None:
         """The header of a JPEG this path decodes; None for the others (not a JPEG, no EOI at the end,
-        CMYK, 12-bit, unreadable header). Raises DecodeError naming the sample when the header
-        claims more than ``max_pixels``."""
+        CMYK, 12-bit, unreadable header, too few bytes for its size). Raises DecodeError naming the
+        sample when the header claims more than ``max_pixels``."""
         n = len(data)
         if n < 4 or data[0] != 0xFF or data[1] != 0xD8 or data[n - 2] != 0xFF or data[n - 1] != 0xD9:
             return None
@@ -128,6 +128,8 @@ class JpegDecoders:
         except Exception:  # noqa: BLE001 - "Failed to get image info" and the like: Pillow says what is wrong
             return None
         check_pixels(w, h, self.max_pixels, key, source)
+        if too_few_bits(n, h, w):  # as on the GPU path: Pillow decodes it, or says why not
+            return None
         orientation = jpeg_orientation(data) if self.exif else 1
         if orientation >= 5:
             h, w = w, h

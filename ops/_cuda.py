@@ -1,9 +1,10 @@
 """The GPU executor: a prep thread, and lanes of (thread, CUDA stream, nvImageCodec decoder).
 
 The prep thread reads a batch's headers and plans each sample's crop (the same geometry as the
-CPU path, vectorised over the batch). A lane then decodes only the region each crop reads
-(nvImageCodec: hardware JPEG engine and CUDA decoder together, CPU fallback; GIL-free through the C
-shim of ``_batch_decode`` when it builds), launches one fused kernel for the batch and records an
+CPU path, vectorised over the batch); other formats and the JPEGs nvImageCodec must not take
+decode in Pillow threads meanwhile (``_cuda_prep``). A lane then decodes only the region each crop
+reads of the JPEGs (nvImageCodec: hardware JPEG engine and CUDA decoder together, CPU fallback;
+GIL-free through the C shim of ``_batch_decode`` when it builds), launches one fused kernel for the batch and records an
 event; it never waits for the GPU. In the common case (every image to nvImageCodec, the CUDA driver
 reachable) the shim does all of that in the one call that decodes, so the lane takes the GIL back
 once a batch (``_cuda_launch``). Batch i goes to lane i mod lanes, so the prep thread and the
@@ -115,6 +116,9 @@ class CudaExecutor:
         exif = pipeline.decode.exif
         self._headers = NativeHeaders(exif=exif) if self.native else PythonHeaders(exif=exif)
         self._prep = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="headrace-prep")
+        # Formats other than JPEG, and JPEGs nvImageCodec must not take, decode in Pillow here
+        # (``_cuda_prep``); its threads start on first use.
+        self._pillow = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="headrace-pillow")
         # Thread jobs submitted by run() and not finished (prep and lanes): what drain() cancels or awaits.
         self._pending: set[concurrent.futures.Future[Any]] = set()
         self._prep_seconds: collections.Counter[str] = collections.Counter()
@@ -137,7 +141,8 @@ class CudaExecutor:
             raise ClosedError("CudaExecutor.run after aclose()")
         # Headers and plans in the prep thread, decode and kernel in a lane: the next batch is
         # parsed while lanes decode, and nothing per image waits for the GIL inside a lane.
-        job = self._submit(self._prep, prepare, batch, self.pipeline, self._headers, self.seed, self._prep_seconds)
+        job = self._submit(self._prep, prepare, batch, self.pipeline, self._headers, self.seed, self._prep_seconds,
+                           self._pillow)
         try:
             prepared = await asyncio.wrap_future(job)
         except asyncio.CancelledError:
@@ -185,6 +190,7 @@ class CudaExecutor:
         finally:
             await join_threads([lane.pool.submit(lane.close) for lane in self._lanes])
             self._prep.shutdown(wait=True)
+            self._pillow.shutdown(wait=True)
             self._headers.close()
             for lane in self._lanes:
                 lane.pool.shutdown(wait=True)

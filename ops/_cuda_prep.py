@@ -8,10 +8,11 @@ what the CPU path checks too:
   fields and a non-empty image field;
 - its header's width x height is within ``Decode.max_pixels`` (else a DecodeError naming the
   claimed size, ``_limits.pixel_error``), read by nvImageCodec before any decode;
-- a file goes to nvImageCodec only when it ends where its format says (``_limits.incomplete``: a
-  JPEG's last two bytes are the EOI marker, a PNG's chunks are whole, ...), the CPU path's rule:
-  a window decode stops after the window's last row, so a file cut below it would decode (nvJPEG
-  fills what is missing with grey). The others go to Pillow, which checks the same rule and
+- a file goes to nvImageCodec only when it is a JPEG that ends with its EOI marker, the CPU
+  path's rule (``_limits.incomplete``): a window decode stops after the window's last row, so a
+  file cut below it would decode (nvJPEG fills what is missing with grey), and that holds at
+  least a bit for each 8x8 block its header claims (``too_short``). The others, and every other
+  format, go to Pillow (in the executor's Pillow threads), which checks the same rules and
   raises the typed error;
 - every image the ops make is within ``max_pixels`` (else a TransformError; ``_geometry.output_pixels``).
 
@@ -21,9 +22,11 @@ the parts the lane decodes it in (``parts``).
 
 from __future__ import annotations
 
+import functools
 import operator
 import time
 from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
@@ -36,11 +39,11 @@ from PIL import Image
 from . import _pillow
 from ._cpu import _check_fields, _image_field, _label, _read_failure
 from ._geometry import output_error, output_pixels, plan_batch, roi_batch
-from ._limits import MAX_SIDE, incomplete, pixel_error
+from ._limits import MAX_SIDE, pixel_error, too_few_bits
 from ._pipeline import Pipeline
 from ._random import uniforms
 
-__all__ = ["Prepared", "cut_short", "kernel_tables", "lane_budget", "parts", "prepare"]
+__all__ = ["Prepared", "cut_short", "kernel_tables", "lane_budget", "parts", "prepare", "too_short"]
 
 _SOI, _EOI = b"\xff\xd8", b"\xff\xd9"
 _head = operator.itemgetter(slice(0, 2))
@@ -86,6 +89,12 @@ def cut_short(data: list) -> np.ndarray:
     return _jpeg_heads(data) & ~ended
 
 
+def too_short(data: list, sizes: np.ndarray) -> np.ndarray:
+    """For each blob: True when it is a JPEG too short for the size it claims (``_limits.too_few_bits``)."""
+    lengths = np.fromiter(map(len, data), dtype=np.int64, count=len(data))
+    return _jpeg_heads(data) & too_few_bits(lengths, sizes[:, 0], sizes[:, 1])
+
+
 def lane_budget(max_batch_bytes: int | None) -> int | None:
     """A lane's bytes for one batch's decoded windows: half of ``max_batch_bytes``, as a lane keeps
     two workspaces (batch i decodes while batch i-1's kernel may still read the other)."""
@@ -114,8 +123,9 @@ def parts(regions: np.ndarray, channels: int, budget: int | None) -> list[tuple[
     return out
 
 
-def prepare(batch: SampleBatch, pipe: Pipeline, headers: Any, seed: int, seconds: Any) -> Prepared:
-    """Labels, headers and each sample's crop plan and decode window (in the prep thread)."""
+def prepare(batch: SampleBatch, pipe: Pipeline, headers: Any, seed: int, seconds: Any, pool: Executor | None = None) -> Prepared:
+    """Labels, headers and each sample's crop plan and decode window (in the prep thread); what
+    Pillow decodes is decoded in ``pool`` (else here), as Pillow releases the GIL."""
     t0 = time.perf_counter()
     samples = batch.samples
     failures: list[tuple[int, LoaderError]] = []
@@ -138,13 +148,13 @@ def prepare(batch: SampleBatch, pipe: Pipeline, headers: Any, seed: int, seconds
     token, info = headers.parse(data)
     t1 = time.perf_counter()
     try:
-        return _plan(batch, pipe, seed, rows, data, labels, failures, token, info, headers.recycle, seconds, t0, t1)
+        return _plan(batch, pipe, seed, rows, data, labels, failures, token, info, headers.recycle, seconds, t0, t1, pool)
     except BaseException:
         headers.recycle(token)
         raise
 
 
-def _plan(batch, pipe, seed, rows, data, labels, failures, token, info, recycle, seconds, t0, t1) -> Prepared:
+def _plan(batch, pipe, seed, rows, data, labels, failures, token, info, recycle, seconds, t0, t1, pool) -> Prepared:
     samples = batch.samples
     limit = pipe.decode.max_pixels
     sizes = info[:, :2].astype(np.int64)
@@ -159,23 +169,28 @@ def _plan(batch, pipe, seed, rows, data, labels, failures, token, info, recycle,
         why = pixel_error(int(sizes[i, 1]), int(sizes[i, 0]), limit)
         failures.append((rows[i], DecodeError(why, key=sample.key, source=sample.source)))
         alive[i] = False
-    # What nvImageCodec cannot parse, or must not decode (a file that does not end where its format
-    # says, ``_limits.incomplete``), Pillow decodes, once (its error is the sample's).
-    to_pillow = alive & ~parsed
+    # Pillow decodes, once (its error is the sample's), what nvImageCodec must not decode:
+    # - formats other than JPEG, as on the CPU path: nvImageCodec's CPU codecs crashed the process
+    #   on damaged PNGs in fuzzing on the H100 (libpng: "Not enough image data"), and batches
+    #   mixing its codecs hung ("Processing results for sample 11 was already set");
+    # - a file that does not end where its format says (``_limits.incomplete``);
+    # - a JPEG too short for the size it claims (``too_short``).
+    jpegs = _jpeg_heads(data)
+    to_pillow = alive & ~(parsed & jpegs)
     to_pillow |= alive & cut_short(data)
-    for i in np.flatnonzero(alive & parsed & ~to_pillow & ~_jpeg_heads(data)).tolist():
-        to_pillow[i] = incomplete(data[i]) is not None  # other formats: rare, one call each
+    to_pillow |= alive & parsed & too_short(data, sizes)
+    todo = np.flatnonzero(to_pillow).tolist()
+    decode = functools.partial(_decoded_or_error, pipe.decode)
+    blobs, chosen = [data[i] for i in todo], [samples[rows[i]] for i in todo]
+    results = pool.map(decode, blobs, chosen) if pool is not None and len(todo) > 1 else map(decode, blobs, chosen)
     pillow: dict[int, Image.Image] = {}
-    for i in np.flatnonzero(to_pillow).tolist():
-        sample = samples[rows[i]]
-        try:
-            img = _pillow.decode(data[i], pipe.decode, sample.key, sample.source)
-        except LoaderError as exc:
-            failures.append((rows[i], exc))
+    for i, img in zip(todo, results):
+        if isinstance(img, LoaderError):
+            failures.append((rows[i], img))
             alive[i] = False
-            continue
-        pillow[i] = img
-        sizes[i] = (img.height, img.width)
+        else:
+            pillow[i] = img
+            sizes[i] = (img.height, img.width)
     if limit is not None:  # what the ops would make, bounded as the files are (as on the CPU path)
         idx = np.flatnonzero(alive)
         for i in idx[output_pixels(sizes[idx, 0], sizes[idx, 1], pipe.image_ops) > limit].tolist():
@@ -212,6 +227,13 @@ def _plan(batch, pipe, seed, rows, data, labels, failures, token, info, recycle,
         parts=parts(regions, pipe.channels, lane_budget(pipe.decode.max_batch_bytes)),
         recycle=recycle,
     )
+
+
+def _decoded_or_error(spec: Any, blob: Any, sample: Any) -> Image.Image | LoaderError:
+    try:
+        return _pillow.decode(blob, spec, sample.key, sample.source)
+    except LoaderError as exc:
+        return exc
 
 
 def kernel_tables(plans, regions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -29,7 +29,7 @@ from typing import Any
 
 from headrace._errors import DecodeError
 
-__all__ = ["ByteBudget", "check_pixels", "claimed_size", "incomplete", "pixel_error", "release_frames"]
+__all__ = ["ByteBudget", "check_pixels", "claimed_size", "incomplete", "pixel_error", "release_frames", "too_few_bits"]
 
 # A grant this large is given back to the C allocator's arenas when it ends (see ByteBudget).
 TRIM_AT = 64 << 20
@@ -58,6 +58,20 @@ def check_pixels(width: int, height: int, max_pixels: int | None, key: str | Non
     reason = pixel_error(width, height, max_pixels)
     if reason is not None:
         raise DecodeError(reason, key=key, source=source)
+
+
+def too_few_bits(nbytes, height, width):
+    """True where a JPEG of ``nbytes`` bytes holds fewer bits than the 8x8 blocks of the size its
+    header claims (ints or NumPy arrays alike).
+
+    Every block of a Huffman-coded JPEG (baseline or progressive) takes at least one bit, its DC
+    code, so such a file cannot hold its image. Neither path hands one to nvImageCodec: nvJPEG's
+    host decode read past the data of one (a progressive 178x175 JPEG of 4,920 bytes whose header
+    claimed 6000x6000) and crashed the process on the H100 (``nvjpegDecodeJpegHost``). Pillow
+    decodes what the file holds, or says why not; a valid arithmetic-coded JPEG may be that small,
+    and Pillow decodes it.
+    """
+    return nbytes * 8 < ((height + 7) // 8) * ((width + 7) // 8)
 
 
 def claimed_size(data: Any) -> tuple[int, int] | None:

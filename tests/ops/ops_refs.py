@@ -218,9 +218,9 @@ def photo(name: str = "astronaut", h: int | None = None, w: int | None = None) -
 
 
 def with_sof_size(jpeg: bytes, h: int, w: int) -> bytes:
-    """A JPEG whose SOF0 header claims ``h`` x ``w``; the scan data is still the original's."""
+    """A JPEG whose SOF0 (or, progressive, SOF2) header claims ``h`` x ``w``; the scan data is still the original's."""
     b = bytearray(jpeg)
-    sof = b.index(b"\xff\xc0")
+    sof = b.index(b"\xff\xc0") if b"\xff\xc0" in b else b.index(b"\xff\xc2")
     b[sof + 5 : sof + 9] = struct.pack(">HH", h, w)
     return bytes(b)
 

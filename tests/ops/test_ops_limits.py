@@ -34,7 +34,8 @@ from headrace.ops import (
     validation,
 )
 from headrace.ops._geometry import output_error, output_pixels
-from headrace.ops._limits import ByteBudget, claimed_size
+from headrace.ops import _pillow
+from headrace.ops._limits import ByteBudget, claimed_size, too_few_bits
 
 MiB = 1 << 20
 DEFAULT_PIXELS = 2**26
@@ -370,3 +371,20 @@ def _claiming_jpeg(h: int, w: int) -> bytes:
     i = data.index(b"\xff\xc0")
     data[i + 5 : i + 9] = h.to_bytes(2, "big") + w.to_bytes(2, "big")
     return bytes(data)
+
+
+async def test_a_jpeg_too_short_for_its_claimed_size_is_pillows_to_decode(make_executor, jpeg_decoder):
+    """A progressive 178x175 JPEG of a few KB whose header claims 6000x6000 crashed nvJPEG's host
+    decode on the H100: neither path hands such a file to nvImageCodec. Pillow decodes what it holds."""
+    small = encode(photo("astronaut", 175, 178), "JPEG", quality=30, progressive=True)
+    lying = with_sof_size(small, 6000, 6000)
+    assert too_few_bits(len(lying), 6000, 6000) and not too_few_bits(len(small), 175, 178)
+    if jpeg_decoder == "nvimgcodec":
+        from headrace.ops._cpu_decode import JpegDecoders, nvimgcodec
+
+        decoders = JpegDecoders(nvimgcodec(), exif=True, max_pixels=DEFAULT_PIXELS)
+        assert decoders.header(lying) is None and decoders.header(small) is not None
+    out = await make_executor(Pipeline([Decode()])).run(batch([sample(0, lying), sample(1, small)]))
+    assert out.kept == [0, 1]
+    expected = np.asarray(_pillow.decode(lying, Decode(), "k", "s"))
+    assert np.array_equal(out.data["image"][0].permute(1, 2, 0).numpy(), expected)  # CHW by default
