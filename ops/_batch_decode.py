@@ -147,9 +147,10 @@ class BatchDecoder:
 
     ``device=None`` makes a CPU-only decoder writing to host memory (used by the tests on machines
     without a GPU); otherwise the hardware JPEG engine (``hw_load`` of each batch, or a share that
-    nvImageCodec adapts batch by batch when ``hw_load="adaptive"``), then the CUDA decoder, then the
-    CPU one (``cuda_load``: the share of what the engine leaves that the CUDA decoder takes; the
-    rest goes to the CPU), writing to device memory on the stream given to ``decode``. ``options`` go to
+    nvImageCodec adapts batch by batch when ``hw_load="adaptive"``), then the CUDA decoder
+    (``cuda_load``: the share of what the engine leaves that it takes), writing to device memory on
+    the stream given to ``decode``; what they fail on comes back failed (nvImageCodec's CPU backend
+    is left out of that chain: with it, fuzzed JPEGs hung a decode now and then). ``options`` go to
     nvImageCodec's decoder as they are (e.g. ``"nvjpeg_cuda_decoder:hybrid_huffman_threshold=0"``).
     """
 

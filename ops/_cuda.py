@@ -3,7 +3,7 @@
 The prep thread reads a batch's headers and plans each sample's crop (the same geometry as the
 CPU path, vectorised over the batch); other formats and the JPEGs nvImageCodec must not take
 decode in Pillow threads meanwhile (``_cuda_prep``). A lane then decodes only the region each crop
-reads of the JPEGs (nvImageCodec: hardware JPEG engine and CUDA decoder together, CPU fallback;
+reads of the JPEGs (nvImageCodec: hardware JPEG engine and CUDA decoder together, Pillow for what they fail on;
 GIL-free through the C shim of ``_batch_decode`` when it builds), launches one fused kernel for the batch and records an
 event; it never waits for the GPU. In the common case (every image to nvImageCodec, the CUDA driver
 reachable) the shim does all of that in the one call that decodes, so the lane takes the GIL back
@@ -35,7 +35,6 @@ import torch
 from headrace._errors import ClosedError, ConfigError, LoaderError
 from headrace._sample import SampleBatch
 from headrace._threads import join_threads
-from PIL import Image
 
 from . import _batch_decode as batch_decode
 from . import _pillow
@@ -43,8 +42,9 @@ from ._cpu import Processed, _image_field, field_columns
 from ._cuda_codecs import NativeDecoder, NativeHeaders, PythonDecoder, PythonHeaders
 from ._cuda_kernels import BLOCK, grid, resample_kernel
 from ._cuda_launch import FusedLaunch, Staging
-from ._cuda_prep import Prepared, lane_budget, prepare
+from ._cuda_prep import PillowThreads, Prepared, lane_budget, prepare
 from ._geometry import check_foldable
+from ._limits import ByteBudget
 from ._pipeline import Pipeline
 
 __all__ = ["CudaExecutor", "cuda_available", "gpu_unsupported"]
@@ -77,7 +77,7 @@ class CudaExecutor:
     """Runs a pipeline on one GPU with ``lanes`` lanes. Lives across epochs; ``aclose`` ends it.
 
     ``hw_load`` is the share of each batch offered to the hardware JPEG decoder first (the rest,
-    and what it rejects, go to the CUDA decoder, then the CPU one), or ``"adaptive"``: nvImageCodec
+    and what it rejects, go to the CUDA decoder, then Pillow), or ``"adaptive"``: nvImageCodec
     moves the share batch by batch to keep both busy. ``decoder_threads`` are the host threads of
     each lane's decoder (default: the cores; sharing them among the lanes was slower on the H100,
     ops/README.md).
@@ -118,7 +118,10 @@ class CudaExecutor:
         self._prep = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="headrace-prep")
         # Formats other than JPEG, and JPEGs nvImageCodec must not take, decode in Pillow here
         # (``_cuda_prep``); its threads start on first use.
-        self._pillow = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="headrace-pillow")
+        self._pillow = PillowThreads(
+            concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="headrace-pillow"),
+            ByteBudget(pipeline.decode.max_batch_bytes),
+        )
         # Thread jobs submitted by run() and not finished (prep and lanes): what drain() cancels or awaits.
         self._pending: set[concurrent.futures.Future[Any]] = set()
         self._prep_seconds: collections.Counter[str] = collections.Counter()
@@ -190,7 +193,7 @@ class CudaExecutor:
         finally:
             await join_threads([lane.pool.submit(lane.close) for lane in self._lanes])
             self._prep.shutdown(wait=True)
-            self._pillow.shutdown(wait=True)
+            self._pillow.pool.shutdown(wait=True)
             self._headers.close()
             for lane in self._lanes:
                 lane.pool.shutdown(wait=True)
@@ -487,15 +490,19 @@ class _Lane:
             return [self.post.finish(image[None])[0] for image in images]
         return self.post.finish(images)
 
-    def _cpu_decode(self, sample, region, decoded: Image.Image | None) -> torch.Tensor:
-        """``region`` of the sample's pixels on the device: Pillow's, decoded now unless already."""
-        pipe = self.owner.pipeline
-        img = decoded if decoded is not None else _pillow.decode(
-            _image_field(sample, pipe.image_fields), pipe.decode, sample.key, sample.source
-        )
-        y0, x0, y1, x1 = (int(v) for v in region)
-        arr = np.array(img.crop((x0, y0, x1, y1))).reshape(y1 - y0, x1 - x0, -1)  # a writable copy, for torch
-        return torch.from_numpy(arr).to(self.owner.device, non_blocking=False)
+    def _cpu_decode(self, sample, region, decoded: torch.Tensor | LoaderError | None) -> torch.Tensor:
+        """``region`` of the sample's pixels on the device: Pillow's window from the prep thread
+        (or its error), else decoded now."""
+        if isinstance(decoded, LoaderError):
+            raise decoded
+        if decoded is None:
+            pipe = self.owner.pipeline
+            img = _pillow.decode(_image_field(sample, pipe.image_fields), pipe.decode, sample.key, sample.source)
+            y0, x0, y1, x1 = (int(v) for v in region)
+            arr = np.array(img.crop((x0, y0, x1, y1))).reshape(y1 - y0, x1 - x0, -1)  # a writable copy, for torch
+            img.close()
+            decoded = torch.from_numpy(arr)
+        return decoded.to(self.owner.device, non_blocking=False)
 
     def _launch(self, out: torch.Tensor, tables, stage: Staging, pointers: np.ndarray, row_strides: np.ndarray,
                 prep: Prepared, ok: np.ndarray, offsets: np.ndarray | None, lap) -> None:

@@ -94,7 +94,7 @@ class NativeDecoder:
         # Expert knob, for measuring: options for nvImageCodec's decoder, as its documentation spells them.
         options = os.environ.get("HEADRACE_NVIMGCODEC_OPTIONS", "")
         # Expert knob, for measuring: the CUDA decoder's share of what the hardware engine leaves
-        # (the rest decodes on the CPU).
+        # (the rest fails back to the lane, which decodes it with Pillow).
         cuda_load = float(os.environ.get("HEADRACE_CUDA_LOAD", "1"))
         self.decoder = BatchDecoder(
             device.index, threads=threads, hw_load=hw_load, cuda_load=cuda_load, channels=channels, exif=exif, options=options
@@ -201,8 +201,7 @@ class PythonDecoder:
             nvc.Backend(kinds.HW_GPU_ONLY, load_hint=0.65 if adaptive else hw_load, load_hint_policy=policy),
             nvc.Backend(kinds.HYBRID_CPU_GPU, load_hint_policy=policy),
             nvc.Backend(kinds.GPU_ONLY, load_hint_policy=policy),
-            nvc.Backend(kinds.CPU_ONLY, load_hint_policy=policy),
-        ]
+        ]  # no CPU backend: what these fail on, the lane decodes with Pillow (the shim's chain, batch_decode.c)
         self.decoder = nvc.Decoder(device_id=device.index, max_num_cpu_threads=threads, backends=backends)
         self.launch_unavailable = "decoding through nvImageCodec's Python API"
         self.seconds: collections.Counter[str] = collections.Counter()

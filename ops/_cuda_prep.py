@@ -22,7 +22,6 @@ the parts the lane decodes it in (``parts``).
 
 from __future__ import annotations
 
-import functools
 import operator
 import time
 from collections.abc import Callable
@@ -32,18 +31,18 @@ from itertools import repeat
 from typing import Any
 
 import numpy as np
+import torch
 from headrace._errors import DecodeError, LoaderError, TransformError
 from headrace._sample import SampleBatch
-from PIL import Image
 
 from . import _pillow
 from ._cpu import _check_fields, _image_field, _label, _read_failure
 from ._geometry import output_error, output_pixels, plan_batch, roi_batch
-from ._limits import MAX_SIDE, pixel_error, too_few_bits
+from ._limits import MAX_SIDE, ByteBudget, pixel_error, too_few_bits
 from ._pipeline import Pipeline
 from ._random import uniforms
 
-__all__ = ["Prepared", "cut_short", "kernel_tables", "lane_budget", "parts", "prepare", "too_short"]
+__all__ = ["PillowThreads", "Prepared", "cut_short", "kernel_tables", "lane_budget", "parts", "prepare", "too_short"]
 
 _SOI, _EOI = b"\xff\xd8", b"\xff\xd9"
 _head = operator.itemgetter(slice(0, 2))
@@ -63,7 +62,7 @@ class Prepared:
     token: Any  # the header reader's parsed batch; None once given back (``release``)
     parse_idx: np.ndarray  # rows' positions in the parsed batch
     on_gpu: np.ndarray  # nvImageCodec decodes it (else Pillow already did)
-    pillow: dict[int, Image.Image]
+    pillow: dict[int, torch.Tensor | LoaderError]  # Pillow's window (HWC uint8, host) or the sample's error, by row
     regions: np.ndarray  # (y0, x0, y1, x1) decode windows
     meta: np.ndarray  # the fused kernel's tables (``kernel_tables``), but the row strides
     geo: np.ndarray
@@ -123,9 +122,19 @@ def parts(regions: np.ndarray, channels: int, budget: int | None) -> list[tuple[
     return out
 
 
-def prepare(batch: SampleBatch, pipe: Pipeline, headers: Any, seed: int, seconds: Any, pool: Executor | None = None) -> Prepared:
-    """Labels, headers and each sample's crop plan and decode window (in the prep thread); what
-    Pillow decodes is decoded in ``pool`` (else here), as Pillow releases the GIL."""
+@dataclass
+class PillowThreads:
+    """Where the prep thread has Pillow decode (it releases the GIL): ``pool``'s threads, whose
+    decodes together hold at most ``budget`` (the executor's ``max_batch_bytes``)."""
+
+    pool: Executor
+    budget: ByteBudget
+
+
+def prepare(batch: SampleBatch, pipe: Pipeline, headers: Any, seed: int, seconds: Any,
+            threads: PillowThreads | None = None) -> Prepared:
+    """Labels, headers and each sample's crop plan and decode window (in the prep thread); Pillow's
+    windows decoded in ``threads`` (else here)."""
     t0 = time.perf_counter()
     samples = batch.samples
     failures: list[tuple[int, LoaderError]] = []
@@ -148,13 +157,13 @@ def prepare(batch: SampleBatch, pipe: Pipeline, headers: Any, seed: int, seconds
     token, info = headers.parse(data)
     t1 = time.perf_counter()
     try:
-        return _plan(batch, pipe, seed, rows, data, labels, failures, token, info, headers.recycle, seconds, t0, t1, pool)
+        return _plan(batch, pipe, seed, rows, data, labels, failures, token, info, headers.recycle, seconds, t0, t1, threads)
     except BaseException:
         headers.recycle(token)
         raise
 
 
-def _plan(batch, pipe, seed, rows, data, labels, failures, token, info, recycle, seconds, t0, t1, pool) -> Prepared:
+def _plan(batch, pipe, seed, rows, data, labels, failures, token, info, recycle, seconds, t0, t1, threads) -> Prepared:
     samples = batch.samples
     limit = pipe.decode.max_pixels
     sizes = info[:, :2].astype(np.int64)
@@ -175,22 +184,19 @@ def _plan(batch, pipe, seed, rows, data, labels, failures, token, info, recycle,
     #   mixing its codecs hung ("Processing results for sample 11 was already set");
     # - a file that does not end where its format says (``_limits.incomplete``);
     # - a JPEG too short for the size it claims (``too_short``).
-    jpegs = _jpeg_heads(data)
-    to_pillow = alive & ~(parsed & jpegs)
+    to_pillow = alive & ~(parsed & _jpeg_heads(data))
     to_pillow |= alive & cut_short(data)
     to_pillow |= alive & parsed & too_short(data, sizes)
-    todo = np.flatnonzero(to_pillow).tolist()
-    decode = functools.partial(_decoded_or_error, pipe.decode)
-    blobs, chosen = [data[i] for i in todo], [samples[rows[i]] for i in todo]
-    results = pool.map(decode, blobs, chosen) if pool is not None and len(todo) > 1 else map(decode, blobs, chosen)
-    pillow: dict[int, Image.Image] = {}
-    for i, img in zip(todo, results):
-        if isinstance(img, LoaderError):
-            failures.append((rows[i], img))
+    opened: dict[int, _pillow.Opened] = {}  # headers only: the pixels are decoded once the windows are known
+    for i in np.flatnonzero(to_pillow).tolist():
+        sample = samples[rows[i]]
+        try:
+            opened[i] = _pillow.open_image(data[i], pipe.decode, sample.key, sample.source)
+        except LoaderError as exc:
+            failures.append((rows[i], exc))
             alive[i] = False
-        else:
-            pillow[i] = img
-            sizes[i] = (img.height, img.width)
+            continue
+        sizes[i] = (opened[i].height, opened[i].width)
     if limit is not None:  # what the ops would make, bounded as the files are (as on the CPU path)
         idx = np.flatnonzero(alive)
         for i in idx[output_pixels(sizes[idx, 0], sizes[idx, 1], pipe.image_ops) > limit].tolist():
@@ -198,6 +204,8 @@ def _plan(batch, pipe, seed, rows, data, labels, failures, token, info, recycle,
             why = output_error(int(sizes[i, 0]), int(sizes[i, 1]), pipe.image_ops, limit)
             failures.append((rows[i], TransformError(why, key=sample.key, source=sample.source)))
             alive[i] = False
+            if i in opened:
+                opened.pop(i).img.close()
     kept = np.flatnonzero(alive)
     # Geometry for the whole batch at once, keyed on each sample's index.
     indices = np.fromiter((samples[rows[i]].index for i in kept.tolist()), dtype=np.int64, count=len(kept))
@@ -209,6 +217,7 @@ def _plan(batch, pipe, seed, rows, data, labels, failures, token, info, recycle,
     regions = roi_batch(plans, sizes[kept, 0], sizes[kept, 1]).astype(np.int32)
     meta, geo = kernel_tables(plans, regions)
     keep = kept.tolist()
+    pillow = _decode_windows(opened, keep, regions, pipe, threads)
     seconds["parse"] += t1 - t0
     seconds["plan"] += time.perf_counter() - t1
     return Prepared(
@@ -220,7 +229,7 @@ def _plan(batch, pipe, seed, rows, data, labels, failures, token, info, recycle,
         token=token,
         parse_idx=kept.astype(np.int32),
         on_gpu=~to_pillow[kept],
-        pillow={j: pillow[i] for j, i in enumerate(keep) if i in pillow},
+        pillow=pillow,
         regions=regions,
         meta=meta,
         geo=geo,
@@ -229,11 +238,37 @@ def _plan(batch, pipe, seed, rows, data, labels, failures, token, info, recycle,
     )
 
 
-def _decoded_or_error(spec: Any, blob: Any, sample: Any) -> Image.Image | LoaderError:
-    try:
-        return _pillow.decode(blob, spec, sample.key, sample.source)
-    except LoaderError as exc:
-        return exc
+def _decode_windows(opened: dict[int, Any], keep: list[int], regions: np.ndarray, pipe: Pipeline,
+                    threads: PillowThreads | None) -> dict[int, torch.Tensor | LoaderError]:
+    """Pillow's decode of the kept samples ``opened`` holds, cut to their windows: by position in
+    ``keep``, an HWC uint8 window or the sample's DecodeError. Decoded in ``threads`` (whose
+    decodes together stay within its budget) while the windows kept stay within a lane's share of
+    ``max_batch_bytes``; the others are left out, for the lane to decode one at a time."""
+    share = lane_budget(pipe.decode.max_batch_bytes)
+    jobs, held = [], 0
+    for j, i in enumerate(keep):
+        image = opened.pop(i, None)
+        if image is None:
+            continue
+        y0, x0, y1, x1 = (int(v) for v in regions[j])
+        nbytes = (y1 - y0) * (x1 - x0) * pipe.channels
+        if share is not None and held + nbytes > share:
+            image.img.close()
+            continue
+        held += nbytes
+        jobs.append((j, image, (y0, x0, y1, x1)))
+    budget = threads.budget if threads is not None else ByteBudget(None)
+
+    def window(job: tuple[int, Any, tuple[int, int, int, int]]) -> torch.Tensor | LoaderError:
+        _, image, (y0, x0, y1, x1) = job
+        try:
+            with budget.hold(image.predicted_bytes(pipe.channels)):
+                return _pillow.pixels(image, pipe.decode)[y0:y1, x0:x1].clone()
+        except LoaderError as exc:
+            return exc
+
+    windows = threads.pool.map(window, jobs) if threads is not None and len(jobs) > 1 else map(window, jobs)
+    return {job[0]: result for job, result in zip(jobs, windows)}
 
 
 def kernel_tables(plans, regions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

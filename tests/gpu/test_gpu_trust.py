@@ -434,3 +434,32 @@ async def test_other_formats_and_lying_jpegs_get_pillows_verdict_in_mixed_batche
             assert verdicts[key] == {"delivered"}, key
         for key in ("damaged-png", "cut-png", "cut-webp"):
             assert verdicts[key] == {"DecodeError"}, key
+
+
+async def test_pillows_decodes_on_the_gpu_path_stay_within_max_batch_bytes():
+    """Large PNGs on the GPU path decode in Pillow threads that together hold at most
+    ``max_batch_bytes``; what the prep thread keeps for the lane stays within a lane's share, the
+    rest the lane decodes one at a time. Same samples as the CPU path, same output shapes."""
+    rng = np.random.default_rng(29)
+    blobs = []
+    for i in range(12):
+        img = Image.fromarray(rng.integers(0, 256, size=(8, 8, 3), dtype=np.uint8)).resize((2400, 1800))
+        buf = io.BytesIO()
+        img.save(buf, "PNG", compress_level=1)
+        blobs.append(buf.getvalue())
+    samples = [_sample(f"big-{i}", blob, i) for i, blob in enumerate(blobs)]
+    limit = 40 << 20  # one 2400x1800 image decodes in about 30 MiB: the threads take them nearly one by one
+    pipeline = ops.Pipeline([ops.Decode(max_batch_bytes=limit), ops.RandomResizedCrop(96)])
+    cpu = ops.CpuExecutor(pipeline, num_threads=2, seed=4)
+    gpu = ops.CudaExecutor(pipeline, seed=4)
+    try:
+        a = await cpu.run(SampleBatch(samples, 0, 0))
+        b = await gpu.run(SampleBatch(samples, 0, 0))
+        torch.cuda.synchronize()
+        peak = gpu._pillow.budget.peak
+    finally:
+        await cpu.aclose()
+        await gpu.aclose()
+    assert a.kept == b.kept == list(range(12)) and not b.failures
+    assert tuple(b.data["image"].shape) == tuple(a.data["image"].shape) == (12, 3, 96, 96)
+    assert 0 < peak <= limit
