@@ -714,6 +714,9 @@ def run_worker_process(args: argparse.Namespace, corpus: Path, path: str, start:
                 outcome = "memory"
             elif time.perf_counter() - t0 > args.timeout:
                 outcome = "hang"
+            if outcome == "hang":  # where its threads are: Python's stacks of every thread, to stderr
+                os.kill(proc.pid, signal.SIGUSR1)
+                time.sleep(1.0)
             if outcome != "ok":
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
@@ -736,7 +739,8 @@ def run_worker_process(args: argparse.Namespace, corpus: Path, path: str, start:
         progress = {}
     if report is not None:
         peak = max(peak, report.get("peak_rss", 0))
-    return WorkerRun(path, start, stop, outcome, proc.returncode, seconds, peak, report, progress, stderr[-6000:])
+    keep = 24000 if outcome == "hang" else 6000  # a hang's thread stacks
+    return WorkerRun(path, start, stop, outcome, proc.returncode, seconds, peak, report, progress, stderr[-keep:])
 
 
 def isolate(args: argparse.Namespace, corpus: Path, path: str, suspects: list[int]) -> dict[int, str]:
@@ -777,7 +781,8 @@ def tally(runs: list[WorkerRun], paths: list[str], manifest: list[dict[str, Any]
             t[key].append({"slice": [run.start, run.stop], "returncode": run.returncode,
                            "seconds": round(run.seconds, 1), "peak_rss": run.peak_rss,
                            "after_report": part is not None,
-                           "suspects": run.progress.get("suspects", []), "stderr": run.stderr_tail[-4000:],
+                           "suspects": run.progress.get("suspects", []),
+                           "stderr": run.stderr_tail[-(24000 if run.outcome == "hang" else 4000):],
                            "culprits": run.culprits})
         if part is None:
             t["lost"] += n
@@ -980,7 +985,10 @@ def print_failures(result: dict[str, Any], manifest: list[dict[str, Any]]) -> No
                 when = " after its report (at exit)" if c["after_report"] else ""
                 print(f"[{path}] {what}{when} in slice {c['slice']} (exit {c['returncode']}, {c['seconds']} s, "
                       f"peak RSS {_gib(c['peak_rss'])})")
-                if c["stderr"].strip():
+                if name == "hangs":
+                    for line in _stuck_in(c["stderr"]):
+                        print("    " + line)
+                elif c["stderr"].strip():
                     print("    stderr: " + c["stderr"].strip().splitlines()[-1][:300])
                 culprits(c)
         for p in t["problems"][:20]:
@@ -989,6 +997,19 @@ def print_failures(result: dict[str, Any], manifest: list[dict[str, Any]]) -> No
             print(f"[{path}] duplicated inputs {t['duplicated'][:20]}")
         if t["controls_refused"]:
             print(f"[{path}] untouched controls refused: {t['controls_refused'][:20]}")
+
+
+def _stuck_in(stderr: str) -> list[str]:
+    """From a hung worker's thread dump (faulthandler): each thread and the innermost frame it was in."""
+    out, thread = [], None
+    for line in stderr.splitlines():
+        line = line.strip()
+        if line.startswith(("Thread 0x", "Current thread 0x")):
+            thread = line.rstrip(" (most recent call first):")
+        elif thread and line.startswith("File "):
+            out.append(f"{thread}: {line}")
+            thread = None
+    return out or ["(no thread dump)"]
 
 
 def _suspects(run: WorkerRun, limit: int) -> list[int]:
@@ -1109,6 +1130,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
+        import faulthandler
+
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for it when we hang
         report = run_worker(args)
         print("FUZZ-REPORT " + json.dumps(report), flush=True)
         return 0
