@@ -4,24 +4,30 @@ VENV ?= .venv
 # The CPU build of torch; on a GPU machine set TORCH to the build for your CUDA.
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.headrace-installed
+# headrace and torch only (what the demo needs); then the extras the tests and benchmarks use.
+CORE := $(VENV)/.headrace-core
+FULL := $(VENV)/.headrace-full
 
 .PHONY: demo test bench-cpu clean
 
-$(STAMP): pyproject.toml
+$(CORE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -U pip "setuptools>=64" wheel
 	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(FULL): $(CORE)
 	$(BIN)/python -m pip install -q -e ".[test,bench,cpu,lmdb]"
 	touch $@
 
-demo: $(STAMP)  ## make a small JPEG data set, then run training-style epochs with a progress bar
+demo: $(CORE)  ## make a small JPEG data set (in .data/demo), then run training-style epochs with a progress bar
 	$(BIN)/headrace demo
 
-test: $(STAMP)  ## the whole CPU test suite (GPU tests skip themselves without CUDA)
+test: $(FULL)  ## the whole CPU test suite (GPU tests skip themselves without CUDA)
 	$(BIN)/pytest -q
 
-bench-cpu: $(STAMP)  ## headrace vs torch DataLoader + Pillow on this machine's cores
+bench-cpu: $(FULL)  ## headrace vs torch DataLoader + Pillow on this machine's cores
 	$(BIN)/python examples/benchmark_cpu.py
 
 clean:

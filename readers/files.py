@@ -205,6 +205,9 @@ def files(
         if store is not None or is_url(source):
             return _bucket_folder(os.fspath(source), storage, exts, common)
         root = Path(source)
+        if root.is_file():
+            raise ConfigError(f"files: {root} is a file; give a folder (one sub-folder per class) or a list "
+                              f"of paths, e.g. files([{str(root)!r}], labels=[0])")
         if not root.is_dir():
             raise ReadError("no such folder", source=str(root))
         classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))

@@ -29,7 +29,7 @@ class ChannelStats:
     items: int
     bytes: int
     max_items: int
-    max_bytes: int
+    max_bytes: int | None  # None: not bounded by bytes
     peak_items: int
     peak_bytes: int
     sent: int
@@ -161,7 +161,7 @@ def _stats(s: _State) -> ChannelStats:
         items=len(s.buffer),
         bytes=s.bytes,
         max_items=s.max_items,
-        max_bytes=s.max_bytes,
+        max_bytes=None if s.max_bytes == _UNBOUNDED else s.max_bytes,
         peak_items=s.peak_items,
         peak_bytes=s.peak_bytes,
         sent=s.sent,
@@ -170,8 +170,11 @@ def _stats(s: _State) -> ChannelStats:
     )
 
 
+_UNBOUNDED = 1 << 62  # the byte bound of a channel bounded by its item count alone
+
+
 def open_channel(
-    max_items: int, max_bytes: int = 1 << 62, *, name: str = "channel"
+    max_items: int, max_bytes: int = _UNBOUNDED, *, name: str = "channel"
 ) -> tuple[SendChannel[Any], ReceiveChannel[Any]]:
     """Make a bounded channel and return its ``(send, receive)`` ends.
 

@@ -84,14 +84,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from headrace import datasets
+    from headrace import LoaderError, datasets
 
     root = os.path.abspath(args.data)
-    if datasets.count_images(root) != args.images:
-        with tqdm(total=args.images, desc=f"making {args.images} JPEGs", unit="img") as bar:
-            datasets.ensure_image_folder(root, count=args.images, classes=args.classes, progress=bar.update)
-    else:
-        print(f"data: {args.images} JPEGs in {root} (cached)")
+    try:
+        if datasets.count_images(root) != args.images or not os.path.isfile(os.path.join(root, datasets.MARKER)):
+            with tqdm(total=args.images, desc=f"making {args.images} JPEGs in {root}", unit="img") as bar:
+                _, made = datasets.ensure_image_folder(root, count=args.images, classes=args.classes, progress=bar.update)
+            print(f"data: {args.images} JPEGs in {root} ({'made now' if made else 'cached'}; remove the folder to free it)")
+        else:
+            print(f"data: {args.images} JPEGs in {root} (cached; remove the folder to free it)")
+    except LoaderError as exc:
+        print(f"headrace demo: error: {exc}", file=sys.stderr)
+        return 1
     from headrace import new_event_loop
 
     loop = new_event_loop()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import io
 import os
+import re
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-__all__ = ["count_images", "ensure_image_folder", "make_image_folder", "photographs"]
+__all__ = ["MARKER", "count_images", "ensure_image_folder", "make_image_folder", "photographs"]
 
 _COLOR_PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "immunohistochemistry", "hubble_deep_field",
                  "retina", "stereo_motorcycle")
@@ -142,6 +143,21 @@ def count_images(root: str | os.PathLike) -> int:
     return sum(1 for _ in root.glob("class_*/*.jpg"))
 
 
+MARKER = ".headrace-dataset"  # in a folder headrace made: only such a folder is ever emptied or rewritten
+_MARKER_TEXT = "made by headrace.datasets.make_image_folder; headrace may empty and rewrite this folder\n"
+
+
+def _made_before_markers(root: Path) -> bool:
+    """A folder written before the marker existed: only ``class_NN`` folders of ``NNNNNN.jpg`` files."""
+    if not root.is_dir():
+        return False
+    entries = list(root.iterdir())
+    return bool(entries) and all(
+        d.is_dir() and re.fullmatch(r"class_\d{2,}", d.name) and all(re.fullmatch(r"\d{6}\.jpg", f.name) for f in d.iterdir())
+        for d in entries
+    )
+
+
 def ensure_image_folder(
     root: str | os.PathLike,
     *,
@@ -153,17 +169,28 @@ def ensure_image_folder(
 ) -> tuple[Path, bool]:
     """``make_image_folder`` unless ``root`` already holds exactly ``count`` images in ``classes`` folders.
 
-    A folder with another count is emptied of its ``class_*/*.jpg`` files first. Returns ``(root,
-    made)``, where ``made`` says whether the images were (re)written.
+    headrace writes only into a folder that is new, empty, or one it made (it leaves a
+    ``.headrace-dataset`` file there): a folder of someone else's files is a ``ConfigError``, and
+    is left as it is. A folder it made with another count is emptied of its ``class_*/*.jpg``
+    files first. Returns ``(root, made)``, where ``made`` says whether the images were (re)written.
     """
+    from headrace._errors import ConfigError
+
     root = Path(root)
+    ours = (root / MARKER).is_file() or _made_before_markers(root)
+    if root.is_dir() and not ours and any(root.iterdir()):
+        raise ConfigError(f"{root} holds files headrace did not make: give an empty or a new folder for the "
+                          "data set it makes (it writes only where it finds its own .headrace-dataset file)")
     folders = sorted(root.glob("class_*")) if root.is_dir() else []
-    if count_images(root) == count and len(folders) == classes:
+    if ours and count_images(root) == count and len(folders) == classes:
+        (root / MARKER).write_text(_MARKER_TEXT)
         return root, False
-    for old in root.glob("class_*/*.jpg") if root.is_dir() else ():
+    for old in root.glob("class_*/*.jpg") if ours else ():
         old.unlink()
     for folder in folders:
         if folder.is_dir() and not any(folder.iterdir()):
             folder.rmdir()
+    root.mkdir(parents=True, exist_ok=True)
+    (root / MARKER).write_text(_MARKER_TEXT)
     make_image_folder(root, count=count, classes=classes, seed=seed, progress=progress, **kwargs)
     return root, True

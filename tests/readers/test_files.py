@@ -128,3 +128,9 @@ async def test_a_chunk_counts_its_bytes_as_the_loop_would(monkeypatch, image_fol
             assert samples_nbytes(chunk) == sum(len(v) for s in chunk for v in s.fields.values())
             if labels is not None:
                 assert [s.fields["cls"] for s in chunk] == [str(labels[s.index]).encode() for s in chunk]
+
+
+def test_a_single_file_gets_a_message_that_says_what_to_give(image_folder):
+    one = sorted(image_folder.rglob("*.jpg"))[0]
+    with pytest.raises(ConfigError, match="is a file; give a folder .* or a list of paths"):
+        readers.files(one)

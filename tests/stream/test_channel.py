@@ -89,3 +89,10 @@ def test_bounds_must_be_positive_ints(bad):
         open_channel(bad)
     with pytest.raises(ConfigError):
         open_channel(1, bad)
+
+
+def test_stats_say_none_for_a_channel_bounded_by_items_alone():
+    _, rx = open_channel(4)
+    assert rx.statistics().max_bytes is None
+    _, rx = open_channel(4, max_bytes=1024)
+    assert rx.statistics().max_bytes == 1024
