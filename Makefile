@@ -18,7 +18,7 @@ $(CORE): pyproject.toml
 	touch $@
 
 $(FULL): $(CORE)
-	$(BIN)/python -m pip install -q -e ".[test,bench,cpu,lmdb]"
+	$(BIN)/python -m pip install -q -e ".[test,bench,nvimgcodec,lmdb]"
 	touch $@
 
 demo: $(CORE)  ## make a small JPEG data set (in .data/demo), then run training-style epochs with a progress bar
