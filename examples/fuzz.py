@@ -706,7 +706,10 @@ def run_worker_process(args: argparse.Namespace, corpus: Path, path: str, start:
     t0 = time.perf_counter()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         # Its own session, so a hang or a runaway allocation is ended with every thread and child.
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, start_new_session=True)
+        env = None
+        if args.native_stacks:  # a crash prints the faulting thread's native stack (examples/native_stack.c)
+            env = dict(os.environ, LD_PRELOAD=" ".join(filter(None, [os.environ.get("LD_PRELOAD"), args.native_stacks])))
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, start_new_session=True, env=env)
         outcome, peak = "ok", 0
         while proc.poll() is None:
             peak = max(peak, _read_hwm(proc.pid))
@@ -988,6 +991,9 @@ def print_failures(result: dict[str, Any], manifest: list[dict[str, Any]]) -> No
                 if name == "hangs":
                     for line in _stuck_in(c["stderr"]):
                         print("    " + line)
+                elif "=== native stack" in c["stderr"]:
+                    for line in c["stderr"].split("=== native stack of the faulting thread ===")[-1].strip().splitlines()[:16]:
+                        print("    " + line[:200])
                 elif c["stderr"].strip():
                     print("    stderr: " + c["stderr"].strip().splitlines()[-1][:300])
                 culprits(c)
@@ -1019,12 +1025,22 @@ def _suspects(run: WorkerRun, limit: int) -> list[int]:
     return named[:limit]
 
 
+def _build_native_stack(where: Path) -> str:
+    """examples/native_stack.c compiled into ``where``; the path of the library."""
+    source = Path(__file__).with_name("native_stack.c")
+    library = where / "native_stack.so"
+    subprocess.run([os.environ.get("CC", "cc"), "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+    return str(library)
+
+
 def run(args: argparse.Namespace) -> int:
     sides = tuple(int(v) for v in args.sides.split(","))
     with tempfile.TemporaryDirectory(prefix="headrace-fuzz-") as tmp:
         corpus = Path(args.corpus or tmp)
         corpus.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
+        if args.native_stacks:
+            args.native_stacks = _build_native_stack(corpus)
         manifest = write_corpus(corpus, args.seed, args.count, sides, args.kinds, args.jobs)
         corpus_seconds = time.perf_counter() - t0
         runs = []
@@ -1108,6 +1124,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dump", type=int, nargs="+", help="write these inputs to --dump-dir and exit")
     p.add_argument("--dump-dir", default="fuzz-inputs")
     p.add_argument("--quiet", action="store_true", help="no line per worker, no table by mutation kind")
+    p.add_argument("--native-stacks", action="store_true",
+                   help="preload examples/native_stack.c (compiled with cc) into the workers: a crash prints the "
+                        "faulting thread's native stack, kept in the report")
     # The worker's own arguments (the parent passes them).
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--path", choices=list(RUNNERS), help=argparse.SUPPRESS)

@@ -11,8 +11,8 @@ kill it (each process restarts after the last window it reached).
     python examples/gpu_culprit.py run /tmp/s --seed 300     # the fuzz run's seed: the same windows
     python examples/gpu_culprit.py find
 
-For the native stack of the thread that faults, preload a handler that prints it (glibc's
-``backtrace_symbols_fd``): ``docs/gpu-notes.md``, "Finding what crashed nvImageCodec".
+For the native stack of the thread that faults, preload ``examples/native_stack.c`` (its
+comment says how).
 """
 
 from __future__ import annotations
