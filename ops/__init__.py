@@ -1,4 +1,4 @@
-"""Decode and transform ops, and the executors that run them on a batch (CPU now; GPU per issue 3)."""
+"""Decode and transform ops, and the executors that run them on a batch: on the CPU (CpuExecutor) and on a GPU (CudaExecutor)."""
 
 from ._cpu import CpuExecutor, Processed
 from ._cuda import CudaExecutor, cuda_available
