@@ -18,6 +18,7 @@ from ._loader import Loader, LoaderStats
 from ._loop import new_event_loop
 from ._markers import END, EPOCH_END
 from ._policy import ErrorRecord
+from ._run import EpochMetrics, StageStats
 from ._sample import Batch, Sample, SampleBatch
 from ._service import Preprocessor, PreprocessorStats
 from ._sync import SyncLoader
@@ -34,6 +35,7 @@ __all__ = [
     "DecodeError",
     "Distributed",
     "ErrorBudgetExceeded",
+    "EpochMetrics",
     "ErrorRecord",
     "LastBatch",
     "Loader",
@@ -47,6 +49,7 @@ __all__ = [
     "Sample",
     "SampleBatch",
     "SendChannel",
+    "StageStats",
     "StorageError",
     "SyncLoader",
     "TransformError",

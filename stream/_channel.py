@@ -4,11 +4,17 @@ A channel is bounded twice: by the number of items and by their total bytes. A f
 ``send`` wait, and that wait is the backpressure that reaches back to the reader's I/O. One item
 larger than ``max_bytes`` still passes when the channel is empty, so a large sample cannot
 deadlock the pipeline.
+
+Each channel also sums the seconds its senders waited for room and its receivers waited for an
+item (only waits that happened; a send or receive that did not wait costs no clock read). A wait
+still in progress counts up to the moment of the snapshot. The loader reads its "blocked" and
+"starved" times from these sums.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -23,7 +29,12 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class ChannelStats:
-    """A snapshot of one channel. ``peak_*`` are the highest levels seen since it opened."""
+    """A snapshot of one channel. ``peak_*`` are the highest levels seen since it opened.
+
+    ``send_wait_seconds`` and ``receive_wait_seconds`` sum, since it opened, the seconds senders
+    waited for room and receivers waited for an item, over every waiter (two senders waiting the
+    same second count two), waits in progress included.
+    """
 
     name: str
     items: int
@@ -35,6 +46,8 @@ class ChannelStats:
     sent: int
     waiting_senders: int
     waiting_receivers: int
+    send_wait_seconds: float = 0.0
+    receive_wait_seconds: float = 0.0
 
 
 class _State:
@@ -51,6 +64,11 @@ class _State:
         self.receive_closed = False
         self.senders: list[asyncio.Future[None]] = []
         self.receivers: list[asyncio.Future[None]] = []
+        # Finished waits are summed; the start times of waits in progress are kept until they end.
+        self.send_wait = 0.0
+        self.receive_wait = 0.0
+        self.send_waits_open: list[float] = []
+        self.receive_waits_open: list[float] = []
 
     def has_room(self, nbytes: int) -> bool:
         if len(self.buffer) >= self.max_items:
@@ -88,14 +106,23 @@ class SendChannel(Generic[T]):
         channel unchanged.
         """
         s = self._state
-        while True:
-            if s.send_closed:
-                raise ClosedError(f"send on closed channel {s.name!r}", stage=s.name)
-            if s.receive_closed:
-                raise ClosedError(f"channel {s.name!r}: the receiver is gone", stage=s.name)
-            if s.has_room(nbytes):
-                break
-            await _wait(s.senders)
+        started = 0.0  # the clock is read only if this send has to wait
+        try:
+            while True:
+                if s.send_closed:
+                    raise ClosedError(f"send on closed channel {s.name!r}", stage=s.name)
+                if s.receive_closed:
+                    raise ClosedError(f"channel {s.name!r}: the receiver is gone", stage=s.name)
+                if s.has_room(nbytes):
+                    break
+                if not started:
+                    started = time.perf_counter()
+                    s.send_waits_open.append(started)
+                await _wait(s.senders)
+        finally:
+            if started:
+                s.send_waits_open.remove(started)  # any equal start time is the same to the sum
+                s.send_wait += time.perf_counter() - started
         s.buffer.append((item, nbytes))
         s.bytes += nbytes
         s.sent += 1
@@ -122,12 +149,21 @@ class ReceiveChannel(Generic[T]):
     async def receive(self) -> T | Any:
         """The next item, or the END marker once the sender has closed and the buffer is empty."""
         s = self._state
-        while not s.buffer:
-            if s.receive_closed:
-                raise ClosedError(f"receive on closed channel {s.name!r}", stage=s.name)
-            if s.send_closed:
-                return END
-            await _wait(s.receivers)
+        started = 0.0  # the clock is read only if this receive has to wait
+        try:
+            while not s.buffer:
+                if s.receive_closed:
+                    raise ClosedError(f"receive on closed channel {s.name!r}", stage=s.name)
+                if s.send_closed:
+                    return END
+                if not started:
+                    started = time.perf_counter()
+                    s.receive_waits_open.append(started)
+                await _wait(s.receivers)
+        finally:
+            if started:
+                s.receive_waits_open.remove(started)
+                s.receive_wait += time.perf_counter() - started
         item, nbytes = s.buffer.popleft()
         s.bytes -= nbytes
         s.wake(s.senders)
@@ -156,6 +192,7 @@ class ReceiveChannel(Generic[T]):
 
 
 def _stats(s: _State) -> ChannelStats:
+    now = time.perf_counter() if s.send_waits_open or s.receive_waits_open else 0.0
     return ChannelStats(
         name=s.name,
         items=len(s.buffer),
@@ -167,6 +204,8 @@ def _stats(s: _State) -> ChannelStats:
         sent=s.sent,
         waiting_senders=len(s.senders),
         waiting_receivers=len(s.receivers),
+        send_wait_seconds=s.send_wait + sum(now - t for t in s.send_waits_open),
+        receive_wait_seconds=s.receive_wait + sum(now - t for t in s.receive_waits_open),
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -16,7 +17,7 @@ from ._distributed import detect_distributed
 from ._errors import ClosedError, ConfigError, LoaderError, require_int
 from ._markers import END
 from ._policy import DEFAULT_MAX_ERRORS, ErrorLog, ErrorRecord, check_on_error
-from ._run import RunConfig, _Run
+from ._run import EpochMetrics, RunConfig, _Run
 from ._sample import Batch
 
 __all__ = ["Loader", "LoaderStats"]
@@ -28,11 +29,16 @@ _REPLACED = "this iteration was replaced by a later async for on the same loader
 
 @dataclass
 class LoaderStats:
-    """Counters since the loader was made, plus the channels of the current or last epoch.
+    """Counters since the loader was made, plus the channels and metrics of the current or last epoch.
 
     ``dropped`` counts samples skipped and ``replaced`` samples whose row another sample took
     (``on_error``); ``errors`` counts every failed sample by error class (``{"DecodeError": 3}``),
     and ``recent_errors`` holds the last 32 failures, newest last.
+
+    ``epoch_metrics`` says where the current (or last) epoch's time went: how long the consumer
+    waited for batches (starved), how long the reader waited for room (blocked), and each stage's
+    samples and busy seconds; ``epoch_metrics.summary()`` puts it in one line and
+    ``epoch_metrics.as_dict()`` gives flat floats for TensorBoard or W&B. None before the first epoch.
     """
 
     epoch: int = 0
@@ -44,6 +50,7 @@ class LoaderStats:
     recent_errors: list[ErrorRecord] = field(default_factory=list)
     channels: list[ChannelStats] = field(default_factory=list)
     lanes: dict[str, float] = field(default_factory=dict)  # GPU path: seconds per lane phase
+    epoch_metrics: EpochMetrics | None = None
 
 
 class Loader:
@@ -108,6 +115,9 @@ class Loader:
             parts with repeated samples (files, LMDB: the head of the epoch's order, fewer than
             ``world``), ``"drop"`` cuts the long ones, None leaves the parts unequal (ranks may then
             yield different batch counts, and a collective can wait forever).
+        progress: show a tqdm progress bar per epoch (batches, with the total when the reader knows
+            its length, samples/s and the share of time the consumer starved), on stderr, on rank 0
+            only. It serves ``async for`` and ``sync()`` alike (``sync(progress=...)`` overrides it).
 
     Lifetime: the executor (worker threads; on the GPU the lanes' decoders, streams and compiled
     kernels) is made at the first epoch and serves every epoch until ``aclose()`` (or the end of
@@ -158,6 +168,7 @@ class Loader:
         rank: int | None = None,
         world: int | None = None,
         equal: Literal["pad", "drop"] | None = "pad",
+        progress: bool = False,
     ) -> None:
         from headrace.ops import Pipeline
         from headrace.readers import Reader
@@ -200,6 +211,9 @@ class Loader:
         self.last_batch = LastBatch.parse(last_batch)
         self.seed = seed
         self.num_threads = num_threads
+        if not isinstance(progress, bool):
+            raise ConfigError(f"progress must be True or False, got {progress!r}")
+        self.progress = progress
         self._cfg = RunConfig(
             reader=reader,
             executor=self._open_executor,
@@ -257,9 +271,9 @@ class Loader:
         self._history: list[tuple[int, int]] = []
 
     def __aiter__(self) -> AsyncIterator[Batch]:
-        return self._aiter(run_ahead=self.run_ahead)
+        return self._aiter(run_ahead=self.run_ahead, progress=self.progress)
 
-    def _aiter(self, *, run_ahead: bool) -> AsyncIterator[Batch]:
+    def _aiter(self, *, run_ahead: bool, progress: bool) -> AsyncIterator[Batch]:
         if self._closed:
             raise ClosedError("loader is closed")
         previous = self._active
@@ -282,11 +296,12 @@ class Loader:
         else:
             run = _Run(self._cfg, *where)  # (a stale run ahead, after load_state_dict, goes in _iterate)
         self._active = run
-        return self._iterate(run, run_ahead)
+        return self._iterate(run, run_ahead, progress and self.rank == 0)
 
-    async def _iterate(self, run: _Run, run_ahead: bool) -> AsyncIterator[Batch]:
+    async def _iterate(self, run: _Run, run_ahead: bool, progress: bool) -> AsyncIterator[Batch]:
         stats = self._stats
         completed = False
+        bar: _Progress | None = None
         run.consumer_inside = True
         try:
             if run.superseded:  # a later ``async for`` took over before this one started
@@ -296,10 +311,15 @@ class Loader:
                 await self._stop_early(abandoned)
             await self._close_ahead()
             stats.epoch = run.epoch
+            if run.started is None:
+                run.started = time.perf_counter()
+            if progress:
+                bar = _Progress(run, self._epoch_length(), run.first_batch)
             run.start_runner()
             while True:
                 item = await run.out_rx.receive()
                 if item is END:
+                    run.ended = time.perf_counter()
                     if run.failure is not None:
                         raise run.failure
                     break
@@ -318,8 +338,14 @@ class Loader:
                     continue  # every sample of the batch failed: nothing to hand out
                 stats.batches += 1
                 stats.samples += item.size
+                started = time.perf_counter()
                 item.handoff()
                 item.substitute()
+                run.handoff_seconds += time.perf_counter() - started
+                run.batches_out += 1
+                run.samples_out += item.size
+                if bar is not None:
+                    bar.step()
                 run.consumer_inside = False
                 yield item
                 if run.superseded:
@@ -330,7 +356,12 @@ class Loader:
             completed = True
         finally:
             run.consumer_inside = False
+            if run.ended is None:  # left early
+                run.ended = time.perf_counter()
             stats.channels = run.channels()
+            stats.epoch_metrics = run.metrics()
+            if bar is not None:
+                bar.close(stats.epoch_metrics)
             if completed:
                 self._active = None
                 await run.aclose()
@@ -381,15 +412,26 @@ class Loader:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    def sync(self):
-        """A blocking facade for plain ``for`` loops; it runs this loader's loop in a thread."""
+    def sync(self, *, progress: bool | None = None):
+        """A blocking facade for plain ``for`` loops; it runs this loader's loop in a thread.
+
+        ``progress``: a tqdm bar per epoch, as ``Loader(progress=...)`` (None: the loader's setting).
+        """
         from ._sync import SyncLoader
 
-        return SyncLoader(self)
+        return SyncLoader(self, progress=self.progress if progress is None else progress)
+
+    def _epoch_length(self) -> int | None:
+        try:
+            return len(self)
+        except TypeError:  # a reader that does not know its length
+            return None
 
     def stats(self) -> LoaderStats:
+        """Counters and the current epoch's metrics; cheap (a few channel snapshots), fine per batch."""
         if self._active is not None:
             self._stats.channels = self._active.channels()
+            self._stats.epoch_metrics = self._active.metrics()
         # Derived here, not per batch: the error log is the record.
         self._stats.errors = dict(self._errors.counts)
         self._stats.recent_errors = list(self._errors.recent)
@@ -468,6 +510,33 @@ class Loader:
             f"Loader({self.reader!r}, batch_size={self.batch_size}, pipeline={self.pipeline!r}, "
             f"device={self.device!r}, epoch={self._epoch})"
         )
+
+
+class _Progress:
+    """A tqdm bar over one epoch's batches; its note (samples/s, starved share) is redone at most
+    once a second, so a batch costs one ``update``."""
+
+    def __init__(self, run: _Run, total: int | None, initial: int) -> None:
+        from tqdm import tqdm
+
+        self._run = run
+        self._bar = tqdm(total=total, initial=initial, desc=f"epoch {run.epoch}", unit="batch", dynamic_ncols=True)
+        self._next_note = time.perf_counter() + 1.0
+
+    def step(self) -> None:
+        self._bar.update()
+        now = time.perf_counter()
+        if now >= self._next_note:
+            self._next_note = now + 1.0
+            self._note(self._run.metrics(), refresh=False)
+
+    def _note(self, metrics: EpochMetrics, *, refresh: bool) -> None:
+        self._bar.set_postfix_str(
+            f"{metrics.samples_per_second:,.0f} samples/s, starved {metrics.starved_fraction:.0%}", refresh=refresh)
+
+    def close(self, metrics: EpochMetrics) -> None:
+        self._note(metrics, refresh=True)
+        self._bar.close()
 
 
 def _shard_for(reader: Any, rank: int, world: int, equal: Any, *, explicit: bool) -> Any:

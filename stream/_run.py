@@ -7,6 +7,9 @@ reader (its files), and each batch's ops task, cancelled, stops the thread work 
 executor (threads, decoders, GPU lanes) belongs to the loader, not to the run: the next epoch
 uses it again.
 
+The run also keeps the epoch's metrics (``EpochMetrics``): per stage, the samples it passed on and
+the seconds it was at work, read with one clock pair per chunk or batch, never per sample.
+
 Whatever escapes a stage reaches the consumer as one ``LoaderError``: a sample's error as it is,
 anything else (a bug) as a ``LoaderError`` whose ``__cause__`` is the original, never an
 ``ExceptionGroup``.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +32,115 @@ from ._policy import decide
 from ._sample import Batch, SampleBatch, samples_nbytes
 from ._threads import wait_all
 
-__all__ = ["RunConfig", "_Run"]
+__all__ = ["EpochMetrics", "RunConfig", "StageStats", "_Run"]
+
+# The consumer waiting less than this share of the epoch means the data was ready when it asked.
+_STARVED_LIMIT = 0.10
+_VERDICT = {"consumer": "the consumer is the limit", "read": "reading is the limit",
+            "decode": "decoding and transforms are the limit"}
+
+
+@dataclass(frozen=True, slots=True)
+class StageStats:
+    """One stage of one epoch.
+
+    ``items``: samples the stage passed on. ``busy_seconds``: seconds it was at work (for ``decode``,
+    seconds with at least one batch in the executor, however many were). ``blocked_seconds``:
+    seconds it waited for room downstream. ``items_per_second`` is the stage's rate while busy.
+    """
+
+    items: int
+    busy_seconds: float
+    blocked_seconds: float = 0.0
+
+    @property
+    def items_per_second(self) -> float:
+        return self.items / self.busy_seconds if self.busy_seconds > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class EpochMetrics:
+    """Where one epoch's time went, as the consumer and the stages saw it.
+
+    ``wall_seconds`` runs from the epoch's first ``__anext__`` to its end (or to now, while
+    ``finished`` is false); ``batches`` and ``samples`` were handed to the consumer in that time.
+    ``starved_seconds``: the consumer waited inside ``__anext__`` for a batch that was not ready
+    (the output channel's receive wait). ``blocked_seconds``: finished batches waited for the
+    consumer to take them (the output channel's send wait); the stages before them then wait in
+    turn, back to the reader (``stages["read"].blocked_seconds``, the samples channel's send wait,
+    once every channel between is full). ``stages`` holds ``"read"`` (the reader yielding samples), ``"decode"`` (decode
+    and transforms in the executor; its ``blocked_seconds``: finished batches waiting for room in
+    the output channel) and ``"handoff"`` (the loader's work between a finished batch and the
+    consumer: the ``on_error`` policy, the CUDA stream hand-off).
+
+    With ``run_ahead``, an epoch's stages start during the previous epoch's last batches, so their
+    seconds can include time before ``wall_seconds`` began.
+    """
+
+    epoch: int
+    finished: bool
+    batches: int
+    samples: int
+    wall_seconds: float
+    starved_seconds: float
+    blocked_seconds: float
+    stages: dict[str, StageStats]
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.samples / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+    @property
+    def starved_fraction(self) -> float:
+        return self.starved_seconds / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+    @property
+    def blocked_fraction(self) -> float:
+        return self.blocked_seconds / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+    @property
+    def limit(self) -> str:
+        """What set the pace: ``"consumer"`` (it waited less than 10% of the time: batches were
+        ready when asked for), else the busier of ``"read"`` and ``"decode"``; ``""`` before the
+        first batch. A rule of thumb for a first look, not a profile."""
+        if not self.batches:
+            return ""
+        if self.starved_fraction < _STARVED_LIMIT:
+            return "consumer"
+        read, decode = self.stages["read"], self.stages["decode"]
+        return "read" if read.busy_seconds > decode.busy_seconds else "decode"
+
+    def as_dict(self) -> dict[str, float]:
+        """Flat ``name -> float`` for TensorBoard or W&B; stage numbers as ``"read/items_per_second"``."""
+        out = {
+            "epoch": float(self.epoch),
+            "batches": float(self.batches),
+            "samples": float(self.samples),
+            "wall_seconds": self.wall_seconds,
+            "samples_per_second": self.samples_per_second,
+            "starved_seconds": self.starved_seconds,
+            "starved_fraction": self.starved_fraction,
+            "blocked_seconds": self.blocked_seconds,
+            "blocked_fraction": self.blocked_fraction,
+        }
+        for name, stage in self.stages.items():
+            out[f"{name}/items"] = float(stage.items)
+            out[f"{name}/busy_seconds"] = stage.busy_seconds
+            out[f"{name}/blocked_seconds"] = stage.blocked_seconds
+            out[f"{name}/items_per_second"] = stage.items_per_second
+        return out
+
+    def summary(self) -> str:
+        """One line, e.g. ``epoch 3: 1,204 batches, 2,310 samples/s; consumer starved 4% of the
+        time, pipeline blocked 83%, readers blocked 61%; the consumer is the limit``."""
+        head = f"epoch {self.epoch}{'' if self.finished else ' (so far)'}: {self.batches:,} batches"
+        if not self.batches:
+            return head
+        # With run_ahead a wait can begin before the epoch's clock: a share is shown as at most 100%.
+        readers = self.stages["read"].blocked_seconds / self.wall_seconds if self.wall_seconds > 0 else 0.0
+        return (f"{head}, {self.samples_per_second:,.0f} samples/s; consumer starved "
+                f"{self.starved_fraction:.0%} of the time, pipeline blocked {min(self.blocked_fraction, 1.0):.0%}, "
+                f"readers blocked {min(readers, 1.0):.0%}; {_VERDICT[self.limit]}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +182,15 @@ class _Run:
         # later ``async for`` replaced the iterator that a loop left without closing it.
         self.consumer_inside = False
         self.superseded = False
+        # Metrics: the loader sets ``started`` and ``ended`` (perf_counter) and counts what it
+        # handed out; the stages count the rest.
+        self.started: float | None = None
+        self.ended: float | None = None
+        self.batches_out = self.samples_out = 0
+        self.handoff_seconds = 0.0
+        self._read_items, self._read_seconds = 0, 0.0
+        self._decode_items, self._decode_seconds = 0, 0.0
+        self._decoding, self._decoding_since = 0, 0.0  # batches in the executor, and since when
 
     def start_runner(self) -> None:
         """Start the stages (once; a run started ahead of its epoch is not started again)."""
@@ -78,6 +199,27 @@ class _Run:
 
     def channels(self) -> list[ChannelStats]:
         return [c.statistics() for c in (self._chunks_rx, self._batches_rx, self._order_rx, self.out_rx)]
+
+    def metrics(self) -> EpochMetrics:
+        """The epoch's metrics so far (final once ``ended`` is set)."""
+        now = time.perf_counter()
+        end = self.ended if self.ended is not None else now
+        decode_seconds = self._decode_seconds + (now - self._decoding_since if self._decoding else 0.0)
+        samples, output = self._chunks_rx.statistics(), self.out_rx.statistics()
+        return EpochMetrics(
+            epoch=self.epoch,
+            finished=self.ended is not None,
+            batches=self.batches_out,
+            samples=self.samples_out,
+            wall_seconds=end - self.started if self.started is not None else 0.0,
+            starved_seconds=output.receive_wait_seconds,
+            blocked_seconds=output.send_wait_seconds,
+            stages={
+                "read": StageStats(self._read_items, self._read_seconds, samples.send_wait_seconds),
+                "decode": StageStats(self._decode_items, decode_seconds, output.send_wait_seconds),
+                "handoff": StageStats(self.samples_out, self.handoff_seconds),
+            },
+        )
 
     async def aclose(self) -> None:
         """Cancel every stage and wait until threads, files and tasks are gone. Safe to call twice."""
@@ -118,7 +260,16 @@ class _Run:
             more = {"history": self.history} if self.history else {}
             stream = cfg.reader.read(self.epoch, start=self.start, seed=cfg.seed, **more)
             async with contextlib.aclosing(stream):
-                async for chunk in stream:
+                chunks = aiter(stream)
+                while True:
+                    started = time.perf_counter()
+                    try:
+                        chunk = await anext(chunks)
+                    except StopAsyncIteration:
+                        break
+                    finally:
+                        self._read_seconds += time.perf_counter() - started
+                    self._read_items += len(chunk)
                     await self._chunks_tx.send(chunk, samples_nbytes(chunk))
         finally:
             await self._chunks_tx.aclose()
@@ -140,18 +291,35 @@ class _Run:
         try:
             async for batch in self._batches_rx:
                 await self._slots.acquire()
-                task = tg.create_task(executor.run(batch), name=f"loader:ops:batch{batch.index}")
+                task = tg.create_task(self._decode(executor, batch), name=f"loader:ops:batch{batch.index}")
                 await self._order_tx.send((batch, task))
             self.dispatched_all.set()
         finally:
             await self._order_tx.aclose()
+
+    async def _decode(self, executor: Any, batch: SampleBatch) -> Any:
+        # ``decode`` is busy while at least one batch is in the executor: overlapping batches'
+        # seconds are not summed, so items / busy seconds is the stage's rate.
+        if not self._decoding:
+            self._decoding_since = time.perf_counter()
+        self._decoding += 1
+        try:
+            processed = await executor.run(batch)
+        finally:
+            self._decoding -= 1
+            if not self._decoding:
+                self._decode_seconds += time.perf_counter() - self._decoding_since
+        self._decode_items += len(batch.samples)  # padded rows included: they were decoded too
+        return processed
 
     async def _emit(self) -> None:
         async for batch, task in self._order_rx:
             outcomes: list[tuple[LoaderError, str]] = []
             try:
                 processed = await task
+                started = time.perf_counter()
                 item = self._finish(batch, processed, outcomes)
+                self.handoff_seconds += time.perf_counter() - started
             except LoaderError as exc:  # the on_error callable failed, or the budget is spent
                 item = exc
             except Exception as exc:

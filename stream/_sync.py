@@ -18,20 +18,27 @@ from typing import TYPE_CHECKING, Any
 from ._loop import new_event_loop
 
 if TYPE_CHECKING:
-    from ._loader import Loader
+    from ._loader import Loader, LoaderStats
     from ._sample import Batch
 
 __all__ = ["SyncLoader"]
 
 
 class SyncLoader:
-    """``for batch in loader.sync():`` yields one epoch per loop; ``len()`` and state pass through."""
+    """``for batch in loader.sync():`` yields one epoch per loop; ``len()`` and state pass through.
 
-    def __init__(self, loader: Loader) -> None:
+    ``progress``: a tqdm bar per epoch (``Loader(progress=...)``); ``stats()`` is the loader's.
+    """
+
+    def __init__(self, loader: Loader, *, progress: bool = False) -> None:
         self.loader = loader
+        self.progress = progress
 
     def __len__(self) -> int:
         return len(self.loader)
+
+    def stats(self) -> LoaderStats:
+        return self.loader.stats()
 
     def state_dict(self) -> dict[str, Any]:
         return self.loader.state_dict()
@@ -58,7 +65,7 @@ class SyncLoader:
         thread = threading.Thread(target=loop.run_forever, name="headrace-sync-loop", daemon=True)
         thread.start()
         try:
-            agen = asyncio.run_coroutine_threadsafe(_start(self.loader), loop).result()
+            agen = asyncio.run_coroutine_threadsafe(_start(self.loader, self.progress), loop).result()
             try:
                 while True:
                     future = asyncio.run_coroutine_threadsafe(agen.__anext__(), loop)
@@ -79,7 +86,7 @@ class SyncLoader:
             loop.close()
 
 
-async def _start(loader: Loader):
+async def _start(loader: Loader, progress: bool):
     # On the loop's thread, so the async generator is bound to that loop; no running ahead: the
     # next ``for`` has a loop of its own, where work started on this one could not go on.
-    return loader._aiter(run_ahead=False)
+    return loader._aiter(run_ahead=False, progress=progress)
