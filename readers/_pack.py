@@ -12,23 +12,30 @@ plus ``__keys__`` (JSON list of keys, in write order) and ``__meta__`` (JSON: cl
 
 Nothing is written outside DEST: shards are written under a temporary name there and renamed when
 complete, and a failure removes what this run wrote.
+
+``verify="raise"`` or ``"skip"`` decodes every file before it is written, by headrace's own CPU rules
+(``ops._pillow``: the pixel limit, the end-of-file rule, a full Pillow decode), in a few threads
+ahead of the writer: the first file that does not decode stops the run (a DecodeError naming it),
+or is left out and listed in ``PackResult.skipped``. Without it the bytes are copied unread.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import io
 import json
 import os
 import tarfile
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 
-from headrace._errors import ConfigError, ReadError, require_int
+from headrace._errors import ConfigError, DecodeError, ReadError, require_int
 
 from ._shards import INDEX_NAME, write_index
 from .files import files
@@ -37,11 +44,17 @@ __all__ = ["PackResult", "pack"]
 
 _MB = 1 << 20
 _TAR_END = 2 * 512 + 10240  # end marker plus the worst-case padding to tarfile's record size
+_VERIFY = (None, "raise", "skip")
+
+# (key, extension, path, label) of a file to pack, and the same with its bytes once read.
+Item = tuple[str, str, str, int]
+Loaded = tuple[str, str, str, int, bytes]
 
 
 @dataclass
 class PackResult:
-    """What ``pack`` wrote: the format, the outputs (shard paths or the LMDB folder), sample and byte counts."""
+    """What ``pack`` wrote: the format, the outputs (shard paths or the LMDB folder), sample and byte
+    counts; with ``verify="skip"``, the files left out because they do not decode, as (path, reason)."""
 
     format: str
     dest: str
@@ -49,6 +62,7 @@ class PackResult:
     bytes: int
     outputs: list[str] = field(default_factory=list)
     classes: list[str] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
 
 
 def pack(
@@ -62,20 +76,32 @@ def pack(
     seed: int = 0,
     prefix: str = "shard",
     progress: Callable[[int, int], object] | None = None,
+    verify: Literal["raise", "skip"] | None = None,
+    verify_threads: int | None = None,
 ) -> PackResult:
     """Pack the image tree ``src`` into ``dest`` (a new or empty folder).
 
     ``shard_size``: most megabytes per tar shard (None: no limit); ``shard_count``: most samples per
     shard (None: no limit); a sample bigger than the limit gets a shard of its own. ``shuffle``
     writes the samples in a seeded random order (otherwise in ``readers.files`` order), which makes
-    shards of mixed classes. ``progress(done, total)`` is called as samples are written.
+    shards of mixed classes. ``progress(done, total)`` is called as samples are written (or skipped).
 
-    Raises ReadError when ``src`` holds no images or a file cannot be read, ConfigError for a
-    wrong argument, a ``dest`` that is not empty or lies inside ``src``, or two files that map to the
-    same key.
+    ``verify``: None (default) copies the files' bytes unread. ``"raise"`` decodes each file first
+    (headrace's CPU decode rules, ``verify_threads`` threads, default all cores) and stops at the
+    first that does not decode; ``"skip"`` leaves such files out and lists them, with the reason, in
+    ``PackResult.skipped``.
+
+    Raises ReadError when ``src`` holds no images or a file cannot be read, DecodeError (naming the
+    file) for a file that does not decode under ``verify="raise"``, ConfigError for a wrong
+    argument, a ``dest`` that is not empty or lies inside ``src``, or two files that map to the same
+    key. On any error nothing of this run is left in ``dest``.
     """
     if format not in ("webdataset", "lmdb"):
         raise ConfigError(f"pack: format must be 'webdataset' or 'lmdb', got {format!r}")
+    if verify not in _VERIFY:
+        raise ConfigError(f"pack: verify must be None, 'raise' or 'skip', got {verify!r}")
+    if verify_threads is not None:
+        require_int("pack: verify_threads", verify_threads)
     if shard_size is not None and not shard_size > 0:
         raise ConfigError(f"pack: shard_size must be positive (MB), got {shard_size!r}")
     if shard_count is not None:
@@ -99,11 +125,16 @@ def pack(
     created = not dest_path.exists()
     dest_path.mkdir(parents=True, exist_ok=True)
     result = PackResult(format, str(dest_path), 0, 0, classes=list(listing.classes))
+    loaded = _loaded(items, verify, verify_threads or os.cpu_count() or 1, result, progress)
     try:
-        if format == "webdataset":
-            _write_shards(items, dest_path, result, shard_size, shard_count, prefix, progress)
-        else:
-            _write_lmdb(items, dest_path, result, progress)
+        with contextlib.closing(loaded):
+            if format == "webdataset":
+                _write_shards(loaded, dest_path, result, shard_size, shard_count, prefix)
+            else:
+                _write_lmdb(loaded, sum(os.path.getsize(path) for _, _, path, _ in items), dest_path, result)
+        if not result.samples:
+            raise DecodeError(f"pack --verify: none of the {len(items)} files decodes; nothing written",
+                              source=str(src_path))
     except BaseException:
         for out in result.outputs + [str(dest_path / INDEX_NAME)]:
             with contextlib.suppress(OSError):
@@ -124,6 +155,59 @@ def _key(key: str) -> str:
     return (folder + "/" if folder else "") + name.replace(".", "_")
 
 
+def _loaded(items: list[Item], verify: str | None, threads: int, result: PackResult,
+            progress: Callable[[int, int], object] | None) -> Iterator[Loaded]:
+    """The items with their bytes, in order; under ``verify`` only those that decode (see ``pack``).
+
+    Files are read and decoded by ``threads`` threads, at most two per thread ahead of the writer.
+    ``progress`` is called once the writer has taken an item (or it was skipped).
+    """
+    done = 0
+    if verify is None:
+        for key, ext, path, label in items:
+            yield key, ext, path, label, _read(path, key)
+            done += 1
+            if progress is not None:
+                progress(done, len(items))
+        return
+    pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="headrace-pack-verify")
+    pending: deque[concurrent.futures.Future[tuple[bytes, str | None]]] = deque()
+    try:
+        for position in range(len(items)):
+            while len(pending) < 2 * threads and position + len(pending) < len(items):
+                _, _, path, _ = ahead = items[position + len(pending)]
+                pending.append(pool.submit(_read_and_check, ahead[0], path))
+            key, ext, path, label = items[position]
+            data, reason = pending.popleft().result()
+            if reason is None:
+                yield key, ext, path, label, data
+            elif verify == "raise":
+                raise DecodeError(f"pack --verify: {path} does not decode: {reason}", key=key, source=path)
+            else:
+                result.skipped.append((path, reason))
+            done += 1
+            if progress is not None:
+                progress(done, len(items))
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _read_and_check(key: str, path: str) -> tuple[bytes, str | None]:
+    """A file's bytes and why they do not decode (None when they do), in a pool thread."""
+    from headrace.ops._limits import release_frames
+    from headrace.ops._pillow import open_image, pixels
+    from headrace.ops._spec import Decode
+
+    data = _read(path, key)
+    spec = Decode()
+    try:
+        pixels(open_image(data, spec, key, path), spec)
+    except DecodeError as exc:
+        release_frames(exc)
+        return data, exc.message
+    return data, None
+
+
 def _read(path: str, key: str) -> bytes:
     try:
         with open(path, "rb") as f:
@@ -137,7 +221,7 @@ def _tar_bytes(name: str, size: int) -> int:
     return header + (size + 511) // 512 * 512
 
 
-def _write_shards(items, dest: Path, result: PackResult, shard_size, shard_count, prefix, progress) -> None:
+def _write_shards(items: Iterator[Loaded], dest: Path, result: PackResult, shard_size, shard_count, prefix) -> None:
     limit = None if shard_size is None else int(shard_size * _MB)
     shards: list[dict] = []
     tar: tarfile.TarFile | None = None
@@ -154,8 +238,8 @@ def _write_shards(items, dest: Path, result: PackResult, shard_size, shard_count
         result.bytes += shards[-1]["bytes"]
 
     try:
-        for key, ext, path, label in items:
-            data, cls = _read(path, key), str(label).encode()
+        for key, ext, path, label, data in items:
+            cls = str(label).encode()
             need = _tar_bytes(f"{key}.{ext}", len(data)) + _tar_bytes(f"{key}.cls", len(cls))
             full = (limit is not None and used + need + _TAR_END > limit) or (shard_count is not None and count >= shard_count)
             if tar is not None and count and full:
@@ -171,8 +255,6 @@ def _write_shards(items, dest: Path, result: PackResult, shard_size, shard_count
             used += need
             count += 1
             result.samples += 1
-            if progress is not None:
-                progress(result.samples, len(items))
         if tar is not None:
             close()
     finally:
@@ -190,33 +272,39 @@ def _add(tar: tarfile.TarFile, name: str, payload: bytes) -> None:
     tar.addfile(info, io.BytesIO(payload))
 
 
-def _write_lmdb(items, dest: Path, result: PackResult, progress) -> None:
+def _write_lmdb(items: Iterator[Loaded], total_bytes: int, dest: Path, result: PackResult) -> None:
     from .lmdb import encode_record, lmdb_module
 
     lmdb_lib = lmdb_module()
 
-    total = sum(os.path.getsize(path) for _, _, path, _ in items)
-    env = lmdb_lib.open(str(dest), map_size=max(64 * _MB, 2 * total + 64 * _MB), subdir=True, lock=False,
+    env = lmdb_lib.open(str(dest), map_size=max(64 * _MB, 2 * total_bytes + 64 * _MB), subdir=True, lock=False,
                         readahead=False, meminit=False)
     result.outputs.append(str(dest))
+    keys: list[str] = []
     try:
         batch: list[tuple[bytes, bytes]] = []
-        for i, (key, ext, path, label) in enumerate(items):
-            batch.append((key.encode(), encode_record({ext: _read(path, key), "cls": str(label).encode()})))
-            if len(batch) >= 256 or i == len(items) - 1:
-                with env.begin(write=True) as txn:
-                    for k, v in batch:
-                        txn.put(k, v)
-                result.samples += len(batch)
-                if progress is not None:
-                    progress(result.samples, len(items))
-                batch = []
-        meta = {"format": "headrace.lmdb", "version": 1, "samples": len(items), "classes": result.classes,
+        for key, ext, _, label, data in items:
+            batch.append((key.encode(), encode_record({ext: data, "cls": str(label).encode()})))
+            keys.append(key)
+            if len(batch) >= 256:
+                _put(env, batch, result)
+        _put(env, batch, result)
+        meta = {"format": "headrace.lmdb", "version": 1, "samples": len(keys), "classes": result.classes,
                 "record": "headrace-record-1"}
         with env.begin(write=True) as txn:
-            txn.put(b"__keys__", json.dumps([k for k, _, _, _ in items]).encode())
+            txn.put(b"__keys__", json.dumps(keys).encode())
             txn.put(b"__meta__", json.dumps(meta).encode())
         env.sync(True)
     finally:
         env.close()
     result.bytes = os.path.getsize(dest / "data.mdb")
+
+
+def _put(env, batch: list[tuple[bytes, bytes]], result: PackResult) -> None:
+    """Write ``batch`` in one transaction and empty it."""
+    if batch:
+        with env.begin(write=True) as txn:
+            for k, v in batch:
+                txn.put(k, v)
+        result.samples += len(batch)
+        batch.clear()

@@ -4,7 +4,11 @@
 training-style epochs over it, printing images/s per epoch. ``python -m headrace demo`` is the same.
 
 ``headrace pack SRC DEST --format webdataset|lmdb`` packs a class-per-folder image tree into tar
-shards (split by ``--shard-size`` MB and/or ``--shard-count`` samples) or an LMDB.
+shards (split by ``--shard-size`` MB and/or ``--shard-count`` samples) or an LMDB; ``--verify``
+decodes each file first and refuses (``--verify=skip``: leaves out) those that do not decode.
+
+``headrace inspect PATH`` says what a data set holds (samples, classes, fields, image formats and
+sizes, file or shard sizes); ``--verify`` decodes every image and lists the bad ones (``_inspect``).
 """
 
 from __future__ import annotations
@@ -50,6 +54,27 @@ def _parser() -> argparse.ArgumentParser:
     pack.add_argument("--prefix", default="shard", help="webdataset: shard file name prefix (default: %(default)s)")
     pack.add_argument("--shuffle", action="store_true", help="write the samples in a seeded random order")
     pack.add_argument("--seed", type=int, default=0, help="seed for --shuffle (default: %(default)s)")
+    pack.add_argument("--verify", nargs="?", const="raise", default=None, choices=("raise", "skip"),
+                      help="decode every file before writing it (headrace's CPU decode rules; slower). "
+                           "--verify or --verify=raise: stop at the first file that does not decode, naming "
+                           "it, and write nothing; --verify=skip: leave such files out and list them. "
+                           "Without it the files' bytes are packed unread, images or not")
+    pack.add_argument("--threads", type=_positive, default=None, help="--verify: decode threads (default: all cores)")
+    inspect = sub.add_parser("inspect", help="say what a data set holds: samples, classes, fields, image formats "
+                                             "and sizes; --verify decodes every image",
+                             description="Inspect PATH: a class-per-folder image tree, a folder or pattern of "
+                                         "WebDataset tar shards, an LMDB, or an s3:// or http(s):// URL of "
+                                         "shards (or an s3:// folder of class sub-folders).")
+    inspect.add_argument("path", metavar="PATH", help="data set: folder, shards (folder, glob, brace pattern), "
+                                                      "LMDB or URL")
+    inspect.add_argument("--format", choices=("files", "webdataset", "lmdb"), default=None,
+                         help="what PATH is (default: guessed from it)")
+    inspect.add_argument("--limit", type=_positive, default=None, metavar="N", help="look at the first N samples only")
+    inspect.add_argument("--verify", action="store_true",
+                         help="decode every image (headrace's CPU decode) with a progress bar; list the samples "
+                              "that fail (key, source, error) and exit with status 1 if there are any")
+    inspect.add_argument("--threads", type=_positive, default=None, help="--verify: decode threads (default: all cores)")
+    inspect.add_argument("--json", metavar="FILE", default=None, help="also write everything found to FILE as JSON")
     return parser
 
 
@@ -69,8 +94,8 @@ def _version() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     parser = _parser()
-    args = parser.parse_args(argv)
-    command = {"demo": _demo, "pack": _pack}.get(args.command)
+    args = parser.parse_args(_bare_verify(list(sys.argv[1:] if argv is None else argv)))
+    command = {"demo": _demo, "pack": _pack, "inspect": _inspect}.get(args.command)
     if command is None:
         parser.print_help()
         return 2
@@ -79,6 +104,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _bare_verify(argv: list[str]) -> list[str]:
+    """``pack ... --verify SRC`` would read SRC as the value of ``--verify``: a bare one means
+    ``--verify=raise``."""
+    if next((a for a in argv if not a.startswith("-")), None) != "pack":
+        return argv
+    end = argv.index("--") if "--" in argv else len(argv)
+    return [("--verify=raise" if i < end and a == "--verify" else a) for i, a in enumerate(argv)]
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -113,7 +147,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _pack(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from headrace import LoaderError
+    from headrace import DecodeError, LoaderError
     from headrace.readers import pack
 
     bar = None
@@ -127,9 +161,14 @@ def _pack(args: argparse.Namespace) -> int:
     try:
         result = pack(args.src, args.dest, format=args.format, shard_size=args.shard_size or None,
                       shard_count=args.shard_count, shuffle=args.shuffle, seed=args.seed, prefix=args.prefix,
-                      progress=progress)
+                      progress=progress, verify=args.verify, verify_threads=args.threads)
     except (LoaderError, ImportError) as exc:
+        if bar is not None:
+            bar.close()
         print(f"headrace pack: error: {exc}", file=sys.stderr)
+        if isinstance(exc, DecodeError) and args.verify == "raise":
+            print("headrace pack: nothing was written; --verify=skip leaves out the files that do not decode",
+                  file=sys.stderr)
         return 1
     finally:
         if bar is not None:
@@ -137,7 +176,26 @@ def _pack(args: argparse.Namespace) -> int:
     what = f"{len(result.outputs)} shard(s)" if result.format == "webdataset" else "an LMDB"
     print(f"packed {result.samples} samples ({len(result.classes)} classes) into {what} in {result.dest}: "
           f"{result.bytes / 2**20:,.1f} MiB")
+    if result.skipped:
+        print(f"skipped {len(result.skipped)} file(s) that do not decode:")
+        for path, reason in result.skipped:
+            print(f"  {path}: {reason}")
+    elif args.verify:
+        print("verified: every file decodes")
     return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from headrace import LoaderError
+
+    from ._inspect import inspect_path
+
+    try:
+        return inspect_path(args.path, format=args.format, limit=args.limit, verify=args.verify,
+                            threads=args.threads, json_path=args.json)
+    except (LoaderError, ImportError, OSError) as exc:
+        print(f"headrace inspect: error: {exc}", file=sys.stderr)
+        return 1
 
 
 def _rate(rates: list[tuple[int, float]]) -> float:
