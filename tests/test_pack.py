@@ -3,11 +3,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
+import sys
 import tarfile
 
 import pytest
 
-from headrace import ConfigError, ReadError, readers
+from headrace import ConfigError, DecodeError, ReadError, readers
 from headrace.cli import main
 from headrace.readers._shards import INDEX_NAME
 
@@ -156,3 +158,80 @@ def test_unreadable_source_file_leaves_nothing_behind(tmp_path, image_folder, mo
         with pytest.raises(ReadError, match="injected"):
             readers.pack(image_folder, tmp_path / fmt, format=fmt, shard_count=8)
         assert not (tmp_path / fmt).exists()
+
+
+@pytest.fixture
+def bad_folder(tmp_path, image_folder):
+    """Two classes of real JPEGs (5 each) plus a text file named .jpg in ``a`` and a JPEG cut in half in ``b``."""
+    src = tmp_path / "bad"
+    jpegs = sorted(image_folder.rglob("*.jpg"))[:10]
+    for i, path in enumerate(jpegs):
+        dest = src / "ab"[i % 2] / f"{i:02d}.jpg"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(path.read_bytes())
+    (src / "a" / "text.jpg").write_text("not an image\n")
+    (src / "b" / "cut.jpg").write_bytes(jpegs[0].read_bytes()[:900])
+    return src
+
+
+def test_without_verify_every_file_is_packed_unread(tmp_path, bad_folder):
+    result = readers.pack(bad_folder, tmp_path / "w", format="webdataset")
+    assert result.samples == 12 and result.skipped == []
+
+
+@pytest.mark.parametrize("fmt", ["webdataset", "lmdb"])
+def test_verify_raise_names_the_first_bad_file_and_writes_nothing(tmp_path, bad_folder, fmt):
+    if fmt == "lmdb":
+        pytest.importorskip("lmdb")
+    with pytest.raises(DecodeError, match="does not decode") as caught:
+        readers.pack(bad_folder, tmp_path / "out", format=fmt, verify="raise", shard_count=3)
+    assert caught.value.source == str(bad_folder / "a" / "text.jpg") and caught.value.key == "a/text"
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("fmt", ["webdataset", "lmdb"])
+async def test_verify_skip_leaves_out_and_lists_the_bad_files(tmp_path, bad_folder, fmt):
+    if fmt == "lmdb":
+        pytest.importorskip("lmdb")
+    done = []
+    result = readers.pack(bad_folder, tmp_path / "out", format=fmt, verify="skip", verify_threads=2, shard_count=4,
+                          progress=lambda n, total: done.append((n, total)))
+    assert result.samples == 10
+    assert [path for path, _ in result.skipped] == [str(bad_folder / "a" / "text.jpg"), str(bad_folder / "b" / "cut.jpg")]
+    assert "not an image format" in result.skipped[0][1] and "EOI" in result.skipped[1][1]
+    assert done[-1] == (12, 12)
+    reader = readers.webdataset(tmp_path / "out") if fmt == "webdataset" else readers.lmdb(tmp_path / "out")
+    assert len(reader) == 10
+    keys = sorted(s.key for s in await _read_all(reader))
+    assert keys == sorted(f"{'ab'[i % 2]}/{i:02d}" for i in range(10))
+    if fmt == "webdataset":
+        index = json.loads((tmp_path / "out" / INDEX_NAME).read_text())
+        assert [s["samples"] for s in index["shards"]] == [4, 4, 2]
+
+
+def test_verify_when_nothing_decodes_and_wrong_values(tmp_path):
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    (tmp_path / "src" / "a" / "x.jpg").write_text("no")
+    with pytest.raises(DecodeError, match="none of the 1 files decodes"):
+        readers.pack(tmp_path / "src", tmp_path / "out", format="webdataset", verify="skip")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ConfigError, match="verify"):
+        readers.pack(tmp_path / "src", tmp_path / "out", format="webdataset", verify=True)
+
+
+def test_verify_on_the_command_line(tmp_path, bad_folder):
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "headrace", "pack", *args], capture_output=True, text=True,
+                              timeout=300)
+
+    refused = run("--verify", str(bad_folder), str(tmp_path / "r"), "--format", "webdataset")  # bare --verify: raise
+    assert refused.returncode == 1
+    assert str(bad_folder / "a" / "text.jpg") in refused.stderr and "--verify=skip" in refused.stderr
+    assert not (tmp_path / "r").exists()
+    skipped = run(str(bad_folder), str(tmp_path / "s"), "--format", "lmdb", "--verify=skip")
+    assert skipped.returncode == 0, skipped.stderr
+    assert "packed 10 samples" in skipped.stdout and "skipped 2 file(s) that do not decode" in skipped.stdout
+    assert str(bad_folder / "b" / "cut.jpg") in skipped.stdout
+    plain = run(str(bad_folder), str(tmp_path / "p"), "--format", "webdataset")
+    assert plain.returncode == 0 and "packed 12 samples" in plain.stdout
+    assert "--verify" in run("--help").stdout and "decode every file" in run("--help").stdout
