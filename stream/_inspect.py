@@ -10,7 +10,6 @@ recording the samples that fail, so reading and decoding overlap as they do in t
 from __future__ import annotations
 
 import contextlib
-import glob
 import io
 import json
 import logging
@@ -88,6 +87,7 @@ class Census:
         self.no_image = 0
         self.sizes: list[tuple[int, int]] = []
         self.sample_bytes: list[int] = []
+        self.image_bytes: list[int] = []
         self.unreadable: list[LoaderError] = []
 
     def add(self, sample: Sample) -> None:
@@ -106,6 +106,7 @@ class Census:
         if data is None:
             self.no_image += 1
             return
+        self.image_bytes.append(len(data))
         fmt = image_format(data)
         self.formats[fmt] += 1
         size = _header_size(data, fmt)
@@ -198,10 +199,16 @@ class _Tap(Reader):
 
 def open_reader(path: str, format: str | None = None) -> tuple[Any, str]:
     """The reader for ``path`` and its kind (``files``, ``webdataset`` or ``lmdb``), guessed from the
-    path unless ``format`` says. Raises what the reader's constructor raises."""
+    path (``_guess``; a bucket folder is tried as shards first) unless ``format`` says. Raises what
+    the reader's constructor raises."""
     from headrace import readers
 
     kind = format or _guess(path)
+    if format is None and kind == "files" and "://" in path:  # a bucket folder: of shards, or of classes
+        try:
+            return readers.webdataset(path), "webdataset"
+        except LoaderError:
+            pass
     if kind == "lmdb":
         return readers.lmdb(path), kind
     if kind == "webdataset":
@@ -212,10 +219,10 @@ def open_reader(path: str, format: str | None = None) -> tuple[Any, str]:
 
 
 def _guess(path: str) -> str:
-    from headrace.readers._storage import is_url
-
+    """A URL ending in ``/``, a local folder of class sub-folders: files; a local folder holding
+    ``data.mdb``, or another local file: an LMDB; shard names, patterns, other URLs: WebDataset."""
     shard_like = path.endswith((".tar", ".tar.gz", ".tgz")) or any(ch in path for ch in "{*?[")
-    if is_url(path) or "://" in path:
+    if "://" in path:
         return "webdataset" if shard_like or not path.endswith("/") else "files"
     if os.path.isfile(path):
         return "webdataset" if shard_like else "lmdb"
@@ -231,9 +238,9 @@ def _guess(path: str) -> str:
 
 def _storage(reader: Any, kind: str, census: Census) -> dict[str, Any]:
     """The sizes of what holds the data: the files (from the samples read), the shards or the LMDB."""
-    if kind == "files":
-        return {"kind": "files", "count": census.samples, "bytes": sum(census.sample_bytes),
-                **_spread(census.sample_bytes)}
+    if kind == "files":  # a file is a sample's image field
+        return {"kind": "files", "count": len(census.image_bytes), "bytes": sum(census.image_bytes),
+                **_spread(census.image_bytes)}
     if kind == "lmdb":
         path = reader.path if not os.path.isdir(reader.path) else os.path.join(reader.path, "data.mdb")
         size = os.path.getsize(path)
