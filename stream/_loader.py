@@ -36,8 +36,8 @@ class LoaderStats:
     and ``recent_errors`` holds the last 32 failures, newest last.
 
     ``epoch_metrics`` says where the current (or last) epoch's time went: how long the consumer
-    waited for batches (starved), how long the reader waited for room (blocked), and each stage's
-    samples and busy seconds; ``epoch_metrics.summary()`` puts it in one line and
+    waited for batches (starved), how long finished batches waited for the consumer (blocked), and
+    each stage's samples, busy and blocked seconds (``EpochMetrics``); ``epoch_metrics.summary()`` puts it in one line and
     ``epoch_metrics.as_dict()`` gives flat floats for TensorBoard or W&B. None before the first epoch.
     """
 
@@ -358,10 +358,11 @@ class Loader:
             run.consumer_inside = False
             if run.ended is None:  # left early
                 run.ended = time.perf_counter()
-            stats.channels = run.channels()
-            stats.epoch_metrics = run.metrics()
+            if not run.superseded:  # else the later loop's run is the current epoch
+                stats.channels = run.channels()
+                stats.epoch_metrics = run.metrics()
             if bar is not None:
-                bar.close(stats.epoch_metrics)
+                bar.close(run.metrics())
             if completed:
                 self._active = None
                 await run.aclose()
