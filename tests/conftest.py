@@ -7,21 +7,9 @@ import os
 import threading
 from pathlib import Path
 
-import numpy as np
 import pytest
 from open_files import open_fds
-from sample_data import jpeg_bytes
-
-
-def make_folder(root: Path, classes: int, per_class: int, seed: int = 0) -> Path:
-    rng = np.random.default_rng(seed)
-    for c in range(classes):
-        d = root / f"c{c}"
-        d.mkdir(parents=True)
-        for i in range(per_class):
-            h, w = int(rng.integers(40, 120)), int(rng.integers(40, 120))
-            (d / f"{i:04d}.jpg").write_bytes(jpeg_bytes(rng, h, w))
-    return root
+from sample_data import make_folder
 
 
 @pytest.fixture(scope="session")

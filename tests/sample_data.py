@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import io
 import tarfile
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-__all__ = ["jpeg_bytes", "tar_bytes"]
+__all__ = ["jpeg_bytes", "make_folder", "tar_bytes"]
 
 
 def jpeg_bytes(rng: np.random.Generator, h: int, w: int, quality: int = 90) -> bytes:
@@ -34,3 +35,15 @@ def tar_bytes(members: list[tuple[str, bytes]]) -> bytes:
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
     return buf.getvalue()
+
+
+def make_folder(root: Path, classes: int, per_class: int, seed: int = 0) -> Path:
+    """A class-per-folder tree ``root/c{class}/{i:04d}.jpg`` of JPEGs 40-120 px a side."""
+    rng = np.random.default_rng(seed)
+    for c in range(classes):
+        d = root / f"c{c}"
+        d.mkdir(parents=True)
+        for i in range(per_class):
+            h, w = int(rng.integers(40, 120)), int(rng.integers(40, 120))
+            (d / f"{i:04d}.jpg").write_bytes(jpeg_bytes(rng, h, w))
+    return root

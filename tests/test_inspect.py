@@ -12,7 +12,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import make_folder
+from sample_data import make_folder
 from PIL import Image
 
 from headrace import readers
