@@ -9,6 +9,10 @@ decodes each file first and refuses (``--verify=skip``: leaves out) those that d
 
 ``headrace inspect PATH`` says what a data set holds (samples, classes, fields, image formats and
 sizes, file or shard sizes); ``--verify`` decodes every image and lists the bad ones (``_inspect``).
+
+``headrace bench PATH`` times, on any data set ``inspect`` takes, the reader alone, decode alone and
+the whole pipeline, and prints images/s with the consumer's starved and the pipeline's blocked
+shares; ``--json`` and ``--plot`` write them (``_bench``).
 """
 
 from __future__ import annotations
@@ -75,7 +79,32 @@ def _parser() -> argparse.ArgumentParser:
                               "that fail (key, source, error) and exit with status 1 if there are any")
     inspect.add_argument("--threads", type=_positive, default=None, help="--verify: decode threads (default: all cores)")
     inspect.add_argument("--json", metavar="FILE", default=None, help="also write everything found to FILE as JSON")
+    _bench_parser(sub)
     return parser
+
+
+def _bench_parser(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="time the reader alone, decode alone and the whole pipeline on a data set",
+                           description="Time, on this machine, three rows over PATH (anything headrace inspect "
+                                       "takes): the reader alone, decode alone (Pipeline([Decode()])) and the whole "
+                                       "pipeline, each through its own epochs; the best epoch of each is reported. "
+                                       "Samples that fail to read or decode are skipped and counted.")
+    bench.add_argument("path", metavar="PATH", help="data set: folder, shards (folder, glob, brace pattern), LMDB or URL")
+    bench.add_argument("--format", choices=("files", "webdataset", "lmdb"), default=None,
+                       help="what PATH is (default: guessed from it)")
+    bench.add_argument("--pipeline", choices=("training", "validation"), default="training",
+                       help="the whole pipeline's ops: ops.training or ops.validation (default: %(default)s)")
+    bench.add_argument("--size", type=_positive, default=224, help="output side in pixels (default: %(default)s)")
+    bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                       help="where decode and transforms run (default: %(default)s; cuda needs a GPU)")
+    bench.add_argument("--batch-size", type=_positive, default=64, help="batch size (default: %(default)s)")
+    bench.add_argument("--threads", type=_positive, default=None, help="decode/transform threads (default: all cores)")
+    bench.add_argument("--epochs", type=_positive, default=2,
+                       help="epochs per row; the best is reported (default: %(default)s)")
+    bench.add_argument("--limit", type=_positive, default=None, metavar="N", help="time the first N samples only")
+    bench.add_argument("--json", metavar="FILE", default=None, help="also write the rows and every epoch to FILE")
+    bench.add_argument("--plot", metavar="FILE.png", default=None,
+                       help="also draw images/s and starved/blocked shares per row into a PNG (needs matplotlib)")
 
 
 def _megabytes(text: str) -> float:
@@ -95,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     parser = _parser()
     args = parser.parse_args(_bare_verify(list(sys.argv[1:] if argv is None else argv)))
-    command = {"demo": _demo, "pack": _pack, "inspect": _inspect}.get(args.command)
+    command = {"demo": _demo, "pack": _pack, "inspect": _inspect, "bench": _bench}.get(args.command)
     if command is None:
         parser.print_help()
         return 2
@@ -195,6 +224,26 @@ def _inspect(args: argparse.Namespace) -> int:
                             threads=args.threads, json_path=args.json)
     except (LoaderError, ImportError, OSError) as exc:
         print(f"headrace inspect: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from headrace import LoaderError
+
+    from ._bench import bench_path
+
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401 - checked before the timing, not after it
+        except ImportError:
+            print("headrace bench: error: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+            return 2
+    try:
+        return bench_path(args.path, json_path=args.json, plot_path=args.plot, format=args.format, limit=args.limit,
+                          device=args.device, pipeline=args.pipeline, size=args.size, batch_size=args.batch_size,
+                          threads=args.threads, epochs=args.epochs)
+    except (LoaderError, ImportError, OSError) as exc:
+        print(f"headrace bench: error: {exc}", file=sys.stderr)
         return 1
 
 
