@@ -5,12 +5,14 @@ from ._pack import PackResult, pack
 from ._storage import HttpStore, LocalStore, MemoryStore, ObjectInfo, Retry, S3Store, Store
 from .files import FileReader, files
 from .lmdb import LmdbReader, decode_default, decode_record, encode_record, lmdb
+from .sources import IterableReader, SequenceReader, iterable, sequence
 from .webdataset import WebDatasetReader, webdataset
 
 __all__ = [
     "FileReader",
     "HttpStore",
     "IndexedReader",
+    "IterableReader",
     "LmdbReader",
     "LocalStore",
     "MemoryStore",
@@ -19,6 +21,7 @@ __all__ = [
     "Reader",
     "Retry",
     "S3Store",
+    "SequenceReader",
     "Store",
     "WebDatasetReader",
     "decode_default",
@@ -26,7 +29,9 @@ __all__ = [
     "encode_record",
     "epoch_order",
     "files",
+    "iterable",
     "lmdb",
     "pack",
+    "sequence",
     "webdataset",
 ]
