@@ -22,6 +22,7 @@ from ._run import EpochMetrics, StageStats
 from ._sample import Batch, Sample, SampleBatch
 from ._service import Preprocessor, PreprocessorStats
 from ._sync import SyncLoader
+from ._torch_view import torch_dataset
 
 __version__ = "0.1.0"
 
@@ -57,4 +58,5 @@ __all__ = [
     "detect_distributed",
     "new_event_loop",
     "open_channel",
+    "torch_dataset",
 ]

@@ -5,14 +5,16 @@ hands batches over with ``run_coroutine_threadsafe``; nothing is implemented twi
 run ahead into the next epoch (``Loader(run_ahead=...)``): that work would be bound to a loop that
 ends with the epoch. Leaving the loop early, or an exception (KeyboardInterrupt included) in the
 consumer, closes the async iterator on its loop, which stops the pipeline, before the thread is
-joined.
+joined. An epoch's iterator still held when the next ``iter()`` starts, or at ``close()``, is closed
+first the same way: trainers (Lightning's fetcher) may keep the last one after leaving it early.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+import weakref
+from collections.abc import Generator, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ._loop import new_event_loop
@@ -33,6 +35,8 @@ class SyncLoader:
     def __init__(self, loader: Loader, *, progress: bool = False) -> None:
         self.loader = loader
         self.progress = progress
+        # Weak: a dropped iterator is still closed at once by its finaliser, as before.
+        self._live: weakref.ref[Generator[Batch, None, None]] | None = None
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -47,7 +51,9 @@ class SyncLoader:
         self.loader.load_state_dict(state)
 
     def close(self) -> None:
-        """Release what outlives an epoch (the GPU lanes). Safe to call twice."""
+        """Close the epoch in progress if its iterator is still held, then release what outlives
+        an epoch (threads, the GPU lanes). Safe to call twice."""
+        self._close_live()
         loop = new_event_loop()
         try:
             loop.run_until_complete(self.loader.aclose())
@@ -61,6 +67,18 @@ class SyncLoader:
         self.close()
 
     def __iter__(self) -> Iterator[Batch]:
+        self._close_live()  # else the new epoch would wait on a run bound to the old loop
+        batches = self._epoch()
+        self._live = weakref.ref(batches)
+        return batches
+
+    def _close_live(self) -> None:
+        batches = self._live() if self._live is not None else None
+        self._live = None
+        if batches is not None:
+            batches.close()  # runs its ``finally``: the pipeline stops and the loop thread is joined
+
+    def _epoch(self) -> Generator[Batch, None, None]:
         loop = new_event_loop()
         thread = threading.Thread(target=loop.run_forever, name="headrace-sync-loop", daemon=True)
         thread.start()
