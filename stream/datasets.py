@@ -1,7 +1,7 @@
 """Small image data sets that headrace makes itself, for the demo, the tests and the benchmarks.
 
 ``make_image_folder`` writes a class-per-folder tree of JPEGs. With scikit-image installed (the
-``bench`` extra) the images are random crops of its real photographs, as docs/design.md §9 describes
+``bench`` extra) the images are random crops of its real photographs, as docs/design.md §10 describes
 (shorter side 256–600 px, light grain, quality 85–96, 4:2:0, about 60–70 KiB); without it they
 are smooth random colour fields with shapes and grain, which still compress like photographs do.
 ``ensure_image_folder`` makes one only when the folder does not already hold it (a cache).
