@@ -111,6 +111,16 @@ def number_samples(samples: list[Sample], first: int) -> list[Sample]:
     return samples
 
 
+def shard_length(n: int, rank: int, world: int, equal: Equal) -> int:
+    """Samples rank ``rank`` of ``world`` reads of ``n``: every ``world``-th from ``rank``, or, with
+    ``equal``, the same count on every rank (``"pad"`` rounds up, ``"drop"`` down)."""
+    if equal == "pad":
+        return -(-n // world)
+    if equal == "drop":
+        return n // world
+    return len(range(rank, n, world))
+
+
 def _check_shard(rank: int, world: int, equal: Equal) -> None:
     if not isinstance(world, int) or world < 1:
         raise ConfigError(f"world must be a positive int, got {world!r}")
@@ -162,14 +172,7 @@ class IndexedReader(Reader):
         return contextlib.nullcontext()
 
     def __len__(self) -> int:
-        n, world = self._dataset_size(), self.world
-        if world == 1:
-            return n
-        if self.equal == "pad":
-            return -(-n // world)
-        if self.equal == "drop":
-            return n // world
-        return len(range(self.rank, n, world))
+        return shard_length(self._dataset_size(), self.rank, self.world, self.equal)
 
     def shard(self, rank: int, world: int, *, equal: Equal = None) -> Self:
         _check_shard(rank, world, equal)

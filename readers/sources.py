@@ -18,7 +18,7 @@ from headrace._errors import ConfigError, ReadError, require_int
 from headrace._sample import Sample
 from headrace._threads import join_threads
 
-from ._base import Equal, IndexedReader, Reader, _check_shard
+from ._base import Equal, IndexedReader, Reader, _check_shard, shard_length
 from ._feed import END, Feed
 from ._items import failed_sample, item_sample
 
@@ -126,12 +126,7 @@ class IterableReader(Reader):
     def __len__(self) -> int:
         if self.length is None:
             raise TypeError(f"iterable: the length of {self._name} is unknown (pass length=)")
-        n, world = self.length, self.world
-        if self.equal == "pad":
-            return -(-n // world)
-        if self.equal == "drop":
-            return n // world
-        return len(range(self.rank, n, world))
+        return shard_length(self.length, self.rank, self.world, self.equal)
 
     def shard(self, rank: int, world: int, *, equal: Equal = None) -> Self:
         """Rank ``rank`` takes the source's items ``rank``, ``rank + world``, ...; every rank reads the

@@ -64,11 +64,8 @@ class _State:
         self.receive_closed = False
         self.senders: list[asyncio.Future[None]] = []
         self.receivers: list[asyncio.Future[None]] = []
-        # Finished waits are summed; the start times of waits in progress are kept until they end.
-        self.send_wait = 0.0
-        self.receive_wait = 0.0
-        self.send_waits_open: list[float] = []
-        self.receive_waits_open: list[float] = []
+        self.send_waits = _WaitTime()
+        self.receive_waits = _WaitTime()
 
     def has_room(self, nbytes: int) -> bool:
         if len(self.buffer) >= self.max_items:
@@ -81,6 +78,30 @@ class _State:
             if not fut.done():
                 fut.set_result(None)
         waiters.clear()
+
+
+class _WaitTime:
+    """Seconds one end's callers spent waiting: finished waits summed, waits in progress kept by
+    their start time until they end. The clock is read only by a call that has to wait."""
+
+    __slots__ = ("done", "open")
+
+    def __init__(self) -> None:
+        self.done = 0.0
+        self.open: list[float] = []
+
+    def begin(self) -> float:
+        started = time.perf_counter()
+        self.open.append(started)
+        return started
+
+    def end(self, started: float) -> None:
+        self.open.remove(started)  # any equal start time is the same to the sum
+        self.done += time.perf_counter() - started
+
+    def total(self) -> float:
+        now = time.perf_counter() if self.open else 0.0
+        return self.done + sum(now - t for t in self.open)
 
 
 async def _wait(waiters: list[asyncio.Future[None]]) -> None:
@@ -106,7 +127,7 @@ class SendChannel(Generic[T]):
         channel unchanged.
         """
         s = self._state
-        started = 0.0  # the clock is read only if this send has to wait
+        started = 0.0
         try:
             while True:
                 if s.send_closed:
@@ -115,14 +136,11 @@ class SendChannel(Generic[T]):
                     raise ClosedError(f"channel {s.name!r}: the receiver is gone", stage=s.name)
                 if s.has_room(nbytes):
                     break
-                if not started:
-                    started = time.perf_counter()
-                    s.send_waits_open.append(started)
+                started = started or s.send_waits.begin()
                 await _wait(s.senders)
         finally:
             if started:
-                s.send_waits_open.remove(started)  # any equal start time is the same to the sum
-                s.send_wait += time.perf_counter() - started
+                s.send_waits.end(started)
         s.buffer.append((item, nbytes))
         s.bytes += nbytes
         s.sent += 1
@@ -149,21 +167,18 @@ class ReceiveChannel(Generic[T]):
     async def receive(self) -> T | Any:
         """The next item, or the END marker once the sender has closed and the buffer is empty."""
         s = self._state
-        started = 0.0  # the clock is read only if this receive has to wait
+        started = 0.0
         try:
             while not s.buffer:
                 if s.receive_closed:
                     raise ClosedError(f"receive on closed channel {s.name!r}", stage=s.name)
                 if s.send_closed:
                     return END
-                if not started:
-                    started = time.perf_counter()
-                    s.receive_waits_open.append(started)
+                started = started or s.receive_waits.begin()
                 await _wait(s.receivers)
         finally:
             if started:
-                s.receive_waits_open.remove(started)
-                s.receive_wait += time.perf_counter() - started
+                s.receive_waits.end(started)
         item, nbytes = s.buffer.popleft()
         s.bytes -= nbytes
         s.wake(s.senders)
@@ -192,7 +207,6 @@ class ReceiveChannel(Generic[T]):
 
 
 def _stats(s: _State) -> ChannelStats:
-    now = time.perf_counter() if s.send_waits_open or s.receive_waits_open else 0.0
     return ChannelStats(
         name=s.name,
         items=len(s.buffer),
@@ -204,8 +218,8 @@ def _stats(s: _State) -> ChannelStats:
         sent=s.sent,
         waiting_senders=len(s.senders),
         waiting_receivers=len(s.receivers),
-        send_wait_seconds=s.send_wait + sum(now - t for t in s.send_waits_open),
-        receive_wait_seconds=s.receive_wait + sum(now - t for t in s.receive_waits_open),
+        send_wait_seconds=s.send_waits.total(),
+        receive_wait_seconds=s.receive_waits.total(),
     )
 
 
