@@ -1,9 +1,11 @@
-"""Decode and transform ops, and the executors that run them on a batch: on the CPU (CpuExecutor) and on a GPU (CudaExecutor)."""
+"""Decode and transform ops, user stages (Map, MapBatch), and the executors that run them on a batch: on the CPU
+(CpuExecutor) and on a GPU (CudaExecutor)."""
 
 from ._cpu import CpuExecutor, Processed
 from ._cuda import CudaExecutor, cuda_available
 from ._pipeline import IMAGE_EXTENSIONS, Pipeline, training, validation
 from ._random import uniforms
+from ._stages import Map, MapBatch
 from ._post_spec import ColorTwist, GaussianBlur, PostOp, Rotate, WarpAffine
 from ._spec import (
     IMAGENET_MEAN,
@@ -29,6 +31,8 @@ __all__ = [
     "Decode",
     "Flip",
     "GaussianBlur",
+    "Map",
+    "MapBatch",
     "Normalize",
     "Op",
     "Pipeline",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -411,12 +412,16 @@ def _label(sample, name: str) -> int:
             source=sample.source,
         )
     try:
-        value = int(raw) if type(raw) is bytes else int(bytes(raw))  # int() skips surrounding whitespace
+        if isinstance(raw, (bytes, bytearray, memoryview)):
+            value = int(raw) if type(raw) is bytes else int(bytes(raw))  # int() skips surrounding whitespace
+        else:
+            value = operator.index(raw)  # an int from a user's source: int, NumPy integer, 0-d integer tensor
         if not -(2**63) <= value < 2**63:
             raise ValueError("out of int64's range")
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:
+        shown = bytes(raw)[:32] if isinstance(raw, (bytes, bytearray, memoryview)) else repr(raw)[:40]
         raise TransformError(
-            f"label field {name!r} is not an int64 integer: {bytes(raw)[:32]!r}", key=sample.key, source=sample.source
+            f"label field {name!r} is not an int64 integer: {shown!r}", key=sample.key, source=sample.source
         ) from exc
     return value
 

@@ -12,6 +12,7 @@ from headrace._errors import ConfigError
 
 from ._random import uniforms
 from ._post_spec import PostOp
+from ._stages import MapBatch, Stage
 from ._spec import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -40,9 +41,17 @@ class Pipeline:
     the uint8 image the geometry made. An op's random numbers are keyed by its index in ``ops``.
     ``image`` names the field(s) holding the encoded image (default: the first field whose name is
     an image extension); ``label`` names the field holding the class as ASCII digits (WebDataset's
-    ``cls``), or None for no label. ``fields`` names other fields handed out as they are:
-    ``batch[name]`` is a list of bytes, one per row (a caption, a JSON of boxes); every sample must
-    have them. ``layout`` applies to uint8 output (no Normalize); Normalize carries its own.
+    ``cls``; an int from a ``readers.sequence``), or None for no label. ``fields`` names other
+    fields handed out beside the image, every sample must have them, batched by the rules of
+    ``_collate`` (bytes and text stay lists, one per row: a caption, a JSON of boxes; arrays and
+    tensors of one shape stack; ``.npy`` fields are loaded first). ``layout`` applies to uint8
+    output (no Normalize); Normalize carries its own.
+
+    User stages (``Map``, ``MapBatch``, see ``_stages``) go before ``Decode`` (on the samples'
+    fields) or after the last built-in op (on output rows or whole batches), never between two
+    built-in ops. ``image=None`` is a pipeline for data that is not images (arrays, token ids,
+    audio): no Decode and no image ops; every field of the samples (or only ``fields``, when
+    given) is batched by the same rules, after the stages.
 
     Raises ConfigError for an op list that breaks these rules, or a fixed output size over
     ``Decode.max_pixels`` (that limit bounds every op's output; see ``Decode``).
@@ -50,17 +59,24 @@ class Pipeline:
 
     def __init__(
         self,
-        ops: Sequence[Op] = (),
+        ops: Sequence[Op | Stage] = (),
         *,
-        image: str | Sequence[str] | None = None,
+        image: str | Sequence[str] | None = IMAGE_EXTENSIONS,
         label: str | None = "cls",
         fields: Sequence[str] = (),
         layout: Literal["CHW", "HWC"] = "CHW",
     ) -> None:
-        ops = list(ops)
-        for op in ops:
-            if not isinstance(op, Op):
-                raise ConfigError(f"Pipeline: {op!r} is not a headrace op")
+        listed = list(ops)
+        for op in listed:
+            if not isinstance(op, (Op, Stage)):
+                raise ConfigError(f"Pipeline: {op!r} is not a headrace op or stage (ops.Map, ops.MapBatch)")
+        self.listed: tuple[Op | Stage, ...] = tuple(listed)
+        self.before, ops, self.after = _split_stages(listed)
+        self.has_image = image is not None
+        if not self.has_image:
+            if ops:
+                raise ConfigError(f"Pipeline: image=None (no image) takes no image ops, got {ops!r}")
+            ops = [Decode()]  # not run: its limits and channels answer the executors' questions
         if not ops or not isinstance(ops[0], Decode):
             ops.insert(0, Decode())
         for pos, op in enumerate(ops[1:], start=1):
@@ -74,7 +90,7 @@ class Pipeline:
                 raise ConfigError(f"Pipeline: {op!r} must come before the post ops (colour, rotate, warp, blur)")
         if layout not in ("CHW", "HWC"):
             raise ConfigError(f"Pipeline: layout must be 'CHW' or 'HWC', got {layout!r}")
-        self.ops: tuple[Op, ...] = tuple(ops)
+        self.ops: tuple[Op, ...] = tuple(ops) if self.has_image else ()
         self.decode: Decode = ops[0]
         self.normalize: Normalize | None = ops[-1] if isinstance(ops[-1], Normalize) else None
         middle = ops[1 : len(ops) - (self.normalize is not None)]
@@ -85,8 +101,8 @@ class Pipeline:
         self.post_positions: tuple[int, ...] = tuple(range(first, first + len(self.post_ops)))
         if isinstance(image, str):
             image = (image,)
-        self.image_fields: tuple[str, ...] = tuple(image) if image is not None else IMAGE_EXTENSIONS
-        if not self.image_fields or not all(isinstance(name, str) for name in self.image_fields):
+        self.image_fields: tuple[str, ...] = tuple(image) if image is not None else ()
+        if self.has_image and (not self.image_fields or not all(isinstance(n, str) for n in self.image_fields)):
             raise ConfigError(f"Pipeline: image must name one or more fields, got {image!r}")
         if label is not None and not isinstance(label, str):
             raise ConfigError(f"Pipeline: label must be a field name or None, got {label!r}")
@@ -112,6 +128,25 @@ class Pipeline:
                 raise ConfigError(f"Pipeline: {op!r} has {len(fill)} fill levels, Decode gives {self.decode.channels} channels")
 
     @property
+    def stages(self) -> tuple[Stage, ...]:
+        return self.before + self.after
+
+    def stage_position(self, stage: Stage) -> int:
+        """The key of ``stage``'s random numbers: 1000 + its place among the stages (the built-in
+        ops are keyed by their index in ``ops``, so adding a stage changes none of theirs)."""
+        return 1000 + next(i for i, s in enumerate(self.stages) if s is stage)
+
+    @property
+    def needs_staging(self) -> bool:
+        """Whether batches go through ``_staged`` (stages, fields, or no image), not only an executor."""
+        return bool(self.stages or self.fields or not self.has_image)
+
+    def core(self) -> Pipeline:
+        """This pipeline's built-in part (its ops, image and label; no stages, no fields): what an
+        image executor runs when ``_staged`` does the rest."""
+        return Pipeline(self.ops, image=self.image_fields, label=self.label_field, layout=self.layout)
+
+    @property
     def channels(self) -> int:
         return self.decode.channels
 
@@ -135,7 +170,29 @@ class Pipeline:
 
     def __repr__(self) -> str:
         fields = f", fields={self.fields!r}" if self.fields else ""
-        return f"Pipeline({list(self.ops)!r}, image={self.image_fields!r}, label={self.label_field!r}{fields})"
+        image = self.image_fields if self.has_image else None
+        ops = list(self.before + self.ops + self.after)
+        return f"Pipeline({ops!r}, image={image!r}, label={self.label_field!r}{fields})"
+
+
+def _split_stages(listed: list[Op | Stage]) -> tuple[tuple[Stage, ...], list[Op], tuple[Stage, ...]]:
+    """(stages before the built-in ops, the built-in ops, stages after them). Without built-in ops,
+    the ``Map``s up to the first ``MapBatch`` come before. Raises ConfigError for a stage between two
+    built-in ops or a MapBatch before them."""
+    builtin = [i for i, op in enumerate(listed) if isinstance(op, Op)]
+    if builtin:
+        first, last = builtin[0], builtin[-1] + 1
+    else:
+        first = last = next((i for i, op in enumerate(listed) if isinstance(op, MapBatch)), len(listed))
+    for op in listed[first:last]:
+        if isinstance(op, Stage):
+            raise ConfigError(f"Pipeline: {op!r} stands between built-in ops; a user stage goes before "
+                              "Decode (on the encoded fields) or after the last built-in op (on output rows or batches)")
+    for op in listed[:first]:
+        if isinstance(op, MapBatch):
+            raise ConfigError(f"Pipeline: {op!r} comes before Decode; a MapBatch works on output batches, "
+                              "after the last built-in op")
+    return tuple(listed[:first]), list(listed[first:last]), tuple(listed[last:])
 
 
 def training(

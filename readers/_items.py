@@ -4,15 +4,16 @@ The rules, shared by ``readers.sequence`` and ``readers.iterable``:
 
 - a ``Sample``: kept (key, fields, source, error); its ``index`` becomes the item's index;
 - a mapping: the sample's fields. ``"__key__"``, if present, is the key (WebDataset's convention)
-  and is not a field. A value that is ``bytes``/``bytearray``/``memoryview`` is kept; an integer
-  (``int``, NumPy's, a one-element integer tensor) becomes ASCII digits (``"cls": 3`` → ``b"3"``);
-  a ``str`` becomes UTF-8; an ``os.PathLike`` (``pathlib.Path``) is read as a file;
+  and is not a field. A ``str`` becomes UTF-8 bytes (text, as a ``txt`` member of a shard is); an
+  ``os.PathLike`` (``pathlib.Path``) is read as a file; any other value is kept as it is: bytes, an
+  int label, a NumPy array, a tensor, token ids (the pipeline's batching rules say what a column of
+  them becomes, ``headrace.ops`` ``Pipeline``);
 - a 2-tuple ``(image, label)``, what torch ``Dataset``s of encoded images return: ``image`` is
   encoded bytes (field named by its signature: ``jpg``, ``png``, ``webp``, ...) or a path (``str``
   or ``os.PathLike``, read as a file; field named by its extension); ``label`` (an integer, or
   None for no label) becomes ``cls``.
 
-Anything else (a decoded PIL image, an array, a float) gives a sample whose ``error`` is a
+Any other item (a list, a decoded PIL image in a pair) gives a sample whose ``error`` is a
 ``ReadError`` naming the item and the type, as does a path that cannot be read: the sample keeps
 its place in the stream and meets the loader's ``on_error`` policy.
 """
@@ -87,20 +88,17 @@ def _from_pair(item: tuple, index: int, source: str) -> Sample:
         raise _Unreadable(f"the image of an (image, label) item must be encoded bytes or a path, got "
                           f"{_kind(image)}; return the file's bytes or path from __getitem__, headrace decodes")
     if label is not None:
-        fields["cls"] = _field("cls", label)
+        try:
+            fields["cls"] = operator.index(label)  # int, NumPy integers, one-element integer tensors
+        except TypeError:
+            raise _Unreadable(f"the label of an (image, label) item must be an integer or None, got {_kind(label)}") from None
     return Sample(key, fields, source, index)
 
 
-def _field(name: str, value: Any) -> bytes | bytearray | memoryview:
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return value
+def _field(name: str, value: Any) -> Any:
     if isinstance(value, str):
         return value.encode()
-    try:
-        return str(operator.index(value)).encode()  # int, NumPy integers, one-element integer tensors
-    except TypeError:
-        raise _Unreadable(f"field {name!r} is {_kind(value)}; a field is bytes, str, an integer "
-                          "or a path (pathlib.Path)") from None
+    return value
 
 
 def _read(path: str | os.PathLike) -> bytes:

@@ -240,18 +240,13 @@ class Loader:
 
     async def _open_executor(self) -> Any:
         """The loader's executor, made at the first epoch and kept until ``aclose()``."""
-        from headrace.ops import CpuExecutor, CudaExecutor
+        from headrace.ops._executors import open_executor
 
         if self._closed:
             raise ClosedError("loader is closed")
-        if self._executor is None:
-            if self.device == "cpu":
-                self._executor = CpuExecutor(self.pipeline, num_threads=self.num_threads, seed=self.seed)
-            else:  # decoders, streams, compiled kernels: this blocks the loop once, before the first batch
-                self._executor = CudaExecutor(
-                    self.pipeline, device=self.device,
-                    lanes=self.lanes, seed=self.seed, hw_load=self.hw_load, decoder_threads=self.num_threads,
-                )
+        if self._executor is None:  # on the GPU (decoders, streams, compiled kernels) this blocks the loop once
+            self._executor = open_executor(self.pipeline, self.device, num_threads=self.num_threads, seed=self.seed,
+                                           lanes=self.lanes, hw_load=self.hw_load, decoder_threads=self.num_threads)
         return self._executor
 
     def __len__(self) -> int:

@@ -6,7 +6,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Batch", "Sample", "SampleBatch", "SampleList", "samples_nbytes"]
+__all__ = ["Batch", "Sample", "SampleBatch", "SampleList", "samples_nbytes", "value_nbytes"]
 
 FieldValue = bytes | bytearray | memoryview
 
@@ -16,7 +16,9 @@ class Sample:
     """One encoded sample, as a reader produced it.
 
     ``fields`` maps an extension-like name to raw bytes, the WebDataset convention: ``"jpg"`` holds
-    the encoded image, ``"cls"`` the class label as ASCII digits. ``index`` is the sample's stable
+    the encoded image, ``"cls"`` the class label as ASCII digits. Samples from a user's source
+    (``readers.sequence``, ``readers.iterable``) may hold other values too: an int label, arrays,
+    tensors, token ids. ``index`` is the sample's stable
     index in its data set: per-sample random parameters are keyed on it, so a sample gets the same
     augmentation in an epoch whichever rank, batch or thread handles it. ``position`` is where the
     sample stands in this rank's stream for the epoch (0, 1, 2, ...), which is what resume counts.
@@ -33,7 +35,7 @@ class Sample:
 
     @property
     def nbytes(self) -> int:
-        return sum(len(v) for v in self.fields.values())
+        return sum(value_nbytes(v) for v in self.fields.values())
 
 
 class SampleList(list):
@@ -52,7 +54,19 @@ def samples_nbytes(samples: list[Sample]) -> int:
     """Bytes held by ``samples``' fields (one comprehension: this runs on the loop for every chunk)."""
     if type(samples) is SampleList:
         return samples.nbytes
-    return sum([len(v) for s in samples for v in s.fields.values()])
+    try:
+        return sum([len(v) for s in samples for v in s.fields.values()])
+    except TypeError:  # a payload that is not bytes (an int label, an array, a tensor)
+        return sum([value_nbytes(v) for s in samples for v in s.fields.values()])
+
+
+def value_nbytes(value: object) -> int:
+    """Bytes a field's value holds: its length for bytes, its buffer for an array or a tensor, a
+    nominal 64 for anything else (an int, a list of token ids: small next to an image)."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return len(value)
+    nbytes = getattr(value, "nbytes", None)  # NumPy arrays; torch tensors since 2.1
+    return nbytes if isinstance(nbytes, int) else 64
 
 
 @dataclass(slots=True)

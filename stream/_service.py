@@ -131,9 +131,10 @@ class Preprocessor:
         pipeline = ops.validation(label=None) if pipeline is None else pipeline
         if not isinstance(pipeline, ops.Pipeline):
             raise ConfigError(f"pipeline must be a headrace.ops.Pipeline, got {type(pipeline).__name__}")
-        if pipeline.fields:
+        if pipeline.fields or not pipeline.has_image:
             raise ConfigError(f"Preprocessor: a request carries only its image; the pipeline's fields={pipeline.fields!r} "
-                              "cannot be filled")
+                              "cannot be filled" if pipeline.has_image else "Preprocessor: serves images; the pipeline "
+                              "has image=None")
         self.max_batch = require_int("max_batch", max_batch)
         if isinstance(max_delay, bool) or not isinstance(max_delay, (int, float)) or not 0 <= max_delay < float("inf"):
             raise ConfigError(f"max_delay must be a finite number of seconds >= 0, got {max_delay!r}")
@@ -373,11 +374,10 @@ class Preprocessor:
         self._runner = asyncio.create_task(self._main(), name="preprocessor:run")
 
     def _open_executor(self) -> Any:
-        from headrace.ops import CpuExecutor, CudaExecutor
+        from headrace.ops._executors import open_executor
 
-        if self.device == "cpu":
-            return CpuExecutor(self.pipeline, num_threads=self.num_threads, seed=self.seed, name="headrace-serve-cpu")
-        return CudaExecutor(self.pipeline, device=self.device, lanes=self.lanes, seed=self.seed, hw_load=self.hw_load)
+        return open_executor(self.pipeline, self.device, num_threads=self.num_threads, seed=self.seed,
+                             lanes=self.lanes, hw_load=self.hw_load, name="headrace-serve-cpu")
 
     async def _main(self) -> None:
         try:

@@ -105,7 +105,7 @@ async def test_bytes_pairs_and_samples_become_fields(image_folder):
     items = [(paths[0].read_bytes(), 2), (paths[1], None),
              Sample("mine", {"jpg": b"\xff\xd8\xff", "cls": b"1"}, "here", 99), {"jpg": paths[2], "txt": "héllo"}]
     samples = await _read_all(readers.sequence(items, shuffle=False))
-    assert samples[0].fields == {"jpg": paths[0].read_bytes(), "cls": b"2"} and samples[0].key == "0"
+    assert samples[0].fields == {"jpg": paths[0].read_bytes(), "cls": 2} and samples[0].key == "0"
     assert samples[1].fields == {"jpg": paths[1].read_bytes()} and samples[1].source == str(paths[1])
     assert (samples[2].key, samples[2].source, samples[2].index) == ("mine", "here", 2)
     assert samples[3].fields == {"jpg": paths[2].read_bytes(), "txt": "héllo".encode()}
@@ -113,7 +113,7 @@ async def test_bytes_pairs_and_samples_become_fields(image_folder):
 
 
 async def test_items_it_cannot_take_fail_typed_in_their_place(tmp_path):
-    items = [{"cls": 1.5}, (tmp_path / "missing.jpg", 0), [b"x"], {"jpg": b"\xff\xd8\xff"}]
+    items = [(b"\xff\xd8\xff", 1.5), (tmp_path / "missing.jpg", 0), [b"x"], {"jpg": b"\xff\xd8\xff"}]
     samples = await _read_all(readers.sequence(items, shuffle=False))
     assert [type(s.error) for s in samples] == [ReadError, ReadError, ReadError, type(None)]
     assert "float" in str(samples[0].error) and samples[0].error.key == "0"
@@ -235,7 +235,7 @@ async def test_a_one_shot_iterable_is_refused_on_its_second_epoch(image_folder, 
 async def test_a_list_is_iterated_again_each_epoch():
     reader = readers.iterable([{"cls": i} for i in range(5)])
     for epoch in range(2):
-        assert [s.fields["cls"] for s in await _read_all(reader, epoch)] == [b"0", b"1", b"2", b"3", b"4"]
+        assert [s.fields["cls"] for s in await _read_all(reader, epoch)] == [0, 1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("world", [2, 3])

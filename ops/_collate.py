@@ -1,0 +1,70 @@
+"""How samples' values become a batch's columns, for fields that are not the decoded image.
+
+The rules, as torch's ``default_collate`` has them where they agree (a user moving from a
+``DataLoader`` finds the same columns):
+
+- tensors, or NumPy arrays of numbers, all of one shape and dtype: stacked into one tensor
+  (arrays without a copy beyond the stack); of different shapes: a list of tensors;
+- Python ints: an int64 tensor; floats: a float64 tensor; bools: a bool tensor;
+- bytes stay a list of bytes, str a list of str; anything else (dicts, lists, a mix of kinds) a
+  list of the values as they are.
+
+A field whose name is ``npy`` or ends in ``.npy`` holding bytes is a NumPy ``.npy`` file: it is
+loaded to its array first (never with pickles), so it stacks like any array.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["collate", "is_npy_field", "load_npy"]
+
+_BYTES = (bytes, bytearray, memoryview)
+
+
+def is_npy_field(name: str) -> bool:
+    return name == "npy" or name.endswith(".npy")
+
+
+def load_npy(data: bytes | bytearray | memoryview) -> np.ndarray:
+    """An ``.npy`` file's array. Raises ValueError for bytes that are not one (or hold pickles)."""
+    return np.load(io.BytesIO(data), allow_pickle=False)
+
+
+def collate(values: list[Any]) -> Any:
+    """One column of a batch from the rows' ``values`` (the rules above)."""
+    if not values:
+        return []
+    first = values[0]
+    kind = type(first)
+    if not all(type(v) is kind for v in values):
+        return list(values)
+    if kind is bool:
+        return torch.tensor(values, dtype=torch.bool)
+    if kind is int:
+        return torch.tensor(values, dtype=torch.int64)
+    if kind is float:
+        return torch.tensor(values, dtype=torch.float64)
+    if isinstance(first, _BYTES):
+        return [bytes(v) for v in values]
+    if isinstance(first, np.ndarray):
+        if first.dtype.kind not in "biufc":  # strings, objects: not a tensor
+            return list(values)
+        tensors = [torch.from_numpy(np.ascontiguousarray(v)) for v in values]
+        return _stack_or_list(tensors)
+    if isinstance(first, np.generic) and first.dtype.kind in "biufc":
+        return torch.from_numpy(np.asarray(values))
+    if isinstance(first, torch.Tensor):
+        return _stack_or_list(list(values))
+    return list(values)
+
+
+def _stack_or_list(tensors: list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
+    shape, dtype, device = tensors[0].shape, tensors[0].dtype, tensors[0].device
+    if all(t.shape == shape and t.dtype == dtype and t.device == device for t in tensors):
+        return torch.stack(tensors)
+    return tensors

@@ -1,0 +1,407 @@
+"""The user's stages and the batching of fields around an image executor (or alone, without images).
+
+A batch goes: read failures out, ``.npy`` fields loaded, the stages before Decode (each sample's
+fields), then the image executor (``CpuExecutor``/``CudaExecutor`` over ``Pipeline.core()``) on
+the samples left, or for a pipeline without images the batching of every field (``_collate``);
+then the stages after the built-in ops, on rows (``Map``) or on the batch (``MapBatch``). A
+failure anywhere is that sample's, recorded with its row of the whole batch, and the rows left
+move on: the loader's ``on_error`` sees every failure once.
+
+Plain functions run in this executor's threads, a batch's samples spread over them (one call per
+thread per batch, as the CPU executor's chunks); ``async def`` ones run on the event loop, each
+``Map`` at most ``concurrency`` calls at once. On the GPU path, stages after decode run with a CUDA
+stream of this executor's as torch's current stream, ordered after the lane by the batch's event:
+the host never waits for the GPU here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from headrace._errors import ClosedError, ConfigError, DecodeError, LoaderError, TransformError
+from headrace._sample import Sample, SampleBatch, hand_off
+from headrace._threads import join_threads
+
+from ._collate import collate, is_npy_field, load_npy
+from ._cpu import Processed, _label, _read_failure, _split
+from ._pipeline import Pipeline
+from ._stages import Map, MapBatch, Stage
+
+__all__ = ["StagedExecutor"]
+
+_MASK64 = (1 << 64) - 1
+
+
+class StagedExecutor:
+    """Runs ``pipeline``'s stages and field batching; ``inner`` (an executor over
+    ``pipeline.core()``, or None when the pipeline has no image) decodes and transforms the images.
+
+    Owns ``inner`` (``drain`` and ``aclose`` pass on to it) and ``num_threads`` threads of its own.
+    ``device`` is where batches are made: on ``"cuda:N"`` stacked columns are copied there.
+    """
+
+    def __init__(self, pipeline: Pipeline, inner: Any, *, num_threads: int, seed: int, device: str = "cpu") -> None:
+        self.pipeline = pipeline
+        self.inner = inner
+        self.seed = seed
+        self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
+        if self._cuda:
+            for stage in pipeline.after:
+                if stage.is_async:
+                    raise ConfigError(f"{stage!r} is an async def after decode on the GPU path: torch's current stream is "
+                                  "per thread, so a stage awaited on the event loop would put the loop's other CUDA "
+                                  "work on its stream; make it a plain function (it runs in a thread, on a stream "
+                                  "of its own)")
+        self._pool = concurrent.futures.ThreadPoolExecutor(num_threads, thread_name_prefix="headrace-stage")
+        self.num_threads = num_threads
+        self._running: set[concurrent.futures.Future[Any]] = set()
+        self._limits: dict[int, tuple[Any, asyncio.Semaphore]] = {}
+        self._stream: Any = None
+        self._closed = False
+
+    def timings(self) -> dict[str, float]:
+        return self.inner.timings() if hasattr(self.inner, "timings") else {}
+
+    async def run(self, batch: SampleBatch) -> Processed:
+        """``batch`` through the stages and the image executor; per-sample failures in ``failures``."""
+        if self._closed:
+            raise ClosedError("StagedExecutor.run after aclose()")
+        pipe = self.pipeline
+        samples: list[Sample] = list(batch.samples)
+        failures: dict[int, LoaderError] = {}
+        for i, sample in enumerate(samples):
+            if sample.error is not None:
+                failures[i] = _read_failure(sample)
+        await self._before(batch, samples, failures)
+        alive = [i for i in range(len(samples)) if i not in failures]
+        ready = None
+        if not alive:
+            data: dict[str, Any] = {}
+            kept: list[int] = []
+        elif self.inner is not None:
+            processed = await self.inner.run(SampleBatch([samples[i] for i in alive], batch.epoch, batch.index))
+            for row, err in processed.failures:
+                failures[alive[row]] = err
+            kept = [alive[row] for row in processed.kept]
+            data, ready = processed.data, processed.ready
+            if pipe.fields and kept:
+                columns = {name: collate([samples[i].fields[name] for i in kept]) for name in pipe.fields}
+                if self._cuda:  # copied on the stage stream, after the lane: one event covers both
+                    columns, ready = await self._call(self._on_side_stream, data, ready, lambda: _on_device(columns, self.device))
+                data.update(columns)
+        else:
+            data, kept, ready = await self._call(self._collate_fields, samples, alive, failures)
+        for stage in pipe.after:
+            if not kept:
+                break
+            if isinstance(stage, MapBatch):
+                data, kept, ready = await self._map_batch(stage, batch, samples, data, kept, ready, failures)
+            else:
+                data, kept, ready = await self._map_rows(stage, batch, samples, data, kept, ready, failures)
+        return Processed(data, kept, sorted(failures.items()), ready)
+
+    # -- before decode ---------------------------------------------------------------------------------
+
+    async def _before(self, batch: SampleBatch, samples: list[Sample], failures: dict[int, LoaderError]) -> None:
+        """``.npy`` fields loaded and the ``Map``s before Decode applied, sample by sample, in place."""
+        pipe = self.pipeline
+        rows = [i for i in range(len(samples)) if i not in failures]
+        if any(is_npy_field(n) for i in rows[:1] for n in samples[i].fields):
+            await self._in_threads(rows, lambda i: _load_npy_fields(samples, i), samples, failures)
+        for stage in pipe.before:
+            rows = [i for i in rows if i not in failures]
+            call = self._sample_call(stage, batch, samples)
+            if stage.is_async:
+                await self._awaited(stage, rows, call, samples, failures)
+            else:
+                await self._in_threads(rows, call, samples, failures)
+        if pipe.has_image and pipe.fields:
+            for i in rows:
+                if i not in failures and (missing := [n for n in pipe.fields if n not in samples[i].fields]):
+                    failures[i] = _sample_error(TransformError, samples[i], f"sample has no {missing[0]!r} field (Pipeline "
+                                                f"fields={pipe.fields!r}; it has {', '.join(samples[i].fields) or 'none'})")
+
+    def _sample_call(self, stage: Map, batch: SampleBatch, samples: list[Sample]) -> Callable[[int], Any]:
+        position = self.pipeline.stage_position(stage)
+
+        def call(i: int) -> Any:
+            sample = samples[i]
+            rng = {"rng": _rng(self.seed, batch.epoch, position, sample.index)} if stage.wants_rng else {}
+            return stage.fn(dict(sample.fields), **rng)
+
+        def done(i: int, out: Any) -> None:
+            if not isinstance(out, dict):
+                raise TypeError(f"returned {type(out).__name__}, not a dict of fields")
+            sample = samples[i]
+            samples[i] = Sample(sample.key, out, sample.source, sample.index, sample.position)
+
+        call.done = done  # type: ignore[attr-defined]
+        call.stage = stage  # type: ignore[attr-defined]
+        return call
+
+    async def _in_threads(self, rows: list[int], call: Callable[[int], Any], samples: list[Sample],
+                          failures: dict[int, LoaderError]) -> None:
+        """``call(i)`` for each row, the rows spread over the threads; a row that raises fails."""
+        stage = getattr(call, "stage", None)
+        done = getattr(call, "done", None)
+
+        def chunk(part: list[int]) -> None:
+            for i in part:
+                try:
+                    out = call(i)
+                    if done is not None:
+                        done(i, out)
+                except LoaderError as exc:
+                    failures[i] = _named(exc, samples[i])
+                except Exception as exc:
+                    failures[i] = _stage_error(stage, samples[i], exc)
+
+        parts = [rows[lo:hi] for lo, hi in _split(len(rows), max(1, min(len(rows), self.num_threads)))]
+        await self._gather([self._submit(chunk, part) for part in parts if part])
+
+    async def _awaited(self, stage: Map, rows: list[int], call: Callable[[int], Any], samples: list[Sample],
+                       failures: dict[int, LoaderError]) -> None:
+        limit = self._limit(stage)
+
+        async def one(i: int) -> None:
+            async with limit:
+                try:
+                    call.done(i, await call(i))  # type: ignore[attr-defined]
+                except LoaderError as exc:
+                    failures[i] = _named(exc, samples[i])
+                except Exception as exc:
+                    failures[i] = _stage_error(stage, samples[i], exc)
+
+        async with asyncio.TaskGroup() as tg:  # a cancelled batch cancels its calls
+            for i in rows:
+                tg.create_task(one(i))
+
+    def _limit(self, stage: Map) -> asyncio.Semaphore:
+        """The stage's bound on calls at once, shared by the batches in flight on this event loop."""
+        loop = asyncio.get_running_loop()
+        held = self._limits.get(id(stage))
+        if held is None or held[0] is not loop:
+            held = self._limits[id(stage)] = (loop, asyncio.Semaphore(stage.concurrency))
+        return held[1]
+
+    # -- batching without an image --------------------------------------------------------------------------
+
+    def _collate_fields(self, samples: list[Sample], alive: list[int],
+                        failures: dict[int, LoaderError]) -> tuple[dict[str, Any], list[int], Any]:
+        """Every field (or the pipeline's ``fields``) of the ``alive`` samples, and the label, as columns.
+        The fields of the first sample are the batch's when the pipeline names none."""
+        pipe = self.pipeline
+        label = pipe.label_field
+        names = pipe.fields or tuple(n for n in samples[alive[0]].fields if n != label)
+        labels: list[int] = []
+        kept: list[int] = []
+        for i in alive:
+            sample = samples[i]
+            try:
+                missing = [n for n in names if n not in sample.fields]
+                if missing:
+                    raise _sample_error(TransformError, sample, f"sample has no {missing[0]!r} field (the batch's "
+                                        f"fields are {', '.join(names)}; it has {', '.join(sample.fields) or 'none'})")
+                if label is not None:
+                    labels.append(_label(sample, label))
+            except LoaderError as exc:
+                failures[i] = exc
+                continue
+            kept.append(i)
+        data = {name: collate([samples[i].fields[name] for i in kept]) for name in names}
+        if label is not None:
+            data["label"] = torch.tensor(labels, dtype=torch.int64)
+        if not self._cuda:
+            return data, kept, None
+        data, ready = self._on_side_stream({}, None, lambda: _on_device(data, self.device))
+        return data, kept, ready
+
+    # -- after the built-in ops -----------------------------------------------------------------------------
+
+    async def _map_rows(self, stage: Map, batch: SampleBatch, samples: list[Sample], data: dict[str, Any],
+                        kept: list[int], ready: Any, failures: dict[int, LoaderError]) -> tuple[dict[str, Any], list[int], Any]:
+        position = self.pipeline.stage_position(stage)
+        results: dict[int, dict[str, Any]] = {}
+        slot = {row: p for p, row in enumerate(kept)}
+
+        def call(i: int) -> Any:
+            row = {name: column[slot[i]] for name, column in data.items()}
+            rng = {"rng": _rng(self.seed, batch.epoch, position, samples[i].index)} if stage.wants_rng else {}
+            return stage.fn(row, **rng)
+
+        def done(i: int, out: Any) -> None:
+            if not isinstance(out, dict):
+                raise TypeError(f"returned {type(out).__name__}, not a dict")
+            results[i] = out
+
+        call.done, call.stage = done, stage  # type: ignore[attr-defined]
+        if stage.is_async:
+            await self._awaited(stage, kept, call, samples, failures)
+            left = [i for i in kept if i in results]
+            return _columns(results, left), left, ready
+
+        def on_stream() -> tuple[dict[str, Any], list[int]]:
+            for i in kept:  # one thread: row stages on CUDA tensors launch kernels, in order
+                try:
+                    done(i, call(i))
+                except LoaderError as exc:
+                    failures[i] = _named(exc, samples[i])
+                except Exception as exc:
+                    failures[i] = _stage_error(stage, samples[i], exc)
+            left = [i for i in kept if i in results]
+            return _columns(results, left), left
+
+        if self._cuda:
+            (out, left), ready = await self._call(self._on_side_stream, data, ready, on_stream)
+            return out, left, ready
+        await self._in_threads(kept, call, samples, failures)
+        left = [i for i in kept if i in results]
+        return _columns(results, left), left, None
+
+    async def _map_batch(self, stage: MapBatch, batch: SampleBatch, samples: list[Sample], data: dict[str, Any],
+                         kept: list[int], ready: Any, failures: dict[int, LoaderError]) -> tuple[dict[str, Any], list[int], Any]:
+        rng = {"rng": _rng(self.seed, batch.epoch, self.pipeline.stage_position(stage), batch.index)} if stage.wants_rng else {}
+        try:
+            if stage.is_async:
+                out = await stage.fn(data, **rng)
+            elif self._cuda:
+                out, ready = await self._call(self._on_side_stream, data, ready, lambda: stage.fn(data, **rng))
+            else:
+                out = await self._call(stage.fn, data, **rng)
+            if not isinstance(out, dict):
+                raise TypeError(f"returned {type(out).__name__}, not a dict")
+        except Exception as exc:
+            for i in kept:
+                failures[i] = _named(exc, samples[i]) if isinstance(exc, LoaderError) else _stage_error(stage, samples[i], exc)
+            return {}, [], None
+        return out, kept, ready
+
+    def _on_side_stream(self, data: dict[str, Any], ready: Any, fn: Callable[[], Any]) -> tuple[Any, Any]:
+        """``fn()`` with this executor's stream current, after the lane's ``ready`` event (the input
+        tensors recorded on the stream, so the lane reuses their memory only after it); the result
+        and the event recorded after it."""
+        stream = self._side_stream()
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            hand_off(data.values(), ready)
+            out = fn()
+            return out, _recorded(stream)
+
+    def _side_stream(self) -> Any:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream
+
+    # -- threads -------------------------------------------------------------------------------------------
+
+    def _submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        fut = self._pool.submit(fn, *args, **kwargs)
+        self._running.add(fut)
+        fut.add_done_callback(self._running.discard)
+        return fut
+
+    async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        futures = [self._submit(fn, *args, **kwargs)]
+        await self._gather(futures)
+        return futures[0].result()
+
+    @staticmethod
+    async def _gather(futures: list[concurrent.futures.Future[Any]]) -> None:
+        try:
+            await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        except BaseException:
+            for f in futures:  # the calls not started; running ones finish (drain() waits for them)
+                f.cancel()
+            raise
+
+    async def drain(self) -> None:
+        """Cancel stage calls not started, wait for running ones, then drain ``inner``."""
+        running = list(self._running)
+        for fut in running:
+            fut.cancel()
+        try:
+            await join_threads(running)
+        finally:
+            if self.inner is not None:
+                await self.inner.drain()
+
+    async def aclose(self) -> None:
+        """Drain, join the threads, close ``inner``. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        try:
+            await join_threads(list(self._running))
+            self._pool.shutdown(wait=True)
+            if self._stream is not None:
+                self._stream.synchronize()
+        finally:
+            if self.inner is not None:
+                await self.inner.aclose()
+
+
+def _load_npy_fields(samples: list[Sample], i: int) -> None:
+    """Sample ``i`` with its ``.npy`` fields loaded (a new Sample: the reader's stays as it was)."""
+    sample = samples[i]
+    fields = dict(sample.fields)
+    for name, value in fields.items():
+        if is_npy_field(name) and isinstance(value, (bytes, bytearray, memoryview)):
+            try:
+                fields[name] = load_npy(value)
+            except ValueError as exc:
+                raise _sample_error(DecodeError, sample, f"field {name!r} is not a .npy file: {exc}") from exc
+    samples[i] = Sample(sample.key, fields, sample.source, sample.index, sample.position)
+
+
+def _columns(results: dict[int, dict[str, Any]], rows: list[int]) -> dict[str, Any]:
+    if not rows:
+        return {}
+    names = list(results[rows[0]])
+    return {name: collate([results[i].get(name) for i in rows]) for name in names}
+
+
+def _on_device(columns: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {name: _copied(value, device) for name, value in columns.items()}
+
+
+def _copied(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.pin_memory().to(device, non_blocking=True)
+    if isinstance(value, list) and value and all(isinstance(v, torch.Tensor) for v in value):
+        return [v.pin_memory().to(device, non_blocking=True) for v in value]
+    return value
+
+
+def _recorded(stream: Any) -> Any:
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def _rng(seed: int, epoch: int, position: int, index: int) -> np.random.Generator:
+    return np.random.default_rng([seed & _MASK64, epoch & _MASK64, position, index & _MASK64])
+
+
+def _sample_error(kind: type[LoaderError], sample: Sample, message: str) -> LoaderError:
+    return kind(message, key=sample.key, source=sample.source)
+
+
+def _stage_error(stage: Stage | None, sample: Sample, exc: Exception) -> LoaderError:
+    where = f"stage {stage.name!r}" if stage is not None else "loading a .npy field"
+    err = TransformError(f"{where} failed: {type(exc).__name__}: {exc}", key=sample.key, source=sample.source,
+                         stage=f"stage {stage.name}" if stage is not None else None)
+    err.__cause__ = exc
+    return err
+
+
+def _named(exc: LoaderError, sample: Sample) -> LoaderError:
+    if exc.key is None:
+        exc.key, exc.source = sample.key, sample.source
+    return exc

@@ -1,0 +1,87 @@
+"""User stages: a function of the user's own at a point of the pipeline.
+
+``Map(fn)`` calls ``fn`` on each sample, ``MapBatch(fn)`` on each batch. Where a stage stands in
+``Pipeline(ops)`` says what it gets:
+
+- a ``Map`` before ``Decode``: the sample's fields as a dict (encoded bytes, text, arrays, whatever
+  the reader gave), and it returns the fields the rest of the pipeline sees;
+- a ``Map`` after the last built-in op: one output row as a dict (``"image"`` a tensor,
+  ``"label"`` a 0-d tensor, the pipeline's ``fields``), and it returns the row;
+- a ``MapBatch`` after the last built-in op: the batch as a dict of tensors and lists.
+
+A function whose signature has an ``rng`` parameter gets a ``numpy.random.Generator`` keyed by
+(seed, epoch, the stage's place, the sample's index; the batch's index for ``MapBatch``), as the
+built-in ops key theirs: a seed gives the same results whatever the thread count or resume point.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from headrace._errors import ConfigError, require_int
+
+__all__ = ["Map", "MapBatch", "Stage"]
+
+
+class Stage:
+    """Base of the user stages: the function, its name, and how it is called."""
+
+    def __init__(self, fn: Callable[..., Any], *, name: str | None) -> None:
+        if not callable(fn):
+            raise ConfigError(f"{type(self).__name__}: fn must be callable, got {fn!r}")
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ConfigError(f"{type(self).__name__}: name must be a non-empty str, got {name!r}")
+        self.fn = fn
+        self.name = name or getattr(fn, "__qualname__", None) or type(fn).__name__
+        self.is_async = _is_async(fn)
+        self.wants_rng = _takes_rng(fn)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name})"
+
+
+class Map(Stage):
+    """Call ``fn`` on each sample: ``fn(fields)`` or ``fn(fields, rng=...)``, returning a dict.
+
+    A plain function runs in the loader's threads (one call per sample, samples of a batch spread
+    over the threads); an ``async def`` runs on the event loop, at most ``concurrency`` calls at
+    once across the batches in flight (default 64): the place for a remote lookup. An exception is
+    a ``TransformError`` naming the sample and the stage, under the loader's ``on_error``.
+
+    After decode on the GPU path, a ``Map`` works row by row on CUDA tensors: it is the slow way.
+    Prefer a ``MapBatch`` there.
+    """
+
+    def __init__(self, fn: Callable[..., Any], *, concurrency: int | None = None, name: str | None = None) -> None:
+        super().__init__(fn, name=name)
+        if concurrency is not None:
+            require_int(f"Map({self.name}): concurrency", concurrency)
+        self.concurrency = concurrency or 64
+
+
+class MapBatch(Stage):
+    """Call ``fn`` on each batch: ``fn(batch)`` or ``fn(batch, rng=...)``, where ``batch`` is a dict
+    (``"image"``, ``"label"``, fields) and the result is the dict handed on.
+
+    A plain function runs in a thread; an ``async def`` on the event loop. On the GPU path it runs
+    with a CUDA stream of its own as torch's current stream, ordered after the lane that made the
+    batch by an event (no host synchronisation): the place for a GPU augmentation. An exception
+    fails every sample of the batch with a ``TransformError`` naming the stage.
+    """
+
+    def __init__(self, fn: Callable[..., Any], *, name: str | None = None) -> None:
+        super().__init__(fn, name=name)
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+def _takes_rng(fn: Callable[..., Any]) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    return "rng" in params
