@@ -11,6 +11,10 @@ the GPU, unless the row says otherwise):
   DataLoader + PIL + tv v2   torch DataLoader, workers = cores, Pillow + torchvision v2, then .cuda()
   torchvision decode_jpeg    decode_jpeg(device="cuda") batched, torchvision v2 transforms per image
   nvImageCodec decode only   whole images, one synchronous decode call per batch, no transforms
+  DALI (--dali-threads 4,8)  NVIDIA DALI: file reader, mixed decode (image_random_crop; validation:
+                             whole image), resize, crop_mirror_normalize float16 NCHW, DALIGenericIterator
+  --rows train_stage         the train row with a trivial ops.MapBatch added (what a user stage costs)
+  --rows train_lookup        the train row with an async ops.Map awaiting 1 ms per sample, concurrency=64
 Each row: one warm-up epoch, then the median of --epochs epochs. headrace rows also report the
 cores busy (process CPU time / wall), the event loop's own busy share (the loop thread's CPU
 time / wall) and peak GPU memory. Prints a table; writes JSON (--out).
@@ -19,6 +23,7 @@ time / wall) and peak GPU memory. Prints a table; writes JSON (--out).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
 import gc
 import itertools
@@ -123,6 +128,71 @@ def bench_headrace(root: Path, pipeline, batch: int, epochs: int, lanes: int, hw
     loop.run_until_complete(loader.aclose())
     loop.close()
     return result
+
+
+def bench_dali(files, batch: int, epochs: int, threads: int, train: bool = True) -> dict:
+    """NVIDIA DALI on the same files and pipeline: file reader, mixed (GPU) decode with its random
+    crop, resize 224, crop_mirror_normalize to float16 NCHW (validation: whole-image decode, resize
+    shorter side 256, centre crop 224); DALIGenericIterator, as its ImageNet example has it."""
+    from nvidia.dali import fn, pipeline_def, types
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+    paths = [p for p, _ in files]
+    labels = [label for _, label in files]
+    mean = [0.485 * 255, 0.456 * 255, 0.406 * 255]
+    std = [0.229 * 255, 0.224 * 255, 0.225 * 255]
+
+    @pipeline_def
+    def pipe():
+        jpegs, label = fn.readers.file(files=paths, labels=labels, random_shuffle=train, name="Reader")
+        if train:
+            images = fn.decoders.image_random_crop(jpegs, device="mixed", output_type=types.RGB,
+                                                   random_area=[0.08, 1.0], random_aspect_ratio=[0.75, 4 / 3])
+            images = fn.resize(images, resize_x=224, resize_y=224)
+            mirror = fn.random.coin_flip(probability=0.5)
+            images = fn.crop_mirror_normalize(images, dtype=types.FLOAT16, output_layout="CHW", mean=mean, std=std,
+                                              mirror=mirror)
+        else:
+            images = fn.decoders.image(jpegs, device="mixed", output_type=types.RGB)
+            images = fn.resize(images, resize_shorter=256)
+            images = fn.crop_mirror_normalize(images, dtype=types.FLOAT16, output_layout="CHW", crop=(224, 224),
+                                              mean=mean, std=std)
+        return images, label.gpu()
+
+    p = pipe(batch_size=batch, num_threads=threads, device_id=torch.cuda.current_device(), seed=0)
+    p.build()
+    it = DALIGenericIterator(p, ["image", "label"], reader_name="Reader",
+                             last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True)
+
+    def epoch() -> int:
+        n = 0
+        for out in it:
+            n += out[0]["image"].shape[0]
+        return n
+
+    result = _timed_epochs(epoch, epochs)
+    del it, p
+    gc.collect()
+    return result
+
+
+def _touch(batch: dict) -> dict:
+    """A trivial batch stage: one small kernel on the lane's output (what the stage machinery costs)."""
+    batch["label"] = batch["label"] + 0
+    return batch
+
+
+async def _lookup(fields: dict) -> dict:
+    """A remote label lookup, simulated: 1 ms of awaited I/O per sample."""
+    await asyncio.sleep(0.001)
+    return fields
+
+
+def _staged(pipeline, stage):
+    """``pipeline`` with ``stage`` added where it goes (a Map before Decode, a MapBatch at the end)."""
+    listed = list(pipeline.listed)
+    listed = [stage, *listed] if isinstance(stage, ops.Map) else [*listed, stage]
+    return ops.Pipeline(listed, image=pipeline.image_fields, label=pipeline.label_field)
 
 
 def bench_dataloader(files, batch: int, epochs: int, workers: int) -> dict:
@@ -233,6 +303,8 @@ def main() -> None:
     ap.add_argument("--cuda-loads", default="",
                     help="also run headrace (train) with these shares of the non-hardware part for the CUDA decoder (the rest on the CPU), e.g. 0.9,0.8")
     ap.add_argument("--hw-loads", default="", help="also run headrace (train) at these hw_load values, e.g. 0,1")
+    ap.add_argument("--dali-threads", default="", help="also run NVIDIA DALI with these thread counts, e.g. 4,8,12,16")
+    ap.add_argument("--dali-rows", default="train,val", help="which DALI pipelines --dali-threads runs")
     ap.add_argument("--data", default=".data/bench-gpu")
     ap.add_argument("--photos", default=None, help="an .npz of photographs (for machines without scikit-image)")
     ap.add_argument("--rows", default="train,val,dataloader,torchvision,nvimgcodec")
@@ -262,7 +334,18 @@ def main() -> None:
         "torchvision": ("torchvision decode_jpeg(cuda) + v2", lambda: bench_torchvision_gpu(files, args.batch, args.epochs)),
         "nvimgcodec": ("nvImageCodec decode only (whole)", lambda: bench_nvimgcodec(files, args.batch, args.epochs)),
         "reader": ("files reader alone (no decode)", lambda: bench_reader(root, args.epochs)),
+        "train_stage": ("headrace (train + a batch stage)", lambda: bench_headrace(
+            root, _staged(ops.training(224, dtype="float16"), ops.MapBatch(_touch)), args.batch, args.epochs, args.lanes)),
+        "train_lookup": ("headrace (train + 1 ms async lookup, 64)", lambda: bench_headrace(
+            root, _staged(ops.training(224, dtype="float16"), ops.Map(_lookup, concurrency=64)), args.batch, args.epochs,
+            args.lanes)),
     }
+    for threads in filter(None, args.dali_threads.split(",")):
+        for kind, train in (("train", True), ("val", False)):
+            runners[f"dali_{kind}{threads}"] = (f"DALI ({'train' if train else 'validation'}, {threads} threads)",
+                                                lambda t=int(threads), train=train: bench_dali(files, args.batch, args.epochs, t, train))
+            if kind in args.dali_rows.split(","):
+                rows.append(f"dali_{kind}{threads}")
     for hw in filter(None, args.hw_loads.split(",")):
         runners[f"hw{hw}"] = (f"headrace (train, hw_load={hw})", lambda hw=float(hw): bench_headrace(
             root, ops.training(224, dtype="float16"), args.batch, args.epochs, args.lanes, hw))
@@ -305,6 +388,13 @@ def main() -> None:
         ratio2 = f"{r['images_per_s'] / nvc:.2f}x" if nvc else "-"
         loop_busy = f"{r['main_thread_busy']:.0%}" if name.startswith("headrace") else "-"
         print(f"{name:44} {r['images_per_s']:>10,.0f} {ratio:>14} {ratio2:>16} {r['cores_busy']:>11.1f} {loop_busy:>10}")
+    for kind, ours in (("train", "headrace (train)"), ("validation", "headrace (validation)")):
+        dali = {k: v["images_per_s"] for k, v in results.items() if k.startswith(f"DALI ({kind},")}
+        mine = [v["images_per_s"] for k, v in results.items() if k == ours or k.startswith(ours + " #")]
+        if dali and mine:
+            best = max(dali, key=dali.get)
+            print(f"{ours} / DALI at its best thread count ({best}): "
+                  f"{min(mine) / dali[best]:.2f}x to {max(mine) / dali[best]:.2f}x")
     for name, r in results.items():
         if "peak_gpu_mib_torch" in r:
             print(f"{name}: epochs {', '.join(f'{x:,.0f}' for x in r['runs'])} images/s; garbage collections "

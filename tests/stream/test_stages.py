@@ -222,3 +222,21 @@ async def test_the_preprocessor_runs_batch_stages():
                           device="cpu")
     async with plain, staged:
         assert torch.equal(await staged(image), 255 - await plain(image))
+
+
+async def test_random_exits_with_stages_leave_nothing_behind(leaks):
+    from exits import EXITS, random_exits
+
+    async def lookup(fields: dict) -> dict:
+        await asyncio.sleep(0.001)
+        return fields
+
+    def make() -> Loader:
+        pipe = ops.Pipeline([ops.Map(lookup, concurrency=4), ops.Map(_tokenize), ops.Decode(),
+                             ops.Resize((16, 16)), ops.Map(_noisy), ops.MapBatch(_jitter)], fields=["tokens"])
+        return _loader(pipe)
+
+    keys = {it["__key__"] for it in _items()}
+    done = await random_exits(make, rounds=60, expected_keys=keys, seed=21, max_delay=0.03)
+    assert set(EXITS) <= set(done)
+    await leaks.check(settle=2.0)
