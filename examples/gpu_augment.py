@@ -1,7 +1,7 @@
 """A GPU augmentation in plain torch as a batch stage: random brightness, contrast and cutout per sample.
 
-    python examples/gpu_augment.py --device cpu --images 256 --size 96 --check   # runs on a CPU too
-    python examples/gpu_augment.py --device cuda --images 8192 --batch-size 256
+    python examples/gpu_augment.py --device cpu --size 96 --check     # runs on a CPU too (the demo's 1,024 JPEGs)
+    python examples/gpu_augment.py --device cuda --images 8192 --data .data/demo-8192 --batch-size 256
 
 ``ops.training(size)`` decodes, crops, flips and normalizes; an ``ops.MapBatch`` after it gets each
 batch as a dict (``image`` float [B, 3, S, S], ``label`` [B]) and returns it augmented. Its

@@ -1,8 +1,8 @@
 """PyTorch Lightning training fed by a headrace loader: ``Trainer.fit`` iterates ``loader.sync()``.
 
     pip install lightning      # Lightning 2.x; not a dependency of headrace
-    python examples/lightning_train.py --device cpu --images 256 --size 64 --epochs 2
-    python examples/lightning_train.py --device cuda --images 8192 --batch-size 256 --epochs 3
+    python examples/lightning_train.py --device cpu --size 64 --epochs 2      # the demo's 1,024 JPEGs
+    python examples/lightning_train.py --device cuda --images 8192 --data .data/demo-8192 --batch-size 256 --epochs 3
     python examples/lightning_train.py --device cpu --view      # through DataLoader(torch_dataset(loader))
     python examples/lightning_train.py --device cpu --max-steps 5 --save-every 5   # stop mid-epoch 0 ...
     python examples/lightning_train.py --device cpu --resume .data/lightning/<the .ckpt it wrote>   # ... go on

@@ -1,8 +1,8 @@
 """Keep your torch ``Dataset``, gain headrace's pipeline: a map-style Dataset read by ``readers.sequence``.
 
-    python examples/torch_dataset.py --device cpu --images 256 --size 96 --check-resume
+    python examples/torch_dataset.py --device cpu --size 96 --check-resume    # the demo's 1,024 JPEGs
     python examples/torch_dataset.py --device cpu --items bytes      # items are (encoded bytes, label)
-    python examples/torch_dataset.py --device cuda --images 8192 --batch-size 256   # decoded on the GPU
+    python examples/torch_dataset.py --device cuda --images 8192 --data .data/demo-8192 --batch-size 256   # decoded on the GPU
 
 ``LabelledImages`` is the kind of Dataset a project already has: a table of (image file, class)
 rows, as a CSV or torchvision's ``ImageFolder.samples`` keep them. For a DataLoader its
