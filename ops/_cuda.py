@@ -54,6 +54,11 @@ _OUT_NAMES = {torch.uint8: "uint8", torch.float32: "float32", torch.float16: "fl
 
 def gpu_unsupported(pipeline: Pipeline) -> str | None:
     """Why the GPU path cannot run ``pipeline`` (None when it can)."""
+    late_async = [stage for stage in pipeline.after if stage.is_async]
+    if late_async:
+        return (f"{late_async[0]!r} is an async def after decode: on the GPU path torch's current stream is per "
+                "thread, so a stage awaited on the event loop would put the loop's other CUDA work on its stream; "
+                "make it a plain function (it runs in a thread, on a stream of its own)")
     try:
         check_foldable(pipeline.image_ops)
     except ConfigError as exc:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from headrace._errors import ClosedError, ConfigError, DecodeError, LoaderError, TransformError
+from headrace._errors import ClosedError, DecodeError, LoaderError, TransformError
 from headrace._sample import Sample, SampleBatch, hand_off
 from headrace._threads import join_threads
 
@@ -52,13 +52,6 @@ class StagedExecutor:
         self.seed = seed
         self.device = torch.device(device)
         self._cuda = self.device.type == "cuda"
-        if self._cuda:
-            for stage in pipeline.after:
-                if stage.is_async:
-                    raise ConfigError(f"{stage!r} is an async def after decode on the GPU path: torch's current stream is "
-                                  "per thread, so a stage awaited on the event loop would put the loop's other CUDA "
-                                  "work on its stream; make it a plain function (it runs in a thread, on a stream "
-                                  "of its own)")
         self._pool = concurrent.futures.ThreadPoolExecutor(num_threads, thread_name_prefix="headrace-stage")
         self.num_threads = num_threads
         self._running: set[concurrent.futures.Future[Any]] = set()

@@ -58,6 +58,9 @@ class Map(Stage):
         super().__init__(fn, name=name)
         if concurrency is not None:
             require_int(f"Map({self.name}): concurrency", concurrency)
+            if not self.is_async:
+                raise ConfigError(f"Map({self.name}): concurrency bounds an async def's calls; a plain function runs "
+                                  "in the loader's threads (num_threads)")
         self.concurrency = concurrency or 64
 
 
@@ -65,7 +68,8 @@ class MapBatch(Stage):
     """Call ``fn`` on each batch: ``fn(batch)`` or ``fn(batch, rng=...)``, where ``batch`` is a dict
     (``"image"``, ``"label"``, fields) and the result is the dict handed on.
 
-    A plain function runs in a thread; an ``async def`` on the event loop. On the GPU path it runs
+    A plain function runs in a thread; an ``async def`` on the event loop (the CPU path only: the GPU
+    path refuses an async stage after decode, see ``_cuda.gpu_unsupported``). On the GPU path it runs
     with a CUDA stream of its own as torch's current stream, ordered after the lane that made the
     batch by an event (no host synchronisation): the place for a GPU augmentation. An exception
     fails every sample of the batch with a ``TransformError`` naming the stage.

@@ -85,14 +85,17 @@ async def test_arrays_without_images_arrive_on_the_gpu():
     assert [v for b in batches for v in b["x"][:, 0, 0].tolist()] == list(range(20))
 
 
-async def test_an_async_stage_after_decode_is_refused_on_the_gpu():
+async def test_an_async_stage_after_decode_is_refused_on_the_gpu_when_the_loader_is_made(leaks):
     async def later(batch: dict) -> dict:
         return batch
 
+    pipeline = ops.Pipeline([ops.Decode(), ops.Resize(16), ops.MapBatch(later)])
     with pytest.raises(ConfigError, match="async def"):
-        async with _loader(ops.Pipeline([ops.Decode(), ops.Resize(16), ops.MapBatch(later)])) as loader:
-            async for _ in loader:
-                pass
+        _loader(pipeline)
+    auto = Loader(readers.sequence(_items()), batch_size=16, pipeline=pipeline, device="auto")
+    assert auto.device == "cpu"  # the path that can run it
+    await auto.aclose()
+    await leaks.check()
 
 
 async def test_a_failing_gpu_stage_is_a_typed_error_and_nothing_is_kept():
