@@ -988,9 +988,11 @@ def print_failures(result: dict[str, Any], manifest: list[dict[str, Any]]) -> No
                 when = " after its report (at exit)" if c["after_report"] else ""
                 print(f"[{path}] {what}{when} in slice {c['slice']} (exit {c['returncode']}, {c['seconds']} s, "
                       f"peak RSS {_gib(c['peak_rss'])})")
-                if name == "hangs":
+                if name == "hangs" or "Fatal Python error" in c["stderr"]:
                     for line in _stuck_in(c["stderr"]):
                         print("    " + line)
+                if name == "hangs":
+                    pass
                 elif "=== native stack" in c["stderr"]:
                     for line in c["stderr"].split("=== native stack of the faulting thread ===")[-1].strip().splitlines()[:16]:
                         print("    " + line[:200])
@@ -1152,6 +1154,9 @@ def main(argv: list[str] | None = None) -> int:
         import faulthandler
 
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for it when we hang
+        # A crash dumps every Python thread (which lane, prep or reader thread was in native code),
+        # then the previous handler runs (--native-stacks: the faulting thread's native stack).
+        faulthandler.enable(all_threads=True)
         report = run_worker(args)
         print("FUZZ-REPORT " + json.dumps(report), flush=True)
         return 0
