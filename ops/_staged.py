@@ -162,19 +162,24 @@ class StagedExecutor:
     async def _awaited(self, stage: Map, rows: list[int], call: Callable[[int], Any], samples: list[Sample],
                        failures: dict[int, LoaderError]) -> None:
         limit = self._limit(stage)
+        pending = iter(rows)
+        done = call.done  # type: ignore[attr-defined]
 
-        async def one(i: int) -> None:
-            async with limit:
-                try:
-                    call.done(i, await call(i))  # type: ignore[attr-defined]
-                except LoaderError as exc:
-                    failures[i] = _named(exc, samples[i])
-                except Exception as exc:
-                    failures[i] = _stage_error(stage, samples[i], exc)
+        async def worker() -> None:
+            # A few workers a batch, each taking the next row, rather than a task a row: a task
+            # costs the loop more than a typical call, and the bound is the semaphore anyway.
+            for i in pending:
+                async with limit:
+                    try:
+                        done(i, await call(i))
+                    except LoaderError as exc:
+                        failures[i] = _named(exc, samples[i])
+                    except Exception as exc:
+                        failures[i] = _stage_error(stage, samples[i], exc)
 
         async with asyncio.TaskGroup() as tg:  # a cancelled batch cancels its calls
-            for i in rows:
-                tg.create_task(one(i))
+            for _ in range(min(len(rows), stage.concurrency)):
+                tg.create_task(worker())
 
     def _limit(self, stage: Map) -> asyncio.Semaphore:
         """The stage's bound on calls at once, shared by the batches in flight on this event loop."""
