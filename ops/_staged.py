@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +35,8 @@ from ._pipeline import Pipeline
 from ._stages import Map, MapBatch, Stage
 
 __all__ = ["StagedExecutor"]
+
+logger = logging.getLogger("headrace")
 
 _MASK64 = (1 << 64) - 1
 
@@ -57,6 +60,7 @@ class StagedExecutor:
         self._running: set[concurrent.futures.Future[Any]] = set()
         self._limits: dict[int, tuple[Any, asyncio.Semaphore]] = {}
         self._stream: Any = None
+        self._warned_unused = False
         self._closed = False
 
     def timings(self) -> dict[str, float]:
@@ -115,11 +119,27 @@ class StagedExecutor:
                 await self._awaited(stage, rows, call, samples, failures)
             else:
                 await self._in_threads(rows, call, samples, failures)
+        if pipe.has_image and pipe.before and not self._warned_unused:
+            self._warn_unused(samples, [i for i in rows if i not in failures][:1], batch)
         if pipe.has_image and pipe.fields:
             for i in rows:
                 if i not in failures and (missing := [n for n in pipe.fields if n not in samples[i].fields]):
                     failures[i] = _sample_error(TransformError, samples[i], f"sample has no {missing[0]!r} field (Pipeline "
                                                 f"fields={pipe.fields!r}; it has {', '.join(samples[i].fields) or 'none'})")
+
+    def _warn_unused(self, samples: list[Sample], rows: list[int], batch: SampleBatch) -> None:
+        """Say once when the stages before Decode made fields the batch will not carry: a field is
+        handed out only when ``Pipeline(fields=...)`` names it, and a new one is easy to forget."""
+        if not rows:
+            return
+        pipe = self.pipeline
+        made = [name for name in samples[rows[0]].fields if name not in batch.samples[rows[0]].fields]
+        unused = [name for name in made if name not in pipe.fields and name not in pipe.image_fields
+                  and name != pipe.label_field]
+        self._warned_unused = True
+        if unused:
+            logger.warning("headrace: the stages before Decode add fields %s that no batch carries; name them in "
+                           "Pipeline(fields=...) to have them batched", unused)
 
     def _sample_call(self, stage: Map, batch: SampleBatch, samples: list[Sample]) -> Callable[[int], Any]:
         position = self.pipeline.stage_position(stage)

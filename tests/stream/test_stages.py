@@ -248,3 +248,13 @@ async def test_random_exits_with_stages_leave_nothing_behind(leaks):
     done = await random_exits(make, rounds=60, expected_keys=keys, seed=21, max_delay=0.03)
     assert set(EXITS) <= set(done)
     await leaks.check(settle=2.0)
+
+
+async def test_a_field_a_stage_adds_but_no_batch_carries_is_named_once(caplog):
+    pipe = ops.Pipeline([ops.Map(_tokenize), ops.Decode(), ops.Resize((16, 16))])  # no fields=["tokens"]
+    with caplog.at_level("WARNING", logger="headrace"):
+        async with _loader(pipe) as loader:
+            batches = await _all(loader)
+    assert "tokens" not in batches[0]
+    warnings = [r.getMessage() for r in caplog.records if "no batch carries" in r.getMessage()]
+    assert len(warnings) == 1 and "'tokens'" in warnings[0] and "fields=" in warnings[0]
