@@ -127,6 +127,17 @@ class StagedExecutor:
                     failures[i] = _sample_error(TransformError, samples[i], f"sample has no {missing[0]!r} field (Pipeline "
                                                 f"fields={pipe.fields!r}; it has {', '.join(samples[i].fields) or 'none'})")
 
+    def _extras(self, stage: Map, batch: SampleBatch, position: int, sample: Sample) -> dict[str, Any]:
+        """The keyword arguments a Map's function asked for by name: ``rng``, ``key``, ``index``."""
+        extras: dict[str, Any] = {}
+        if stage.wants_rng:
+            extras["rng"] = _rng(self.seed, batch.epoch, position, sample.index)
+        if stage.wants_key:
+            extras["key"] = sample.key
+        if stage.wants_index:
+            extras["index"] = sample.index
+        return extras
+
     def _warn_unused(self, samples: list[Sample], rows: list[int], batch: SampleBatch) -> None:
         """Say once when the stages before Decode made fields the batch will not carry: a field is
         handed out only when ``Pipeline(fields=...)`` names it, and a new one is easy to forget."""
@@ -146,8 +157,7 @@ class StagedExecutor:
 
         def call(i: int) -> Any:
             sample = samples[i]
-            rng = {"rng": _rng(self.seed, batch.epoch, position, sample.index)} if stage.wants_rng else {}
-            return stage.fn(dict(sample.fields), **rng)
+            return stage.fn(dict(sample.fields), **self._extras(stage, batch, position, sample))
 
         def done(i: int, out: Any) -> None:
             if not isinstance(out, dict):
@@ -251,8 +261,7 @@ class StagedExecutor:
 
         def call(i: int) -> Any:
             row = {name: column[slot[i]] for name, column in data.items()}
-            rng = {"rng": _rng(self.seed, batch.epoch, position, samples[i].index)} if stage.wants_rng else {}
-            return stage.fn(row, **rng)
+            return stage.fn(row, **self._extras(stage, batch, position, samples[i]))
 
         def done(i: int, out: Any) -> None:
             if not isinstance(out, dict):
@@ -285,14 +294,16 @@ class StagedExecutor:
 
     async def _map_batch(self, stage: MapBatch, batch: SampleBatch, samples: list[Sample], data: dict[str, Any],
                          kept: list[int], ready: Any, failures: dict[int, LoaderError]) -> tuple[dict[str, Any], list[int], Any]:
-        rng = {"rng": _rng(self.seed, batch.epoch, self.pipeline.stage_position(stage), batch.index)} if stage.wants_rng else {}
+        extras = {"rng": _rng(self.seed, batch.epoch, self.pipeline.stage_position(stage), batch.index)} if stage.wants_rng else {}
+        if stage.wants_keys:
+            extras["keys"] = [samples[i].key for i in kept]
         try:
             if stage.is_async:
-                out = await stage.fn(data, **rng)
+                out = await stage.fn(data, **extras)
             elif self._cuda:
-                out, ready = await self._call(self._on_side_stream, data, ready, lambda: stage.fn(data, **rng))
+                out, ready = await self._call(self._on_side_stream, data, ready, lambda: stage.fn(data, **extras))
             else:
-                out = await self._call(stage.fn, data, **rng)
+                out = await self._call(stage.fn, data, **extras)
             if not isinstance(out, dict):
                 raise TypeError(f"returned {type(out).__name__}, not a dict")
         except Exception as exc:

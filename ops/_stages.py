@@ -12,6 +12,9 @@
 A function whose signature has an ``rng`` parameter gets a ``numpy.random.Generator`` keyed by
 (seed, epoch, the stage's place, the sample's index; the batch's index for ``MapBatch``), as the
 built-in ops key theirs: a seed gives the same results whatever the thread count or resume point.
+A ``Map`` whose function has a ``key`` (or ``index``) parameter gets the sample's key (or its
+index in the data set), for a lookup by key; a ``MapBatch`` with a ``keys`` parameter gets the
+keys of the batch's rows.
 """
 
 from __future__ import annotations
@@ -36,7 +39,11 @@ class Stage:
         self.fn = fn
         self.name = name or getattr(fn, "__qualname__", None) or type(fn).__name__
         self.is_async = _is_async(fn)
-        self.wants_rng = _takes_rng(fn)
+        params = _parameters(fn)
+        self.wants_rng = "rng" in params
+        self.wants_key = "key" in params
+        self.wants_keys = "keys" in params
+        self.wants_index = "index" in params
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name})"
@@ -83,9 +90,8 @@ def _is_async(fn: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
-def _takes_rng(fn: Callable[..., Any]) -> bool:
+def _parameters(fn: Callable[..., Any]) -> set[str]:
     try:
-        params = inspect.signature(fn).parameters
+        return set(inspect.signature(fn).parameters)
     except (TypeError, ValueError):  # a builtin without a signature
-        return False
-    return "rng" in params
+        return set()

@@ -258,3 +258,25 @@ async def test_a_field_a_stage_adds_but_no_batch_carries_is_named_once(caplog):
     assert "tokens" not in batches[0]
     warnings = [r.getMessage() for r in caplog.records if "no batch carries" in r.getMessage()]
     assert len(warnings) == 1 and "'tokens'" in warnings[0] and "fields=" in warnings[0]
+
+
+async def test_stages_get_the_sample_key_and_index_when_they_ask():
+    seen = {}
+
+    def lookup(fields: dict, key: str, index: int) -> dict:
+        seen[key] = index
+        fields["from_store"] = int(key[1:]) * 10
+        return fields
+
+    def batch_keys(batch: dict, keys: list) -> dict:
+        batch["key_numbers"] = torch.tensor([int(k[1:]) for k in keys])
+        return batch
+
+    pipe = ops.Pipeline([ops.Map(lookup), ops.Decode(), ops.Resize((16, 16)), ops.MapBatch(batch_keys)],
+                        fields=["from_store"])
+    async with _loader(pipe) as loader:
+        batches = await _all(loader)
+    assert seen == {f"s{i:03d}": i for i in range(N)}
+    for b in batches:
+        numbers = [int(k[1:]) for k in b.sample_keys]
+        assert b["key_numbers"].tolist() == numbers and b["from_store"].tolist() == [10 * n for n in numbers]
