@@ -469,8 +469,8 @@ class Loader:
         if self._active is not None:
             raise LoaderError("cannot load state while an epoch is being iterated")
         version = state.get("version")
-        if version not in (1, STATE_VERSION):
-            raise ConfigError(f"unknown loader state version {version!r}")
+        if version != STATE_VERSION:  # 0.1 is unreleased: no older state is out there to load
+            raise ConfigError(f"unknown loader state version {version!r} (this headrace writes and reads {STATE_VERSION})")
         for name in ("batch_size", "seed"):
             if state[name] != getattr(self, name):
                 raise ConfigError(f"state was saved with {name}={state[name]!r}, this loader has {getattr(self, name)!r}")
@@ -478,11 +478,8 @@ class Loader:
         world = int(state.get("world", saved.get("world", 1)))
         history = [(int(w), int(p)) for w, p in state.get("history", [])]
         position = int(state["position"])
-        if version == 1:  # the reader keys of then; the same rank loads it
-            mine = {k: mine.get(k) for k in saved}
-            ignored: set[str] = set()
-        elif world == self.world:
-            ignored = {"rank"}
+        if world == self.world:
+            ignored: set[str] = {"rank"}
         else:  # the split of the earlier spans follows from their world sizes alone
             ignored = {"rank", "world", "samples", "equal"}
         if _without(saved, ignored) != _without(mine, ignored):
