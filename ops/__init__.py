@@ -6,6 +6,7 @@ from ._cuda import CudaExecutor, cuda_available
 from ._pipeline import IMAGE_EXTENSIONS, Pipeline, training, validation
 from ._random import uniforms
 from ._stages import Map, MapBatch
+from ._video import DecodeClip, decode_frames, video_pipeline
 from ._post_spec import ColorTwist, GaussianBlur, PostOp, Rotate, WarpAffine
 from ._spec import (
     IMAGENET_MEAN,
@@ -29,6 +30,7 @@ __all__ = [
     "CpuExecutor",
     "CudaExecutor",
     "Decode",
+    "DecodeClip",
     "Flip",
     "GaussianBlur",
     "Map",
@@ -44,7 +46,9 @@ __all__ = [
     "WarpAffine",
     "crop_mirror_normalize",
     "cuda_available",
+    "decode_frames",
     "training",
     "uniforms",
     "validation",
+    "video_pipeline",
 ]

@@ -6,6 +6,7 @@ from ._storage import HttpStore, LocalStore, MemoryStore, ObjectInfo, Retry, S3S
 from .files import FileReader, files
 from .lmdb import LmdbReader, decode_default, decode_record, encode_record, lmdb
 from .sources import IterableReader, SequenceReader, iterable, sequence
+from .video import VideoReader, video
 from .webdataset import WebDatasetReader, webdataset
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "S3Store",
     "SequenceReader",
     "Store",
+    "VideoReader",
     "WebDatasetReader",
     "decode_default",
     "decode_record",
@@ -33,5 +35,6 @@ __all__ = [
     "lmdb",
     "pack",
     "sequence",
+    "video",
     "webdataset",
 ]

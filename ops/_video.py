@@ -1,0 +1,176 @@
+"""Video clips decoded on the CPU: ``DecodeClip``, a ``Map`` stage over ``readers.video`` samples.
+
+It runs in the loader's threads, one clip per call: open the file with PyAV (FFmpeg), seek to the
+keyframe at or before the clip's first frame, decode forward and keep the clip's frames, found
+by timestamp. One set of random numbers per clip (crop offsets, flip) applies to all its frames.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from headrace._errors import ConfigError, DecodeError, TransformError
+
+from ._pipeline import Pipeline
+from ._stages import Map, Stage
+
+__all__ = ["DecodeClip", "decode_frames", "video_pipeline"]
+
+Layout = Literal["FCHW", "FHWC"]
+
+
+class DecodeClip(Map):
+    """Decode a ``readers.video`` sample's clip into a uint8 tensor ``[F, C, H, W]`` (or ``[F, H, W, C]``).
+
+    ``size``: resize every frame to ``(h, w)`` (an int for a square), bilinear with antialiasing
+    (torch's), before the crop; None keeps the file's size. ``crop``: a random ``(h, w)`` window,
+    the same for all frames of a clip; ``flip``: the chance that a clip is mirrored left to right,
+    all its frames together. The numbers come from the stage's ``rng`` (seed, epoch, stage, the
+    clip's index), so a seed gives the same clips whatever the thread count or resume point.
+
+    The sample's fields become ``video`` (the tensor), ``start`` (the first frame's index),
+    ``timestamps`` (float64 ``[F]``, the frames' presentation times in seconds on the stream's
+    clock), ``path`` (the file), and the fields the reader gave besides (``cls`` for the label);
+    ``clip`` and ``pts`` are consumed. Frames are found by the timestamps the reader's probe
+    recorded (``pts``); without them (fields built by hand) frame ``k`` is the one at
+    ``start_time + k / average_rate``, which holds for constant frame rate only.
+
+    A file that cannot be opened or decoded, or that does not deliver every frame of the clip
+    (truncated, corrupt), fails the sample with a ``DecodeError`` naming its key and file; a crop
+    larger than the frame with a ``TransformError``. Raises ConfigError for a wrong argument.
+    """
+
+    def __init__(self, size: int | Sequence[int] | None = None, *, layout: Layout = "FCHW", flip: float = 0.0,
+                 crop: int | Sequence[int] | None = None, name: str | None = None) -> None:
+        self.size = _pair("size", size)
+        self.crop = _pair("crop", crop)
+        if layout not in ("FCHW", "FHWC"):
+            raise ConfigError(f"DecodeClip: layout must be 'FCHW' or 'FHWC', got {layout!r}")
+        if isinstance(flip, bool) or not isinstance(flip, (int, float)) or not 0.0 <= flip <= 1.0:
+            raise ConfigError(f"DecodeClip: flip must be a probability in [0, 1], got {flip!r}")
+        self.layout = layout
+        self.flip = float(flip)
+        super().__init__(self._decode_clip, name=name or "DecodeClip")
+
+    def _decode_clip(self, fields: dict[str, Any], rng: np.random.Generator, key: str) -> dict[str, Any]:
+        path = fields.get("video")
+        clip = fields.get("clip")
+        if not isinstance(path, str) or clip is None:
+            raise TransformError("DecodeClip needs a readers.video sample (a 'video' path and a 'clip')", key=key)
+        start, stride, length = (int(v) for v in clip)
+        frames, stamps = decode_frames(path, start, stride, length, fields.get("pts"), key=key)
+        out = {name: value for name, value in fields.items() if name not in ("clip", "pts")}
+        out.update(video=self._augment(frames, rng, key, path), start=start, timestamps=stamps, path=path)
+        return out
+
+    def _augment(self, frames: np.ndarray, rng: np.random.Generator, key: str, path: str) -> torch.Tensor:
+        """``[F, H, W, C]`` uint8 frames resized, cropped and flipped alike, in the stage's layout."""
+        clip = torch.from_numpy(frames).permute(0, 3, 1, 2)  # FCHW
+        if self.size is not None and tuple(clip.shape[2:]) != self.size:
+            scaled = torch.nn.functional.interpolate(clip.float(), size=self.size, mode="bilinear",
+                                                     align_corners=False, antialias=True)
+            clip = scaled.round_().clamp_(0, 255).to(torch.uint8)
+        draws = rng.random(3)  # always three, so the stream of draws does not depend on the options
+        if self.crop is not None:
+            (h, w), (ch, cw) = clip.shape[2:], self.crop
+            if ch > h or cw > w:
+                raise TransformError(f"DecodeClip: crop {self.crop} is larger than the frame ({h}, {w})",
+                                     key=key, source=path)
+            top, left = int(draws[0] * (h - ch + 1)), int(draws[1] * (w - cw + 1))
+            clip = clip[:, :, top : top + ch, left : left + cw]
+        if draws[2] < self.flip:
+            clip = clip.flip(3)
+        clip = clip.permute(0, 2, 3, 1) if self.layout == "FHWC" else clip
+        return clip.contiguous()
+
+    def __repr__(self) -> str:
+        return f"DecodeClip(size={self.size}, layout={self.layout!r}, flip={self.flip}, crop={self.crop})"
+
+
+def decode_frames(path: str, start: int, stride: int, length: int, pts: np.ndarray | None = None, *,
+                  key: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Frames ``start, start + stride, ...`` (``length`` of them) of ``path``'s first video stream
+    as RGB uint8 ``[F, H, W, C]``, and their timestamps in seconds.
+
+    ``pts``: the frames' timestamps in stream units (from ``readers.video``'s probe); without
+    them they are computed from the stream's average rate. Seeks to the keyframe at or before
+    the first frame and decodes forward, no further than the last. Raises DecodeError naming
+    ``key`` and ``path`` if the file cannot deliver them all.
+    """
+    from headrace.readers.video import import_av
+
+    av = import_av()
+    try:
+        with av.open(path) as container:
+            if not container.streams.video:
+                raise DecodeError("no video stream", key=key, source=path)
+            stream = container.streams.video[0]
+            wanted = _wanted_pts(stream, start, stride, length) if pts is None else [int(p) for p in pts]
+            frames = _collect(container, stream, wanted)
+            time_base = float(stream.time_base)
+    except DecodeError:
+        raise
+    except (av.error.FFmpegError, OSError, ValueError) as exc:
+        raise DecodeError(f"cannot decode video: {exc}", key=key, source=path) from exc
+    missing = [start + stride * k for k, frame in enumerate(frames) if frame is None]
+    if missing:
+        raise DecodeError(f"the file delivered {length - len(missing)} of the clip's {length} frames "
+                          f"(frames {missing[:4]}{' ...' if len(missing) > 4 else ''} missing: truncated or corrupt?)",
+                          key=key, source=path)
+    return np.stack(frames), np.asarray(wanted, np.float64) * time_base
+
+
+def _wanted_pts(stream: Any, start: int, stride: int, length: int) -> list[int]:
+    """Frame timestamps at the stream's average rate: constant frame rate's rule."""
+    rate, time_base = stream.average_rate, stream.time_base
+    if not rate or not time_base:
+        raise DecodeError("the stream has no frame rate; frames cannot be found without readers.video's pts")
+    origin = stream.start_time or 0
+    return [origin + round((start + stride * k) / (rate * time_base)) for k in range(length)]
+
+
+def _collect(container: Any, stream: Any, wanted: list[int]) -> list[np.ndarray | None]:
+    """The frames at ``wanted`` timestamps, decoding from the keyframe before the first; from the
+    stream's start again if the seek landed past it (a demuxer whose index is coarse)."""
+    slots = {stamp: k for k, stamp in enumerate(wanted)}
+    frames: list[np.ndarray | None] = [None] * len(wanted)
+    for target in (wanted[0], stream.start_time or 0):
+        container.seek(target, backward=True, any_frame=False, stream=stream)
+        first = None
+        for frame in container.decode(stream):
+            if frame.pts is None:
+                raise DecodeError("a decoded frame has no timestamp")
+            first = frame.pts if first is None else first
+            k = slots.get(frame.pts)
+            if k is not None and frames[k] is None:
+                frames[k] = frame.to_ndarray(format="rgb24")
+            if frame.pts >= wanted[-1]:
+                break
+        if first is None or first <= wanted[0]:  # decoded from the clip's start on: all the file has
+            return frames
+    return frames
+
+
+def _pair(name: str, value: int | Sequence[int] | None) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = (value, value)
+    if (not isinstance(value, Sequence) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+        raise ConfigError(f"DecodeClip: {name} must be None, a positive int or (h, w), got {value!r}")
+    return int(value[0]), int(value[1])
+
+
+def video_pipeline(size: int | Sequence[int] | None = None, *, layout: Layout = "FCHW", flip: float = 0.0,
+                   crop: int | Sequence[int] | None = None, label: str | None = "cls",
+                   stages: Sequence[Stage] = ()) -> Pipeline:
+    """The pipeline for ``readers.video``: ``DecodeClip`` then your ``stages``, batched as
+    ``video`` ``[B, F, C, H, W]`` uint8, ``label`` ``[B]``, ``start`` ``[B]``, ``timestamps``
+    ``[B, F]`` float64 and ``path`` (a list of str)."""
+    return Pipeline([DecodeClip(size, layout=layout, flip=flip, crop=crop), *stages], image=None, label=label,
+                    fields=("video", "start", "timestamps", "path"))
