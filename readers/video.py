@@ -65,8 +65,8 @@ class VideoInfo:
 def probe(path: str) -> VideoInfo:
     """Demux (no decode) the first video stream of ``path``: every frame's timestamp, the frame rate and size.
 
-    Raises ReadError naming the file if it cannot be opened, has no video stream, or has frames
-    without timestamps.
+    Raises ReadError naming the file if it cannot be opened, has no video stream, has frames
+    without timestamps, or holds fewer frames than its container lists (truncated).
     """
     av = import_av()
     try:
@@ -82,6 +82,9 @@ def probe(path: str) -> VideoInfo:
                 if stamp is None:
                     raise ReadError("a frame has no timestamp; cannot address frames in it", source=path)
                 stamps.append(stamp)
+            if stream.frames and len(stamps) < stream.frames:  # the container's index lists more than the file holds
+                raise ReadError(f"truncated: the container lists {stream.frames} frames, {len(stamps)} could be read",
+                                source=path)
             rate = stream.average_rate
             info = VideoInfo(np.unique(np.asarray(stamps, np.int64)), float(stream.time_base or 0),
                              float(rate) if rate else 0.0, stream.codec_context.width, stream.codec_context.height)
