@@ -5,7 +5,8 @@ Not a test: it prints a table of images/s and writes it as JSON to ``examples/re
 Both systems read the same JPEG files and produce the same batches: decode → random resized crop
 224 (scale 0.08–1, ratio 3/4–4/3, bilinear) → horizontal flip (p=0.5) → normalize with the
 ImageNet mean/std → float32 NCHW, plus int64 labels. torchvision cannot be installed here, so
-its transforms are re-implemented line for line with Pillow and torch (``TorchvisionStyle``).
+its transforms are re-implemented line for line with Pillow and torch (``TorchvisionStyle``,
+shared with ``headrace bench --dataloader``).
 The DataLoader uses one worker process per core, persistent workers, no pinned memory; headrace
 uses one thread per core, and decodes each JPEG's crop window only with nvImageCodec's CPU backend
 when it is installed (Pillow otherwise; the JSON says which). After a warm-up epoch each, timed epochs alternate between the two
@@ -26,7 +27,6 @@ import argparse
 import datetime
 import io
 import json
-import math
 import os
 import platform
 import re
@@ -45,59 +45,14 @@ from PIL import Image
 
 import headrace
 from headrace import datasets, ops, readers
+from headrace._bench_dataloader import TorchvisionStyle
 
-MEAN = (0.485, 0.456, 0.406)
-STD = (0.229, 0.224, 0.225)
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-# --- the baseline: torchvision's transforms, re-implemented faithfully ----------------------------
-
-
-class TorchvisionStyle:
-    """``Compose([RandomResizedCrop(size), RandomHorizontalFlip(), ToTensor(), Normalize(MEAN, STD)])``
-    on a PIL image, as torchvision 0.2x computes it (random numbers from torch's generator)."""
-
-    def __init__(self, size: int = 224, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)) -> None:
-        self.size, self.scale, self.ratio = size, scale, ratio
-        self.mean = torch.tensor(MEAN).view(-1, 1, 1)
-        self.std = torch.tensor(STD).view(-1, 1, 1)
-
-    def get_params(self, img: Image.Image) -> tuple[int, int, int, int]:
-        # torchvision.transforms.RandomResizedCrop.get_params, verbatim in substance.
-        width, height = img.size
-        area = height * width
-        log_ratio = torch.log(torch.tensor(self.ratio))
-        for _ in range(10):
-            target_area = area * torch.empty(1).uniform_(self.scale[0], self.scale[1]).item()
-            aspect_ratio = torch.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1])).item()
-            w = int(round(math.sqrt(target_area * aspect_ratio)))
-            h = int(round(math.sqrt(target_area / aspect_ratio)))
-            if 0 < w <= width and 0 < h <= height:
-                i = torch.randint(0, height - h + 1, size=(1,)).item()
-                j = torch.randint(0, width - w + 1, size=(1,)).item()
-                return i, j, h, w
-        in_ratio = float(width) / float(height)
-        if in_ratio < min(self.ratio):
-            w = width
-            h = int(round(w / min(self.ratio)))
-        elif in_ratio > max(self.ratio):
-            h = height
-            w = int(round(h * max(self.ratio)))
-        else:
-            w, h = width, height
-        return (height - h) // 2, (width - w) // 2, h, w
-
-    def __call__(self, img: Image.Image) -> torch.Tensor:
-        i, j, h, w = self.get_params(img)
-        # F.resized_crop on PIL: crop, then resize((W, H), BILINEAR) (Pillow antialiases itself).
-        img = img.crop((j, i, j + w, i + h)).resize((self.size, self.size), Image.Resampling.BILINEAR)
-        if torch.rand(1) < 0.5:  # RandomHorizontalFlip
-            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        # ToTensor: HWC uint8 → CHW float in [0, 1]; then Normalize (inplace=False: it clones).
-        t = torch.from_numpy(np.array(img, np.uint8, copy=True)).view(img.height, img.width, 3)
-        t = t.permute(2, 0, 1).contiguous().to(torch.float32).div(255)
-        return t.clone().sub_(self.mean).div_(self.std)
+# --- the baseline: ImageFolder + torchvision's transforms, re-implemented faithfully -----------------
+# TorchvisionStyle (RandomResizedCrop, flip, ToTensor, Normalize) lives in headrace, where ``headrace
+# bench --dataloader`` uses it too; it needs torch and Pillow only, never torchvision.
 
 
 class ImageFiles(torch.utils.data.Dataset):

@@ -1,11 +1,17 @@
 """``headrace bench PATH``: how fast this machine reads, decodes and transforms the user's own data.
 
-Three rows, each timed over ``epochs`` epochs of the same samples (``limit``: the first N), the
-best epoch reported (the first pays for thread start-up and a cold page cache):
+Three rows (four with ``dataloader=True``), each timed over ``epochs`` epochs of the same samples
+(``limit``: the first N), the best epoch reported (the first pays for thread or worker start-up and
+a cold page cache):
 
 - ``read``: the reader alone, its samples drained as they come (samples/s, MB/s of encoded bytes);
 - ``decode``: a ``Loader`` with ``Pipeline([Decode()])``: images of their own sizes;
-- ``pipeline``: a ``Loader`` with ``ops.training(size)`` or ``ops.validation(size)``.
+- ``pipeline``: a ``Loader`` with ``ops.training(size)`` or ``ops.validation(size, resize=size * 256 // 224)``;
+- ``dataloader`` (optional): torch's ``DataLoader`` over the same samples, Pillow decode and the same
+  transforms re-made as torchvision computes them, in ``threads`` (default: all cores) persistent
+  worker processes (``_bench_dataloader``). A local files tree is read by path each epoch, as
+  ``ImageFolder`` does; shards and LMDBs are read once, before the timing, into memory, so that row
+  leaves out the reading the others pay for, and the table says so.
 
 The loader rows' consumer only counts the batches, so their starved share (``EpochMetrics``) is
 the share of the epoch the pipeline was the limit, and their blocked share is small. Labels are
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -29,7 +36,7 @@ from ._sample import Sample
 
 __all__ = ["bench", "bench_path", "plot", "render"]
 
-ROWS = {"read": "reader alone", "decode": "decode only", "pipeline": "whole pipeline"}
+ROWS = {"read": "reader alone", "decode": "decode only", "pipeline": "whole pipeline", "dataloader": "torch DataLoader"}
 
 
 class _Bytes(Census):
@@ -59,13 +66,16 @@ class _Bytes(Census):
 
 def bench(path: str, *, format: str | None = None, limit: int | None = None, device: str = "cpu",
           pipeline: str = "training", size: int = 224, batch_size: int = 64, threads: int | None = None,
-          epochs: int = 2, log: Callable[[str], object] | None = None) -> dict[str, Any]:
-    """Time the three rows over the data set at ``path`` and return a JSON-ready report.
+          epochs: int = 2, dataloader: bool = False, log: Callable[[str], object] | None = None) -> dict[str, Any]:
+    """Time the rows over the data set at ``path`` and return a JSON-ready report.
 
-    ``report["rows"]``: ``read``, ``decode`` and ``pipeline``, each its best epoch's ``samples``,
-    ``bytes`` (encoded), ``seconds``, ``images_per_second``, ``mb_per_second`` (10^6 bytes),
-    ``ratio_to_pipeline``, ``starved_fraction`` and ``blocked_fraction`` (None for ``read``, which
-    has no loader), ``skipped``, and every epoch's numbers under ``epochs``. ``log`` gets a line
+    ``report["rows"]``: ``read``, ``decode``, ``pipeline`` and with ``dataloader`` a ``dataloader``
+    row, each its best epoch's ``samples``, ``bytes`` (encoded), ``seconds``, ``images_per_second``,
+    ``mb_per_second`` (10^6 bytes), ``ratio_to_pipeline``, ``ratio_to_dataloader`` (None without that
+    row), ``starved_fraction`` and ``blocked_fraction`` (None for ``read`` and ``dataloader``, which
+    have no headrace loader), ``skipped``, ``threads`` (the DataLoader's: worker processes), and
+    every epoch's numbers under ``epochs``; the DataLoader row also says ``reads`` (files opened by
+    path, or encoded samples held in memory). ``log`` gets a line
     per epoch as it ends. Raises ConfigError for bad arguments and what opening the reader or
     making a loader raises (``LoaderError``, ``ImportError`` for a missing extra); samples that
     fail are skipped and counted, never raised.
@@ -75,34 +85,55 @@ def bench(path: str, *, format: str | None = None, limit: int | None = None, dev
     if pipeline not in ("training", "validation"):
         raise ConfigError(f"bench: pipeline must be 'training' or 'validation', got {pipeline!r}")
     require_int("bench: epochs", epochs)
+    log = log or (lambda line: None)
     reader, kind = open_reader(path, format)
     loop = new_event_loop()
     try:
         rows = loop.run_until_complete(_rows(reader, kind, limit=limit, device=device, pipeline=pipeline, size=size,
-                                             batch_size=batch_size, threads=threads, epochs=epochs,
-                                             log=log or (lambda line: None)))
+                                             batch_size=batch_size, threads=threads, epochs=epochs, log=log))
+        samples = None
+        if dataloader:
+            from ._bench_dataloader import collect
+
+            samples = loop.run_until_complete(collect(reader, kind, limit))
     finally:
         loop.close()
-    top = rows[-1]["images_per_second"]
-    threads = rows[-1]["threads"]
+    if samples is not None:  # worker processes start once the event loop and its threads are gone
+        rows.append(_dataloader_row(samples, device=device, pipeline=pipeline, size=size, batch_size=batch_size,
+                                    workers=threads or os.cpu_count() or 1, epochs=epochs, log=log))
+    by_name = {row["name"]: row for row in rows}
     for row in rows:
-        row["ratio_to_pipeline"] = row["images_per_second"] / top if top > 0 else None
+        for other in ("pipeline", "dataloader"):
+            top = by_name[other]["images_per_second"] if other in by_name else 0.0
+            row[f"ratio_to_{other}"] = row["images_per_second"] / top if top > 0 else None
     return {"path": path, "format": kind, "device": device, "pipeline": pipeline, "size": size,
-            "batch_size": batch_size, "threads": threads, "epochs": epochs, "limit": limit,
+            "batch_size": batch_size, "threads": by_name["pipeline"]["threads"], "epochs": epochs, "limit": limit,
             "epoch_reported": "best", "rows": rows}
+
+
+def _validation_resize(size: int) -> int:
+    """The shorter side the validation pipeline resizes to before its centre crop: 256 for 224."""
+    return size * 256 // 224
 
 
 async def _rows(reader: Any, kind: str, limit: int | None, device: str, pipeline: str, size: int, batch_size: int,
                 threads: int | None, epochs: int, log: Callable[[str], object]) -> list[dict[str, Any]]:
     from headrace import ops
 
-    made = {"training": ops.training, "validation": ops.validation}[pipeline]
     rows = [await _read_row(reader, kind, limit, epochs, log)]
     for name, pipe, what in (("decode", ops.Pipeline([ops.Decode()], label=None), "Decode"),
-                             ("pipeline", made(size, label=None), f"{pipeline} {size}")):
+                             ("pipeline", _pipeline(pipeline, size), f"{pipeline} {size}")):
         rows.append(await _loader_row(name, what, reader, pipe, limit=limit, device=device,
                                       batch_size=batch_size, threads=threads, epochs=epochs, log=log))
     return rows
+
+
+def _pipeline(pipeline: str, size: int) -> Any:
+    from headrace import ops
+
+    if pipeline == "training":
+        return ops.training(size, label=None)
+    return ops.validation(size, resize=_validation_resize(size), label=None)
 
 
 async def _read_row(reader: Any, kind: str, limit: int | None, epochs: int, log: Callable[[str], object]) -> dict[str, Any]:
@@ -115,7 +146,7 @@ async def _read_row(reader: Any, kind: str, limit: int | None, epochs: int, log:
         async with contextlib.aclosing(tap.read(epoch)) as chunks:
             async for _ in chunks:
                 pass
-        runs.append(_run(epoch, counts, time.perf_counter() - start, None))
+        runs.append(_run(epoch, counts.samples, counts.bytes, time.perf_counter() - start, None))
         log(_line("read", runs[-1], epochs))
     return {**_best("read", kind, runs), "threads": None}
 
@@ -141,9 +172,27 @@ async def _loader_row(name: str, what: str, reader: Any, pipe: Any, *, limit: in
             sync()  # on the GPU a batch is queued work until its stream is done
             seconds = time.perf_counter() - start
             stats = loader.stats()
-            runs.append(_run(epoch, done, seconds, stats.epoch_metrics, skipped=stats.dropped - dropped))
+            runs.append(_run(epoch, done.samples, done.bytes, seconds, stats.epoch_metrics,
+                             skipped=stats.dropped - dropped))
             log(_line(name, runs[-1], epochs))
     return {**_best(name, what, runs), "threads": loader.num_threads}
+
+
+def _dataloader_row(samples: Any, *, device: str, pipeline: str, size: int, batch_size: int, workers: int,
+                    epochs: int, log: Callable[[str], object]) -> dict[str, Any]:
+    from ._bench_dataloader import epoch, make_loader
+
+    loader = make_loader(samples, pipeline=pipeline, size=size, resize=_validation_resize(size),
+                         batch_size=batch_size, workers=workers, pin_memory=device.startswith("cuda"))
+    runs = []
+    for n in range(epochs):
+        start = time.perf_counter()
+        done, moved, skipped = epoch(loader, samples, device)
+        runs.append(_run(n, done, moved, time.perf_counter() - start, None, skipped=skipped))
+        log(_line("dataloader", runs[-1], epochs))
+    del loader  # its persistent workers exit here, not at some later collection
+    what = f"{workers} workers, {'by path' if samples.by_path else 'from memory'}"
+    return {**_best("dataloader", what, runs), "threads": workers, "reads": samples.where}
 
 
 def _synchronize(device: str) -> Callable[[], None]:
@@ -154,12 +203,11 @@ def _synchronize(device: str) -> Callable[[], None]:
     return lambda: torch.cuda.synchronize(device)
 
 
-def _run(epoch: int, counts: _Bytes, seconds: float, metrics: Any, *, skipped: int = 0) -> dict[str, Any]:
+def _run(epoch: int, samples: int, nbytes: int, seconds: float, metrics: Any, *, skipped: int = 0) -> dict[str, Any]:
     """One epoch of a row: the samples (and their encoded bytes) that reached the end of the row."""
-    samples = counts.samples
-    return {"epoch": epoch, "samples": samples, "bytes": counts.bytes, "skipped": skipped, "seconds": seconds,
+    return {"epoch": epoch, "samples": samples, "bytes": nbytes, "skipped": skipped, "seconds": seconds,
             "images_per_second": samples / seconds if seconds > 0 else 0.0,
-            "mb_per_second": counts.bytes / 1e6 / seconds if seconds > 0 else 0.0,
+            "mb_per_second": nbytes / 1e6 / seconds if seconds > 0 else 0.0,
             "starved_fraction": None if metrics is None else min(metrics.starved_fraction, 1.0),
             "blocked_fraction": None if metrics is None else min(metrics.blocked_fraction, 1.0)}
 
@@ -176,21 +224,35 @@ def _line(name: str, run: dict[str, Any], epochs: int) -> str:
 
 
 def render(report: dict[str, Any]) -> str:
-    """The report as a text table: images/s, MB/s, ratio to the whole pipeline, starved and blocked."""
+    """The report as a text table: images/s, MB/s, ratio to the whole pipeline (and to the DataLoader
+    when it ran), starved and blocked."""
     rows = report["rows"]
+    dataloader = next((row for row in rows if row["name"] == "dataloader"), None)
+    ratios = ["pipeline"] + (["dataloader"] if dataloader else [])
+    width = max(34, *(len(row["what"]) for row in rows))
     lines = [f"headrace bench {report['path']} ({report['format']}): {report['device']}, {report['threads']} "
              f"thread(s), batch {report['batch_size']}; the best of {report['epochs']} epoch(s) per row",
-             f"{'row':<34} {'samples':>8} {'images/s':>10} {'MB/s':>8} {'vs pipeline':>12} {'starved':>8} {'blocked':>8}"]
+             f"{'row':<{width}} {'samples':>8} {'images/s':>10} {'MB/s':>8} {'vs pipeline':>12}"
+             + (f" {'vs DataLoader':>14}" if dataloader else "") + f" {'starved':>8} {'blocked':>8}"]
     for row in rows:
-        ratio = "-" if row["ratio_to_pipeline"] is None else f"{row['ratio_to_pipeline']:.2f}x"
-        lines.append(f"{row['what']:<34} {row['samples']:>8,} {row['images_per_second']:>10,.0f} "
-                     f"{row['mb_per_second']:>8,.1f} {ratio:>12} {_share(row['starved_fraction']):>8} "
+        shown = [_ratio(row[f"ratio_to_{other}"]).rjust(12 if other == "pipeline" else 14) for other in ratios]
+        lines.append(f"{row['what']:<{width}} {row['samples']:>8,} {row['images_per_second']:>10,.0f} "
+                     f"{row['mb_per_second']:>8,.1f} {' '.join(shown)} {_share(row['starved_fraction']):>8} "
                      f"{_share(row['blocked_fraction']):>8}")
     skipped = {row["name"]: row["skipped"] for row in rows if row["skipped"]}
     if skipped:
         lines.append("skipped (failed to read or decode): " + ", ".join(f"{k} {v:,}" for k, v in skipped.items()))
     lines.append("starved: the consumer waited for a batch; blocked: finished batches waited for the consumer")
+    if dataloader:
+        lines.append(f"torch DataLoader: Pillow decode and torchvision-style {report['pipeline']} transforms in "
+                     f"{dataloader['threads']} persistent worker process(es), {dataloader['reads']}"
+                     + ("" if dataloader["reads"].startswith("files") else " (read once before timing: this row "
+                        "does not pay for reading)"))
     return "\n".join(lines)
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
 
 
 def _share(value: float | None) -> str:
@@ -198,8 +260,8 @@ def _share(value: float | None) -> str:
 
 
 def plot(report: dict[str, Any], path: str) -> None:
-    """Write a PNG: images/s per row, and the loader rows' starved and blocked shares stacked.
-    Raises ImportError without matplotlib."""
+    """Write a PNG: images/s per row (each bar labelled with its ratio to the DataLoader row when that
+    ran), and the loader rows' starved and blocked shares stacked. Raises ImportError without matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")  # a file, never a window
@@ -208,7 +270,9 @@ def plot(report: dict[str, Any], path: str) -> None:
     rows = report["rows"]
     timed = [r for r in rows if r["starved_fraction"] is not None]
     fig, (speed, shares) = plt.subplots(1, 2, figsize=(11, 4))
-    speed.bar([r["name"] for r in rows], [r["images_per_second"] for r in rows], color="tab:blue")
+    bars = speed.bar([r["name"] for r in rows], [r["images_per_second"] for r in rows], color="tab:blue")
+    if any(r["name"] == "dataloader" for r in rows):
+        speed.bar_label(bars, labels=[f"{_ratio(r['ratio_to_dataloader'])} DataLoader" for r in rows], fontsize=8)
     speed.set_ylabel("images/s")
     speed.set_title(f"{report['device']}, batch {report['batch_size']} (best of {report['epochs']} epochs)")
     names = [r["name"] for r in timed]

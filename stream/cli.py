@@ -11,8 +11,9 @@ decodes each file first and refuses (``--verify=skip``: leaves out) those that d
 sizes, file or shard sizes); ``--verify`` decodes every image and lists the bad ones (``_inspect``).
 
 ``headrace bench PATH`` times, on any data set ``inspect`` takes, the reader alone, decode alone and
-the whole pipeline, and prints images/s with the consumer's starved and the pipeline's blocked
-shares; ``--json`` and ``--plot`` write them (``_bench``).
+the whole pipeline (``--dataloader``: and torch's DataLoader on the same samples), and prints images/s
+with the consumer's starved and the pipeline's blocked shares; ``--json`` and ``--plot`` write them
+(``_bench``).
 """
 
 from __future__ import annotations
@@ -87,8 +88,9 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="time the reader alone, decode alone and the whole pipeline on a data set",
                            description="Time, on this machine, three rows over PATH (anything headrace inspect "
                                        "takes): the reader alone, decode alone (Pipeline([Decode()])) and the whole "
-                                       "pipeline, each through its own epochs; the best epoch of each is reported. "
-                                       "Samples that fail to read or decode are skipped and counted.")
+                                       "pipeline, each through its own epochs; the best epoch of each is reported "
+                                       "(--dataloader adds torch's DataLoader on the same samples). Samples that "
+                                       "fail to read or decode are skipped and counted.")
     bench.add_argument("path", metavar="PATH", help="data set: folder, shards (folder, glob, brace pattern), LMDB or URL")
     bench.add_argument("--format", choices=("files", "webdataset", "lmdb"), default=None,
                        help="what PATH is (default: guessed from it)")
@@ -98,7 +100,13 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                        help="where decode and transforms run (default: %(default)s; cuda needs a GPU)")
     bench.add_argument("--batch-size", type=_positive, default=64, help="batch size (default: %(default)s)")
-    bench.add_argument("--threads", type=_positive, default=None, help="decode/transform threads (default: all cores)")
+    bench.add_argument("--threads", type=_positive, default=None,
+                       help="decode/transform threads, and --dataloader's worker processes (default: all cores)")
+    bench.add_argument("--dataloader", action="store_true",
+                       help="add a row: torch's DataLoader on the same samples, Pillow decode and the same transforms "
+                            "(torchvision's, re-made without it) in persistent worker processes; a local files tree "
+                            "is read by path, shards and LMDBs from memory (read once before timing); with --device "
+                            "cuda each batch is pinned and moved with .cuda(non_blocking=True)")
     bench.add_argument("--epochs", type=_positive, default=2,
                        help="epochs per row; the best is reported (default: %(default)s)")
     bench.add_argument("--limit", type=_positive, default=None, metavar="N", help="time the first N samples only")
@@ -241,7 +249,7 @@ def _bench(args: argparse.Namespace) -> int:
     try:
         return bench_path(args.path, json_path=args.json, plot_path=args.plot, format=args.format, limit=args.limit,
                           device=args.device, pipeline=args.pipeline, size=args.size, batch_size=args.batch_size,
-                          threads=args.threads, epochs=args.epochs)
+                          threads=args.threads, epochs=args.epochs, dataloader=args.dataloader)
     except (LoaderError, ImportError, OSError) as exc:
         print(f"headrace bench: error: {exc}", file=sys.stderr)
         return 1

@@ -29,8 +29,8 @@ def data(tmp_path_factory):
     return base
 
 
-def _check(report, samples, epochs=2):
-    assert [row["name"] for row in report["rows"]] == ROWS
+def _check(report, samples, epochs=2, dataloader=False):
+    assert [row["name"] for row in report["rows"]] == ROWS + ["dataloader"] * dataloader
     for row in report["rows"]:
         assert row["samples"] == samples, row["name"]
         assert [e["epoch"] for e in row["epochs"]] == list(range(epochs))
@@ -39,7 +39,7 @@ def _check(report, samples, epochs=2):
         assert all(isinstance(row[k], float) for k in NUMBERS), row
         assert row["bytes"] > 0 and row["images_per_second"] > 0
         assert isinstance(row["what"], str)
-    read, decode, pipeline = report["rows"]
+    read, decode, pipeline = report["rows"][:3]
     assert read["starved_fraction"] is None and read["blocked_fraction"] is None and read["threads"] is None
     for row in (decode, pipeline):
         assert 0.0 <= row["starved_fraction"] <= 1.0 and 0.0 <= row["blocked_fraction"] <= 1.0
@@ -47,6 +47,22 @@ def _check(report, samples, epochs=2):
     assert pipeline["ratio_to_pipeline"] == 1.0
     # Every row moves the same samples, so the same encoded bytes.
     assert read["bytes"] == decode["bytes"] == pipeline["bytes"]
+    if not dataloader:
+        assert all(row["ratio_to_dataloader"] is None for row in report["rows"])
+        return
+    torch_row = report["rows"][3]
+    assert torch_row["bytes"] == pipeline["bytes"] and torch_row["ratio_to_dataloader"] == 1.0
+    assert torch_row["starved_fraction"] is None and torch_row["blocked_fraction"] is None
+    for row in report["rows"]:
+        assert row["ratio_to_dataloader"] == pytest.approx(row["images_per_second"] / torch_row["images_per_second"])
+
+
+def _bench_cli(*args, timeout=120):
+    """``python -m headrace bench ...`` in its own process (the DataLoader row forks its workers)."""
+    proc = subprocess.run([sys.executable, "-m", "headrace", "bench", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr
+    return proc
 
 
 def test_folder_every_row_times_every_sample(data):
@@ -98,6 +114,44 @@ def test_cli_prints_the_table_and_writes_json(data, tmp_path):
                            "limit", "epoch_reported", "rows"}
     assert (report["device"], report["pipeline"], report["size"], report["limit"]) == ("cpu", "training", 48, 25)
     _check(report, 25)
+
+
+def test_cli_dataloader_row_reads_the_folder_by_path(data, tmp_path):
+    out = tmp_path / "bench.json"
+    proc = _bench_cli(data / "src", "--dataloader", "--batch-size", "8", "--threads", "2", "--size", "48",
+                      "--json", out)
+    report = json.loads(out.read_text())
+    _check(report, 30, dataloader=True)
+    torch_row = report["rows"][3]
+    assert (torch_row["name"], torch_row["threads"], torch_row["reads"]) == ("dataloader", 2, "files opened by path")
+    assert torch_row["what"] == "torch DataLoader (2 workers, by path)" and torch_row["skipped"] == 0
+    lines = proc.stdout.splitlines()
+    assert "vs DataLoader" in lines[1]
+    assert any(line.startswith("torch DataLoader (2 workers, by path)") and line.split()[6] == "30" for line in lines)
+    assert lines[-1] == ("torch DataLoader: Pillow decode and torchvision-style training transforms in 2 persistent "
+                         "worker process(es), files opened by path")
+    assert "dataloader epoch 2/2: 30 samples" in proc.stderr
+
+
+def test_cli_dataloader_row_on_shards_reads_from_memory(data, tmp_path):
+    out = tmp_path / "bench.json"
+    proc = _bench_cli(data / "wds", "--dataloader", "--pipeline", "validation", "--limit", "20", "--batch-size", "8",
+                      "--threads", "1", "--size", "32", "--epochs", "1", "--json", out)
+    report = json.loads(out.read_text())
+    _check(report, 20, epochs=1, dataloader=True)
+    assert report["rows"][3]["reads"] == "encoded samples held in memory"
+    assert "(read once before timing: this row does not pay for reading)" in proc.stdout
+
+
+def test_cli_dataloader_row_skips_what_does_not_decode(data, tmp_path):
+    out = tmp_path / "bench.json"
+    proc = _bench_cli(data / "bad", "--dataloader", "--batch-size", "4", "--threads", "1", "--epochs", "1",
+                      "--json", out)
+    rows = {row["name"]: row for row in json.loads(out.read_text())["rows"]}
+    assert (rows["pipeline"]["samples"], rows["pipeline"]["skipped"]) == (10, 1)
+    assert (rows["dataloader"]["samples"], rows["dataloader"]["skipped"]) == (10, 1)
+    assert rows["dataloader"]["bytes"] == rows["pipeline"]["bytes"]
+    assert "skipped (failed to read or decode): decode 1, pipeline 1, dataloader 1" in proc.stdout
 
 
 def test_cli_exit_codes(data, tmp_path, capsys):
