@@ -16,9 +16,8 @@ import numpy as np
 from headrace._errors import ConfigError, require_int
 from headrace._sample import Sample
 
-from headrace._threads import join_threads
+from headrace._threads import cancel_and_wait, join_threads
 
-from ._storage._tasks import cancel_and_wait
 
 __all__ = ["IndexedReader", "Reader", "consumed_prefix", "epoch_order", "number_samples"]
 

@@ -1,4 +1,5 @@
-"""Waiting for work running in threads or tasks, from the event loop, even when cancelled."""
+"""Waiting for work running in threads or tasks, from the event loop, even when cancelled: the one
+place the loader, the executors and the readers take their helpers for it."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import concurrent.futures
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["join_threads", "wait_all"]
+__all__ = ["cancel_and_wait", "join_threads", "wait_all"]
 
 
 async def wait_all(futures: Iterable[asyncio.Future[Any]]) -> None:
@@ -33,3 +34,20 @@ async def join_threads(futures: Iterable[concurrent.futures.Future[Any]]) -> Non
     Readers' and executors' cleanup uses it so that no thread outlives its owner.
     """
     await wait_all([asyncio.wrap_future(f) for f in futures if not f.done()])
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]]) -> None:
+    """Cancel ``tasks`` and wait until every one has finished, even if the caller is cancelled meanwhile.
+
+    A cancellation that arrives while waiting is re-raised once they are all done, so nothing the
+    owner started outlives it. Their results and errors are dropped (retrieved, so never logged).
+    """
+    tasks = list(tasks)
+    for task in tasks:
+        task.cancel()
+    try:
+        await wait_all(tasks)
+    finally:
+        for task in tasks:
+            if task.done() and not task.cancelled():
+                task.exception()

@@ -20,7 +20,7 @@ from headrace._errors import ReadError, StorageError
 
 from ._base import Body, Store, StoreFault
 from ._retry import Retry, backoff_or_raise
-from ._tasks import cancel_and_wait
+from headrace._threads import cancel_and_wait
 
 if TYPE_CHECKING:
     from ._resolve import Storage
