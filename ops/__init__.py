@@ -2,7 +2,7 @@
 (CpuExecutor) and on a GPU (CudaExecutor)."""
 
 from ._cpu import CpuExecutor, Processed
-from ._cuda import CudaExecutor, cuda_available
+from ._cuda import CudaExecutor, cuda_available, gpu_unsupported
 from ._pipeline import IMAGE_EXTENSIONS, Pipeline, training, validation
 from ._random import uniforms
 from ._stages import Map, MapBatch
@@ -46,6 +46,7 @@ __all__ = [
     "WarpAffine",
     "crop_mirror_normalize",
     "cuda_available",
+    "gpu_unsupported",
     "decode_frames",
     "training",
     "uniforms",

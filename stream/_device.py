@@ -20,8 +20,7 @@ def resolve_device(pipeline: Any, device: Any, *, local_rank: int | None = None)
     Raises ConfigError for an unknown device, a GPU that is not there, or a pipeline the GPU path
     cannot run when the GPU was asked for (now, not at the first batch).
     """
-    from headrace.ops import cuda_available
-    from headrace.ops._cuda import gpu_unsupported
+    from headrace.ops import cuda_available, gpu_unsupported
 
     why_not_gpu = gpu_unsupported(pipeline)
     if device == "auto":

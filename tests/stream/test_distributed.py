@@ -129,12 +129,11 @@ def test_detection_from_an_initialised_process_group(tmp_path):
 
 def test_device_follows_the_local_rank(monkeypatch):
     import headrace.ops
-    import headrace.ops._cuda
 
     pipe = ops.training(32)
     assert resolve_device(pipe, "cpu", local_rank=3) == "cpu"
     monkeypatch.setattr(headrace.ops, "cuda_available", lambda: True)
-    monkeypatch.setattr(headrace.ops._cuda, "gpu_unsupported", lambda pipeline: None)
+    monkeypatch.setattr(headrace.ops, "gpu_unsupported", lambda pipeline: None)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     assert resolve_device(pipe, "auto", local_rank=2) == "cuda:2"
     assert resolve_device(pipe, "cuda", local_rank=3) == "cuda:3"

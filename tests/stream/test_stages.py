@@ -209,7 +209,7 @@ def test_stages_stand_before_decode_or_after_the_last_op():
     with pytest.raises(ConfigError, match="concurrency"):
         ops.Map(lookup, concurrency=0)
     late = ops.Pipeline([ops.Decode(), ops.Resize(8), ops.MapBatch(lookup)])
-    assert "async def" in ops._cuda.gpu_unsupported(late)  # so device="auto" picks the CPU for it
+    assert "async def" in ops.gpu_unsupported(late)  # so device="auto" picks the CPU for it
 
 
 def test_a_stage_keeps_the_ops_random_numbers():
