@@ -76,7 +76,7 @@ class MapBatch(Stage):
     (``"image"``, ``"label"``, fields) and the result is the dict handed on.
 
     A plain function runs in a thread; an ``async def`` on the event loop (the CPU path only: the GPU
-    path refuses an async stage after decode, see ``_cuda.gpu_unsupported``). On the GPU path it runs
+    path refuses an async stage after decode, see ``gpu_unsupported``). On the GPU path it runs
     with a CUDA stream of its own as torch's current stream, ordered after the lane that made the
     batch by an event (no host synchronisation): the place for a GPU augmentation. An exception
     fails every sample of the batch with a ``TransformError`` naming the stage.
