@@ -2,15 +2,37 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ._pipeline import Pipeline
 
-__all__ = ["open_executor"]
+if TYPE_CHECKING:
+    from headrace._sample import SampleBatch
+
+    from ._cpu import Processed
+
+__all__ = ["Executor", "open_executor"]
+
+
+class Executor(Protocol):
+    """What the loader and the service ask of an executor (``CpuExecutor``, ``CudaExecutor``,
+    ``StagedExecutor``): it lives as long as its owner, across epochs.
+
+    ``run`` turns one batch of samples into tensors, per-sample failures in ``Processed.failures``
+    (several ``run`` calls may be awaited at once); ``drain`` cancels work not started and waits for
+    the rest (between epochs, after one was left early); ``aclose`` is final and frees threads,
+    decoders and device memory.
+    """
+
+    async def run(self, batch: SampleBatch) -> Processed: ...
+
+    async def drain(self) -> None: ...
+
+    async def aclose(self) -> None: ...
 
 
 def open_executor(pipeline: Pipeline, device: str, *, num_threads: int, seed: int, lanes: int = 2,
-                  hw_load: float | str = 0.65, name: str = "headrace-cpu", decoder_threads: int | None = None) -> Any:
+                  hw_load: float | str = 0.65, name: str = "headrace-cpu", decoder_threads: int | None = None) -> Executor:
     """An executor running ``pipeline`` on ``device`` (``"cpu"`` or ``"cuda[:N]"``).
 
     The CPU executor (``num_threads`` threads) or the GPU one (``lanes`` lanes) for the images;

@@ -6,7 +6,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 from collections.abc import Callable
 
 from ._batcher import LastBatch, batches_per_epoch
@@ -19,6 +19,9 @@ from ._markers import END
 from ._policy import DEFAULT_MAX_ERRORS, ErrorLog, ErrorRecord, check_on_error
 from ._run import EpochMetrics, RunConfig, _Run
 from ._sample import Batch
+
+if TYPE_CHECKING:
+    from headrace.ops._executors import Executor
 
 __all__ = ["Loader", "LoaderStats"]
 
@@ -207,7 +210,7 @@ class Loader:
         if run_ahead is not None and not isinstance(run_ahead, bool):
             raise ConfigError(f"run_ahead must be True, False or None, got {run_ahead!r}")
         self.run_ahead = device.startswith("cuda") if run_ahead is None else run_ahead
-        self._executor: Any = None
+        self._executor: Executor | None = None
         self.last_batch = LastBatch.parse(last_batch)
         self.seed = seed
         self.num_threads = num_threads

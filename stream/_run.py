@@ -22,7 +22,7 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._batcher import LastBatch, batch_samples
 from ._budget import ErrorBudget
@@ -31,6 +31,9 @@ from ._errors import LoaderError
 from ._policy import decide
 from ._sample import Batch, SampleBatch, samples_nbytes
 from ._threads import wait_all
+
+if TYPE_CHECKING:
+    from headrace.ops._executors import Executor
 
 __all__ = ["EpochMetrics", "RunConfig", "StageStats", "_Run"]
 
@@ -149,7 +152,7 @@ class RunConfig:
     on first use, kept until the loader closes)."""
 
     reader: Any
-    executor: Callable[[], Awaitable[Any]]
+    executor: Callable[[], Awaitable[Executor]]
     batch_size: int
     last_batch: LastBatch
     seed: int
@@ -284,7 +287,7 @@ class _Run:
             first_index=self.first_batch,
         )
 
-    async def _dispatch(self, tg: asyncio.TaskGroup, executor: Any) -> None:
+    async def _dispatch(self, tg: asyncio.TaskGroup, executor: Executor) -> None:
         # A slot is held from dispatch until the batch is handed to the output channel, so at most
         # ``prefetch`` batches are decoded-or-waiting at once: that bounds memory and is the
         # backpressure the batcher (and through it the reader) feels.
@@ -297,7 +300,7 @@ class _Run:
         finally:
             await self._order_tx.aclose()
 
-    async def _decode(self, executor: Any, batch: SampleBatch) -> Any:
+    async def _decode(self, executor: Executor, batch: SampleBatch) -> Any:
         # ``decode`` is busy while at least one batch is in the executor: overlapping batches'
         # seconds are not summed, so items / busy seconds is the stage's rate.
         if not self._decoding:

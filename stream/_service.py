@@ -15,7 +15,7 @@ import os
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Self
+from typing import TYPE_CHECKING, Any, Literal, Self
 
 from ._admission import Admission
 from ._device import resolve_device
@@ -30,6 +30,9 @@ from ._errors import (
 )
 from ._sample import Sample, SampleBatch, hand_off
 from ._threads import join_threads
+
+if TYPE_CHECKING:
+    from headrace.ops._executors import Executor
 
 __all__ = ["Preprocessor", "PreprocessorStats"]
 
@@ -165,7 +168,7 @@ class Preprocessor:
         self._slots = asyncio.Semaphore(self.batches_in_flight)
         self._numbers = 0
         self._stats = PreprocessorStats()
-        self._executor: Any = None
+        self._executor: Executor | None = None
         self._finisher: concurrent.futures.ThreadPoolExecutor | None = None
         self._finishing: set[concurrent.futures.Future[Any]] = set()
         self._runner: asyncio.Task[None] | None = None
