@@ -88,8 +88,8 @@ class StagedExecutor:
                 failures[alive[row]] = err
             kept = [alive[row] for row in processed.kept]
             data, ready = processed.data, processed.ready
-            if pipe.fields and kept:
-                columns = {name: collate([samples[i].fields[name] for i in kept]) for name in pipe.fields}
+            if pipe.fields and kept:  # batched in a thread: arrays may be large, the loop's time is not
+                columns = await self._call(lambda: {n: collate([samples[i].fields[n] for i in kept]) for n in pipe.fields})
                 if self._cuda:  # copied on the stage stream, after the lane: one event covers both
                     columns, ready = await self._call(self._on_side_stream, data, ready, lambda: _on_device(columns, self.device))
                 data.update(columns)
