@@ -8,8 +8,8 @@ import contextlib
 import copy
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
-from typing import Literal, Self
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Literal, Self, TypeVar
 
 import numpy as np
 
@@ -22,6 +22,7 @@ from headrace._threads import cancel_and_wait, join_threads
 __all__ = ["IndexedReader", "Reader", "consumed_prefix", "epoch_order", "number_samples"]
 
 Equal = Literal["pad", "drop"] | None
+_Job = TypeVar("_Job")  # a chunk's fetch in flight: a thread job or a task
 
 
 class Reader(ABC):
@@ -200,51 +201,59 @@ class IndexedReader(Reader):
             raise ConfigError(f"start must be in [0, {len(order)}], got {start}")
         loop = asyncio.get_running_loop()
         if self._fetch_on_loop:
-            async with self._io_session(), contextlib.aclosing(self._read_on_loop(order, start)) as chunks:
-                async for samples in chunks:
-                    yield samples
+            async def stop_tasks(pending: list[asyncio.Task[list[Sample]]]) -> None:
+                await cancel_and_wait(pending)
+
+            def start_task(indices: list[int], first: int) -> asyncio.Task[list[Sample]]:
+                return loop.create_task(self._fetch_async_numbered(indices, first),
+                                        name=f"headrace:{type(self).__name__}:fetch:{first}")
+
+            async with self._io_session():
+                async with contextlib.aclosing(self._in_order(order, start, start_task, lambda t: t, stop_tasks)) as chunks:
+                    async for samples in chunks:
+                        yield samples
             return
         self._open_io()
         pool = concurrent.futures.ThreadPoolExecutor(self.io_threads, thread_name_prefix=f"headrace-io-{type(self).__name__}")
-        pending: deque[tuple[int, concurrent.futures.Future[list[Sample]]]] = deque()
+
+        async def stop_threads(pending: list[concurrent.futures.Future[list[Sample]]]) -> None:
+            pool.shutdown(wait=False, cancel_futures=True)
+            # The I/O threads must be idle before we return (or close what they use), even if
+            # we are cancelled while waiting for them.
+            await join_threads(pending)
+            pool.shutdown(wait=True)
+
+        try:
+            chunks = self._in_order(order, start, lambda indices, first: pool.submit(self._fetch_numbered, indices, first),
+                                    lambda fut: asyncio.wrap_future(fut, loop=loop), stop_threads)
+            async with contextlib.aclosing(chunks):
+                async for samples in chunks:
+                    yield samples
+        finally:
+            self._close_io()
+
+    async def _in_order(self, order: np.ndarray, start: int, fetch: Callable[[list[int], int], _Job],
+                        result: Callable[[_Job], Awaitable[list[Sample]]],
+                        stop: Callable[[list[_Job]], Awaitable[None]]) -> AsyncIterator[list[Sample]]:
+        """The chunks of ``order`` from ``start``, in order, with one fetch per I/O thread in flight
+        plus the one being handed over. ``fetch(indices, first)`` starts a chunk's fetch (a thread
+        job or a task), ``result`` awaits it, and ``stop`` ends the fetches still pending when the
+        consumer leaves early, waiting for them."""
+        pending: deque[_Job] = deque()
         next_pos = start
         try:
             while next_pos < len(order) or pending:
-                # Keep one chunk per I/O thread in flight, plus the one being handed over.
                 while next_pos < len(order) and len(pending) <= self.io_threads:
                     end = min(next_pos + self.chunk_size, len(order))
-                    pending.append((next_pos, pool.submit(self._fetch_numbered, order[next_pos:end].tolist(), next_pos)))
+                    pending.append(fetch(order[next_pos:end].tolist(), next_pos))
                     next_pos = end
-                pos, fut = pending.popleft()
-                yield await asyncio.wrap_future(fut, loop=loop)
+                yield await result(pending.popleft())
         finally:
-            try:
-                pool.shutdown(wait=False, cancel_futures=True)
-                # The I/O threads must be idle before we return (or close what they use), even if
-                # we are cancelled while waiting for them.
-                await join_threads([f for _, f in pending])
-                pool.shutdown(wait=True)
-            finally:
-                self._close_io()
+            await stop(list(pending))
 
     def _fetch_numbered(self, indices: Sequence[int], first: int) -> list[Sample]:
         # In the I/O thread: numbering a chunk is per-sample Python the event loop need not do.
         return number_samples(self._fetch(indices), first)
 
-    async def _read_on_loop(self, order: np.ndarray, start: int) -> AsyncIterator[list[Sample]]:
-        """``read`` for ``_fetch_on_loop`` readers: the same chunks, fetched by tasks this generator owns."""
-        loop = asyncio.get_running_loop()
-        pending: deque[tuple[int, asyncio.Task[list[Sample]]]] = deque()
-        next_pos = start
-        try:
-            while next_pos < len(order) or pending:
-                while next_pos < len(order) and len(pending) <= self.io_threads:
-                    end = min(next_pos + self.chunk_size, len(order))
-                    task = loop.create_task(self._fetch_async(order[next_pos:end].tolist()),
-                                            name=f"headrace:{type(self).__name__}:fetch:{next_pos}")
-                    pending.append((next_pos, task))
-                    next_pos = end
-                pos, task = pending.popleft()
-                yield number_samples(await task, pos)
-        finally:
-            await cancel_and_wait(task for _, task in pending)
+    async def _fetch_async_numbered(self, indices: Sequence[int], first: int) -> list[Sample]:
+        return number_samples(await self._fetch_async(indices), first)
