@@ -7,6 +7,7 @@ by timestamp. One set of random numbers per clip (crop offsets, flip) applies to
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -35,7 +36,8 @@ class DecodeClip(Map):
     The sample's fields become ``video`` (the tensor), ``start`` (the first frame's index),
     ``timestamps`` (float64 ``[F]``, the frames' presentation times in seconds on the stream's
     clock), ``path`` (the file), and the fields the reader gave besides (``cls`` for the label);
-    ``clip`` and ``pts`` are consumed. Frames are found by the timestamps the reader's probe
+    ``clip`` and ``pts`` are consumed. A sample of tar shards carries the video's bytes in
+    ``video`` and its name (``"<shard>:<member>"``) in ``path``; it decodes the same. Frames are found by the timestamps the reader's probe
     recorded (``pts``); without them (fields built by hand) frame ``k`` is the one at
     ``start_time + k / average_rate``, which holds for constant frame rate only.
 
@@ -57,12 +59,15 @@ class DecodeClip(Map):
         super().__init__(self._decode_clip, name=name or "DecodeClip")
 
     def _decode_clip(self, fields: dict[str, Any], rng: np.random.Generator, key: str) -> dict[str, Any]:
-        path = fields.get("video")
+        video = fields.get("video")
         clip = fields.get("clip")
-        if not isinstance(path, str) or clip is None:
-            raise TransformError("DecodeClip needs a readers.video sample (a 'video' path and a 'clip')", key=key)
+        if not isinstance(video, (str, bytes)) or clip is None:
+            raise TransformError("DecodeClip needs a readers.video sample (a 'video' path or bytes and a 'clip')",
+                                 key=key)
+        # A tar member's bytes come with their name ("<shard>:<member>") in 'path'.
+        path = video if isinstance(video, str) else str(fields.get("path") or "<bytes>")
         start, stride, length = (int(v) for v in clip)
-        frames, stamps = decode_frames(path, start, stride, length, fields.get("pts"), key=key)
+        frames, stamps = decode_frames(video, start, stride, length, fields.get("pts"), key=key, source=path)
         out = {name: value for name, value in fields.items() if name not in ("clip", "pts")}
         out.update(video=self._augment(frames, rng, key, path), start=start, timestamps=stamps, path=path)
         return out
@@ -91,10 +96,11 @@ class DecodeClip(Map):
         return f"DecodeClip(size={self.size}, layout={self.layout!r}, flip={self.flip}, crop={self.crop})"
 
 
-def decode_frames(path: str, start: int, stride: int, length: int, pts: np.ndarray | None = None, *,
-                  key: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+def decode_frames(path: str | bytes, start: int, stride: int, length: int, pts: np.ndarray | None = None, *,
+                  key: str | None = None, source: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Frames ``start, start + stride, ...`` (``length`` of them) of ``path``'s first video stream
-    as RGB uint8 ``[F, H, W, C]``, and their timestamps in seconds.
+    as RGB uint8 ``[F, H, W, C]``, and their timestamps in seconds. ``path`` is a file or a
+    video's bytes; ``source`` names it in errors (default: the path).
 
     ``pts``: the frames' timestamps in stream units (from ``readers.video``'s probe); without
     them they are computed from the stream's average rate. Seeks to the keyframe at or before
@@ -104,10 +110,14 @@ def decode_frames(path: str, start: int, stride: int, length: int, pts: np.ndarr
     from headrace.readers.video import import_av
 
     av = import_av()
+    if isinstance(path, bytes):
+        path, source = io.BytesIO(path), source or "<bytes>"
+    else:
+        source = source or path
     try:
         with av.open(path) as container:
             if not container.streams.video:
-                raise DecodeError("no video stream", key=key, source=path)
+                raise DecodeError("no video stream", key=key, source=source)
             stream = container.streams.video[0]
             wanted = _wanted_pts(stream, start, stride, length) if pts is None else [int(p) for p in pts]
             frames = _collect(container, stream, wanted)
@@ -115,12 +125,12 @@ def decode_frames(path: str, start: int, stride: int, length: int, pts: np.ndarr
     except DecodeError:
         raise
     except (av.error.FFmpegError, OSError, ValueError) as exc:
-        raise DecodeError(f"cannot decode video: {exc}", key=key, source=path) from exc
+        raise DecodeError(f"cannot decode video: {exc}", key=key, source=source) from exc
     missing = [start + stride * k for k, frame in enumerate(frames) if frame is None]
     if missing:
         raise DecodeError(f"the file delivered {length - len(missing)} of the clip's {length} frames "
                           f"(frames {missing[:4]}{' ...' if len(missing) > 4 else ''} missing: truncated or corrupt?)",
-                          key=key, source=path)
+                          key=key, source=source)
     return np.stack(frames), np.asarray(wanted, np.float64) * time_base
 
 

@@ -1,4 +1,4 @@
-"""Clips of video files: a class-per-folder tree, or a list of paths with labels.
+"""Clips of videos: a class-per-folder tree, a list of paths with labels, or WebDataset tar shards.
 
 A sample is one clip, addressed by (video, start frame): ``sequence_length`` frames ``stride``
 frames apart, read from the video's start frame ``start``. The reader hands out where the clip is
@@ -17,7 +17,9 @@ import asyncio
 import concurrent.futures
 import contextlib
 import copy
+import io
 import os
+import tarfile
 import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -31,10 +33,13 @@ from headrace._sample import Sample
 from headrace._threads import join_threads
 
 from ._base import IndexedReader
+from ._shards import resolve_shards
+from ._tar import split_name, unsafe
 
-__all__ = ["VIDEO_EXTENSIONS", "VideoInfo", "VideoReader", "import_av", "probe", "video"]
+__all__ = ["VIDEO_EXTENSIONS", "TarMember", "VideoInfo", "VideoReader", "import_av", "probe", "video"]
 
 VIDEO_EXTENSIONS = ("mp4", "mkv", "avi", "mov", "webm")
+_SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")  # what readers.webdataset takes from a folder
 
 
 def import_av() -> Any:
@@ -62,17 +67,40 @@ class VideoInfo:
         return len(self.pts)
 
 
-def probe(path: str) -> VideoInfo:
-    """Demux (no decode) the first video stream of ``path``: every frame's timestamp, the frame rate and size.
+@dataclass(frozen=True)
+class TarMember:
+    """Where a video member of a tar shard lies: its data is ``size`` bytes at ``offset`` of ``shard``."""
+
+    shard: str
+    name: str  # the member's path in the archive
+    offset: int
+    size: int
+
+    def __str__(self) -> str:
+        return f"{self.shard}:{self.name}"
+
+    def read(self) -> bytes:
+        with open(self.shard, "rb") as f:
+            f.seek(self.offset)
+            data = f.read(self.size)
+        if len(data) < self.size:
+            raise ReadError(f"truncated tar: member {self.name!r} is cut off", source=self.shard)
+        return data
+
+
+def probe(path: str | bytes, source: str | None = None) -> VideoInfo:
+    """Demux (no decode) the first video stream of ``path`` (a file, or a video's bytes): every
+    frame's timestamp, the frame rate and size. ``source``: the name errors give (default: ``path``).
 
     Raises ReadError naming the file if it cannot be opened, has no video stream, has frames
     without timestamps, or holds fewer frames than its container lists (truncated).
     """
     av = import_av()
+    path, source = (io.BytesIO(path), source or "<bytes>") if isinstance(path, bytes) else (path, source or path)
     try:
         with av.open(path) as container:
             if not container.streams.video:
-                raise ReadError("no video stream", source=path)
+                raise ReadError("no video stream", source=source)
             stream = container.streams.video[0]
             stamps = []
             for packet in container.demux(stream):
@@ -80,20 +108,20 @@ def probe(path: str) -> VideoInfo:
                     continue
                 stamp = packet.pts if packet.pts is not None else packet.dts
                 if stamp is None:
-                    raise ReadError("a frame has no timestamp; cannot address frames in it", source=path)
+                    raise ReadError("a frame has no timestamp; cannot address frames in it", source=source)
                 stamps.append(stamp)
             if stream.frames and len(stamps) < stream.frames:  # the container's index lists more than the file holds
                 raise ReadError(f"truncated: the container lists {stream.frames} frames, {len(stamps)} could be read",
-                                source=path)
+                                source=source)
             rate = stream.average_rate
             info = VideoInfo(np.unique(np.asarray(stamps, np.int64)), float(stream.time_base or 0),
                              float(rate) if rate else 0.0, stream.codec_context.width, stream.codec_context.height)
     except ReadError:
         raise
     except (av.error.FFmpegError, OSError, ValueError) as exc:
-        raise ReadError(f"cannot read video: {exc}", source=path) from exc
+        raise ReadError(f"cannot read video: {exc}", source=source) from exc
     if info.frames == 0:
-        raise ReadError("the video stream has no frames", source=path)
+        raise ReadError("the video stream has no frames", source=source)
     return info
 
 
@@ -102,8 +130,8 @@ class VideoReader(IndexedReader):
 
     def __init__(
         self,
-        paths: Sequence[str | os.PathLike],
-        labels: Sequence[int],
+        paths: Sequence[str | os.PathLike | TarMember | ReadError],
+        labels: Sequence[int | None],
         *,
         root: Path | None,
         classes: Sequence[str],
@@ -122,15 +150,17 @@ class VideoReader(IndexedReader):
         self.span = (sequence_length - 1) * stride + 1  # frames from a clip's first to its last, inclusive
         self.step = require_int("video: step", step) if step is not None else self.span
         self.clips_per_video = require_int("video: clips_per_video", clips_per_video) if clips_per_video is not None else None
-        self.paths = [os.fspath(p) for p in paths]
-        self.labels = [int(v) for v in labels]
+        # A video is a file's path, a tar member, or the ReadError of a member its shard could not list.
+        self.paths = [p if isinstance(p, (TarMember, ReadError)) else os.fspath(p) for p in paths]
+        self.labels = [None if v is None else int(v) for v in labels]
         if len(self.labels) != len(self.paths):
             raise ConfigError(f"video: {len(self.paths)} paths but {len(self.labels)} labels")
         if not self.paths:
             raise ConfigError("video: no videos")
         self.root = root
         self.classes = tuple(classes)
-        self._keys = [_relative(p, root) for p in self.paths]
+        self.shards = sorted({p.shard for p in self.paths if isinstance(p, TarMember)})
+        self._keys = [_key(p, root) for p in self.paths]
         self._probed = _Probed()  # shared by this reader's shards: one probe for all
         self._epoch = 0
         self._draw_seed = 0
@@ -180,30 +210,46 @@ class VideoReader(IndexedReader):
         infos, offsets = self.probed()
         videos = np.searchsorted(offsets, indices, side="right") - 1
         out = []
+        data: dict[int, bytes | ReadError] = {}  # a tar member read once per chunk, whatever its clips here
         for i, v in zip(indices, videos.tolist()):
             info, path = infos[v], self.paths[v]
+            name = _source(path)
             if isinstance(info, ReadError):
-                out.append(Sample(f"{self._keys[v]}@0", {}, path, i, error=_keyed(info, f"{self._keys[v]}@0")))
+                out.append(Sample(f"{self._keys[v]}@0", {}, name, i, error=_keyed(info, f"{self._keys[v]}@0")))
                 continue
             first = self.clip_start(v, i - int(offsets[v]), info)
+            key = f"{self._keys[v]}@{first}"
+            if isinstance(path, TarMember) and v not in data:
+                try:
+                    data[v] = path.read()
+                except (ReadError, OSError) as exc:
+                    data[v] = ReadError(f"cannot read member {path.name!r}: {exc}", source=path.shard)
+            video = data[v] if isinstance(path, TarMember) else path
+            if isinstance(video, ReadError):
+                out.append(Sample(key, {}, name, i, error=_keyed(video, key)))
+                continue
             frames = info.pts[first : first + self.span : self.stride]
             fields = {
-                "video": path,
+                "video": video,
                 "clip": np.array([first, self.stride, self.sequence_length], np.int64),
                 "pts": frames,
                 "timestamps": frames * info.time_base,
-                "cls": self.labels[v],
             }
-            out.append(Sample(f"{self._keys[v]}@{first}", fields, path, i))
+            if isinstance(path, TarMember):
+                fields["path"] = name  # what DecodeClip names the bytes by: "<shard>:<member>"
+            if self.labels[v] is not None:
+                fields["cls"] = self.labels[v]
+            out.append(Sample(key, fields, name, i))
         return out
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "root": str(self.root) if self.root else None,
+        return {**super().state_dict(), "root": str(self.root) if self.root else None, "shards": len(self.shards),
                 "sequence_length": self.sequence_length, "stride": self.stride, "step": self.step,
                 "clips_per_video": self.clips_per_video}
 
     def __repr__(self) -> str:
-        where = f"root={str(self.root)!r}" if self.root else f"{len(self.paths)} videos"
+        where = (f"root={str(self.root)!r}" if self.root else
+                 f"{len(self.shards)} shards, {len(self.paths)} videos" if self.shards else f"{len(self.paths)} videos")
         return (f"VideoReader({where}, sequence_length={self.sequence_length}, stride={self.stride}, "
                 f"step={self.step}, clips_per_video={self.clips_per_video}, shuffle={self.shuffle}, "
                 f"rank={self.rank}/{self.world})")
@@ -231,8 +277,15 @@ class _Probed:
             return self._value
 
 
-def _probe_or_error(path: str) -> VideoInfo | ReadError:
+def _probe_or_error(path: str | TarMember | ReadError) -> VideoInfo | ReadError:
+    if isinstance(path, ReadError):  # its shard could not list it
+        return path
     try:
+        if isinstance(path, TarMember):
+            try:
+                return probe(path.read(), source=str(path))
+            except ReadError as exc:  # the shard is the source; the message names the member
+                raise ReadError(f"member {path.name!r}: {exc.message}", source=path.shard) from exc.__cause__
         return probe(path)
     except ReadError as exc:
         return exc
@@ -256,13 +309,94 @@ async def _in_thread(fn: Any) -> Any:
         await join_threads([job])
 
 
-def _relative(path: str, root: Path | None) -> str:
+def _key(path: str | TarMember | ReadError, root: Path | None) -> str:
+    """A video's part of its clips' keys: the member's WebDataset key, or the file's path (relative to the folder)."""
+    if isinstance(path, ReadError):
+        return path.key or ""
+    if isinstance(path, TarMember):
+        return (split_name(path.name) or (path.name, ""))[0]
     rel = os.path.relpath(path, root) if root is not None else path
     return rel.replace(os.sep, "/")
 
 
+def _source(path: str | TarMember | ReadError) -> str:
+    return path.source or "" if isinstance(path, ReadError) else str(path)
+
+
+def list_shard(shard: str, extensions: set[str]) -> tuple[list[TarMember | ReadError], list[int | None]]:
+    """The video members of a local, uncompressed tar shard (their offsets, from the headers: data
+    is seeked over) and each one's label, read from the ``<key>.cls`` member (ASCII digits) if
+    there is one. A shard cut off or corrupt at some member lists the videos before it and then one
+    ReadError naming the shard and that member (the videos after it cannot be found).
+    """
+    with open(shard, "rb") as f:
+        if f.read(2) == b"\x1f\x8b":
+            raise ConfigError(f"video: {shard!r} is gzip-compressed; video shards must be plain .tar "
+                              "(members are read by offset, and mp4 does not compress further)")
+        size = os.fstat(f.fileno()).st_size
+    members: dict[str, TarMember] = {}
+    labels: dict[str, int | ReadError] = {}
+    failed: ReadError | None = None
+    last = None
+    try:
+        with tarfile.open(shard, "r:") as tar:
+            for info in tar:
+                last = info.name
+                if info.offset_data + info.size > size:
+                    raise ReadError(f"truncated tar: member {info.name!r} is cut off", key=_key_of(info.name),
+                                    source=shard)
+                split = split_name(info.name) if info.isfile() else None
+                if split is None or unsafe(info.name):
+                    continue
+                key, ext = split
+                if ext in extensions and key not in members:
+                    members[key] = TarMember(shard, info.name, info.offset_data, info.size)
+                elif ext == "cls":
+                    labels[key] = _label(tar.extractfile(info).read(), info.name, key, shard)  # type: ignore[union-attr]
+            # tarfile stops quietly at a bad header past the first: what follows the last member must be zeros
+            f = tar.fileobj
+            f.seek(tar.offset)  # type: ignore[union-attr]
+            while block := f.read(1 << 16):  # type: ignore[union-attr]
+                if block.strip(b"\0"):
+                    after = f"after member {last!r}" if last else "at its start"
+                    raise ReadError(f"corrupt or truncated tar {after} (byte {tar.offset}): a header cannot be read",
+                                    key=_key_of(last) if last else None, source=shard)
+            if size % 512:
+                raise ReadError(f"truncated tar: it ends mid-block after member {last!r}",
+                                key=_key_of(last) if last else None, source=shard)
+    except tarfile.TarError as exc:
+        failed = ReadError(f"corrupt tar after member {last!r}: {exc}", key=_key_of(last) if last else None,
+                           source=shard)
+    except ReadError as exc:
+        failed = exc
+    entries: list[TarMember | ReadError] = list(members.values())
+    out_labels: list[int | None] = []
+    for key, member in members.items():
+        label = labels.get(key)
+        if isinstance(label, ReadError):
+            entries[entries.index(member)] = label
+        out_labels.append(label if not isinstance(label, ReadError) else None)
+    if failed is not None:
+        if failed.key is None or failed.key in members:  # a key of its own, so it does not share a listed video's
+            failed = ReadError(failed.message, key=f"{failed.key or os.path.basename(shard)}#error", source=shard)
+        entries.append(failed)
+        out_labels.append(None)
+    return entries, out_labels
+
+
+def _key_of(name: str) -> str:
+    return (split_name(name) or (name, ""))[0]
+
+
+def _label(data: bytes, name: str, key: str, shard: str) -> int | ReadError:
+    text = data.strip()
+    if not text.isdigit() or not text.isascii():
+        return ReadError(f"member {name!r} is not a label (ASCII digits): {data[:20]!r}", key=key, source=shard)
+    return int(text)
+
+
 def video(
-    source: str | os.PathLike | Sequence[tuple[str | os.PathLike, int]],
+    source: str | os.PathLike | Sequence[tuple[str | os.PathLike, int]] | Sequence[str | os.PathLike],
     *,
     sequence_length: int,
     stride: int = 1,
@@ -277,7 +411,21 @@ def video(
     """A reader of clips from video files; decode them with ``headrace.ops.DecodeClip`` (needs PyAV).
 
     ``source`` is a folder whose sub-folders are classes (label = the sub-folder's index in sorted
-    order, videos found recursively below it by ``extensions``), or a list of ``(path, label)``.
+    order, videos found recursively below it by ``extensions``), a list of ``(path, label)``, or
+    WebDataset tar shards as ``readers.webdataset`` takes local ones: a folder holding ``*.tar``
+    files, a glob or brace pattern, a shard's path, or a list of shard paths (plain strings).
+
+    In shards, a sample ``<key>.mp4`` (any of ``extensions``) is a video; its label is the
+    ``<key>.cls`` member's ASCII digits, or none (the sample has no ``cls`` field: use
+    ``Pipeline(label=None)``). Each shard's headers are listed once (data seeked over), each
+    video member read and probed once. A clip's sample carries its member's bytes in ``video``
+    (read in the reader's I/O threads, by the offset the listing found) and ``path``
+    (``"<shard>:<member>"``); ``DecodeClip`` decodes the bytes as it does a file. Bytes rather
+    than a (shard, offset, size) reference read at decode time, because it is the simpler
+    correct design: the I/O stays in the reader's threads with its read-ahead and cancellation,
+    the decode stage stays a function of the sample alone (no file handles in the decode
+    threads), and a chunk holds at most ``chunk_size`` members' bytes (mp4 members of a few MB).
+    Shards must be uncompressed (gzip is a ConfigError: members are read by offset).
 
     Clips, as DALI's video reader has them: a clip is ``sequence_length`` frames, ``stride`` frames
     apart (so it spans ``(sequence_length - 1) * stride + 1`` frames); clips start every ``step``
@@ -289,14 +437,17 @@ def video(
     is its rank in presentation order (see the module docstring), exact for variable frame rate.
 
     Each sample's key is ``"<path relative to the folder>@<start frame>"`` (the path as given for
-    a list), its source the file's path, and its fields ``video`` (the path, a str), ``clip``
+    a list; the member's WebDataset key for shards), its source the file's path (for shards
+    ``"<shard>:<member>"``), and its fields ``video`` (the path, a str), ``clip``
     (``int64 [start, stride, sequence_length]``), ``pts`` and ``timestamps`` (the clip's frames'
     timestamps in stream units and in seconds) and ``cls`` (the label, an int).
 
     Every video is probed once (demuxed, not decoded: frame count, timestamps, rate, size), in
     ``io_threads`` threads, when the first epoch starts or ``len()`` is first asked. A video that
     cannot be probed is one sample in the stream carrying a ``ReadError`` naming the file, under
-    the loader's ``on_error``. Shuffle, shard, resume (also on another world size) are the files
+    the loader's ``on_error``; so is a shard cut off or corrupt at some member (a ``ReadError``
+    naming the shard and that member, after the videos listed before it) and a ``.cls`` member
+    that is not digits (in place of its video). Shuffle, shard, resume (also on another world size) are the files
     reader's: a seeded permutation of all clips each epoch, every ``world``-th clip of it per rank,
     ``read(epoch, start=k)`` continuing at stream position ``k``.
 
@@ -308,6 +459,16 @@ def video(
                                   clips_per_video=clips_per_video, shuffle=shuffle, seed=seed,
                                   chunk_size=chunk_size, io_threads=io_threads)
     exts = {e.lower().lstrip(".") for e in extensions}
+    if _is_shards(source):
+        entries: list[TarMember | ReadError] = []
+        labels: list[int | None] = []
+        for shard in resolve_shards(source):  # type: ignore[arg-type]
+            found, found_labels = list_shard(shard, exts)
+            entries += found
+            labels += found_labels
+        if not entries:
+            raise ReadError(f"no video members ({', '.join(sorted(exts))}) in the shards", source=str(source))
+        return VideoReader(entries, labels, root=None, classes=(), **common)
     if isinstance(source, (str, os.PathLike)):
         root = Path(source)
         if not root.is_dir():
@@ -326,4 +487,16 @@ def video(
         if not all(isinstance(item, tuple) and len(item) == 2 for item in source):
             raise ConfigError("video: a list source must hold (path, label) tuples")
         return VideoReader([p for p, _ in source], [c for _, c in source], root=None, classes=(), **common)
-    raise ConfigError(f"video: source must be a folder or a list of (path, label), got {type(source).__name__}")
+    raise ConfigError(f"video: source must be a folder, a list of (path, label) or tar shards, got {type(source).__name__}")
+
+
+def _is_shards(source: Any) -> bool:
+    """Tar shards rather than videos: a folder with ``*.tar`` files in it, a pattern or a shard's
+    path, or a list of plain paths (a list of videos holds ``(path, label)`` tuples)."""
+    if isinstance(source, (str, os.PathLike)):
+        text = os.fspath(source)
+        if os.path.isdir(text):
+            return any(n.endswith(_SHARD_SUFFIXES) for n in os.listdir(text))
+        return any(ch in text for ch in "*?[{") or text.endswith(_SHARD_SUFFIXES)
+    return (isinstance(source, Sequence) and not isinstance(source, (bytes, bytearray)) and len(source) > 0
+            and all(isinstance(item, (str, os.PathLike)) and _is_shards(item) for item in source))

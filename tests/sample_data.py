@@ -47,3 +47,45 @@ def make_folder(root: Path, classes: int, per_class: int, seed: int = 0) -> Path
             h, w = int(rng.integers(40, 120)), int(rng.integers(40, 120))
             (d / f"{i:04d}.jpg").write_bytes(jpeg_bytes(rng, h, w))
     return root
+
+
+def make_video(path, frames, *, codec="libx264", width=64, height=48, gop=8, rate=25, pts=None, faststart=False):
+    """A video whose frame i has its top half's left side grey 8 + 16 * (i // 16) and right side
+    8 + 16 * (i % 16) (``frame_index`` reads them back), and a fixed texture in its bottom half (so
+    a crop's position can be found). ``pts``: each frame's timestamp in 1/1000 s (variable rate)."""
+    from fractions import Fraction
+
+    import av  # video is an optional extra: only the video tests need it
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    texture = np.random.default_rng(0).integers(0, 256, (height // 2 // 4, width // 4, 3), dtype=np.uint8)
+    texture = texture.repeat(4, 0).repeat(4, 1)
+    options = {"movflags": "faststart"} if faststart else {}
+    with av.open(str(path), "w", options=options) as container:
+        stream = container.add_stream(codec, rate=rate)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.codec_context.gop_size = gop
+        if pts is not None:
+            stream.time_base = stream.codec_context.time_base = Fraction(1, 1000)
+        for i in range(frames):
+            image = np.empty((height, width, 3), np.uint8)
+            image[: height // 2, : width // 2] = 8 + 16 * (i // 16)
+            image[: height // 2, width // 2 :] = 8 + 16 * (i % 16)
+            image[height // 2 :] = texture
+            frame = av.VideoFrame.from_ndarray(image, format="rgb24")
+            if pts is not None:
+                frame.pts = pts[i]
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    return path
+
+
+def frame_index(frame: np.ndarray) -> int:
+    """The index ``make_video`` wrote into an ``[H, W, C]`` (or ``[C, H, W]``) frame's top half."""
+    if frame.shape[0] == 3:
+        frame = frame.transpose(1, 2, 0)
+    h, w = frame.shape[:2]
+    top = np.asarray(frame[2 : h // 2 - 2], np.float64)
+    hi, lo = top[:, 2 : w // 2 - 3].mean(), top[:, w // 2 + 3 : w - 2].mean()
+    return int(round((hi - 8) / 16)) * 16 + int(round((lo - 8) / 16))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,8 +10,7 @@ import torch
 
 av = pytest.importorskip("av")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "readers"))
-from test_video import frame_index, make_video  # noqa: E402  (the videos the reader tests make)
+from sample_data import frame_index, make_video  # noqa: E402
 
 from headrace import ConfigError, Loader, ops, readers  # noqa: E402
 from headrace.readers.video import probe  # noqa: E402

@@ -6,7 +6,6 @@ codec's error. The decode itself is tested in tests/ops/test_video_decode.py.
 
 from __future__ import annotations
 
-from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -15,47 +14,11 @@ import torch
 
 av = pytest.importorskip("av")
 
+from sample_data import frame_index, make_video, tar_bytes  # noqa: E402
+
 from headrace import ConfigError, DecodeError, Loader, ReadError, ops, readers  # noqa: E402
 
 FRAMES = {"a/v0.mp4": 40, "a/v1.mp4": 43, "b/v0.mp4": 33, "b/short.mp4": 5}
-
-
-def make_video(path, frames, *, codec="libx264", width=64, height=48, gop=8, rate=25, pts=None, faststart=False):
-    """A video whose frame i has its top half's left side grey 8 + 16 * (i // 16) and right side
-    8 + 16 * (i % 16) (``frame_index`` reads them back), and a fixed texture in its bottom half (so
-    a crop's position can be found). ``pts``: each frame's timestamp in 1/1000 s (variable rate)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    texture = np.random.default_rng(0).integers(0, 256, (height // 2 // 4, width // 4, 3), dtype=np.uint8)
-    texture = texture.repeat(4, 0).repeat(4, 1)
-    options = {"movflags": "faststart"} if faststart else {}
-    with av.open(str(path), "w", options=options) as container:
-        stream = container.add_stream(codec, rate=rate)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        stream.codec_context.gop_size = gop
-        if pts is not None:
-            stream.time_base = stream.codec_context.time_base = Fraction(1, 1000)
-        for i in range(frames):
-            image = np.empty((height, width, 3), np.uint8)
-            image[: height // 2, : width // 2] = 8 + 16 * (i // 16)
-            image[: height // 2, width // 2 :] = 8 + 16 * (i % 16)
-            image[height // 2 :] = texture
-            frame = av.VideoFrame.from_ndarray(image, format="rgb24")
-            if pts is not None:
-                frame.pts = pts[i]
-            container.mux(stream.encode(frame))
-        container.mux(stream.encode())
-    return path
-
-
-def frame_index(frame: np.ndarray) -> int:
-    """The index ``make_video`` wrote into an ``[H, W, C]`` (or ``[C, H, W]``) frame's top half."""
-    if frame.shape[0] == 3:
-        frame = frame.transpose(1, 2, 0)
-    h, w = frame.shape[:2]
-    top = np.asarray(frame[2 : h // 2 - 2], np.float64)
-    hi, lo = top[:, 2 : w // 2 - 3].mean(), top[:, w // 2 + 3 : w - 2].mean()
-    return int(round((hi - 8) / 16)) * 16 + int(round((lo - 8) / 16))
 
 
 @pytest.fixture(scope="module")
@@ -214,3 +177,171 @@ def test_wrong_arguments_are_config_errors(video_tree, tmp_path):
         readers.video([video_tree / "a/v0.mp4"], sequence_length=4)
     with pytest.raises(ReadError):
         readers.video(tmp_path, sequence_length=4)  # no class folders with videos
+
+
+# -- WebDataset tar shards of video members ------------------------------------------------------------------
+
+SHARDED = {"s0": [("000", 40, 1), ("001", 26, None)], "s1": [("002", 33, 0), ("003", 5, 2)]}  # key, frames, label
+
+
+@pytest.fixture(scope="module")
+def shard_dir(tmp_path_factory) -> Path:
+    """Two tar shards of ``<key>.mp4`` (+ ``<key>.cls`` but for one), and the same videos as files."""
+    root = tmp_path_factory.mktemp("shards")
+    for shard, items in SHARDED.items():
+        members = []
+        for key, frames, label in items:
+            members.append((f"{key}.mp4", make_video(root / "files" / f"{key}.mp4", frames).read_bytes()))
+            if label is not None:
+                members.append((f"{key}.cls", str(label).encode()))
+        (root / "tars").mkdir(exist_ok=True)
+        (root / "tars" / f"{shard}.tar").write_bytes(tar_bytes(members))
+    return root
+
+
+def _shard_of(key):
+    return next(shard for shard, items in SHARDED.items() if any(k == key for k, _, _ in items))
+
+
+@pytest.mark.parametrize("form", ["folder", "glob", "list"])
+async def test_tar_shards_give_clips_with_the_members_bytes_and_cls_labels(shard_dir, form):
+    tars = shard_dir / "tars"
+    source = {"folder": tars, "glob": str(tars / "s*.tar"), "list": [str(tars / "s0.tar"), tars / "s1.tar"]}[form]
+    reader = readers.video(source, sequence_length=4, stride=2, step=5)
+    samples = await read_all(reader)
+    frames = {key: n for items in SHARDED.values() for key, n, _ in items}
+    assert [s.key for s in samples] == expected_keys(7, 5, frames) and len(reader) == len(samples)
+    labels = {key: label for items in SHARDED.values() for key, _, label in items}
+    for s in samples:
+        key = s.key.split("@")[0]
+        name = f"{tars / _shard_of(key)}.tar:{key}.mp4"
+        assert s.source == s.fields["path"] == name
+        assert s.fields["video"] == (shard_dir / "files" / f"{key}.mp4").read_bytes()
+        assert s.fields.get("cls") == labels[key]  # no .cls member: no cls field
+    assert "2 shards" in repr(reader)
+
+
+async def test_clips_from_shards_decode_to_the_pixels_of_the_same_files(shard_dir, leaks):
+    pipeline = ops.video_pipeline(size=(24, 32), crop=(16, 16), flip=0.5, label=None)
+    from_tars = _loader(readers.video(shard_dir / "tars", sequence_length=4, stride=3), pipeline=pipeline)
+    files = [(shard_dir / "files" / f"{key}.mp4", 0) for items in SHARDED.values() for key, _, _ in items]
+    from_files = _loader(readers.video(files, sequence_length=4, stride=3), pipeline=pipeline)
+    got, expected = [b async for b in from_tars], [b async for b in from_files]
+    await from_tars.aclose()
+    await from_files.aclose()
+    assert [b.sample_keys for b in got] == [[k.split("/")[-1].replace(".mp4", "") for k in b.sample_keys]
+                                            for b in expected]
+    for x, y in zip(got, expected, strict=True):
+        assert torch.equal(x["video"], y["video"]) and torch.equal(x["start"], y["start"])
+        assert all(p.endswith(f":{k.split('@')[0]}.mp4") for p, k in zip(x["path"], x.sample_keys))
+    frames = readers.video(shard_dir / "tars", sequence_length=1)
+    one = await read_all(frames)
+    decoded = ops.decode_frames(one[3].fields["video"], 3, 1, 1, key=one[3].key, source=one[3].source)[0]
+    assert frame_index(decoded[0]) == 3
+    await leaks.check()
+
+
+async def test_tar_shards_shuffle_shard_and_resume_exactly(shard_dir, leaks):
+    def reader():
+        return readers.video(shard_dir / "tars", sequence_length=4, stride=2, step=3, shuffle=True, seed=4)
+
+    everything = [s.key for s in await read_all(reader(), epoch=1)]
+    parts = [[s.key for s in await read_all(reader().shard(r, 2), epoch=1)] for r in range(2)]
+    assert sorted(everything) == sorted(parts[0] + parts[1]) and not set(parts[0]) & set(parts[1])
+    pipeline = ops.video_pipeline(crop=(16, 16), flip=0.5, label=None)
+    full = _loader(reader(), pipeline=pipeline)
+    expected = [b async for b in full]
+    await full.aclose()
+    first = _loader(reader(), pipeline=pipeline)
+    async for batch in first:
+        if batch.index == 2:
+            break
+    state = first.state_dict()
+    await first.aclose()
+    second = _loader(reader(), pipeline=pipeline)
+    second.load_state_dict(state)
+    rest = [b async for b in second]
+    await second.aclose()
+    assert len(rest) == len(expected) - 3 > 0
+    for x, y in zip(expected[3:], rest, strict=True):
+        assert x.sample_keys == y.sample_keys and torch.equal(x["video"], y["video"])
+    await leaks.check()
+
+
+@pytest.fixture
+def broken_shards(shard_dir, tmp_path) -> Path:
+    """s0: a good video, a member that is not a video, a bad label; s1: cut off inside its second video."""
+    files = shard_dir / "files"
+    good, other = (files / "000.mp4").read_bytes(), (files / "002.mp4").read_bytes()
+    (tmp_path / "s0.tar").write_bytes(tar_bytes([("a.mp4", good), ("a.cls", b"3"), ("b.mp4", b"not a video\n"),
+                                                  ("c.mp4", good), ("c.cls", b"cat")]))
+    whole = tar_bytes([("d.mp4", other), ("e.mp4", good), ("f.mp4", other)])
+    (tmp_path / "s1.tar").write_bytes(whole[: 512 + len(other) + 512 + len(good) // 2])
+    return tmp_path
+
+
+async def test_truncated_shards_and_corrupt_members_are_errors_naming_shard_and_member(broken_shards):
+    reader = readers.video(broken_shards, sequence_length=8, step=16)
+    samples = await read_all(reader)
+    assert [s.key for s in samples] == ["a@0", "a@16", "a@32", "b@0", "c@0", "d@0", "d@16", "e@0"]
+    assert [s.error is None for s in samples] == [True, True, True, False, False, True, True, False]
+    s0, s1 = str(broken_shards / "s0.tar"), str(broken_shards / "s1.tar")
+    for bad, shard, member, words in ((samples[3], s0, "b.mp4", "cannot read video"),
+                                      (samples[4], s0, "c.cls", "not a label"), (samples[7], s1, "e.mp4", "truncated tar")):
+        assert isinstance(bad.error, ReadError) and bad.error.key == bad.key and bad.error.source == shard
+        assert repr(member) in str(bad.error) and words in str(bad.error)
+    assert samples[0].fields["cls"] == 3 and "cls" not in samples[4].fields
+
+
+async def test_broken_shards_raise_or_are_skipped_and_counted(broken_shards, leaks):
+    pipeline = ops.video_pipeline(label=None)
+    strict = _loader(readers.video(broken_shards, sequence_length=8, step=16), pipeline=pipeline)
+    with pytest.raises(ReadError) as info:
+        [b async for b in strict]
+    assert info.value.source == str(broken_shards / "s0.tar") and "'b.mp4'" in str(info.value)
+    await strict.aclose()
+    skip = _loader(readers.video(broken_shards, sequence_length=8, step=16), pipeline=pipeline,
+                   on_error="skip", max_errors=3)
+    batches = [b async for b in skip]
+    assert [k for b in batches for k in b.sample_keys] == ["a@0", "a@16", "a@32", "d@0", "d@16"]
+    assert all(b["video"].shape[1:] == (8, 3, 48, 64) for b in batches)
+    assert skip.stats().errors == {"ReadError": 3} and skip.stats().dropped == 3
+    await skip.aclose()
+    await leaks.check()
+
+
+async def test_a_member_cut_after_listing_is_a_decode_error_naming_shard_and_member(shard_dir, tmp_path, leaks):
+    good = (shard_dir / "files" / "000.mp4").read_bytes()
+    shard = tmp_path / "s.tar"
+    shard.write_bytes(tar_bytes([("v.mp4", good)]))
+    reader = readers.video([str(shard)], sequence_length=8)
+    assert len(reader) == 5  # listed and probed whole; then the member's data is overwritten with zeros
+    with open(shard, "r+b") as f:
+        f.seek(512 + len(good) // 3)
+        f.write(bytes(len(good) - len(good) // 3))
+    strict = _loader(reader, pipeline=ops.video_pipeline(label=None))
+    with pytest.raises(DecodeError) as info:
+        [b async for b in strict]
+    assert info.value.source == f"{shard}:v.mp4" and info.value.key.startswith("v@")
+    await strict.aclose()
+    await leaks.check()
+
+
+def test_gzip_shards_are_refused(shard_dir, tmp_path):
+    import gzip
+
+    (tmp_path / "s.tar.gz").write_bytes(gzip.compress((shard_dir / "tars" / "s0.tar").read_bytes()))
+    with pytest.raises(ConfigError, match="gzip"):
+        readers.video(tmp_path, sequence_length=4)
+
+
+async def test_a_corrupt_header_mid_shard_is_an_error_after_the_members_before_it(shard_dir, tmp_path):
+    good = (shard_dir / "files" / "002.mp4").read_bytes()
+    data = bytearray(tar_bytes([("x.mp4", good), ("y.mp4", good)]))
+    second = 512 + (len(good) + 511) // 512 * 512
+    data[second + 148 : second + 156] = b"0000000\0"  # the checksum of y.mp4's header no longer matches
+    (tmp_path / "s.tar").write_bytes(bytes(data))
+    samples = await read_all(readers.video(tmp_path / "s.tar", sequence_length=33))
+    assert [s.key for s in samples] == ["x@0", "x#error@0"]
+    bad = samples[1].error
+    assert isinstance(bad, ReadError) and bad.source == str(tmp_path / "s.tar") and "'x.mp4'" in str(bad)
