@@ -9,7 +9,6 @@ per chunk, never one per sample.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import operator
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ import torch
 
 from headrace._errors import ClosedError, DecodeError, LoaderError, ReadError, TransformError, require_int
 from headrace._sample import SampleBatch
-from headrace._threads import join_threads
+from headrace._threads import gather_jobs, join_threads
 
 from . import _cpu_ops, _cpu_post, _pillow
 from ._cpu_decode import Header, JpegDecoders, nvimgcodec
@@ -140,12 +139,7 @@ class CpuExecutor:
         failures: list[tuple[int, LoaderError]] = []
         chunks = _split(n, max(1, min(n, 2 * self.num_threads)))
         futures = [self._submit(self._process_chunk, batch, lo, hi, out, rows, labels, failures) for lo, hi in chunks]
-        try:
-            await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
-        except BaseException:
-            for f in futures:  # the chunks not started; running ones finish (drain() waits for them)
-                f.cancel()
-            raise
+        await gather_jobs(futures)  # cancelled: chunks not started are dropped, drain() waits for running ones
         failed = {row for row, _ in failures}
         kept = [i for i in range(n) if i not in failed]
         images: Any

@@ -27,7 +27,7 @@ import torch
 
 from headrace._errors import ClosedError, DecodeError, LoaderError, TransformError
 from headrace._sample import Sample, SampleBatch, hand_off
-from headrace._threads import join_threads
+from headrace._threads import gather_jobs, join_threads
 
 from ._collate import collate, is_npy_field, load_npy
 from ._cpu import Processed, _label, _read_failure, _split
@@ -111,14 +111,21 @@ class StagedExecutor:
         pipe = self.pipeline
         rows = [i for i in range(len(samples)) if i not in failures]
         if any(is_npy_field(n) for i in rows[:1] for n in samples[i].fields):
-            await self._in_threads(rows, lambda i: _load_npy_fields(samples, i), samples, failures)
+            await self._in_threads(rows, lambda i: _load_npy_fields(samples, i), None, samples, failures)
         for stage in pipe.before:
             rows = [i for i in rows if i not in failures]
-            call = self._sample_call(stage, batch, samples)
-            if stage.is_async:
-                await self._awaited(stage, rows, call, samples, failures)
-            else:
-                await self._in_threads(rows, call, samples, failures)
+            position = pipe.stage_position(stage)
+
+            def arguments(i: int, stage: Map = stage, position: int = position) -> tuple[Any, dict[str, Any]]:
+                return dict(samples[i].fields), self._extras(stage, batch, position, samples[i])
+
+            def store(i: int, out: Any) -> None:
+                if not isinstance(out, dict):
+                    raise TypeError(f"returned {type(out).__name__}, not a dict of fields")
+                sample = samples[i]
+                samples[i] = Sample(sample.key, out, sample.source, sample.index, sample.position)
+
+            await self._apply(stage, rows, arguments, store, samples, failures)
         if pipe.has_image and pipe.before and not self._warned_unused:
             self._warn_unused(samples, [i for i in rows if i not in failures][:1], batch)
         if pipe.has_image and pipe.fields:
@@ -152,48 +159,20 @@ class StagedExecutor:
             logger.warning("headrace: the stages before Decode add fields %s that no batch carries; name them in "
                            "Pipeline(fields=...) to have them batched", unused)
 
-    def _sample_call(self, stage: Map, batch: SampleBatch, samples: list[Sample]) -> Callable[[int], Any]:
-        position = self.pipeline.stage_position(stage)
+    async def _apply(self, stage: Map, rows: list[int], arguments: Callable[[int], tuple[Any, dict[str, Any]]],
+                     store: Callable[[int, Any], None], samples: list[Sample], failures: dict[int, LoaderError]) -> None:
+        """``stage.fn`` on each row (its value and keyword arguments from ``arguments(i)``), each result
+        through ``store(i, out)``: in the threads, or on the loop for an ``async def``. A row that
+        raises fails, named."""
+        if not stage.is_async:
+            def work(i: int) -> None:
+                value, extras = arguments(i)
+                store(i, stage.fn(value, **extras))
 
-        def call(i: int) -> Any:
-            sample = samples[i]
-            return stage.fn(dict(sample.fields), **self._extras(stage, batch, position, sample))
-
-        def done(i: int, out: Any) -> None:
-            if not isinstance(out, dict):
-                raise TypeError(f"returned {type(out).__name__}, not a dict of fields")
-            sample = samples[i]
-            samples[i] = Sample(sample.key, out, sample.source, sample.index, sample.position)
-
-        call.done = done  # type: ignore[attr-defined]
-        call.stage = stage  # type: ignore[attr-defined]
-        return call
-
-    async def _in_threads(self, rows: list[int], call: Callable[[int], Any], samples: list[Sample],
-                          failures: dict[int, LoaderError]) -> None:
-        """``call(i)`` for each row, the rows spread over the threads; a row that raises fails."""
-        stage = getattr(call, "stage", None)
-        done = getattr(call, "done", None)
-
-        def chunk(part: list[int]) -> None:
-            for i in part:
-                try:
-                    out = call(i)
-                    if done is not None:
-                        done(i, out)
-                except LoaderError as exc:
-                    failures[i] = _named(exc, samples[i])
-                except Exception as exc:
-                    failures[i] = _stage_error(stage, samples[i], exc)
-
-        parts = [rows[lo:hi] for lo, hi in _split(len(rows), max(1, min(len(rows), self.num_threads)))]
-        await self._gather([self._submit(chunk, part) for part in parts if part])
-
-    async def _awaited(self, stage: Map, rows: list[int], call: Callable[[int], Any], samples: list[Sample],
-                       failures: dict[int, LoaderError]) -> None:
+            await self._in_threads(rows, work, stage, samples, failures)
+            return
         limit = self._limit(stage)
         pending = iter(rows)
-        done = call.done  # type: ignore[attr-defined]
 
         async def worker() -> None:
             # A few workers a batch, each taking the next row, rather than a task a row: a task
@@ -201,15 +180,20 @@ class StagedExecutor:
             for i in pending:
                 async with limit:
                     try:
-                        done(i, await call(i))
-                    except LoaderError as exc:
-                        failures[i] = _named(exc, samples[i])
+                        value, extras = arguments(i)
+                        store(i, await stage.fn(value, **extras))
                     except Exception as exc:
-                        failures[i] = _stage_error(stage, samples[i], exc)
+                        failures[i] = _failed(stage, samples[i], exc)
 
         async with asyncio.TaskGroup() as tg:  # a cancelled batch cancels its calls
             for _ in range(min(len(rows), stage.concurrency)):
                 tg.create_task(worker())
+
+    async def _in_threads(self, rows: list[int], work: Callable[[int], None], stage: Stage | None,
+                          samples: list[Sample], failures: dict[int, LoaderError]) -> None:
+        """``work(i)`` for each row, the rows spread over the threads (one call per thread)."""
+        parts = [rows[lo:hi] for lo, hi in _split(len(rows), max(1, min(len(rows), self.num_threads)))]
+        await gather_jobs([self._submit(_each_row, part, work, stage, samples, failures) for part in parts if part])
 
     def _limit(self, stage: Map) -> asyncio.Semaphore:
         """The stage's bound on calls at once, shared by the batches in flight on this event loop."""
@@ -259,38 +243,33 @@ class StagedExecutor:
         results: dict[int, dict[str, Any]] = {}
         slot = {row: p for p, row in enumerate(kept)}
 
-        def call(i: int) -> Any:
+        def arguments(i: int) -> tuple[Any, dict[str, Any]]:
             row = {name: column[slot[i]] for name, column in data.items()}
-            return stage.fn(row, **self._extras(stage, batch, position, samples[i]))
+            return row, self._extras(stage, batch, position, samples[i])
 
-        def done(i: int, out: Any) -> None:
+        def store(i: int, out: Any) -> None:
             if not isinstance(out, dict):
                 raise TypeError(f"returned {type(out).__name__}, not a dict")
             results[i] = out
 
-        call.done, call.stage = done, stage  # type: ignore[attr-defined]
-        if stage.is_async:
-            await self._awaited(stage, kept, call, samples, failures)
-            left = [i for i in kept if i in results]
-            return _columns(results, left), left, ready
-
-        def on_stream() -> tuple[dict[str, Any], list[int]]:
-            for i in kept:  # one thread: row stages on CUDA tensors launch kernels, in order
-                try:
-                    done(i, call(i))
-                except LoaderError as exc:
-                    failures[i] = _named(exc, samples[i])
-                except Exception as exc:
-                    failures[i] = _stage_error(stage, samples[i], exc)
+        def outputs() -> tuple[dict[str, Any], list[int]]:
             left = [i for i in kept if i in results]
             return _columns(results, left), left
 
-        if self._cuda:
-            (out, left), ready = await self._call(self._on_side_stream, data, ready, on_stream)
-            return out, left, ready
-        await self._in_threads(kept, call, samples, failures)
-        left = [i for i in kept if i in results]
-        return _columns(results, left), left, None
+        if not self._cuda:
+            await self._apply(stage, kept, arguments, store, samples, failures)
+            return *outputs(), None
+
+        def on_stream() -> tuple[dict[str, Any], list[int]]:
+            def work(i: int) -> None:
+                value, extras = arguments(i)
+                store(i, stage.fn(value, **extras))
+
+            _each_row(kept, work, stage, samples, failures)  # one thread: kernels launched in row order
+            return outputs()
+
+        (out, left), ready = await self._call(self._on_side_stream, data, ready, on_stream)
+        return out, left, ready
 
     async def _map_batch(self, stage: MapBatch, batch: SampleBatch, samples: list[Sample], data: dict[str, Any],
                          kept: list[int], ready: Any, failures: dict[int, LoaderError]) -> tuple[dict[str, Any], list[int], Any]:
@@ -308,7 +287,7 @@ class StagedExecutor:
                 raise TypeError(f"returned {type(out).__name__}, not a dict")
         except Exception as exc:
             for i in kept:
-                failures[i] = _named(exc, samples[i]) if isinstance(exc, LoaderError) else _stage_error(stage, samples[i], exc)
+                failures[i] = _failed(stage, samples[i], exc)
             return {}, [], None
         return out, kept, ready
 
@@ -336,18 +315,9 @@ class StagedExecutor:
         return fut
 
     async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        futures = [self._submit(fn, *args, **kwargs)]
-        await self._gather(futures)
-        return futures[0].result()
-
-    @staticmethod
-    async def _gather(futures: list[concurrent.futures.Future[Any]]) -> None:
-        try:
-            await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
-        except BaseException:
-            for f in futures:  # the calls not started; running ones finish (drain() waits for them)
-                f.cancel()
-            raise
+        job = self._submit(fn, *args, **kwargs)
+        await gather_jobs([job])
+        return job.result()
 
     async def drain(self) -> None:
         """Cancel stage calls not started, wait for running ones, then drain ``inner``."""
@@ -428,6 +398,22 @@ def _stage_error(stage: Stage | None, sample: Sample, exc: Exception) -> LoaderE
                          stage=f"stage {stage.name}" if stage is not None else None)
     err.__cause__ = exc
     return err
+
+
+def _each_row(rows: list[int], work: Callable[[int], None], stage: Stage | None, samples: list[Sample],
+              failures: dict[int, LoaderError]) -> None:
+    """``work(i)`` for each row in turn; a row that raises fails, named (in a thread, or on the
+    stage stream's thread for row stages on the GPU)."""
+    for i in rows:
+        try:
+            work(i)
+        except Exception as exc:
+            failures[i] = _failed(stage, samples[i], exc)
+
+
+def _failed(stage: Stage | None, sample: Sample, exc: Exception) -> LoaderError:
+    """The sample's failure: a LoaderError as it is (named), anything else as the stage's TransformError."""
+    return _named(exc, sample) if isinstance(exc, LoaderError) else _stage_error(stage, sample, exc)
 
 
 def _named(exc: LoaderError, sample: Sample) -> LoaderError:

@@ -8,7 +8,7 @@ import concurrent.futures
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["cancel_and_wait", "join_threads", "wait_all"]
+__all__ = ["cancel_and_wait", "gather_jobs", "join_threads", "wait_all"]
 
 
 async def wait_all(futures: Iterable[asyncio.Future[Any]]) -> None:
@@ -34,6 +34,17 @@ async def join_threads(futures: Iterable[concurrent.futures.Future[Any]]) -> Non
     Readers' and executors' cleanup uses it so that no thread outlives its owner.
     """
     await wait_all([asyncio.wrap_future(f) for f in futures if not f.done()])
+
+
+async def gather_jobs(jobs: list[concurrent.futures.Future[Any]]) -> None:
+    """Wait for thread jobs an owner submitted; if one fails or the wait is cancelled, cancel the
+    jobs not started (running ones finish: the owner's ``drain`` waits for them) and re-raise."""
+    try:
+        await asyncio.gather(*(asyncio.wrap_future(job) for job in jobs))
+    except BaseException:
+        for job in jobs:
+            job.cancel()
+        raise
 
 
 async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]]) -> None:
