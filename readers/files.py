@@ -144,6 +144,19 @@ class FileReader(IndexedReader):
         return f"FileReader({where}, samples={len(self)}, shuffle={self.shuffle}, rank={self.rank}/{self.world})"
 
 
+def class_folders(root: Path, exts: set[str]) -> tuple[list[str], list[Path], list[int]]:
+    """A class-per-folder tree: its classes (sorted sub-folder names, hidden ones left out), and the
+    files with one of ``exts`` under each, sorted, with the class index as label."""
+    classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    paths, labels = [], []
+    for label, name in enumerate(classes):
+        for p in sorted((root / name).rglob("*")):
+            if p.is_file() and p.suffix.lower().lstrip(".") in exts:
+                paths.append(p)
+                labels.append(label)
+    return classes, paths, labels
+
+
 def _key(path: str, root: Path | str | None) -> str:
     if isinstance(root, str):  # a bucket prefix: keys are relative to it, like a folder's
         return os.path.splitext(path[len(root) :].lstrip("/"))[0]
@@ -210,13 +223,7 @@ def files(
                               f"of paths, e.g. files([{str(root)!r}], labels=[0])")
         if not root.is_dir():
             raise ReadError("no such folder", source=str(root))
-        classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
-        paths, found = [], []
-        for label, name in enumerate(classes):
-            for p in sorted((root / name).rglob("*")):
-                if p.is_file() and p.suffix.lower().lstrip(".") in exts:
-                    paths.append(p)
-                    found.append(label)
+        classes, paths, found = class_folders(root, exts)
         if not paths:
             raise ReadError(f"no image files ({', '.join(sorted(exts))}) in class sub-folders", source=str(root))
         return FileReader(paths, found, root=root, classes=classes, **common)

@@ -33,6 +33,7 @@ from headrace._sample import Sample
 from headrace._threads import join_threads
 
 from ._base import IndexedReader
+from .files import class_folders
 from ._shards import resolve_shards
 from ._tar import split_name, unsafe
 
@@ -473,13 +474,7 @@ def video(
         root = Path(source)
         if not root.is_dir():
             raise ReadError("no such folder", source=str(root))
-        classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
-        paths, labels = [], []
-        for label, name in enumerate(classes):
-            for p in sorted((root / name).rglob("*")):
-                if p.is_file() and p.suffix.lower().lstrip(".") in exts:
-                    paths.append(p)
-                    labels.append(label)
+        classes, paths, labels = class_folders(root, exts)
         if not paths:
             raise ReadError(f"no video files ({', '.join(sorted(exts))}) in class sub-folders", source=str(root))
         return VideoReader(paths, labels, root=root, classes=classes, **common)
