@@ -56,8 +56,7 @@ async def _read(reader, limit: int) -> int:
 
 
 def timed(root: Path, native: bool, busy: bool, limit: int) -> float:
-    os.environ["HEADRACE_NATIVE_READ"] = "1" if native else "0"
-    reader = readers.files(root)
+    reader = readers.files(root, native_read=native)
     stop = threading.Event()
 
     def spin() -> None:

@@ -85,10 +85,11 @@ class PathTable:
 
 
 class ChunkReader:
-    """Reads lists of paths; safe from several threads. ``HEADRACE_NATIVE_READ=0`` forces Python."""
+    """Reads lists of paths; safe from several threads. ``native=False`` reads in Python even when the
+    C helper builds (to measure one against the other)."""
 
-    def __init__(self) -> None:
-        self._lib = _load() if os.environ.get("HEADRACE_NATIVE_READ", "1") != "0" else None
+    def __init__(self, native: bool = True) -> None:
+        self._lib = _load() if native else None
 
     @property
     def native(self) -> bool:

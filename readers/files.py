@@ -40,6 +40,7 @@ class FileReader(IndexedReader):
         io_threads: int = 2,
         storage: Storage | None = None,
         requests: int = 32,
+        native_read: bool = True,
     ) -> None:
         super().__init__(shuffle=shuffle, seed=seed, chunk_size=chunk_size, io_threads=io_threads)
         require_int("files: requests", requests)
@@ -67,7 +68,7 @@ class FileReader(IndexedReader):
         # Per-sample work done once here rather than in ``_fetch`` every epoch (it holds the GIL).
         self._cls = _label_bytes(labels)
         # Local files only: remote ones are fetched on the loop and never need the C helper built.
-        self._chunks = None if self._fetch_on_loop else ChunkReader()
+        self._chunks = None if self._fetch_on_loop else ChunkReader(native=native_read)
         self._table = PathTable(self.paths) if self._chunks is not None and self._chunks.native else None
 
     def _dataset_size(self) -> int:
@@ -189,6 +190,7 @@ def files(
     storage_options: Mapping[str, Any] | None = None,
     store: Store | None = None,
     requests: int = 32,
+    native_read: bool = True,
 ) -> FileReader:
     """A reader over image files, local or in object storage.
 
@@ -202,7 +204,9 @@ def files(
     chunk and ``io_threads + 1`` chunks ahead (so memory holds at most that many samples), with at
     most ``requests`` GETs at once; each GET is retried with backoff (``storage_options["retry"]``)
     and a sample that still fails carries a ``StorageError`` naming its URL. ``storage_options`` and
-    ``store`` are as for ``webdataset()``.
+    ``store`` are as for ``webdataset()``. Local files are read a chunk per call by a small C helper
+    (compiled on first use); ``native_read=False`` reads them in Python instead, as happens anyway
+    where no compiler is found (``examples/benchmark_files.py`` measures one against the other).
 
     Raises ReadError if the folder does not exist or holds no images (StorageError if it cannot
     be listed), ConfigError for a wrong argument. A listed path that is missing raises ReadError
@@ -210,7 +214,7 @@ def files(
     """
     storage = Storage(storage_options, store)
     common: dict[str, Any] = {"shuffle": shuffle, "seed": seed, "chunk_size": chunk_size, "io_threads": io_threads,
-                              "storage": storage, "requests": requests}
+                              "storage": storage, "requests": requests, "native_read": native_read}
     exts = {e.lower().lstrip(".") for e in extensions}
     if isinstance(source, (str, os.PathLike)):
         if labels is not None:

@@ -100,21 +100,19 @@ async def test_reads_from_many_threads_at_once_leave_no_file_open(tmp_path, leak
     await leaks.check()
 
 
-def test_without_the_helper_python_reads_the_same(monkeypatch, mixed_files):
-    monkeypatch.setenv("HEADRACE_NATIVE_READ", "0")
-    chunks = _read_files.ChunkReader()
+def test_without_the_helper_python_reads_the_same(mixed_files):
+    chunks = _read_files.ChunkReader(native=False)
     assert not chunks.native
     got = chunks.read([os.fsencode(p) for p in mixed_files])
     for g, w in zip(got, _python_reads(mixed_files)):
         assert (type(g), g.errno) == (type(w), w.errno) if isinstance(w, OSError) else g == w
 
 
-@pytest.mark.parametrize("native", ["1", "0"])
-async def test_the_files_reader_names_a_file_it_cannot_read(monkeypatch, image_folder, native):
-    monkeypatch.setenv("HEADRACE_NATIVE_READ", native)
+@pytest.mark.parametrize("native", [True, False])
+async def test_the_files_reader_names_a_file_it_cannot_read(image_folder, native):
     paths = sorted(str(p) for p in image_folder.rglob("*.jpg"))[:5]
     paths.insert(2, str(image_folder / "gone.jpg"))
-    reader = readers.files(paths, labels=list(range(6)), chunk_size=4)
+    reader = readers.files(paths, labels=list(range(6)), chunk_size=4, native_read=native)
     samples = [s async for chunk in reader.read(0) for s in chunk]
     assert [s.source for s in samples] == paths
     bad = samples[2]
