@@ -742,7 +742,7 @@ def run_worker_process(args: argparse.Namespace, corpus: Path, path: str, start:
         progress = {}
     if report is not None:
         peak = max(peak, report.get("peak_rss", 0))
-    keep = 24000 if outcome == "hang" else 6000  # a hang's thread stacks
+    keep = 6000 if outcome == "ok" else 24000  # a hang's or a crash's thread stacks
     return WorkerRun(path, start, stop, outcome, proc.returncode, seconds, peak, report, progress, stderr[-keep:])
 
 
@@ -785,7 +785,7 @@ def tally(runs: list[WorkerRun], paths: list[str], manifest: list[dict[str, Any]
                            "seconds": round(run.seconds, 1), "peak_rss": run.peak_rss,
                            "after_report": part is not None,
                            "suspects": run.progress.get("suspects", []),
-                           "stderr": run.stderr_tail[-(24000 if run.outcome == "hang" else 4000):],
+                           "stderr": run.stderr_tail[-24000:],
                            "culprits": run.culprits})
         if part is None:
             t["lost"] += n

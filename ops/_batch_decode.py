@@ -90,8 +90,7 @@ class Launch(ctypes.Structure):
     for ``wait_event`` first; then, when every image decoded, copy ``copy_size[0]`` bytes up,
     launch ``function`` with ``params``, copy ``copy_size[1]`` bytes up and record ``event``, all on
     the decode's stream; with ``meta_src`` set it first fills the fused kernel's tables in the
-    pinned block ``tables`` (``hr_launch`` says how); ``order`` (int32 addresses, optional) is the
-    sequence in which the images go to nvImageCodec. Addresses and CUDA handles are plain
+    pinned block ``tables`` (``hr_launch`` says how). Addresses and CUDA handles are plain
     integers. The shim fills ``seconds`` (waiting, decoding, launching) and ``cuda_error``."""
 
     _fields_ = [
@@ -111,7 +110,6 @@ class Launch(ctypes.Structure):
         ("meta_src", ctypes.c_void_p),
         ("geo_src", ctypes.c_void_p),
         ("labels_src", ctypes.c_void_p),
-        ("order", ctypes.c_void_p),
         ("seconds", ctypes.c_double * 3),
         ("cuda_error", ctypes.c_int),
     ]

@@ -81,9 +81,9 @@ def cuda_available() -> bool:
 class CudaExecutor:
     """Runs a pipeline on one GPU with ``lanes`` lanes. Lives across epochs; ``aclose`` ends it.
 
-    ``hw_load`` is the share of each batch offered to the hardware JPEG decoder first (the rest,
-    and what it rejects, go to the CUDA decoder, then Pillow), or ``"adaptive"``: nvImageCodec
-    moves the share batch by batch to keep both busy. ``decoder_threads`` are the host threads of
+    ``hw_load`` is the share of each batch given to the hardware JPEG decoder (baseline JPEGs,
+    the largest first; the rest, and what it fails, go to the CUDA decoder, then Pillow), or
+    ``"adaptive"``: the share moves batch by batch to keep both busy. ``decoder_threads`` are the host threads of
     each lane's decoder (default: the cores; sharing them among the lanes was slower on the H100,
     ops/README.md).
 

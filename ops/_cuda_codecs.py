@@ -27,8 +27,11 @@ import numpy as np
 import torch
 
 from ._exif import jpeg_orientation
+from ._limits import jpeg_sof
 
 __all__ = ["Decoded", "NativeDecoder", "NativeHeaders", "PythonDecoder", "PythonHeaders"]
+
+_HUFFMAN_DCT = (0xC0, 0xC1, 0xC2)  # baseline, extended and progressive JPEG
 
 
 @dataclass
@@ -177,8 +180,11 @@ class PythonHeaders:
                 continue
             if self.exif and cs.codec_name == "jpeg" and jpeg_orientation(blob) >= 5:
                 h, w = w, h
-            info[i] = (h, w, cs.num_channels, 1)
-            streams.append(cs)
+            # Huffman-coded DCT only, as the shim (batch_decode.c, decodable_jpeg): a lossless JPEG
+            # would reach a batched backend with a fallback, arithmetic coding is not decoded.
+            usable = cs.codec_name != "jpeg" or jpeg_sof(blob) in _HUFFMAN_DCT
+            info[i] = (h, w, cs.num_channels, int(usable))
+            streams.append(cs if usable else None)
         return (streams, info), info
 
     def recycle(self, token: Any) -> None:
@@ -195,13 +201,11 @@ class PythonDecoder:
         self.nvc = nvc
         self.channels = channels
         kinds = nvc.BackendKind
-        adaptive = hw_load == "adaptive"
-        policy = nvc.LoadHintPolicy.ADAPTIVE_MINIMIZE_IDLE_TIME if adaptive else nvc.LoadHintPolicy.FIXED
-        backends = [
-            nvc.Backend(kinds.HW_GPU_ONLY, load_hint=0.65 if adaptive else hw_load, load_hint_policy=policy),
-            nvc.Backend(kinds.HYBRID_CPU_GPU, load_hint_policy=policy),
-            nvc.Backend(kinds.GPU_ONLY, load_hint_policy=policy),
-        ]  # no CPU backend: what these fail on, the lane decodes with Pillow (the shim's chain, batch_decode.c)
+        # The CUDA decoder only. No CPU backend: what it fails on, the lane decodes with Pillow.
+        # No hardware engine (``hw_load`` is the shim's): in one decoder's chain, a sample the
+        # engine fails during the decode can be decoded by two of nvImageCodec's threads at once,
+        # which crashed fuzzed runs (batch_decode.c, hr_decoder).
+        backends = [nvc.Backend(kinds.HYBRID_CPU_GPU), nvc.Backend(kinds.GPU_ONLY)]
         self.decoder = nvc.Decoder(device_id=device.index, max_num_cpu_threads=threads, backends=backends)
         self.launch_unavailable = "decoding through nvImageCodec's Python API"
         self.seconds: collections.Counter[str] = collections.Counter()

@@ -97,7 +97,24 @@ def claimed_size(data: Any) -> tuple[int, int] | None:
 _SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # start-of-frame markers (not DHT, JPG, DAC)
 
 
+def jpeg_sof(data: Any) -> int | None:
+    """The start-of-frame marker of a JPEG (0xC0 baseline, 0xC1 extended, 0xC2 progressive, 0xC3
+    lossless, ...), which names its coding; None when the header does not reach one."""
+    found = _jpeg_frame(data)
+    return None if found is None else data[found]
+
+
 def _jpeg_size(data: Any) -> tuple[int, int] | None:
+    pos = _jpeg_frame(data)
+    if pos is None:
+        return None
+    height = (data[pos + 4] << 8) | data[pos + 5]
+    width = (data[pos + 6] << 8) | data[pos + 7]
+    return width, height
+
+
+def _jpeg_frame(data: Any) -> int | None:
+    """Where the SOF marker's second byte is, when the header reaches a whole SOF segment start."""
     pos, n = 2, len(data)
     while pos + 9 <= n and data[pos] == 0xFF:
         marker = data[pos + 1]
@@ -105,9 +122,7 @@ def _jpeg_size(data: Any) -> tuple[int, int] | None:
             pos += 1
             continue
         if marker in _SOF:
-            height = (data[pos + 5] << 8) | data[pos + 6]
-            width = (data[pos + 7] << 8) | data[pos + 8]
-            return width, height
+            return pos + 1
         if marker in (0xDA, 0xD9):
             return None
         if marker == 0x01 or 0xD0 <= marker <= 0xD7:

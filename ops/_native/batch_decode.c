@@ -30,16 +30,42 @@
 typedef struct {
     int capacity;
     nvimgcodecCodeStream_t* streams;
+    int32_t* encodings; /* a JPEG's encoding (its SOF marker, nvimgcodecJpegEncoding_t); 0 for other formats */
 } hr_parsed;
 
+/* One image of a decode call, set up: where it comes from (the whole stream or a region view of
+   it), the image it decodes into, and which of the call's images it is. */
+typedef struct {
+    nvimgcodecCodeStream_t source;
+    nvimgcodecImage_t image;
+    int j;         /* its index in the call's pick, region, out and status */
+    int hw;        /* 1: offered to the hardware engine (a baseline JPEG), 2: given to it */
+    int64_t area;  /* of its window: the engine takes the largest */
+    nvimgcodecProcessingStatus_t status;
+} hr_item;
+
+/* Two nvImageCodec decoders, each with a chain that never hands a failed sample on to another
+ * backend inside nvImageCodec: `hw`, the hardware JPEG engine alone, and `cuda`, the CUDA decoder
+ * (hybrid, then GPU). Why not one decoder with the chain engine -> CUDA decoder: when the engine
+ * (a batched backend) fails a sample during the decode, nvImageCodec 0.9 schedules the sample on
+ * its next backend while its own threads may still pick the same sample up, so two threads
+ * decode one sample at once. Fuzzed JPEGs crashed the process that way now and then (SIGSEGV in
+ * ImageGenericCodec::processSample, reading the sample's backend that the other thread had just
+ * cleared: docs/gpu-notes.md section 5). Here the split between the two is ours (hw_share of each
+ * batch, the largest baseline JPEGs), the CUDA decoder's call runs in its threads while the engine
+ * decodes in this one, and what the engine fails goes to the CUDA decoder in a second call. */
 typedef struct {
     nvimgcodecInstance_t instance;
-    nvimgcodecDecoder_t decoder;
+    nvimgcodecDecoder_t hw;   /* NULL: no engine (hw_load 0, the CPU-only decoder, or none on this GPU) */
+    nvimgcodecDecoder_t cuda; /* the CPU backend alone for the CPU-only decoder */
     int cpu_only;
+    float hw_share;
+    int adaptive;             /* move hw_share batch by batch, towards no wait on the CUDA decoder */
     int capacity;
     nvimgcodecCodeStream_t* views; /* region views, reused between batches */
+    hr_item* items;
+    nvimgcodecCodeStream_t* sources; /* one decode call's arguments */
     nvimgcodecImage_t* images;
-    nvimgcodecCodeStream_t* chosen;
     nvimgcodecProcessingStatus_t* status;
 } hr_decoder;
 
@@ -76,38 +102,26 @@ void hr_instance_destroy(nvimgcodecInstance_t instance)
         nvimgcodecInstanceDestroy(instance);
 }
 
-/* device_id < 0 with cpu_only: the CPU backend only (libjpeg-turbo and friends), host output.
-   Otherwise the GPU backends only: the hardware engine, then the CUDA decoder (hybrid and GPU).
-   What they fail on comes back as failed and the caller decodes it another way: with nvImageCodec's
-   CPU backend at the end of the chain, fuzzed JPEGs hung a decode now and then on the H100
-   (2 of 40 slices of 1,000; none without it). */
-/* adaptive: nvImageCodec moves the split between backends batch by batch to minimise idle time,
-   starting from hw_load. cuda_load: the share of what the hardware engine leaves that goes to the
-   CUDA decoder; the rest fails back to the caller (1: none). */
-hr_decoder* hr_decoder_create(nvimgcodecInstance_t instance, int device_id, int cpu_only, int threads,
-                              float hw_load, float cuda_load, int adaptive, const char* options, char* err, size_t errlen)
+/* A decoder with the backends kinds[0..n) in that order, their load hints loads[0..n). */
+static nvimgcodecDecoder_t make_decoder(nvimgcodecInstance_t instance, int device_id, int n, const nvimgcodecBackendKind_t* kinds,
+                                        const float* loads, int threads, const char* options, char* err, size_t errlen)
 {
     nvimgcodecBackend_t backends[4];
-    int n = 0;
     memset(backends, 0, sizeof(backends));
-    const nvimgcodecBackendKind_t gpu_chain[4] = {NVIMGCODEC_BACKEND_KIND_HW_GPU_ONLY, NVIMGCODEC_BACKEND_KIND_HYBRID_CPU_GPU,
-                                                  NVIMGCODEC_BACKEND_KIND_GPU_ONLY, NVIMGCODEC_BACKEND_KIND_CPU_ONLY};
-    for (int i = cpu_only ? 3 : 0; i < (cpu_only ? 4 : 3); ++i, ++n) {
-        backends[n].struct_type = NVIMGCODEC_STRUCTURE_TYPE_BACKEND;
-        backends[n].struct_size = sizeof(nvimgcodecBackend_t);
-        backends[n].kind = gpu_chain[i];
-        backends[n].params.struct_type = NVIMGCODEC_STRUCTURE_TYPE_BACKEND_PARAMS;
-        backends[n].params.struct_size = sizeof(nvimgcodecBackendParams_t);
-        /* The hardware engine takes its share first; what it leaves or rejects falls through. */
-        backends[n].params.load_hint = (i == 0) ? hw_load : (i == 1) ? cuda_load : 1.0f;
-        backends[n].params.load_hint_policy =
-            adaptive ? NVIMGCODEC_LOAD_HINT_POLICY_ADAPTIVE_MINIMIZE_IDLE_TIME : NVIMGCODEC_LOAD_HINT_POLICY_FIXED;
+    for (int i = 0; i < n; ++i) {
+        backends[i].struct_type = NVIMGCODEC_STRUCTURE_TYPE_BACKEND;
+        backends[i].struct_size = sizeof(nvimgcodecBackend_t);
+        backends[i].kind = kinds[i];
+        backends[i].params.struct_type = NVIMGCODEC_STRUCTURE_TYPE_BACKEND_PARAMS;
+        backends[i].params.struct_size = sizeof(nvimgcodecBackendParams_t);
+        backends[i].params.load_hint = loads[i];
+        backends[i].params.load_hint_policy = NVIMGCODEC_LOAD_HINT_POLICY_FIXED;
     }
     nvimgcodecExecutionParams_t exec;
     memset(&exec, 0, sizeof(exec));
     exec.struct_type = NVIMGCODEC_STRUCTURE_TYPE_EXECUTION_PARAMS;
     exec.struct_size = sizeof(exec);
-    exec.device_id = cpu_only ? NVIMGCODEC_DEVICE_CPU_ONLY : device_id;
+    exec.device_id = device_id;
     exec.max_num_cpu_threads = threads;
     exec.num_backends = n;
     exec.backends = backends;
@@ -117,15 +131,46 @@ hr_decoder* hr_decoder_create(nvimgcodecInstance_t instance, int device_id, int 
         set_error(err, errlen, "nvimgcodecDecoderCreate", st);
         return NULL;
     }
+    return decoder;
+}
+
+/* device_id < 0 with cpu_only: the CPU backend only (libjpeg-turbo and friends), host output.
+   Otherwise the GPU backends only: the hardware engine for hw_load of each batch (none at 0), and
+   the CUDA decoder (hybrid, taking cuda_load of what reaches it, then GPU) for the rest. What they
+   fail on comes back as failed and the caller decodes it another way: with nvImageCodec's CPU
+   backend in the chain, fuzzed JPEGs hung a decode now and then on the H100 (2 of 40 slices of
+   1,000; none without it). adaptive: hw_load is where the share starts. */
+hr_decoder* hr_decoder_create(nvimgcodecInstance_t instance, int device_id, int cpu_only, int threads,
+                              float hw_load, float cuda_load, int adaptive, const char* options, char* err, size_t errlen)
+{
     hr_decoder* d = (hr_decoder*)calloc(1, sizeof(hr_decoder));
     if (!d) {
-        nvimgcodecDecoderDestroy(decoder);
         set_error(err, errlen, "calloc", 0);
         return NULL;
     }
     d->instance = instance;
-    d->decoder = decoder;
     d->cpu_only = cpu_only;
+    d->hw_share = hw_load;
+    d->adaptive = adaptive;
+    if (cpu_only) {
+        const nvimgcodecBackendKind_t kinds[1] = {NVIMGCODEC_BACKEND_KIND_CPU_ONLY};
+        const float loads[1] = {1.0f};
+        d->cuda = make_decoder(instance, NVIMGCODEC_DEVICE_CPU_ONLY, 1, kinds, loads, threads, options, err, errlen);
+    } else {
+        const nvimgcodecBackendKind_t kinds[2] = {NVIMGCODEC_BACKEND_KIND_HYBRID_CPU_GPU, NVIMGCODEC_BACKEND_KIND_GPU_ONLY};
+        const float loads[2] = {cuda_load, 1.0f};
+        d->cuda = make_decoder(instance, device_id, 2, kinds, loads, threads, options, err, errlen);
+        if (d->cuda && (hw_load > 0.0f || adaptive)) {
+            const nvimgcodecBackendKind_t hw_kind[1] = {NVIMGCODEC_BACKEND_KIND_HW_GPU_ONLY};
+            const float hw_loads[1] = {1.0f};
+            /* One thread: the engine's batch is decoded in the calling thread anyway. */
+            d->hw = make_decoder(instance, device_id, 1, hw_kind, hw_loads, 1, options, NULL, 0);
+        }
+    }
+    if (!d->cuda) {
+        free(d);
+        return NULL;
+    }
     return d;
 }
 
@@ -166,28 +211,37 @@ static int grow(void** ptrs[], const size_t* sizes, int count, int* capacity, in
 
 static int reserve(hr_decoder* d, int n)
 {
-    void** ptrs[4] = {(void**)&d->views, (void**)&d->images, (void**)&d->chosen, (void**)&d->status};
-    size_t sizes[4] = {sizeof(nvimgcodecCodeStream_t), sizeof(nvimgcodecImage_t), sizeof(nvimgcodecCodeStream_t),
+    void** ptrs[5] = {(void**)&d->views, (void**)&d->items, (void**)&d->sources, (void**)&d->images, (void**)&d->status};
+    size_t sizes[5] = {sizeof(nvimgcodecCodeStream_t), sizeof(hr_item), sizeof(nvimgcodecCodeStream_t), sizeof(nvimgcodecImage_t),
                        sizeof(nvimgcodecProcessingStatus_t)};
-    return grow(ptrs, sizes, 4, &d->capacity, n);
+    return grow(ptrs, sizes, 5, &d->capacity, n);
 }
 
 static int reserve_parsed(hr_parsed* p, int n)
 {
-    void** ptrs[1] = {(void**)&p->streams};
-    size_t sizes[1] = {sizeof(nvimgcodecCodeStream_t)};
-    return grow(ptrs, sizes, 1, &p->capacity, n);
+    void** ptrs[2] = {(void**)&p->streams, (void**)&p->encodings};
+    size_t sizes[2] = {sizeof(nvimgcodecCodeStream_t), sizeof(int32_t)};
+    return grow(ptrs, sizes, 2, &p->capacity, n);
 }
 
 /* The stream's image info, and its height and width as displayed (EXIF rotations by 90 or 270
-   degrees swap them when exif is set). 0 when the header cannot be read. */
-static int displayed_info(nvimgcodecCodeStream_t cs, int exif, nvimgcodecImageInfo_t* ii, int* h, int* w)
+   degrees swap them when exif is set); a JPEG's encoding into *encoding when it is not NULL.
+   0 when the header cannot be read. */
+static int displayed_info(nvimgcodecCodeStream_t cs, int exif, nvimgcodecImageInfo_t* ii, int* h, int* w, int32_t* encoding)
 {
+    nvimgcodecJpegImageInfo_t jpeg;
+    memset(&jpeg, 0, sizeof(jpeg));
+    jpeg.struct_type = NVIMGCODEC_STRUCTURE_TYPE_JPEG_IMAGE_INFO;
+    jpeg.struct_size = sizeof(jpeg);
     memset(ii, 0, sizeof(*ii));
     ii->struct_type = NVIMGCODEC_STRUCTURE_TYPE_IMAGE_INFO;
     ii->struct_size = sizeof(*ii);
+    ii->struct_next = encoding ? &jpeg : NULL;
     if (nvimgcodecCodeStreamGetImageInfo(cs, ii) != NVIMGCODEC_STATUS_SUCCESS || ii->num_planes < 1)
         return 0;
+    ii->struct_next = NULL;
+    if (encoding)
+        *encoding = strcmp(ii->codec_name, "jpeg") == 0 ? (int32_t)jpeg.encoding : 0;
     int rotated = exif && (ii->orientation.rotated / 90) % 2;
     *h = (int)(rotated ? ii->plane_info[0].width : ii->plane_info[0].height);
     *w = (int)(rotated ? ii->plane_info[0].height : ii->plane_info[0].width);
@@ -212,14 +266,25 @@ void hr_parsed_destroy(hr_parsed* p)
         return;
     hr_parsed_release(p);
     free(p->streams);
+    free(p->encodings);
     free(p);
+}
+
+/* JPEG encodings nvImageCodec is given: Huffman-coded DCT. A lossless JPEG would go to its
+   lossless decoder, a batched backend with a fallback, the case hr_decoder avoids; arithmetic
+   coding it does not decode. The caller decodes those another way. */
+static int decodable_jpeg(int32_t encoding)
+{
+    return encoding == NVIMGCODEC_JPEG_ENCODING_BASELINE_DCT || encoding == NVIMGCODEC_JPEG_ENCODING_EXTENDED_SEQUENTIAL_DCT_HUFFMAN ||
+           encoding == NVIMGCODEC_JPEG_ENCODING_PROGRESSIVE_DCT_HUFFMAN;
 }
 
 /* Read the headers of n encoded images into p. For each: info[4i..4i+3] = height, width (as
  * displayed when exif is set: EXIF rotations by 90 or 270 degrees swap them), channels in the file,
- * and 1 when nvImageCodec parses it (else 0: the caller decodes it another way). The data must stay
- * alive and unchanged until hr_decode_launch returns: the parsed streams point into it. Needs only the
- * instance (any thread). Returns 0 on allocation failure. */
+ * and 1 when nvImageCodec is to decode it (else 0: the caller decodes it another way; JPEGs other
+ * than Huffman-coded DCT are among those). The data must stay alive and unchanged until
+ * hr_decode_launch returns: the parsed streams point into it. Needs only the instance (any
+ * thread). Returns 0 on allocation failure. */
 int hr_parse(nvimgcodecInstance_t instance, hr_parsed* p, int n, const unsigned char* const* data, const size_t* sizes,
              int exif, int32_t* info)
 {
@@ -228,6 +293,7 @@ int hr_parse(nvimgcodecInstance_t instance, hr_parsed* p, int n, const unsigned 
     for (int i = 0; i < n; ++i) {
         int32_t* row = info + 4 * i;
         row[0] = row[1] = row[2] = row[3] = 0;
+        p->encodings[i] = 0;
         /* The handle of the previous batch is reused in place (no allocation per image). */
         if (nvimgcodecCodeStreamCreateFromHostMem(instance, &p->streams[i], data[i], sizes[i], NULL) !=
             NVIMGCODEC_STATUS_SUCCESS) {
@@ -236,126 +302,226 @@ int hr_parse(nvimgcodecInstance_t instance, hr_parsed* p, int n, const unsigned 
         }
         nvimgcodecImageInfo_t ii;
         int h, w;
-        if (!displayed_info(p->streams[i], exif, &ii, &h, &w)) {
+        int32_t encoding = 0;
+        if (!displayed_info(p->streams[i], exif, &ii, &h, &w, &encoding)) {
             release_handles(&p->streams[i], 1);
             continue;
         }
         row[0] = h;
         row[1] = w;
         row[2] = (int32_t)(ii.num_planes > 1 ? ii.num_planes : ii.plane_info[0].num_channels);
+        p->encodings[i] = encoding;
+        if (strcmp(ii.codec_name, "jpeg") == 0 && !decodable_jpeg(encoding)) {
+            release_handles(&p->streams[i], 1); /* the size stands; the caller decodes it */
+            continue;
+        }
         row[3] = HR_OK;
     }
     return 1;
 }
+
+/* The image for item `it` (its source set): window r of channels uint8 per pixel into out, rows
+   packed, on cuda_stream. */
+static int make_image(hr_decoder* d, hr_item* it, const int32_t* r, void* out, int channels, int exif, void* cuda_stream)
+{
+    nvimgcodecImageInfo_t ii;
+    int full_h, full_w;
+    if (!displayed_info(it->source, exif, &ii, &full_h, &full_w, NULL))
+        return 0;
+    int rh = r[2] - r[0], rw = r[3] - r[1];
+    ii.cuda_stream = (cudaStream_t)cuda_stream;
+    ii.chroma_subsampling = NVIMGCODEC_SAMPLING_NONE;
+    if (channels == 1) {
+        ii.sample_format = NVIMGCODEC_SAMPLEFORMAT_P_Y;
+        ii.color_spec = NVIMGCODEC_COLORSPEC_GRAY;
+    } else {
+        ii.sample_format = NVIMGCODEC_SAMPLEFORMAT_I_RGB;
+        ii.color_spec = NVIMGCODEC_COLORSPEC_SRGB;
+    }
+    ii.num_planes = 1;
+    ii.plane_info[0].struct_type = NVIMGCODEC_STRUCTURE_TYPE_IMAGE_PLANE_INFO;
+    ii.plane_info[0].struct_size = sizeof(nvimgcodecImagePlaneInfo_t);
+    ii.plane_info[0].height = (uint32_t)rh;
+    ii.plane_info[0].width = (uint32_t)rw;
+    ii.plane_info[0].num_channels = (uint32_t)channels;
+    ii.plane_info[0].row_stride = (size_t)rw * (size_t)channels;
+    ii.plane_info[0].sample_type = NVIMGCODEC_SAMPLE_DATA_TYPE_UINT8;
+    ii.plane_info[0].precision = 0;
+    ii.buffer = out;
+    ii.buffer_kind = d->cpu_only ? NVIMGCODEC_IMAGE_BUFFER_KIND_STRIDED_HOST : NVIMGCODEC_IMAGE_BUFFER_KIND_STRIDED_DEVICE;
+    it->image = NULL;
+    return nvimgcodecImageCreate(d->instance, &it->image, &ii) == NVIMGCODEC_STATUS_SUCCESS;
+}
+
+/* Item k for image j: its source (a region view in d->views[k] unless the window is the whole
+   image) and its image. 0 when it cannot be set up (it stays failed). */
+static int setup_item(hr_decoder* d, const hr_parsed* p, int j, int k, const int32_t* pick, const int32_t* region,
+                      void* const* out, int channels, int exif, void* cuda_stream, hr_item* it)
+{
+    nvimgcodecCodeStream_t whole = pick[j] < p->capacity ? p->streams[pick[j]] : NULL;
+    if (!whole)
+        return 0;
+    const int32_t* r = region + 4 * j;
+    if (r[2] - r[0] < 1 || r[3] - r[1] < 1)
+        return 0;
+    nvimgcodecImageInfo_t ii;
+    int full_h, full_w;
+    if (!displayed_info(whole, exif, &ii, &full_h, &full_w, NULL))
+        return 0;
+    it->source = whole;
+    if (r[0] != 0 || r[1] != 0 || r[2] != full_h || r[3] != full_w) {
+        nvimgcodecCodeStreamView_t view;
+        memset(&view, 0, sizeof(view));
+        view.struct_type = NVIMGCODEC_STRUCTURE_TYPE_CODE_STREAM_VIEW;
+        view.struct_size = sizeof(view);
+        view.region.struct_type = NVIMGCODEC_STRUCTURE_TYPE_REGION;
+        view.region.struct_size = sizeof(view.region);
+        view.region.ndim = 2;
+        view.region.start[0] = r[0];
+        view.region.start[1] = r[1];
+        view.region.end[0] = r[2];
+        view.region.end[1] = r[3];
+        if (nvimgcodecCodeStreamGetSubCodeStream(whole, &d->views[k], &view) != NVIMGCODEC_STATUS_SUCCESS) {
+            release_handles(&d->views[k], 1);
+            return 0;
+        }
+        it->source = d->views[k];
+    }
+    it->j = j;
+    it->area = (int64_t)(r[2] - r[0]) * (int64_t)(r[3] - r[1]);
+    it->hw = d->hw && !d->cpu_only && pick[j] < p->capacity && p->encodings[pick[j]] == NVIMGCODEC_JPEG_ENCODING_BASELINE_DCT;
+    it->status = NVIMGCODEC_PROCESSING_STATUS_UNKNOWN;
+    return make_image(d, it, r, out[j], channels, exif, cuda_stream);
+}
+
+/* Offered to the engine first, then the larger windows first (nvImageCodec's own order). */
+static int engine_first(const void* a, const void* b)
+{
+    const hr_item* x = (const hr_item*)a;
+    const hr_item* y = (const hr_item*)b;
+    if (x->hw != y->hw)
+        return y->hw - x->hw;
+    return (y->area > x->area) - (y->area < x->area);
+}
+
+/* Start decoding items[0..n) with dec: NULL when nothing was started (each item then failed). */
+static nvimgcodecFuture_t start(hr_decoder* d, nvimgcodecDecoder_t dec, hr_item* items, int n, const nvimgcodecDecodeParams_t* params)
+{
+    if (n <= 0)
+        return NULL;
+    nvimgcodecCodeStream_t* sources = d->sources + (items - d->items);
+    nvimgcodecImage_t* images = d->images + (items - d->items);
+    for (int i = 0; i < n; ++i) {
+        sources[i] = items[i].source;
+        images[i] = items[i].image;
+        items[i].status = NVIMGCODEC_PROCESSING_STATUS_FAIL;
+    }
+    nvimgcodecFuture_t future = NULL;
+    if (nvimgcodecDecoderDecode(dec, sources, images, n, params, &future) != NVIMGCODEC_STATUS_SUCCESS)
+        return NULL;
+    return future;
+}
+
+/* Wait for a started call; each item's status. */
+static void finish(hr_decoder* d, nvimgcodecFuture_t future, hr_item* items, int n)
+{
+    if (!future)
+        return;
+    nvimgcodecFutureWaitForAll(future);
+    nvimgcodecProcessingStatus_t* status = d->status + (items - d->items);
+    size_t count = (size_t)n;
+    if (nvimgcodecFutureGetProcessingStatus(future, status, &count) == NVIMGCODEC_STATUS_SUCCESS)
+        for (size_t i = 0; i < count && i < (size_t)n; ++i)
+            items[i].status = status[i];
+    nvimgcodecFutureDestroy(future);
+}
+
+static double now(void);
 
 /* Decode m of the images parsed into p: pick[j] is the index given to hr_parse, region[4j..4j+3] the
  * window y0, x0, y1, x1 to decode (in displayed coordinates when exif; the whole image is just the
  * full window), out[j] the buffer for its (y1-y0) x (x1-x0) x channels uint8 pixels, rows packed.
  * channels is 3 (RGB) or 1 (gray). Work goes on cuda_stream. status[j] = 1 when decoded, else
  * nvImageCodec's processing status (or 0 when the image could not be set up). Blocks until the host
- * part of the decode is done; the device part is ordered on cuda_stream. Returns 0 when the whole
- * call failed (nothing decoded), else 1. order (optional) is the sequence in which the images go to
- * nvImageCodec, a permutation of 0..m-1: its hardware decoder takes the first share of a batch
- * (hw_load), the CUDA decoder the rest. */
+ * part of the decode is done; the device part is ordered on cuda_stream. Returns 0 when no decode
+ * call could be made (nothing decoded), else 1. */
 static int decode_batch(hr_decoder* d, const hr_parsed* p, int m, const int32_t* pick, const int32_t* region, void* const* out,
-                        int channels, int exif, void* cuda_stream, int32_t* status, const int32_t* order)
+                        int channels, int exif, void* cuda_stream, int32_t* status)
 {
     if (!reserve(d, m))
         return 0;
-    int k = 0;
-    int* slot = (int*)malloc(sizeof(int) * (size_t)(m > 0 ? m : 1));
-    if (!slot)
-        return 0;
+    int k = 0, offered = 0;
     for (int j = 0; j < m; ++j) {
         status[j] = 0;
-        slot[j] = -1;
-    }
-    for (int q = 0; q < m; ++q) {
-        int j = order ? order[q] : q;
-        if (j < 0 || j >= m || slot[j] != -1)
-            continue;
-        nvimgcodecCodeStream_t whole = pick[j] < p->capacity ? p->streams[pick[j]] : NULL;
-        if (!whole)
-            continue;
-        const int32_t* r = region + 4 * j;
-        int rh = r[2] - r[0], rw = r[3] - r[1];
-        if (rh < 1 || rw < 1)
-            continue;
-        nvimgcodecImageInfo_t ii;
-        int full_h, full_w;
-        if (!displayed_info(whole, exif, &ii, &full_h, &full_w))
-            continue;
-        nvimgcodecCodeStream_t src = whole;
-        if (r[0] != 0 || r[1] != 0 || r[2] != full_h || r[3] != full_w) {
-            nvimgcodecCodeStreamView_t view;
-            memset(&view, 0, sizeof(view));
-            view.struct_type = NVIMGCODEC_STRUCTURE_TYPE_CODE_STREAM_VIEW;
-            view.struct_size = sizeof(view);
-            view.region.struct_type = NVIMGCODEC_STRUCTURE_TYPE_REGION;
-            view.region.struct_size = sizeof(view.region);
-            view.region.ndim = 2;
-            view.region.start[0] = r[0];
-            view.region.start[1] = r[1];
-            view.region.end[0] = r[2];
-            view.region.end[1] = r[3];
-            if (nvimgcodecCodeStreamGetSubCodeStream(whole, &d->views[k], &view) != NVIMGCODEC_STATUS_SUCCESS) {
-                release_handles(&d->views[k], 1);
-                continue;
-            }
-            src = d->views[k];
-        }
-        ii.cuda_stream = (cudaStream_t)cuda_stream;
-        ii.chroma_subsampling = NVIMGCODEC_SAMPLING_NONE;
-        if (channels == 1) {
-            ii.sample_format = NVIMGCODEC_SAMPLEFORMAT_P_Y;
-            ii.color_spec = NVIMGCODEC_COLORSPEC_GRAY;
-        } else {
-            ii.sample_format = NVIMGCODEC_SAMPLEFORMAT_I_RGB;
-            ii.color_spec = NVIMGCODEC_COLORSPEC_SRGB;
-        }
-        ii.num_planes = 1;
-        ii.plane_info[0].struct_type = NVIMGCODEC_STRUCTURE_TYPE_IMAGE_PLANE_INFO;
-        ii.plane_info[0].struct_size = sizeof(nvimgcodecImagePlaneInfo_t);
-        ii.plane_info[0].height = (uint32_t)rh;
-        ii.plane_info[0].width = (uint32_t)rw;
-        ii.plane_info[0].num_channels = (uint32_t)channels;
-        ii.plane_info[0].row_stride = (size_t)rw * (size_t)channels;
-        ii.plane_info[0].sample_type = NVIMGCODEC_SAMPLE_DATA_TYPE_UINT8;
-        ii.plane_info[0].precision = 0;
-        ii.buffer = out[j];
-        ii.buffer_kind = d->cpu_only ? NVIMGCODEC_IMAGE_BUFFER_KIND_STRIDED_HOST : NVIMGCODEC_IMAGE_BUFFER_KIND_STRIDED_DEVICE;
-        nvimgcodecImage_t img = NULL;
-        if (nvimgcodecImageCreate(d->instance, &img, &ii) != NVIMGCODEC_STATUS_SUCCESS)
-            continue;
-        d->images[k] = img;
-        d->chosen[k] = src;
-        slot[j] = k++;
-    }
-    int ok = 1;
-    if (k > 0) {
-        nvimgcodecDecodeParams_t params;
-        memset(&params, 0, sizeof(params));
-        params.struct_type = NVIMGCODEC_STRUCTURE_TYPE_DECODE_PARAMS;
-        params.struct_size = sizeof(params);
-        params.apply_exif_orientation = exif;
-        nvimgcodecFuture_t future = NULL;
-        if (nvimgcodecDecoderDecode(d->decoder, d->chosen, d->images, k, &params, &future) != NVIMGCODEC_STATUS_SUCCESS) {
-            ok = 0;
-        } else {
-            nvimgcodecFutureWaitForAll(future);
-            size_t count = (size_t)k;
-            nvimgcodecFutureGetProcessingStatus(future, d->status, &count);
-            nvimgcodecFutureDestroy(future);
-            for (int j = 0; j < m; ++j)
-                if (slot[j] >= 0)
-                    status[j] = (int32_t)d->status[slot[j]];
-        }
-        for (int i = 0; i < k; ++i) {
-            nvimgcodecImageDestroy(d->images[i]);
-            d->images[i] = NULL;
+        hr_item* it = &d->items[k];
+        memset(it, 0, sizeof(*it));
+        if (setup_item(d, p, j, k, pick, region, out, channels, exif, cuda_stream, it)) {
+            offered += it->hw != 0;
+            ++k;
         }
     }
-    free(slot);
+    if (k == 0)
+        return 1;
+    int n_hw = 0;
+    if (offered) {
+        qsort(d->items, (size_t)k, sizeof(hr_item), engine_first);
+        float share = d->hw_share < 0.0f ? 0.0f : d->hw_share > 1.0f ? 1.0f : d->hw_share;
+        n_hw = (int)(share * (float)k + 0.5f);
+        n_hw = n_hw < offered ? n_hw : offered;
+        for (int i = 0; i < n_hw; ++i)
+            d->items[i].hw = 2;
+    }
+    nvimgcodecDecodeParams_t params;
+    memset(&params, 0, sizeof(params));
+    params.struct_type = NVIMGCODEC_STRUCTURE_TYPE_DECODE_PARAMS;
+    params.struct_size = sizeof(params);
+    params.apply_exif_orientation = exif;
+    /* The CUDA decoder's share runs in its threads while the engine decodes its share here. */
+    nvimgcodecFuture_t rest = start(d, d->cuda, d->items + n_hw, k - n_hw, &params);
+    int ok = rest != NULL || k - n_hw == 0;
+    if (n_hw) {
+        nvimgcodecFuture_t engine = start(d, d->hw, d->items, n_hw, &params);
+        finish(d, engine, d->items, n_hw);
+        ok |= engine != NULL;
+    }
+    double t0 = now();
+    finish(d, rest, d->items + n_hw, k - n_hw);
+    double waited = now() - t0;
+    if (n_hw && d->adaptive && k > n_hw) {
+        /* Waiting on the CUDA decoder: the engine can take more; no wait: it may be the slower. */
+        d->hw_share += waited > 0.002 ? 0.01f : -0.005f;
+        d->hw_share = d->hw_share < 0.0f ? 0.0f : d->hw_share > 1.0f ? 1.0f : d->hw_share;
+    }
+    /* What the engine failed, the CUDA decoder tries (new images: a failed one is not reused). */
+    int retry = 0, unsupported = 0;
+    for (int i = 0; i < n_hw; ++i) {
+        hr_item* it = &d->items[i];
+        if (it->status == NVIMGCODEC_PROCESSING_STATUS_SUCCESS)
+            continue;
+        unsupported += it->status == NVIMGCODEC_PROCESSING_STATUS_CODEC_UNSUPPORTED;
+        nvimgcodecImageDestroy(it->image);
+        it->image = NULL;
+        if (make_image(d, it, region + 4 * it->j, out[it->j], channels, exif, cuda_stream)) {
+            hr_item moved = *it;
+            *it = d->items[retry];
+            d->items[retry++] = moved;
+        }
+    }
+    if (n_hw && unsupported == n_hw)
+        d->hw_share = 0.0f; /* no engine on this GPU: nvImageCodec has no hardware JPEG decoder here */
+    if (retry) {
+        nvimgcodecFuture_t again = start(d, d->cuda, d->items, retry, &params);
+        finish(d, again, d->items, retry);
+        ok |= again != NULL;
+    }
+    for (int i = 0; i < k; ++i) {
+        hr_item* it = &d->items[i];
+        if (it->image) {
+            status[it->j] = (int32_t)it->status;
+            nvimgcodecImageDestroy(it->image);
+            it->image = NULL;
+        }
+    }
     return ok;
 }
 
@@ -423,7 +589,6 @@ typedef struct {
     const int32_t* meta_src;
     const float* geo_src;
     const int64_t* labels_src;
-    const int32_t* order; /* the images' order for the decoder (decode_batch), or NULL */
     double seconds[3];    /* out: waiting, decoding, launching */
     int cuda_error;       /* out: the driver's error code when a call failed, else 0 */
 } hr_launch;
@@ -476,7 +641,7 @@ int hr_decode_launch(hr_decoder* d, const hr_parsed* p, int m, const int32_t* pi
     if (l->wait_event && driver.loaded > 0)
         l->cuda_error = driver.sync(l->wait_event);
     double t1 = now();
-    int ok = l->cuda_error ? 0 : decode_batch(d, p, m, pick, region, out, channels, exif, cuda_stream, status, l->order);
+    int ok = l->cuda_error ? 0 : decode_batch(d, p, m, pick, region, out, channels, exif, cuda_stream, status);
     double t2 = now();
     int launched = 0;
     l->seconds[2] = 0.0;
@@ -502,10 +667,13 @@ void hr_decoder_destroy(hr_decoder* d)
     if (!d)
         return;
     release_handles(d->views, d->capacity);
-    nvimgcodecDecoderDestroy(d->decoder);
+    if (d->hw)
+        nvimgcodecDecoderDestroy(d->hw);
+    nvimgcodecDecoderDestroy(d->cuda);
     free(d->views);
+    free(d->items);
+    free(d->sources);
     free(d->images);
-    free(d->chosen);
     free(d->status);
     free(d);
 }

@@ -194,3 +194,39 @@ def test_the_decode_order_changes_no_image_and_no_status(decoder, rng):
     assert status[2] != 1 and [status[i] for i in (0, 1, 3, 4)] == [1, 1, 1, 1]
     for i in (0, 1, 3, 4):
         np.testing.assert_array_equal(outs[i], _pillow(blobs[i]))
+
+
+def _with_sof(jpeg: bytes, marker: int) -> bytes:
+    """``jpeg`` with its frame marker changed (0xC3 lossless, 0xC9 arithmetic, ...): the header still parses."""
+    data = bytearray(jpeg)
+    i = 2
+    while data[i + 1] not in (0xC0, 0xC1, 0xC2):
+        i += 2 + int.from_bytes(data[i + 2 : i + 4], "big")
+    data[i + 1] = marker
+    return bytes(data)
+
+
+def test_only_huffman_coded_dct_jpegs_are_left_to_nvimagecodec(decoder, rng):
+    # A lossless JPEG would reach nvImageCodec's lossless decoder, a batched backend with a
+    # fallback (the case the shim avoids); arithmetic coding it does not decode. Their sizes stand.
+    dec = decoder()
+    good = encode(random_image(rng, 30, 44), "JPEG")
+    progressive = io.BytesIO()
+    Image.fromarray(random_image(rng, 30, 44)).save(progressive, "JPEG", progressive=True)
+    blobs = [good, _with_sof(good, 0xC3), _with_sof(good, 0xC9), _with_sof(good, 0xC1), progressive.getvalue()]
+    info, pick, _, status, outs = _decode(dec, blobs, [None] * len(blobs))
+    assert info[:, 3].tolist() == [1, 0, 0, 1, 1]
+    assert info[:, :2].tolist() == [[30, 44]] * len(blobs)
+    assert status.tolist() == [1, 1, 1]
+    np.testing.assert_array_equal(outs[0], _pillow(good))
+    np.testing.assert_array_equal(outs[2], _pillow(blobs[4]))
+
+
+def test_jpeg_sof_names_the_coding():
+    from headrace.ops._limits import claimed_size, jpeg_sof
+
+    rng = np.random.default_rng(3)
+    good = encode(random_image(rng, 21, 35), "JPEG")
+    assert jpeg_sof(good) == 0xC0 and jpeg_sof(_with_sof(good, 0xC3)) == 0xC3
+    assert claimed_size(_with_sof(good, 0xC3)) == (35, 21)
+    assert jpeg_sof(good[:20]) is None and jpeg_sof(b"\xff\xd8") is None

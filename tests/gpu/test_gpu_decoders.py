@@ -1,0 +1,99 @@
+"""The shim's two nvImageCodec decoders on the GPU: the hardware engine's share and the CUDA
+decoder's, what the engine fails retried by the CUDA decoder, every image decoded once.
+
+Why two: in one decoder whose chain is engine -> CUDA decoder, a sample the engine fails during
+the decode can be decoded by two of nvImageCodec's threads at once; fuzzed runs crashed that way
+(ops/_native/batch_decode.c, hr_decoder)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from headrace.ops import _batch_decode
+
+
+def _jpeg(rng, h, w, progressive=False) -> bytes:
+    small = rng.integers(0, 256, size=(5, 5, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(small).resize((w, h), Image.Resampling.BICUBIC).save(buf, "JPEG", quality=90, progressive=progressive)
+    return buf.getvalue()
+
+
+def _damaged(rng, blob: bytes) -> bytes:
+    """Bits flipped in the scan data (after SOS): the header parses, the decode may fail."""
+    data = bytearray(blob)
+    start = blob.index(b"\xff\xda") + 20
+    for pos in rng.integers(start, len(data) - 2, 12):
+        data[pos] ^= 1 << int(rng.integers(8))
+    return bytes(data)
+
+
+def _decode(dec, parsed, blobs, device):
+    info = parsed.parse(blobs, exif=True)
+    pick = np.flatnonzero(info[:, 3] == 1).astype(np.int32)
+    boxes = np.column_stack([np.zeros((len(pick), 2), np.int32), info[pick, :2]]).astype(np.int32)
+    outs = [torch.full((int(h), int(w), 3), 7, dtype=torch.uint8, device=device) for h, w in info[pick, :2]]
+    stream = torch.cuda.current_stream(device)
+    status = dec.decode(parsed, pick, boxes, np.array([o.data_ptr() for o in outs], np.uint64), stream.cuda_stream)
+    stream.synchronize()
+    return pick, status, outs
+
+
+@pytest.mark.parametrize("hw_load", [0.0, 0.65, 1.0, "adaptive"])
+def test_every_image_decodes_once_whatever_the_engines_share(hw_load):
+    rng = np.random.default_rng(11)
+    device = torch.device("cuda", 0)
+    dec = _batch_decode.BatchDecoder(0, threads=4, hw_load=hw_load)
+    parsed = _batch_decode.ParsedBatch()
+    try:
+        blobs = [_jpeg(rng, int(rng.integers(40, 300)), int(rng.integers(40, 300)), progressive=k % 4 == 3) for k in range(24)]
+        for _ in range(3):  # the adaptive share moves between batches
+            pick, status, outs = _decode(dec, parsed, blobs, device)
+            assert pick.tolist() == list(range(24)) and status.tolist() == [1] * 24
+            for blob, out in zip(blobs, outs):
+                want = np.asarray(Image.open(io.BytesIO(blob)).convert("RGB")).astype(np.int16)
+                # nvJPEG's IDCT and upsampling differ from libjpeg's by a level or two.
+                assert np.abs(out.cpu().numpy().astype(np.int16) - want).mean() < 2.0
+    finally:
+        parsed.close()
+        dec.close()
+
+
+def test_damaged_jpegs_in_many_batches_on_two_lanes_end_decoded_or_failed():
+    """What crashed before: batches full of JPEGs the engine fails mid-decode, decoded over and
+    over by two decoders in two threads (as two lanes). Each image ends decoded (1) or failed."""
+    device = torch.device("cuda", 0)
+
+    def lane(seed: int) -> tuple[int, int]:
+        rng = np.random.default_rng(seed)
+        torch.cuda.set_device(device)
+        dec = _batch_decode.BatchDecoder(0, threads=8, hw_load=0.65)
+        parsed = _batch_decode.ParsedBatch()
+        controls = damaged_failed = 0
+        try:
+            for _ in range(40):
+                damage = rng.random(48) < 0.6
+                blobs = [_damaged(rng, _jpeg(rng, int(rng.integers(64, 400)), int(rng.integers(64, 400)))) if bad
+                         else _jpeg(rng, 96, 128) for bad in damage]
+                pick, status, _ = _decode(dec, parsed, blobs, device)
+                ok = np.zeros(48, dtype=bool)
+                ok[pick] = status == 1
+                assert ok[~damage].all()  # the untouched ones beside them decode
+                controls += int((~damage).sum())
+                damaged_failed += int((damage & ~ok).sum())
+                parsed.release()
+        finally:
+            parsed.close()
+            dec.close()
+        return controls, damaged_failed
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lane, [1, 2]))
+    print("controls decoded, damaged failed:", results)
+    assert all(controls > 0 for controls, _ in results)
