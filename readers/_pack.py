@@ -1,4 +1,4 @@
-"""``headrace pack``: a class-per-folder image tree → WebDataset tar shards or an LMDB.
+"""``headrace pack``: a class-per-folder tree of images (or videos) → WebDataset tar shards or an LMDB.
 
 Samples are labelled exactly as ``readers.files`` labels them (label = index of the sorted
 sub-folder); a sample's key is its path below the source without the extension (dots in the file
@@ -17,6 +17,10 @@ complete, and a failure removes what this run wrote.
 (``ops._pillow``: the pixel limit, the end-of-file rule, a full Pillow decode), in a few threads
 ahead of the writer: the first file that does not decode stops the run (a DecodeError naming it),
 or is left out and listed in ``PackResult.skipped``. Without it the bytes are copied unread.
+
+``video=True`` packs videos the same way (``readers.video``'s extensions; each file's own bytes,
+never re-encoded) into tar shards only, which ``readers.video`` reads; its ``verify`` is
+``readers.video``'s probe (a demux of every frame, no decode).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from headrace._errors import ConfigError, DecodeError, ReadError, require_int
 
 from ._shards import INDEX_NAME, write_index
 from .files import files
+from .video import VIDEO_EXTENSIONS, probe
 
 __all__ = ["PackResult", "pack"]
 
@@ -78,8 +83,9 @@ def pack(
     progress: Callable[[int, int], object] | None = None,
     verify: Literal["raise", "skip"] | None = None,
     verify_threads: int | None = None,
+    video: bool = False,
 ) -> PackResult:
-    """Pack the image tree ``src`` into ``dest`` (a new or empty folder).
+    """Pack the image tree ``src`` (with ``video=True``: a tree of videos) into ``dest`` (a new or empty folder).
 
     ``shard_size``: most megabytes per tar shard (None: no limit); ``shard_count``: most samples per
     shard (None: no limit); a sample bigger than the limit gets a shard of its own. ``shuffle``
@@ -91,7 +97,14 @@ def pack(
     first that does not decode; ``"skip"`` leaves such files out and lists them, with the reason, in
     ``PackResult.skipped``.
 
-    Raises ReadError when ``src`` holds no images or a file cannot be read, DecodeError (naming the
+    ``video=True``: the files are videos (``readers.video``'s extensions: mp4, mkv, avi, mov,
+    webm), packed as their own bytes (no re-encode) into tar shards of ``<key>.mp4`` (or the
+    file's extension) + ``<key>.cls``, which ``readers.video`` reads with the same labels and
+    clips as the folder; ``format`` must be ``"webdataset"``. ``verify`` then probes each video
+    as ``readers.video`` does (demuxes every frame; a truncated file or one with no video stream
+    fails).
+
+    Raises ReadError when ``src`` holds no images (videos) or a file cannot be read, DecodeError (naming the
     file) for a file that does not decode under ``verify="raise"``, ConfigError for a wrong
     argument, a ``dest`` that is not empty or lies inside ``src``, or two files that map to the same
     key. On any error nothing of this run is left in ``dest``.
@@ -100,6 +113,8 @@ def pack(
         raise ConfigError(f"pack: format must be 'webdataset' or 'lmdb', got {format!r}")
     if verify not in _VERIFY:
         raise ConfigError(f"pack: verify must be None, 'raise' or 'skip', got {verify!r}")
+    if video and format != "webdataset":
+        raise ConfigError("pack: videos pack into WebDataset shards only (format='webdataset'): readers.video reads those")
     if verify_threads is not None:
         require_int("pack: verify_threads", verify_threads)
     if shard_size is not None and not shard_size > 0:
@@ -113,7 +128,7 @@ def pack(
         raise ConfigError(f"pack: DEST {str(dest_path)!r} must not be inside SRC {str(src_path)!r}")
     if dest_path.exists() and (not dest_path.is_dir() or any(dest_path.iterdir())):
         raise ConfigError(f"pack: DEST {str(dest_path)!r} exists and is not an empty folder")
-    listing = files(src_path)
+    listing = files(src_path, extensions=VIDEO_EXTENSIONS) if video else files(src_path)
     keys = [_key(k) for k in listing._keys]
     seen: dict[str, str] = {}
     for key, path in zip(keys, listing.paths):
@@ -125,7 +140,8 @@ def pack(
     created = not dest_path.exists()
     dest_path.mkdir(parents=True, exist_ok=True)
     result = PackResult(format, str(dest_path), 0, 0, classes=list(listing.classes))
-    loaded = _loaded(items, verify, verify_threads or os.cpu_count() or 1, result, progress)
+    check = _probe_check if video else _decode_check
+    loaded = _loaded(items, verify, check, verify_threads or os.cpu_count() or 1, result, progress)
     try:
         with contextlib.closing(loaded):
             if format == "webdataset":
@@ -155,9 +171,9 @@ def _key(key: str) -> str:
     return (folder + "/" if folder else "") + name.replace(".", "_")
 
 
-def _loaded(items: list[Item], verify: str | None, threads: int, result: PackResult,
-            progress: Callable[[int, int], object] | None) -> Iterator[Loaded]:
-    """The items with their bytes, in order; under ``verify`` only those that decode (see ``pack``).
+def _loaded(items: list[Item], verify: str | None, check: Callable[[bytes, str, str], str | None], threads: int,
+            result: PackResult, progress: Callable[[int, int], object] | None) -> Iterator[Loaded]:
+    """The items with their bytes, in order; under ``verify`` only those ``check`` passes (see ``pack``).
 
     Files are read and decoded by ``threads`` threads, at most two per thread ahead of the writer.
     ``progress`` is called once the writer has taken an item (or it was skipped).
@@ -176,7 +192,7 @@ def _loaded(items: list[Item], verify: str | None, threads: int, result: PackRes
         for position in range(len(items)):
             while len(pending) < 2 * threads and position + len(pending) < len(items):
                 _, _, path, _ = ahead = items[position + len(pending)]
-                pending.append(pool.submit(_read_and_check, ahead[0], path))
+                pending.append(pool.submit(_read_and_check, ahead[0], path, check))
             key, ext, path, label = items[position]
             data, reason = pending.popleft().result()
             if reason is None:
@@ -192,20 +208,34 @@ def _loaded(items: list[Item], verify: str | None, threads: int, result: PackRes
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _read_and_check(key: str, path: str) -> tuple[bytes, str | None]:
+def _read_and_check(key: str, path: str, check: Callable[[bytes, str, str], str | None]) -> tuple[bytes, str | None]:
     """A file's bytes and why they do not decode (None when they do), in a pool thread."""
+    data = _read(path, key)
+    return data, check(data, key, path)
+
+
+def _decode_check(data: bytes, key: str, path: str) -> str | None:
+    """Why an image does not decode by headrace's CPU rules, or None."""
     from headrace.ops._limits import release_frames
     from headrace.ops._pillow import open_image, pixels
     from headrace.ops._spec import Decode
 
-    data = _read(path, key)
     spec = Decode()
     try:
         pixels(open_image(data, spec, key, path), spec)
     except DecodeError as exc:
         release_frames(exc)
-        return data, exc.message
-    return data, None
+        return exc.message
+    return None
+
+
+def _probe_check(data: bytes, key: str, path: str) -> str | None:
+    """Why ``readers.video`` cannot probe a video, or None."""
+    try:
+        probe(data, source=path)
+    except ReadError as exc:
+        return exc.message
+    return None
 
 
 def _read(path: str, key: str) -> bytes:

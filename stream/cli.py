@@ -6,6 +6,7 @@ training-style epochs over it, printing images/s per epoch. ``python -m headrace
 ``headrace pack SRC DEST --format webdataset|lmdb`` packs a class-per-folder image tree into tar
 shards (split by ``--shard-size`` MB and/or ``--shard-count`` samples) or an LMDB; ``--verify``
 decodes each file first and refuses (``--verify=skip``: leaves out) those that do not decode.
+``--video`` packs a tree of videos instead (their own bytes, into tar shards ``readers.video`` reads).
 
 ``headrace inspect PATH`` says what a data set holds (samples, classes, fields, image formats and
 sizes, file or shard sizes); ``--verify`` decodes every image and lists the bad ones (``_inspect``).
@@ -65,6 +66,10 @@ def _parser() -> argparse.ArgumentParser:
                            "it, and write nothing; --verify=skip: leave such files out and list them. "
                            "Without it the files' bytes are packed unread, images or not")
     pack.add_argument("--threads", type=_positive, default=None, help="--verify: decode threads (default: all cores)")
+    pack.add_argument("--video", action="store_true",
+                      help="SRC holds videos (mp4, mkv, avi, mov, webm): pack each file's bytes, not re-encoded, "
+                           "as <key>.mp4 (its own extension) + <key>.cls into WebDataset shards for readers.video; "
+                           "--verify probes each video (demuxes every frame) instead of decoding images")
     inspect = sub.add_parser("inspect", help="say what a data set holds: samples, classes, fields, image formats "
                                              "and sizes; --verify decodes every image",
                              description="Inspect PATH: a class-per-folder image tree, a folder or pattern of "
@@ -192,13 +197,13 @@ def _pack(args: argparse.Namespace) -> int:
     def progress(done: int, total: int) -> None:
         nonlocal bar
         if bar is None:  # made at the first sample, once the arguments and SRC have been checked
-            bar = tqdm(total=total, desc=f"packing {args.format}", unit="img")
+            bar = tqdm(total=total, desc=f"packing {args.format}", unit="video" if args.video else "img")
         bar.update(done - bar.n)
 
     try:
         result = pack(args.src, args.dest, format=args.format, shard_size=args.shard_size or None,
                       shard_count=args.shard_count, shuffle=args.shuffle, seed=args.seed, prefix=args.prefix,
-                      progress=progress, verify=args.verify, verify_threads=args.threads)
+                      progress=progress, verify=args.verify, verify_threads=args.threads, video=args.video)
     except (LoaderError, ImportError) as exc:
         if bar is not None:
             bar.close()
