@@ -106,11 +106,11 @@ def bench_reader(root: Path, epochs: int) -> dict:
 
 
 def bench_headrace(root: Path, pipeline, batch: int, epochs: int, lanes: int, hw_load: float | str = 0.65,
-                   threads: int | None = None, run_ahead: bool | None = None) -> dict:
+                   threads: int | None = None, run_ahead: bool | None = None, tuning: ops.GpuTuning | None = None) -> dict:
     loop = headrace.new_event_loop()
     loader = headrace.Loader(readers.files(root, shuffle=True, io_threads=IO_THREADS), batch_size=batch, pipeline=pipeline,
                              device="cuda", lanes=lanes, prefetch=lanes + 2, hw_load=hw_load, num_threads=threads,
-                             run_ahead=run_ahead)
+                             run_ahead=run_ahead, gpu_tuning=tuning)
 
     async def epoch() -> int:
         n = 0
@@ -267,18 +267,6 @@ def bench_nvimgcodec(files, batch: int, epochs: int) -> dict:
     return _timed_epochs(epoch, epochs)
 
 
-def _with_env(name: str, value: str, fn):
-    saved = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        return fn()
-    finally:
-        if saved is None:
-            os.environ.pop(name)
-        else:
-            os.environ[name] = saved
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--images", type=int, default=16384)
@@ -293,7 +281,7 @@ def main() -> None:
     ap.add_argument("--options-variants", default="",
                     help="also run headrace (train) with these nvImageCodec decoder options, ';'-separated")
     ap.add_argument("--python-codec", action="store_true",
-                    help="also run headrace (train) decoding through nvImageCodec's Python API (HEADRACE_NATIVE_DECODE=0)")
+                    help="also run headrace (train) decoding through nvImageCodec's Python API (GpuTuning(decode=\"python\"))")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the rows this many times in turn (A/B pairs interleaved, labels numbered)")
     ap.add_argument("--without-run-ahead", action="store_true",
@@ -357,23 +345,23 @@ def main() -> None:
         runners[variant] = (label, lambda n=int(n), hw_load=hw_load, t=int(threads[0]) if threads else None: bench_headrace(
             root, ops.training(224, dtype="float16"), args.batch, args.epochs, n, hw_load, t))
         rows.append(variant)
-    def train_with(key: str, label: str, env: str, value: str) -> None:  # the train row with one environment variable set
-        runners[key] = (f"headrace (train, {label})", lambda: _with_env(env, value, lambda: bench_headrace(
-            root, ops.training(224, dtype="float16"), args.batch, args.epochs, args.lanes)))
+    def train_with(key: str, label: str, tuning: ops.GpuTuning) -> None:  # the train row, tuned
+        runners[key] = (f"headrace (train, {label})", lambda: bench_headrace(
+            root, ops.training(224, dtype="float16"), args.batch, args.epochs, args.lanes, tuning=tuning))
         rows.append(key)
 
     for cl in filter(None, args.cuda_loads.split(",")):
-        train_with(f"cuda{cl}", f"cuda_load={cl}", "HEADRACE_CUDA_LOAD", cl)
+        train_with(f"cuda{cl}", f"cuda_load={cl}", ops.GpuTuning(cuda_load=float(cl)))
     for k, options in enumerate(filter(None, args.options_variants.split(";"))):
-        train_with(f"options{k}", options, "HEADRACE_NVIMGCODEC_OPTIONS", options)
+        train_with(f"options{k}", options, ops.GpuTuning(nvimgcodec_options=options))
     if args.without_run_ahead:
         runners["no_ahead"] = ("headrace (train, epochs not run ahead)", lambda: bench_headrace(
             root, ops.training(224, dtype="float16"), args.batch, args.epochs, args.lanes, run_ahead=False))
         rows.append("no_ahead")
     if args.python_launch:
-        train_with("python_launch", "kernel launched from Python", "HEADRACE_NATIVE_LAUNCH", "0")
+        train_with("python_launch", "kernel launched from Python", ops.GpuTuning(launch="python"))
     if args.python_codec:
-        train_with("python", "Python nvImageCodec API", "HEADRACE_NATIVE_DECODE", "0")
+        train_with("python", "Python nvImageCodec API", ops.GpuTuning(decode="python"))
     for turn, key in itertools.product(range(args.repeat), rows):
         name, fn = runners[key]
         name = name if turn == 0 else f"{name} #{turn + 1}"

@@ -2,7 +2,7 @@
 (CpuExecutor) and on a GPU (CudaExecutor)."""
 
 from ._cpu import CpuExecutor, Processed
-from ._cuda import CudaExecutor, cuda_available, gpu_unsupported
+from ._cuda import CudaExecutor, GpuTuning, cuda_available, gpu_unsupported
 from ._pipeline import IMAGE_EXTENSIONS, Pipeline, training, validation
 from ._random import uniforms
 from ._stages import Map, MapBatch
@@ -33,6 +33,7 @@ __all__ = [
     "DecodeClip",
     "Flip",
     "GaussianBlur",
+    "GpuTuning",
     "Map",
     "MapBatch",
     "Normalize",

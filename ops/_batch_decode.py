@@ -10,7 +10,7 @@ other lanes, and each image decodes straight into a slice of one buffer the lane
 The shim is compiled on first use with the system C compiler against the header that ships in
 the nvImageCodec wheel, and cached (``$HEADRACE_CACHE``, else ``~/.cache/headrace``) under a hash
 of its inputs. Without a compiler ``load()`` says why, and the GPU path decodes through nvImageCodec's
-Python API instead (as it does with ``HEADRACE_NATIVE_DECODE=0``, read when a lane starts).
+Python API instead (as it does with ``GpuTuning(decode="python")``).
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ import concurrent.futures
 import functools
 import os
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -47,7 +48,7 @@ from ._geometry import check_foldable
 from ._limits import ByteBudget
 from ._pipeline import Pipeline
 
-__all__ = ["CudaExecutor", "cuda_available", "gpu_unsupported"]
+__all__ = ["CudaExecutor", "GpuTuning", "cuda_available", "gpu_unsupported"]
 
 _OUT_NAMES = {torch.uint8: "uint8", torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -78,6 +79,35 @@ def cuda_available() -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class GpuTuning:
+    """How the GPU path drives nvImageCodec: expert knobs, and the ways the benchmarks measure
+    against each other. The defaults are what was fastest on the H100.
+
+    ``cuda_load``: the share of what reaches the CUDA decoder that its hybrid backend (Huffman on
+    the host) takes; the rest goes to its GPU backend. ``nvimgcodec_options``: options for
+    nvImageCodec's decoders, as its documentation spells them (for example
+    ``"nvjpeg_cuda_decoder:hybrid_huffman_threshold=0"``). ``decode``: ``"shim"`` (one GIL-free call
+    a batch through nvImageCodec's C API) or ``"python"`` (its Python API, the fallback where the
+    shim cannot be built). ``launch``: ``"shim"`` (the shim also launches the fused kernel) or
+    ``"python"`` (launched from Python after the decode).
+    """
+
+    cuda_load: float = 1.0
+    nvimgcodec_options: str = ""
+    decode: Literal["shim", "python"] = "shim"
+    launch: Literal["shim", "python"] = "shim"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cuda_load, (int, float)) or not 0.0 <= self.cuda_load <= 1.0:
+            raise ConfigError(f"cuda_load must be in [0, 1], got {self.cuda_load!r}")
+        if not isinstance(self.nvimgcodec_options, str):
+            raise ConfigError(f"nvimgcodec_options must be a str, got {self.nvimgcodec_options!r}")
+        for name in ("decode", "launch"):
+            if getattr(self, name) not in ("shim", "python"):
+                raise ConfigError(f"{name} must be 'shim' or 'python', got {getattr(self, name)!r}")
+
+
 class CudaExecutor:
     """Runs a pipeline on one GPU with ``lanes`` lanes. Lives across epochs; ``aclose`` ends it.
 
@@ -102,6 +132,7 @@ class CudaExecutor:
         seed: int = 0,
         hw_load: float | str = 0.65,
         decoder_threads: int | None = None,
+        tuning: GpuTuning | None = None,
     ) -> None:
         if not cuda_available():
             raise ConfigError("device='cuda' needs a GPU, CuPy and nvImageCodec (pip install 'headrace[cuda13]')")
@@ -110,6 +141,9 @@ class CudaExecutor:
             raise ConfigError(reason)
         if hw_load != "adaptive" and not (isinstance(hw_load, (int, float)) and 0.0 <= hw_load <= 1.0):
             raise ConfigError(f"hw_load must be in [0, 1] or 'adaptive', got {hw_load!r}")
+        if tuning is not None and not isinstance(tuning, GpuTuning):
+            raise ConfigError(f"tuning must be a headrace.ops.GpuTuning, got {type(tuning).__name__}")
+        self.tuning = tuning = tuning or GpuTuning()
         self.pipeline = pipeline
         self.seed = seed
         self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
@@ -117,7 +151,7 @@ class CudaExecutor:
             self.device = torch.device("cuda", torch.cuda.current_device())
         threads = decoder_threads or (os.cpu_count() or 2)
         # The C shim when it builds (GIL-free decode), else nvImageCodec's Python API.
-        self.native = os.environ.get("HEADRACE_NATIVE_DECODE", "1") != "0" and batch_decode.load() is not None
+        self.native = tuning.decode == "shim" and batch_decode.load() is not None
         exif = pipeline.decode.exif
         self._headers = NativeHeaders(exif=exif) if self.native else PythonHeaders(exif=exif)
         self._prep = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="headrace-prep")
@@ -231,11 +265,12 @@ class _Lane:
         self.stream = torch.cuda.ExternalStream(self.cp_stream.ptr, device=dev)
         pipe = self.owner.pipeline
         if self.owner.native:
+            tuning = self.owner.tuning
             self.decoder = NativeDecoder(dev, threads=threads, hw_load=hw_load, channels=pipe.channels,
-                                         exif=pipe.decode.exif, budget=lane_budget(pipe.decode.max_batch_bytes))
+                                         exif=pipe.decode.exif, budget=lane_budget(pipe.decode.max_batch_bytes),
+                                         cuda_load=tuning.cuda_load, options=tuning.nvimgcodec_options)
         else:
-            self.decoder = PythonDecoder(dev, threads=threads, hw_load=hw_load, channels=pipe.channels,
-                                         exif=pipe.decode.exif)
+            self.decoder = PythonDecoder(dev, threads=threads, channels=pipe.channels, exif=pipe.decode.exif)
         # With post ops the fused kernel writes uint8 HWC; PostOps runs them, then normalises and
         # lays out the batch, all on this lane's stream.
         self.post = None
@@ -267,8 +302,7 @@ class _Lane:
         # Without a fixed output size each image gets its own size and place in one allocation
         # (``_views``); that launch goes from Python.
         self.ragged = pipe.output_size() is None
-        if (not self.ragged and self.decoder.launch_unavailable is None
-                and os.environ.get("HEADRACE_NATIVE_LAUNCH", "1") != "0"):
+        if not self.ragged and self.decoder.launch_unavailable is None and self.owner.tuning.launch == "shim":
             self.fused = FusedLaunch(self.kernel, size=pipe.output_size(), channels=c, chw=self.chw,
                                      normalize=self.normalize, mean=self.mean, inv_std=self.inv_std)
 

@@ -18,7 +18,6 @@ is the fallback where the shim cannot be built.
 from __future__ import annotations
 
 import collections
-import os
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -86,7 +85,7 @@ class NativeHeaders:
 
 class NativeDecoder:
     def __init__(self, device: torch.device, *, threads: int, hw_load: float | str, channels: int, exif: bool,
-                 budget: int | None = None) -> None:
+                 budget: int | None = None, cuda_load: float = 1.0, options: str = "") -> None:
         from ._batch_decode import BatchDecoder
 
         self.device = device
@@ -94,11 +93,6 @@ class NativeDecoder:
         # A workspace grows to at most this many bytes, or to one batch's need where that is more
         # (the executor hands a lane no batch over it but a single window: ``_cuda_prep.parts``).
         self.budget = budget
-        # Expert knob, for measuring: options for nvImageCodec's decoder, as its documentation spells them.
-        options = os.environ.get("HEADRACE_NVIMGCODEC_OPTIONS", "")
-        # Expert knob, for measuring: the CUDA decoder's share of what the hardware engine leaves
-        # (the rest fails back to the lane, which decodes it with Pillow).
-        cuda_load = float(os.environ.get("HEADRACE_CUDA_LOAD", "1"))
         self.decoder = BatchDecoder(
             device.index, threads=threads, hw_load=hw_load, cuda_load=cuda_load, channels=channels, exif=exif, options=options
         )
@@ -195,14 +189,14 @@ class PythonHeaders:
 
 
 class PythonDecoder:
-    def __init__(self, device: torch.device, *, threads: int, hw_load: float | str, channels: int, exif: bool) -> None:
+    def __init__(self, device: torch.device, *, threads: int, channels: int, exif: bool) -> None:
         from nvidia import nvimgcodec as nvc
 
         self.nvc = nvc
         self.channels = channels
         kinds = nvc.BackendKind
         # The CUDA decoder only. No CPU backend: what it fails on, the lane decodes with Pillow.
-        # No hardware engine (``hw_load`` is the shim's): in one decoder's chain, a sample the
+        # No hardware engine (the shim's ``hw_load``): in one decoder's chain, a sample the
         # engine fails during the decode can be decoded by two of nvImageCodec's threads at once,
         # which crashed fuzzed runs (batch_decode.c, hr_decoder).
         backends = [nvc.Backend(kinds.HYBRID_CPU_GPU), nvc.Backend(kinds.GPU_ONLY)]

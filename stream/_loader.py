@@ -81,7 +81,9 @@ class Loader:
             held up better when other Python threads competed for the GIL (ops/README.md).
         hw_load: share of each batch offered to the hardware JPEG decoder first (GPU path; 0.65,
             DALI's default, measured as good as or better than the others), or ``"adaptive"``
-            (nvImageCodec moves the share batch by batch).
+            (the share moves batch by batch).
+        gpu_tuning: a ``headrace.ops.GpuTuning``: how the GPU path drives nvImageCodec (expert
+            knobs; the defaults were the fastest measured).
         last_batch: ``"partial"`` (default), ``"fill"`` or ``"drop"`` for the short last batch.
         seed: keys the reader's shuffle (unless it has its own seed) and every random op.
         num_threads: CPU threads for decode and transforms: the CPU path's workers, or each GPU
@@ -166,6 +168,7 @@ class Loader:
         max_errors: int | float | None = None,
         lanes: int = 2,
         hw_load: float | str = 0.65,
+        gpu_tuning: Any = None,
         run_ahead: bool | None = None,
         distributed: bool = True,
         rank: int | None = None,
@@ -173,7 +176,7 @@ class Loader:
         equal: Literal["pad", "drop"] | None = "pad",
         progress: bool = False,
     ) -> None:
-        from headrace.ops import Pipeline
+        from headrace.ops import GpuTuning, Pipeline
         from headrace.readers import Reader
 
         if not isinstance(reader, Reader):
@@ -188,6 +191,8 @@ class Loader:
         reader = _shard_for(reader, dist.rank, dist.world, equal, explicit=rank is not None)
         device = resolve_device(pipeline, device, local_rank=dist.local_rank)
         require_int("lanes", lanes)
+        if gpu_tuning is not None and not isinstance(gpu_tuning, GpuTuning):
+            raise ConfigError(f"gpu_tuning must be a headrace.ops.GpuTuning, got {type(gpu_tuning).__name__}")
         check_on_error(on_error)
         if max_errors is None:
             max_errors = 0 if on_error == "raise" else DEFAULT_MAX_ERRORS
@@ -207,6 +212,7 @@ class Loader:
         self.device = device
         self.lanes = lanes
         self.hw_load = hw_load
+        self.gpu_tuning = gpu_tuning
         if run_ahead is not None and not isinstance(run_ahead, bool):
             raise ConfigError(f"run_ahead must be True, False or None, got {run_ahead!r}")
         self.run_ahead = device.startswith("cuda") if run_ahead is None else run_ahead
@@ -249,7 +255,8 @@ class Loader:
             raise ClosedError("loader is closed")
         if self._executor is None:  # on the GPU (decoders, streams, compiled kernels) this blocks the loop once
             self._executor = open_executor(self.pipeline, self.device, num_threads=self.num_threads, seed=self.seed,
-                                           lanes=self.lanes, hw_load=self.hw_load, decoder_threads=self.num_threads)
+                                           lanes=self.lanes, hw_load=self.hw_load, decoder_threads=self.num_threads,
+                                           tuning=self.gpu_tuning)
         return self._executor
 
     def __len__(self) -> int:

@@ -9,7 +9,8 @@ the nvImageCodec wheel the user has, and a compiler is on every machine we targe
 ``build`` says why and each caller falls back to its Python path. Builds are cached
 (``$HEADRACE_CACHE``, else ``$XDG_CACHE_HOME/headrace`` or ``~/.cache/headrace``) under a hash of
 everything that goes into them, written under a temporary name and renamed, so ranks of one job
-may build at the same time.
+may build at the same time. ``HEADRACE_NO_C_HELPERS=1`` turns them all off (the Python paths run),
+for a machine whose compiler or libraries misbehave.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def build(name: str, source: Path, *, inputs: Sequence[Path] = (), flags: Sequen
     ``inputs`` are other files the build reads (headers): a change to any of them, to the source,
     the flags or the compiler makes a new build.
     """
+    if os.environ.get("HEADRACE_NO_C_HELPERS", "") not in ("", "0"):
+        return None, "the C helpers are turned off (HEADRACE_NO_C_HELPERS)"
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         return None, "no C compiler (set CC, or install gcc)"

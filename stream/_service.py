@@ -85,7 +85,7 @@ class Preprocessor:
         max_pending: bound on images in flight (queued or being processed).
         when_full: past ``max_pending``, ``"wait"`` (in arrival order) or ``"reject"`` (raise
             OverloadedError at once, before any work).
-        device, num_threads, lanes, hw_load, seed: as for ``Loader``.
+        device, num_threads, lanes, hw_load, gpu_tuning, seed: as for ``Loader``.
         batches_in_flight: batches the executor works on at once (default: ``num_threads`` on the
             CPU, so single requests use every core; ``lanes + 1`` on the GPU, so a lane never idles
             between batches).
@@ -124,6 +124,7 @@ class Preprocessor:
         num_threads: int | None = None,
         lanes: int = 1,
         hw_load: float | str = 0.65,
+        gpu_tuning: Any = None,
         seed: int = 0,
         batches_in_flight: int | None = None,
         postprocess: Callable[[Any], Any] | None = None,
@@ -154,6 +155,9 @@ class Preprocessor:
         self.num_threads = require_int("num_threads", num_threads or os.cpu_count() or 1)
         self.lanes = require_int("lanes", lanes)
         self.hw_load = hw_load
+        if gpu_tuning is not None and not isinstance(gpu_tuning, ops.GpuTuning):
+            raise ConfigError(f"gpu_tuning must be a headrace.ops.GpuTuning, got {type(gpu_tuning).__name__}")
+        self.gpu_tuning = gpu_tuning
         self.seed = seed
         on_gpu = self.device.startswith("cuda")
         default_slots = self.lanes + 1 if on_gpu else self.num_threads
@@ -380,7 +384,7 @@ class Preprocessor:
         from headrace.ops._executors import open_executor
 
         return open_executor(self.pipeline, self.device, num_threads=self.num_threads, seed=self.seed,
-                             lanes=self.lanes, hw_load=self.hw_load, name="headrace-serve-cpu")
+                             lanes=self.lanes, hw_load=self.hw_load, name="headrace-serve-cpu", tuning=self.gpu_tuning)
 
     async def _main(self) -> None:
         try:

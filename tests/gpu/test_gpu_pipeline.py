@@ -186,16 +186,15 @@ async def test_fields_ride_beside_their_images(pipeline):
     assert row == 4 and isinstance(err, TransformError) and err.key == "s4" and "'txt'" in str(err)
 
 
-async def test_the_shims_launch_equals_the_launch_from_python(monkeypatch):
+async def test_the_shims_launch_equals_the_launch_from_python():
     # The lane's common case (decode, copies, kernel, event in one shim call) against the same
-    # batch launched from Python (HEADRACE_NATIVE_LAUNCH=0): the same bytes, labels and rows.
+    # batch launched from Python (GpuTuning(launch="python")): the same bytes, labels and rows.
     rng = np.random.default_rng(5)
     blobs = [_jpeg(rng, int(rng.integers(64, 400)), int(rng.integers(64, 400))) for _ in range(40)]
     pipeline = ops.training(48, dtype="float16")
     results = {}
     for fused in ("1", "0"):
-        monkeypatch.setenv("HEADRACE_NATIVE_LAUNCH", fused)
-        gpu = ops.CudaExecutor(pipeline, seed=3, lanes=1)
+        gpu = ops.CudaExecutor(pipeline, seed=3, lanes=1, tuning=ops.GpuTuning(launch="shim" if fused == "1" else "python"))
         try:
             assert (gpu._lanes[0].fused is not None) == (fused == "1")
             outs = [await gpu.run(_batch(blobs, "jpg", epoch=e)) for e in range(3)]  # the lane's buffers in turn

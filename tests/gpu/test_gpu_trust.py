@@ -70,7 +70,7 @@ PIPELINES = {
     "list+post": lambda: ops.Pipeline([ops.Resize(64), ops.ColorTwist(0.3, 0.3)]),
 }
 # The lane's ways: the shim's fused launch, the launch from Python, nvImageCodec's Python API.
-LAUNCHES = {"shim": {}, "python": {"HEADRACE_NATIVE_LAUNCH": "0"}, "pyapi": {"HEADRACE_NATIVE_DECODE": "0"}}
+LAUNCHES = {"shim": ops.GpuTuning(), "python": ops.GpuTuning(launch="python"), "pyapi": ops.GpuTuning(decode="python")}
 
 
 def _empty_output(images) -> bool:
@@ -79,9 +79,7 @@ def _empty_output(images) -> bool:
 
 @pytest.mark.parametrize("launch", list(LAUNCHES))
 @pytest.mark.parametrize("name", list(PIPELINES))
-async def test_bad_files_get_the_cpu_paths_verdict_and_batches_may_lose_every_sample(monkeypatch, name, launch):
-    for var, value in LAUNCHES[launch].items():
-        monkeypatch.setenv(var, value)
+async def test_bad_files_get_the_cpu_paths_verdict_and_batches_may_lose_every_sample(name, launch):
     rng = np.random.default_rng(11)
     bad = _bad_files(rng)
     samples = [_sample("good-0", _jpeg(rng, 300, 400), 0)]
@@ -89,7 +87,7 @@ async def test_bad_files_get_the_cpu_paths_verdict_and_batches_may_lose_every_sa
     samples += [_sample("good-1", _jpeg(rng, 260, 200), 7), _sample("no-label", _jpeg(rng, 100, 100), 8, label=False)]
     pipeline = PIPELINES[name]()
     cpu = ops.CpuExecutor(pipeline, num_threads=2, seed=3)
-    gpu = ops.CudaExecutor(pipeline, seed=3)
+    gpu = ops.CudaExecutor(pipeline, seed=3, tuning=LAUNCHES[launch])
     try:
         a = await cpu.run(SampleBatch(samples, 0, 0))
         b = await gpu.run(SampleBatch(samples, 0, 0))
@@ -143,9 +141,7 @@ def _mutated(rng, base: bytes) -> tuple[str, bytes]:
 
 @pytest.mark.parametrize("launch", ["shim", "python"])
 @pytest.mark.parametrize("name", ["train", "val", "list"])
-async def test_mutated_jpegs_come_out_as_images_or_typed_errors_within_the_memory_limits(monkeypatch, name, launch):
-    for var, value in LAUNCHES[launch].items():
-        monkeypatch.setenv(var, value)
+async def test_mutated_jpegs_come_out_as_images_or_typed_errors_within_the_memory_limits(name, launch):
     rng = np.random.default_rng(17)
     bases = [_jpeg(rng, int(rng.integers(48, 400)), int(rng.integers(48, 400)), quality=int(rng.integers(50, 96)))
              for _ in range(8)]
@@ -155,7 +151,7 @@ async def test_mutated_jpegs_come_out_as_images_or_typed_errors_within_the_memor
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    gpu = ops.CudaExecutor(PIPELINES[name](), seed=5)
+    gpu = ops.CudaExecutor(PIPELINES[name](), seed=5, tuning=LAUNCHES[launch])
     kinds: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     try:
         for lo in range(0, len(samples), 32):
@@ -182,13 +178,11 @@ async def test_mutated_jpegs_come_out_as_images_or_typed_errors_within_the_memor
 
 
 @pytest.mark.parametrize("launch", ["shim", "python"])
-async def test_labels_are_required_per_sample_unless_the_pipeline_reads_none(monkeypatch, launch):
-    for var, value in LAUNCHES[launch].items():
-        monkeypatch.setenv(var, value)
+async def test_labels_are_required_per_sample_unless_the_pipeline_reads_none(launch):
     rng = np.random.default_rng(12)
     samples = [_sample(f"s{i}", _jpeg(rng, 120, 150), i, label=False) for i in range(4)]
     for label, kept in (("cls", []), (None, [0, 1, 2, 3])):
-        gpu = ops.CudaExecutor(ops.training(32, label=label), seed=1)
+        gpu = ops.CudaExecutor(ops.training(32, label=label), seed=1, tuning=LAUNCHES[launch])
         try:
             out = await gpu.run(SampleBatch(samples, 0, 0))
         finally:
@@ -200,10 +194,9 @@ async def test_labels_are_required_per_sample_unless_the_pipeline_reads_none(mon
             assert all(isinstance(err, TransformError) and "'cls'" in str(err) for _, err in out.failures)
 
 
-@pytest.mark.parametrize("native", ["1", "0"], ids=["shim", "pyapi"])
+@pytest.mark.parametrize("decode", ["shim", "python"], ids=["shim", "pyapi"])
 @pytest.mark.parametrize("kind", ["fixed", "own-sizes", "post"])
-async def test_a_batch_over_max_batch_bytes_is_decoded_in_parts_like_the_whole(monkeypatch, kind, native):
-    monkeypatch.setenv("HEADRACE_NATIVE_DECODE", native)
+async def test_a_batch_over_max_batch_bytes_is_decoded_in_parts_like_the_whole(kind, decode):
     rng = np.random.default_rng(13)
     samples = [_sample(f"s{i}", _jpeg(rng, int(rng.integers(300, 600)), int(rng.integers(300, 600))), i)
                for i in range(24)]
@@ -214,7 +207,8 @@ async def test_a_batch_over_max_batch_bytes_is_decoded_in_parts_like_the_whole(m
     outs = {}
     for limit in (None, budget):
         # hw_load 0: every image to the same (CUDA) decoder, however the batch is cut
-        gpu = ops.CudaExecutor(ops.Pipeline([ops.Decode(max_batch_bytes=limit), *ops_after]), seed=4, lanes=1, hw_load=0.0)
+        gpu = ops.CudaExecutor(ops.Pipeline([ops.Decode(max_batch_bytes=limit), *ops_after]), seed=4, lanes=1, hw_load=0.0,
+                               tuning=ops.GpuTuning(decode=decode))
         try:
             outs[limit] = [await gpu.run(SampleBatch(samples, e, e)) for e in range(3)]
             torch.cuda.synchronize()
@@ -251,16 +245,15 @@ def _requested() -> int:
     return torch.cuda.memory_stats()["requested_bytes.all.current"]
 
 
-@pytest.mark.parametrize("native", ["1", "0"], ids=["shim", "pyapi"])
-async def test_cancelled_runs_then_drain_keep_only_the_workspaces_and_aclose_frees_all(monkeypatch, native):
-    monkeypatch.setenv("HEADRACE_NATIVE_DECODE", native)
+@pytest.mark.parametrize("decode", ["shim", "python"], ids=["shim", "pyapi"])
+async def test_cancelled_runs_then_drain_keep_only_the_workspaces_and_aclose_frees_all(decode):
     rng = np.random.default_rng(14)
     samples = [_sample(f"s{i}", _jpeg(rng, int(rng.integers(150, 400)), int(rng.integers(150, 400))), i)
                for i in range(32)]
     gc.collect()
     torch.cuda.synchronize()
     before, asked = torch.cuda.memory_allocated(), _requested()
-    gpu = ops.CudaExecutor(ops.training(64, dtype="float16"), seed=2)
+    gpu = ops.CudaExecutor(ops.training(64, dtype="float16"), seed=2, tuning=ops.GpuTuning(decode=decode))
     pace = random.Random(0)
     held = []
     try:
@@ -276,7 +269,7 @@ async def test_cancelled_runs_then_drain_keep_only_the_workspaces_and_aclose_fre
             gc.collect()
             torch.cuda.synchronize()
             held.append(_requested() - asked - _workspace_bytes(gpu))
-            if native == "1":
+            if decode == "shim":
                 assert gpu._headers.in_use == 0  # every parsed batch went back, run or not
         out = await gpu.run(SampleBatch(samples, 99, 0))  # drained, it takes batches again
         assert out.kept == list(range(32)) and out.data["image"].shape == (32, 3, 64, 64)

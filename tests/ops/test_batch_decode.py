@@ -230,3 +230,13 @@ def test_jpeg_sof_names_the_coding():
     assert jpeg_sof(good) == 0xC0 and jpeg_sof(_with_sof(good, 0xC3)) == 0xC3
     assert claimed_size(_with_sof(good, 0xC3)) == (35, 21)
     assert jpeg_sof(good[:20]) is None and jpeg_sof(b"\xff\xd8") is None
+
+
+def test_the_c_helpers_can_be_turned_off(monkeypatch, tmp_path):
+    from headrace import _native
+
+    monkeypatch.setenv("HEADRACE_CACHE", str(tmp_path))
+    monkeypatch.setenv("HEADRACE_NO_C_HELPERS", "1")
+    target, reason = _native.build("batch_decode", _batch_decode._SOURCE)
+    assert target is None and "HEADRACE_NO_C_HELPERS" in reason and not any(tmp_path.iterdir())
+

@@ -246,3 +246,13 @@ def test_out_of_memory_is_the_samples_decode_error():
     kept, row, kind, key, cause, message = json.loads(proc.stdout.strip().splitlines()[-1])
     print("\n" + message)
     assert (kept, row, kind, key, cause) == ([0, 2], 1, "DecodeError", "s0001", "MemoryError")
+
+
+def test_gpu_tuning_is_checked():
+    from headrace import ConfigError
+    from headrace.ops import GpuTuning
+
+    assert GpuTuning() == GpuTuning(cuda_load=1.0, nvimgcodec_options="", decode="shim", launch="shim")
+    for bad in ({"cuda_load": 1.5}, {"decode": "c"}, {"launch": None}, {"nvimgcodec_options": 3}):
+        with pytest.raises(ConfigError):
+            GpuTuning(**bad)
