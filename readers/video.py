@@ -21,7 +21,7 @@ import io
 import os
 import tarfile
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,9 +35,10 @@ from headrace._threads import join_threads
 from ._base import IndexedReader
 from .files import class_folders
 from ._shards import resolve_shards
+from ._storage import Storage, Store, is_url
 from ._tar import split_name, unsafe
 
-__all__ = ["VIDEO_EXTENSIONS", "TarMember", "VideoInfo", "VideoReader", "import_av", "probe", "video"]
+__all__ = ["VIDEO_EXTENSIONS", "RemoteVideo", "TarMember", "VideoInfo", "VideoReader", "import_av", "probe", "video"]
 
 VIDEO_EXTENSIONS = ("mp4", "mkv", "avi", "mov", "webm")
 _SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")  # what readers.webdataset takes from a folder
@@ -69,18 +70,34 @@ class VideoInfo:
 
 
 @dataclass(frozen=True)
+class RemoteVideo:
+    """A video file in object storage: object ``key`` of ``store``; ``url`` names it (no credentials)."""
+
+    url: str
+    store: Store
+    key: str
+
+    def __str__(self) -> str:
+        return self.url
+
+
+@dataclass(frozen=True)
 class TarMember:
-    """Where a video member of a tar shard lies: its data is ``size`` bytes at ``offset`` of ``shard``."""
+    """Where a video member of a tar shard lies: its data is ``size`` bytes at ``offset`` of ``shard``
+    (a local path; or, with ``store``, the URL of object ``key`` there, read by range)."""
 
     shard: str
     name: str  # the member's path in the archive
     offset: int
     size: int
+    store: Store | None = None
+    key: str | None = None
 
     def __str__(self) -> str:
         return f"{self.shard}:{self.name}"
 
     def read(self) -> bytes:
+        """The member's bytes, from a local shard (a remote one is read on the event loop: ``_video_store``)."""
         with open(self.shard, "rb") as f:
             f.seek(self.offset)
             data = f.read(self.size)
@@ -131,10 +148,10 @@ class VideoReader(IndexedReader):
 
     def __init__(
         self,
-        paths: Sequence[str | os.PathLike | TarMember | ReadError],
+        paths: Sequence[str | os.PathLike | TarMember | RemoteVideo | ReadError],
         labels: Sequence[int | None],
         *,
-        root: Path | None,
+        root: Path | str | None,
         classes: Sequence[str],
         sequence_length: int,
         stride: int,
@@ -144,6 +161,8 @@ class VideoReader(IndexedReader):
         seed: int | None,
         chunk_size: int,
         io_threads: int,
+        storage: Storage | None = None,
+        probes: Sequence[VideoInfo | ReadError] | None = None,
     ) -> None:
         super().__init__(shuffle=shuffle, seed=seed, chunk_size=chunk_size, io_threads=io_threads)
         self.sequence_length = require_int("video: sequence_length", sequence_length)
@@ -151,8 +170,9 @@ class VideoReader(IndexedReader):
         self.span = (sequence_length - 1) * stride + 1  # frames from a clip's first to its last, inclusive
         self.step = require_int("video: step", step) if step is not None else self.span
         self.clips_per_video = require_int("video: clips_per_video", clips_per_video) if clips_per_video is not None else None
-        # A video is a file's path, a tar member, or the ReadError of a member its shard could not list.
-        self.paths = [p if isinstance(p, (TarMember, ReadError)) else os.fspath(p) for p in paths]
+        # A video is a file's path, a tar member, an object in storage, or the ReadError of a member
+        # its shard could not list.
+        self.paths = [p if isinstance(p, (TarMember, RemoteVideo, ReadError)) else os.fspath(p) for p in paths]
         self.labels = [None if v is None else int(v) for v in labels]
         if len(self.labels) != len(self.paths):
             raise ConfigError(f"video: {len(self.paths)} paths but {len(self.labels)} labels")
@@ -162,7 +182,10 @@ class VideoReader(IndexedReader):
         self.classes = tuple(classes)
         self.shards = sorted({p.shard for p in self.paths if isinstance(p, TarMember)})
         self._keys = [_key(p, root) for p in self.paths]
-        self._probed = _Probed()  # shared by this reader's shards: one probe for all
+        self._probed = _Probed(probes)  # shared by this reader's shards: one probe for all
+        # Videos in object storage are fetched on the event loop (``_video_store``), as readers.files does.
+        self.storage = storage
+        self._fetch_on_loop = storage is not None
         self._epoch = 0
         self._draw_seed = 0
 
@@ -207,12 +230,39 @@ class VideoReader(IndexedReader):
             async for chunk in chunks:
                 yield chunk
 
+    def _videos_of(self, indices: Sequence[int]) -> list[int]:
+        """The video of each clip index."""
+        return (np.searchsorted(self.probed()[1], indices, side="right") - 1).tolist()
+
     def _fetch(self, indices: Sequence[int]) -> list[Sample]:
-        infos, offsets = self.probed()
-        videos = np.searchsorted(offsets, indices, side="right") - 1
-        out = []
         data: dict[int, bytes | ReadError] = {}  # a tar member read once per chunk, whatever its clips here
-        for i, v in zip(indices, videos.tolist()):
+        for v in set(self._videos_of(indices)):
+            path = self.paths[v]
+            if isinstance(path, TarMember):
+                try:
+                    data[v] = path.read()
+                except (ReadError, OSError) as exc:
+                    data[v] = ReadError(f"cannot read member {path.name!r}: {exc}", source=path.shard)
+        return self._samples(indices, data)
+
+    def _io_session(self) -> Any:
+        assert self.storage is not None
+        return self.storage.session()
+
+    async def _fetch_async(self, indices: Sequence[int]) -> list[Sample]:
+        from ._video_store import fetch_videos
+
+        assert self.storage is not None
+        infos = self.probed()[0]
+        wanted = sorted({v for v in self._videos_of(indices) if isinstance(infos[v], VideoInfo)})
+        return self._samples(indices, await fetch_videos([self.paths[v] for v in wanted], wanted, self.storage,
+                                                         self.io_threads + 1))
+
+    def _samples(self, indices: Sequence[int], data: dict[int, bytes | ReadError]) -> list[Sample]:
+        """The clips' samples; ``data``: the bytes of the chunk's videos that are not local files."""
+        infos, offsets = self.probed()
+        out = []
+        for i, v in zip(indices, self._videos_of(indices)):
             info, path = infos[v], self.paths[v]
             name = _source(path)
             if isinstance(info, ReadError):
@@ -220,12 +270,7 @@ class VideoReader(IndexedReader):
                 continue
             first = self.clip_start(v, i - int(offsets[v]), info)
             key = f"{self._keys[v]}@{first}"
-            if isinstance(path, TarMember) and v not in data:
-                try:
-                    data[v] = path.read()
-                except (ReadError, OSError) as exc:
-                    data[v] = ReadError(f"cannot read member {path.name!r}: {exc}", source=path.shard)
-            video = data[v] if isinstance(path, TarMember) else path
+            video = data[v] if v in data else path
             if isinstance(video, ReadError):
                 out.append(Sample(key, {}, name, i, error=_keyed(video, key)))
                 continue
@@ -236,8 +281,8 @@ class VideoReader(IndexedReader):
                 "pts": frames,
                 "timestamps": frames * info.time_base,
             }
-            if isinstance(path, TarMember):
-                fields["path"] = name  # what DecodeClip names the bytes by: "<shard>:<member>"
+            if not isinstance(path, str):
+                fields["path"] = name  # what DecodeClip names the bytes by: "<shard>:<member>" or the URL
             if self.labels[v] is not None:
                 fields["cls"] = self.labels[v]
             out.append(Sample(key, fields, name, i))
@@ -259,9 +304,10 @@ class VideoReader(IndexedReader):
 class _Probed:
     """The probes of a reader's videos, made once (under a lock: ``len()`` may ask from any thread)."""
 
-    def __init__(self) -> None:
+    def __init__(self, probes: Sequence[VideoInfo | ReadError] | None = None) -> None:
         self._lock = threading.Lock()
         self._value: tuple[list[VideoInfo | ReadError], np.ndarray] | None = None
+        self._given = list(probes) if probes is not None else None  # made while listing remote shards
 
     @property
     def done(self) -> bool:
@@ -270,31 +316,39 @@ class _Probed:
     def get(self, reader: VideoReader) -> tuple[list[VideoInfo | ReadError], np.ndarray]:
         with self._lock:
             if self._value is None:
-                with concurrent.futures.ThreadPoolExecutor(reader.io_threads,
-                                                           thread_name_prefix="headrace-io-video-probe") as pool:
-                    infos = list(pool.map(_probe_or_error, reader.paths))
+                if self._given is not None:
+                    infos = self._given
+                elif reader.storage is not None:
+                    from ._video_store import probe_remote
+
+                    infos = probe_remote(reader.paths, reader.storage, reader.io_threads)
+                else:
+                    with concurrent.futures.ThreadPoolExecutor(reader.io_threads,
+                                                               thread_name_prefix="headrace-io-video-probe") as pool:
+                        infos = list(pool.map(_probe_or_error, reader.paths))
                 counts = [reader.clip_count(info) for info in infos]
                 self._value = infos, np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
             return self._value
 
 
-def _probe_or_error(path: str | TarMember | ReadError) -> VideoInfo | ReadError:
+def _probe_or_error(path: str | TarMember | ReadError, data: bytes | None = None) -> VideoInfo | ReadError:
+    """A video's probe or its ReadError; ``data``: its bytes, already read (a remote video or member)."""
     if isinstance(path, ReadError):  # its shard could not list it
         return path
     try:
         if isinstance(path, TarMember):
             try:
-                return probe(path.read(), source=str(path))
+                return probe(path.read() if data is None else data, source=str(path))
             except ReadError as exc:  # the shard is the source; the message names the member
                 raise ReadError(f"member {path.name!r}: {exc.message}", source=path.shard) from exc.__cause__
-        return probe(path)
+        return probe(path if data is None else data, source=str(path))
     except ReadError as exc:
         return exc
 
 
 def _keyed(error: ReadError, key: str) -> ReadError:
     """The probe's error for one sample of the stream (a copy: the probe's is shared by epochs)."""
-    out = ReadError(error.message, key=key, source=error.source)
+    out = type(error)(error.message, key=key, source=error.source)  # a StorageError stays one
     out.__cause__ = error.__cause__
     return out
 
@@ -310,37 +364,48 @@ async def _in_thread(fn: Any) -> Any:
         await join_threads([job])
 
 
-def _key(path: str | TarMember | ReadError, root: Path | None) -> str:
-    """A video's part of its clips' keys: the member's WebDataset key, or the file's path (relative to the folder)."""
+def _key(path: str | TarMember | RemoteVideo | ReadError, root: Path | str | None) -> str:
+    """A video's part of its clips' keys: the member's WebDataset key, or the file's path (relative
+    to the folder; an object's URL relative to the bucket prefix)."""
     if isinstance(path, ReadError):
         return path.key or ""
     if isinstance(path, TarMember):
         return (split_name(path.name) or (path.name, ""))[0]
+    if isinstance(path, RemoteVideo):
+        return path.url[len(root):].lstrip("/") if isinstance(root, str) and path.url.startswith(root) else path.url
     rel = os.path.relpath(path, root) if root is not None else path
     return rel.replace(os.sep, "/")
 
 
-def _source(path: str | TarMember | ReadError) -> str:
+def _source(path: str | TarMember | RemoteVideo | ReadError) -> str:
     return path.source or "" if isinstance(path, ReadError) else str(path)
 
 
-def list_shard(shard: str, extensions: set[str]) -> tuple[list[TarMember | ReadError], list[int | None]]:
+def list_shard(shard: str, extensions: set[str], data: bytes | None = None) -> tuple[list[TarMember | ReadError],
+                                                                                     list[int | None]]:
     """The video members of a local, uncompressed tar shard (their offsets, from the headers: data
     is seeked over) and each one's label, read from the ``<key>.cls`` member (ASCII digits) if
     there is one. A shard cut off or corrupt at some member lists the videos before it and then one
     ReadError naming the shard and that member (the videos after it cannot be found).
+    ``data``: the shard's bytes, already fetched (a shard in object storage).
     """
-    with open(shard, "rb") as f:
+    with (open(shard, "rb") if data is None else io.BytesIO(data)) as f:
         if f.read(2) == b"\x1f\x8b":
             raise ConfigError(f"video: {shard!r} is gzip-compressed; video shards must be plain .tar "
                               "(members are read by offset, and mp4 does not compress further)")
-        size = os.fstat(f.fileno()).st_size
+        size = f.seek(0, os.SEEK_END)
+        f.seek(0)
+        return _list_tar(f, size, shard, extensions)
+
+
+def _list_tar(file: Any, size: int, shard: str, extensions: set[str]) -> tuple[list[TarMember | ReadError],
+                                                                                list[int | None]]:
     members: dict[str, TarMember] = {}
     labels: dict[str, int | ReadError] = {}
     failed: ReadError | None = None
     last = None
     try:
-        with tarfile.open(shard, "r:") as tar:
+        with tarfile.open(fileobj=file, mode="r:") as tar:
             for info in tar:
                 last = info.name
                 if info.offset_data + info.size > size:
@@ -408,6 +473,8 @@ def video(
     extensions: Sequence[str] = VIDEO_EXTENSIONS,
     chunk_size: int = 16,
     io_threads: int = 2,
+    storage_options: Mapping[str, Any] | None = None,
+    store: Store | None = None,
 ) -> VideoReader:
     """A reader of clips from video files; decode them with ``headrace.ops.DecodeClip`` (needs PyAV).
 
@@ -452,6 +519,16 @@ def video(
     reader's: a seeded permutation of all clips each epoch, every ``world``-th clip of it per rank,
     ``read(epoch, start=k)`` continuing at stream position ``k``.
 
+    Object storage (``s3://``, ``http(s)://``, or any path with ``store=``; ``storage_options``
+    as for ``readers.webdataset``): the folder may be a bucket prefix ending in ``/`` (listed once,
+    here: a class-per-folder tree of videos), the list's paths URLs, and the shards URLs (a list,
+    a brace pattern, or a glob where the store lists). PyAV needs to seek, so each video is fetched
+    whole and probed and decoded from memory: a shard is downloaded whole here, once, to list and
+    probe its members; a video file once when the first epoch starts, to probe it; then every chunk
+    of clips fetches each of its videos (a member: its byte range) again, on the event loop, ``io_threads
+    + 1`` at once, each retried (a clip whose video cannot be fetched carries a ``StorageError``).
+    Local and remote sources cannot be mixed in one reader.
+
     Raises ReadError if the folder does not exist or holds no videos, ConfigError for a wrong
     argument or if PyAV is missing.
     """
@@ -460,6 +537,10 @@ def video(
                                   clips_per_video=clips_per_video, shuffle=shuffle, seed=seed,
                                   chunk_size=chunk_size, io_threads=io_threads)
     exts = {e.lower().lstrip(".") for e in extensions}
+    if store is not None or _has_url(source):
+        return _remote(source, Storage(storage_options, store), exts, common)
+    if storage_options:
+        raise ConfigError("video: storage_options are for s3:// and http(s):// sources (or store=)")
     if _is_shards(source):
         entries: list[TarMember | ReadError] = []
         labels: list[int | None] = []
@@ -483,6 +564,40 @@ def video(
             raise ConfigError("video: a list source must hold (path, label) tuples")
         return VideoReader([p for p, _ in source], [c for _, c in source], root=None, classes=(), **common)
     raise ConfigError(f"video: source must be a folder, a list of (path, label) or tar shards, got {type(source).__name__}")
+
+
+def _has_url(source: Any) -> bool:
+    if isinstance(source, (str, os.PathLike)):
+        return is_url(os.fspath(source))
+    if isinstance(source, Sequence) and not isinstance(source, (bytes, bytearray)):
+        return any(_has_url(item[0] if isinstance(item, tuple) and item else item) for item in source)
+    return False
+
+
+def _remote(source: Any, storage: Storage, exts: set[str], common: dict[str, Any]) -> VideoReader:
+    """``video()`` over object storage (see there); the fetching is ``_video_store``'s."""
+    from . import _video_store as remote
+
+    if isinstance(source, Sequence) and not isinstance(source, (str, bytes, bytearray)):
+        items = [item[0] if isinstance(item, tuple) and item else item for item in source]
+        if storage.store is None and not all(isinstance(p, str) and is_url(p) for p in items):
+            raise ConfigError("video: a source mixes local paths and URLs; give one or the other")
+    if isinstance(source, str) and source.endswith("/"):
+        root, classes, videos, labels = remote.bucket_class_folders(source, storage, exts)
+        return VideoReader(videos, labels, root=root, classes=classes, storage=storage, **common)
+    if _is_shards(source):
+        urls = resolve_shards(source, storage)
+        entries, found, probes = remote.list_remote_shards(urls, storage, exts, common["io_threads"])
+        if not any(isinstance(e, TarMember) for e in entries) and not any(isinstance(e, ReadError) for e in entries):
+            raise ReadError(f"no video members ({', '.join(sorted(exts))}) in the shards", source=str(source))
+        return VideoReader(entries, found, root=None, classes=(), storage=storage, probes=probes, **common)
+    if isinstance(source, Sequence) and not isinstance(source, (str, bytes, bytearray)):
+        if not all(isinstance(item, tuple) and len(item) == 2 for item in source):
+            raise ConfigError("video: a list source must hold (path, label) tuples")
+        videos = [remote.remote_video(os.fspath(p), storage) for p, _ in source]
+        return VideoReader(videos, [c for _, c in source], root=None, classes=(), storage=storage, **common)
+    raise ConfigError(f"video: a URL source must be a bucket prefix ending in '/', tar shards or a list of "
+                      f"(URL, label), got {source!r}")
 
 
 def _is_shards(source: Any) -> bool:
