@@ -104,8 +104,10 @@ def decode_frames(path: str | bytes, start: int, stride: int, length: int, pts: 
 
     ``pts``: the frames' timestamps in stream units (from ``readers.video``'s probe); without
     them they are computed from the stream's average rate. Seeks to the keyframe at or before
-    the first frame and decodes forward, no further than the last. Raises DecodeError naming
-    ``key`` and ``path`` if the file cannot deliver them all.
+    the first frame and decodes forward, no further than the last. A frame whose display matrix
+    says to rotate it by a multiple of 90 degrees is returned turned upright (``upright``); a
+    mirrored or other rotation is refused. Raises DecodeError naming ``key`` and ``path`` if the
+    file cannot deliver them all.
     """
     from headrace.readers.video import import_av
 
@@ -122,8 +124,10 @@ def decode_frames(path: str | bytes, start: int, stride: int, length: int, pts: 
             wanted = _wanted_pts(stream, start, stride, length) if pts is None else [int(p) for p in pts]
             frames = _collect(container, stream, wanted)
             time_base = float(stream.time_base)
-    except DecodeError:
-        raise
+    except DecodeError as exc:
+        if exc.source is not None:
+            raise
+        raise DecodeError(exc.message, key=key, source=source) from exc  # one raised below, without the file's name
     except (av.error.FFmpegError, OSError, ValueError) as exc:
         raise DecodeError(f"cannot decode video: {exc}", key=key, source=source) from exc
     missing = [start + stride * k for k, frame in enumerate(frames) if frame is None]
@@ -132,6 +136,24 @@ def decode_frames(path: str | bytes, start: int, stride: int, length: int, pts: 
                           f"(frames {missing[:4]}{' ...' if len(missing) > 4 else ''} missing: truncated or corrupt?)",
                           key=key, source=source)
     return np.stack(frames), np.asarray(wanted, np.float64) * time_base
+
+
+def upright(frame: Any) -> np.ndarray:
+    """A decoded frame as RGB ``[H, W, C]``, turned as its display matrix says (phones store portrait
+    video as landscape frames plus a rotation tag): a rotation by a multiple of 90 degrees is
+    applied; a mirrored matrix or another angle raises DecodeError (the caller names the file)."""
+    pixels = frame.to_ndarray(format="rgb24")
+    matrix = next((sd for sd in frame.side_data if sd.type.name == "DISPLAYMATRIX"), None)
+    if matrix is None:
+        return pixels
+    a, b, _, c, d, _, _, _, _ = np.frombuffer(bytes(matrix), np.int32)  # 16.16 fixed point, row major
+    if int(a) * int(d) - int(b) * int(c) < 0:
+        raise DecodeError("the display matrix mirrors the picture; mirrored video is not supported")
+    angle = frame.rotation  # counter-clockwise degrees, as FFmpeg's av_display_rotation_get
+    if angle % 90:
+        raise DecodeError(f"rotation by {angle} degrees is not supported (only multiples of 90)")
+    turns = (angle // 90) % 4
+    return np.ascontiguousarray(np.rot90(pixels, turns)) if turns else pixels
 
 
 def _wanted_pts(stream: Any, start: int, stride: int, length: int) -> list[int]:
@@ -157,7 +179,7 @@ def _collect(container: Any, stream: Any, wanted: list[int]) -> list[np.ndarray 
             first = frame.pts if first is None else first
             k = slots.get(frame.pts)
             if k is not None and frames[k] is None:
-                frames[k] = frame.to_ndarray(format="rgb24")
+                frames[k] = upright(frame)
             if frame.pts >= wanted[-1]:
                 break
         if first is None or first <= wanted[0]:  # decoded from the clip's start on: all the file has

@@ -233,7 +233,7 @@ def _probe_check(data: bytes, key: str, path: str) -> str | None:
     """Why ``readers.video`` cannot probe a video, or None."""
     try:
         probe(data, source=path)
-    except ReadError as exc:
+    except (ReadError, DecodeError) as exc:
         return exc.message
     return None
 

@@ -16,7 +16,7 @@ from collections.abc import Coroutine, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from headrace._errors import ConfigError, ReadError, StorageError
+from headrace._errors import ConfigError, LoaderError, ReadError, StorageError
 
 from ._storage import Storage, Store, redact_url, run_sync, with_retries
 from .video import RemoteVideo, TarMember, VideoInfo, _probe_or_error, list_shard
@@ -66,13 +66,13 @@ async def fetch_videos(entries: Sequence[TarMember | RemoteVideo | str | ReadErr
     return {v: t.result() for v, t in zip(videos, tasks)}
 
 
-def probe_remote(entries: Sequence[Entry | str], storage: Storage, threads: int) -> list[VideoInfo | ReadError]:
+def probe_remote(entries: Sequence[Entry | str], storage: Storage, threads: int) -> list[VideoInfo | LoaderError]:
     """Fetch and probe every video, ``threads`` at a time (a fetched video is held only while probed)."""
 
-    async def main() -> list[VideoInfo | ReadError]:
+    async def main() -> list[VideoInfo | LoaderError]:
         limit = asyncio.Semaphore(threads)
 
-        async def one(entry: Entry | str) -> VideoInfo | ReadError:
+        async def one(entry: Entry | str) -> VideoInfo | LoaderError:
             if isinstance(entry, (ReadError, str)):
                 return entry if isinstance(entry, ReadError) else ReadError("a local path among remote videos",
                                                                             source=entry)
@@ -104,14 +104,14 @@ async def _all(jobs: list[Coroutine[Any, Any, T]]) -> list[T]:
 
 
 def list_remote_shards(urls: Sequence[str], storage: Storage, extensions: set[str], threads: int
-                       ) -> tuple[list[Entry], list[int | None], list[VideoInfo | ReadError]]:
+                       ) -> tuple[list[Entry], list[int | None], list[VideoInfo | LoaderError]]:
     """Each shard fetched whole once, ``threads`` at a time: its video members (read later by byte
     range), their labels and their probes. A shard that cannot be fetched is one StorageError entry."""
 
-    async def main() -> list[tuple[list[Entry], list[int | None], list[VideoInfo | ReadError]]]:
+    async def main() -> list[tuple[list[Entry], list[int | None], list[VideoInfo | LoaderError]]]:
         limit = asyncio.Semaphore(threads)
 
-        async def one(url: str) -> tuple[list[Entry], list[int | None], list[VideoInfo | ReadError]]:
+        async def one(url: str) -> tuple[list[Entry], list[int | None], list[VideoInfo | LoaderError]]:
             store, key = storage.locate(url)
             name = redact_url(store.url(key))
             async with limit:
@@ -128,7 +128,7 @@ def list_remote_shards(urls: Sequence[str], storage: Storage, extensions: set[st
 
     entries: list[Entry] = []
     labels: list[int | None] = []
-    infos: list[VideoInfo | ReadError] = []
+    infos: list[VideoInfo | LoaderError] = []
     for found, found_labels, found_infos in run_sync(main):
         entries += found
         labels += found_labels
@@ -137,7 +137,7 @@ def list_remote_shards(urls: Sequence[str], storage: Storage, extensions: set[st
 
 
 def _list_and_probe(data: bytes, name: str, store: Store, key: str, extensions: set[str]
-                    ) -> tuple[list[Entry], list[int | None], list[VideoInfo | ReadError]]:
+                    ) -> tuple[list[Entry], list[int | None], list[VideoInfo | LoaderError]]:
     listed, labels = list_shard(name, extensions, data)
     entries: list[Entry] = [replace(e, store=store, key=key) if isinstance(e, TarMember) else e for e in listed]
     view = memoryview(data)

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from headrace._errors import ConfigError, ReadError, require_int
+from headrace._errors import ConfigError, DecodeError, LoaderError, ReadError, require_int
 from headrace._sample import Sample
 from headrace._threads import join_threads
 
@@ -110,15 +110,16 @@ def probe(path: str | bytes, source: str | None = None) -> VideoInfo:
     """Demux (no decode) the first video stream of ``path`` (a file, or a video's bytes): every
     frame's timestamp, the frame rate and size. ``source``: the name errors give (default: ``path``).
 
-    Raises ReadError naming the file if it cannot be opened, has no video stream, has frames
-    without timestamps, or holds fewer frames than its container lists (truncated).
+    Raises ReadError naming the file if it cannot be opened (an OS error), DecodeError naming it
+    if its content is not a readable video: not a container FFmpeg knows, no video stream, frames
+    without timestamps, no frames, or fewer frames than its container lists (truncated).
     """
     av = import_av()
     path, source = (io.BytesIO(path), source or "<bytes>") if isinstance(path, bytes) else (path, source or path)
     try:
         with av.open(path) as container:
             if not container.streams.video:
-                raise ReadError("no video stream", source=source)
+                raise DecodeError("no video stream", source=source)
             stream = container.streams.video[0]
             stamps = []
             for packet in container.demux(stream):
@@ -126,20 +127,22 @@ def probe(path: str | bytes, source: str | None = None) -> VideoInfo:
                     continue
                 stamp = packet.pts if packet.pts is not None else packet.dts
                 if stamp is None:
-                    raise ReadError("a frame has no timestamp; cannot address frames in it", source=source)
+                    raise DecodeError("a frame has no timestamp; cannot address frames in it", source=source)
                 stamps.append(stamp)
             if stream.frames and len(stamps) < stream.frames:  # the container's index lists more than the file holds
-                raise ReadError(f"truncated: the container lists {stream.frames} frames, {len(stamps)} could be read",
+                raise DecodeError(f"truncated: the container lists {stream.frames} frames, {len(stamps)} could be read",
                                 source=source)
             rate = stream.average_rate
             info = VideoInfo(np.unique(np.asarray(stamps, np.int64)), float(stream.time_base or 0),
                              float(rate) if rate else 0.0, stream.codec_context.width, stream.codec_context.height)
-    except ReadError:
+    except (ReadError, DecodeError):
         raise
-    except (av.error.FFmpegError, OSError, ValueError) as exc:
-        raise ReadError(f"cannot read video: {exc}", source=source) from exc
+    except OSError as exc:  # the file (not its content): missing, a folder, no permission
+        raise ReadError(f"cannot read video file: {exc}", source=source) from exc
+    except (av.error.FFmpegError, ValueError, EOFError) as exc:
+        raise DecodeError(f"cannot read video: {exc}", source=source) from exc
     if info.frames == 0:
-        raise ReadError("the video stream has no frames", source=source)
+        raise DecodeError("the video stream has no frames", source=source)
     return info
 
 
@@ -162,7 +165,7 @@ class VideoReader(IndexedReader):
         chunk_size: int,
         io_threads: int,
         storage: Storage | None = None,
-        probes: Sequence[VideoInfo | ReadError] | None = None,
+        probes: Sequence[VideoInfo | LoaderError] | None = None,
     ) -> None:
         super().__init__(shuffle=shuffle, seed=seed, chunk_size=chunk_size, io_threads=io_threads)
         self.sequence_length = require_int("video: sequence_length", sequence_length)
@@ -191,18 +194,18 @@ class VideoReader(IndexedReader):
 
     # -- the clip table --------------------------------------------------------------------------------------
 
-    def probed(self) -> tuple[list[VideoInfo | ReadError], np.ndarray]:
-        """Each video's probe (or its ReadError) and the clip table's offsets (video v's clips are
+    def probed(self) -> tuple[list[VideoInfo | LoaderError], np.ndarray]:
+        """Each video's probe (or its ReadError or DecodeError) and the clip table's offsets (video v's clips are
         ``offsets[v]`` to ``offsets[v + 1]``). Probes every video the first time, in ``io_threads`` threads."""
         return self._probed.get(self)
 
     def _dataset_size(self) -> int:
         return int(self.probed()[1][-1])
 
-    def clip_count(self, info: VideoInfo | ReadError) -> int:
+    def clip_count(self, info: VideoInfo | LoaderError) -> int:
         """Clips a video gives: a failed probe gives one sample (its error); a video shorter than a
         clip's span gives none."""
-        if isinstance(info, ReadError):
+        if isinstance(info, LoaderError):
             return 1
         if info.frames < self.span:
             return 0
@@ -265,7 +268,7 @@ class VideoReader(IndexedReader):
         for i, v in zip(indices, self._videos_of(indices)):
             info, path = infos[v], self.paths[v]
             name = _source(path)
-            if isinstance(info, ReadError):
+            if isinstance(info, LoaderError):
                 out.append(Sample(f"{self._keys[v]}@0", {}, name, i, error=_keyed(info, f"{self._keys[v]}@0")))
                 continue
             first = self.clip_start(v, i - int(offsets[v]), info)
@@ -304,16 +307,16 @@ class VideoReader(IndexedReader):
 class _Probed:
     """The probes of a reader's videos, made once (under a lock: ``len()`` may ask from any thread)."""
 
-    def __init__(self, probes: Sequence[VideoInfo | ReadError] | None = None) -> None:
+    def __init__(self, probes: Sequence[VideoInfo | LoaderError] | None = None) -> None:
         self._lock = threading.Lock()
-        self._value: tuple[list[VideoInfo | ReadError], np.ndarray] | None = None
+        self._value: tuple[list[VideoInfo | LoaderError], np.ndarray] | None = None
         self._given = list(probes) if probes is not None else None  # made while listing remote shards
 
     @property
     def done(self) -> bool:
         return self._value is not None
 
-    def get(self, reader: VideoReader) -> tuple[list[VideoInfo | ReadError], np.ndarray]:
+    def get(self, reader: VideoReader) -> tuple[list[VideoInfo | LoaderError], np.ndarray]:
         with self._lock:
             if self._value is None:
                 if self._given is not None:
@@ -331,22 +334,22 @@ class _Probed:
             return self._value
 
 
-def _probe_or_error(path: str | TarMember | ReadError, data: bytes | None = None) -> VideoInfo | ReadError:
-    """A video's probe or its ReadError; ``data``: its bytes, already read (a remote video or member)."""
+def _probe_or_error(path: str | TarMember | ReadError, data: bytes | None = None) -> VideoInfo | LoaderError:
+    """A video's probe or its error (ReadError, DecodeError); ``data``: its bytes, already read (a remote video or member)."""
     if isinstance(path, ReadError):  # its shard could not list it
         return path
     try:
         if isinstance(path, TarMember):
             try:
                 return probe(path.read() if data is None else data, source=str(path))
-            except ReadError as exc:  # the shard is the source; the message names the member
-                raise ReadError(f"member {path.name!r}: {exc.message}", source=path.shard) from exc.__cause__
+            except (ReadError, DecodeError) as exc:  # the shard is the source; the message names the member
+                raise type(exc)(f"member {path.name!r}: {exc.message}", source=path.shard) from exc.__cause__
         return probe(path if data is None else data, source=str(path))
-    except ReadError as exc:
+    except (ReadError, DecodeError) as exc:
         return exc
 
 
-def _keyed(error: ReadError, key: str) -> ReadError:
+def _keyed(error: LoaderError, key: str) -> LoaderError:
     """The probe's error for one sample of the stream (a copy: the probe's is shared by epochs)."""
     out = type(error)(error.message, key=key, source=error.source)  # a StorageError stays one
     out.__cause__ = error.__cause__
@@ -512,8 +515,10 @@ def video(
 
     Every video is probed once (demuxed, not decoded: frame count, timestamps, rate, size), in
     ``io_threads`` threads, when the first epoch starts or ``len()`` is first asked. A video that
-    cannot be probed is one sample in the stream carrying a ``ReadError`` naming the file, under
-    the loader's ``on_error``; so is a shard cut off or corrupt at some member (a ``ReadError``
+    cannot be probed is one sample in the stream carrying an error naming the file, under the
+    loader's ``on_error``: a ``DecodeError`` when its content is not a whole video (not a
+    container FFmpeg reads, no video stream, truncated), a ``ReadError`` when the file itself
+    cannot be read; so is a shard cut off or corrupt at some member (a ``ReadError``
     naming the shard and that member, after the videos listed before it) and a ``.cls`` member
     that is not digits (in place of its video). Shuffle, shard, resume (also on another world size) are the files
     reader's: a seeded permutation of all clips each epoch, every ``world``-th clip of it per rank,

@@ -130,22 +130,22 @@ async def test_unreadable_videos_are_failed_samples_naming_the_file(broken_tree)
     samples = await read_all(reader)
     assert [s.key for s in samples] == ["a/good.mp4@0", "a/good.mp4@8", "a/good.mp4@16",
                                         "a/truncated.mp4@0", "b/text.mp4@0"]
-    for bad in samples[3:]:
-        assert isinstance(bad.error, ReadError) and bad.error.key == bad.key
+    for bad in samples[3:]:  # the files were read; their content is not a whole video: DecodeError
+        assert isinstance(bad.error, DecodeError) and bad.error.key == bad.key
         assert bad.error.source == str(broken_tree / bad.key.split("@")[0])
     assert "truncated" in str(samples[3].error)
 
 
 async def test_unreadable_videos_raise_or_are_skipped_and_counted(broken_tree, leaks):
     strict = _loader(readers.video(broken_tree, sequence_length=8))
-    with pytest.raises(ReadError) as info:
+    with pytest.raises(DecodeError) as info:
         [b async for b in strict]
     assert info.value.source == str(broken_tree / "a/truncated.mp4")
     await strict.aclose()
     skip = _loader(readers.video(broken_tree, sequence_length=8), on_error="skip", max_errors=2)
     batches = [b async for b in skip]
     assert [k for b in batches for k in b.sample_keys] == ["a/good.mp4@0", "a/good.mp4@8", "a/good.mp4@16"]
-    assert skip.stats().errors == {"ReadError": 2} and skip.stats().dropped == 2
+    assert skip.stats().errors == {"DecodeError": 2} and skip.stats().dropped == 2
     await skip.aclose()
     await leaks.check()
 
@@ -286,9 +286,10 @@ async def test_truncated_shards_and_corrupt_members_are_errors_naming_shard_and_
     assert [s.key for s in samples] == ["a@0", "a@16", "a@32", "b@0", "c@0", "d@0", "d@16", "e@0"]
     assert [s.error is None for s in samples] == [True, True, True, False, False, True, True, False]
     s0, s1 = str(broken_shards / "s0.tar"), str(broken_shards / "s1.tar")
-    for bad, shard, member, words in ((samples[3], s0, "b.mp4", "cannot read video"),
-                                      (samples[4], s0, "c.cls", "not a label"), (samples[7], s1, "e.mp4", "truncated tar")):
-        assert isinstance(bad.error, ReadError) and bad.error.key == bad.key and bad.error.source == shard
+    for bad, shard, member, words, kind in ((samples[3], s0, "b.mp4", "cannot read video", DecodeError),
+                                            (samples[4], s0, "c.cls", "not a label", ReadError),
+                                            (samples[7], s1, "e.mp4", "truncated tar", ReadError)):
+        assert type(bad.error) is kind and bad.error.key == bad.key and bad.error.source == shard
         assert repr(member) in str(bad.error) and words in str(bad.error)
     assert samples[0].fields["cls"] == 3 and "cls" not in samples[4].fields
 
@@ -296,7 +297,7 @@ async def test_truncated_shards_and_corrupt_members_are_errors_naming_shard_and_
 async def test_broken_shards_raise_or_are_skipped_and_counted(broken_shards, leaks):
     pipeline = ops.video_pipeline(label=None)
     strict = _loader(readers.video(broken_shards, sequence_length=8, step=16), pipeline=pipeline)
-    with pytest.raises(ReadError) as info:
+    with pytest.raises(DecodeError) as info:  # b.mp4 is not a video
         [b async for b in strict]
     assert info.value.source == str(broken_shards / "s0.tar") and "'b.mp4'" in str(info.value)
     await strict.aclose()
@@ -305,7 +306,7 @@ async def test_broken_shards_raise_or_are_skipped_and_counted(broken_shards, lea
     batches = [b async for b in skip]
     assert [k for b in batches for k in b.sample_keys] == ["a@0", "a@16", "a@32", "d@0", "d@16"]
     assert all(b["video"].shape[1:] == (8, 3, 48, 64) for b in batches)
-    assert skip.stats().errors == {"ReadError": 3} and skip.stats().dropped == 3
+    assert skip.stats().errors == {"DecodeError": 1, "ReadError": 2} and skip.stats().dropped == 3
     await skip.aclose()
     await leaks.check()
 
