@@ -30,7 +30,7 @@ from ._limits import jpeg_sof
 
 __all__ = ["Decoded", "NativeDecoder", "NativeHeaders", "PythonDecoder", "PythonHeaders"]
 
-_HUFFMAN_DCT = (0xC0, 0xC1, 0xC2)  # baseline, extended and progressive JPEG
+_SEQUENTIAL_DCT = (0xC0, 0xC1)  # baseline and extended JPEG: what nvImageCodec is given (batch_decode.c)
 
 
 @dataclass
@@ -174,9 +174,9 @@ class PythonHeaders:
                 continue
             if self.exif and cs.codec_name == "jpeg" and jpeg_orientation(blob) >= 5:
                 h, w = w, h
-            # Huffman-coded DCT only, as the shim (batch_decode.c, decodable_jpeg): a lossless JPEG
-            # would reach a batched backend with a fallback, arithmetic coding is not decoded.
-            usable = cs.codec_name != "jpeg" or jpeg_sof(blob) in _HUFFMAN_DCT
+            # Sequential Huffman-coded DCT only, as the shim (batch_decode.c, decodable_jpeg says why):
+            # progressive, lossless and arithmetic-coded JPEGs go to Pillow.
+            usable = cs.codec_name != "jpeg" or jpeg_sof(blob) in _SEQUENTIAL_DCT
             info[i] = (h, w, cs.num_channels, int(usable))
             streams.append(cs if usable else None)
         return (streams, info), info

@@ -270,19 +270,22 @@ void hr_parsed_destroy(hr_parsed* p)
     free(p);
 }
 
-/* JPEG encodings nvImageCodec is given: Huffman-coded DCT. A lossless JPEG would go to its
-   lossless decoder, a batched backend with a fallback, the case hr_decoder avoids; arithmetic
-   coding it does not decode. The caller decodes those another way. */
+/* JPEG encodings nvImageCodec is given: sequential Huffman-coded DCT (baseline and extended).
+   Progressive JPEGs go to the caller: nvJPEG's host decode of a damaged progressive scan writes
+   outside its coefficient buffer (a refinement pass in libnvjpeg.so.13 at +0xaae27, found by
+   fuzzing with each file ending at a guard page on the H100): a SIGSEGV when the write reaches
+   unmapped memory, heap corruption when it does not (a later malloc aborted). A lossless JPEG
+   would go to nvImageCodec's lossless decoder, a batched backend with a fallback, the case
+   hr_decoder avoids; arithmetic coding it does not decode. */
 static int decodable_jpeg(int32_t encoding)
 {
-    return encoding == NVIMGCODEC_JPEG_ENCODING_BASELINE_DCT || encoding == NVIMGCODEC_JPEG_ENCODING_EXTENDED_SEQUENTIAL_DCT_HUFFMAN ||
-           encoding == NVIMGCODEC_JPEG_ENCODING_PROGRESSIVE_DCT_HUFFMAN;
+    return encoding == NVIMGCODEC_JPEG_ENCODING_BASELINE_DCT || encoding == NVIMGCODEC_JPEG_ENCODING_EXTENDED_SEQUENTIAL_DCT_HUFFMAN;
 }
 
 /* Read the headers of n encoded images into p. For each: info[4i..4i+3] = height, width (as
  * displayed when exif is set: EXIF rotations by 90 or 270 degrees swap them), channels in the file,
  * and 1 when nvImageCodec is to decode it (else 0: the caller decodes it another way; JPEGs other
- * than Huffman-coded DCT are among those). The data must stay alive and unchanged until
+ * than sequential Huffman-coded DCT are among those). The data must stay alive and unchanged until
  * hr_decode_launch returns: the parsed streams point into it. Needs only the instance (any
  * thread). Returns 0 on allocation failure. */
 int hr_parse(nvimgcodecInstance_t instance, hr_parsed* p, int n, const unsigned char* const* data, const size_t* sizes,

@@ -53,11 +53,12 @@ def test_every_image_decodes_once_whatever_the_engines_share(hw_load):
     parsed = _batch_decode.ParsedBatch()
     try:
         blobs = [_jpeg(rng, int(rng.integers(40, 300)), int(rng.integers(40, 300)), progressive=k % 4 == 3) for k in range(24)]
+        sequential = [k for k in range(24) if k % 4 != 3]  # progressive JPEGs are left to Pillow
         for _ in range(3):  # the adaptive share moves between batches
             pick, status, outs = _decode(dec, parsed, blobs, device)
-            assert pick.tolist() == list(range(24)) and status.tolist() == [1] * 24
-            for blob, out in zip(blobs, outs):
-                want = np.asarray(Image.open(io.BytesIO(blob)).convert("RGB")).astype(np.int16)
+            assert pick.tolist() == sequential and status.tolist() == [1] * len(sequential)
+            for k, out in zip(sequential, outs):
+                want = np.asarray(Image.open(io.BytesIO(blobs[k])).convert("RGB")).astype(np.int16)
                 # nvJPEG's IDCT and upsampling differ from libjpeg's by a level or two.
                 assert np.abs(out.cpu().numpy().astype(np.int16) - want).mean() < 2.0
     finally:
