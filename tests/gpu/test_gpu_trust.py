@@ -222,7 +222,7 @@ async def test_a_batch_over_max_batch_bytes_is_decoded_in_parts_like_the_whole(k
             windows = _cuda_prep.window_bytes(np.array([[0, 0, 600, 600]]), 3)[0]
             assert parts >= 3 * 4, parts  # each batch in at least 4 parts
             assert all(size <= max(budget // 2, windows) for size in workspaces), workspaces
-        print(f"{kind}/native={native} max_batch_bytes={limit}: {parts} parts, workspaces {workspaces}")
+        print(f"{kind}/decode={decode} max_batch_bytes={limit}: {parts} parts, workspaces {workspaces}")
     worst = 0.0
     for whole, cut in zip(outs[None], outs[budget]):
         assert whole.kept == cut.kept == list(range(24)) and torch.equal(whole.data["label"], cut.data["label"])
@@ -230,7 +230,7 @@ async def test_a_batch_over_max_batch_bytes_is_decoded_in_parts_like_the_whole(k
         for x, y in pairs:
             assert x.shape == y.shape and x.dtype == y.dtype
             worst = max(worst, (x.float() - y.float()).abs().max().item())
-    print(f"{kind}/native={native}: in parts vs whole, max difference {worst} levels")
+    print(f"{kind}/decode={decode}: in parts vs whole, max difference {worst} levels")
     assert worst <= 1
 
 
@@ -276,7 +276,7 @@ async def test_cancelled_runs_then_drain_keep_only_the_workspaces_and_aclose_fre
         del out
     finally:
         await gpu.aclose()
-    print(f"native={native}: allocated beyond the workspaces after each drain: {held}")
+    print(f"decode={decode}: allocated beyond the workspaces after each drain: {held}")
     assert held == [0] * len(held)
     gc.collect()
     torch.cuda.synchronize()
