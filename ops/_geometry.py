@@ -18,24 +18,7 @@ from headrace._errors import ConfigError
 
 from ._spec import CenterCrop, Flip, Op, RandomResizedCrop, Resize
 
-__all__ = ["Plan", "check_foldable", "output_error", "output_pixels", "plan", "roi"]
-
-
-@dataclass(slots=True)
-class Plan:
-    """Output pixel (x, y) samples source point ``box[0] + (x + 0.5) * sx`` (and likewise y).
-
-    ``clip`` is the part of the source the filter may read: torchvision (and the CPU path) crop
-    before they resize, so a resize after a crop must not see pixels outside that crop. It is also
-    the extent of real pixels: output pixels whose source point falls outside it are zero padding.
-    """
-
-    box: tuple[float, float, float, float]  # x0, y0, x1, y1 in source pixels
-    out_w: int
-    out_h: int
-    clip: tuple[float, float, float, float]
-    flip_h: bool = False
-    flip_v: bool = False
+__all__ = ["PlanBatch", "check_foldable", "output_error", "output_pixels", "plan_batch", "roi_batch"]
 
 
 def check_foldable(ops: tuple[Op, ...]) -> None:
@@ -92,62 +75,18 @@ def output_pixels(h: np.ndarray, w: np.ndarray, ops: tuple[Op, ...]) -> np.ndarr
     return largest
 
 
-def plan(h: int, w: int, ops: tuple[Op, ...], randoms: list[np.ndarray | None]) -> Plan:
-    """Fold the ops for an h x w (display-oriented) image, with this sample's uniforms per op."""
-    x0, y0, x1, y1 = 0.0, 0.0, float(w), float(h)
-    clip = (x0, y0, x1, y1)
-    cw, ch = w, h  # current virtual size
-    resized = False
-    flip_h = flip_v = False
-    for op, u in zip(ops, randoms):
-        if isinstance(op, Resize):
-            ch, cw = op.target(ch, cw)
-            resized = True
-        elif isinstance(op, (RandomResizedCrop, CenterCrop)):
-            top, left, wh, ww = op.window(ch, cw, u) if isinstance(op, RandomResizedCrop) else op.window(ch, cw)
-            sx, sy = (x1 - x0) / cw, (y1 - y0) / ch
-            x0, y0, x1, y1 = x0 + left * sx, y0 + top * sy, x0 + (left + ww) * sx, y0 + (top + wh) * sy
-            ch, cw = wh, ww
-            if not resized:  # a crop before any resize is carried out: later filters stay inside it
-                clip = (max(x0, clip[0]), max(y0, clip[1]), min(x1, clip[2]), min(y1, clip[3]))
-            if isinstance(op, RandomResizedCrop):
-                ch, cw = op.size
-                resized = True
-        elif isinstance(op, Flip):
-            if op.flips(u):
-                if op.vertical:
-                    flip_v = not flip_v
-                else:
-                    flip_h = not flip_h
-    return Plan((x0, y0, x1, y1), cw, ch, clip, flip_h, flip_v)
-
-
-def roi(p: Plan, h: int, w: int) -> tuple[int, int, int, int]:
-    """The integer region (y0, x0, y1, x1) of the source that the resampling filter reads.
-
-    Pillow's bilinear filter reaches ``max(scale, 1)`` pixels around each sample point, so the box
-    grows by that margin (plus one for rounding), then is clipped to ``p.clip``. Decoding exactly
-    this region and resampling it gives the pixels of the CPU path.
-    """
-    x0, y0, x1, y1 = p.box
-    cx0, cy0, cx1, cy1 = p.clip
-    mx = math.ceil(max((x1 - x0) / p.out_w, 1.0)) + 1
-    my = math.ceil(max((y1 - y0) / p.out_h, 1.0)) + 1
-    rx0, ry0 = max(math.floor(cx0), math.floor(x0) - mx), max(math.floor(cy0), math.floor(y0) - my)
-    rx1, ry1 = min(math.ceil(cx1), math.ceil(x1) + mx), min(math.ceil(cy1), math.ceil(y1) + my)
-    rx0, ry0, rx1, ry1 = max(rx0, 0), max(ry0, 0), min(rx1, w), min(ry1, h)
-    if rx1 <= rx0 or ry1 <= ry0:  # a window wholly in the padding: read one pixel, the kernel zero-fills
-        rx0, ry0, rx1, ry1 = 0, 0, min(w, 1), min(h, 1)
-    return ry0, rx0, ry1, rx1
-
-
 @dataclass(slots=True)
 class PlanBatch:
-    """``plan`` for a whole batch at once, as arrays (row = sample): the lanes' hot path.
+    """The folded geometry of a batch, as arrays (row = sample).
 
-    Per-image Python on the GPU path is paid under the GIL; at 25,000 images/s the whole budget is
-    a few tens of microseconds an image, so the geometry is computed with NumPy over the batch.
-    ``plan`` stays the readable reference, and a test checks that both agree.
+    Output pixel (x, y) of sample i samples source point ``box[i, 0] + (x + 0.5) * sx`` (and
+    likewise y), where ``sx = (box[i, 2] - box[i, 0]) / out_w[i]``. ``clip`` is the part of the
+    source the filter may read: torchvision (and the CPU path) crop before they resize, so a resize
+    after a crop must not see pixels outside that crop. It is also the extent of real pixels: output
+    pixels whose source point falls outside it are zero padding.
+
+    Arrays rather than one object per sample because per-image Python on the GPU path is paid under
+    the GIL; at 25,000 images/s the whole budget is a few tens of microseconds an image.
     """
 
     box: np.ndarray  # (B, 4) float64: x0, y0, x1, y1
@@ -159,7 +98,11 @@ class PlanBatch:
 
 
 def plan_batch(h: np.ndarray, w: np.ndarray, ops: tuple[Op, ...], randoms: list[np.ndarray | None]) -> PlanBatch:
-    """Vectorised ``plan``: ``h``, ``w`` are int arrays; ``randoms[i]`` is op i's (B, k) uniforms or None."""
+    """Fold the ops for a batch of h x w (display-oriented) images.
+
+    ``h``, ``w`` are int arrays; ``randoms[i]`` is op i's (B, k) uniforms, or None for an op
+    without randomness.
+    """
     h = np.asarray(h, dtype=np.int64)
     w = np.asarray(w, dtype=np.int64)
     n = len(h)
@@ -182,7 +125,7 @@ def plan_batch(h: np.ndarray, w: np.ndarray, ops: tuple[Op, ...], randoms: list[
             sx, sy = (x1 - x0) / cw, (y1 - y0) / ch
             x0, y0, x1, y1 = x0 + left * sx, y0 + top * sy, x0 + (left + ww) * sx, y0 + (top + wh) * sy
             ch, cw = wh, ww
-            if not resized:
+            if not resized:  # a crop before any resize is carried out: later filters stay inside it
                 clip = [np.maximum(x0, clip[0]), np.maximum(y0, clip[1]), np.minimum(x1, clip[2]), np.minimum(y1, clip[3])]
             if isinstance(op, RandomResizedCrop):
                 ch, cw = np.full(n, op.size[0]), np.full(n, op.size[1])
@@ -198,7 +141,13 @@ def plan_batch(h: np.ndarray, w: np.ndarray, ops: tuple[Op, ...], randoms: list[
 
 
 def roi_batch(p: PlanBatch, h: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """Vectorised ``roi``: an int64 (B, 4) array of regions (y0, x0, y1, x1)."""
+    """The integer regions (y0, x0, y1, x1) of the sources that the resampling filter reads, as int64 (B, 4).
+
+    Pillow's bilinear filter reaches ``max(scale, 1)`` pixels around each sample point, so each box
+    grows by that margin (plus one for rounding), then is clipped to ``clip``. Decoding exactly this
+    region and resampling it gives the pixels of the CPU path. A window wholly in the padding reads
+    one pixel; the kernel zero-fills the rest.
+    """
     x0, y0, x1, y1 = p.box.T
     mx = np.ceil(np.maximum((x1 - x0) / p.out_w, 1.0)) + 1
     my = np.ceil(np.maximum((y1 - y0) / p.out_h, 1.0)) + 1

@@ -16,7 +16,7 @@ from ._errors import (
 )
 from ._loader import Loader, LoaderStats
 from ._loop import new_event_loop
-from ._markers import END, EPOCH_END
+from ._markers import END
 from ._policy import ErrorRecord
 from ._run import EpochMetrics, StageStats
 from ._sample import Batch, Sample, SampleBatch
@@ -28,7 +28,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "END",
-    "EPOCH_END",
     "Batch",
     "ChannelStats",
     "ClosedError",

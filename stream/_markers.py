@@ -1,10 +1,10 @@
-"""End-of-stream markers. They travel through channels like items and are checked by identity."""
+"""The end-of-stream marker. It travels through channels like an item and is checked by identity."""
 
 from __future__ import annotations
 
 from typing import Final
 
-__all__ = ["END", "EPOCH_END", "Marker"]
+__all__ = ["END", "Marker"]
 
 
 class Marker:
@@ -22,6 +22,3 @@ class Marker:
 
 END: Final = Marker("END")
 """No more items will come: the sender closed its end."""
-
-EPOCH_END: Final = Marker("EPOCH_END")
-"""The items before this one complete an epoch."""

@@ -36,7 +36,7 @@ from headrace.ops import (
     uniforms,
 )
 from headrace.ops._cpu_ops import leading_window
-from headrace.ops._geometry import plan, roi
+from headrace.ops._geometry import plan_batch, roi_batch
 
 nvc = _cpu_decode.nvimgcodec()
 needs_nvimgcodec = pytest.mark.skipif(nvc is None, reason="nvImageCodec does not import here")
@@ -163,16 +163,16 @@ def test_stored_region_maps_the_upright_region(rng):
     "ops", [(RandomResizedCrop(224), Flip()), (RandomResizedCrop(32, scale=(0.01, 1.0)),), (CenterCrop(48),)]
 )
 def test_decoded_window_is_the_planned_region(ops):
-    """The region the CPU path decodes is ``roi(plan(...))``, the GPU path's region: for a leading
+    """The region the CPU path decodes is the GPU path's region (``roi_batch``): for a leading
     crop, the clip (the crop window) bounds it."""
     rng = np.random.default_rng(3)
     n = 300
     h, w = rng.integers(49, 900, n), rng.integers(49, 900, n)
     us = [uniforms(1, 0, k, np.arange(n), op.randoms) if op.randoms else None for k, op in enumerate(ops, 1)]
+    regions = roi_batch(plan_batch(h, w, ops, us), h, w)
     for i in range(n):
-        u = [None if x is None else x[i] for x in us]
-        top, left, ch, cw = leading_window(ops, int(h[i]), int(w[i]), u[0])
-        assert (top, left, top + ch, left + cw) == roi(plan(int(h[i]), int(w[i]), ops, u), int(h[i]), int(w[i]))
+        top, left, ch, cw = leading_window(ops, int(h[i]), int(w[i]), None if us[0] is None else us[0][i])
+        assert (top, left, top + ch, left + cw) == tuple(int(v) for v in regions[i])
 
 
 @needs_nvimgcodec
