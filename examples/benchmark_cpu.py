@@ -45,6 +45,7 @@ from PIL import Image
 
 import headrace
 from headrace import datasets, ops, readers
+from headrace._loop import new_event_loop  # uvloop when installed, as the loader uses
 from headrace._bench_dataloader import TorchvisionStyle
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -248,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         pin_memory=False,
         persistent_workers=args.workers > 0,
     )
-    loop = headrace.new_event_loop()
+    loop = new_event_loop()
     systems: dict[str, Callable[[], tuple[int, float]]] = {
         "torch DataLoader + Pillow (torchvision-style)": lambda dl=dl: time_dataloader_epoch(dl),
         "headrace": lambda: loop.run_until_complete(_headrace_epoch(hr)),

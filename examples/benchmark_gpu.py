@@ -38,6 +38,7 @@ import torch
 
 import headrace
 from headrace import datasets, ops, readers
+from headrace._loop import new_event_loop  # uvloop when installed, as the loader uses
 
 
 def _files(root: Path) -> list[tuple[str, int]]:
@@ -89,7 +90,7 @@ IO_THREADS = 2  # the files reader's I/O threads (--io-threads)
 
 def bench_reader(root: Path, epochs: int) -> dict:
     """The files reader alone: how fast the bytes arrive, with nothing decoded."""
-    loop = headrace.new_event_loop()
+    loop = new_event_loop()
     reader = readers.files(root, shuffle=True, io_threads=IO_THREADS)
 
     async def epoch_async(e: int) -> int:
@@ -107,7 +108,7 @@ def bench_reader(root: Path, epochs: int) -> dict:
 
 def bench_headrace(root: Path, pipeline, batch: int, epochs: int, lanes: int, hw_load: float | str = 0.65,
                    threads: int | None = None, run_ahead: bool | None = None, tuning: ops.GpuTuning | None = None) -> dict:
-    loop = headrace.new_event_loop()
+    loop = new_event_loop()
     loader = headrace.Loader(readers.files(root, shuffle=True, io_threads=IO_THREADS), batch_size=batch, pipeline=pipeline,
                              device="cuda", lanes=lanes, prefetch=lanes + 2, hw_load=hw_load, num_threads=threads,
                              run_ahead=run_ahead, gpu_tuning=tuning)

@@ -39,6 +39,7 @@ import numpy as np
 
 import headrace
 from headrace import readers
+from headrace._loop import new_event_loop  # uvloop when installed, as the loader uses
 from headrace.readers._tar import iter_groups, open_shard
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -100,7 +101,7 @@ def headrace_read(paths: list[str], shuffle: bool) -> tuple[int, int]:
                 b += s.nbytes
         return n, b
 
-    loop = headrace.new_event_loop()
+    loop = new_event_loop()
     try:
         return loop.run_until_complete(run())
     finally:

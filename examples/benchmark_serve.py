@@ -45,6 +45,7 @@ import headrace
 import numpy as np
 import torch
 from headrace import Loader, Preprocessor, datasets, ops, readers
+from headrace._loop import new_event_loop  # uvloop when installed, as the loader uses
 from PIL import Image
 
 HERE = Path(__file__).resolve().parent
@@ -267,7 +268,7 @@ def _print_row(row: dict) -> None:
 
 
 def _run(coro):
-    with asyncio.Runner(loop_factory=headrace.new_event_loop) as runner:  # uvloop when installed
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
         return runner.run(coro)
 
 

@@ -42,6 +42,7 @@ import numpy as np
 
 import headrace
 from headrace import readers
+from headrace._loop import new_event_loop  # uvloop when installed, as the loader uses
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -76,7 +77,7 @@ def make_files(root: Path, count: int, kib: float, seed: int = 1) -> None:
 
 
 def run_async(make: Callable[[], object]) -> object:
-    loop = headrace.new_event_loop()
+    loop = new_event_loop()
     try:
         return loop.run_until_complete(make())
     finally:

@@ -37,6 +37,7 @@ import headrace
 import torch
 from aiohttp import BodyPartReader, web
 from headrace import ops
+from headrace._loop import new_event_loop
 
 PRE = web.AppKey("preprocessor", headrace.Preprocessor)
 MODEL_NAME = web.AppKey("model_name", str)
@@ -209,8 +210,8 @@ def main(argv: list[str] | None = None) -> None:
         device=args.device, model=args.model, topk=args.topk, max_batch=args.max_batch, max_delay=args.max_delay,
         max_pending=args.max_pending, when_full=args.when_full, num_threads=args.threads,
     )
-    # uvloop when installed, like the loader (headrace.new_event_loop).
-    web.run_app(app, host=args.host, port=args.port, loop=headrace.new_event_loop(),
+    # uvloop when installed, like the loader.
+    web.run_app(app, host=args.host, port=args.port, loop=new_event_loop(),
                 print=lambda m: print(m, flush=True))
 
 

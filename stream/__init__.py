@@ -1,8 +1,16 @@
-"""headrace: an asyncio streaming data loader that feeds GPUs."""
+"""headrace: an asyncio streaming data loader that feeds GPUs.
+
+This package exports what a training loop or a serving path writes: the loader and the
+preprocessor, samples and batches, the errors to catch, and the statistics they report. The
+plumbing under them (channels, the end-of-stream marker, the batches handed to executors, the
+event loop factory, rank detection) stays importable from its own module, e.g.
+``from headrace._channel import open_channel``.
+"""
+
+from __future__ import annotations
 
 from ._batcher import LastBatch
-from ._channel import ChannelStats, ReceiveChannel, SendChannel, open_channel
-from ._distributed import Distributed, detect_distributed
+from ._channel import ChannelStats
 from ._errors import (
     ClosedError,
     ConfigError,
@@ -15,11 +23,9 @@ from ._errors import (
     TransformError,
 )
 from ._loader import Loader, LoaderStats
-from ._loop import new_event_loop
-from ._markers import END
 from ._policy import ErrorRecord
 from ._run import EpochMetrics, StageStats
-from ._sample import Batch, Sample, SampleBatch
+from ._sample import Batch, Sample
 from ._service import Preprocessor, PreprocessorStats
 from ._sync import SyncLoader
 from ._torch_view import torch_dataset
@@ -27,15 +33,13 @@ from ._torch_view import torch_dataset
 __version__ = "0.1.0"
 
 __all__ = [
-    "END",
     "Batch",
     "ChannelStats",
     "ClosedError",
     "ConfigError",
     "DecodeError",
-    "Distributed",
-    "ErrorBudgetExceeded",
     "EpochMetrics",
+    "ErrorBudgetExceeded",
     "ErrorRecord",
     "LastBatch",
     "Loader",
@@ -45,17 +49,11 @@ __all__ = [
     "Preprocessor",
     "PreprocessorStats",
     "ReadError",
-    "ReceiveChannel",
     "Sample",
-    "SampleBatch",
-    "SendChannel",
     "StageStats",
     "StorageError",
     "SyncLoader",
     "TransformError",
     "__version__",
-    "detect_distributed",
-    "new_event_loop",
-    "open_channel",
     "torch_dataset",
 ]

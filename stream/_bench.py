@@ -80,7 +80,7 @@ def bench(path: str, *, format: str | None = None, limit: int | None = None, dev
     making a loader raises (``LoaderError``, ``ImportError`` for a missing extra); samples that
     fail are skipped and counted, never raised.
     """
-    from headrace import new_event_loop
+    from headrace._loop import new_event_loop
 
     if pipeline not in ("training", "validation"):
         raise ConfigError(f"bench: pipeline must be 'training' or 'validation', got {pipeline!r}")

@@ -279,7 +279,7 @@ def inspect(path: str, *, format: str | None = None, limit: int | None = None, v
     """
     from tqdm import tqdm
 
-    from headrace import new_event_loop
+    from headrace._loop import new_event_loop
 
     reader, kind = open_reader(path, format)
     census = Census()

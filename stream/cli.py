@@ -173,7 +173,7 @@ def _demo(args: argparse.Namespace) -> int:
     except LoaderError as exc:
         print(f"headrace demo: error: {exc}", file=sys.stderr)
         return 1
-    from headrace import new_event_loop
+    from headrace._loop import new_event_loop
 
     loop = new_event_loop()
     try:

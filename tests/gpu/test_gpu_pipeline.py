@@ -11,7 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
-from headrace import DecodeError, Loader, Sample, SampleBatch, TransformError, ops, readers
+from headrace import DecodeError, Loader, Sample, TransformError, ops, readers
+from headrace._sample import SampleBatch
 
 # Bounds, explained: the kernel computes the antialiased bilinear filter in two passes (rounding
 # between them, as Pillow does) in float arithmetic; the CPU path uses torch's uint8 antialiased

@@ -16,7 +16,8 @@ import pytest
 import torch
 from PIL import Image
 
-from headrace import ClosedError, DecodeError, Loader, LoaderError, Sample, SampleBatch, TransformError, ops, readers
+from headrace import ClosedError, DecodeError, Loader, LoaderError, Sample, TransformError, ops, readers
+from headrace._sample import SampleBatch
 from headrace.ops import _cuda_prep
 
 

@@ -19,6 +19,7 @@ import torch
 from PIL import Image
 
 import headrace
+from headrace._sample import SampleBatch
 
 ORIENTATION_TAG = 0x0112
 
@@ -65,8 +66,8 @@ def sample(i: int, data: bytes | None, label: int | None = 3, **kw) -> headrace.
     return headrace.Sample(f"s{i:04d}", fields, f"mem://shard/{i}", i, **kw)
 
 
-def batch(samples: Sequence[headrace.Sample], epoch: int = 0, index: int = 0) -> headrace.SampleBatch:
-    return headrace.SampleBatch(list(samples), epoch, index)
+def batch(samples: Sequence[headrace.Sample], epoch: int = 0, index: int = 0) -> SampleBatch:
+    return SampleBatch(list(samples), epoch, index)
 
 
 # EXIF orientation as NumPy moves: what a viewer shows for each tag (CIPA DC-008, 4.6.4 A).

@@ -2,8 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from headrace import LastBatch, Sample, open_channel
+from headrace import LastBatch, Sample
 from headrace._batcher import batch_samples, batches_per_epoch
+from headrace._channel import open_channel
 
 
 def _samples(n: int) -> list[Sample]:

@@ -4,7 +4,9 @@ import asyncio
 
 import pytest
 
-from headrace import END, ClosedError, ConfigError, open_channel
+from headrace import ClosedError, ConfigError
+from headrace._channel import open_channel
+from headrace._markers import END
 
 
 async def test_items_pass_in_order_then_end():

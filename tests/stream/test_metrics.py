@@ -11,7 +11,8 @@ import contextlib
 
 import pytest
 
-from headrace import ConfigError, EpochMetrics, Loader, StageStats, open_channel, ops, readers
+from headrace import ConfigError, EpochMetrics, Loader, StageStats, ops, readers
+from headrace._channel import open_channel
 from headrace.readers import Reader
 
 SAMPLES, BATCHES = 75, 10  # the image_folder fixture, batch size 8, partial last batch
