@@ -94,6 +94,117 @@ def _pax(data: bytes) -> dict[str, str]:
     return out
 
 
+class _TarCursor:
+    """Reads a tar stream member by member, keeping the byte offset and the key being read (for the
+    errors it raises) and, for a seekable file, where the archive ends (to seek over data)."""
+
+    __slots__ = ("end", "f", "key", "offset", "read", "source")
+
+    def __init__(self, f: BinaryIO, source: str) -> None:
+        self.f = f
+        self.read = f.read
+        self.source = source
+        self.key: str | None = None
+        self.offset = 0
+        # A plain file (or a download, which has a size) is seeked over and its size bounds every
+        # member; a gzip stream is read through.
+        self.end = None if isinstance(f, gzip.GzipFile) else _size(f) - f.tell()
+
+    def error(self, message: str) -> ReadError:
+        return ReadError(message, key=self.key, source=self.source)
+
+    def next_member(self) -> tuple[str, bytes, int, int] | None:
+        """(name, type flag, size, size padded to blocks) of the next member, its GNU long-name and
+        pax headers applied; None at the end of the archive. The cursor is then at its data."""
+        long_name: str | None = None
+        pax: dict[str, str] = {}
+        while True:
+            header = self._header()
+            if header is None:
+                return None
+            try:
+                size = int(pax["size"]) if "size" in pax else _number(header[124:136])
+            except ValueError as exc:
+                raise self.error(f"corrupt tar header at byte {self.offset} (size field)") from exc
+            kind = header[156:157]
+            self.offset += BLOCK
+            padded = (size + BLOCK - 1) & ~(BLOCK - 1)
+            if kind not in (b"L", b"x", b"g", b"K"):
+                return _member_name(header, long_name, pax), kind, size, padded
+            data = self.read(padded)
+            if len(data) < padded:
+                raise self.error(f"truncated tar: extended header at byte {self.offset - BLOCK}")
+            self.offset += padded
+            if kind == b"L":
+                long_name = data[:size].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+            elif kind == b"x":
+                pax = _pax(data[:size])
+
+    def _header(self) -> bytes | None:
+        """The next 512-byte header, its checksum checked; None at the end marker or end of file."""
+        header = self.read(BLOCK)
+        if len(header) < BLOCK:
+            if header:
+                raise self.error(f"truncated tar: a header is cut off at byte {self.offset}")
+            return None  # end of file on a block boundary without the end marker: accepted, as tarfile does
+        if header == _ZERO:
+            return None
+        stored = header[148:156]
+        total = sum(header) - sum(stored) + 256
+        try:
+            valid = _number(stored) == total
+        except ValueError:
+            valid = False
+        if not valid:
+            raise self.error(f"corrupt tar header at byte {self.offset} (checksum mismatch)")
+        return header
+
+    def skip_member(self, padded: int, name: str) -> None:
+        """Pass over the member's data without reading it where the file can seek."""
+        self._skip(padded, name)
+        self.offset += padded
+
+    def read_member(self, size: int, padded: int, name: str) -> bytes:
+        data = self.read(size)
+        if len(data) < size:
+            raise self.error(f"truncated tar: member {name!r} needs {size} bytes, {len(data)} left")
+        self._skip(padded - size, name)
+        self.offset += padded
+        return data
+
+    def _skip(self, n: int, name: str) -> None:
+        if n <= 0:
+            return
+        if self.end is not None and n > BLOCK:
+            if self.offset + n > self.end:
+                raise self.error(f"truncated tar: member {name!r} is cut off")
+            self.f.seek(n, os.SEEK_CUR)
+        elif len(self.read(n)) < n:
+            raise self.error(f"truncated tar: member {name!r} is cut off")
+
+
+def _member_name(header: bytes, long_name: str | None, pax: dict[str, str]) -> str:
+    if long_name is not None:
+        return long_name
+    if "path" in pax:
+        return pax["path"]
+    name = header[:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+    if header[257:263] == b"ustar\x00" and header[345] != 0:  # ustar keeps a long path's head in its prefix field
+        name = header[345:500].split(b"\0", 1)[0].decode("utf-8", "surrogateescape") + "/" + name
+    return name
+
+
+def _field_name(name: str, kind: bytes) -> tuple[str, str] | None:
+    """(key, field) of a member that becomes a field; None for one passed over (not a regular file,
+    WebDataset's ``__meta__`` members, no extension)."""
+    if kind not in _REGULAR:
+        return None
+    split = None if _META.match(name) else split_name(name)
+    if split is None and unsafe(name):
+        split = (name, "")  # no extension, but a hostile path is reported, not passed over
+    return split
+
+
 def iter_groups(f: BinaryIO, source: str, select: Callable[[int], bool] | None = None,
                 stop: Callable[[], bool] | None = None) -> Iterator[TarGroup]:
     """Yield the shard's samples in order, one tuple per group of members that share a key.
@@ -105,102 +216,40 @@ def iter_groups(f: BinaryIO, source: str, select: Callable[[int], bool] | None =
     header raises ReadError naming the shard and the sample being read; the samples before it
     have been yielded. ``stop()`` is polled once per member so a reader can be abandoned quickly.
     """
+    tar = _TarCursor(f, source)
     ordinal = -1
     key: str | None = None
     fields: dict[str, bytes] | None = None
     error: ReadError | None = None
-    long_name: str | None = None
-    pax: dict[str, str] = {}
-    offset = 0
-    read = f.read
-    # A plain file (or a download, which has a size) is seeked over and its size bounds every
-    # member; a gzip stream is read through.
-    end = None if isinstance(f, gzip.GzipFile) else _size(f) - f.tell()
-
-    def skip(n: int, name: str) -> None:
-        if n <= 0:
-            return
-        if end is not None and n > BLOCK:
-            if offset + n > end:
-                raise ReadError(f"truncated tar: member {name!r} is cut off", key=key, source=source)
-            f.seek(n, os.SEEK_CUR)
-        elif len(read(n)) < n:
-            raise ReadError(f"truncated tar: member {name!r} is cut off", key=key, source=source)
-
     while True:
         if stop is not None and stop():
             return
-        header = read(BLOCK)
-        if len(header) < BLOCK:
-            if header:
-                raise ReadError(f"truncated tar: a header is cut off at byte {offset}", key=key, source=source)
-            break  # end of file on a block boundary without the end marker: accepted, as tarfile does
-        if header == _ZERO:
+        member = tar.next_member()
+        if member is None:
             break
-        stored = header[148:156]
-        total = sum(header) - sum(stored) + 256
-        try:
-            valid = _number(stored) == total
-        except ValueError:
-            valid = False
-        if not valid:
-            raise ReadError(f"corrupt tar header at byte {offset} (checksum mismatch)", key=key, source=source)
-        try:
-            size = int(pax["size"]) if "size" in pax else _number(header[124:136])
-        except ValueError as exc:
-            raise ReadError(f"corrupt tar header at byte {offset} (size field)", key=key, source=source) from exc
-        kind = header[156:157]
-        offset += BLOCK
-        padded = (size + BLOCK - 1) & ~(BLOCK - 1)
-        if kind in (b"L", b"x", b"g", b"K"):
-            data = read(padded)
-            if len(data) < padded:
-                raise ReadError(f"truncated tar: extended header at byte {offset - BLOCK}", key=key, source=source)
-            offset += padded
-            if kind == b"L":
-                long_name = data[:size].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-            elif kind == b"x":
-                pax = _pax(data[:size])
-            continue
-        if long_name is not None:
-            name = long_name
-        elif "path" in pax:
-            name = pax["path"]
-        else:
-            name = header[:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-            if header[257:263] == b"ustar\x00" and header[345] != 0:
-                name = header[345:500].split(b"\0", 1)[0].decode("utf-8", "surrogateescape") + "/" + name
-        long_name, pax = None, {}
-        split = split_name(name) if kind in _REGULAR and not _META.match(name) else None
-        if split is None and kind in _REGULAR and unsafe(name):
-            split = (name, "")  # no extension, but a hostile path is reported, not passed over
+        name, kind, size, padded = member
+        split = _field_name(name, kind)
         if split is None:
-            skip(padded, name)
-            offset += padded
+            tar.skip_member(padded, name)
             continue
         member_key, ext = split
         if member_key != key:
             if key is not None:
                 yield ordinal, key, fields, error
             ordinal += 1
-            key, error = member_key, None
+            key = tar.key = member_key
+            error = None
             wanted = select is None or select(ordinal)
             fields = {} if wanted else None
             if wanted and unsafe(member_key):
                 fields, error = {}, ReadError(f"member path escapes the archive: {name!r}", key=member_key, source=source)
         if fields is None or error is not None:
-            skip(padded, name)
+            tar.skip_member(padded, name)
         elif ext in fields:
             error = ReadError(f"duplicate field {ext!r} in sample", key=key, source=source)
-            skip(padded, name)
+            tar.skip_member(padded, name)
         else:
-            data = read(size)
-            if len(data) < size:
-                raise ReadError(f"truncated tar: member {name!r} needs {size} bytes, {len(data)} left",
-                                key=key, source=source)
-            fields[ext] = data
-            skip(padded - size, name)
-        offset += padded
+            fields[ext] = tar.read_member(size, padded, name)
     if key is not None:
         yield ordinal, key, fields, error
 

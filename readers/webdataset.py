@@ -21,15 +21,11 @@ reading the ``shuffle_buffer`` held samples again; without a shuffle buffer, onl
 
 from __future__ import annotations
 
-import asyncio
 import bisect
-import concurrent.futures
 import contextlib
 import copy
 import os
-from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Literal, Self
 
 import numpy as np
@@ -38,31 +34,15 @@ from headrace._errors import ConfigError, ReadError, require_int
 from headrace._sample import Sample
 
 from ._base import Equal, Reader, _check_shard, number_samples
-from headrace._threads import join_threads
-
-from ._feed import END, Feed
 from ._reshard import resharded
+from ._shard_files import ShardFiles, ShardJob
 from ._shards import read_index, resolve_shards
-from ._storage import Downloads, RemoteFile, Storage, Store, is_url, run_sync
 from ._shuffle import Draws, ShuffleBuffer, resume_state
-from ._tar import count_samples, iter_groups, open_shard
+from ._storage import Storage, Store, run_sync
 
 __all__ = ["WebDatasetReader", "webdataset"]
 
 Split = Literal["auto", "shards", "samples"]
-
-
-@dataclass(frozen=True, slots=True)
-class _Job:
-    """One shard as this rank reads it in one epoch."""
-
-    shard: int  # number in the sorted shard list
-    path: str
-    first: int  # first in-shard ordinal that belongs to this rank
-    stride: int  # then every stride-th
-    base_index: int  # Sample.index of the shard's first sample
-    rank_base: int = -1  # this rank's input ordinal of the shard's first kept sample (-1: unknown)
-    needed: Callable[[int], bool] | None = None  # on rank input ordinals; None: all
 
 
 class WebDatasetReader(Reader):
@@ -98,25 +78,31 @@ class WebDatasetReader(Reader):
         self.shuffle = shuffle
         self.shuffle_buffer = shuffle_buffer
         self.seed = seed
-        self.read_ahead = read_ahead
-        self.chunk_size = chunk_size
         self.split = split
-        self.require = [tuple(alt.split(";")) for alt in require]
         self.equal: Equal = None
-        self.buffer_bytes = buffer_bytes
-        # Shards read through a store (URLs, or keys of an explicit store) and their display names.
         self.storage = storage
-        self._remote = [storage is not None and (storage.store is not None or is_url(p)) for p in self.shards]
-        self._names = [storage.locate(p)[0].url(storage.locate(p)[1]) if remote and storage else p
-                       for p, remote in zip(self.shards, self._remote)]
-        self.retries = 0  # storage faults survived by the downloads (resumed from their offset)
-        self.peak_buffered = 0  # most bytes one download held ahead of its parser
+        self.files = ShardFiles(self.shards, storage, read_ahead=read_ahead, chunk_size=chunk_size,
+                                require=[tuple(alt.split(";")) for alt in require], buffer_bytes=buffer_bytes)
         self._counts = None if counts is None else [int(c) for c in counts]
         self._total = sum(self._counts) if self._counts is not None else total
         # Sample.index: dense dataset positions when counts are known now, else (shard << 32) + ordinal.
         # Fixed here, so a scan done later (for a resume) never changes the indices.
         self._offsets = None if self._counts is None else np.concatenate([[0], np.cumsum(self._counts)]).tolist()
         self._scanned: list[int] | None = self._counts
+
+    @property
+    def _names(self) -> list[str]:
+        return self.files.names
+
+    @property
+    def retries(self) -> int:
+        """Storage faults survived by this reader's downloads (each resumed from the byte reached)."""
+        return self.files.retries
+
+    @property
+    def peak_buffered(self) -> int:
+        """The most bytes one download held ahead of its parser."""
+        return self.files.peak_buffered
 
     # -- shape of the stream ------------------------------------------------------------------
 
@@ -125,7 +111,7 @@ class WebDatasetReader(Reader):
         """True when ranks split every shard's samples, False when they split the shards."""
         return self.split == "samples" or (self.split == "auto" and len(self.shards) < self.world)
 
-    def _jobs(self, epoch: int, seed: int) -> list[_Job]:
+    def _jobs(self, epoch: int, seed: int) -> list[ShardJob]:
         n = len(self.shards)
         order = np.random.default_rng([seed, epoch, 0]).permutation(n).tolist() if self.shuffle else range(n)
         jobs = []
@@ -137,7 +123,7 @@ class WebDatasetReader(Reader):
             else:
                 continue
             base = self._offsets[i] if self._offsets is not None else i << 32
-            jobs.append(_Job(i, self._names[i], first, stride, base))
+            jobs.append(ShardJob(i, self._names[i], first, stride, base))
         return jobs
 
     def _rank_total(self, counts: Sequence[int], rank: int) -> int:
@@ -172,6 +158,7 @@ class WebDatasetReader(Reader):
         _check_shard(rank, world, equal)
         part = copy.copy(self)
         part.rank, part.world, part.equal = rank, world, equal
+        part.files = copy.copy(self.files)  # its own download counters, as a copy's attributes were
         if part.split == "shards" and len(self.shards) < world:
             raise ConfigError(f"webdataset: split='shards' needs at least {world} shards, there are {len(self.shards)}")
         if equal is not None and self._counts is None:
@@ -257,7 +244,7 @@ class WebDatasetReader(Reader):
             async for chunk in stream:
                 yield chunk
 
-    async def _buffered(self, jobs: list[_Job], buf: ShuffleBuffer, slot_of: dict[int, int], start: int,
+    async def _buffered(self, jobs: list[ShardJob], buf: ShuffleBuffer, slot_of: dict[int, int], start: int,
                         limit: int | None) -> AsyncIterator[list[Sample]]:
         """The jobs' samples through ``buf``, numbered from ``start``; at most ``limit`` of them.
 
@@ -266,7 +253,7 @@ class WebDatasetReader(Reader):
         """
         emitted = 0
         out: list[Sample] = []
-        async with contextlib.aclosing(self._shard_samples(jobs)) as chunks:
+        async with contextlib.aclosing(self.files.samples(jobs)) as chunks:
             async for chunk in chunks:
                 for s in chunk:
                     if slot_of:  # resuming: the first samples to come are the buffer's held ones
@@ -292,7 +279,7 @@ class WebDatasetReader(Reader):
         if out:
             yield number_samples(out, start + emitted)
 
-    def _index_jobs(self, indices: np.ndarray) -> list[_Job]:
+    def _index_jobs(self, indices: np.ndarray) -> list[ShardJob]:
         """Jobs that read exactly ``indices`` (dataset indices), in that order: one per run of
         increasing indices inside one shard; a sample's ``position`` is its dataset index."""
         offsets = self._offsets
@@ -302,129 +289,16 @@ class WebDatasetReader(Reader):
         jobs = []
         for first, run in zip(np.concatenate([[0], cuts]).tolist(), np.split(indices, cuts)):
             i = int(shard_of[first])
-            jobs.append(_Job(i, self._names[i], 0, 1, offsets[i], offsets[i], frozenset(run.tolist()).__contains__))
+            jobs.append(ShardJob(i, self._names[i], 0, 1, offsets[i], offsets[i], frozenset(run.tolist()).__contains__))
         return jobs
 
     async def _known_counts(self) -> list[int]:
         if self._scanned is None:
-            self._scanned = await self._count_shards()
+            self._scanned = await self.files.count()
         return self._scanned
 
-    async def _count_shards(self) -> list[int]:
-        """Samples per shard from the tar headers (data is seeked over; remote: skipped by Range requests)."""
-        with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="headrace-io-scan") as pool:
-            async with self._downloads() as downloads:
-                futures = [pool.submit(count_samples, downloads.open(p, i) if self._remote[i] else p, self._names[i])
-                           for i, p in enumerate(self.shards)]
-                try:
-                    return [await asyncio.wrap_future(f) for f in futures]
-                finally:
-                    for f in futures:
-                        f.cancel()
-                    downloads.stop()
-                    await join_threads(futures)
 
-    @contextlib.asynccontextmanager
-    async def _downloads(self) -> AsyncIterator[Downloads]:
-        """The downloads of one read; on exit they are stopped, their tasks awaited and the stores'
-        connections closed, even when cancelled: no task outlives the block."""
-        downloads = Downloads(self.storage, self.buffer_bytes)
-        if self.storage is None or not any(self._remote):
-            yield downloads
-            return
-        async with self.storage.session():
-            try:
-                yield downloads
-            finally:
-                try:
-                    await downloads.aclose()
-                finally:
-                    self.retries += downloads.retries
-                    self.peak_buffered = max(self.peak_buffered, downloads.peak)
-
-    async def _shard_samples(self, jobs: list[_Job]) -> AsyncIterator[list[Sample]]:
-        """The jobs' samples in order; ``read_ahead`` shards beyond the current one are read meanwhile."""
-        loop = asyncio.get_running_loop()
-        pool = concurrent.futures.ThreadPoolExecutor(self.read_ahead + 1, thread_name_prefix="headrace-io-webdataset")
-        running: deque[tuple[Feed, concurrent.futures.Future[None]]] = deque()
-        todo = iter(jobs)
-        async with self._downloads() as downloads:
-            try:
-                while True:
-                    while len(running) <= self.read_ahead:
-                        job = next(todo, None)
-                        if job is None:
-                            break
-                        feed = Feed(loop, capacity=2)
-                        source = self.shards[job.shard]
-                        if self._remote[job.shard]:
-                            source = downloads.open(source, job.shard)
-                        running.append((feed, pool.submit(self._produce, job, feed, source)))
-                    if not running:
-                        return
-                    item = await running[0][0].get()
-                    if item is END:
-                        running.popleft()
-                        continue
-                    yield item
-            finally:
-                for feed, _ in running:
-                    feed.stop()
-                downloads.stop()  # a thread waiting for bytes wakes up (and its read raises)
-                pool.shutdown(wait=False, cancel_futures=True)
-                await join_threads([f for _, f in running])
-                pool.shutdown(wait=True)
-
-    def _produce(self, job: _Job, feed: Feed, source: str | RemoteFile) -> None:
-        """Thread: parse one shard (a local path, or a download) into lists of samples; ``position``
-        carries the rank input ordinal."""
-        first, stride, base, path, rank_base = job.first, job.stride, job.base_index, job.path, job.rank_base
-        needed = job.needed
-
-        def select(j: int) -> bool:
-            if j < first or (j - first) % stride:
-                return False
-            return needed is None or needed(rank_base + (j - first) // stride)
-
-        chunk: list[Sample] = []
-        last = -1
-        try:
-            with open_shard(source) as f:
-                for j, key, fields, error in iter_groups(f, path, select, lambda: feed.stopped):
-                    last = j
-                    if fields is None:
-                        continue
-                    if error is None and self.require:
-                        error = _missing(fields, self.require, key, path)
-                    if error is not None:
-                        fields = {}
-                    chunk.append(Sample(key, fields, path, base + j, rank_base + (j - first) // stride, error))
-                    if len(chunk) >= self.chunk_size:
-                        if not feed.put(chunk):
-                            return
-                        chunk = []
-        except (OSError, ReadError) as exc:
-            if not isinstance(exc, ReadError):
-                err = ReadError(f"cannot read shard: {exc.strerror or exc}", source=path)
-                err.__cause__ = exc
-                exc = err
-            j = last + 1  # the sample being read when it failed
-            chunk.append(Sample(exc.key or os.path.basename(path), {}, path, base + j,
-                                rank_base + max(0, j - first) // stride, exc))
-        if chunk:
-            feed.put(chunk)
-        feed.put(END, force=True)
-
-
-def _missing(fields: dict, require: list[tuple[str, ...]], key: str, path: str) -> ReadError | None:
-    for alternatives in require:
-        if not any(a in fields for a in alternatives):
-            return ReadError(f"sample has no {' or '.join(map(repr, alternatives))} field "
-                             f"(it has {', '.join(sorted(fields)) or 'none'})", key=key, source=path)
-    return None
-
-
-def _resume_jobs(jobs: list[_Job], counts: Sequence[int], nxt: int, held: dict[int, int]) -> list[_Job]:
+def _resume_jobs(jobs: list[ShardJob], counts: Sequence[int], nxt: int, held: dict[int, int]) -> list[ShardJob]:
     """The jobs still needed after a resume, each told which of its samples to read."""
 
     def needed(r: int) -> bool:
@@ -437,7 +311,7 @@ def _resume_jobs(jobs: list[_Job], counts: Sequence[int], nxt: int, held: dict[i
         lo = rank_base
         rank_base += len(range(job.first, counts[job.shard], job.stride))
         if rank_base > nxt or bisect.bisect_left(marks, lo) < bisect.bisect_left(marks, rank_base):
-            out.append(_Job(job.shard, job.path, job.first, job.stride, job.base_index, lo, needed))
+            out.append(ShardJob(job.shard, job.path, job.first, job.stride, job.base_index, lo, needed))
     return out
 
 
@@ -498,19 +372,23 @@ def webdataset(
     reader = WebDatasetReader(shards, shuffle=shuffle, shuffle_buffer=shuffle_buffer, seed=seed,
                               read_ahead=read_ahead, chunk_size=chunk_size, split=split, require=require,
                               storage=storage, buffer_bytes=buffer_bytes)
-    total = None
-    if counts is None:
-        per_shard = read_index(shards, storage)
-    elif isinstance(counts, str):
-        if counts != "scan":
-            raise ConfigError(f"webdataset: counts must be a list, an int, 'scan' or None, got {counts!r}")
-        per_shard = run_sync(reader._count_shards)
-    elif isinstance(counts, int) and not isinstance(counts, bool):
-        per_shard, total = None, counts
-    else:
-        per_shard = list(counts)
+    per_shard, total = _given_counts(counts, shards, storage, reader)
     if per_shard is None and total is None:
         return reader
     return WebDatasetReader(shards, counts=per_shard, total=total, shuffle=shuffle, shuffle_buffer=shuffle_buffer,
                             seed=seed, read_ahead=read_ahead, chunk_size=chunk_size, split=split, require=require,
                             storage=storage, buffer_bytes=buffer_bytes)
+
+
+def _given_counts(counts: int | Sequence[int] | Literal["scan"] | None, shards: list[str], storage: Storage,
+                  reader: WebDatasetReader) -> tuple[list[int] | None, int | None]:
+    """``webdataset(counts=...)`` as (per-shard counts, total): from the index, a scan, a total or a list."""
+    if counts is None:
+        return read_index(shards, storage), None
+    if isinstance(counts, str):
+        if counts != "scan":
+            raise ConfigError(f"webdataset: counts must be a list, an int, 'scan' or None, got {counts!r}")
+        return run_sync(reader.files.count), None
+    if isinstance(counts, int) and not isinstance(counts, bool):
+        return None, counts
+    return list(counts), None

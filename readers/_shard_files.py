@@ -1,0 +1,179 @@
+"""The tar shards of a WebDataset reader, and how they are read: local files or downloads, one
+thread per shard in flight, each parsed into chunks of samples.
+
+``webdataset.py`` decides which samples of which shards make a rank's stream (``ShardJob``s, in
+order); this module reads them. Keeping the two apart lets the stream and resume logic be read
+without the threads, feeds and downloads that serve it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+from headrace._errors import ReadError
+from headrace._sample import Sample
+from headrace._threads import join_threads
+
+from ._feed import END, Feed
+from ._storage import Downloads, RemoteFile, Storage, is_url
+from ._tar import count_samples, iter_groups, open_shard
+
+__all__ = ["ShardFiles", "ShardJob"]
+
+
+@dataclass(frozen=True, slots=True)
+class ShardJob:
+    """One shard as this rank reads it in one epoch."""
+
+    shard: int  # number in the sorted shard list
+    path: str
+    first: int  # first in-shard ordinal that belongs to this rank
+    stride: int  # then every stride-th
+    base_index: int  # Sample.index of the shard's first sample
+    rank_base: int = -1  # this rank's input ordinal of the shard's first kept sample (-1: unknown)
+    needed: Callable[[int], bool] | None = None  # on rank input ordinals; None: all
+
+
+class ShardFiles:
+    """Reads shards, local or through a store, into lists of samples.
+
+    ``read_ahead`` shards beyond the current one are read at once, each by its own thread (and, for
+    a remote shard, its own download buffering at most ``buffer_bytes``) into a feed of two
+    ``chunk_size`` lists. ``require``: alternatives of field names every sample must have.
+    ``retries`` and ``peak_buffered`` add up what the downloads reported.
+    """
+
+    def __init__(self, shards: Sequence[str], storage: Storage | None, *, read_ahead: int, chunk_size: int,
+                 require: list[tuple[str, ...]], buffer_bytes: int) -> None:
+        self.shards = list(shards)
+        self.storage = storage
+        self.read_ahead = read_ahead
+        self.chunk_size = chunk_size
+        self.require = require
+        self.buffer_bytes = buffer_bytes
+        # Shards read through a store (URLs, or keys of an explicit store) and their display names.
+        self.remote = [storage is not None and (storage.store is not None or is_url(p)) for p in self.shards]
+        self.names = [storage.locate(p)[0].url(storage.locate(p)[1]) if remote and storage else p
+                      for p, remote in zip(self.shards, self.remote)]
+        self.retries = 0  # storage faults survived by the downloads (resumed from their offset)
+        self.peak_buffered = 0  # most bytes one download held ahead of its parser
+
+    def _source(self, shard: int, downloads: Downloads) -> str | RemoteFile:
+        path = self.shards[shard]
+        return downloads.open(path, shard) if self.remote[shard] else path
+
+    async def count(self) -> list[int]:
+        """Samples per shard from the tar headers (data is seeked over; remote: skipped by Range requests)."""
+        with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="headrace-io-scan") as pool:
+            async with self.downloads() as downloads:
+                futures = [pool.submit(count_samples, self._source(i, downloads), self.names[i])
+                           for i in range(len(self.shards))]
+                try:
+                    return [await asyncio.wrap_future(f) for f in futures]
+                finally:
+                    for f in futures:
+                        f.cancel()
+                    downloads.stop()
+                    await join_threads(futures)
+
+    @contextlib.asynccontextmanager
+    async def downloads(self) -> AsyncIterator[Downloads]:
+        """The downloads of one read; on exit they are stopped, their tasks awaited and the stores'
+        connections closed, even when cancelled: no task outlives the block."""
+        downloads = Downloads(self.storage, self.buffer_bytes)
+        if self.storage is None or not any(self.remote):
+            yield downloads
+            return
+        async with self.storage.session():
+            try:
+                yield downloads
+            finally:
+                try:
+                    await downloads.aclose()
+                finally:
+                    self.retries += downloads.retries
+                    self.peak_buffered = max(self.peak_buffered, downloads.peak)
+
+    async def samples(self, jobs: list[ShardJob]) -> AsyncIterator[list[Sample]]:
+        """The jobs' samples in order; ``read_ahead`` shards beyond the current one are read meanwhile."""
+        loop = asyncio.get_running_loop()
+        pool = concurrent.futures.ThreadPoolExecutor(self.read_ahead + 1, thread_name_prefix="headrace-io-webdataset")
+        running: deque[tuple[Feed, concurrent.futures.Future[None]]] = deque()
+        todo = iter(jobs)
+        async with self.downloads() as downloads:
+            try:
+                while True:
+                    while len(running) <= self.read_ahead:
+                        job = next(todo, None)
+                        if job is None:
+                            break
+                        feed = Feed(loop, capacity=2)
+                        running.append((feed, pool.submit(self._parse, job, feed, self._source(job.shard, downloads))))
+                    if not running:
+                        return
+                    item = await running[0][0].get()
+                    if item is END:
+                        running.popleft()
+                        continue
+                    yield item
+            finally:
+                for feed, _ in running:
+                    feed.stop()
+                downloads.stop()  # a thread waiting for bytes wakes up (and its read raises)
+                pool.shutdown(wait=False, cancel_futures=True)
+                await join_threads([f for _, f in running])
+                pool.shutdown(wait=True)
+
+    def _parse(self, job: ShardJob, feed: Feed, source: str | RemoteFile) -> None:
+        """Thread: parse one shard (a local path, or a download) into lists of samples; ``position``
+        carries the rank input ordinal."""
+        first, stride, base, path, rank_base = job.first, job.stride, job.base_index, job.path, job.rank_base
+        needed = job.needed
+
+        def select(j: int) -> bool:
+            if j < first or (j - first) % stride:
+                return False
+            return needed is None or needed(rank_base + (j - first) // stride)
+
+        chunk: list[Sample] = []
+        last = -1
+        try:
+            with open_shard(source) as f:
+                for j, key, fields, error in iter_groups(f, path, select, lambda: feed.stopped):
+                    last = j
+                    if fields is None:
+                        continue
+                    if error is None and self.require:
+                        error = _missing(fields, self.require, key, path)
+                    if error is not None:
+                        fields = {}
+                    chunk.append(Sample(key, fields, path, base + j, rank_base + (j - first) // stride, error))
+                    if len(chunk) >= self.chunk_size:
+                        if not feed.put(chunk):
+                            return
+                        chunk = []
+        except (OSError, ReadError) as exc:
+            if not isinstance(exc, ReadError):
+                err = ReadError(f"cannot read shard: {exc.strerror or exc}", source=path)
+                err.__cause__ = exc
+                exc = err
+            j = last + 1  # the sample being read when it failed
+            chunk.append(Sample(exc.key or os.path.basename(path), {}, path, base + j,
+                                rank_base + max(0, j - first) // stride, exc))
+        if chunk:
+            feed.put(chunk)
+        feed.put(END, force=True)
+
+
+def _missing(fields: dict, require: list[tuple[str, ...]], key: str, path: str) -> ReadError | None:
+    for alternatives in require:
+        if not any(a in fields for a in alternatives):
+            return ReadError(f"sample has no {' or '.join(map(repr, alternatives))} field "
+                             f"(it has {', '.join(sorted(fields)) or 'none'})", key=key, source=path)
+    return None
