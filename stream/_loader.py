@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
-from collections.abc import Callable
 
 from ._batcher import LastBatch, batches_per_epoch
-from ._budget import ErrorBudget
 from ._channel import ChannelStats
-from ._device import resolve_device
-from ._distributed import detect_distributed
-from ._errors import ClosedError, ConfigError, LoaderError, require_int
+from ._errors import ClosedError, LoaderError
+from ._loader_args import resolve_loader_args
+from ._loader_state import STATE_VERSION, resume_point
 from ._markers import END
-from ._policy import DEFAULT_MAX_ERRORS, ErrorLog, ErrorRecord, check_on_error
+from ._policy import ErrorLog, ErrorRecord
+from ._progress import EpochProgress
 from ._run import EpochMetrics, RunConfig, _Run
 from ._sample import Batch
 
@@ -25,8 +23,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Loader", "LoaderStats"]
 
-STATE_VERSION = 2  # 2: world, rank and the epoch's spans on other world sizes ("history")
-_EQUAL = ("pad", "drop", None)
 _REPLACED = "this iteration was replaced by a later async for on the same loader"
 
 
@@ -176,63 +172,35 @@ class Loader:
         equal: Literal["pad", "drop"] | None = "pad",
         progress: bool = False,
     ) -> None:
-        from headrace.ops import GpuTuning, Pipeline
-        from headrace.readers import Reader
-
-        if not isinstance(reader, Reader):
-            raise ConfigError(f"reader must be a headrace.readers.Reader, got {type(reader).__name__}")
-        require_int("batch_size", batch_size)
-        pipeline = Pipeline() if pipeline is None else pipeline
-        if not isinstance(pipeline, Pipeline):
-            raise ConfigError(f"pipeline must be a headrace.ops.Pipeline, got {type(pipeline).__name__}")
-        if equal not in _EQUAL:
-            raise ConfigError(f"equal must be 'pad', 'drop' or None, got {equal!r}")
-        dist = detect_distributed(distributed=distributed, rank=rank, world=world)
-        reader = _shard_for(reader, dist.rank, dist.world, equal, explicit=rank is not None)
-        device = resolve_device(pipeline, device, local_rank=dist.local_rank)
-        require_int("lanes", lanes)
-        if gpu_tuning is not None and not isinstance(gpu_tuning, GpuTuning):
-            raise ConfigError(f"gpu_tuning must be a headrace.ops.GpuTuning, got {type(gpu_tuning).__name__}")
-        check_on_error(on_error)
-        if max_errors is None:
-            max_errors = 0 if on_error == "raise" else DEFAULT_MAX_ERRORS
-        if num_threads is None:  # the node's cores, shared by the processes torchrun started on it
-            num_threads = max(1, (os.cpu_count() or 1) // dist.local_world)
-        if prefetch is None:  # on the GPU: one batch per lane, one being prepared, one handed over
-            prefetch = lanes + 2 if device.startswith("cuda") else 3
-        for name, value in (("num_threads", num_threads), ("prefetch", prefetch), ("max_bytes", max_bytes)):
-            require_int(name, value)
-        ErrorBudget(max_errors)  # validates max_errors now rather than at the first failure
-        if not isinstance(seed, int):
-            raise ConfigError(f"seed must be an int, got {seed!r}")
-        self.reader = reader
-        self.rank, self.world = reader.rank, reader.world
+        args = resolve_loader_args(
+            reader, batch_size=batch_size, pipeline=pipeline, device=device, last_batch=last_batch, seed=seed,
+            num_threads=num_threads, prefetch=prefetch, max_bytes=max_bytes, on_error=on_error, max_errors=max_errors,
+            lanes=lanes, gpu_tuning=gpu_tuning, run_ahead=run_ahead, distributed=distributed, rank=rank, world=world,
+            equal=equal, progress=progress)
+        self.reader = args.reader
+        self.rank, self.world = args.reader.rank, args.reader.world
         self.batch_size = batch_size
-        self.pipeline = pipeline
-        self.device = device
+        self.pipeline = args.pipeline
+        self.device = args.device
         self.lanes = lanes
         self.hw_load = hw_load
         self.gpu_tuning = gpu_tuning
-        if run_ahead is not None and not isinstance(run_ahead, bool):
-            raise ConfigError(f"run_ahead must be True, False or None, got {run_ahead!r}")
-        self.run_ahead = device.startswith("cuda") if run_ahead is None else run_ahead
+        self.run_ahead = args.run_ahead
         self._executor: Executor | None = None
-        self.last_batch = LastBatch.parse(last_batch)
+        self.last_batch = args.last_batch
         self.seed = seed
-        self.num_threads = num_threads
-        if not isinstance(progress, bool):
-            raise ConfigError(f"progress must be True or False, got {progress!r}")
+        self.num_threads = args.num_threads
         self.progress = progress
         self._cfg = RunConfig(
-            reader=reader,
+            reader=args.reader,
             executor=self._open_executor,
             batch_size=batch_size,
-            last_batch=self.last_batch,
+            last_batch=args.last_batch,
             seed=seed,
-            prefetch=prefetch,
+            prefetch=args.prefetch,
             max_bytes=max_bytes,
             on_error=on_error,
-            max_errors=max_errors if on_error != "raise" else 0,
+            max_errors=args.max_errors,
         )
         # Where the next batch comes from. ``_fresh``: nobody has started iterating from it yet;
         # an iteration left mid-epoch makes the next ``async for`` start the next epoch.
@@ -304,22 +272,15 @@ class Loader:
         return self._iterate(run, run_ahead, progress and self.rank == 0)
 
     async def _iterate(self, run: _Run, run_ahead: bool, progress: bool) -> AsyncIterator[Batch]:
-        stats = self._stats
         completed = False
-        bar: _Progress | None = None
+        bar: EpochProgress | None = None
         run.consumer_inside = True
         try:
             if run.superseded:  # a later ``async for`` took over before this one started
                 raise ClosedError(_REPLACED)
-            abandoned, self._abandoned = self._abandoned, None
-            if abandoned is not None:
-                await self._stop_early(abandoned)
-            await self._close_ahead()
-            stats.epoch = run.epoch
-            if run.started is None:
-                run.started = time.perf_counter()
+            await self._begin(run)
             if progress:
-                bar = _Progress(run, self._epoch_length(), run.first_batch)
+                bar = EpochProgress(run, self._epoch_length(), run.first_batch)
             run.start_runner()
             while True:
                 item = await run.out_rx.receive()
@@ -328,31 +289,13 @@ class Loader:
                     if run.failure is not None:
                         raise run.failure
                     break
-                item, outcomes = item
-                for error, action in outcomes:
-                    self._errors.add(error, action)
-                if isinstance(item, BaseException):
-                    raise item
-                if run_ahead and self._ahead is None and run.dispatched_all.is_set():
-                    self._ahead = _Run(self._cfg, run.epoch + 1, 0, 0)
-                    self._ahead.start_runner()
-                self._position, self._batches = item.extra["end_position"], item.index + 1
-                stats.dropped += item.dropped
-                stats.replaced += item.replaced
-                if not item.sample_keys:
+                batch = self._accept(run, item, run_ahead)
+                if batch is None:
                     continue  # every sample of the batch failed: nothing to hand out
-                stats.batches += 1
-                stats.samples += item.size
-                started = time.perf_counter()
-                item.handoff()
-                item.substitute()
-                run.handoff_seconds += time.perf_counter() - started
-                run.batches_out += 1
-                run.samples_out += item.size
                 if bar is not None:
                     bar.step()
                 run.consumer_inside = False
-                yield item
+                yield batch
                 if run.superseded:
                     raise ClosedError(_REPLACED)
                 run.consumer_inside = True
@@ -360,27 +303,69 @@ class Loader:
             self._fresh = True
             completed = True
         finally:
-            run.consumer_inside = False
-            if run.ended is None:  # left early
-                run.ended = time.perf_counter()
-            if not run.superseded:  # else the later loop's run is the current epoch
-                stats.channels = run.channels()
-                stats.epoch_metrics = run.metrics()
-            if bar is not None:
-                bar.close(run.metrics())
-            if completed:
-                self._active = None
-                await run.aclose()
-            elif run.superseded:
-                await run.aclose()  # the loop that replaced this one stops the rest
-            else:
-                # ``_active`` stays this run until it is stopped: a new ``async for`` meanwhile
-                # takes it as abandoned and waits for the same teardown before it starts.
-                try:
-                    await self._stop_early(run)
-                finally:
-                    if self._active is run:
-                        self._active = None
+            await self._end(run, completed, bar)
+
+    async def _begin(self, run: _Run) -> None:
+        """Before an epoch's first batch: tear down a loop left without closing and any stale run
+        ahead, and start the epoch's clock (once, also when an iteration resumes it)."""
+        abandoned, self._abandoned = self._abandoned, None
+        if abandoned is not None:
+            await self._stop_early(abandoned)
+        await self._close_ahead()
+        self._stats.epoch = run.epoch
+        if run.started is None:
+            run.started = time.perf_counter()
+
+    def _accept(self, run: _Run, item: Any, run_ahead: bool) -> Batch | None:
+        """Account for one item from the run: its failures, the stream position and the counters;
+        raise the error it carries, if any. The batch to hand out, or None when all its samples failed."""
+        item, outcomes = item
+        for error, action in outcomes:
+            self._errors.add(error, action)
+        if isinstance(item, BaseException):
+            raise item
+        if run_ahead and self._ahead is None and run.dispatched_all.is_set():
+            self._ahead = _Run(self._cfg, run.epoch + 1, 0, 0)
+            self._ahead.start_runner()
+        stats = self._stats
+        self._position, self._batches = item.extra["end_position"], item.index + 1
+        stats.dropped += item.dropped
+        stats.replaced += item.replaced
+        if not item.sample_keys:
+            return None
+        stats.batches += 1
+        stats.samples += item.size
+        started = time.perf_counter()
+        item.handoff()
+        item.substitute()
+        run.handoff_seconds += time.perf_counter() - started
+        run.batches_out += 1
+        run.samples_out += item.size
+        return item
+
+    async def _end(self, run: _Run, completed: bool, bar: EpochProgress | None) -> None:
+        """After an iteration, however it ended: record the epoch's metrics and stop the run."""
+        run.consumer_inside = False
+        if run.ended is None:  # left early
+            run.ended = time.perf_counter()
+        if not run.superseded:  # else the later loop's run is the current epoch
+            self._stats.channels = run.channels()
+            self._stats.epoch_metrics = run.metrics()
+        if bar is not None:
+            bar.close(run.metrics())
+        if completed:
+            self._active = None
+            await run.aclose()
+        elif run.superseded:
+            await run.aclose()  # the loop that replaced this one stops the rest
+        else:
+            # ``_active`` stays this run until it is stopped: a new ``async for`` meanwhile
+            # takes it as abandoned and waits for the same teardown before it starts.
+            try:
+                await self._stop_early(run)
+            finally:
+                if self._active is run:
+                    self._active = None
 
     async def _stop_early(self, run: _Run) -> None:
         """Tear down an epoch left early: its tasks, the work running ahead, and the batches it had
@@ -478,34 +463,9 @@ class Loader:
         """
         if self._active is not None:
             raise LoaderError("cannot load state while an epoch is being iterated")
-        version = state.get("version")
-        if version != STATE_VERSION:  # 0.1 is unreleased: no older state is out there to load
-            raise ConfigError(f"unknown loader state version {version!r} (this headrace writes and reads {STATE_VERSION})")
-        for name in ("batch_size", "seed"):
-            if state[name] != getattr(self, name):
-                raise ConfigError(f"state was saved with {name}={state[name]!r}, this loader has {getattr(self, name)!r}")
-        saved, mine = state["source"], self.reader.state_dict()
-        world = int(state.get("world", saved.get("world", 1)))
-        history = [(int(w), int(p)) for w, p in state.get("history", [])]
-        position = int(state["position"])
-        if world == self.world:
-            ignored: set[str] = {"rank"}
-        else:  # the split of the earlier spans follows from their world sizes alone
-            ignored = {"rank", "world", "samples", "equal"}
-        if _without(saved, ignored) != _without(mine, ignored):
-            raise ConfigError(f"state was saved with reader {saved!r}, this loader reads {mine!r}")
-        if world != self.world and (position or history):
-            if not getattr(self.reader, "reshardable", False):
-                raise ConfigError(
-                    f"state was saved on {world} ranks and this loader runs on {self.world}: "
-                    f"{type(self.reader).__name__} cannot resume an epoch on another world size "
-                    "(files, LMDB and WebDataset with per-shard counts can); resume on "
-                    f"{world} ranks, or start at the next epoch")
-            if position:
-                history.append((world, position))
-            position = 0  # counted from the start of this world's span
-        self._epoch, self._position, self._batches = int(state["epoch"]), position, int(state["batches"])
-        self._history = history
+        point = resume_point(state, batch_size=self.batch_size, seed=self.seed, reader=self.reader, world=self.world)
+        self._epoch, self._position, self._batches = point.epoch, point.position, point.batches
+        self._history = point.history
         self._fresh = True
 
     def __repr__(self) -> str:
@@ -513,50 +473,3 @@ class Loader:
             f"Loader({self.reader!r}, batch_size={self.batch_size}, pipeline={self.pipeline!r}, "
             f"device={self.device!r}, epoch={self._epoch})"
         )
-
-
-class _Progress:
-    """A tqdm bar over one epoch's batches; its note (samples/s, starved share) is redone at most
-    once a second, so a batch costs one ``update``."""
-
-    def __init__(self, run: _Run, total: int | None, initial: int) -> None:
-        from tqdm import tqdm
-
-        self._run = run
-        self._bar = tqdm(total=total, initial=initial, desc=f"epoch {run.epoch}", unit="batch", dynamic_ncols=True)
-        self._next_note = time.perf_counter() + 1.0
-
-    def step(self) -> None:
-        self._bar.update()
-        now = time.perf_counter()
-        if now >= self._next_note:
-            self._next_note = now + 1.0
-            self._note(self._run.metrics(), refresh=False)
-
-    def _note(self, metrics: EpochMetrics, *, refresh: bool) -> None:
-        self._bar.set_postfix_str(
-            f"{metrics.samples_per_second:,.0f} samples/s, starved {metrics.starved_fraction:.0%}", refresh=refresh)
-
-    def close(self, metrics: EpochMetrics) -> None:
-        self._note(metrics, refresh=True)
-        self._bar.close()
-
-
-def _shard_for(reader: Any, rank: int, world: int, equal: Any, *, explicit: bool) -> Any:
-    """The reader this rank reads: ``reader`` sharded by (rank, world), unless already sharded."""
-    if reader.world > 1:
-        if explicit and (reader.rank, reader.world) != (rank, world):
-            raise ConfigError(f"the reader is sharded as rank {reader.rank} of {reader.world}, "
-                              f"but rank={rank}, world={world} were given")
-        return reader  # the caller sharded it: their split, their policy
-    if world == 1:
-        return reader
-    try:
-        return reader.shard(rank, world, equal=equal)
-    except ConfigError as exc:
-        exc.add_note(f"while the loader sharded the reader for rank {rank} of {world} with equal={equal!r}")
-        raise
-
-
-def _without(state: dict[str, Any], keys: set[str]) -> dict[str, Any]:
-    return {k: v for k, v in state.items() if k not in keys}

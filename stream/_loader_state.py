@@ -1,0 +1,66 @@
+"""The Loader's resume state: what ``state_dict()`` writes and what ``load_state_dict()`` accepts.
+
+Kept apart from ``_loader.py`` because the rules for loading a state saved on another world size
+(see the ``Loader`` docstring) are a subject of their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ._errors import ConfigError
+
+__all__ = ["STATE_VERSION", "ResumePoint", "resume_point"]
+
+STATE_VERSION = 2  # 2: world, rank and the epoch's spans on other world sizes ("history")
+
+
+@dataclass(frozen=True, slots=True)
+class ResumePoint:
+    """Where a loaded state puts the stream. ``history``: the spans of the epoch read on other world
+    sizes, as (world, position) pairs; ``position`` counts inside the span after them."""
+
+    epoch: int
+    position: int
+    batches: int
+    history: list[tuple[int, int]]
+
+
+def resume_point(state: dict[str, Any], *, batch_size: int, seed: int, reader: Any, world: int) -> ResumePoint:
+    """Check ``state`` against a loader with these arguments, reading ``reader`` on ``world`` ranks.
+
+    Raises ConfigError if the state came from a loader with another batch size, seed or reader,
+    or from another world size with a reader that cannot resume across world sizes.
+    """
+    version = state.get("version")
+    if version != STATE_VERSION:  # 0.1 is unreleased: no older state is out there to load
+        raise ConfigError(f"unknown loader state version {version!r} (this headrace writes and reads {STATE_VERSION})")
+    for name, mine in (("batch_size", batch_size), ("seed", seed)):
+        if state[name] != mine:
+            raise ConfigError(f"state was saved with {name}={state[name]!r}, this loader has {mine!r}")
+    saved, current = state["source"], reader.state_dict()
+    saved_world = int(state.get("world", saved.get("world", 1)))
+    history = [(int(w), int(p)) for w, p in state.get("history", [])]
+    position = int(state["position"])
+    if saved_world == world:
+        ignored: set[str] = {"rank"}
+    else:  # the split of the earlier spans follows from their world sizes alone
+        ignored = {"rank", "world", "samples", "equal"}
+    if _without(saved, ignored) != _without(current, ignored):
+        raise ConfigError(f"state was saved with reader {saved!r}, this loader reads {current!r}")
+    if saved_world != world and (position or history):
+        if not getattr(reader, "reshardable", False):
+            raise ConfigError(
+                f"state was saved on {saved_world} ranks and this loader runs on {world}: "
+                f"{type(reader).__name__} cannot resume an epoch on another world size "
+                "(files, LMDB and WebDataset with per-shard counts can); resume on "
+                f"{saved_world} ranks, or start at the next epoch")
+        if position:
+            history.append((saved_world, position))
+        position = 0  # counted from the start of this world's span
+    return ResumePoint(int(state["epoch"]), position, int(state["batches"]), history)
+
+
+def _without(state: dict[str, Any], keys: set[str]) -> dict[str, Any]:
+    return {k: v for k, v in state.items() if k not in keys}
