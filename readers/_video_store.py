@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from headrace._errors import ConfigError, LoaderError, ReadError, StorageError
 
+from .files import bucket_class_folders as bucket_class_keys
 from ._storage import Storage, Store, redact_url, run_sync, with_retries
 from .video import RemoteVideo, TarMember, VideoInfo, _probe_or_error, list_shard
 
@@ -149,28 +150,7 @@ def _list_and_probe(data: bytes, name: str, store: Store, key: str, extensions: 
 def bucket_class_folders(prefix: str, storage: Storage, extensions: set[str]
                          ) -> tuple[str, list[str], list[RemoteVideo], list[int]]:
     """A class-per-sub-folder tree of videos under a bucket prefix, from one listing: the prefix's
-    URL, the classes, the videos and their labels (as ``readers.files`` lists images there)."""
-    if not prefix.endswith("/"):
-        prefix += "/"
-    store, key = storage.locate(prefix)
-
-    async def listing() -> list[str]:
-        async with storage.session():
-            objects = await with_retries(lambda: store.list(key), storage.retry, store.url(key), "LIST")
-        return [o.key for o in objects or []]
-
-    by_class: dict[str, list[str]] = {}
-    for k in run_sync(listing):
-        name, sep, rest = k[len(key) :].partition("/")
-        if sep and rest and not name.startswith(".") and os.path.splitext(rest)[1].lower().lstrip(".") in extensions:
-            by_class.setdefault(name, []).append(k)
-    root = redact_url(store.url(key))
-    if not by_class:
-        raise ReadError(f"no video files ({', '.join(sorted(extensions))}) in class sub-folders", source=root)
-    classes = sorted(by_class)
-    videos, labels = [], []
-    for label, name in enumerate(classes):
-        for k in sorted(by_class[name]):
-            videos.append(RemoteVideo(redact_url(store.url(k)), store, k))
-            labels.append(label)
-    return root, classes, videos, labels
+    URL, the classes, the videos and their labels (``files.bucket_class_folders``, the objects as videos)."""
+    store, key, classes, keys, labels = bucket_class_keys(prefix, storage, extensions, "video")
+    videos = [RemoteVideo(redact_url(store.url(k)), store, k) for k in keys]
+    return redact_url(store.url(key)), classes, videos, labels

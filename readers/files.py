@@ -240,6 +240,19 @@ def files(
 
 def _bucket_folder(prefix: str, storage: Storage, exts: set[str], common: dict[str, Any]) -> FileReader:
     """A class-per-sub-folder tree under a bucket prefix, from one listing."""
+    prefix = prefix if prefix.endswith("/") else prefix + "/"
+    store, key, classes, keys, labels = bucket_class_folders(prefix, storage, exts, "image")
+    head = prefix[: len(prefix) - len(key)] if prefix.endswith(key) else None
+    paths = [head + k if head is not None else store.url(k) for k in keys]
+    return FileReader(paths, labels, root=store.url(key), classes=classes, **common)
+
+
+def bucket_class_folders(prefix: str, storage: Storage, exts: set[str], what: str
+                         ) -> tuple[Any, str, list[str], list[str], list[int]]:
+    """``class_folders`` for a bucket prefix, from one listing: the store, the prefix's key, the
+    classes (sorted sub-folder names, hidden ones left out), and the object keys with one of
+    ``exts`` under each, sorted, with the class index as label. None found is a ReadError naming
+    ``what`` files."""
     if not prefix.endswith("/"):
         prefix += "/"
     store, key = storage.locate(prefix)
@@ -249,21 +262,18 @@ def _bucket_folder(prefix: str, storage: Storage, exts: set[str], common: dict[s
             objects = await with_retries(lambda: store.list(key), storage.retry, store.url(key), "LIST")
         return [o.key for o in objects or []]
 
-    keys = run_sync(listing)
     by_class: dict[str, list[str]] = {}
-    for k in keys:
-        rel = k[len(key) :]
-        name, sep, rest = rel.partition("/")
+    for k in run_sync(listing):
+        name, sep, rest = k[len(key) :].partition("/")
         if sep and rest and not name.startswith(".") and os.path.splitext(rest)[1].lower().lstrip(".") in exts:
             by_class.setdefault(name, []).append(k)
     if not by_class:
-        raise ReadError(f"no image files ({', '.join(sorted(exts))}) in class sub-folders",
+        raise ReadError(f"no {what} files ({', '.join(sorted(exts))}) in class sub-folders",
                         source=redact_url(store.url(key)))
     classes = sorted(by_class)
-    head = prefix[: len(prefix) - len(key)] if prefix.endswith(key) else None
-    paths, found = [], []
+    keys, labels = [], []
     for label, name in enumerate(classes):
         for k in sorted(by_class[name]):
-            paths.append(head + k if head is not None else store.url(k))
-            found.append(label)
-    return FileReader(paths, found, root=store.url(key), classes=classes, **common)
+            keys.append(k)
+            labels.append(label)
+    return store, key, classes, keys, labels

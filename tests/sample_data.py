@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-__all__ = ["jpeg_bytes", "make_folder", "tar_bytes"]
+__all__ = ["frame_index", "jpeg_bytes", "make_folder", "make_video", "tar_bytes", "video_batches"]
 
 
 def jpeg_bytes(rng: np.random.Generator, h: int, w: int, quality: int = 90) -> bytes:
@@ -89,3 +89,16 @@ def frame_index(frame: np.ndarray) -> int:
     top = np.asarray(frame[2 : h // 2 - 2], np.float64)
     hi, lo = top[:, 2 : w // 2 - 3].mean(), top[:, w // 2 + 3 : w - 2].mean()
     return int(round((hi - 8) / 16)) * 16 + int(round((lo - 8) / 16))
+
+
+async def video_batches(reader) -> list:
+    """Every batch of one epoch of ``reader`` through a small seeded video pipeline (batches of 3
+    clips, 24x32 frames cropped to 16x16, random flips): what two readers of the same videos must
+    agree on."""
+    from headrace import Loader, ops
+
+    loader = Loader(reader, batch_size=3, device="cpu", num_threads=2, seed=7,
+                    pipeline=ops.video_pipeline(size=(24, 32), crop=(16, 16), flip=0.5))
+    batches = [b async for b in loader]
+    await loader.aclose()
+    return batches

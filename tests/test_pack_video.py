@@ -11,9 +11,9 @@ import torch
 
 av = pytest.importorskip("av")
 
-from sample_data import make_video  # noqa: E402
+from sample_data import make_video, video_batches  # noqa: E402
 
-from headrace import ConfigError, DecodeError, Loader, ReadError, ops, readers  # noqa: E402
+from headrace import ConfigError, DecodeError, ReadError, readers  # noqa: E402
 from headrace.cli import main  # noqa: E402
 
 FRAMES = {"jump/v0.mp4": 40, "jump/v1.mp4": 26, "walk/v0.mkv": 33, "walk/clip.v2.mp4": 21}
@@ -35,14 +35,6 @@ def _shard_key(folder_key: str) -> str:
     return f"{folder}/{name.rsplit('.', 1)[0].replace('.', '_')}@{start}"
 
 
-async def _batches(reader):
-    loader = Loader(reader, batch_size=3, device="cpu", num_threads=2, seed=7,
-                    pipeline=ops.video_pipeline(size=(24, 32), crop=(16, 16), flip=0.5))
-    batches = [b async for b in loader]
-    await loader.aclose()
-    return batches
-
-
 @pytest.mark.parametrize("limits", [{}, {"shard_count": 1}])
 async def test_packed_videos_read_back_as_the_same_clips_labels_and_pixels(tmp_path, video_tree, limits, leaks):
     result = readers.pack(video_tree, tmp_path / "out", format="webdataset", video=True, **limits)
@@ -60,7 +52,7 @@ async def test_packed_videos_read_back_as_the_same_clips_labels_and_pixels(tmp_p
 
     folder, shards = both()
     assert len(folder) == len(shards) > 0
-    got, expected = await _batches(shards), await _batches(folder)
+    got, expected = await video_batches(shards), await video_batches(folder)
     assert [b.sample_keys for b in got] == [[_shard_key(k) for k in b.sample_keys] for b in expected]
     for x, y in zip(got, expected, strict=True):
         assert torch.equal(x["video"], y["video"]) and torch.equal(x["label"], y["label"])

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,9 +14,8 @@ import pytest
 
 from headrace import readers
 from sample_data import tar_bytes
-from storage_servers import ACCESS_KEY, BUCKET, SECRET_KEY as SECRET, TOKEN
+from storage_servers import ACCESS_KEY, SECRET_KEY as SECRET, TOKEN, post_faults, serving
 
-HERE = Path(__file__).resolve().parent
 
 
 @dataclass
@@ -33,9 +30,7 @@ class Servers:
 
     def faults(self, proxy: str, *rules: dict) -> None:
         """Install a fault plan on a proxy (``"s3"`` or ``"http"``); no rules: serve normally."""
-        request = urllib.request.Request(getattr(self, proxy) + "/__faults__", method="POST",
-                                         data=json.dumps({"rules": list(rules)}).encode())
-        urllib.request.urlopen(request, timeout=10).read()
+        post_faults(getattr(self, proxy), *rules)
 
     def log(self, proxy: str) -> list[dict]:
         """The requests the proxy saw since the last plan or log read."""
@@ -62,22 +57,8 @@ def storage_root(tmp_path_factory, image_folder) -> Path:
 @pytest.fixture(scope="session")
 def servers(storage_root) -> Servers:
     """The child process serving ``storage_root``; stopped when the session ends."""
-    proc = subprocess.Popen([sys.executable, str(HERE / "storage_servers.py"), "--root", str(storage_root),
-                             "--bucket", BUCKET], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"storage servers did not start (exit {proc.wait(10)})")
-        urls = json.loads(line)
+    with serving(storage_root) as urls:
         yield Servers(root=storage_root, **urls)
-    finally:
-        proc.stdin.close()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
 
 
 @pytest.fixture

@@ -30,11 +30,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
+import subprocess
 import sys
 import threading
+import urllib.request
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
@@ -167,6 +171,33 @@ def _upload(endpoint: str, bucket: str, root: Path) -> None:
     for path in sorted(root.rglob("*")):
         if path.is_file():
             s3.put_object(Bucket=bucket, Key=path.relative_to(root).as_posix(), Body=path.read_bytes())
+
+
+def post_faults(proxy_url: str, *rules: dict) -> None:
+    """Install a fault plan on the proxy at ``proxy_url``; no rules: serve normally."""
+    request = urllib.request.Request(proxy_url + "/__faults__", method="POST", data=json.dumps({"rules": list(rules)}).encode())
+    urllib.request.urlopen(request, timeout=10).read()
+
+
+@contextlib.contextmanager
+def serving(root: Path, bucket: str = BUCKET) -> Iterator[dict[str, str]]:
+    """This script serving ``root`` in a child process, for the block: its base URLs (``s3``,
+    ``http``, ``s3_direct``, ``http_direct``). The child stops when its standard input closes."""
+    proc = subprocess.Popen([sys.executable, __file__, "--root", str(root), "--bucket", bucket],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"storage servers did not start (exit {proc.wait(10)})")
+        yield json.loads(line)
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
 
 
 def main() -> None:

@@ -5,23 +5,17 @@ labels and pixels of the same videos read locally."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
 
 av = pytest.importorskip("av")
 
-from sample_data import make_video  # noqa: E402
-from storage_servers import ACCESS_KEY, BUCKET, SECRET_KEY  # noqa: E402
+from sample_data import make_video, video_batches  # noqa: E402
+from storage_servers import ACCESS_KEY, BUCKET, SECRET_KEY, post_faults, serving  # noqa: E402
 
-from headrace import ConfigError, Loader, ReadError, StorageError, ops, readers  # noqa: E402
+from headrace import ConfigError, ReadError, StorageError, readers  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
 FRAMES = {"jump/v0.mp4": 40, "jump/v1.mp4": 26, "walk/v0.mkv": 33}
 RETRY = {"attempts": 6, "backoff": 0.01, "max_backoff": 0.05, "timeout": 5}
 
@@ -33,27 +27,12 @@ def served(tmp_path_factory):
     for rel, n in FRAMES.items():
         make_video(root / "tree" / rel, n)
     readers.pack(root / "tree", root / "tars", format="webdataset", video=True, shard_count=2)
-    proc = subprocess.Popen([sys.executable, str(HERE / "storage_servers.py"), "--root", str(root), "--bucket", BUCKET],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"storage servers did not start (exit {proc.wait(10)})")
-        yield root, json.loads(line)
-    finally:
-        proc.stdin.close()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
+    with serving(root) as urls:
+        yield root, urls
 
 
 def _faults(urls, proxy, *rules):
-    request = urllib.request.Request(urls[proxy] + "/__faults__", method="POST",
-                                     data=json.dumps({"rules": list(rules)}).encode())
-    urllib.request.urlopen(request, timeout=10).read()
+    post_faults(urls[proxy], *rules)
 
 
 def _options(urls, kind):
@@ -65,14 +44,6 @@ def _options(urls, kind):
 
 def _base(urls, kind):
     return f"s3://{BUCKET}" if kind == "s3" else urls["http"]
-
-
-async def _batches(reader):
-    loader = Loader(reader, batch_size=3, device="cpu", num_threads=2, seed=7,
-                    pipeline=ops.video_pipeline(size=(24, 32), crop=(16, 16), flip=0.5))
-    batches = [b async for b in loader]
-    await loader.aclose()
-    return batches
 
 
 def _same(got, expected, key=lambda k: k):
@@ -91,7 +62,7 @@ async def test_video_urls_give_the_clips_and_pixels_of_the_local_files(served, k
     remote = readers.video([(f"{_base(urls, kind)}/tree/{rel}", i) for i, rel in enumerate(FRAMES)],
                            storage_options=_options(urls, kind), **common)
     assert len(remote) == len(local) > 0
-    got, expected = await _batches(remote), await _batches(local)
+    got, expected = await video_batches(remote), await video_batches(local)
     _same(got, expected, lambda k: k.replace(str(root), _base(urls, kind)))
     assert all(p.startswith(_base(urls, kind)) for b in got for p in b["path"])
     await leaks.check()
@@ -103,7 +74,7 @@ async def test_a_bucket_prefix_is_a_class_per_folder_tree(served, leaks):
     remote = readers.video(f"s3://{BUCKET}/tree/", sequence_length=8, storage_options=_options(urls, "s3"))
     local = readers.video(root / "tree", sequence_length=8)
     assert remote.classes == local.classes == ("jump", "walk")
-    _same(await _batches(remote), await _batches(local))  # keys relative to the prefix, as to the folder
+    _same(await video_batches(remote), await video_batches(local))  # keys relative to the prefix, as to the folder
     await leaks.check()
 
 
@@ -116,8 +87,8 @@ async def test_remote_tar_shards_give_the_clips_of_the_local_shards(served, kind
     remote = readers.video(f"{_base(urls, kind)}/tars/shard-{{000000..000001}}.tar",
                            storage_options=_options(urls, kind), **common)
     assert len(remote) == len(local) > 0
-    got = await _batches(remote)
-    _same(got, await _batches(local))
+    got = await video_batches(remote)
+    _same(got, await video_batches(local))
     assert all(p.startswith(f"{_base(urls, kind)}/tars/shard-") and ":" in p for b in got for p in b["path"])
     await leaks.check()
 
@@ -130,7 +101,7 @@ async def test_dropped_connections_are_retried_and_a_missing_video_is_a_storage_
     items = [(f"{urls['http']}/tree/{rel}", i) for i, rel in enumerate(FRAMES)]
     remote = readers.video(items, sequence_length=8, storage_options=_options(urls, "http"))
     local = readers.video([(root / "tree" / rel, i) for i, rel in enumerate(FRAMES)], sequence_length=8)
-    _same(await _batches(remote), await _batches(local), lambda k: k.replace(str(root), urls["http"]))
+    _same(await video_batches(remote), await video_batches(local), lambda k: k.replace(str(root), urls["http"]))
     _faults(urls, "http")
     missing = readers.video([*items, (f"{urls['http']}/tree/jump/gone.mp4", 0)], sequence_length=8,
                             storage_options=_options(urls, "http"))
