@@ -1,13 +1,16 @@
-"""Video clips decoded on the CPU: ``DecodeClip``, a ``Map`` stage over ``readers.video`` samples.
+"""Video clips: ``DecodeClip``, a ``Map`` stage over ``readers.video`` samples.
 
-It runs in the loader's threads, one clip per call: open the file with PyAV (FFmpeg), seek to the
-keyframe at or before the clip's first frame, decode forward and keep the clip's frames, found
-by timestamp. One set of random numbers per clip (crop offsets, flip) applies to all its frames.
+It runs in the loader's threads, one clip per call. On the CPU: open the file with PyAV (FFmpeg),
+seek to the keyframe at or before the clip's first frame, decode forward and keep the clip's
+frames, found by timestamp. With ``device="cuda"``: NVDEC through PyNvVideoCodec (``_video_gpu``),
+frames by number, kept on the GPU. One set of random numbers per clip (crop offsets, flip) applies
+to all its frames, the same on either device.
 """
 
 from __future__ import annotations
 
 import io
+import threading
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -18,6 +21,7 @@ from headrace._errors import ConfigError, DecodeError, TransformError
 
 from ._pipeline import Pipeline
 from ._stages import Map, Stage
+from ._video_gpu import NvdecClips, clip_indices, resolve_video_device
 
 __all__ = ["DecodeClip", "decode_frames", "video_pipeline"]
 
@@ -44,19 +48,45 @@ class DecodeClip(Map):
     A file that cannot be opened or decoded, or that does not deliver every frame of the clip
     (truncated, corrupt), fails the sample with a ``DecodeError`` naming its key and file; a crop
     larger than the frame with a ``TransformError``. Raises ConfigError for a wrong argument.
+
+    ``device``: ``"cpu"`` (PyAV in the loader's threads), ``"cuda"`` / ``"cuda:N"`` (NVDEC through
+    PyNvVideoCodec, the ``video-gpu`` extra: ``video`` is a CUDA tensor, resized, cropped and
+    flipped by torch on the GPU; use it with ``Loader(device="cuda")``, which stacks the clips
+    there), or ``"auto"`` (the GPU when torch sees one and PyNvVideoCodec imports). On the GPU,
+    frames are taken by number (a frame's rank in presentation order, as the reader numbers them)
+    and checked against the probe's timestamps; a video NVDEC cannot open, that gives fewer
+    frames, frames numbered otherwise than the probe's, or more than 8 bits per sample, fails its
+    sample with a ``DecodeError`` (decode such videos on the CPU). Each thread keeps a CUDA stream
+    and ``decoders_per_thread`` decoders; a call returns once its clip is complete on the GPU.
+    Raises ConfigError for ``"cuda"`` without PyNvVideoCodec or a GPU.
     """
 
     def __init__(self, size: int | Sequence[int] | None = None, *, layout: Layout = "FCHW", flip: float = 0.0,
-                 crop: int | Sequence[int] | None = None, name: str | None = None) -> None:
+                 crop: int | Sequence[int] | None = None, device: str = "cpu", decoders_per_thread: int = 2,
+                 name: str | None = None) -> None:
         self.size = _pair("size", size)
         self.crop = _pair("crop", crop)
         if layout not in ("FCHW", "FHWC"):
             raise ConfigError(f"DecodeClip: layout must be 'FCHW' or 'FHWC', got {layout!r}")
         if isinstance(flip, bool) or not isinstance(flip, (int, float)) or not 0.0 <= flip <= 1.0:
             raise ConfigError(f"DecodeClip: flip must be a probability in [0, 1], got {flip!r}")
+        if isinstance(decoders_per_thread, bool) or not isinstance(decoders_per_thread, int) or decoders_per_thread < 1:
+            raise ConfigError(f"DecodeClip: decoders_per_thread must be a positive int, got {decoders_per_thread!r}")
         self.layout = layout
         self.flip = float(flip)
+        self.device = resolve_video_device(device)
+        self._gpu = NvdecClips(self.device, decoders_per_thread) if self.device != "cpu" else None
+        self._turns: dict[str, int] = {}  # the GPU path: each video's quarter turns (its display matrix), probed once
+        self._turns_lock = threading.Lock()
         super().__init__(self._decode_clip, name=name or "DecodeClip")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["_turns_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _turns_lock=threading.Lock())
 
     def _decode_clip(self, fields: dict[str, Any], rng: np.random.Generator, key: str) -> dict[str, Any]:
         video = fields.get("video")
@@ -67,14 +97,50 @@ class DecodeClip(Map):
         # A tar member's bytes come with their name ("<shard>:<member>") in 'path'.
         path = video if isinstance(video, str) else str(fields.get("path") or "<bytes>")
         start, stride, length = (int(v) for v in clip)
-        frames, stamps = decode_frames(video, start, stride, length, fields.get("pts"), key=key, source=path)
         out = {name: value for name, value in fields.items() if name not in ("clip", "pts")}
-        out.update(video=self._augment(frames, rng, key, path), start=start, timestamps=stamps, path=path)
+        if self._gpu is not None:
+            tensor, stamps = self._decode_gpu(video, path, start, stride, length, fields, rng, key)
+        else:
+            frames, stamps = decode_frames(video, start, stride, length, fields.get("pts"), key=key, source=path)
+            tensor = self._augment(torch.from_numpy(frames).permute(0, 3, 1, 2), rng, key, path)
+        out.update(video=tensor, start=start, timestamps=stamps, path=path)
         return out
 
-    def _augment(self, frames: np.ndarray, rng: np.random.Generator, key: str, path: str) -> torch.Tensor:
-        """``[F, H, W, C]`` uint8 frames resized, cropped and flipped alike, in the stage's layout."""
-        clip = torch.from_numpy(frames).permute(0, 3, 1, 2)  # FCHW
+    def _decode_gpu(self, video: str | bytes, path: str, start: int, stride: int, length: int, fields: dict[str, Any],
+                    rng: np.random.Generator, key: str) -> tuple[torch.Tensor, np.ndarray]:
+        """The clip decoded by NVDEC and augmented on this thread's stream; see ``_video_gpu`` for the ordering."""
+        gpu = self._gpu
+        assert gpu is not None
+        pts = fields.get("pts")
+        turns = self._quarter_turns(video, path, key)
+        caller = torch.cuda.current_stream(gpu.device)
+        stream = gpu.stream()
+        with torch.cuda.device(gpu.device), torch.cuda.stream(stream):
+            clip, rate = gpu.frames(video, path, clip_indices(start, stride, length), pts, key=key)
+            if turns:
+                clip = torch.rot90(clip, turns, dims=(2, 3))
+            clip = self._augment(clip, rng, key, path)
+        stream.synchronize()  # the copy out of the decoder's buffers and the clip are done (see _video_gpu)
+        clip.record_stream(caller)
+        if "timestamps" in fields:  # the reader's: the probe's pts in seconds
+            stamps = np.asarray(fields["timestamps"], np.float64)
+        else:  # fields built by hand: constant frame rate's rule, as on the CPU
+            stamps = np.asarray(clip_indices(start, stride, length), np.float64) / (rate or float("nan"))
+        return clip, stamps
+
+    def _quarter_turns(self, video: str | bytes, path: str, key: str) -> int:
+        """The quarter turns counter-clockwise that the video's display matrix asks for (NVDEC ignores
+        it): read once per video from its first frame, with PyAV. Raises DecodeError as ``upright`` does."""
+        turns = self._turns.get(path)
+        if turns is None:
+            turns = first_frame_turns(video, key=key, source=path)
+            with self._turns_lock:
+                self._turns[path] = turns
+        return turns
+
+    def _augment(self, clip: torch.Tensor, rng: np.random.Generator, key: str, path: str) -> torch.Tensor:
+        """``[F, C, H, W]`` uint8 frames (on the CPU or the GPU) resized, cropped and flipped alike,
+        in the stage's layout."""
         if self.size is not None and tuple(clip.shape[2:]) != self.size:
             scaled = torch.nn.functional.interpolate(clip.float(), size=self.size, mode="bilinear",
                                                      align_corners=False, antialias=True)
@@ -93,7 +159,8 @@ class DecodeClip(Map):
         return clip.contiguous()
 
     def __repr__(self) -> str:
-        return f"DecodeClip(size={self.size}, layout={self.layout!r}, flip={self.flip}, crop={self.crop})"
+        device = f", device={self.device!r}" if self.device != "cpu" else ""
+        return f"DecodeClip(size={self.size}, layout={self.layout!r}, flip={self.flip}, crop={self.crop}{device})"
 
 
 def decode_frames(path: str | bytes, start: int, stride: int, length: int, pts: np.ndarray | None = None, *,
@@ -143,17 +210,44 @@ def upright(frame: Any) -> np.ndarray:
     video as landscape frames plus a rotation tag): a rotation by a multiple of 90 degrees is
     applied; a mirrored matrix or another angle raises DecodeError (the caller names the file)."""
     pixels = frame.to_ndarray(format="rgb24")
+    turns = quarter_turns(frame)
+    return np.ascontiguousarray(np.rot90(pixels, turns)) if turns else pixels
+
+
+def quarter_turns(frame: Any) -> int:
+    """The quarter turns counter-clockwise (0-3) a decoded frame's display matrix asks for; a
+    mirrored matrix or an angle not a multiple of 90 raises DecodeError (the caller names the file)."""
     matrix = next((sd for sd in frame.side_data if sd.type.name == "DISPLAYMATRIX"), None)
     if matrix is None:
-        return pixels
+        return 0
     a, b, _, c, d, _, _, _, _ = np.frombuffer(bytes(matrix), np.int32)  # 16.16 fixed point, row major
     if int(a) * int(d) - int(b) * int(c) < 0:
         raise DecodeError("the display matrix mirrors the picture; mirrored video is not supported")
     angle = frame.rotation  # counter-clockwise degrees, as FFmpeg's av_display_rotation_get
     if angle % 90:
         raise DecodeError(f"rotation by {angle} degrees is not supported (only multiples of 90)")
-    turns = (angle // 90) % 4
-    return np.ascontiguousarray(np.rot90(pixels, turns)) if turns else pixels
+    return (angle // 90) % 4
+
+
+def first_frame_turns(path: str | bytes, *, key: str | None = None, source: str | None = None) -> int:
+    """``quarter_turns`` of the first frame of ``path`` (a file or a video's bytes), decoded with PyAV
+    (the GPU path's one CPU decode per video: PyNvVideoCodec does not report the display matrix).
+    Raises DecodeError naming ``key`` and ``source``."""
+    from headrace.readers.video import import_av
+
+    av = import_av()
+    opened, source = (io.BytesIO(path), source or "<bytes>") if isinstance(path, bytes) else (path, source or path)
+    try:
+        with av.open(opened) as container:
+            if not container.streams.video:
+                raise DecodeError("no video stream")
+            for frame in container.decode(container.streams.video[0]):
+                return quarter_turns(frame)
+    except DecodeError as exc:
+        raise DecodeError(exc.message, key=key, source=source) from exc
+    except (av.error.FFmpegError, OSError, ValueError) as exc:
+        raise DecodeError(f"cannot decode video: {exc}", key=key, source=source) from exc
+    raise DecodeError("the video stream has no frames", key=key, source=source)
 
 
 def _wanted_pts(stream: Any, start: int, stride: int, length: int) -> list[int]:
@@ -200,9 +294,10 @@ def _pair(name: str, value: int | Sequence[int] | None) -> tuple[int, int] | Non
 
 def video_pipeline(size: int | Sequence[int] | None = None, *, layout: Layout = "FCHW", flip: float = 0.0,
                    crop: int | Sequence[int] | None = None, label: str | None = "cls",
-                   stages: Sequence[Stage] = ()) -> Pipeline:
+                   stages: Sequence[Stage] = (), device: str = "cpu") -> Pipeline:
     """The pipeline for ``readers.video``: ``DecodeClip`` then your ``stages``, batched as
     ``video`` ``[B, F, C, H, W]`` uint8, ``label`` ``[B]``, ``start`` ``[B]``, ``timestamps``
-    ``[B, F]`` float64 and ``path`` (a list of str)."""
-    return Pipeline([DecodeClip(size, layout=layout, flip=flip, crop=crop), *stages], image=None, label=label,
-                    fields=("video", "start", "timestamps", "path"))
+    ``[B, F]`` float64 and ``path`` (a list of str). ``device="cuda"`` decodes on NVDEC
+    (``DecodeClip``'s ``device``): give the loader ``device="cuda"`` too."""
+    return Pipeline([DecodeClip(size, layout=layout, flip=flip, crop=crop, device=device), *stages], image=None,
+                    label=label, fields=("video", "start", "timestamps", "path"))
