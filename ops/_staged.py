@@ -232,6 +232,8 @@ class StagedExecutor:
             data["label"] = torch.tensor(labels, dtype=torch.int64)
         if not self._cuda:
             return data, kept, None
+        # CUDA tensors a stage made (DecodeClip on the GPU) were stacked on this thread's stream: the side stream's event covers them.
+        self._side_stream().wait_stream(torch.cuda.current_stream(self.device))
         data, ready = self._on_side_stream({}, None, lambda: _on_device(data, self.device))
         return data, kept, ready
 
@@ -372,9 +374,9 @@ def _on_device(columns: dict[str, Any], device: torch.device) -> dict[str, Any]:
 
 def _copied(value: Any, device: torch.device) -> Any:
     if isinstance(value, torch.Tensor):
-        return value.pin_memory().to(device, non_blocking=True)
+        return value.to(device, non_blocking=True) if value.is_cuda else value.pin_memory().to(device, non_blocking=True)
     if isinstance(value, list) and value and all(isinstance(v, torch.Tensor) for v in value):
-        return [v.pin_memory().to(device, non_blocking=True) for v in value]
+        return [_copied(v, device) for v in value]
     return value
 
 

@@ -23,12 +23,14 @@ def resolve_device(pipeline: Any, device: Any, *, local_rank: int | None = None)
     from headrace.ops import cuda_available, gpu_unsupported
 
     why_not_gpu = gpu_unsupported(pipeline)
+    # A pipeline without images (video clips, arrays) needs only torch's GPU, not CuPy and nvImageCodec.
+    gpu_ready = cuda_available() if getattr(pipeline, "has_image", True) else _torch_cuda()
     if device == "auto":
-        device = "cuda" if cuda_available() and why_not_gpu is None else "cpu"
+        device = "cuda" if gpu_ready and why_not_gpu is None else "cpu"
     if not isinstance(device, str) or not (device == "cpu" or device == "cuda" or device.startswith("cuda:")):
         raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
     if device.startswith("cuda"):
-        if not cuda_available():
+        if not gpu_ready:
             raise ConfigError(f"device={device!r} needs a GPU, CuPy and nvImageCodec (pip install 'headrace[cuda13]')")
         if why_not_gpu:
             raise ConfigError(why_not_gpu)
@@ -37,3 +39,9 @@ def resolve_device(pipeline: Any, device: Any, *, local_rank: int | None = None)
 
             device = f"cuda:{local_rank % max(1, torch.cuda.device_count())}"
     return device
+
+
+def _torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
