@@ -14,6 +14,7 @@ the GPU, unless the row says otherwise):
   DALI (--dali-threads 4,8)  NVIDIA DALI: file reader, mixed decode (image_random_crop; validation:
                              whole image), resize, crop_mirror_normalize float16 NCHW, DALIGenericIterator
   --rows train_stage         the train row with a trivial ops.MapBatch added (what a user stage costs)
+  --rows train_noop           the train row with an ops.MapBatch that returns the batch as it is
   --rows train_lookup        the train row with an async ops.Map awaiting 1 ms per sample, concurrency=64
 Each row: one warm-up epoch, then the median of --epochs epochs. headrace rows also report the
 cores busy (process CPU time / wall), the event loop's own busy share (the loop thread's CPU
@@ -183,6 +184,11 @@ def _touch(batch: dict) -> dict:
     return batch
 
 
+def _pass(batch: dict) -> dict:
+    """A batch stage that launches nothing: the stage machinery (a thread, a stream, an event) alone."""
+    return batch
+
+
 async def _lookup(fields: dict) -> dict:
     """A remote label lookup, simulated: 1 ms of awaited I/O per sample."""
     await asyncio.sleep(0.001)
@@ -325,6 +331,8 @@ def main() -> None:
         "reader": ("files reader alone (no decode)", lambda: bench_reader(root, args.epochs)),
         "train_stage": ("headrace (train + a batch stage)", lambda: bench_headrace(
             root, _staged(ops.training(224, dtype="float16"), ops.MapBatch(_touch)), args.batch, args.epochs, args.lanes)),
+        "train_noop": ("headrace (train + a no-op batch stage)", lambda: bench_headrace(
+            root, _staged(ops.training(224, dtype="float16"), ops.MapBatch(_pass)), args.batch, args.epochs, args.lanes)),
         "train_lookup": ("headrace (train + 1 ms async lookup, 64)", lambda: bench_headrace(
             root, _staged(ops.training(224, dtype="float16"), ops.Map(_lookup, concurrency=64)), args.batch, args.epochs,
             args.lanes)),
