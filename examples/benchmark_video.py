@@ -22,7 +22,7 @@ and the median epoch counts.
 ``--device cuda`` runs headrace's NVDEC path (``ops.video_pipeline(..., device="cuda")``: PyNvVideoCodec
 decodes, torch resizes and normalizes on the GPU; the ``video-gpu`` extra) and moves the DataLoader's
 batches there with ``pin_memory`` and ``.cuda(non_blocking=True)``. It adds a third row, **PyNvVideoCodec
-alone**: the same clips decoded by ``--threads`` threads, each with its own ``SimpleDecoder`` (a new one
+alone**: the same clips decoded by ``--threads`` threads, each with its own ``SimpleDecoder`` (reconfigured
 when its next clip is from another video, as headrace's threads do), frames fetched by index and
 nothing else (no copy, resize or normalize): the NVDEC floor. ``--clips-per-video k`` takes k clips per
 video (random starts) to bound an epoch. The issue's size:
@@ -175,8 +175,9 @@ def dataloader(root: Path, workers: int, batch_size: int, device: str,
 
 
 class NvdecFloor:
-    """PyNvVideoCodec alone: the clips split over ``threads`` threads, each with its own decoder and
-    CUDA stream, frames fetched by index, nothing else. Shuffled each epoch like the others."""
+    """PyNvVideoCodec alone: the clips split over ``threads`` threads, each with its own decoder
+    (reconfigured for another video) and CUDA stream, frames fetched by index, nothing else.
+    Shuffled each epoch like the others."""
 
     def __init__(self, clips: list[tuple[str, list[int], int, int]], threads: int) -> None:
         import PyNvVideoCodec as nvc
@@ -188,10 +189,12 @@ class NvdecFloor:
         nvc, stream = self.nvc, torch.cuda.Stream()
         decoder, current, frames = None, None, 0
         for path, start in part:
-            if path != current:
+            if decoder is None:
                 decoder = nvc.SimpleDecoder(path, gpu_id=0, cuda_stream=stream.cuda_stream, use_device_memory=True,
                                             output_color_type=nvc.OutputColorType.RGBP)
-                current = path
+            elif path != current:
+                decoder.reconfigure_decoder(path)  # far cheaper than a new decoder (decoder_setup_ms)
+            current = path
             frames += len(decoder.get_batch_frames_by_index(list(range(start, start + FRAMES))))
         stream.synchronize()
         return frames

@@ -1,8 +1,8 @@
 """Video clips decoded on the GPU's video engines (NVDEC) through PyNvVideoCodec: ``DecodeClip(device="cuda")``.
 
 Each of the loader's threads keeps its own CUDA stream and a few ``SimpleDecoder``s (one per
-recent video: making one costs milliseconds, and a thread often decodes several clips of one
-video in a row). A clip's frames are fetched by number (``get_batch_frames_by_index``: the decoder
+recent video: a thread often decodes several clips of one video in a row); a clip of another
+video (a file) reconfigures the least recently used one, far cheaper than a new decoder. A clip's frames are fetched by number (``get_batch_frames_by_index``: the decoder
 seeks to the keyframe before them and decodes forward), as planar RGB uint8 on the GPU, copied out
 of the decoder's buffers, turned upright if the file says so, then resized, cropped and flipped by
 ``DecodeClip``'s torch ops on the same stream.
@@ -88,6 +88,7 @@ class NvdecClips:
         self.device = torch.device(device)
         self.decoders_per_thread = decoders_per_thread
         self._local = threading.local()
+        self._shifts: dict[str, int] = {}  # each video's NVDEC timestamp minus the probe's (_check_timestamps)
 
     def __getstate__(self) -> dict[str, Any]:  # decoders and streams are per process and thread
         return {"device": str(self.device), "decoders_per_thread": self.decoders_per_thread}
@@ -131,11 +132,7 @@ class NvdecClips:
             raise DecodeError(f"NVDEC delivered {len(decoded)} of the clip's {len(indices)} frames "
                               "(truncated or corrupt?)", key=key, source=name)
         if pts is not None:
-            got = [int(frame.getPTS()) for frame in decoded]
-            if got != [int(p) for p in pts]:
-                raise DecodeError(f"NVDEC's frames {indices[:3]}... have timestamps {got[:3]}..., the probe's are "
-                                  f"{[int(p) for p in pts[:3]]}...: the decoder numbers this video's frames "
-                                  "otherwise (decode it with device='cpu')", key=key, source=name)
+            self._check_timestamps(decoded, pts, indices, key, name)
         tensors = [torch.from_dlpack(frame) for frame in decoded]
         if tensors[0].dtype != torch.uint8:
             raise DecodeError(f"NVDEC gives {tensors[0].dtype} frames (a video of more than 8 bits per sample); "
@@ -143,9 +140,26 @@ class NvdecClips:
                               "converts to 8 bits", key=key, source=name)
         return torch.stack(tensors), rate  # the copy out of the decoder's buffers
 
+    def _check_timestamps(self, decoded: list[Any], pts: np.ndarray, indices: list[int], key: str | None,
+                          name: str) -> None:
+        """NVDEC's frames must be the probe's: their timestamps the probe's plus one shift per video.
+        The shift is there because PyNvVideoCodec reports timestamps before the container's edit list
+        (H.264 with B-frames in MP4 starts two frames early: -1024 where PyAV says 0); it is learned
+        from the video's first clip here and must hold for every frame of every clip after. A
+        variable-rate file that NVDEC numbers otherwise, or a seek that lands elsewhere, breaks it."""
+        got = np.asarray([int(frame.getPTS()) for frame in decoded], np.int64)
+        shift = got - np.asarray(pts, np.int64)
+        known = self._shifts.setdefault(name, int(shift[0]))  # one dict operation: safe across threads
+        if np.any(shift != known):
+            raise DecodeError(f"NVDEC's frames {indices[:3]}... have timestamps {got[:3].tolist()}..., the probe's "
+                              f"are {np.asarray(pts[:3]).tolist()}... (shift {known}): the decoder numbers this "
+                              "video's frames otherwise (variable frame rate? decode it with device='cpu')",
+                              key=key, source=name)
+
     def _decoder(self, video: str | bytes, name: str) -> Any:
-        """This thread's decoder for ``name``: kept from an earlier clip, or made (the least recently
-        used one dropped past ``decoders_per_thread``)."""
+        """This thread's decoder for ``name``: kept from an earlier clip; else, past
+        ``decoders_per_thread``, the least recently used one reconfigured for a file (or dropped for
+        bytes: a new one is made for them); else a new one."""
         self.stream()
         cache: collections.OrderedDict[tuple[str, int], Any] = self._local.decoders
         ident = (name, len(video) if isinstance(video, bytes) else -1)
@@ -154,10 +168,17 @@ class NvdecClips:
             cache.move_to_end(ident)
             return decoder
         nvc = import_nvc()
-        while len(cache) >= self.decoders_per_thread:
-            cache.popitem(last=False)
-        decoder = nvc.SimpleDecoder(video, gpu_id=self.device.index, cuda_stream=self._local.stream.cuda_stream,
-                                    use_device_memory=True, output_color_type=nvc.OutputColorType.RGBP)
+        if isinstance(video, str) and len(cache) >= self.decoders_per_thread:
+            # Another video for a kept decoder: reconfigure_decoder takes a path (not bytes) and cost
+            # 3 ms against 222 ms for a new SimpleDecoder on the H100 (examples/benchmark_video.py).
+            # Popped first: if it fails, the decoder (its state unknown) is dropped.
+            _, decoder = cache.popitem(last=False)
+            decoder.reconfigure_decoder(video)
+        else:
+            while len(cache) >= self.decoders_per_thread:
+                cache.popitem(last=False)
+            decoder = nvc.SimpleDecoder(video, gpu_id=self.device.index, cuda_stream=self._local.stream.cuda_stream,
+                                        use_device_memory=True, output_color_type=nvc.OutputColorType.RGBP)
         cache[ident] = decoder
         return decoder
 

@@ -102,6 +102,9 @@ def _fake_nvc(frames=10, pts=None, dtype=torch.uint8, fail=None, short=False):
         def get_stream_metadata(self):
             return types.SimpleNamespace(average_fps=25.0)
 
+        def reconfigure_decoder(self, source):
+            made.append(("reconfigured", source))
+
     module = types.ModuleType("PyNvVideoCodec")
     module.SimpleDecoder = SimpleDecoder
     module.OutputColorType = types.SimpleNamespace(RGBP=1)
@@ -136,15 +139,25 @@ def test_frames_come_in_order_and_decoders_are_kept_per_video(monkeypatch, clips
     assert out.shape == (3, 3, 4, 6) and out[:, 0, 0, 0].tolist() == [2, 5, 8] and rate == 25.0
     clips.frames("a.mp4", "a.mp4", [0], None, key="k")
     clips.frames(b"xx", "s.tar:b.mp4", [1], None, key="k")
-    clips.frames("c.mp4", "c.mp4", [1], None, key="k")  # the third video: the least recent decoder goes
-    clips.frames("a.mp4", "a.mp4", [1], None, key="k")
-    assert made == ["a.mp4", b"xx", "c.mp4", "a.mp4"]
+    clips.frames("c.mp4", "c.mp4", [1], None, key="k")  # a third video: the least recent decoder is reconfigured
+    clips.frames(b"yy", "s.tar:d.mp4", [1], None, key="k")  # bytes: a new decoder, the least recent one dropped
+    clips.frames("c.mp4", "c.mp4", [1], None, key="k")
+    assert made == ["a.mp4", b"xx", ("reconfigured", "c.mp4"), b"yy"]
+
+
+def test_timestamps_may_be_shifted_by_one_offset_per_video(monkeypatch, clips):
+    """PyNvVideoCodec's timestamps come before the MP4 edit list: -1024 where PyAV says 0."""
+    _use(monkeypatch, pts=[t - 1024 for t in range(0, 5120, 512)])
+    clips.frames("v.mp4", "v.mp4", [2, 4], np.array([1024, 2048]), key="k")
+    clips.frames("v.mp4", "v.mp4", [7], np.array([3584]), key="k")
+    with pytest.raises(DecodeError, match="numbers this video's frames otherwise"):
+        clips.frames("v.mp4", "v.mp4", [8], np.array([3584]), key="k")  # another shift: not the probe's frame
 
 
 @pytest.mark.parametrize(("kw", "indices", "message"), [
     ({"frames": 10}, [8, 10], "finds 10 frames"),
     ({"short": True}, [1, 2], "delivered 1 of the clip's 2 frames"),
-    ({"pts": [0, 7, 9, 12, 15, 18, 21, 24, 27, 30]}, [1, 2], "numbers this video's frames otherwise"),
+    ({"pts": [0, 7, 9, 12, 15, 18, 21, 24, 27, 30]}, [1, 3], "numbers this video's frames otherwise"),
     ({"dtype": torch.int16}, [1, 2], "8-bit"),
     ({"fail": "no decoder for this codec"}, [1], "NVDEC cannot decode the video: RuntimeError: no decoder"),
 ])
