@@ -2,28 +2,25 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from ._batcher import LastBatch, batches_per_epoch
 from ._channel import ChannelStats
-from ._errors import ClosedError, LoaderError
+from ._cursor import Cursor
+from ._epochs import Epochs
+from ._errors import LoaderError
 from ._loader_args import resolve_loader_args
 from ._loader_state import STATE_VERSION, resume_point
-from ._markers import END
-from ._policy import ErrorLog, ErrorRecord
-from ._progress import EpochProgress
-from ._run import EpochMetrics, RunConfig, _Run
+from ._policy import ErrorRecord
+from ._run import EpochMetrics
 from ._sample import Batch
 
 if TYPE_CHECKING:
     from headrace.ops._executors import Executor
 
 __all__ = ["Loader", "LoaderStats"]
-
-_REPLACED = "this iteration was replaced by a later async for on the same loader"
 
 
 @dataclass
@@ -186,46 +183,23 @@ class Loader:
         self.hw_load = hw_load
         self.gpu_tuning = gpu_tuning
         self.run_ahead = args.run_ahead
-        self._executor: Executor | None = None
         self.last_batch = args.last_batch
         self.seed = seed
         self.num_threads = args.num_threads
         self.progress = progress
-        self._cfg = RunConfig(
-            reader=args.reader,
-            executor=self._open_executor,
-            batch_size=batch_size,
-            last_batch=args.last_batch,
-            seed=seed,
-            prefetch=args.prefetch,
-            max_bytes=max_bytes,
-            on_error=on_error,
-            max_errors=args.max_errors,
-        )
-        # Where the next batch comes from. ``_fresh``: nobody has started iterating from it yet;
-        # an iteration left mid-epoch makes the next ``async for`` start the next epoch.
-        self._start_epoch(0)
-        self._fresh = True
-        self._active: _Run | None = None
-        self._ahead: _Run | None = None  # the next epoch's run, started early (run_ahead)
-        # A run whose loop was left without closing its iterator (a bare ``break``): the next
-        # ``async for`` tears it down before it starts its own.
-        self._abandoned: _Run | None = None
-        self._closed = False
-        self._stats = LoaderStats()
-        self._errors = ErrorLog()
+        self._cursor = Cursor()  # where the next batch comes from
+        self._epochs = Epochs(self._cursor, LoaderStats(), self._make_executor, self._epoch_length,
+                              reader=args.reader, batch_size=batch_size, last_batch=args.last_batch, seed=seed,
+                              prefetch=args.prefetch, max_bytes=max_bytes, on_error=on_error,
+                              max_errors=args.max_errors)
 
-    async def _open_executor(self) -> Any:
-        """The loader's executor, made at the first epoch and kept until ``aclose()``."""
+    def _make_executor(self) -> Executor:
+        """This loader's executor for its pipeline and device; ``Epochs`` makes one, at the first epoch."""
         from headrace.ops._executors import open_executor
 
-        if self._closed:
-            raise ClosedError("loader is closed")
-        if self._executor is None:  # on the GPU (decoders, streams, compiled kernels) this blocks the loop once
-            self._executor = open_executor(self.pipeline, self.device, num_threads=self.num_threads, seed=self.seed,
-                                           lanes=self.lanes, hw_load=self.hw_load, decoder_threads=self.num_threads,
-                                           tuning=self.gpu_tuning)
-        return self._executor
+        return open_executor(self.pipeline, self.device, num_threads=self.num_threads, seed=self.seed,
+                             lanes=self.lanes, hw_load=self.hw_load, decoder_threads=self.num_threads,
+                             tuning=self.gpu_tuning)
 
     def __len__(self) -> int:
         """Batches per epoch on this rank."""
@@ -234,168 +208,19 @@ class Loader:
     @property
     def epoch(self) -> int:
         """The epoch the next (or current) ``async for`` iterates."""
-        return self._epoch
-
-    def _start_epoch(self, epoch: int) -> None:
-        """Point the stream at ``epoch``'s first sample."""
-        self._epoch, self._position, self._batches = epoch, 0, 0
-        # The spans of the epoch read on other world sizes before a resume, as (world, position)
-        # pairs; ``_position`` counts inside the span after them.
-        self._history: list[tuple[int, int]] = []
+        return self._cursor.epoch
 
     def __aiter__(self) -> AsyncIterator[Batch]:
         return self._aiter(run_ahead=self.run_ahead, progress=self.progress)
 
     def _aiter(self, *, run_ahead: bool, progress: bool) -> AsyncIterator[Batch]:
-        if self._closed:
-            raise ClosedError("loader is closed")
-        previous = self._active
-        if previous is not None:
-            if previous.consumer_inside:
-                raise LoaderError("this loader is already being iterated by another task; "
-                                  "finish or close that loop first")
-            # The last loop was left without closing its iterator (a bare ``break``, or an
-            # exception in its body): this one takes over and tears that run down first.
-            previous.superseded = True
-            self._abandoned, self._active = previous, None
-        if not self._fresh:
-            self._start_epoch(self._epoch + 1)
-        self._fresh = False
-        where = (self._epoch, self._position, self._batches, tuple(self._history))
-        ahead = self._ahead
-        if (previous is None and ahead is not None
-                and (ahead.epoch, ahead.start, ahead.first_batch, ahead.history) == where):
-            run, self._ahead = ahead, None  # started during the last epoch: take it over
-        else:
-            run = _Run(self._cfg, *where)  # (a stale run ahead, after load_state_dict, goes in _iterate)
-        self._active = run
-        return self._iterate(run, run_ahead, progress and self.rank == 0)
-
-    async def _iterate(self, run: _Run, run_ahead: bool, progress: bool) -> AsyncIterator[Batch]:
-        completed = False
-        bar: EpochProgress | None = None
-        run.consumer_inside = True
-        try:
-            if run.superseded:  # a later ``async for`` took over before this one started
-                raise ClosedError(_REPLACED)
-            await self._begin(run)
-            if progress:
-                bar = EpochProgress(run, self._epoch_length(), run.first_batch)
-            run.start_runner()
-            while True:
-                item = await run.out_rx.receive()
-                if item is END:
-                    run.ended = time.perf_counter()
-                    if run.failure is not None:
-                        raise run.failure
-                    break
-                batch = self._accept(run, item, run_ahead)
-                if batch is None:
-                    continue  # every sample of the batch failed: nothing to hand out
-                if bar is not None:
-                    bar.step()
-                run.consumer_inside = False
-                yield batch
-                if run.superseded:
-                    raise ClosedError(_REPLACED)
-                run.consumer_inside = True
-            self._start_epoch(run.epoch + 1)
-            self._fresh = True
-            completed = True
-        finally:
-            await self._end(run, completed, bar)
-
-    async def _begin(self, run: _Run) -> None:
-        """Before an epoch's first batch: tear down a loop left without closing and any stale run
-        ahead, and start the epoch's clock (once, also when an iteration resumes it)."""
-        abandoned, self._abandoned = self._abandoned, None
-        if abandoned is not None:
-            await self._stop_early(abandoned)
-        await self._close_ahead()
-        self._stats.epoch = run.epoch
-        if run.started is None:
-            run.started = time.perf_counter()
-
-    def _accept(self, run: _Run, item: Any, run_ahead: bool) -> Batch | None:
-        """Account for one item from the run: its failures, the stream position and the counters;
-        raise the error it carries, if any. The batch to hand out, or None when all its samples failed."""
-        item, outcomes = item
-        for error, action in outcomes:
-            self._errors.add(error, action)
-        if isinstance(item, BaseException):
-            raise item
-        if run_ahead and self._ahead is None and run.dispatched_all.is_set():
-            self._ahead = _Run(self._cfg, run.epoch + 1, 0, 0)
-            self._ahead.start_runner()
-        stats = self._stats
-        self._position, self._batches = item.extra["end_position"], item.index + 1
-        stats.dropped += item.dropped
-        stats.replaced += item.replaced
-        if not item.sample_keys:
-            return None
-        stats.batches += 1
-        stats.samples += item.size
-        started = time.perf_counter()
-        item.handoff()
-        item.substitute()
-        run.handoff_seconds += time.perf_counter() - started
-        run.batches_out += 1
-        run.samples_out += item.size
-        return item
-
-    async def _end(self, run: _Run, completed: bool, bar: EpochProgress | None) -> None:
-        """After an iteration, however it ended: record the epoch's metrics and stop the run."""
-        run.consumer_inside = False
-        if run.ended is None:  # left early
-            run.ended = time.perf_counter()
-        if not run.superseded:  # else the later loop's run is the current epoch
-            self._stats.channels = run.channels()
-            self._stats.epoch_metrics = run.metrics()
-        if bar is not None:
-            bar.close(run.metrics())
-        if completed:
-            self._active = None
-            await run.aclose()
-        elif run.superseded:
-            await run.aclose()  # the loop that replaced this one stops the rest
-        else:
-            # ``_active`` stays this run until it is stopped: a new ``async for`` meanwhile
-            # takes it as abandoned and waits for the same teardown before it starts.
-            try:
-                await self._stop_early(run)
-            finally:
-                if self._active is run:
-                    self._active = None
-
-    async def _stop_early(self, run: _Run) -> None:
-        """Tear down an epoch left early: its tasks, the work running ahead, and the batches it had
-        in flight in the executor (which stays, for the next epoch)."""
-        try:
-            await run.aclose()
-            await self._close_ahead()
-        finally:
-            if self._executor is not None:
-                await self._executor.drain()
+        return self._epochs.iterate(run_ahead=run_ahead, progress=progress and self.rank == 0)
 
     async def aclose(self) -> None:
         """Stop the epoch in progress, if any, and release everything: tasks, threads, files,
         decoders and GPU memory. Final: the loader raises ``ClosedError`` when used again. Safe to
         call twice, and from a task being cancelled (it finishes the cleanup, then re-raises)."""
-        self._closed = True
-        runs = [r for r in (self._active, self._abandoned, self._ahead) if r is not None]
-        self._active = self._abandoned = self._ahead = None
-        executor, self._executor = self._executor, None
-        try:
-            for run in runs:
-                await run.aclose()
-        finally:
-            if executor is not None:
-                await executor.aclose()
-
-    async def _close_ahead(self) -> None:
-        run, self._ahead = self._ahead, None
-        if run is not None:
-            await run.aclose()
+        await self._epochs.aclose()
 
     async def __aenter__(self) -> Loader:
         return self
@@ -420,16 +245,7 @@ class Loader:
 
     def stats(self) -> LoaderStats:
         """Counters and the current epoch's metrics; cheap (a few channel snapshots), fine per batch."""
-        if self._active is not None:
-            self._stats.channels = self._active.channels()
-            self._stats.epoch_metrics = self._active.metrics()
-        # Derived here, not per batch: the error log is the record.
-        self._stats.errors = dict(self._errors.counts)
-        self._stats.recent_errors = list(self._errors.recent)
-        timings = getattr(self._executor, "timings", None)
-        if timings is not None:
-            self._stats.lanes = timings()
-        return self._stats
+        return self._epochs.stats()
 
     def state_dict(self) -> dict[str, Any]:
         """Where the stream stands: after the last batch handed out, or at the next epoch's start.
@@ -438,16 +254,17 @@ class Loader:
         spans in ``history``, if it resumed on another world size); in a job whose ranks step
         together they are the same on every rank.
         """
+        cursor = self._cursor
         return {
             "version": STATE_VERSION,
-            "epoch": self._epoch,
-            "position": self._position,
-            "batches": self._batches,
+            "epoch": cursor.epoch,
+            "position": cursor.position,
+            "batches": cursor.batches,
             "batch_size": self.batch_size,
             "seed": self.seed,
             "world": self.world,
             "rank": self.rank,
-            "history": [list(span) for span in self._history],
+            "history": [list(span) for span in cursor.history],
             "source": self.reader.state_dict(),
         }
 
@@ -461,15 +278,13 @@ class Loader:
         Raises ConfigError if the state came from a loader with another batch size, seed or reader,
         or from another world size with a reader that cannot resume across world sizes.
         """
-        if self._active is not None:
+        if self._epochs.active is not None:
             raise LoaderError("cannot load state while an epoch is being iterated")
-        point = resume_point(state, batch_size=self.batch_size, seed=self.seed, reader=self.reader, world=self.world)
-        self._epoch, self._position, self._batches = point.epoch, point.position, point.batches
-        self._history = point.history
-        self._fresh = True
+        self._cursor.resume(resume_point(state, batch_size=self.batch_size, seed=self.seed, reader=self.reader,
+                                         world=self.world))
 
     def __repr__(self) -> str:
         return (
             f"Loader({self.reader!r}, batch_size={self.batch_size}, pipeline={self.pipeline!r}, "
-            f"device={self.device!r}, epoch={self._epoch})"
+            f"device={self.device!r}, epoch={self._cursor.epoch})"
         )

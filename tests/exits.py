@@ -67,10 +67,10 @@ async def random_exits(
         if round_ % 5 != 4:
             continue  # the next round starts at once, with the finaliser of a left loop still pending
         left = await _settled_tasks() - tasks
-        if loader._ahead is not None:  # the next epoch's run, started ahead (run_ahead): the loader's own
+        if loader._epochs.ahead is not None:  # the next epoch's run, started ahead (run_ahead): the loader's own
             left = {t for t in left if not t.get_name().startswith("loader:")}
         assert not left, f"round {round_} ({kind}): tasks left running: {sorted(t.get_name() for t in left)}"
-        if loader._ahead is not None:  # the run started ahead reads files now and then: let a read end
+        if loader._epochs.ahead is not None:  # the run started ahead reads files now and then: let a read end
             for _ in range(40):
                 if open_fds() == fds:
                     break

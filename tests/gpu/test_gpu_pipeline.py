@@ -309,7 +309,7 @@ async def test_gpu_memory_is_flat_over_epochs(folder, sizes, run_ahead):
     if run_ahead:
         # At an epoch's end the next one's run holds up to prefetch + 2 decoded batches (in flight
         # and in its output channel), how many depends on timing; a leak would grow past that.
-        assert max(allocated) - min(allocated) <= (loader._cfg.prefetch + 2) * batch_bytes
+        assert max(allocated) - min(allocated) <= (loader._epochs.cfg.prefetch + 2) * batch_bytes
     else:
         assert len(set(allocated)) == 1
     reserved = [u[1] for u in used[1:]]

@@ -39,7 +39,7 @@ async def test_running_ahead_changes_no_batch(image_folder, leaks):
     for epoch in range(3):
         got = await _collect(ahead)
         # The last batches of this epoch were still in flight when the next epoch's run started.
-        assert ahead._ahead is not None and ahead._ahead.epoch == epoch + 1
+        assert ahead._epochs.ahead is not None and ahead._epochs.ahead.epoch == epoch + 1
         for x, y in zip(got, await _collect(plain), strict=True):
             _same(x, y)
         assert ahead.state_dict() == plain.state_dict()  # the work ahead is not counted
@@ -63,7 +63,7 @@ async def test_a_loaded_state_discards_the_work_ahead(image_folder, leaks):
 
     loader = _loader(image_folder, run_ahead=True)
     await _collect(loader)  # epoch 0; epoch 1 runs ahead from its start
-    assert loader._ahead is not None
+    assert loader._epochs.ahead is not None
     loader.load_state_dict(state)  # epoch 1 from batch 5: not where the run ahead started
     rest = await _collect(loader)
     for x, y in zip(expected[5:], rest, strict=True):
@@ -97,7 +97,7 @@ async def test_the_sync_facade_does_not_run_ahead(image_folder, leaks):
             epochs = []
             for _ in range(2):
                 epochs.append(list(loader))
-                assert loader.loader._ahead is None  # each epoch's loop ends with it
+                assert loader.loader._epochs.ahead is None  # each epoch's loop ends with it
             return epochs
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
