@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from headrace import ops
-from headrace.ops._batch_decode import BatchDecoder, Launch, ParsedBatch
+from headrace.ops.cuda._batch_decode import BatchDecoder, Launch, ParsedBatch
 from headrace.ops._geometry import plan_batch, roi_batch
 from headrace.ops._random import uniforms
 

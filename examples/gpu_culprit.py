@@ -32,9 +32,9 @@ WINDOWS = "/tmp/headrace-windows.json"
 def run(folder: str, seed: int, epochs: int) -> None:
     import headrace
     from headrace import ops, readers
-    from headrace.ops import _cuda
+    from headrace.ops.cuda._lane import Lane
 
-    original = _cuda._Lane.finish
+    original = Lane.finish
     fd = os.open(LOG, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND)
 
     def finish(lane, prep):
@@ -44,7 +44,7 @@ def run(folder: str, seed: int, epochs: int) -> None:
         os.fsync(fd)  # on disk before nvImageCodec may take the process down
         return original(lane, prep)
 
-    _cuda._Lane.finish = finish
+    Lane.finish = finish
     files = sorted(glob.glob(os.path.join(folder, "*")))
 
     async def main() -> None:

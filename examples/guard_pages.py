@@ -83,7 +83,7 @@ def guarded(blob):
 
 def worker(seed, lo, hi, hw_load, window, progress, batch=48):
     import torch
-    from headrace.ops import _batch_decode as bd
+    from headrace.ops.cuda import _batch_decode as bd
     cpu = hw_load < 0  # the CPU-only decoder (libjpeg-turbo), host outputs: to check this script without a GPU
     dev = torch.device("cpu") if cpu else torch.device("cuda", 0)
     if not cpu:

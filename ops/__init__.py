@@ -1,8 +1,9 @@
 """Decode and transform ops, user stages (Map, MapBatch), and the executors that run them on a batch: on the CPU
 (CpuExecutor) and on a GPU (CudaExecutor)."""
 
-from ._cpu import CpuExecutor, Processed
-from ._cuda import CudaExecutor, GpuTuning, cuda_available, gpu_unsupported
+from .cpu._executor import CpuExecutor
+from ._results import Processed
+from .cuda._executor import CudaExecutor, GpuTuning, cuda_available, gpu_unsupported
 from ._pipeline import IMAGE_EXTENSIONS, Pipeline, training, validation
 from ._random import uniforms
 from ._stages import Map, MapBatch

@@ -9,7 +9,7 @@ from ._pipeline import Pipeline
 if TYPE_CHECKING:
     from headrace._sample import SampleBatch
 
-    from ._cpu import Processed
+    from ._results import Processed
 
 __all__ = ["Executor", "open_executor"]
 
@@ -41,8 +41,8 @@ def open_executor(pipeline: Pipeline, device: str, *, num_threads: int, seed: in
     stages, ``fields`` or no image. Making the GPU executor blocks once (decoders, streams, kernels);
     ``tuning`` (an ``ops.GpuTuning``) goes to it.
     """
-    from ._cpu import CpuExecutor
-    from ._cuda import CudaExecutor
+    from .cpu._executor import CpuExecutor
+    from .cuda._executor import CudaExecutor
     from ._staged import StagedExecutor
 
     inner: Any = None

@@ -21,7 +21,9 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-__all__ = ["jpeg_orientation", "orientation", "tiff_orientation"]
+import torch
+
+__all__ = ["jpeg_orientation", "orientation", "stored_region", "tiff_orientation", "upright"]
 
 _TAG = 0x0112
 _SHORT = 3
@@ -128,3 +130,45 @@ def _webp(buf: memoryview) -> int:
             return tiff_orientation(buf, pos + 8 + skip, pos + 8 + length)
         pos += 8 + length + (length & 1)
     return 1
+
+
+def stored_region(orientation: int, sh: int, sw: int, y0: int, x0: int, y1: int, x1: int) -> tuple[int, int, int, int]:
+    """The region (y0, x0, y1, x1) of the stored sh x sw image that shows as the upright region given.
+
+    The upright image is ``upright(stored, orientation)``; ``upright(stored[region], orientation)``
+    is then the upright region (each move maps rectangles to rectangles).
+    """
+    if orientation == 2:
+        return y0, sw - x1, y1, sw - x0
+    if orientation == 3:
+        return sh - y1, sw - x1, sh - y0, sw - x0
+    if orientation == 4:
+        return sh - y1, x0, sh - y0, x1
+    if orientation == 5:
+        return x0, y0, x1, y1
+    if orientation == 6:
+        return sh - x1, y0, sh - x0, y1
+    if orientation == 7:
+        return sh - x1, sw - y1, sh - x0, sw - y0
+    if orientation == 8:
+        return x0, sw - y1, x1, sw - y0
+    return y0, x0, y1, x1
+
+
+def upright(x: torch.Tensor, orientation: int) -> torch.Tensor:
+    """Turn an HWC image stored with EXIF ``orientation`` upright (as Pillow's ``exif_transpose``)."""
+    if orientation == 2:
+        return x.flip(1)
+    if orientation == 3:
+        return x.flip(0, 1)
+    if orientation == 4:
+        return x.flip(0)
+    if orientation == 5:
+        return x.transpose(0, 1)
+    if orientation == 6:
+        return torch.rot90(x, -1, (0, 1))
+    if orientation == 7:
+        return x.flip(0, 1).transpose(0, 1)
+    if orientation == 8:
+        return torch.rot90(x, 1, (0, 1))
+    return x

@@ -18,7 +18,7 @@ from headrace._errors import ConfigError
 
 from ._spec import CenterCrop, Flip, Op, RandomResizedCrop, Resize
 
-__all__ = ["PlanBatch", "check_foldable", "output_error", "output_pixels", "plan_batch", "roi_batch"]
+__all__ = ["PlanBatch", "check_foldable", "index_affine", "output_error", "output_pixels", "plan_batch", "roi_batch"]
 
 
 def check_foldable(ops: tuple[Op, ...]) -> None:
@@ -208,3 +208,15 @@ def _rrc_windows(op: RandomResizedCrop, h: np.ndarray, w: np.ndarray, u: np.ndar
         np.where(found, ch, fh),
         np.where(found, cw, fw),
     )
+
+
+def index_affine(affine: np.ndarray) -> np.ndarray:
+    """(n, 2, 3) float32 matrices from output pixel indices (x, y) to input pixel-index coordinates.
+
+    ``affine`` maps continuous coordinates (pixel centres at +0.5); the sample point of output
+    pixel (x, y), in units where input pixel j's centre is at j, is ``affine @ (x + 0.5, y + 0.5, 1)
+    - 0.5``: the half-pixel shifts are folded into the translation here, in float64, once.
+    """
+    a = np.array(affine, dtype=np.float64).reshape(-1, 2, 3)
+    a[:, :, 2] += 0.5 * (a[:, :, 0] + a[:, :, 1]) - 0.5
+    return a.astype(np.float32)

@@ -26,7 +26,7 @@ from PIL import Image, UnidentifiedImageError
 
 from headrace._errors import DecodeError
 
-from ._cpu_decode import upright
+from ._exif import upright
 from ._exif import orientation as exif_orientation
 from ._limits import check_pixels, claimed_size, incomplete, release_frames
 from ._spec import Decode

@@ -3,7 +3,7 @@
 
 Like the other ops they are descriptions: each draws its per-sample parameters from its uniforms
 (vectorised over a batch, ``params``) and turns them into the float64 tables (``tables``) that both
-executors use, ``_cpu_post.py`` and ``_cuda_post.py``, so a sample gets the same parameters on
+executors use, ``cpu/_post.py`` and ``cuda/_post.py``, so a sample gets the same parameters on
 either path.
 """
 

@@ -1,6 +1,6 @@
 """The ops users compose, as device-independent descriptions.
 
-An op says what it does and which random numbers it needs; executors (``_cpu.py``, and the GPU
+An op says what it does and which random numbers it needs; executors (``cpu/_executor.py``, and the GPU
 one) say how. Geometry is computed here once, in plain Python on one sample's numbers, so every
 executor crops the same window for the same sample.
 

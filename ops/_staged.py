@@ -30,7 +30,7 @@ from headrace._sample import Sample, SampleBatch, hand_off
 from headrace._threads import gather_jobs, join_threads
 
 from ._collate import collate, is_npy_field, load_npy
-from ._cpu import Processed, _label, _read_failure, _split
+from ._results import Processed, read_failure, sample_label, split_evenly
 from ._pipeline import Pipeline
 from ._stages import Map, MapBatch, Stage
 
@@ -75,7 +75,7 @@ class StagedExecutor:
         failures: dict[int, LoaderError] = {}
         for i, sample in enumerate(samples):
             if sample.error is not None:
-                failures[i] = _read_failure(sample)
+                failures[i] = read_failure(sample)
         await self._before(batch, samples, failures)
         alive = [i for i in range(len(samples)) if i not in failures]
         ready = None
@@ -192,7 +192,7 @@ class StagedExecutor:
     async def _in_threads(self, rows: list[int], work: Callable[[int], None], stage: Stage | None,
                           samples: list[Sample], failures: dict[int, LoaderError]) -> None:
         """``work(i)`` for each row, the rows spread over the threads (one call per thread)."""
-        parts = [rows[lo:hi] for lo, hi in _split(len(rows), max(1, min(len(rows), self.num_threads)))]
+        parts = [rows[lo:hi] for lo, hi in split_evenly(len(rows), max(1, min(len(rows), self.num_threads)))]
         await gather_jobs([self._submit(_each_row, part, work, stage, samples, failures) for part in parts if part])
 
     def _limit(self, stage: Map) -> asyncio.Semaphore:
@@ -222,7 +222,7 @@ class StagedExecutor:
                     raise _sample_error(TransformError, sample, f"sample has no {missing[0]!r} field (the batch's "
                                         f"fields are {', '.join(names)}; it has {', '.join(sample.fields) or 'none'})")
                 if label is not None:
-                    labels.append(_label(sample, label))
+                    labels.append(sample_label(sample, label))
             except LoaderError as exc:
                 failures[i] = exc
                 continue

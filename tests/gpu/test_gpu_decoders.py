@@ -3,7 +3,7 @@ decoder's, what the engine fails retried by the CUDA decoder, every image decode
 
 Why two: in one decoder whose chain is engine -> CUDA decoder, a sample the engine fails during
 the decode can be decoded by two of nvImageCodec's threads at once; fuzzed runs crashed that way
-(ops/_native/batch_decode.c, hr_decoder)."""
+(ops/cuda/_native/batch_decode.c, hr_decoder)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from headrace.ops import _batch_decode
+from headrace.ops.cuda import _batch_decode
 
 
 def _jpeg(rng, h, w, progressive=False) -> bytes:

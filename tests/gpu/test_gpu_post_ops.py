@@ -22,8 +22,9 @@ import torch
 from PIL import Image
 
 from headrace import Loader, ops, readers
-from headrace.ops import ColorTwist, Decode, GaussianBlur, Normalize, Pipeline, Rotate, WarpAffine, _cpu_post
-from headrace.ops._cuda_post import PostOps, describe
+from headrace.ops import ColorTwist, Decode, GaussianBlur, Normalize, Pipeline, Rotate, WarpAffine
+from headrace.ops.cpu import _post as _cpu_post
+from headrace.ops.cuda._post import PostOps, describe
 
 BOUND = {"color": 1, "warp": 1, "blur": 1}
 
@@ -227,7 +228,7 @@ def test_describe_reads_tensors_and_tuples():
         describe([x[0].float()])
 
 
-# --- the whole pipeline through the Loader (needs PostOps wired into ops/_cuda.py) -------------
+# --- the whole pipeline through the Loader (needs PostOps wired into the GPU executor) -------------
 
 
 def _png(rng, h, w):

@@ -18,7 +18,7 @@ from PIL import Image
 
 from headrace import ClosedError, DecodeError, Loader, LoaderError, Sample, TransformError, ops, readers
 from headrace._sample import SampleBatch
-from headrace.ops import _cuda_prep
+from headrace.ops.cuda import _prep as _cuda_prep
 
 
 def _jpeg(rng, h, w, quality=90) -> bytes:

@@ -7,7 +7,9 @@ import zlib
 import numpy as np
 import pytest
 
-from headrace.ops import CpuExecutor, Pipeline, _cpu, _cpu_decode
+from headrace.ops import CpuExecutor, Pipeline
+from headrace.ops._nvimgcodec import nvimgcodec
+from headrace.ops.cpu import _executor as _cpu
 
 
 @pytest.fixture
@@ -37,6 +39,6 @@ def jpeg_decoder(request, monkeypatch) -> str:
     import) and Pillow alone (as on a machine without nvImageCodec). Executors made after it use it."""
     if request.param == "pillow":
         monkeypatch.setattr(_cpu, "nvimgcodec", lambda: None)
-    elif _cpu_decode.nvimgcodec() is None:
+    elif nvimgcodec() is None:
         pytest.skip("nvImageCodec does not import here")
     return request.param

@@ -1,4 +1,4 @@
-"""The C shim over nvImageCodec's C API (ops/_native/batch_decode.c), driven with its CPU-only decoder.
+"""The C shim over nvImageCodec's C API (ops/cuda/_native/batch_decode.c), driven with its CPU-only decoder.
 
 The GPU lanes use the same shim with the GPU backends (tests/gpu); here the CPU backend
 (libjpeg-turbo, the library Pillow uses) must give Pillow's pixels exactly, for whole images and
@@ -14,7 +14,7 @@ import pytest
 from ops_refs import encode, random_image, with_orientation
 from PIL import Image
 
-from headrace.ops import _batch_decode
+from headrace.ops.cuda import _batch_decode
 
 pytestmark = pytest.mark.skipif(
     _batch_decode.unavailable_reason() is not None,

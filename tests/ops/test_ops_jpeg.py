@@ -29,16 +29,18 @@ from headrace.ops import (
     Pipeline,
     RandomResizedCrop,
     Resize,
-    _cpu,
-    _cpu_decode,
     _pillow,
     training,
     uniforms,
 )
-from headrace.ops._cpu_ops import leading_window
+from headrace.ops import _exif
+from headrace.ops._nvimgcodec import nvimgcodec
+from headrace.ops.cpu import _decode as _cpu_decode
+from headrace.ops.cpu import _executor as _cpu
+from headrace.ops.cpu._ops import leading_window
 from headrace.ops._geometry import plan_batch, roi_batch
 
-nvc = _cpu_decode.nvimgcodec()
+nvc = nvimgcodec()
 needs_nvimgcodec = pytest.mark.skipif(nvc is None, reason="nvImageCodec does not import here")
 
 
@@ -148,14 +150,14 @@ async def test_exif_windows_are_drawn_on_the_upright_image(rng, monkeypatch):
 def test_stored_region_maps_the_upright_region(rng):
     stored = torch.from_numpy(random_image(rng, 13, 21))
     for o in range(1, 9):
-        upright = _cpu_decode.upright(stored, o)
+        upright = _exif.upright(stored, o)
         np.testing.assert_array_equal(upright.numpy(), UPRIGHT[o](stored.numpy()))
         h, w = upright.shape[:2]
         for _ in range(30):
             y0, x0 = int(rng.integers(0, h)), int(rng.integers(0, w))
             y1, x1 = int(rng.integers(y0 + 1, h + 1)), int(rng.integers(x0 + 1, w + 1))
-            sy0, sx0, sy1, sx1 = _cpu_decode.stored_region(o, 13, 21, y0, x0, y1, x1)
-            got = _cpu_decode.upright(stored[sy0:sy1, sx0:sx1], o)
+            sy0, sx0, sy1, sx1 = _exif.stored_region(o, 13, 21, y0, x0, y1, x1)
+            got = _exif.upright(stored[sy0:sy1, sx0:sx1], o)
             assert torch.equal(got, upright[y0:y1, x0:x1]), (o, (y0, x0, y1, x1))
 
 

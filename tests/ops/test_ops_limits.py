@@ -266,7 +266,8 @@ _BUDGET_CHILD = r"""
 import asyncio, io, json, sys
 sys.path[:0] = sys.argv[1:2]
 from ops_refs import batch, flat_jpeg, sample
-from headrace.ops import CpuExecutor, Decode, Pipeline, _cpu, validation
+from headrace.ops import CpuExecutor, Decode, Pipeline, validation
+from headrace.ops.cpu import _executor as _cpu
 
 side, copies, budget, decoder = (json.loads(a) for a in sys.argv[2:6])
 if decoder == "pillow":
@@ -310,9 +311,9 @@ def test_decode_memory_is_bounded_across_threads(decoder):
     validation(224) on two threads: with max_batch_bytes=256 MiB the peak stays under the budget
     plus the output batch and a margin (allocator, thread stacks); without it, it does not."""
     if decoder == "nvimgcodec":
-        from headrace.ops import _cpu_decode
+        from headrace.ops._nvimgcodec import nvimgcodec
 
-        if _cpu_decode.nvimgcodec() is None:
+        if nvimgcodec() is None:
             pytest.skip("nvImageCodec does not import here")
     budget = 256 * MiB
     bounded = _peak_in_child(4000, 24, budget, decoder)
@@ -380,7 +381,8 @@ async def test_a_jpeg_too_short_for_its_claimed_size_is_pillows_to_decode(make_e
     lying = with_sof_size(small, 6000, 6000)
     assert too_few_bits(len(lying), 6000, 6000) and not too_few_bits(len(small), 175, 178)
     if jpeg_decoder == "nvimgcodec":
-        from headrace.ops._cpu_decode import JpegDecoders, nvimgcodec
+        from headrace.ops._nvimgcodec import nvimgcodec
+        from headrace.ops.cpu._decode import JpegDecoders
 
         decoders = JpegDecoders(nvimgcodec(), exif=True, max_pixels=DEFAULT_PIXELS)
         assert decoders.header(lying) is None and decoders.header(small) is not None

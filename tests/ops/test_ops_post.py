@@ -32,7 +32,9 @@ from headrace.ops import (
     WarpAffine,
     uniforms,
 )
-from headrace.ops import _cpu_post, _cuda_post
+from headrace.ops._geometry import index_affine
+from headrace.ops.cpu import _post as _cpu_post
+from headrace.ops.cuda import _post as _cuda_post
 
 from ops_refs import batch, random_image, sample
 
@@ -176,7 +178,7 @@ def test_rotate_matches_pillow_inside_the_image(rng):
         h, w = int(rng.integers(20, 70)), int(rng.integers(20, 70))
         a = random_image(rng, h, w, 3)
         pil = np.asarray(Image.fromarray(a).rotate(angle, resample=Image.Resampling.BILINEAR, fillcolor=(5, 6, 7)))
-        got = _cpu_post.warp(torch.from_numpy(a), _cpu_post.index_affine(ref_rotation(angle, h, w))[0], (5, 6, 7)).numpy()
+        got = _cpu_post.warp(torch.from_numpy(a), index_affine(ref_rotation(angle, h, w))[0], (5, 6, 7)).numpy()
         m = ref_rotation(angle, h, w)
         ys, xs = np.mgrid[0:h, 0:w] + 0.5
         sx = m[0, 0] * xs + m[0, 1] * ys + m[0, 2] - 0.5

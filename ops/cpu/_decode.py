@@ -28,8 +28,6 @@ its own, single-threaded, on first use; ``close()`` drops them all once the thre
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -37,52 +35,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._exif import jpeg_orientation
-from ._limits import check_pixels, too_few_bits
+from .._exif import jpeg_orientation, stored_region, upright
+from .._limits import check_pixels, too_few_bits
 
-__all__ = ["JpegDecoders", "nvimgcodec", "stored_region", "upright"]
-
-_import_lock = threading.Lock()
-_UNSET = object()
-_module: Any = _UNSET
-
-
-def nvimgcodec() -> Any:
-    """The ``nvidia.nvimgcodec`` module, or None when it does not import. Imported once per process.
-
-    On a machine without CUDA libraries its import prints "Failed to load nvjpeg library!" and the
-    like from C++, though its CPU backend needs none of them: stderr is silenced for the import only,
-    and its logger is set to silent (``PYNVIMGCODEC_VERBOSITY=0``) unless the environment says otherwise.
-    """
-    global _module
-    with _import_lock:
-        if _module is _UNSET:
-            os.environ.setdefault("PYNVIMGCODEC_VERBOSITY", "0")
-            try:
-                with _quiet_stderr():
-                    from nvidia import nvimgcodec as module
-            except Exception:  # noqa: BLE001 - ImportError, or a broken install raising from C++
-                module = None
-            _module = module
-        return _module
-
-
-class _quiet_stderr:
-    def __enter__(self) -> None:
-        try:
-            sys.stderr.flush()
-            self.saved: int | None = os.dup(2)
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, 2)
-            os.close(devnull)
-        except OSError:  # no fd 2 (embedded interpreters): nothing to silence
-            self.saved = None
-
-    def __exit__(self, *exc) -> None:
-        if self.saved is not None:
-            os.dup2(self.saved, 2)
-            os.close(self.saved)
-
+__all__ = ["JpegDecoders"]
 
 @dataclass(slots=True)
 class Header:
@@ -196,45 +152,3 @@ class JpegDecoders:
             self._closed = True
             self._made.clear()
         self._local = threading.local()
-
-
-def stored_region(orientation: int, sh: int, sw: int, y0: int, x0: int, y1: int, x1: int) -> tuple[int, int, int, int]:
-    """The region (y0, x0, y1, x1) of the stored sh x sw image that shows as the upright region given.
-
-    The upright image is ``upright(stored, orientation)``; ``upright(stored[region], orientation)``
-    is then the upright region (each move maps rectangles to rectangles).
-    """
-    if orientation == 2:
-        return y0, sw - x1, y1, sw - x0
-    if orientation == 3:
-        return sh - y1, sw - x1, sh - y0, sw - x0
-    if orientation == 4:
-        return sh - y1, x0, sh - y0, x1
-    if orientation == 5:
-        return x0, y0, x1, y1
-    if orientation == 6:
-        return sh - x1, y0, sh - x0, y1
-    if orientation == 7:
-        return sh - x1, sw - y1, sh - x0, sw - y0
-    if orientation == 8:
-        return x0, sw - y1, x1, sw - y0
-    return y0, x0, y1, x1
-
-
-def upright(x: torch.Tensor, orientation: int) -> torch.Tensor:
-    """Turn an HWC image stored with EXIF ``orientation`` upright (as Pillow's ``exif_transpose``)."""
-    if orientation == 2:
-        return x.flip(1)
-    if orientation == 3:
-        return x.flip(0, 1)
-    if orientation == 4:
-        return x.flip(0)
-    if orientation == 5:
-        return x.transpose(0, 1)
-    if orientation == 6:
-        return torch.rot90(x, -1, (0, 1))
-    if orientation == 7:
-        return x.flip(0, 1).transpose(0, 1)
-    if orientation == 8:
-        return torch.rot90(x, 1, (0, 1))
-    return x

@@ -1,8 +1,8 @@
 """The CPU executor: a batch split into chunks, each chunk one call in a worker thread.
 
 A chunk's thread decodes each image (nvImageCodec's CPU backend for JPEG, only the window the ops
-read, see ``_cpu_decode``; Pillow for the rest and as the fallback), applies the geometry with
-torch on the uint8 pixels (``_cpu_ops``), then normalises it straight into its row of the
+read, see ``cpu/_decode.py``; Pillow for the rest and as the fallback), applies the geometry with
+torch on the uint8 pixels (``cpu/_ops.py``), then normalises it straight into its row of the
 preallocated batch tensor, while the pixels are still in cache. The event loop sees one await
 per chunk, never one per sample.
 """
@@ -10,24 +10,27 @@ per chunk, never one per sample.
 from __future__ import annotations
 
 import concurrent.futures
-import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from headrace._errors import ClosedError, DecodeError, LoaderError, ReadError, TransformError, require_int
+from headrace._errors import ClosedError, DecodeError, LoaderError, TransformError, require_int
 from headrace._sample import SampleBatch
 from headrace._threads import gather_jobs, join_threads
 
-from . import _cpu_ops, _cpu_post, _pillow
-from ._cpu_decode import Header, JpegDecoders, nvimgcodec
-from ._cpu_omp import limit_openmp_threads
-from ._geometry import output_error
-from ._limits import ByteBudget, release_frames
-from ._pipeline import Pipeline
-from ._random import uniforms
+from .. import _pillow
+from .._geometry import output_error
+from .._limits import ByteBudget, release_frames
+from .._nvimgcodec import nvimgcodec
+from .._pipeline import Pipeline
+from .._random import uniforms
+from .._results import (Processed, check_fields, field_columns, image_field, named, read_failure, sample_label,
+                       split_evenly)
+from . import _ops, _post
+from ._decode import Header, JpegDecoders
+from ._omp import limit_openmp_threads
 
 __all__ = ["CpuExecutor", "Processed"]
 
@@ -62,17 +65,6 @@ class _Chunk:
     rows: list[Any]
     failures: list[tuple[int, LoaderError]]
     scratch: torch.Tensor | None = None
-
-
-@dataclass
-class Processed:
-    """One batch through the ops: outputs for the rows in ``kept`` (ascending, no repeats), and the
-    failures of the others."""
-
-    data: dict[str, Any]
-    kept: list[int]
-    failures: list[tuple[int, LoaderError]] = field(default_factory=list)
-    ready: Any = None  # GPU path: the CUDA event after the batch's last kernel (None on the CPU)
 
 
 class CpuExecutor:
@@ -137,7 +129,7 @@ class CpuExecutor:
         rows: list[Any] = [None] * n
         labels: list[int] | None = [0] * n if self.pipeline.label_field is not None else None
         failures: list[tuple[int, LoaderError]] = []
-        chunks = _split(n, max(1, min(n, 2 * self.num_threads)))
+        chunks = split_evenly(n, max(1, min(n, 2 * self.num_threads)))
         futures = [self._submit(self._process_chunk, batch, lo, hi, out, rows, labels, failures) for lo, hi in chunks]
         await gather_jobs(futures)  # cancelled: chunks not started are dropped, drain() waits for running ones
         failed = {row for row, _ in failures}
@@ -195,16 +187,16 @@ class CpuExecutor:
         sample = chunk.samples[i]
         try:
             if sample.error is not None:
-                raise _read_failure(sample)
+                raise read_failure(sample)
             if labels is not None:
-                labels[chunk.lo + i] = _label(sample, pipe.label_field)
-            _check_fields(sample, pipe.fields)
-            job = _Job(i, _image_field(sample, pipe.image_fields))
+                labels[chunk.lo + i] = sample_label(sample, pipe.label_field)
+            check_fields(sample, pipe.fields)
+            job = _Job(i, image_field(sample, pipe.image_fields))
             ops = pipe.image_ops
             header = self._jpeg.header(job.data, sample.key, sample.source) if self._jpeg is not None else None
             if header is not None:
                 u = chunk.randoms[0][i] if ops and chunk.randoms[0] is not None else None
-                job.header, job.window = header, _cpu_ops.leading_window(ops, header.height, header.width, u)
+                job.header, job.window = header, _ops.leading_window(ops, header.height, header.width, u)
                 h, w = header.height, header.width
                 ch, cw = (h, w) if job.window is None else job.window[2:]
                 # The region, and up to two more of its size inside nvImageCodec (measured: 2x for
@@ -266,16 +258,16 @@ class CpuExecutor:
         try:
             ops = pipe.image_ops
             if job.window is not None:  # the first op's window is what was decoded
-                pixels = _cpu_ops.after_leading_window(pixels, ops[0])
-                pixels = _cpu_ops.apply_image_ops(pixels, ops[1:], us[1:])
+                pixels = _ops.after_leading_window(pixels, ops[0])
+                pixels = _ops.apply_image_ops(pixels, ops[1:], us[1:])
             else:
-                pixels = _cpu_ops.apply_image_ops(pixels, ops, us)
+                pixels = _ops.apply_image_ops(pixels, ops, us)
             if pipe.post_ops:
-                pixels = _cpu_post.apply(pixels, pipe.post_ops, [None if u is None else u[i : i + 1] for u in chunk.post])
+                pixels = _post.apply(pixels, pipe.post_ops, [None if u is None else u[i : i + 1] for u in chunk.post])
             target = chunk.out[row] if chunk.out is not None else None
             chunk.rows[row], chunk.scratch = self._finish(pixels, target, chunk.scratch)
         except LoaderError as exc:
-            chunk.failures.append((row, _named(release_frames(exc), sample)))
+            chunk.failures.append((row, named(release_frames(exc), sample)))
         except Exception as exc:  # noqa: BLE001 - MemoryError, a torch error: this sample's failure
             err = TransformError(f"{type(exc).__name__}: {exc}", key=sample.key, source=sample.source)
             err.__cause__ = exc
@@ -331,17 +323,11 @@ class CpuExecutor:
             self._jpeg.close()
 
 
-def _named(exc: LoaderError, sample) -> LoaderError:
-    if exc.key is None:  # raised below the sample's level (e.g. a shape check)
-        exc.key, exc.source = sample.key, sample.source
-    return exc
-
-
 def _decode_failure(exc: Exception, sample) -> LoaderError:
     """``exc`` as the sample's LoaderError: its own when it is one, else a DecodeError caused by it.
     Either way the frames it passed through let go of their pixels (``release_frames``)."""
     if isinstance(exc, LoaderError):
-        return _named(release_frames(exc), sample)
+        return named(release_frames(exc), sample)
     err = DecodeError(f"{type(exc).__name__}: {exc}", key=sample.key, source=sample.source)
     err.__cause__ = exc
     return release_frames(err, keep_text=True)  # a surprise: where it came from stays readable
@@ -350,74 +336,6 @@ def _decode_failure(exc: Exception, sample) -> LoaderError:
 def _row_shape(size, channels: int, layout: str) -> tuple[int, int, int]:
     h, w = int(size[0]), int(size[1])
     return (channels, h, w) if layout == "CHW" else (h, w, channels)
-
-
-def _split(n: int, parts: int) -> list[tuple[int, int]]:
-    bounds = np.linspace(0, n, parts + 1).astype(int)
-    return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-
-
-def _read_failure(sample) -> LoaderError:
-    """The sample's read error as a LoaderError naming the sample (a foreign one is wrapped)."""
-    err = sample.error
-    if isinstance(err, LoaderError):
-        if err.key is None:
-            err.key = sample.key
-        if err.source is None:
-            err.source = sample.source
-        return err
-    wrapped = ReadError(f"cannot read sample: {type(err).__name__}: {err}", key=sample.key, source=sample.source)
-    wrapped.__cause__ = err
-    return wrapped
-
-
-def _image_field(sample, names: tuple[str, ...]) -> Any:
-    for name in names:
-        data = sample.fields.get(name)
-        if data is not None:
-            return data
-    raise DecodeError(
-        f"sample has no image field (looked for {', '.join(names)}; it has {', '.join(sample.fields) or 'none'})",
-        key=sample.key,
-        source=sample.source,
-    )
-
-
-def _check_fields(sample, names: tuple[str, ...]) -> None:
-    """Raise a TransformError naming the sample when it lacks one of the pipeline's ``fields``."""
-    for name in names:
-        if sample.fields.get(name) is None:
-            raise TransformError(f"sample has no {name!r} field (Pipeline fields={names!r}; it has "
-                                 f"{', '.join(sample.fields) or 'none'})", key=sample.key, source=sample.source)
-
-
-def field_columns(samples, rows: list[int], names: tuple[str, ...]) -> dict[str, list[bytes]]:
-    """The pipeline's pass-through ``fields`` of ``samples[rows]``: a list of bytes per name (checked
-    present by ``_check_fields`` before)."""
-    return {name: [bytes(samples[r].fields[name]) for r in rows] for name in names}
-
-
-def _label(sample, name: str) -> int:
-    raw = sample.fields.get(name)
-    if raw is None:
-        raise TransformError(
-            f"sample has no {name!r} field (the pipeline reads labels from it; Pipeline(label=None) for data without labels)",
-            key=sample.key,
-            source=sample.source,
-        )
-    try:
-        if isinstance(raw, (bytes, bytearray, memoryview)):
-            value = int(raw) if type(raw) is bytes else int(bytes(raw))  # int() skips surrounding whitespace
-        else:
-            value = operator.index(raw)  # an int from a user's source: int, NumPy integer, 0-d integer tensor
-        if not -(2**63) <= value < 2**63:
-            raise ValueError("out of int64's range")
-    except (ValueError, TypeError) as exc:
-        shown = bytes(raw)[:32] if isinstance(raw, (bytes, bytearray, memoryview)) else repr(raw)[:40]
-        raise TransformError(
-            f"label field {name!r} is not an int64 integer: {shown!r}", key=sample.key, source=sample.source
-        ) from exc
-    return value
 
 
 def _parts(jobs: list[_Job], limit: int | None) -> list[list[_Job]]:

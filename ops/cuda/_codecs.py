@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._exif import jpeg_orientation
-from ._limits import jpeg_sof
+from .._exif import jpeg_orientation
+from .._limits import jpeg_sof
 
 __all__ = ["Decoded", "NativeDecoder", "NativeHeaders", "PythonDecoder", "PythonHeaders"]
 
@@ -91,7 +91,7 @@ class NativeDecoder:
         self.device = device
         self.channels = channels
         # A workspace grows to at most this many bytes, or to one batch's need where that is more
-        # (the executor hands a lane no batch over it but a single window: ``_cuda_prep.parts``).
+        # (the executor hands a lane no batch over it but a single window: ``_prep.parts``).
         self.budget = budget
         self.decoder = BatchDecoder(
             device.index, threads=threads, hw_load=hw_load, cuda_load=cuda_load, channels=channels, exif=exif, options=options

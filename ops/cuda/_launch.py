@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._cuda_kernels import BLOCK, grid
+from ._kernels import BLOCK, grid
 
 __all__ = ["FusedLaunch", "Staging"]
 
@@ -25,7 +25,7 @@ class Staging:
     event recorded after the batch that used them.
 
     A lane uses its blocks in turn; each is reused four batches later. The lane waits, before
-    each decode, for its batch two back (``_cuda._Lane``), so when batch i fills block i mod 4,
+    each decode, for its batch two back (``Lane`` in ``_lane.py``), so when batch i fills block i mod 4,
     the batch i - 4 that read it last has run: no wait here. ``ready`` is made (and recorded once)
     up front, so the shim can record it by its handle; consumers wait on it (``Processed.ready``).
     A later record only makes a late consumer wait for a later batch of the same stream.
@@ -93,7 +93,7 @@ class Staging:
 
 
 class _ResampleArgs(ctypes.Structure):
-    """The fused resample kernel's arguments, in its signature's order (``_cuda_kernels``)."""
+    """The fused resample kernel's arguments, in its signature's order (``_kernels.py``)."""
 
     _fields_ = [
         ("src", ctypes.c_uint64), ("meta", ctypes.c_uint64), ("geo", ctypes.c_uint64), ("out", ctypes.c_uint64),

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from headrace import _native as native
 
-from ._cpu_decode import nvimgcodec
+from .._nvimgcodec import nvimgcodec
 
 __all__ = ["BatchDecoder", "Launch", "ParsedBatch", "driver_reason", "load", "unavailable_reason"]
 

@@ -3,7 +3,7 @@
 ``PostOps`` belongs to a lane: it launches on the lane's CuPy stream and allocates its outputs with
 torch on that stream (docs/gpu-notes.md §3: ``record_stream`` ignores memory torch did not allocate). Images
 of a batch may differ in size: each launch reads per-sample tables (addresses, sizes, row strides,
-the op's numbers) that ``_cuda_post`` packs into pinned host memory and copies to the device
+the op's numbers) that ``_post.py`` packs into pinned host memory and copies to the device
 asynchronously. The numbers are the CPU path's (``PostOp.tables``), so both draw the same
 parameters for a sample.
 
@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._cpu_post import index_affine
-from ._cuda_post_kernels import FINISH_TYPES, module
-from ._pipeline import Pipeline
-from ._post_spec import ColorTwist, GaussianBlur, PostOp, _Warp
+from .._geometry import index_affine
+from .._pipeline import Pipeline
+from .._post_spec import ColorTwist, GaussianBlur, PostOp, _Warp
+from ._post_kernels import FINISH_TYPES, module
 
 __all__ = ["PostOps", "blur_table", "chain", "color_table", "describe", "finish", "table_layout", "warp_table"]
 

@@ -35,12 +35,12 @@ import torch
 from headrace._errors import DecodeError, LoaderError, TransformError
 from headrace._sample import SampleBatch
 
-from . import _pillow
-from ._cpu import _check_fields, _image_field, _label, _read_failure
-from ._geometry import output_error, output_pixels, plan_batch, roi_batch
-from ._limits import MAX_SIDE, ByteBudget, pixel_error, too_few_bits
-from ._pipeline import Pipeline
-from ._random import uniforms
+from .. import _pillow
+from .._geometry import output_error, output_pixels, plan_batch, roi_batch
+from .._limits import MAX_SIDE, ByteBudget, pixel_error, too_few_bits
+from .._pipeline import Pipeline
+from .._random import uniforms
+from .._results import check_fields, image_field, read_failure, sample_label
 
 __all__ = ["PillowThreads", "Prepared", "cut_short", "kernel_tables", "lane_budget", "parts", "prepare", "too_short"]
 
@@ -142,10 +142,10 @@ def prepare(batch: SampleBatch, pipe: Pipeline, headers: Any, seed: int, seconds
     for row, sample in enumerate(samples):
         try:
             if sample.error is not None:
-                raise _read_failure(sample)
-            label = _label(sample, pipe.label_field) if pipe.label_field is not None else None
-            _check_fields(sample, pipe.fields)
-            blob = _image_field(sample, pipe.image_fields)
+                raise read_failure(sample)
+            label = sample_label(sample, pipe.label_field) if pipe.label_field is not None else None
+            check_fields(sample, pipe.fields)
+            blob = image_field(sample, pipe.image_fields)
             if len(blob) == 0:
                 raise DecodeError("empty file: nothing to decode", key=sample.key, source=sample.source)
         except LoaderError as exc:
@@ -272,7 +272,7 @@ def _decode_windows(opened: dict[int, Any], keep: list[int], regions: np.ndarray
 
 
 def kernel_tables(plans, regions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The fused kernel's per-sample tables (``_cuda_kernels``), row strides left 0 for the lane:
+    """The fused kernel's per-sample tables (``_kernels.py``), row strides left 0 for the lane:
     meta = (height, width, row stride, flip_h, flip_v, out_h, out_w, 0) of the decoded window and
     the output; geo = the box to read and the real pixels (outside them: zero padding), in window
     coordinates."""

@@ -7,7 +7,7 @@ HWC views of planar memory. Colour and warp use torch's fast ops (a matrix produ
 ``grid_sample``), the blur the kernel's own order of operations; each is within 1 level of the
 float64 result and of the GPU kernel (bounds and tests: ops/README.md).
 
-The pure-NumPy helpers here (``index_affine``, ``reflect``) are shared with ``_cuda_post``.
+The pure-NumPy helpers here (``index_affine``, ``reflect``) are shared with ``cuda/_post.py``.
 """
 
 from __future__ import annotations
@@ -18,21 +18,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ._post_spec import ColorTwist, GaussianBlur, PostOp, _Warp
+from .._geometry import index_affine
+from .._post_spec import ColorTwist, GaussianBlur, PostOp, _Warp
 
-__all__ = ["apply", "apply_tables", "blur", "color_twist", "index_affine", "reflect", "warp"]
-
-
-def index_affine(affine: np.ndarray) -> np.ndarray:
-    """(n, 2, 3) float32 matrices from output pixel indices (x, y) to input pixel-index coordinates.
-
-    ``affine`` maps continuous coordinates (pixel centres at +0.5); the sample point of output
-    pixel (x, y), in units where input pixel j's centre is at j, is ``affine @ (x + 0.5, y + 0.5, 1)
-    - 0.5``: the half-pixel shifts are folded into the translation here, in float64, once.
-    """
-    a = np.array(affine, dtype=np.float64).reshape(-1, 2, 3)
-    a[:, :, 2] += 0.5 * (a[:, :, 0] + a[:, :, 1]) - 0.5
-    return a.astype(np.float32)
+__all__ = ["apply", "apply_tables", "blur", "color_twist", "reflect", "warp"]
 
 
 def reflect(i: np.ndarray, n: int) -> np.ndarray:

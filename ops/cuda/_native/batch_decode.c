@@ -582,7 +582,7 @@ typedef struct {
     const void* copy_src[2];
     size_t copy_size[2];  /* 0: no copy */
     void* event;          /* recorded after the kernel, or NULL */
-    /* The fused kernel's tables (ops/_cuda_kernels.py), filled here before copy 0 when meta_src is
+    /* The fused kernel's tables (ops/cuda/_kernels.py), filled here before copy 0 when meta_src is
        set, so the lane's Python copies no arrays (NumPy gives up the GIL for copies of more than a
        few hundred elements): in the pinned block `tables`, each image's address (uint64) at 0, its
        meta row (8 int32: meta_src's, with the row stride put in column 2) at meta_offset, its geo

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ._spec import CenterCrop, Flip, Op, RandomResizedCrop, Resize
+from .._spec import CenterCrop, Flip, Op, RandomResizedCrop, Resize
 
 __all__ = ["after_leading_window", "apply_image_ops", "center_crop", "leading_window", "resize"]
 

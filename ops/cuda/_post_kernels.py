@@ -2,7 +2,7 @@
 
 Each kernel is one launch for a whole batch of images of different sizes: thread (x, y) of block
 z makes output pixel (x, y), all channels, of sample z, and returns when (x, y) lies outside that
-sample. Per-sample tables (device memory, filled from pinned host memory by ``_cuda_post``):
+sample. Per-sample tables (device memory, filled from pinned host memory by ``_post.py``):
 
 - ``ptrs[2 z]``, ``ptrs[2 z + 1]``: source and destination addresses (uint64);
 - ``meta[4 z .. 4 z + 3]``: height, width, source row stride, destination row stride (bytes);

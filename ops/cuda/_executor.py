@@ -1,0 +1,244 @@
+"""The GPU executor: a prep thread, and lanes of (thread, CUDA stream, nvImageCodec decoder).
+
+The prep thread reads a batch's headers and plans each sample's crop (the same geometry as the
+CPU path, vectorised over the batch); other formats and the JPEGs nvImageCodec must not take
+decode in Pillow threads meanwhile (``_prep.py``). A lane then decodes only the region each crop
+reads of the JPEGs (nvImageCodec: hardware JPEG engine and CUDA decoder together, Pillow for what they fail on;
+GIL-free through the C shim of ``_batch_decode`` when it builds), launches one fused kernel for the batch and records an
+event; it never waits for the GPU. In the common case (every image to nvImageCodec, the CUDA driver
+reachable) the shim does all of that in the one call that decodes, so the lane takes the GIL back
+once a batch (``_launch.py``). Batch i goes to lane i mod lanes, so the prep thread and the
+lanes work on different batches at once, and each lane's batches stay in order on its stream.
+
+Hand-off: the output is allocated by torch on the lane's stream; the consumer's current stream
+waits on the lane's event and the tensor is recorded on that stream, so the caching allocator
+reuses the memory only after the consumer's work on it. The event loop never blocks on the device.
+
+Bounds (``Decode``): the prep thread refuses a file whose header claims more than ``max_pixels``
+and an op output larger than that, before anything is allocated (``_prep.py``); a batch whose
+decode windows need more than half of ``max_batch_bytes`` (a lane keeps two workspaces) is
+decoded in parts, each resampled into its rows before the next part reuses the workspace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from headrace._errors import ClosedError, ConfigError
+from headrace._sample import SampleBatch
+from headrace._threads import join_threads
+
+from .._geometry import check_foldable
+from .._limits import ByteBudget
+from .._pipeline import Pipeline
+from .._results import Processed
+from . import _batch_decode as batch_decode
+from ._codecs import NativeHeaders, PythonHeaders
+from ._lane import Lane
+from ._prep import PillowThreads, Prepared, prepare
+
+__all__ = ["CudaExecutor", "GpuTuning", "cuda_available", "gpu_unsupported"]
+
+
+def gpu_unsupported(pipeline: Pipeline) -> str | None:
+    """Why the GPU path cannot run ``pipeline`` (None when it can)."""
+    late_async = [stage for stage in pipeline.after if stage.is_async]
+    if late_async:
+        return (f"{late_async[0]!r} is an async def after decode: on the GPU path torch's current stream is per "
+                "thread, so a stage awaited on the event loop would put the loop's other CUDA work on its stream; "
+                "make it a plain function (it runs in a thread, on a stream of its own)")
+    try:
+        check_foldable(pipeline.image_ops)
+    except ConfigError as exc:
+        return exc.message
+    return None
+
+
+def cuda_available() -> bool:
+    """True when torch sees a GPU and CuPy and nvImageCodec import."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import cupy  # noqa: F401
+        from nvidia import nvimgcodec  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class GpuTuning:
+    """How the GPU path drives nvImageCodec: expert knobs, and the ways the benchmarks measure
+    against each other. The defaults are what was fastest on the H100.
+
+    ``cuda_load``: the share of what reaches the CUDA decoder that its hybrid backend (Huffman on
+    the host) takes; the rest goes to its GPU backend. ``nvimgcodec_options``: options for
+    nvImageCodec's decoders, as its documentation spells them (for example
+    ``"nvjpeg_cuda_decoder:hybrid_huffman_threshold=0"``). ``decode``: ``"shim"`` (one GIL-free call
+    a batch through nvImageCodec's C API) or ``"python"`` (its Python API, the fallback where the
+    shim cannot be built). ``launch``: ``"shim"`` (the shim also launches the fused kernel) or
+    ``"python"`` (launched from Python after the decode).
+    """
+
+    cuda_load: float = 1.0
+    nvimgcodec_options: str = ""
+    decode: Literal["shim", "python"] = "shim"
+    launch: Literal["shim", "python"] = "shim"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cuda_load, (int, float)) or not 0.0 <= self.cuda_load <= 1.0:
+            raise ConfigError(f"cuda_load must be in [0, 1], got {self.cuda_load!r}")
+        if not isinstance(self.nvimgcodec_options, str):
+            raise ConfigError(f"nvimgcodec_options must be a str, got {self.nvimgcodec_options!r}")
+        for name in ("decode", "launch"):
+            if getattr(self, name) not in ("shim", "python"):
+                raise ConfigError(f"{name} must be 'shim' or 'python', got {getattr(self, name)!r}")
+
+
+class CudaExecutor:
+    """Runs a pipeline on one GPU with ``lanes`` lanes. Lives across epochs; ``aclose`` ends it.
+
+    ``hw_load`` is the share of each batch given to the hardware JPEG decoder (baseline JPEGs,
+    the largest first; the rest, and what it fails, go to the CUDA decoder, then Pillow), or
+    ``"adaptive"``: the share moves batch by batch to keep both busy. ``decoder_threads`` are the host threads of
+    each lane's decoder (default: the cores; sharing them among the lanes was slower on the H100,
+    ops/README.md).
+
+    ``run`` may be awaited for several batches at once. Cancelling it cancels its thread jobs that
+    have not started (their parsed headers go back to the reader); one already running finishes
+    and its output is dropped. ``drain`` waits for those, after which the executor takes new
+    batches; ``aclose`` drains, then frees decoders, streams, workspaces and threads.
+    """
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        *,
+        device: int | str | torch.device = 0,
+        lanes: int = 2,
+        seed: int = 0,
+        hw_load: float | str = 0.65,
+        decoder_threads: int | None = None,
+        tuning: GpuTuning | None = None,
+    ) -> None:
+        if not cuda_available():
+            raise ConfigError("device='cuda' needs a GPU, CuPy and nvImageCodec (pip install 'headrace[cuda13]')")
+        reason = gpu_unsupported(pipeline)
+        if reason is not None:
+            raise ConfigError(reason)
+        if hw_load != "adaptive" and not (isinstance(hw_load, (int, float)) and 0.0 <= hw_load <= 1.0):
+            raise ConfigError(f"hw_load must be in [0, 1] or 'adaptive', got {hw_load!r}")
+        if tuning is not None and not isinstance(tuning, GpuTuning):
+            raise ConfigError(f"tuning must be a headrace.ops.GpuTuning, got {type(tuning).__name__}")
+        self.tuning = tuning = tuning or GpuTuning()
+        self.pipeline = pipeline
+        self.seed = seed
+        self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        threads = decoder_threads or (os.cpu_count() or 2)
+        # The C shim when it builds (GIL-free decode), else nvImageCodec's Python API.
+        self.native = tuning.decode == "shim" and batch_decode.load() is not None
+        exif = pipeline.decode.exif
+        self._headers = NativeHeaders(exif=exif) if self.native else PythonHeaders(exif=exif)
+        self._prep = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="headrace-prep")
+        # Formats other than JPEG, and JPEGs nvImageCodec must not take, decode in Pillow here
+        # (``_prep.py``); its threads start on first use.
+        self._pillow = PillowThreads(
+            concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="headrace-pillow"),
+            ByteBudget(pipeline.decode.max_batch_bytes),
+        )
+        # Thread jobs submitted by run() and not finished (prep and lanes): what drain() cancels or awaits.
+        self._pending: set[concurrent.futures.Future[Any]] = set()
+        self._prep_seconds: collections.Counter[str] = collections.Counter()
+        self._lanes = [Lane(self, i, hw_load, threads) for i in range(lanes)]
+        self._closed = False
+
+    def timings(self) -> dict[str, float]:
+        """Seconds spent per phase (prep thread, and lanes summed): where a batch's host time goes."""
+        total: collections.Counter[str] = collections.Counter(self._prep_seconds)
+        for lane in self._lanes:
+            total.update(lane.seconds)
+            total.update({f"shim.{name}": value for name, value in lane.decoder.seconds.items()})
+        return dict(total)
+
+    async def run(self, batch: SampleBatch) -> Processed:
+        """Decode and transform ``batch`` on the GPU; per-sample failures come back in
+        ``Processed.failures`` (LoaderError subclasses naming the sample). Raises ClosedError after
+        ``aclose()``."""
+        if self._closed:
+            raise ClosedError("CudaExecutor.run after aclose()")
+        # Headers and plans in the prep thread, decode and kernel in a lane: the next batch is
+        # parsed while lanes decode, and nothing per image waits for the GIL inside a lane.
+        job = self._submit(self._prep, prepare, batch, self.pipeline, self._headers, self.seed, self._prep_seconds,
+                           self._pillow)
+        try:
+            prepared = await asyncio.wrap_future(job)
+        except asyncio.CancelledError:
+            job.add_done_callback(_release_result)  # still running: its headers go back when it ends
+            raise
+        lane = self._lanes[batch.index % len(self._lanes)]
+        future = self._submit(lane.pool, lane.finish, prepared)
+        # Cancelled before it started (by run's cancellation or drain()): its parsed headers go back unused.
+        future.add_done_callback(functools.partial(_release_if_cancelled, prepared))
+        try:
+            return await asyncio.wrap_future(future)
+        except BaseException:
+            # A cancelled run's batch may still finish in its lane: its output (device memory) must
+            # not live on through this frame, which the CancelledError's traceback keeps.
+            del future, prepared
+            raise
+
+    def _submit(self, pool: concurrent.futures.ThreadPoolExecutor, fn, *args) -> concurrent.futures.Future[Any]:
+        job = pool.submit(fn, *args)
+        self._pending.add(job)
+        job.add_done_callback(self._pending.discard)
+        return job
+
+    async def drain(self) -> None:
+        """Cancel the thread jobs ``run`` submitted that have not started, wait for the running
+        ones, then let each lane's stream finish and drop what it kept for batches in flight.
+        Safe when idle; when cancelled, it still waits for the running jobs, then re-raises.
+        The executor takes new batches afterwards (unless closed)."""
+        while self._pending:
+            jobs = list(self._pending)
+            for job in jobs:
+                job.cancel()
+            await join_threads(jobs)
+        if not self._closed:
+            await join_threads([lane.pool.submit(lane.settle) for lane in self._lanes])
+
+    async def aclose(self) -> None:
+        """Drain, then free decoders, streams, workspaces and threads. Final (``run`` raises
+        ClosedError afterwards); safe twice; when cancelled it still finishes, then re-raises."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self.drain()
+        finally:
+            await join_threads([lane.pool.submit(lane.close) for lane in self._lanes])
+            self._prep.shutdown(wait=True)
+            self._pillow.pool.shutdown(wait=True)
+            self._headers.close()
+            for lane in self._lanes:
+                lane.pool.shutdown(wait=True)
+
+
+def _release_if_cancelled(prepared: Prepared, job: concurrent.futures.Future[Any]) -> None:
+    if job.cancelled():
+        prepared.release()
+
+
+def _release_result(job: concurrent.futures.Future[Any]) -> None:
+    """Give back the headers of a prep job whose ``run`` was cancelled while it ran."""
+    if not job.cancelled() and job.exception() is None:
+        job.result().release()
