@@ -10,29 +10,17 @@ with the load by themselves. Each batch is a ``SampleBatch`` for the executor th
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import os
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Self
+from typing import Any, Literal, Self
 
-from ._admission import Admission
+from ._batch_processor import BatchProcessor
 from ._device import resolve_device
 from ._distributed import detect_distributed
-from ._errors import (
-    ClosedError,
-    ConfigError,
-    LoaderError,
-    OverloadedError,
-    TransformError,
-    require_int,
-)
-from ._sample import Sample, SampleBatch, hand_off
-from ._threads import join_threads
-
-if TYPE_CHECKING:
-    from headrace.ops._executors import Executor
+from ._errors import ClosedError, ConfigError, require_int
+from ._request_batcher import Request, RequestBatcher
 
 __all__ = ["Preprocessor", "PreprocessorStats"]
 
@@ -53,15 +41,6 @@ class PreprocessorStats:
     in_flight: int = 0
     peak_in_flight: int = 0
     waiting: int = 0
-
-
-@dataclass(eq=False, slots=True)
-class _Request:
-    sample: Sample
-    future: asyncio.Future[Any]
-    arrival: float
-    dispatched: bool = False
-    retired: bool = False
 
 
 class Preprocessor:
@@ -164,17 +143,11 @@ class Preprocessor:
         self.batches_in_flight = require_int("batches_in_flight", batches_in_flight or default_slots)
         self.postprocess = postprocess
         self.wait_ready = bool(wait_ready) and on_gpu
-        self._field = pipeline.image_fields[0]
-        self._admission = Admission(max_pending)
-        self._queue: deque[_Request] = deque()
-        self._queued = 0  # live (not withdrawn) requests in _queue
-        self._arrived = asyncio.Event()
-        self._slots = asyncio.Semaphore(self.batches_in_flight)
-        self._numbers = 0
         self._stats = PreprocessorStats()
-        self._executor: Executor | None = None
-        self._finisher: concurrent.futures.ThreadPoolExecutor | None = None
-        self._finishing: set[concurrent.futures.Future[Any]] = set()
+        self._requests = RequestBatcher(pipeline.image_fields[0], max_batch=self.max_batch, max_delay=self.max_delay,
+                                        max_pending=max_pending, batches_in_flight=self.batches_in_flight,
+                                        stats=self._stats)
+        self._batches = BatchProcessor(self._requests, postprocess=postprocess, wait_ready=self.wait_ready)
         self._runner: asyncio.Task[None] | None = None
         self._collector: asyncio.Task[None] | None = None
         self._closed = False
@@ -196,25 +169,14 @@ class Preprocessor:
             raise ConfigError("Preprocessor: an empty list of images")
         self._start()
         keys = [key] if single else [None if key is None else f"{key}/{i}" for i in range(len(datas))]
-        reqs: list[_Request] = []
+        reqs: list[Request] = []
         try:
-            if self.when_full == "reject":
-                if not self._admission.try_acquire(len(datas)):
-                    self._stats.rejected += len(datas)
-                    raise OverloadedError(
-                        f"{self._admission.used} images in flight, max_pending={self._admission.limit}",
-                        key=keys[0] or f"request-{self._numbers}", source="request",
-                    )
-                reqs = [self._enqueue(d, k) for d, k in zip(datas, keys)]
-            else:
-                for d, k in zip(datas, keys):
-                    await self._admission.acquire()  # one at a time: a list longer than max_pending still fits
-                    reqs.append(self._enqueue(d, k))
+            await self._requests.admit(datas, keys, reqs, reject=self.when_full == "reject")
             # Not ``await future``: a cancelled caller would cancel the future behind our back; here
-            # _withdraw does it, and keeps the queue's count exact in the same step.
+            # withdraw does it, and keeps the queue's count exact in the same step.
             await asyncio.wait([r.future for r in reqs])
         except BaseException:
-            self._withdraw(reqs)
+            self._requests.withdraw(reqs)
             raise
         errors = [r.future.exception() for r in reqs]  # every one retrieved, none logged as unseen
         first = next((e for e in errors if e is not None), None)
@@ -229,145 +191,6 @@ class Preprocessor:
             return torch.stack(rows)
         return rows
 
-    def _enqueue(self, data: ImageBytes, key: str | None) -> _Request:
-        n = self._numbers
-        self._numbers += 1
-        sample = Sample(key=key or f"request-{n}", fields={self._field: data}, source="request", index=n, position=n)
-        loop = asyncio.get_running_loop()
-        req = _Request(sample, loop.create_future(), loop.time())
-        self._queue.append(req)
-        self._queued += 1
-        self._stats.requests += 1
-        self._arrived.set()
-        return req
-
-    def _withdraw(self, reqs: list[_Request]) -> None:
-        """The caller left (cancelled, or failed part-way through a list): drop what is unanswered."""
-        for r in reqs:
-            if r.future.done():
-                continue
-            r.future.cancel()
-            self._stats.cancelled += 1
-            if not r.dispatched:  # still queued: free its place now; a dispatched one frees it when its batch ends
-                self._queued -= 1
-                self._retire(r)
-
-    def _retire(self, r: _Request) -> None:
-        if not r.retired:
-            r.retired = True
-            self._admission.release()
-
-    # --- batching -----------------------------------------------------------------------------------
-
-    async def _collect(self, tg: asyncio.TaskGroup) -> None:
-        index = 0
-        while True:
-            await self._slots.acquire()
-            try:
-                reqs = await self._next_batch()
-            except BaseException:
-                self._slots.release()
-                raise
-            self._stats.batches += 1
-            self._stats.batch_sizes[len(reqs)] += 1
-            tg.create_task(self._process(reqs, index), name=f"preprocessor:batch{index}")
-            index += 1
-
-    async def _next_batch(self) -> list[_Request]:
-        loop = asyncio.get_running_loop()
-        while True:
-            while self._queue and self._queue[0].future.done():  # withdrawn or failed at close
-                self._queue.popleft()
-            if self._queued >= self.max_batch:
-                break
-            timeout = None
-            if self._queued:
-                timeout = self._queue[0].arrival + self.max_delay - loop.time()
-                if timeout <= 0:
-                    break
-            self._arrived.clear()
-            try:
-                async with asyncio.timeout(timeout):
-                    await self._arrived.wait()
-            except TimeoutError:
-                pass
-        reqs: list[_Request] = []
-        while self._queue and len(reqs) < self.max_batch:
-            r = self._queue.popleft()
-            if not r.future.done():
-                r.dispatched = True
-                reqs.append(r)
-        self._queued -= len(reqs)
-        return reqs
-
-    async def _process(self, reqs: list[_Request], index: int) -> None:
-        try:
-            batch = SampleBatch([r.sample for r in reqs], epoch=0, index=index)
-            try:
-                processed = await self._executor.run(batch)
-                outputs = await self._finish(processed)
-            except asyncio.CancelledError:
-                for r in reqs:
-                    self._answer(r, error=ClosedError("the service closed while the request was processed",
-                                                      key=r.sample.key, source="request"))
-                raise
-            except Exception as exc:  # noqa: BLE001 - the whole batch failed: each caller gets its own typed copy
-                for r in reqs:
-                    self._answer(r, error=_for_request(exc, r.sample))
-                return
-            failures = dict(processed.failures)
-            row_of = {row: j for j, row in enumerate(processed.kept)}
-            for row, r in enumerate(reqs):
-                if row in row_of:
-                    self._answer(r, result=outputs[row_of[row]])
-                else:
-                    self._answer(r, error=failures.get(row) or TransformError(
-                        "the executor returned no output for this request", key=r.sample.key, source="request"))
-        finally:
-            for r in reqs:
-                self._retire(r)
-            self._slots.release()
-
-    def _answer(self, r: _Request, *, result: Any = None, error: BaseException | None = None) -> None:
-        if r.future.done():  # the caller left while its batch ran
-            return
-        if error is None:
-            r.future.set_result(result)
-            self._stats.completed += 1
-        else:
-            r.future.set_exception(error)
-            self._stats.failed += 1
-
-    async def _finish(self, processed: Any) -> Any:
-        images = processed.data["image"]
-        ready = processed.ready
-        if self._finisher is None:
-            hand_off([images], ready)  # the loop thread's current stream: the callers'
-            return images
-        fut = self._finisher.submit(self._finish_in_thread, images, ready)
-        self._finishing.add(fut)
-        fut.add_done_callback(self._finishing.discard)
-        return await asyncio.wrap_future(fut)
-
-    def _finish_in_thread(self, images: Any, ready: Any) -> Any:
-        hand_off([images], ready)  # this thread's current stream waits for the lane
-        outputs = images
-        if self.postprocess is not None:
-            try:
-                outputs = self.postprocess(images)
-            except Exception as exc:
-                raise TransformError(f"postprocess failed: {type(exc).__name__}: {exc}", stage="postprocess") from exc
-            if len(outputs) != len(images):
-                raise TransformError(f"postprocess returned {len(outputs)} rows for {len(images)} images",
-                                     stage="postprocess")
-        if self.wait_ready and ready is not None:
-            import torch
-
-            first = images[0] if isinstance(images, list) and images else images  # a list: sizes differ
-            if isinstance(first, torch.Tensor):
-                torch.cuda.current_stream(first.device).synchronize()
-        return outputs
-
     # --- lifetime -----------------------------------------------------------------------------------
 
     def _start(self) -> None:
@@ -375,9 +198,7 @@ class Preprocessor:
             raise ClosedError("Preprocessor is closed")
         if self._runner is not None:
             return
-        self._executor = self._open_executor()
-        if self.postprocess is not None or self.wait_ready:
-            self._finisher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="headrace-serve")
+        self._batches.start(self._open_executor())
         self._runner = asyncio.create_task(self._main(), name="preprocessor:run")
 
     def _open_executor(self) -> Any:
@@ -390,32 +211,16 @@ class Preprocessor:
         try:
             async with asyncio.TaskGroup() as tg:
                 if not self._closed:  # aclose() may come before this task's first step
-                    self._collector = tg.create_task(self._collect(tg), name="preprocessor:collect")
+                    self._collector = tg.create_task(self._requests.collect(tg, self._batches.process),
+                                                     name="preprocessor:collect")
         finally:
             self._shut()
-            await self._release()
+            await self._batches.release()
 
     def _shut(self) -> None:
         """Refuse new calls; fail queued requests and callers waiting for room with ClosedError."""
         self._closed = True
-        self._admission.close()
-        while self._queue:
-            r = self._queue.popleft()
-            if not r.future.done():
-                self._queued -= 1
-                self._answer(r, error=ClosedError("the service closed before the request was processed",
-                                                  key=r.sample.key, source="request"))
-                self._retire(r)
-
-    async def _release(self) -> None:
-        """Join the finisher thread, then close the executor. Idempotent; runs to the end if cancelled."""
-        try:
-            if self._finisher is not None:
-                await join_threads(list(self._finishing))
-                self._finisher.shutdown(wait=True)
-        finally:
-            if self._executor is not None:
-                await self._executor.aclose()
+        self._requests.close()
 
     async def aclose(self) -> None:
         """Stop taking requests and release everything (see the class docstring). Safe to call twice."""
@@ -433,7 +238,7 @@ class Preprocessor:
             except asyncio.CancelledError:
                 cancelled = True
                 runner.cancel()  # abandon the running batches; their threads are still joined
-        await self._release()  # in case the runner was cancelled before its first step
+        await self._batches.release()  # in case the runner was cancelled before its first step
         if cancelled:
             raise asyncio.CancelledError
         if not runner.cancelled() and runner.exception() is not None and not self._failure_reported:
@@ -449,21 +254,12 @@ class Preprocessor:
 
     def stats(self) -> PreprocessorStats:
         s = self._stats
-        s.in_flight, s.peak_in_flight, s.waiting = self._admission.used, self._admission.peak, self._admission.waiting
+        admission = self._requests.admission
+        s.in_flight, s.peak_in_flight, s.waiting = admission.used, admission.peak, admission.waiting
         return s
 
     def __repr__(self) -> str:
         return (
             f"Preprocessor({self.pipeline!r}, device={self.device!r}, max_batch={self.max_batch}, "
-            f"max_delay={self.max_delay}, max_pending={self._admission.limit}, when_full={self.when_full!r})"
+            f"max_delay={self.max_delay}, max_pending={self._requests.admission.limit}, when_full={self.when_full!r})"
         )
-
-
-def _for_request(exc: Exception, sample: Sample) -> LoaderError:
-    """A batch-wide failure as this request's own error: same type and stage, the request's key."""
-    if isinstance(exc, LoaderError):
-        err = type(exc)(exc.message, key=sample.key, source=sample.source, stage=exc.stage)
-    else:
-        err = TransformError(f"{type(exc).__name__}: {exc}", key=sample.key, source=sample.source)
-    err.__cause__ = exc
-    return err

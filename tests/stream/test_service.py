@@ -58,7 +58,7 @@ class _Gate:
 
 async def _gated(pre: Preprocessor) -> _Gate:
     await pre.__aenter__()
-    gate = pre._executor = _Gate(pre._executor)
+    gate = pre._batches.executor = _Gate(pre._batches.executor)
     return gate
 
 
