@@ -16,23 +16,20 @@ the host never waits for the GPU here.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
 from headrace._errors import ClosedError, DecodeError, LoaderError, TransformError
-from headrace._sample import Sample, SampleBatch, hand_off
-from headrace._threads import gather_jobs, join_threads
+from headrace._sample import Sample, SampleBatch
 
 from ._collate import collate, is_npy_field, load_npy
-from ._results import Processed, read_failure, sample_label, split_evenly
+from ._results import Processed, read_failure, sample_label
 from ._pipeline import Pipeline
-from ._stages import Map, MapBatch, Stage
+from ._stage_calls import StageCalls, each_row, stage_failure
+from ._stages import Map, MapBatch
 
 __all__ = ["StagedExecutor"]
 
@@ -55,11 +52,8 @@ class StagedExecutor:
         self.seed = seed
         self.device = torch.device(device)
         self._cuda = self.device.type == "cuda"
-        self._pool = concurrent.futures.ThreadPoolExecutor(num_threads, thread_name_prefix="headrace-stage")
         self.num_threads = num_threads
-        self._running: set[concurrent.futures.Future[Any]] = set()
-        self._limits: dict[int, tuple[Any, asyncio.Semaphore]] = {}
-        self._stream: Any = None
+        self._calls = StageCalls(num_threads, self.device)
         self._warned_unused = False
         self._closed = False
 
@@ -89,12 +83,13 @@ class StagedExecutor:
             kept = [alive[row] for row in processed.kept]
             data, ready = processed.data, processed.ready
             if pipe.fields and kept:  # batched in a thread: arrays may be large, the loop's time is not
-                columns = await self._call(lambda: {n: collate([samples[i].fields[n] for i in kept]) for n in pipe.fields})
+                columns = await self._calls.call(
+                    lambda: {n: collate([samples[i].fields[n] for i in kept]) for n in pipe.fields})
                 if self._cuda:  # copied on the stage stream, after the lane: one event covers both
-                    columns, ready = await self._call(self._on_side_stream, data, ready, lambda: _on_device(columns, self.device))
+                    columns, ready = await self._calls.call_on_stream(data, ready, lambda: _on_device(columns, self.device))
                 data.update(columns)
         else:
-            data, kept, ready = await self._call(self._collate_fields, samples, alive, failures)
+            data, kept, ready = await self._calls.call(self._collate_fields, samples, alive, failures)
         for stage in pipe.after:
             if not kept:
                 break
@@ -111,7 +106,7 @@ class StagedExecutor:
         pipe = self.pipeline
         rows = [i for i in range(len(samples)) if i not in failures]
         if any(is_npy_field(n) for i in rows[:1] for n in samples[i].fields):
-            await self._in_threads(rows, lambda i: _load_npy_fields(samples, i), None, samples, failures)
+            await self._calls.in_threads(rows, lambda i: _load_npy_fields(samples, i), None, samples, failures)
         for stage in pipe.before:
             rows = [i for i in rows if i not in failures]
             position = pipe.stage_position(stage)
@@ -125,7 +120,7 @@ class StagedExecutor:
                 sample = samples[i]
                 samples[i] = Sample(sample.key, out, sample.source, sample.index, sample.position)
 
-            await self._apply(stage, rows, arguments, store, samples, failures)
+            await self._calls.apply(stage, rows, arguments, store, samples, failures)
         if pipe.has_image and pipe.before and not self._warned_unused:
             self._warn_unused(samples, [i for i in rows if i not in failures][:1], batch)
         if pipe.has_image and pipe.fields:
@@ -159,50 +154,6 @@ class StagedExecutor:
             logger.warning("headrace: the stages before Decode add fields %s that no batch carries; name them in "
                            "Pipeline(fields=...) to have them batched", unused)
 
-    async def _apply(self, stage: Map, rows: list[int], arguments: Callable[[int], tuple[Any, dict[str, Any]]],
-                     store: Callable[[int, Any], None], samples: list[Sample], failures: dict[int, LoaderError]) -> None:
-        """``stage.fn`` on each row (its value and keyword arguments from ``arguments(i)``), each result
-        through ``store(i, out)``: in the threads, or on the loop for an ``async def``. A row that
-        raises fails, named."""
-        if not stage.is_async:
-            def work(i: int) -> None:
-                value, extras = arguments(i)
-                store(i, stage.fn(value, **extras))
-
-            await self._in_threads(rows, work, stage, samples, failures)
-            return
-        limit = self._limit(stage)
-        pending = iter(rows)
-
-        async def worker() -> None:
-            # A few workers a batch, each taking the next row, rather than a task a row: a task
-            # costs the loop more than a typical call, and the bound is the semaphore anyway.
-            for i in pending:
-                async with limit:
-                    try:
-                        value, extras = arguments(i)
-                        store(i, await stage.fn(value, **extras))
-                    except Exception as exc:
-                        failures[i] = _failed(stage, samples[i], exc)
-
-        async with asyncio.TaskGroup() as tg:  # a cancelled batch cancels its calls
-            for _ in range(min(len(rows), stage.concurrency)):
-                tg.create_task(worker())
-
-    async def _in_threads(self, rows: list[int], work: Callable[[int], None], stage: Stage | None,
-                          samples: list[Sample], failures: dict[int, LoaderError]) -> None:
-        """``work(i)`` for each row, the rows spread over the threads (one call per thread)."""
-        parts = [rows[lo:hi] for lo, hi in split_evenly(len(rows), max(1, min(len(rows), self.num_threads)))]
-        await gather_jobs([self._submit(_each_row, part, work, stage, samples, failures) for part in parts if part])
-
-    def _limit(self, stage: Map) -> asyncio.Semaphore:
-        """The stage's bound on calls at once, shared by the batches in flight on this event loop."""
-        loop = asyncio.get_running_loop()
-        held = self._limits.get(id(stage))
-        if held is None or held[0] is not loop:
-            held = self._limits[id(stage)] = (loop, asyncio.Semaphore(stage.concurrency))
-        return held[1]
-
     # -- batching without an image --------------------------------------------------------------------------
 
     def _collate_fields(self, samples: list[Sample], alive: list[int],
@@ -233,8 +184,8 @@ class StagedExecutor:
         if not self._cuda:
             return data, kept, None
         # CUDA tensors a stage made (DecodeClip on the GPU) were stacked on this thread's stream: the side stream's event covers them.
-        self._side_stream().wait_stream(torch.cuda.current_stream(self.device))
-        data, ready = self._on_side_stream({}, None, lambda: _on_device(data, self.device))
+        self._calls.side_stream().wait_stream(torch.cuda.current_stream(self.device))
+        data, ready = self._calls.on_side_stream({}, None, lambda: _on_device(data, self.device))
         return data, kept, ready
 
     # -- after the built-in ops -----------------------------------------------------------------------------
@@ -259,7 +210,7 @@ class StagedExecutor:
             return _columns(results, left), left
 
         if not self._cuda:
-            await self._apply(stage, kept, arguments, store, samples, failures)
+            await self._calls.apply(stage, kept, arguments, store, samples, failures)
             return *outputs(), None
 
         def on_stream() -> tuple[dict[str, Any], list[int]]:
@@ -267,10 +218,10 @@ class StagedExecutor:
                 value, extras = arguments(i)
                 store(i, stage.fn(value, **extras))
 
-            _each_row(kept, work, stage, samples, failures)  # one thread: kernels launched in row order
+            each_row(kept, work, stage, samples, failures)  # one thread: kernels launched in row order
             return outputs()
 
-        (out, left), ready = await self._call(self._on_side_stream, data, ready, on_stream)
+        (out, left), ready = await self._calls.call_on_stream(data, ready, on_stream)
         return out, left, ready
 
     async def _map_batch(self, stage: MapBatch, batch: SampleBatch, samples: list[Sample], data: dict[str, Any],
@@ -282,52 +233,21 @@ class StagedExecutor:
             if stage.is_async:
                 out = await stage.fn(data, **extras)
             elif self._cuda:
-                out, ready = await self._call(self._on_side_stream, data, ready, lambda: stage.fn(data, **extras))
+                out, ready = await self._calls.call_on_stream(data, ready, lambda: stage.fn(data, **extras))
             else:
-                out = await self._call(stage.fn, data, **extras)
+                out = await self._calls.call(stage.fn, data, **extras)
             if not isinstance(out, dict):
                 raise TypeError(f"returned {type(out).__name__}, not a dict")
         except Exception as exc:
             for i in kept:
-                failures[i] = _failed(stage, samples[i], exc)
+                failures[i] = stage_failure(stage, samples[i], exc)
             return {}, [], None
         return out, kept, ready
 
-    def _on_side_stream(self, data: dict[str, Any], ready: Any, fn: Callable[[], Any]) -> tuple[Any, Any]:
-        """``fn()`` with this executor's stream current, after the lane's ``ready`` event (the input
-        tensors recorded on the stream, so the lane reuses their memory only after it); the result
-        and the event recorded after it."""
-        stream = self._side_stream()
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            hand_off(data.values(), ready)
-            out = fn()
-            return out, _recorded(stream)
-
-    def _side_stream(self) -> Any:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
-        return self._stream
-
-    # -- threads -------------------------------------------------------------------------------------------
-
-    def _submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
-        fut = self._pool.submit(fn, *args, **kwargs)
-        self._running.add(fut)
-        fut.add_done_callback(self._running.discard)
-        return fut
-
-    async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        job = self._submit(fn, *args, **kwargs)
-        await gather_jobs([job])
-        return job.result()
-
     async def drain(self) -> None:
         """Cancel stage calls not started, wait for running ones, then drain ``inner``."""
-        running = list(self._running)
-        for fut in running:
-            fut.cancel()
         try:
-            await join_threads(running)
+            await self._calls.drain()
         finally:
             if self.inner is not None:
                 await self.inner.drain()
@@ -337,12 +257,8 @@ class StagedExecutor:
         if self._closed:
             return
         self._closed = True
-        self._pool.shutdown(wait=False, cancel_futures=True)
         try:
-            await join_threads(list(self._running))
-            self._pool.shutdown(wait=True)
-            if self._stream is not None:
-                self._stream.synchronize()
+            await self._calls.aclose()
         finally:
             if self.inner is not None:
                 await self.inner.aclose()
@@ -380,45 +296,9 @@ def _copied(value: Any, device: torch.device) -> Any:
     return value
 
 
-def _recorded(stream: Any) -> Any:
-    event = torch.cuda.Event()
-    event.record(stream)
-    return event
-
-
 def _rng(seed: int, epoch: int, position: int, index: int) -> np.random.Generator:
     return np.random.default_rng([seed & _MASK64, epoch & _MASK64, position, index & _MASK64])
 
 
 def _sample_error(kind: type[LoaderError], sample: Sample, message: str) -> LoaderError:
     return kind(message, key=sample.key, source=sample.source)
-
-
-def _stage_error(stage: Stage | None, sample: Sample, exc: Exception) -> LoaderError:
-    where = f"stage {stage.name!r}" if stage is not None else "loading a .npy field"
-    err = TransformError(f"{where} failed: {type(exc).__name__}: {exc}", key=sample.key, source=sample.source,
-                         stage=f"stage {stage.name}" if stage is not None else None)
-    err.__cause__ = exc
-    return err
-
-
-def _each_row(rows: list[int], work: Callable[[int], None], stage: Stage | None, samples: list[Sample],
-              failures: dict[int, LoaderError]) -> None:
-    """``work(i)`` for each row in turn; a row that raises fails, named (in a thread, or on the
-    stage stream's thread for row stages on the GPU)."""
-    for i in rows:
-        try:
-            work(i)
-        except Exception as exc:
-            failures[i] = _failed(stage, samples[i], exc)
-
-
-def _failed(stage: Stage | None, sample: Sample, exc: Exception) -> LoaderError:
-    """The sample's failure: a LoaderError as it is (named), anything else as the stage's TransformError."""
-    return _named(exc, sample) if isinstance(exc, LoaderError) else _stage_error(stage, sample, exc)
-
-
-def _named(exc: LoaderError, sample: Sample) -> LoaderError:
-    if exc.key is None:
-        exc.key, exc.source = sample.key, sample.source
-    return exc
