@@ -56,7 +56,8 @@ class RequestBatcher:
 
     # --- requests -----------------------------------------------------------------------------------
 
-    async def admit(self, datas: list[ImageBytes], keys: list[str | None], reqs: list[Request], *, reject: bool) -> None:
+    async def admit(self, datas: list[ImageBytes], keys: list[str | None], reqs: list[Request], *,
+                    reject: bool) -> None:
         """Queue a request per image, each once it has a place, into ``reqs`` (so that a caller
         cancelled part-way withdraws those already queued). ``reject``: raise OverloadedError at
         once, before any work, unless every image has a place now."""
