@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import copy
+import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -235,7 +236,7 @@ class IndexedReader(Reader):
     async def _in_order(self, order: np.ndarray, start: int, fetch: Callable[[list[int], int], _Job],
                         result: Callable[[_Job], Awaitable[list[Sample]]],
                         stop: Callable[[list[_Job]], Awaitable[None]]) -> AsyncIterator[list[Sample]]:
-        """The chunks of ``order`` from ``start``, in order, with one fetch per I/O thread in flight
+        """The chunks of ``order`` from ``start``, in order, with ``_ahead()`` fetches in flight
         plus the one being handed over. ``fetch(indices, first)`` starts a chunk's fetch (a thread
         job or a task), ``result`` awaits it, and ``stop`` ends the fetches still pending when the
         consumer leaves early, waiting for them."""
@@ -243,13 +244,24 @@ class IndexedReader(Reader):
         next_pos = start
         try:
             while next_pos < len(order) or pending:
-                while next_pos < len(order) and len(pending) <= self.io_threads:
+                while next_pos < len(order) and len(pending) <= self._ahead():
                     end = min(next_pos + self.chunk_size, len(order))
                     pending.append(fetch(order[next_pos:end].tolist(), next_pos))
                     next_pos = end
-                yield await result(pending.popleft())
+                began = time.monotonic()
+                samples = await result(pending.popleft())
+                self._handed(samples, time.monotonic() - began)
+                yield samples
         finally:
             await stop(list(pending))
+
+    def _ahead(self) -> int:
+        """Chunks fetched ahead of the one being handed over: one per I/O thread."""
+        return self.io_threads
+
+    def _handed(self, samples: list[Sample], waited: float) -> None:
+        """A chunk is handed over, after the consumer ``waited`` seconds for it (a hook for readers
+        that size their fetching from it)."""
 
     def _fetch_numbered(self, indices: Sequence[int], first: int) -> list[Sample]:
         # In the I/O thread: numbering a chunk is per-sample Python the event loop need not do.

@@ -17,6 +17,7 @@ from ._storage import Storage, Store, is_url, redact_url, run_sync, with_retries
 
 __all__ = ["FileReader", "files"]
 
+_WAITED = 0.002  # seconds the consumer may wait for a chunk of objects before more are fetched ahead
 DEFAULT_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "ppm", "pgm", "gif")
 
 
@@ -39,11 +40,13 @@ class FileReader(IndexedReader):
         chunk_size: int = 64,
         io_threads: int = 2,
         storage: Storage | None = None,
-        requests: int = 32,
+        requests: int = 256,
         native_read: bool = True,
+        buffer_bytes: int = 64 << 20,
     ) -> None:
         super().__init__(shuffle=shuffle, seed=seed, chunk_size=chunk_size, io_threads=io_threads)
         require_int("files: requests", requests)
+        require_int("files: buffer_bytes", buffer_bytes, 1)
         self.paths = [os.fspath(p) for p in paths]
         if labels is not None:
             labels = [int(v) for v in labels]
@@ -54,7 +57,10 @@ class FileReader(IndexedReader):
         self.classes = tuple(classes)
         self.storage = storage
         self.requests = requests
-        # Objects in a store are fetched on the event loop (``requests`` GETs at once per read);
+        self.buffer_bytes = buffer_bytes
+        # Remote objects: chunks fetched ahead, grown while the consumer waits (see ``_handed``).
+        self._depth = io_threads
+        self._sample_bytes = 0.0  # the mean object size seen        # Objects in a store are fetched on the event loop (``requests`` GETs at once per read);
         # their sources are URLs without credentials or query strings.
         remote = storage is not None and any(storage.store is not None or is_url(p) for p in self.paths)
         if remote and storage is not None:
@@ -130,6 +136,26 @@ class FileReader(IndexedReader):
             tasks = [group.create_task(one(i)) for i in indices]
         return [t.result() for t in tasks]
 
+    def _ahead(self) -> int:
+        return self._depth if self._fetch_on_loop else self.io_threads
+
+    def _handed(self, samples: list[Sample], waited: float) -> None:
+        """Remote objects: one more chunk of GETs ahead each time the consumer had to wait for one.
+
+        A GET takes the store's latency whatever the object's size, so the GETs in flight must
+        cover latency x the consumer's rate (Little's law); waiting for the head chunk is the sign
+        they do not. Bounded by ``requests`` (the GETs in flight never exceed it anyway) and by
+        ``buffer_bytes`` (the chunks ahead, at the mean object size seen, must fit).
+        """
+        if not self._fetch_on_loop or not samples:
+            return
+        size = sum(len(v) for s in samples for v in s.fields.values()) / len(samples)
+        self._sample_bytes = size if not self._sample_bytes else 0.8 * self._sample_bytes + 0.2 * size
+        deeper = self._depth + 1
+        if (waited > _WAITED and deeper * self.chunk_size < self.requests + self.chunk_size
+                and (deeper + 1) * self.chunk_size * self._sample_bytes <= self.buffer_bytes):
+            self._depth = deeper
+
     def _limit(self) -> asyncio.Semaphore:
         # One semaphore per event loop (the sync facade runs reads on a loop of its own).
         loop = asyncio.get_running_loop()
@@ -189,8 +215,9 @@ def files(
     io_threads: int = 2,
     storage_options: Mapping[str, Any] | None = None,
     store: Store | None = None,
-    requests: int = 32,
+    requests: int = 256,
     native_read: bool = True,
+    buffer_bytes: int = 64 << 20,
 ) -> FileReader:
     """A reader over image files, local or in object storage.
 
@@ -201,8 +228,10 @@ def files(
 
     The folder may be a bucket prefix, ``"s3://bucket/train/"`` (listed once, here), and the paths
     URLs (``s3://``, ``http(s)://``). Objects are then fetched on the event loop, ``chunk_size`` per
-    chunk and ``io_threads + 1`` chunks ahead (so memory holds at most that many samples), with at
-    most ``requests`` GETs at once; each GET is retried with backoff (``storage_options["retry"]``)
+    chunk, with at most ``requests`` GETs at once. The chunks fetched ahead start at
+    ``io_threads + 1`` and grow by one each time the consumer waits for a chunk (a store's latency
+    needs latency x rate GETs in flight), while they fit in ``requests`` and, at the mean object
+    size seen, in ``buffer_bytes``; each GET is retried with backoff (``storage_options["retry"]``)
     and a sample that still fails carries a ``StorageError`` naming its URL. ``storage_options`` and
     ``store`` are as for ``webdataset()``. Local files are read a chunk per call by a small C helper
     (compiled on first use); ``native_read=False`` reads them in Python instead, as happens anyway
@@ -214,7 +243,8 @@ def files(
     """
     storage = Storage(storage_options, store)
     common: dict[str, Any] = {"shuffle": shuffle, "seed": seed, "chunk_size": chunk_size, "io_threads": io_threads,
-                              "storage": storage, "requests": requests, "native_read": native_read}
+                              "storage": storage, "requests": requests, "native_read": native_read,
+                              "buffer_bytes": buffer_bytes}
     exts = {e.lower().lstrip(".") for e in extensions}
     if isinstance(source, (str, os.PathLike)):
         if labels is not None:

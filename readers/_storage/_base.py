@@ -67,12 +67,14 @@ class Store(ABC):
         """The object's URL for messages: no credentials, no query string."""
 
     @abstractmethod
-    async def open(self, key: str, start: int = 0, *, etag: str | None = None) -> Body:
-        """Start downloading ``key`` from byte ``start``; with ``etag``, fail (not retryable) if it changed."""
+    async def open(self, key: str, start: int = 0, *, end: int | None = None, etag: str | None = None) -> Body:
+        """Start downloading ``key`` from byte ``start`` to ``end`` (exclusive; None: the object's end);
+        with ``etag``, fail (not retryable) if it changed. A store may send bytes past ``end``
+        (a server that ignores Range): the caller stops reading there."""
 
     async def read_range(self, key: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of ``key``."""
-        body = await self.open(key, start)
+        body = await self.open(key, start, end=end)
         try:
             out = bytearray()
             while len(out) < end - start:

@@ -22,7 +22,8 @@ class HttpStore(Store):
     """Objects by URL; a key is the full ``http://`` or ``https://`` URL.
 
     ``options``: ``headers`` (sent with every request, e.g. ``Authorization``; never shown),
-    ``connect_timeout`` (seconds, default 10), ``limit`` (connections, default 64). A download is
+    ``connect_timeout`` (seconds, default 10), ``limit`` (connections, default 256: as many as a
+    reader's ``requests`` may use). A download is
     resumed with ``Range: bytes=N-`` and ``If-Match`` (the first answer's ETag); a server that
     ignores Range is read from the start and the first N bytes dropped. HTTP has no listing.
     """
@@ -37,7 +38,7 @@ class HttpStore(Store):
             raise ConfigError("reading http(s):// needs aiohttp: pip install 'headrace[http]'")
         self._headers = dict(options.get("headers") or {})
         self._connect_timeout = float(options.get("connect_timeout", 10))
-        self._limit = int(options.get("limit", 64))
+        self._limit = int(options.get("limit", 256))
         self._secrets = [str(v) for v in self._headers.values()]
         self._session: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -63,11 +64,13 @@ class HttpStore(Store):
             self._loop = loop
         return self._session
 
-    async def open(self, key: str, start: int = 0, *, etag: str | None = None) -> Body:
+    async def open(self, key: str, start: int = 0, *, end: int | None = None, etag: str | None = None) -> Body:
         import aiohttp
 
         headers = {}
-        if start:
+        if end is not None:
+            headers["Range"] = f"bytes={start}-{end - 1}"
+        elif start:
             headers["Range"] = f"bytes={start}-"
         if etag is not None:
             headers["If-Match"] = etag

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,29 @@ __all__ = ["Downloads", "RemoteFile"]
 
 class _Closed(ReadError):
     """The file was closed while the thread still read it (the reader is shutting down)."""
+
+
+class _Jump(Exception):
+    """The thread seeked far ahead: the download starts again there."""
+
+    def __init__(self, target: int) -> None:
+        super().__init__(target)
+        self.target = target
+
+
+# The thread waited this long for bytes since the download last grew: one more GET in flight.
+_STARVED = 0.02
+_MAX_PIECES = 16
+
+
+class _Piece:
+    """Bytes ``[pos, end)`` of the object still to come from one GET (``end`` None: to the object's end)."""
+
+    __slots__ = ("done", "end", "held", "pos")
+
+    def __init__(self, pos: int, end: int | None) -> None:
+        self.pos, self.end, self.done = pos, end, False
+        self.held: list[tuple[int, memoryview]] = []  # received before it was the head
 
 
 class RemoteFile:
@@ -56,6 +80,14 @@ class RemoteFile:
         self._waking = False  # a wake-up of the download is scheduled on the loop
         self.retries = 0  # faults survived (reported in the reader's stats)
         self.peak = 0  # most bytes buffered at once
+        # Loop side: the pieces in flight, in offset order (the head's bytes go to the thread).
+        self._pieces: deque[_Piece] = deque()
+        self._group: asyncio.TaskGroup | None = None
+        self._planned: int | None = None
+        self._want = 1
+        self._held = 0  # bytes held by pieces after the head
+        self._etag: str | None = None
+        self._starved = 0.0  # seconds the thread waited for bytes, since the download last grew
 
     # -- loop side ----------------------------------------------------------------------------
 
@@ -67,7 +99,10 @@ class RemoteFile:
         self._loop = asyncio.get_running_loop()
         self._room = asyncio.Event()
         try:
-            await self._download()
+            try:
+                await self._download()
+            except BaseExceptionGroup as group:  # from the pieces' task group: its first error
+                raise group.exceptions[0] from None
         except StorageError as exc:
             self._fail(exc)
         except Exception as exc:  # a bug or a missing backend: the thread must hear of it, not hang
@@ -77,34 +112,57 @@ class RemoteFile:
             raise
 
     async def _download(self) -> None:
-        offset, failures, etag = 0, 0, None
-        body: Body | None = None
+        start: int | None = 0
+        while start is not None and not self.closed:
+            start = await self._from(start)
+
+    async def _from(self, start: int) -> int | None:
+        """Download from byte ``start`` to the end: one streamed GET, then (once the thread starves)
+        ranged GETs of segments ahead of it. Returns the target of a long seek, or None at the end."""
+        self._pieces = deque([_Piece(start, None)])
+        self._planned = self._size  # the end of the last piece planned; None until the size is known
+        self._want = 1  # pieces in flight wanted
+        try:
+            async with asyncio.TaskGroup() as group:
+                self._group = group
+                group.create_task(self._fetch(self._pieces[0]), name=f"headrace:storage:range:{start}")
+        except BaseExceptionGroup as group:
+            jumps = [e for e in group.exceptions if isinstance(e, _Jump)]
+            if not jumps:
+                raise
+            self._drop_pieces()
+            return jumps[0].target
+        finally:
+            self._group = None
+        if not self.closed:
+            self._finish()
+        return None
+
+    async def _fetch(self, piece: _Piece) -> None:
+        """One piece's GET, resumed at its first byte not yet received after a fault."""
+        failures, body = 0, None
         try:
             while not self.closed:
+                end = piece.end if piece.end is not None else self._size
+                if end is not None and piece.pos >= end:
+                    break
                 if body is None:
-                    if self._size is not None and offset >= self._size:
-                        return self._finish()
                     try:
                         async with asyncio.timeout(self.retry.timeout):
-                            body = await self.store.open(self.key, offset, etag=etag)
+                            body = await self._open(piece)
                     except (StoreFault, TimeoutError) as exc:
                         failures += 1
                         await self._backoff(exc, failures)
                         continue
-                    etag = etag or body.etag  # later pieces must come from the same object
+                    self._etag = self._etag or body.etag  # later pieces must come from the same object
                     self._set_size(body.size)
-                await self._wait_for_room()
-                with self._cond:
-                    jump, self._jump = self._jump, None
-                if jump is not None and jump > offset:
-                    await _drop(body)
-                    body, offset = None, jump
                     continue
+                await self._wait_for_room(piece)
                 try:
                     async with asyncio.timeout(self.retry.timeout):
                         block = await body.next()
-                    if not block and offset < body.size:
-                        raise StoreFault(f"the body ended at byte {offset} of {body.size}", retryable=True)
+                    if not block and piece.pos < (end if end is not None else body.size):
+                        raise StoreFault(f"the body ended at byte {piece.pos} of {end}", retryable=True)
                 except (StoreFault, TimeoutError) as exc:
                     await _drop(body)
                     body = None
@@ -112,25 +170,104 @@ class RemoteFile:
                     await self._backoff(exc, failures)
                     continue
                 if not block:
-                    return self._finish()
+                    break
                 failures = 0  # progress: the budget is for failures in a row
-                self._push(offset, memoryview(block))
-                offset += len(block)
+                end = piece.end if piece.end is not None else body.size
+                if piece.pos + len(block) > end:  # a cut piece, or a server that ignored the range's end
+                    block = block[: end - piece.pos]
+                self._deliver(piece, memoryview(block))
+                piece.pos += len(block)
+                self._grow()
         finally:
             if body is not None:
                 await _drop(body)
+        if not self.closed:
+            self._done(piece)
+
+    async def _open(self, piece: _Piece) -> Body:
+        if piece.end is None:
+            return await self.store.open(self.key, piece.pos, etag=self._etag)
+        return await self.store.open(self.key, piece.pos, end=piece.end, etag=self._etag)
+
+    def _deliver(self, piece: _Piece, block: memoryview) -> None:
+        """The head piece's bytes go to the thread; a later piece's are held until it is the head."""
+        if self._pieces and self._pieces[0] is piece:
+            self._push(piece.pos, block)
+        else:
+            with self._cond:
+                piece.held.append((piece.pos, block))
+                self._held += len(block)
+                self.peak = max(self.peak, self._buffered + self._held)
+
+    def _done(self, piece: _Piece) -> None:
+        """A piece is complete: the pieces after it that are complete too, or the next one, become
+        the head (their held bytes go to the thread), and the next segment is started."""
+        piece.done = True
+        while self._pieces and self._pieces[0].done:
+            self._pieces.popleft()
+            if self._pieces:
+                head = self._pieces[0]
+                with self._cond:
+                    self._held -= sum(len(b) for _, b in head.held)
+                held, head.held = head.held, []
+                for offset, block in held:
+                    self._push(offset, block)
+        if self._room is not None:
+            self._room.set()  # the new head waited as a later piece: it may go on now
+        self._plan()
+
+    def _grow(self) -> None:
+        """The thread waited for bytes (``_STARVED`` seconds since the last look): one more GET in
+        flight, up to ``_MAX_PIECES``, each a segment of ``capacity / 4`` bytes (1 MiB at least)."""
+        if self._starved < _STARVED or self._size is None or self._want >= _MAX_PIECES:
+            return
+        with self._cond:
+            self._starved = 0.0
+        segment = max(1 << 20, self.capacity // 4)
+        tail = self._pieces[-1] if self._pieces else None
+        if tail is not None and tail.end is None:  # still one streamed GET: it stops a segment ahead
+            if tail.pos + 2 * segment > self._size:
+                return
+            tail.end = self._planned = tail.pos + segment
+        self._want += 1
+        self._plan()
+
+    def _plan(self) -> None:
+        """Start segments after the last planned piece until ``_want`` are in flight."""
+        if self._group is None or self._planned is None or self.closed:
+            return
+        segment = max(1 << 20, self.capacity // 4)
+        while len(self._pieces) < self._want and self._planned < (self._size or 0):
+            piece = _Piece(self._planned, min(self._planned + segment, self._size or 0))
+            self._planned = piece.end
+            self._pieces.append(piece)
+            self._group.create_task(self._fetch(piece), name=f"headrace:storage:range:{piece.pos}")
+
+    def _drop_pieces(self) -> None:
+        with self._cond:
+            self._held = 0
+        self._pieces.clear()
 
     async def _backoff(self, exc: BaseException, failures: int) -> None:
         self.retries += 1
+        with self._cond:
+            self._starved = 0.0  # waiting out a fault is not a download too slow: no more GETs for it
         fault = exc if isinstance(exc, StoreFault) else StoreFault(
             f"stalled: nothing within {self.retry.timeout:g} s", retryable=True)
         await backoff_or_raise(fault, failures, self.retry, self.name, "GET")
 
-    async def _wait_for_room(self) -> None:
+    async def _wait_for_room(self, piece: _Piece) -> None:
+        """Wait while the bytes held reach ``capacity`` (the head: its own, sent to the thread;
+        a later piece: everything held). A long seek of the thread ends the download here."""
         assert self._room is not None
         while True:
             with self._cond:
-                if self._buffered < self.capacity or self.closed or self._jump is not None:
+                if self._jump is not None:
+                    target, self._jump = self._jump, None
+                    raise _Jump(target)
+                head = bool(self._pieces) and self._pieces[0] is piece
+                used = self._buffered if head else self._buffered + self._held
+                if used < self.capacity or self.closed:
                     return
                 self._room.clear()
             await self._room.wait()
@@ -195,7 +332,11 @@ class RemoteFile:
                     if self._eof:
                         break
                     self._check()
+                    began, faults = time.monotonic(), self.retries
                     self._cond.wait()
+                    # Past the first answer and no fault meanwhile: the download is too slow.
+                    if self._size is not None and self._pos and self.retries == faults:
+                        self._starved += time.monotonic() - began
                     continue
                 offset, block = self._blocks[0]
                 start = self._pos - offset

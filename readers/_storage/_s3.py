@@ -87,10 +87,10 @@ class S3Store(Store):
                                       credential_provider=self._options.get("credential_provider"))
         return self._client
 
-    async def open(self, key: str, start: int = 0, *, etag: str | None = None) -> Body:
+    async def open(self, key: str, start: int = 0, *, end: int | None = None, etag: str | None = None) -> Body:
         import obstore
 
-        options: dict[str, Any] = {"range": {"offset": start}} if start else {}
+        options: dict[str, Any] = {"range": (start, end)} if end is not None else {"range": {"offset": start}} if start else {}
         if etag is not None:
             options["if_match"] = etag
         try:
@@ -98,6 +98,16 @@ class S3Store(Store):
             meta = result.meta
             return _S3Body(self, result.stream(min_chunk_size=_BLOCK), meta["size"], meta.get("e_tag"))
         except Exception as exc:  # obstore raises its own tree; translate it here
+            raise self._fault(exc) from None
+
+    async def read(self, key: str) -> bytes:
+        """The whole object in one call into obstore (a small object: one GIL hand-off, not one per block)."""
+        import obstore
+
+        try:
+            result = await obstore.get_async(self._store(), key)
+            return (await result.bytes_async()).to_bytes()
+        except Exception as exc:
             raise self._fault(exc) from None
 
     async def list(self, prefix: str) -> list[ObjectInfo]:
