@@ -130,10 +130,10 @@ class DecodeClip(Map):
 
     def _quarter_turns(self, video: str | bytes, path: str, key: str) -> int:
         """The quarter turns counter-clockwise that the video's display matrix asks for (NVDEC ignores
-        it): read once per video from its first frame, with PyAV. Raises DecodeError as ``upright`` does."""
+        it), read once per video with PyAV, which also refuses what NVDEC would get wrong (``gpu_precheck``)."""
         turns = self._turns.get(path)
         if turns is None:
-            turns = first_frame_turns(video, key=key, source=path)
+            turns = gpu_precheck(video, key=key, source=path)
             with self._turns_lock:
                 self._turns[path] = turns
         return turns
@@ -229,10 +229,20 @@ def quarter_turns(frame: Any) -> int:
     return (angle // 90) % 4
 
 
-def first_frame_turns(path: str | bytes, *, key: str | None = None, source: str | None = None) -> int:
-    """``quarter_turns`` of the first frame of ``path`` (a file or a video's bytes), decoded with PyAV
-    (the GPU path's one CPU decode per video: PyNvVideoCodec does not report the display matrix).
-    Raises DecodeError naming ``key`` and ``source``."""
+def gpu_precheck(path: str | bytes, *, key: str | None = None, source: str | None = None) -> int:
+    """What the GPU path must know of a video before NVDEC decodes it, from its first frame decoded
+    with PyAV (once per video: PyNvVideoCodec reports neither): the quarter turns its display matrix
+    asks for (``quarter_turns``). Raises DecodeError naming ``key`` and ``source`` for what NVDEC
+    would decode wrongly, measured on the H100 with PyNvVideoCodec 2.2.4:
+
+    - more than 8 bits per sample (HEVC Main 10): NVDEC's conversion to 8-bit RGB differed from
+      FFmpeg's by a mean of 10.7 levels;
+    - Matroska/WebM: PyNvVideoCodec's seek there is not frame-accurate (it warns so), and a clip of
+      an MKV came back with a wrong frame although its timestamps matched;
+    - a mirrored display matrix or an angle not a multiple of 90 (as on the CPU).
+
+    Decode such videos with ``device="cpu"``.
+    """
     from headrace.readers.video import import_av
 
     av = import_av()
@@ -241,7 +251,14 @@ def first_frame_turns(path: str | bytes, *, key: str | None = None, source: str 
         with av.open(opened) as container:
             if not container.streams.video:
                 raise DecodeError("no video stream")
+            if "matroska" in container.format.name:
+                raise DecodeError("Matroska/WebM on the GPU path: PyNvVideoCodec's seek there is not frame-accurate "
+                                  "(a clip came back with a wrong frame); decode it with device='cpu'")
             for frame in container.decode(container.streams.video[0]):
+                bits = max(c.bits for c in frame.format.components)
+                if bits > 8:
+                    raise DecodeError(f"{bits}-bit video ({frame.format.name}) on the GPU path: NVDEC's 8-bit RGB "
+                                      "differs from FFmpeg's (mean 10.7 levels measured); decode it with device='cpu'")
                 return quarter_turns(frame)
     except DecodeError as exc:
         raise DecodeError(exc.message, key=key, source=source) from exc

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import traceback
 from typing import Any
 
 import numpy as np
@@ -126,6 +127,10 @@ class NvdecClips:
             raise
         except Exception as exc:  # PyNvVideoCodec raises RuntimeError, ValueError or bare Exception
             self._forget(name)
+            # The error outlives this call (the loader counts it): its traceback must not keep the
+            # decoder, and with it the file, open.
+            decoder = None
+            traceback.clear_frames(exc.__traceback__)
             raise DecodeError(f"NVDEC cannot decode the video: {type(exc).__name__}: {exc}", key=key,
                               source=name) from exc
         if len(decoded) != len(indices):

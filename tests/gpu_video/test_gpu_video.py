@@ -17,7 +17,7 @@ import pytest
 import torch
 from exits import EXITS, random_exits
 from sample_data import frame_index, make_video, tar_bytes
-from video_data import H, MAX_DIFF, W, close, diff, hevc_10bit, read_all, rotated
+from video_data import H, W, close, diff, hevc_10bit, read_all, rotated
 
 from headrace import DecodeError, Loader, ops, readers
 from headrace.readers.video import probe
@@ -131,8 +131,9 @@ async def test_loader_on_the_gpu_gives_the_cpu_paths_clips_crops_and_flips(tree,
         for gc_, cc in zip(video, c["video"]):
             for gf, cf in zip(gc_, cc):
                 assert close(gf, cf), diff(gf, cf)  # the same window and flip as the CPU path: else far apart
-            bottom = gc_[:, :, -4:]  # the fixed texture: one window for all frames of the clip
-            assert int((bottom.int() - bottom[:1].int()).abs().max()) <= MAX_DIFF
+            bottom = gc_[:, :, -4:]  # the fixed texture: one window for all frames of the clip (its
+            # coding noise across frames reached 11 levels at most: another window would be ~80 apart)
+            assert float((bottom.float() - bottom[:1].float()).abs().mean()) <= 4
             flips.add(diff(gc_, cc)[1] < diff(gc_, cc.flip(-1))[1])
     assert flips == {True}
     await leaks.check()
@@ -231,7 +232,7 @@ async def test_a_mirrored_display_matrix_is_refused_naming_the_file(tmp_path):
     assert info.value.source == str(path)
 
 
-def test_10_bit_video_is_8_bit_rgb_or_a_decode_error(tmp_path):
+def test_10_bit_video_is_refused_with_a_decode_error(tmp_path):
     path = hevc_10bit(tmp_path / "ten" / "v.mp4")
     if path is None:
         pytest.skip("PyAV has no libx265 to make a 10-bit video")
@@ -239,14 +240,11 @@ def test_10_bit_video_is_8_bit_rgb_or_a_decode_error(tmp_path):
     want = ops.DecodeClip().fn(dict(fields), rng=np.random.default_rng(0), key="k")
     try:
         got = ops.DecodeClip(device="cuda").fn(dict(fields), rng=np.random.default_rng(0), key="k")
-    except DecodeError as exc:
+    except DecodeError as exc:  # NVDEC's 8-bit RGB of it differed from FFmpeg's by a mean of 10.7: refused
         print(f"\n10-bit HEVC: DecodeError: {exc}")
-        assert exc.source == str(path) and exc.key == "k"
+        assert exc.source == str(path) and exc.key == "k" and "10-bit" in str(exc)
         return
-    print(f"\n10-bit HEVC: decoded, dtype {got['video'].dtype}, diff to the CPU path {diff(got['video'], want['video'])}")
-    assert got["video"].dtype == torch.uint8
-    for g, c in zip(got["video"], want["video"]):
-        assert close(g, c), diff(g, c)
+    pytest.fail(f"10-bit HEVC decoded on the GPU ({diff(got['video'], want['video'])} from the CPU path), not refused")
 
 
 def _allocated() -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from sample_data import make_video  # noqa: E402
 
 from headrace import ConfigError, DecodeError, Loader, ops, readers  # noqa: E402
 from headrace.ops import _video_gpu  # noqa: E402
-from headrace.ops._video import first_frame_turns  # noqa: E402
+from headrace.ops._video import gpu_precheck  # noqa: E402
 from headrace.ops._video_gpu import NvdecClips, clip_indices, resolve_video_device  # noqa: E402
 
 
@@ -168,13 +169,46 @@ def test_what_nvdec_cannot_deliver_is_a_decode_error_naming_the_file(monkeypatch
     assert (info.value.key, info.value.source) == ("v.mp4@1", "v.mp4")
 
 
-def test_the_display_matrix_is_read_from_the_first_frame(tmp_path):
+def test_the_gpu_precheck_reads_the_display_matrix_and_refuses_what_nvdec_gets_wrong(tmp_path):
     plain = make_video(tmp_path / "p.mp4", 8)
-    assert first_frame_turns(str(plain)) == 0
-    assert first_frame_turns(plain.read_bytes(), source="x") == 0
+    assert gpu_precheck(str(plain)) == 0
+    assert gpu_precheck(plain.read_bytes(), source="x") == 0
     with pytest.raises(DecodeError) as info:
-        first_frame_turns(b"not a video", key="k", source="x.mp4")
+        gpu_precheck(b"not a video", key="k", source="x.mp4")
     assert (info.value.key, info.value.source) == ("k", "x.mp4")
+    mkv = make_video(tmp_path / "v.mkv", 8)
+    with pytest.raises(DecodeError, match="Matroska"):
+        gpu_precheck(str(mkv), key="k")
+    sys.path.insert(0, str(Path(__file__).parents[1] / "gpu_video"))
+    try:
+        from video_data import hevc_10bit
+    finally:
+        sys.path.pop(0)
+    ten = hevc_10bit(tmp_path / "ten.mp4", frames=4)
+    if ten is not None:
+        with pytest.raises(DecodeError, match="10-bit") as info:
+            gpu_precheck(str(ten), key="k")
+        assert info.value.source == str(ten)
+
+
+def test_a_failed_decoder_is_not_kept_alive_by_its_error(monkeypatch, clips):
+    import gc
+    import weakref
+
+    module, _ = _fake_nvc()
+    alive = []
+
+    class Failing(module.SimpleDecoder):
+        def get_batch_frames_by_index(self, indices):
+            alive.append(weakref.ref(self))
+            raise RuntimeError("end of stream")
+
+    module.SimpleDecoder = Failing
+    monkeypatch.setitem(sys.modules, "PyNvVideoCodec", module)
+    with pytest.raises(DecodeError) as info:
+        clips.frames("v.mp4", "v.mp4", [1], None, key="k")
+    gc.collect()
+    assert info.value.__cause__ is not None and alive[0]() is None  # the file it holds is closed
 
 
 def test_nvdec_clips_pickle_without_their_decoders():
