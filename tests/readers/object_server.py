@@ -9,8 +9,9 @@ the reader's GIL):
     python tests/readers/object_server.py --root DIR --bucket NAME --latency-ms 50 --mbps 100 --max-connections 256
 
 It prints one JSON line (``{"url": "http://127.0.0.1:PORT", "bucket": NAME}``) and serves until its
-standard input closes. ``GET /__stats__`` returns what it counted (connections now and at peak,
-requests, bytes) and ``POST /__stats__`` clears the peaks; ``POST /__settings__`` with a JSON body of
+standard input closes. ``GET /__stats__`` returns what it counted (connections open now and at peak,
+``active``: being served, not held back by the cap; ``answering``: requests being answered; requests,
+bytes) and ``POST /__stats__`` clears the peaks; ``POST /__settings__`` with a JSON body of
 ``latency_ms``, ``mbps``, ``max_connections`` changes the behaviour for later requests.
 
 What it speaks, on one port (``/<bucket>/<key>``):
@@ -28,8 +29,9 @@ bodies from ``mmap`` slices (no copy), on uvloop when installed.
 
 Behaviour of the caps, as a real store's: the latency is waited before the status line of every
 request (a new connection and a reused one alike); the bandwidth cap paces each connection's body
-(``mbps`` megabytes a second, in slices of 1/200 s); a connection past ``max_connections`` is
-accepted but not read until another closes (the client sees a slow first byte, never an error).
+(``mbps`` megabytes a second, in slices of 1/200 s); a connection opened while ``max_connections``
+are served gets ``503 SlowDown`` and is closed, as S3 answers a client that asks too much (the
+client backs off and retries).
 """
 
 from __future__ import annotations
@@ -64,16 +66,18 @@ class ObjectServer:
         self.keys = sorted(p.relative_to(self.root).as_posix() for p in self.root.rglob("*") if p.is_file())
         self._maps: dict[str, tuple[mmap.mmap | bytes, str, str]] = {}
         self.open = self.active = self.peak_open = self.peak_active = 0
+        self.answering = self.peak_answering = 0  # requests read and not yet answered in full
         self.connections = self.requests = self.sent = 0
-        self._slot: asyncio.Condition | None = None
+        self.refused = 0  # requests answered 503 SlowDown: their connection was past the cap
 
     # -- counters and settings ----------------------------------------------------------------
 
     def stats(self) -> dict:
         return {"open": self.open, "active": self.active, "peak_open": self.peak_open,
-                "peak_active": self.peak_active, "connections": self.connections, "requests": self.requests,
+                "peak_active": self.peak_active, "answering": self.answering,
+                "peak_answering": self.peak_answering, "connections": self.connections, "requests": self.requests,
                 "bytes": self.sent, "latency_ms": self.latency * 1e3, "mbps": self.rate / 1e6,
-                "max_connections": self.max_connections}
+                "max_connections": self.max_connections, "refused": self.refused}
 
     def settings(self, body: dict) -> None:
         self.latency = float(body.get("latency_ms", self.latency * 1e3)) / 1e3
@@ -124,21 +128,16 @@ class ObjectServer:
         self.open += 1
         self.connections += 1
         self.peak_open = max(self.peak_open, self.open)
-        if self._slot is None:
-            self._slot = asyncio.Condition()
+        admitted = not self.max_connections or self.active < self.max_connections
         try:
-            if self.max_connections:
-                async with self._slot:
-                    await self._slot.wait_for(lambda: self.active < self.max_connections)
-            self.active += 1
-            self.peak_active = max(self.peak_active, self.active)
+            if admitted:
+                self.active += 1
+                self.peak_active = max(self.peak_active, self.active)
             try:
-                while await self._request(reader, writer):
+                while await self._request(reader, writer, admitted):
                     pass
             finally:
-                self.active -= 1
-                async with self._slot:
-                    self._slot.notify()
+                self.active -= admitted
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
             pass
         except asyncio.CancelledError:  # the server is shutting down; the connection just closes
@@ -147,7 +146,7 @@ class ObjectServer:
             self.open -= 1
             writer.close()
 
-    async def _request(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    async def _request(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, admitted: bool) -> bool:
         """Answer one request; False when the connection is to close."""
         try:
             head = await reader.readuntil(b"\r\n\r\n")
@@ -164,15 +163,38 @@ class ObjectServer:
         self.requests += 1
         path, _, query = target.partition("?")
         path = urllib.parse.unquote(path)
-        if path == "/__stats__":
+        if path == "/__stats__":  # counted without the connection asking
             if method == "POST":
-                self.peak_open, self.peak_active = self.open, self.active
-            return await self._send(writer, 200, {"Content-Type": "application/json"}, json.dumps(self.stats()).encode())
+                self.peak_open, self.peak_active, self.peak_answering = self.open - 1, self.active - 1, self.answering
+            stats = {**self.stats(), "open": self.open - 1, "active": self.active - 1}
+            return await self._send(writer, 200, {"Content-Type": "application/json"}, json.dumps(stats).encode())
         if path == "/__settings__":
             self.settings(json.loads(body or b"{}"))
             return await self._send(writer, 200, {"Content-Type": "application/json"}, json.dumps(self.stats()).encode())
-        if self.latency:
-            await asyncio.sleep(self.latency)
+        if not admitted:
+            self.refused += 1
+            await self._error(writer, 503, "SlowDown")
+            return False
+        self.answering += 1
+        self.peak_answering = max(self.peak_answering, self.answering)
+        try:
+            if self.latency:
+                await self._first_byte(reader)
+            return await self._answer(writer, method, path, query, headers)
+        finally:
+            self.answering -= 1
+
+    async def _first_byte(self, reader: asyncio.StreamReader) -> None:
+        """Wait the latency; a client that hangs up meanwhile closes the connection (a real store
+        notices too, and the tests count what is left open)."""
+        due = time.monotonic() + self.latency
+        while (left := due - time.monotonic()) > 0:
+            await asyncio.sleep(min(left, 0.05))
+            if reader.at_eof():
+                raise ConnectionResetError("the client left")
+
+    async def _answer(self, writer: asyncio.StreamWriter, method: str, path: str, query: str,
+                      headers: dict[str, str]) -> bool:
         bucket, _, key = path.lstrip("/").partition("/")
         if bucket != self.bucket or method not in ("GET", "HEAD"):
             return await self._error(writer, 404 if method in ("GET", "HEAD") else 405, "NoSuchBucket")

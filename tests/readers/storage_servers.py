@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -171,6 +172,25 @@ def _upload(endpoint: str, bucket: str, root: Path) -> None:
     for path in sorted(root.rglob("*")):
         if path.is_file():
             s3.put_object(Bucket=bucket, Key=path.relative_to(root).as_posix(), Body=path.read_bytes())
+
+
+def open_sockets() -> int:
+    """Open sockets of this process (the ``leaks`` fixture does not count them)."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+    return count
+
+
+async def no_new_sockets(before: int) -> None:
+    """Wait until this process holds no more sockets than ``before`` (an assertion after ~1 s)."""
+    # A dropped obstore client closes its pool from its own runtime: allow it a moment.
+    for _ in range(100):
+        if open_sockets() <= before:
+            return
+        await asyncio.sleep(0.01)
+    assert open_sockets() <= before, "connections left open"
 
 
 def post_faults(proxy_url: str, *rules: dict) -> None:

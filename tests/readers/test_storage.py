@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import tarfile
 import traceback
 
@@ -18,29 +17,11 @@ from headrace.readers._storage import RemoteFile, S3Store
 from headrace.testing import MemoryStore
 
 from sample_data import tar_bytes
-from storage_servers import ACCESS_KEY, BUCKET, SECRET_KEY as SECRET, TOKEN
+from storage_servers import ACCESS_KEY, BUCKET, SECRET_KEY as SECRET, TOKEN, no_new_sockets, open_sockets
 
 # Fast retries: the proxy's faults are deterministic, waiting long proves nothing.
 RETRY = {"attempts": 6, "backoff": 0.01, "max_backoff": 0.05, "timeout": 0.5}
 WDS = "wds/shard-{000000..000009}.tar"
-
-
-def _sockets() -> int:
-    """Open sockets of this process (the ``leaks`` fixture does not count them)."""
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
-    return count
-
-
-async def _no_new_sockets(before: int) -> None:
-    # A dropped obstore client closes its pool from its own runtime: allow it a moment.
-    for _ in range(100):
-        if _sockets() <= before:
-            return
-        await asyncio.sleep(0.01)
-    assert _sockets() <= before, "connections left open"
 
 
 async def _read_all(reader, epoch=0, start=0, seed=0):
@@ -160,7 +141,7 @@ FAULTS = [{"kind": "reset", "after": 1500}, {"kind": "status", "status": 503},
 
 @pytest.mark.parametrize("kind", ["s3", "http"])
 async def test_faults_within_budget_lose_and_double_nothing(s3_env, kind, leaks):
-    sockets = _sockets()
+    sockets = open_sockets()
     s3_env.faults(kind, {"match": "shard-000004", "faults": [{"kind": "stall", "after": 2000, "seconds": 3}]},
                   {"match": "shard-", "faults": FAULTS})
     local = readers.webdataset(str(s3_env.root / WDS), shuffle=True, shuffle_buffer=20)
@@ -173,7 +154,7 @@ async def test_faults_within_budget_lose_and_double_nothing(s3_env, kind, leaks)
     if kind == "http":  # bytes arrive before each drop: the next GET resumes from there
         assert any(r["range"] not in (None, "bytes=0-") for r in log)
     await leaks.check()
-    await _no_new_sockets(sockets)
+    await no_new_sockets(sockets)
 
 
 @pytest.mark.parametrize("kind", ["s3", "http"])
@@ -224,12 +205,12 @@ async def test_a_big_shard_streams_in_bounded_memory_and_resumes_mid_body(s3_env
 async def test_cancelling_a_stalled_download_closes_everything(s3_env, kind, leaks):
     s3_env.faults(kind, {"match": "shard-", "then": {"kind": "stall", "after": 100, "seconds": 3}})
     reader = readers.webdataset(_url(s3_env, kind, WDS), read_ahead=3, storage_options={"retry": {"timeout": 30}})
-    sockets = _sockets()
+    sockets = open_sockets()
     with pytest.raises(TimeoutError):
         async with asyncio.timeout(0.3):
             await _read_all(reader)
     await leaks.check()
-    await _no_new_sockets(sockets)
+    await no_new_sockets(sockets)
 
 
 # -- the files reader over a bucket ----------------------------------------------------------------

@@ -1,0 +1,152 @@
+"""Object storage as real stores behave: a first-byte latency on every GET, a bandwidth cap per
+connection, a cap on connections (``object_server.py``, counting connections at the server).
+
+Every sample once and in order, exact resume, the request bound kept, a big shard fetched by ranged
+GETs in bounded memory, and nothing left open when hundreds of GETs in flight are cancelled.
+Latencies are small (20 ms) and the data too; no test asserts a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from headrace import readers
+
+from object_server import configure, object_server, server_stats
+from storage_servers import ACCESS_KEY, BUCKET, SECRET_KEY, no_new_sockets, open_sockets
+from test_storage import WDS, _read_all, _same
+
+SLOW = {"latency_ms": 20, "mbps": 20, "max_connections": 64}
+RETRY = {"attempts": 6, "backoff": 0.01, "max_backoff": 0.05, "timeout": 5}
+
+
+@dataclass
+class Slow:
+    url: str
+    root: Path
+
+    def source(self, kind: str, key: str) -> str:
+        return f"s3://{BUCKET}/{key}" if kind == "s3" else f"{self.url}/{BUCKET}/{key}"
+
+    def stats(self) -> dict:
+        return server_stats(self.url)
+
+    async def idle(self) -> None:
+        """Wait until every connection to the server is closed, then start its peaks again."""
+        for _ in range(200):
+            if (await asyncio.to_thread(server_stats, self.url))["open"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(server_stats, self.url, reset=True)
+
+
+@pytest.fixture(scope="module")
+def slow_server(storage_root):
+    with object_server(storage_root, BUCKET, **SLOW) as url:
+        yield Slow(url, storage_root)
+
+
+@pytest.fixture
+async def slow(slow_server, monkeypatch) -> Slow:
+    """The latency server with the test settings, and the AWS environment pointing at it."""
+    for name, value in (("AWS_ACCESS_KEY_ID", ACCESS_KEY), ("AWS_SECRET_ACCESS_KEY", SECRET_KEY),
+                        ("AWS_REGION", "us-east-1"), ("AWS_ENDPOINT_URL_S3", slow_server.url)):
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
+    configure(slow_server.url, **SLOW)
+    await slow_server.idle()
+    return slow_server
+
+
+@pytest.mark.parametrize("kind", ["s3", "http"])
+async def test_shards_at_latency_come_once_and_in_order(slow, kind, leaks):
+    local = readers.webdataset(str(slow.root / WDS), shuffle=True, shuffle_buffer=20)
+    remote = readers.webdataset(slow.source(kind, WDS), shuffle=True, shuffle_buffer=20, read_ahead=3,
+                                storage_options={"retry": RETRY})
+    _same(await _read_all(remote, epoch=1, seed=2), await _read_all(local, epoch=1, seed=2))
+    assert slow.stats()["peak_open"] <= 4 * 16  # read_ahead + 1 downloads, each at most 16 GETs
+    await leaks.check()
+
+
+@pytest.mark.parametrize("kind", ["s3", "http"])
+async def test_a_big_shard_behind_a_bandwidth_cap_gains_ranged_gets_in_bounded_memory(slow, kind, leaks):
+    capacity = 2 << 20
+    reader = readers.webdataset(slow.source(kind, "big/big-0.tar"), buffer_bytes=capacity, chunk_size=4,
+                                storage_options={"retry": RETRY})
+    with tarfile.open(slow.root / "big" / "big-0.tar") as tar:
+        expected = [(m.name[:-4], tar.extractfile(m).read()) for m in tar]
+    before = slow.stats()["requests"]
+    samples = await _read_all(reader)
+    assert [(s.key, s.fields["bin"]) for s in samples] == expected
+    stats = slow.stats()
+    assert stats["requests"] - before > 1 and stats["peak_active"] > 1  # segments ahead, on their own connections
+    assert 0 < reader.peak_buffered <= 2 * capacity + (1 << 20)  # the head's bound, the segments', a block
+    await leaks.check()
+
+
+async def test_resume_mid_shard_and_mid_object_list_is_exact(slow, image_folder):
+    big = readers.webdataset(slow.source("s3", "big/big-0.tar"), counts="scan", buffer_bytes=2 << 20,
+                             storage_options={"retry": RETRY})
+    full = await _read_all(big)
+    assert len(full) == 48
+    _same(await _read_all(big, start=29), full[29:])
+    remote = readers.files(slow.source("s3", "images/"), shuffle=True, chunk_size=8,
+                           storage_options={"retry": RETRY})
+    local = readers.files(image_folder, shuffle=True, chunk_size=8)
+    whole = await _read_all(remote, epoch=3)
+    assert [(s.key, s.fields) for s in whole] == [(s.key, s.fields) for s in await _read_all(local, epoch=3)]
+    for start in (1, 37, 74):
+        _same(await _read_all(remote, epoch=3, start=start), whole[start:])
+
+
+@pytest.mark.parametrize("kind", ["s3", "http"])
+async def test_the_request_bound_holds_at_the_server(slow, kind, image_folder):
+    urls = sorted(slow.source(kind, "images/" + p.relative_to(image_folder).as_posix())
+                  for p in image_folder.rglob("*.jpg"))
+    expected = [(slow.root / u.split(f"{BUCKET}/", 1)[1]).read_bytes() for u in urls]
+    reader = readers.files(urls, labels=[0] * len(urls), chunk_size=16, requests=8,
+                           storage_options={"retry": RETRY})
+    assert [s.fields["jpg"] for s in await _read_all(reader)] == expected
+    stats = slow.stats()
+    assert 1 < stats["peak_answering"] <= 8  # GETs in flight, counted at the server
+    if kind == "http":  # aiohttp reuses a connection as soon as its answer is read: one per GET in flight
+        assert stats["peak_open"] <= 8  # (obstore's pool may open a few more, kept idle)
+    await slow.idle()
+    configure(slow.url, max_connections=4)  # the store serves 4 connections: the others get 503 SlowDown
+    reader = readers.files(urls, labels=[0] * len(urls), chunk_size=16, requests=8,
+                           storage_options={"retry": {**RETRY, "attempts": 50}})
+    assert [s.fields["jpg"] for s in await _read_all(reader)] == expected  # backed off and retried, none lost
+    stats = slow.stats()
+    assert stats["peak_active"] <= 4 and stats["refused"] > 0
+
+
+@pytest.mark.parametrize("kind", ["s3", "http"])
+async def test_cancelling_hundreds_of_gets_in_flight_leaves_nothing_open(slow, kind, image_folder, leaks):
+    urls = sorted(slow.source(kind, "images/" + p.relative_to(image_folder).as_posix())
+                  for p in image_folder.rglob("*.jpg")) * 4
+    configure(slow.url, latency_ms=3000, max_connections=0)  # every GET hangs past the cancel
+    reader = readers.files(urls, labels=[0] * len(urls), chunk_size=64, io_threads=3, requests=256,
+                           storage_options={"retry": RETRY})
+    sockets = open_sockets()
+    task = asyncio.create_task(_read_all(reader))
+    deadline = time.monotonic() + 10
+    while (await asyncio.to_thread(slow.stats))["answering"] < 200 and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    assert slow.stats()["answering"] >= 200  # hundreds of GETs in flight, each on its connection
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await leaks.check()
+    await no_new_sockets(sockets)
+    for _ in range(200):  # and the server sees them all closed
+        if (await asyncio.to_thread(slow.stats))["open"] == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert slow.stats()["open"] == 0
