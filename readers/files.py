@@ -40,7 +40,7 @@ class FileReader(IndexedReader):
         chunk_size: int = 64,
         io_threads: int = 2,
         storage: Storage | None = None,
-        requests: int = 256,
+        requests: int = 224,
         native_read: bool = True,
         buffer_bytes: int = 64 << 20,
     ) -> None:
@@ -215,7 +215,7 @@ def files(
     io_threads: int = 2,
     storage_options: Mapping[str, Any] | None = None,
     store: Store | None = None,
-    requests: int = 256,
+    requests: int = 224,
     native_read: bool = True,
     buffer_bytes: int = 64 << 20,
 ) -> FileReader:
@@ -228,7 +228,8 @@ def files(
 
     The folder may be a bucket prefix, ``"s3://bucket/train/"`` (listed once, here), and the paths
     URLs (``s3://``, ``http(s)://``). Objects are then fetched on the event loop, ``chunk_size`` per
-    chunk, with at most ``requests`` GETs at once. The chunks fetched ahead start at
+    chunk, with at most ``requests`` GETs at once (224: at 50 ms a GET, ~4,500 objects/s; under
+    a 256-connection mark with room for the connections obstore's pool opens while others return). The chunks fetched ahead start at
     ``io_threads + 1`` and grow by one each time the consumer waits for a chunk (a store's latency
     needs latency x rate GETs in flight), while they fit in ``requests`` and, at the mean object
     size seen, in ``buffer_bytes``; each GET is retried with backoff (``storage_options["retry"]``)

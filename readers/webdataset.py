@@ -360,7 +360,11 @@ def webdataset(
     store instead, ``source`` naming keys in it (``MemoryStore`` in tests). A shard is parsed while
     it downloads; each download buffers at most ``buffer_bytes`` ahead of its parser (a full buffer
     stops reading the socket), so memory stays at about ``(read_ahead + 1) * buffer_bytes`` plus the
-    samples in flight, however large the shards. Timeouts, dropped connections and 5xx answers are
+    samples in flight, however large the shards (twice that at most while ranged GETs run). While a
+    parser waits for bytes (a store's latency, a bandwidth cap per connection), its download adds
+    ranged GETs of the segments ahead (``buffer_bytes / 8`` each, up to ``buffer_bytes / segment + 1``
+    in flight) and the next shards start with as many: for a store 50 ms and 100 MB/s per connection
+    away, ``buffer_bytes=64 << 20`` streams several hundred MB/s. Timeouts, dropped connections and 5xx answers are
     retried with backoff and jitter, resuming from the byte reached; once the budget is spent the
     shard ends with a sample whose ``error`` is a ``StorageError`` naming the URL.
 

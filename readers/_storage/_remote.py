@@ -7,6 +7,15 @@ slows the socket (TCP backpressure), whatever the object's size. A dropped or st
 reopened at the first byte not yet received (``Range``, ``If-Match``): the thread sees one exact byte
 stream, so no sample is lost or doubled by a retry. A forward seek longer than what is buffered
 plus ``jump`` bytes reopens the download at the target instead of reading through.
+
+A store that answers each GET after a latency and caps each connection's bandwidth makes one GET
+too slow for a parser: while the thread waits for bytes (20 ms of waiting since the last look),
+the download gains a ranged GET of the next segment (``capacity / 8`` bytes, 1 MiB at least), up
+to ``capacity / segment + 1`` GETs in flight (16 at most). Only the first piece's bytes go to the
+thread; a later piece holds its own until the ones before it are done, and reads while everything
+held stays under ``capacity``: memory stays under ``2 * capacity`` plus a block per GET. Each piece
+retries alone, from its own first missing byte, with the first answer's ETag. ``Downloads`` starts
+each new download of a read at the GET count the earlier ones came to.
 """
 
 from __future__ import annotations
@@ -62,7 +71,7 @@ class RemoteFile:
     mode = "rb"
 
     def __init__(self, store: Store, key: str, *, capacity: int = 8 << 20, retry: Retry | None = None,
-                 jump: int = 4 << 20) -> None:
+                 jump: int = 4 << 20, pieces: int = 1) -> None:
         self.store, self.key, self.name = store, key, store.url(key)
         self.capacity, self.jump = capacity, jump
         self.retry = retry or Retry()
@@ -85,6 +94,8 @@ class RemoteFile:
         self._group: asyncio.TaskGroup | None = None
         self._planned: int | None = None
         self._want = 1
+        self.pieces = pieces  # GETs in flight to start with once the size is known
+        self._flowing = False  # the head piece has delivered bytes since the last (re)start
         self._held = 0  # bytes held by pieces after the head
         self._etag: str | None = None
         self._starved = 0.0  # seconds the thread waited for bytes, since the download last grew
@@ -122,6 +133,7 @@ class RemoteFile:
         self._pieces = deque([_Piece(start, None)])
         self._planned = self._size  # the end of the last piece planned; None until the size is known
         self._want = 1  # pieces in flight wanted
+        self._flowing = False
         try:
             async with asyncio.TaskGroup() as group:
                 self._group = group
@@ -156,6 +168,7 @@ class RemoteFile:
                         continue
                     self._etag = self._etag or body.etag  # later pieces must come from the same object
                     self._set_size(body.size)
+                    self._grow()
                     continue
                 await self._wait_for_room(piece)
                 try:
@@ -218,25 +231,44 @@ class RemoteFile:
 
     def _grow(self) -> None:
         """The thread waited for bytes (``_STARVED`` seconds since the last look): one more GET in
-        flight, up to ``_MAX_PIECES``, each a segment of ``capacity / 4`` bytes (1 MiB at least)."""
-        if self._starved < _STARVED or self._size is None or self._want >= _MAX_PIECES:
+        flight, up to ``_limit()``. A new download starts at once with as many as ``pieces``
+        (what the downloads before it of the same read came to)."""
+        if self._size is None:
             return
-        with self._cond:
-            self._starved = 0.0
-        segment = max(1 << 20, self.capacity // 4)
+        if self._want < self.pieces:
+            while self._want < self.pieces and self._more():
+                pass
+        elif self._starved >= _STARVED:
+            with self._cond:
+                self._starved = 0.0
+            self._more()
+
+    def _more(self) -> bool:
+        """One more piece in flight, if the limit and the object's size allow."""
+        assert self._size is not None
+        segment = self._segment()
+        if self._want >= min(_MAX_PIECES, self.capacity // segment + 1):
+            return False
         tail = self._pieces[-1] if self._pieces else None
         if tail is not None and tail.end is None:  # still one streamed GET: it stops a segment ahead
             if tail.pos + 2 * segment > self._size:
-                return
+                return False
             tail.end = self._planned = tail.pos + segment
         self._want += 1
         self._plan()
+        return True
+
+    def _segment(self) -> int:
+        # Segments of capacity / 8: the pieces after the head hold at most ``capacity`` (the
+        # head's bound is its own), and at 50 ms first byte and 100 MB/s a segment of 8 MiB (a
+        # 64 MiB buffer) keeps its connection busy 60% of the time, 1 MiB (8 MiB) 17%.
+        return max(1 << 20, self.capacity // 8)
 
     def _plan(self) -> None:
         """Start segments after the last planned piece until ``_want`` are in flight."""
         if self._group is None or self._planned is None or self.closed:
             return
-        segment = max(1 << 20, self.capacity // 4)
+        segment = self._segment()
         while len(self._pieces) < self._want and self._planned < (self._size or 0):
             piece = _Piece(self._planned, min(self._planned + segment, self._size or 0))
             self._planned = piece.end
@@ -277,6 +309,7 @@ class RemoteFile:
             if self.closed or offset + len(block) <= self._pos:  # closed, or read past by a jump
                 return
             self._blocks.append((offset, block))
+            self._flowing = True
             self._buffered += len(block)
             self.peak = max(self.peak, self._buffered)
             self._cond.notify_all()
@@ -332,10 +365,10 @@ class RemoteFile:
                     if self._eof:
                         break
                     self._check()
-                    began, faults = time.monotonic(), self.retries
+                    began, faults, flowing = time.monotonic(), self.retries, self._flowing
                     self._cond.wait()
-                    # Past the first answer and no fault meanwhile: the download is too slow.
-                    if self._size is not None and self._pos and self.retries == faults:
+                    # Bytes flowed before and after, and no fault meanwhile: the download is too slow.
+                    if flowing and self._flowing and self.retries == faults:
                         self._starved += time.monotonic() - began
                     continue
                 offset, block = self._blocks[0]
@@ -373,6 +406,7 @@ class RemoteFile:
             if target - self._pos > ahead + self.jump:
                 self._drop_all()
                 self._pos = self._jump = target
+                self._flowing = False  # waiting for the first bytes there is not the download being slow
                 self._wake(always=True)
                 return target
         while self._pos < target and self.read(min(target - self._pos, 1 << 20)):
@@ -436,12 +470,16 @@ class Downloads:
         self.tasks: list[asyncio.Task[None]] = []
         self.retries = 0
         self.peak = 0
+        self.pieces = 1  # the most GETs in flight a finished download came to
 
     def open(self, source: str, n: int) -> RemoteFile:
         assert self.storage is not None
         self._prune()
         store, key = self.storage.locate(source)
-        remote = RemoteFile(store, key, capacity=self.capacity, retry=self.storage.retry)
+        # A new download starts with the GETs in flight the read's downloads came to (they grow
+        # while their parser waits): the shard after a slow one need not find that out again.
+        pieces = max([self.pieces] + [f._want for f in self.files])
+        remote = RemoteFile(store, key, capacity=self.capacity, retry=self.storage.retry, pieces=pieces)
         self.files.append(remote)
         self.tasks.append(asyncio.get_running_loop().create_task(remote.fill(), name=f"headrace:storage:{n}"))
         return remote
@@ -465,6 +503,7 @@ class Downloads:
             if task.done() and remote.closed:
                 self.retries += remote.retries
                 self.peak = max(self.peak, remote.peak)
+                self.pieces = max(self.pieces, remote._want)
                 if not task.cancelled():
                     task.exception()  # retrieved: fill() hands its errors to the thread, never raises
             else:

@@ -11,7 +11,7 @@ the reader's GIL):
 It prints one JSON line (``{"url": "http://127.0.0.1:PORT", "bucket": NAME}``) and serves until its
 standard input closes. ``GET /__stats__`` returns what it counted (connections open now and at peak,
 ``active``: being served, not held back by the cap; ``answering``: requests being answered; requests,
-bytes) and ``POST /__stats__`` clears the peaks; ``POST /__settings__`` with a JSON body of
+bytes) and ``POST /__stats__`` clears the peaks and the refusals; ``POST /__settings__`` with a JSON body of
 ``latency_ms``, ``mbps``, ``max_connections`` changes the behaviour for later requests.
 
 What it speaks, on one port (``/<bucket>/<key>``):
@@ -77,7 +77,8 @@ class ObjectServer:
                 "peak_active": self.peak_active, "answering": self.answering,
                 "peak_answering": self.peak_answering, "connections": self.connections, "requests": self.requests,
                 "bytes": self.sent, "latency_ms": self.latency * 1e3, "mbps": self.rate / 1e6,
-                "max_connections": self.max_connections, "refused": self.refused}
+                "max_connections": self.max_connections, "refused": self.refused,
+                "cpu_seconds": time.process_time()}
 
     def settings(self, body: dict) -> None:
         self.latency = float(body.get("latency_ms", self.latency * 1e3)) / 1e3
@@ -140,6 +141,8 @@ class ObjectServer:
                 self.active -= admitted
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
             pass
+        except RuntimeError:  # uvloop's word for writing to a transport the client closed
+            pass
         except asyncio.CancelledError:  # the server is shutting down; the connection just closes
             pass
         finally:
@@ -166,6 +169,7 @@ class ObjectServer:
         if path == "/__stats__":  # counted without the connection asking
             if method == "POST":
                 self.peak_open, self.peak_active, self.peak_answering = self.open - 1, self.active - 1, self.answering
+                self.refused = 0
             stats = {**self.stats(), "open": self.open - 1, "active": self.active - 1}
             return await self._send(writer, 200, {"Content-Type": "application/json"}, json.dumps(stats).encode())
         if path == "/__settings__":
@@ -239,8 +243,10 @@ class ObjectServer:
         lines += [f"{k}: {v}" for k, v in headers.items()]
         writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
         if not head_only and len(body):
-            if not self.rate:
-                writer.write(body)
+            if not self.rate:  # slices: a write the socket cannot take at once is copied by the transport
+                for offset in range(0, len(body), 1 << 20):
+                    writer.write(body[offset : offset + (1 << 20)])
+                    await writer.drain()
             else:
                 await self._paced(writer, body)
         await writer.drain()
