@@ -152,7 +152,7 @@ class FileReader(IndexedReader):
         size = sum(len(v) for s in samples for v in s.fields.values()) / len(samples)
         self._sample_bytes = size if not self._sample_bytes else 0.8 * self._sample_bytes + 0.2 * size
         deeper = self._depth + 1
-        if (waited > _WAITED and deeper * self.chunk_size < self.requests + self.chunk_size
+        if (waited > _WAITED and deeper * self.chunk_size <= 2 * self.requests
                 and (deeper + 1) * self.chunk_size * self._sample_bytes <= self.buffer_bytes):
             self._depth = deeper
 

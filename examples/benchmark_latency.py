@@ -1,0 +1,411 @@
+"""Reading from object storage at real-world latency: headrace against its peers, the reader alone.
+
+The ImageNet-like set (``headrace.datasets``: real photographs, resized and re-encoded) is served by
+``tests/readers/object_server.py`` (a child process on 127.0.0.1) over plain HTTP and as an S3
+bucket, twice: as WebDataset shards of ``--shard-mb`` MB and as individual JPEG objects. The server
+answers every GET after ``--latency-ms``, caps each connection at ``--mbps`` MB/s and serves at most
+``--max-connections`` connections at once (503 SlowDown past it), as a real store does.
+
+Rows (raw samples, no decode; each runs in a process of its own, so its peak RSS is its own; a
+headrace reader is built, and an S3 prefix listed, before the clock starts: ``setup_seconds``):
+
+- ``headrace``: ``readers.webdataset`` over the shards (``buffer_bytes=--buffer-mb``), ``readers.files``
+  over the objects (defaults: ``requests=256``), S3 through obstore, HTTP through aiohttp;
+- ``webdataset``: the library's documented way: ``wds.WebDataset(urls)``, ``http://`` through its
+  gopen (a ``curl`` subprocess per shard), ``s3://`` through a gopen handler streaming boto3's
+  ``get_object`` body (``pipe:aws s3 cp`` needs the AWS CLI, not installed here);
+- ``DataLoader``: a torch ``DataLoader`` over the objects, boto3 (S3) or requests-free urllib (HTTP)
+  in ``--workers`` worker processes, one client per worker, ``batch_size=64``;
+- ``local disk``: the same readers over the same files on disk (page cache warm);
+- ``client``: obstore GETs of the objects, 256 at once, bytes counted and dropped: the ceiling of
+  the client alone. With ``--latency-ms 0`` and ``--mbps 0`` (the ``zero`` rows) it shows the
+  server is not the bottleneck: the raw client goes faster through it than any reader.
+
+    python examples/benchmark_latency.py                      # 50 ms, 100 MB/s, 256 connections
+    python examples/benchmark_latency.py --images 2048 --rows headrace   # a quick look
+
+It prints a table and writes JSON to ``examples/results/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT / "tests" / "readers"))
+from object_server import configure, object_server, server_stats  # noqa: E402
+from storage_servers import ACCESS_KEY, BUCKET, SECRET_KEY  # noqa: E402
+
+REGION = "us-east-1"
+
+
+# --- data --------------------------------------------------------------------------------------
+
+
+def make_data(data: Path, images: int, shard_mb: float) -> Path:
+    """``data/serve/images/class_XX/*.jpg`` and ``data/serve/shards/*.tar`` (cached by a stamp)."""
+    from headrace import readers
+    from headrace.datasets import ensure_image_folder
+
+    serve = data / "serve"
+    stamp = data / "config.json"
+    config = {"images": images, "shard_mb": shard_mb}
+    if stamp.exists() and json.loads(stamp.read_text()) == config:
+        return serve
+    import shutil
+
+    shutil.rmtree(serve, ignore_errors=True)
+    ensure_image_folder(data / "folder", count=images)
+    shutil.copytree(data / "folder", serve / "images", ignore=shutil.ignore_patterns(".*"))
+    readers.pack(serve / "images", serve / "shards", format="webdataset", shard_size=shard_mb, shuffle=True)
+    stamp.write_text(json.dumps(config))
+    return serve
+
+
+# --- rows (each in its own process) ------------------------------------------------------------
+
+
+def _aws_env(url: str) -> None:
+    os.environ.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY, AWS_REGION=REGION,
+                      AWS_ENDPOINT_URL_S3=url)
+
+
+def _count(stream) -> tuple[int, int]:  # noqa: ANN001 - an async iterator of sample lists
+    import asyncio
+
+    from headrace._loop import new_event_loop
+
+    async def run() -> tuple[int, int]:
+        n = b = 0
+        async for chunk in stream:
+            for s in chunk:
+                if s.error is not None:
+                    raise s.error
+                n += 1
+                b += sum(len(v) for k, v in s.fields.items() if k != "cls")
+        return n, b
+
+    loop = new_event_loop()
+    try:
+        return loop.run_until_complete(run())
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()
+
+
+def _shard_names(serve: Path) -> list[str]:
+    return sorted(p.name for p in (serve / "shards").glob("*.tar"))
+
+
+def _object_keys(serve: Path) -> list[str]:
+    return sorted(p.relative_to(serve).as_posix() for p in (serve / "images").rglob("*.jpg"))
+
+
+def row_headrace_shards(serve: Path, url: str, where: str, args: argparse.Namespace) -> tuple[int, int]:
+    from headrace import readers
+
+    names = _shard_names(serve)
+    if where == "local":
+        sources = [str(serve / "shards" / n) for n in names]
+    elif where == "s3":
+        sources = [f"s3://{BUCKET}/shards/{n}" for n in names]
+    else:
+        sources = [f"{url}/{BUCKET}/shards/{n}" for n in names]
+    kw = {} if where == "local" else {"buffer_bytes": args.buffer_mb << 20}
+    reader = readers.webdataset(sources, **kw)
+    return lambda: _count(reader.read(0))
+
+
+def row_headrace_objects(serve: Path, url: str, where: str, args: argparse.Namespace) -> tuple[int, int]:
+    from headrace import readers
+
+    if where == "local":
+        reader = readers.files(serve / "images")
+    elif where == "s3":
+        reader = readers.files(f"s3://{BUCKET}/images/")
+    else:
+        keys = _object_keys(serve)
+        reader = readers.files([f"{url}/{BUCKET}/{k}" for k in keys], labels=[0] * len(keys))
+    return lambda: _count(reader.read(0))
+
+
+def row_webdataset(serve: Path, url: str, where: str, args: argparse.Namespace) -> tuple[int, int]:
+    import importlib
+
+    import webdataset as wds
+
+    names = _shard_names(serve)
+    if where == "local":
+        urls = [str(serve / "shards" / n) for n in names]
+    elif where == "http":
+        urls = [f"{url}/{BUCKET}/shards/{n}" for n in names]  # gopen: curl -s -L <url>
+    else:
+        import boto3
+        from botocore.config import Config
+
+        gopen = importlib.import_module("webdataset.gopen")  # the package re-exports a function of that name
+        client = boto3.client("s3", endpoint_url=url, aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
+                              region_name=REGION, config=Config(s3={"addressing_style": "path"}))
+
+        def gopen_s3(u, mode="rb", bufsize=8192):  # noqa: ANN001, ANN202
+            bucket, _, key = u[len("s3://") :].partition("/")
+            return client.get_object(Bucket=bucket, Key=key)["Body"]
+
+        gopen.gopen_schemes["s3"] = gopen_s3
+        urls = [f"s3://{BUCKET}/shards/{n}" for n in names]
+    n = b = 0
+    for sample in wds.WebDataset(urls, shardshuffle=False, empty_check=False):
+        n += 1
+        b += sum(len(v) for k, v in sample.items() if not k.startswith("__") and k != "cls")
+    return n, b
+
+
+class _Objects:
+    """A map-style dataset of object keys, one client per DataLoader worker (made on first use)."""
+
+    def __init__(self, keys: list[str], url: str, where: str) -> None:
+        self.keys, self.url, self.where, self.client = keys, url, where, None
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, i: int) -> bytes:
+        if self.where == "s3":
+            if self.client is None:
+                import boto3
+                from botocore.config import Config
+
+                self.client = boto3.client("s3", endpoint_url=self.url, aws_access_key_id=ACCESS_KEY,
+                                           aws_secret_access_key=SECRET_KEY, region_name=REGION,
+                                           config=Config(s3={"addressing_style": "path"},
+                                                         retries={"max_attempts": 10, "mode": "standard"}))
+            return self.client.get_object(Bucket=BUCKET, Key=self.keys[i])["Body"].read()
+        if self.where == "http":
+            import urllib.request
+
+            with urllib.request.urlopen(f"{self.url}/{BUCKET}/{self.keys[i]}") as response:
+                return response.read()
+        with open(self.keys[i], "rb") as f:
+            return f.read()
+
+
+def _collate(items: list[bytes]) -> list[bytes]:
+    return items
+
+
+def row_dataloader(serve: Path, url: str, where: str, args: argparse.Namespace) -> tuple[int, int]:
+    from torch.utils.data import DataLoader
+
+    keys = _object_keys(serve)
+    if where == "local":
+        keys = [str(serve / k) for k in keys]
+    loader = DataLoader(_Objects(keys, url, where), batch_size=64, num_workers=args.workers, collate_fn=_collate,
+                        prefetch_factor=2, persistent_workers=False)
+    n = b = 0
+    for batch in loader:
+        n += len(batch)
+        b += sum(map(len, batch))
+    return n, b
+
+
+def row_client(serve: Path, url: str, where: str, args: argparse.Namespace) -> tuple[int, int]:
+    import asyncio
+
+    import obstore
+    from obstore.store import S3Store
+
+    keys = _object_keys(serve)
+    store = S3Store(BUCKET, endpoint=url, access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY, region=REGION,
+                    client_options={"allow_http": True})
+
+    async def run() -> tuple[int, int]:
+        limit, total = asyncio.Semaphore(256), 0
+
+        async def one(key: str) -> None:
+            nonlocal total
+            async with limit:
+                data = await (await obstore.get_async(store, key)).bytes_async()
+            total += len(memoryview(data))  # after the await: `total += await ...` would read total before it
+
+        async with asyncio.TaskGroup() as group:
+            for key in keys:
+                group.create_task(one(key))
+        return len(keys), total
+
+    return asyncio.run(run())
+
+
+ROWS = {
+    "headrace-shards": row_headrace_shards,
+    "headrace-objects": row_headrace_objects,
+    "webdataset-shards": row_webdataset,
+    "dataloader-objects": row_dataloader,
+    "client-objects": row_client,
+}
+SYSTEMS = {"headrace-shards": "headrace webdataset()", "headrace-objects": "headrace files()",
+           "webdataset-shards": "webdataset library", "dataloader-objects": "DataLoader + boto3/urllib",
+           "client-objects": "obstore GETs, 256 at once"}
+
+
+def run_row(args: argparse.Namespace) -> None:
+    """In the child: one row, then one JSON line (rate, bytes, peak RSS of this process and its children)."""
+    serve = Path(args.serve)
+    if args.where == "s3":
+        _aws_env(args.url)
+    def cpu() -> float:  # this process and its finished children (DataLoader workers, curl)
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return time.process_time() + kids.ru_utime + kids.ru_stime
+
+    began, start = cpu(), time.perf_counter()
+    out = ROWS[args.row](serve, args.url, args.where, args)
+    setup = 0.0
+    if callable(out):  # a headrace reader, built (the bucket listed) before the clock starts
+        setup = time.perf_counter() - start
+        began, start = cpu(), time.perf_counter()
+        out = out()
+    samples, nbytes = out
+    seconds = time.perf_counter() - start
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    print(json.dumps({"samples": samples, "payload_bytes": nbytes, "seconds": seconds,
+                      "cpu_seconds": cpu() - began, "samples_per_s": samples / seconds,
+                      "mb_per_s": nbytes / seconds / 1e6, "peak_rss_mb": own,
+                      "peak_rss_children_mb": children, "setup_seconds": setup}), flush=True)
+
+
+# --- main --------------------------------------------------------------------------------------
+
+
+def plan(rows: str) -> list[tuple[str, str, str]]:
+    """(row, where, server setting) in the order they run."""
+    out = [("headrace-shards", "local", "-"), ("webdataset-shards", "local", "-"),
+           ("headrace-objects", "local", "-"), ("dataloader-objects", "local", "-")]
+    for where in ("s3", "http"):
+        out += [("headrace-shards", where, "slow"), ("webdataset-shards", where, "slow"),
+                ("headrace-objects", where, "slow"), ("dataloader-objects", where, "slow")]
+    out += [("client-objects", "s3", "slow"), ("client-objects", "s3", "zero"),
+            ("headrace-objects", "s3", "zero"), ("headrace-shards", "s3", "zero")]
+    if rows != "all":
+        out = [r for r in out if r[0].split("-")[0] in rows.split(",")]
+    return out
+
+
+def measure(key: tuple[str, str, str], url: str, serve: Path, args: argparse.Namespace, slow: dict,
+            zero: dict) -> dict | None:
+    """One row in a child process, with what the server counted meanwhile."""
+    row, where, setting = key
+    server_cpu = 0.0
+    if where != "local":
+        configure(url, **(slow if setting == "slow" else zero))
+        server_cpu = server_stats(url, reset=True)["cpu_seconds"]
+    cmd = [sys.executable, __file__, "--row", row, "--where", where, "--url", url, "--serve", str(serve),
+           "--buffer-mb", str(args.buffer_mb), "--workers", str(args.workers)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        print(f"  {row} {where}: failed\n{done.stderr[-2000:]}", flush=True)
+        return None
+    res = json.loads(done.stdout.strip().splitlines()[-1])
+    if where != "local":
+        stats = server_stats(url)
+        res.update(server_peak_connections=stats["peak_open"], server_refused=stats["refused"],
+                   server_cpu_seconds=stats["cpu_seconds"] - server_cpu)
+    res.update(row=row, where=where, setting=setting, system=SYSTEMS[row])
+    print(f"  {row:20s} {where:5s} {setting:4s} {res['samples_per_s']:8,.0f} samples/s "
+          f"{res['mb_per_s']:7.1f} MB/s  RSS {res['peak_rss_mb']:5.0f} MB", flush=True)
+    return res
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--images", type=int, default=8192)
+    parser.add_argument("--shard-mb", type=float, default=100)
+    parser.add_argument("--latency-ms", type=float, default=50)
+    parser.add_argument("--mbps", type=float, default=100, help="per connection")
+    parser.add_argument("--max-connections", type=int, default=256)
+    parser.add_argument("--buffer-mb", type=int, default=64, help="headrace webdataset(buffer_bytes=) for remote shards")
+    parser.add_argument("--workers", type=int, default=16, help="DataLoader worker processes")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rows", default="all", help="all, or a comma list of: headrace,webdataset,dataloader,client")
+    parser.add_argument("--out", default=str(HERE / "results" / f"latency-vm-{datetime.date.today().isoformat()}.json"))
+    parser.add_argument("--no-json", action="store_true")
+    parser.add_argument("--row", help=argparse.SUPPRESS)
+    parser.add_argument("--where", help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)
+    parser.add_argument("--serve", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.row:
+        return run_row(args)
+
+    t0 = time.perf_counter()
+    serve = make_data(ROOT / ".data" / "bench-latency", args.images, args.shard_mb)
+    shards = sorted((serve / "shards").glob("*.tar"))
+    objects = list((serve / "images").rglob("*.jpg"))
+    size = sum(p.stat().st_size for p in objects)
+    print(f"data ready in {time.perf_counter() - t0:.0f} s: {len(objects)} JPEGs ({size / 1e6:.0f} MB, "
+          f"mean {size / len(objects) / 1e3:.0f} KB), {len(shards)} shards "
+          f"(largest {max(p.stat().st_size for p in shards) / 1e6:.0f} MB)")
+    for p in shards + objects:  # warm the page cache: local rows read from memory, as the server does
+        p.read_bytes()
+    slow = {"latency_ms": args.latency_ms, "mbps": args.mbps, "max_connections": args.max_connections}
+    zero = {"latency_ms": 0, "mbps": 0, "max_connections": args.max_connections}
+    runs: dict[tuple[str, str, str], list[dict]] = {key: [] for key in plan(args.rows)}
+    with object_server(serve, BUCKET, **slow) as url:
+        for r in range(args.rounds):
+            for key in list(runs) if r % 2 == 0 else list(reversed(runs)):
+                res = measure(key, url, serve, args, slow, zero)
+                if res is not None:
+                    runs[key].append(res)
+    # The median round of each row, by time; every round's rate kept.
+    results = []
+    for key, done in runs.items():
+        if done:
+            med = sorted(done, key=lambda x: x["seconds"])[len(done) // 2]
+            results.append({**med, "all_samples_per_s": [round(x["samples_per_s"]) for x in done]})
+    payload = {r["payload_bytes"] for r in results if r["row"] != "client-objects"}
+    if len(payload) > 2:  # shards and objects hold the same images; every row must agree
+        print(f"WARNING: the rows disagree on the bytes read: {sorted(payload)}")
+
+    label = {"-": "local disk", "slow": f"{args.latency_ms:g} ms, {args.mbps:g} MB/s/conn",
+             "zero": "no latency, no cap"}
+    print(f"\n{len(objects)} JPEGs of mean {size / len(objects) / 1e3:.0f} KB; {len(shards)} shards; server "
+          f"{args.latency_ms:g} ms first byte, {args.mbps:g} MB/s per connection, <= {args.max_connections} "
+          "connections\n")
+    print(f"| {'source':30s} | {'data':7s} | {'system':28s} | {'samples/s':>9s} | {'MB/s':>6s} | {'peak RSS MB':>11s} "
+          f"| {'conns':>5s} | {'503s':>5s} | {'CPU s: reader, server':>21s} |")
+    print(f"| {'-' * 30} | {'-' * 7} | {'-' * 28} | {'-' * 8}:| {'-' * 5}:| {'-' * 10}:| {'-' * 4}:| {'-' * 4}:| "
+          f"{'-' * 20}:|")
+    # Peak RSS: the process's own; a DataLoader's adds its largest worker process x the workers
+    # (an upper bound: workers share pages with the parent).
+    for r in results:
+        where = {"local": "local disk", "s3": "S3", "http": "HTTP"}[r["where"]]
+        src = where if r["where"] == "local" else f"{where}, {label[r['setting']]}"
+        rss = r["peak_rss_mb"] + (r["peak_rss_children_mb"] * args.workers if r["row"].startswith("dataloader") else 0)
+        print(f"| {src:30s} | {r['row'].split('-')[1]:7s} | {r['system']:28s} | {r['samples_per_s']:9,.0f} | "
+              f"{r['mb_per_s']:6.0f} | {rss:11.0f} | {r.get('server_peak_connections', '-'):>5} | "
+              f"{r.get('server_refused', '-'):>5} | {r['cpu_seconds']:11.1f}, {r.get('server_cpu_seconds', 0):7.1f} |")
+
+    if not args.no_json:
+        doc = {"benchmark": "latency", "date": datetime.date.today().isoformat(), "host": socket.gethostname(),
+               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                           "python": platform.python_version()},
+               "config": {**vars(args), "objects": len(objects), "object_bytes": size, "shards": len(shards),
+                          "server": "tests/readers/object_server.py, child process, 127.0.0.1"},
+               "results": results}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
