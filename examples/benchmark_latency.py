@@ -10,7 +10,7 @@ Rows (raw samples, no decode; each runs in a process of its own, so its peak RSS
 headrace reader is built, and an S3 prefix listed, before the clock starts: ``setup_seconds``):
 
 - ``headrace``: ``readers.webdataset`` over the shards (``buffer_bytes=--buffer-mb``), ``readers.files``
-  over the objects (defaults: ``requests=256``), S3 through obstore, HTTP through aiohttp;
+  over the objects (its defaults: ``requests=224``), S3 through obstore, HTTP through aiohttp;
 - ``webdataset``: the library's documented way: ``wds.WebDataset(urls)``, ``http://`` through its
   gopen (a ``curl`` subprocess per shard), ``s3://`` through a gopen handler streaming boto3's
   ``get_object`` body (``pipe:aws s3 cp`` needs the AWS CLI, not installed here);

@@ -311,7 +311,7 @@ class RemoteFile:
             self._blocks.append((offset, block))
             self._flowing = True
             self._buffered += len(block)
-            self.peak = max(self.peak, self._buffered)
+            self.peak = max(self.peak, self._buffered + self._held)
             self._cond.notify_all()
 
     def _set_size(self, size: int) -> None:
