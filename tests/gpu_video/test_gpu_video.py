@@ -17,7 +17,7 @@ import pytest
 import torch
 from exits import EXITS, random_exits
 from sample_data import frame_index, make_video, tar_bytes
-from video_data import H, W, close, diff, hevc_10bit, read_all, rotated
+from video_data import RESIZED_MEAN_DIFF, H, W, close, diff, hevc_10bit, read_all, rotated
 
 from headrace import DecodeError, Loader, ops, readers
 from headrace.readers.video import probe
@@ -130,7 +130,7 @@ async def test_loader_on_the_gpu_gives_the_cpu_paths_clips_crops_and_flips(tree,
         assert g["path"] == c["path"]
         for gc_, cc in zip(video, c["video"]):
             for gf, cf in zip(gc_, cc):
-                assert close(gf, cf), diff(gf, cf)  # the same window and flip as the CPU path: else far apart
+                assert close(gf, cf, RESIZED_MEAN_DIFF), diff(gf, cf)  # the same window and flip: else far apart
             bottom = gc_[:, :, -4:]  # the fixed texture: one window for all frames of the clip (its
             # coding noise across frames reached 11 levels at most: another window would be ~80 apart)
             assert float((bottom.float() - bottom[:1].float()).abs().mean()) <= 4
@@ -274,8 +274,11 @@ async def test_gpu_memory_is_flat_over_epochs_and_early_exits_leave_nothing(tree
     print(f"\nCUDA bytes allocated after each epoch {allocated}; free {[f >> 20 for f in free]} MiB")
     assert max(allocated[1:]) - allocated[0] <= 8 << 20  # torch's: flat
     assert free[0] - min(free[1:]) <= 256 << 20  # the driver's (decoders): flat
+    # Each of the loader's 3 threads keeps up to 2 decoders (DecodeClip's decoders_per_thread), each
+    # with its video file open, moving from file to file: those stay open between epochs by design.
     done = await random_exits(make, rounds=20, expected_keys=keys, seed=17, whole_every=5, max_delay=0.02,
-                              memory=_allocated, memory_slack=16 << 20)
+                              memory=_allocated, memory_slack=16 << 20,
+                              kept_open=lambda path: path.startswith(str(tree)), kept_open_max=3 * 2)
     assert set(EXITS) <= set(done)
     loader = make()
     async for batch in loader:  # a plain break in the first batch, mid-clip for the other threads

@@ -5,13 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import av
-import numpy as np
 import torch
 from sample_data import make_video
 
 # GPU frames against the CPU path's (PyAV rgb24) frames of the same clip, per frame: NVDEC's
 # colour conversion is not FFmpeg's. Measured on the H100: max 4-5, mean 0.01 at 720p.
 MAX_DIFF, MEAN_DIFF = 8, 0.5
+# After a resize (torch's antialiased bilinear on each device) rounding at .5 moves many pixels by
+# one level: measured on the H100, 128x96 -> 48x64 then a 32x32 crop: max 2, mean 0.515.
+RESIZED_MEAN_DIFF = 1.0
 W, H = 128, 96  # NVDEC's smallest H.264 frame is 48x16; HEVC's 144x144
 
 
@@ -20,9 +22,9 @@ def diff(a: torch.Tensor, b: torch.Tensor) -> tuple[int, float]:
     return int(d.max()), float(d.float().mean())
 
 
-def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+def close(a: torch.Tensor, b: torch.Tensor, mean_bound: float = MEAN_DIFF) -> bool:
     worst, mean = diff(a, b)
-    return worst <= MAX_DIFF and mean <= MEAN_DIFF
+    return worst <= MAX_DIFF and mean <= mean_bound
 
 
 async def read_all(reader, epoch=0) -> list:
