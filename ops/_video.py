@@ -176,7 +176,7 @@ def decode_frames(path: str | bytes, start: int, stride: int, length: int, pts: 
     mirrored or other rotation is refused. Raises DecodeError naming ``key`` and ``path`` if the
     file cannot deliver them all.
     """
-    from headrace.readers.video import import_av
+    from headrace.readers._video_probe import import_av
 
     av = import_av()
     if isinstance(path, bytes):
@@ -243,7 +243,7 @@ def gpu_precheck(path: str | bytes, *, key: str | None = None, source: str | Non
 
     Decode such videos with ``device="cpu"``.
     """
-    from headrace.readers.video import import_av
+    from headrace.readers._video_probe import import_av
 
     av = import_av()
     opened, source = (io.BytesIO(path), source or "<bytes>") if isinstance(path, bytes) else (path, source or path)

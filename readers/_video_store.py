@@ -20,7 +20,9 @@ from headrace._errors import ConfigError, LoaderError, ReadError, StorageError
 
 from .files import bucket_class_folders as bucket_class_keys
 from ._storage import Storage, Store, redact_url, run_sync, with_retries
-from .video import RemoteVideo, TarMember, VideoInfo, _probe_or_error, list_shard
+from ._video_probe import VideoInfo, probe_or_error
+from ._video_tar import TarMember, list_shard
+from .video import RemoteVideo
 
 __all__ = ["bucket_class_folders", "fetch_videos", "list_remote_shards", "probe_remote", "remote_video"]
 
@@ -82,7 +84,7 @@ def probe_remote(entries: Sequence[Entry | str], storage: Storage, threads: int)
                     data = await _fetch(entry, storage)
                 except StorageError as exc:
                     return exc
-                return await asyncio.to_thread(_probe_or_error, entry, data)
+                return await asyncio.to_thread(probe_or_error, entry, data)
 
         async with storage.session():
             return await _all([one(e) for e in entries])
@@ -142,7 +144,7 @@ def _list_and_probe(data: bytes, name: str, store: Store, key: str, extensions: 
     listed, labels = list_shard(name, extensions, data)
     entries: list[Entry] = [replace(e, store=store, key=key) if isinstance(e, TarMember) else e for e in listed]
     view = memoryview(data)
-    infos = [_probe_or_error(e, bytes(view[e.offset : e.offset + e.size])) if isinstance(e, TarMember) else e
+    infos = [probe_or_error(e, bytes(view[e.offset : e.offset + e.size])) if isinstance(e, TarMember) else e
              for e in entries]
     return entries, labels, infos
 

@@ -17,9 +17,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import copy
-import io
 import os
-import tarfile
 import threading
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from headrace._errors import ConfigError, DecodeError, LoaderError, ReadError, require_int
+from headrace._errors import ConfigError, LoaderError, ReadError, require_int
 from headrace._sample import Sample
 from headrace._threads import join_threads
 
@@ -36,37 +34,14 @@ from ._base import IndexedReader
 from .files import class_folders
 from ._shards import resolve_shards
 from ._storage import Storage, Store, is_url
-from ._tar import split_name, unsafe
+from ._tar import split_name
+from ._video_probe import VideoInfo, import_av, probe, probe_or_error
+from ._video_tar import TarMember, list_shard
 
 __all__ = ["VIDEO_EXTENSIONS", "RemoteVideo", "TarMember", "VideoInfo", "VideoReader", "import_av", "probe", "video"]
 
 VIDEO_EXTENSIONS = ("mp4", "mkv", "avi", "mov", "webm")
 _SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")  # what readers.webdataset takes from a folder
-
-
-def import_av() -> Any:
-    """PyAV, imported on first use: video is an optional extra."""
-    try:
-        import av
-    except ImportError as exc:
-        raise ConfigError("video needs PyAV: pip install 'headrace[video]' (or pip install av)") from exc
-    return av
-
-
-@dataclass(frozen=True)
-class VideoInfo:
-    """What a probe learned of a video: its frames' timestamps (in ``time_base`` units, presentation
-    order), its average frame rate and its size."""
-
-    pts: np.ndarray
-    time_base: float
-    fps: float
-    width: int
-    height: int
-
-    @property
-    def frames(self) -> int:
-        return len(self.pts)
 
 
 @dataclass(frozen=True)
@@ -79,71 +54,6 @@ class RemoteVideo:
 
     def __str__(self) -> str:
         return self.url
-
-
-@dataclass(frozen=True)
-class TarMember:
-    """Where a video member of a tar shard lies: its data is ``size`` bytes at ``offset`` of ``shard``
-    (a local path; or, with ``store``, the URL of object ``key`` there, read by range)."""
-
-    shard: str
-    name: str  # the member's path in the archive
-    offset: int
-    size: int
-    store: Store | None = None
-    key: str | None = None
-
-    def __str__(self) -> str:
-        return f"{self.shard}:{self.name}"
-
-    def read(self) -> bytes:
-        """The member's bytes, from a local shard (a remote one is read on the event loop: ``_video_store``)."""
-        with open(self.shard, "rb") as f:
-            f.seek(self.offset)
-            data = f.read(self.size)
-        if len(data) < self.size:
-            raise ReadError(f"truncated tar: member {self.name!r} is cut off", source=self.shard)
-        return data
-
-
-def probe(path: str | bytes, source: str | None = None) -> VideoInfo:
-    """Demux (no decode) the first video stream of ``path`` (a file, or a video's bytes): every
-    frame's timestamp, the frame rate and size. ``source``: the name errors give (default: ``path``).
-
-    Raises ReadError naming the file if it cannot be opened (an OS error), DecodeError naming it
-    if its content is not a readable video: not a container FFmpeg knows, no video stream, frames
-    without timestamps, no frames, or fewer frames than its container lists (truncated).
-    """
-    av = import_av()
-    path, source = (io.BytesIO(path), source or "<bytes>") if isinstance(path, bytes) else (path, source or path)
-    try:
-        with av.open(path) as container:
-            if not container.streams.video:
-                raise DecodeError("no video stream", source=source)
-            stream = container.streams.video[0]
-            stamps = []
-            for packet in container.demux(stream):
-                if packet.size == 0:  # the demuxer's flush packet
-                    continue
-                stamp = packet.pts if packet.pts is not None else packet.dts
-                if stamp is None:
-                    raise DecodeError("a frame has no timestamp; cannot address frames in it", source=source)
-                stamps.append(stamp)
-            if stream.frames and len(stamps) < stream.frames:  # the container's index lists more than the file holds
-                raise DecodeError(f"truncated: the container lists {stream.frames} frames, {len(stamps)} could be read",
-                                source=source)
-            rate = stream.average_rate
-            info = VideoInfo(np.unique(np.asarray(stamps, np.int64)), float(stream.time_base or 0),
-                             float(rate) if rate else 0.0, stream.codec_context.width, stream.codec_context.height)
-    except (ReadError, DecodeError):
-        raise
-    except OSError as exc:  # the file (not its content): missing, a folder, no permission
-        raise ReadError(f"cannot read video file: {exc}", source=source) from exc
-    except (av.error.FFmpegError, ValueError, EOFError) as exc:
-        raise DecodeError(f"cannot read video: {exc}", source=source) from exc
-    if info.frames == 0:
-        raise DecodeError("the video stream has no frames", source=source)
-    return info
 
 
 class VideoReader(IndexedReader):
@@ -328,25 +238,10 @@ class _Probed:
                 else:
                     with concurrent.futures.ThreadPoolExecutor(reader.io_threads,
                                                                thread_name_prefix="headrace-io-video-probe") as pool:
-                        infos = list(pool.map(_probe_or_error, reader.paths))
+                        infos = list(pool.map(probe_or_error, reader.paths))
                 counts = [reader.clip_count(info) for info in infos]
                 self._value = infos, np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
             return self._value
-
-
-def _probe_or_error(path: str | TarMember | ReadError, data: bytes | None = None) -> VideoInfo | LoaderError:
-    """A video's probe or its error (ReadError, DecodeError); ``data``: its bytes, already read (a remote video or member)."""
-    if isinstance(path, ReadError):  # its shard could not list it
-        return path
-    try:
-        if isinstance(path, TarMember):
-            try:
-                return probe(path.read() if data is None else data, source=str(path))
-            except (ReadError, DecodeError) as exc:  # the shard is the source; the message names the member
-                raise type(exc)(f"member {path.name!r}: {exc.message}", source=path.shard) from exc.__cause__
-        return probe(path if data is None else data, source=str(path))
-    except (ReadError, DecodeError) as exc:
-        return exc
 
 
 def _keyed(error: LoaderError, key: str) -> LoaderError:
@@ -382,86 +277,6 @@ def _key(path: str | TarMember | RemoteVideo | ReadError, root: Path | str | Non
 
 def _source(path: str | TarMember | RemoteVideo | ReadError) -> str:
     return path.source or "" if isinstance(path, ReadError) else str(path)
-
-
-def list_shard(shard: str, extensions: set[str], data: bytes | None = None) -> tuple[list[TarMember | ReadError],
-                                                                                     list[int | None]]:
-    """The video members of a local, uncompressed tar shard (their offsets, from the headers: data
-    is seeked over) and each one's label, read from the ``<key>.cls`` member (ASCII digits) if
-    there is one. A shard cut off or corrupt at some member lists the videos before it and then one
-    ReadError naming the shard and that member (the videos after it cannot be found).
-    ``data``: the shard's bytes, already fetched (a shard in object storage).
-    """
-    with (open(shard, "rb") if data is None else io.BytesIO(data)) as f:
-        if f.read(2) == b"\x1f\x8b":
-            raise ConfigError(f"video: {shard!r} is gzip-compressed; video shards must be plain .tar "
-                              "(members are read by offset, and mp4 does not compress further)")
-        size = f.seek(0, os.SEEK_END)
-        f.seek(0)
-        return _list_tar(f, size, shard, extensions)
-
-
-def _list_tar(file: Any, size: int, shard: str, extensions: set[str]) -> tuple[list[TarMember | ReadError],
-                                                                                list[int | None]]:
-    members: dict[str, TarMember] = {}
-    labels: dict[str, int | ReadError] = {}
-    failed: ReadError | None = None
-    last = None
-    try:
-        with tarfile.open(fileobj=file, mode="r:") as tar:
-            for info in tar:
-                last = info.name
-                if info.offset_data + info.size > size:
-                    raise ReadError(f"truncated tar: member {info.name!r} is cut off", key=_key_of(info.name),
-                                    source=shard)
-                split = split_name(info.name) if info.isfile() else None
-                if split is None or unsafe(info.name):
-                    continue
-                key, ext = split
-                if ext in extensions and key not in members:
-                    members[key] = TarMember(shard, info.name, info.offset_data, info.size)
-                elif ext == "cls":
-                    labels[key] = _label(tar.extractfile(info).read(), info.name, key, shard)  # type: ignore[union-attr]
-            # tarfile stops quietly at a bad header past the first: what follows the last member must be zeros
-            f = tar.fileobj
-            f.seek(tar.offset)  # type: ignore[union-attr]
-            while block := f.read(1 << 16):  # type: ignore[union-attr]
-                if block.strip(b"\0"):
-                    after = f"after member {last!r}" if last else "at its start"
-                    raise ReadError(f"corrupt or truncated tar {after} (byte {tar.offset}): a header cannot be read",
-                                    key=_key_of(last) if last else None, source=shard)
-            if size % 512:
-                raise ReadError(f"truncated tar: it ends mid-block after member {last!r}",
-                                key=_key_of(last) if last else None, source=shard)
-    except tarfile.TarError as exc:
-        failed = ReadError(f"corrupt tar after member {last!r}: {exc}", key=_key_of(last) if last else None,
-                           source=shard)
-    except ReadError as exc:
-        failed = exc
-    entries: list[TarMember | ReadError] = list(members.values())
-    out_labels: list[int | None] = []
-    for key, member in members.items():
-        label = labels.get(key)
-        if isinstance(label, ReadError):
-            entries[entries.index(member)] = label
-        out_labels.append(label if not isinstance(label, ReadError) else None)
-    if failed is not None:
-        if failed.key is None or failed.key in members:  # a key of its own, so it does not share a listed video's
-            failed = ReadError(failed.message, key=f"{failed.key or os.path.basename(shard)}#error", source=shard)
-        entries.append(failed)
-        out_labels.append(None)
-    return entries, out_labels
-
-
-def _key_of(name: str) -> str:
-    return (split_name(name) or (name, ""))[0]
-
-
-def _label(data: bytes, name: str, key: str, shard: str) -> int | ReadError:
-    text = data.strip()
-    if not text.isdigit() or not text.isascii():
-        return ReadError(f"member {name!r} is not a label (ASCII digits): {data[:20]!r}", key=key, source=shard)
-    return int(text)
 
 
 def video(
