@@ -6,8 +6,9 @@ bucket, twice: as WebDataset shards of ``--shard-mb`` MB and as individual JPEG 
 answers every GET after ``--latency-ms``, caps each connection at ``--mbps`` MB/s and serves at most
 ``--max-connections`` connections at once (503 SlowDown past it), as a real store does.
 
-Rows (raw samples, no decode; each runs in a process of its own, so its peak RSS is its own; a
-headrace reader is built, and an S3 prefix listed, before the clock starts: ``setup_seconds``):
+Rows (raw samples, no decode; each runs in a process of its own, so its peak RSS is its own;
+imports, clients and readers are made, and an S3 prefix listed, before the clock starts:
+``setup_seconds``):
 
 - ``headrace``: ``readers.webdataset`` over the shards (``buffer_bytes=--buffer-mb``), ``readers.files``
   over the objects (its defaults: ``requests=224``), S3 through obstore, HTTP through aiohttp;
@@ -39,6 +40,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -112,7 +114,7 @@ def _object_keys(serve: Path) -> list[str]:
     return sorted(p.relative_to(serve).as_posix() for p in (serve / "images").rglob("*.jpg"))
 
 
-def row_headrace_shards(serve: Path, url: str, where: str, args: argparse.Namespace) -> tuple[int, int]:
+def row_headrace_shards(serve: Path, url: str, where: str, args: argparse.Namespace) -> Callable[[], tuple[int, int]]:
     from headrace import readers
 
     names = _shard_names(serve)
@@ -127,7 +129,7 @@ def row_headrace_shards(serve: Path, url: str, where: str, args: argparse.Namesp
     return lambda: _count(reader.read(0))
 
 
-def row_headrace_objects(serve: Path, url: str, where: str, args: argparse.Namespace) -> tuple[int, int]:
+def row_headrace_objects(serve: Path, url: str, where: str, args: argparse.Namespace) -> Callable[[], tuple[int, int]]:
     from headrace import readers
 
     if where == "local":
@@ -140,7 +142,7 @@ def row_headrace_objects(serve: Path, url: str, where: str, args: argparse.Names
     return lambda: _count(reader.read(0))
 
 
-def row_webdataset(serve: Path, url: str, where: str, args: argparse.Namespace) -> tuple[int, int]:
+def row_webdataset(serve: Path, url: str, where: str, args: argparse.Namespace) -> Callable[[], tuple[int, int]]:
     import importlib
 
     import webdataset as wds
@@ -164,11 +166,15 @@ def row_webdataset(serve: Path, url: str, where: str, args: argparse.Namespace) 
 
         gopen.gopen_schemes["s3"] = gopen_s3
         urls = [f"s3://{BUCKET}/shards/{n}" for n in names]
-    n = b = 0
-    for sample in wds.WebDataset(urls, shardshuffle=False, empty_check=False):
-        n += 1
-        b += sum(len(v) for k, v in sample.items() if not k.startswith("__") and k != "cls")
-    return n, b
+
+    def read() -> tuple[int, int]:
+        n = b = 0
+        for sample in wds.WebDataset(urls, shardshuffle=False, empty_check=False):
+            n += 1
+            b += sum(len(v) for k, v in sample.items() if not k.startswith("__") and k != "cls")
+        return n, b
+
+    return read
 
 
 class _Objects:
@@ -204,7 +210,7 @@ def _collate(items: list[bytes]) -> list[bytes]:
     return items
 
 
-def row_dataloader(serve: Path, url: str, where: str, args: argparse.Namespace) -> tuple[int, int]:
+def row_dataloader(serve: Path, url: str, where: str, args: argparse.Namespace) -> Callable[[], tuple[int, int]]:
     from torch.utils.data import DataLoader
 
     keys = _object_keys(serve)
@@ -212,38 +218,46 @@ def row_dataloader(serve: Path, url: str, where: str, args: argparse.Namespace) 
         keys = [str(serve / k) for k in keys]
     loader = DataLoader(_Objects(keys, url, where), batch_size=64, num_workers=args.workers, collate_fn=_collate,
                         prefetch_factor=2, persistent_workers=False)
-    n = b = 0
-    for batch in loader:
-        n += len(batch)
-        b += sum(map(len, batch))
-    return n, b
+
+    def read() -> tuple[int, int]:  # the workers start (and import boto3) on the clock, as every epoch
+        n = b = 0
+        for batch in loader:
+            n += len(batch)
+            b += sum(map(len, batch))
+        return n, b
+
+    return read
 
 
-def row_client(serve: Path, url: str, where: str, args: argparse.Namespace) -> tuple[int, int]:
+def row_client(serve: Path, url: str, where: str, args: argparse.Namespace) -> Callable[[], tuple[int, int]]:
     import asyncio
 
-    import obstore
     from obstore.store import S3Store
 
     keys = _object_keys(serve)
     store = S3Store(BUCKET, endpoint=url, access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY, region=REGION,
                     client_options={"allow_http": True})
+    return lambda: asyncio.run(_client_gets(store, keys))
 
-    async def run() -> tuple[int, int]:
-        limit, total = asyncio.Semaphore(256), 0
 
-        async def one(key: str) -> None:
-            nonlocal total
-            async with limit:
-                data = await (await obstore.get_async(store, key)).bytes_async()
-            total += len(memoryview(data))  # after the await: `total += await ...` would read total before it
+async def _client_gets(store, keys: list[str]) -> tuple[int, int]:  # noqa: ANN001 - an obstore store
+    """GET every key, 256 at once, each as a task; the bytes counted and dropped."""
+    import asyncio
 
-        async with asyncio.TaskGroup() as group:
-            for key in keys:
-                group.create_task(one(key))
-        return len(keys), total
+    import obstore
 
-    return asyncio.run(run())
+    limit, total = asyncio.Semaphore(256), 0
+
+    async def one(key: str) -> None:
+        nonlocal total
+        async with limit:
+            data = await (await obstore.get_async(store, key)).bytes_async()
+        total += len(memoryview(data))  # after the await: `total += await ...` would read total before it
+
+    async with asyncio.TaskGroup() as group:
+        for key in keys:
+            group.create_task(one(key))
+    return len(keys), total
 
 
 ROWS = {
@@ -267,14 +281,11 @@ def run_row(args: argparse.Namespace) -> None:
         kids = resource.getrusage(resource.RUSAGE_CHILDREN)
         return time.process_time() + kids.ru_utime + kids.ru_stime
 
+    start = time.perf_counter()
+    read = ROWS[args.row](serve, args.url, args.where, args)  # imports, clients, a bucket listed: off the clock
+    setup = time.perf_counter() - start
     began, start = cpu(), time.perf_counter()
-    out = ROWS[args.row](serve, args.url, args.where, args)
-    setup = 0.0
-    if callable(out):  # a headrace reader, built (the bucket listed) before the clock starts
-        setup = time.perf_counter() - start
-        began, start = cpu(), time.perf_counter()
-        out = out()
-    samples, nbytes = out
+    samples, nbytes = read()
     seconds = time.perf_counter() - start
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
@@ -313,7 +324,7 @@ def measure(key: tuple[str, str, str], url: str, serve: Path, args: argparse.Nam
            "--buffer-mb", str(args.buffer_mb), "--workers", str(args.workers)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
-        print(f"  {row} {where}: failed\n{done.stderr[-2000:]}", flush=True)
+        print(f"  {row} {where}: failed (exit {done.returncode})\n{done.stdout[-1000:]}{done.stderr[-2000:]}", flush=True)
         return None
     res = json.loads(done.stdout.strip().splitlines()[-1])
     if where != "local":
