@@ -81,6 +81,25 @@ def make_video(path, frames, *, codec="libx264", width=64, height=48, gop=8, rat
     return path
 
 
+def rotated_video(path, degrees: int, *, hflip: bool = False, width: int = 64, height: int = 48):
+    """The frames of ``make_video(..., 16)`` stored with a display matrix: rotate by ``degrees``
+    counter-clockwise (``hflip``: then mirror) to show them."""
+    import av
+
+    path = Path(path)
+    with av.open(str(make_video(path.with_suffix(".plain.mp4"), 16, width=width, height=height))) as plain, \
+            av.open(str(path), "w") as out:
+        source = plain.streams.video[0]
+        stream = out.add_stream("libx264", rate=25)
+        stream.width, stream.height, stream.pix_fmt = source.width, source.height, "yuv420p"
+        stream.codec_context.gop_size = 8
+        stream.set_display_rotation(degrees, hflip=hflip)
+        for frame in plain.decode(source):
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(frame.to_ndarray(format="rgb24"), format="rgb24")))
+        out.mux(stream.encode())
+    return path
+
+
 def frame_index(frame: np.ndarray) -> int:
     """The index ``make_video`` wrote into an ``[H, W, C]`` (or ``[C, H, W]``) frame's top half."""
     if frame.shape[0] == 3:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import av
 import torch
-from sample_data import make_video
+from sample_data import make_video, rotated_video
 
 # GPU frames against the CPU path's (PyAV rgb24) frames of the same clip, per frame: NVDEC's
 # colour conversion is not FFmpeg's. Measured on the H100: max 4-5, mean 0.01 at 720p.
@@ -32,18 +32,8 @@ async def read_all(reader, epoch=0) -> list:
 
 
 def rotated(path: Path, degrees: int, *, hflip: bool = False) -> Path:
-    """``make_video(…, 16)`` frames stored with a display matrix (as tests/readers/test_video_robustness.py)."""
-    with av.open(str(make_video(path.with_suffix(".plain.mp4"), 16, width=W, height=H))) as plain, \
-            av.open(str(path), "w") as out:
-        source = plain.streams.video[0]
-        stream = out.add_stream("libx264", rate=25)
-        stream.width, stream.height, stream.pix_fmt = source.width, source.height, "yuv420p"
-        stream.codec_context.gop_size = 8
-        stream.set_display_rotation(degrees, hflip=hflip)
-        for frame in plain.decode(source):
-            out.mux(stream.encode(av.VideoFrame.from_ndarray(frame.to_ndarray(format="rgb24"), format="rgb24")))
-        out.mux(stream.encode())
-    return path
+    """``sample_data.rotated_video`` at this module's frame size."""
+    return rotated_video(path, degrees, hflip=hflip, width=W, height=H)
 
 
 def hevc_10bit(path: Path, frames: int = 24) -> Path | None:

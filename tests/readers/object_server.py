@@ -45,13 +45,14 @@ import html
 import json
 import mmap
 import os
-import subprocess
 import sys
 import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+
+from storage_servers import child_server
 
 _PAGE = 1000
 
@@ -279,23 +280,10 @@ async def serve(server: ObjectServer, ready) -> None:  # noqa: ANN001 - a callab
 def object_server(root: Path, bucket: str = "headrace-test", *, latency_ms: float = 0.0, mbps: float = 0.0,
                   max_connections: int = 0) -> Iterator[str]:
     """This script serving ``root`` in a child process for the block; yields its base URL."""
-    proc = subprocess.Popen([sys.executable, __file__, "--root", str(root), "--bucket", bucket,
-                             "--latency-ms", str(latency_ms), "--mbps", str(mbps),
-                             "--max-connections", str(max_connections)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the object server did not start (exit {proc.wait(10)})")
-        yield json.loads(line)["url"]
-    finally:
-        proc.stdin.close()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
+    args = [__file__, "--root", str(root), "--bucket", bucket, "--latency-ms", str(latency_ms), "--mbps", str(mbps),
+            "--max-connections", str(max_connections)]
+    with child_server(args, "the object server") as info:
+        yield info["url"]
 
 
 def server_stats(url: str, *, reset: bool = False) -> dict:

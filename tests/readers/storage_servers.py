@@ -203,12 +203,19 @@ def post_faults(proxy_url: str, *rules: dict) -> None:
 def serving(root: Path, bucket: str = BUCKET) -> Iterator[dict[str, str]]:
     """This script serving ``root`` in a child process, for the block: its base URLs (``s3``,
     ``http``, ``s3_direct``, ``http_direct``). The child stops when its standard input closes."""
-    proc = subprocess.Popen([sys.executable, __file__, "--root", str(root), "--bucket", bucket],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    with child_server([__file__, "--root", str(root), "--bucket", bucket], "storage servers") as urls:
+        yield urls
+
+
+@contextlib.contextmanager
+def child_server(args: list[str], what: str) -> Iterator[dict]:
+    """``python *args`` (a server script) in a child process for the block: the JSON line it prints
+    once it listens. It stops when its standard input closes; killed if it has not 10 s later."""
+    proc = subprocess.Popen([sys.executable, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"storage servers did not start (exit {proc.wait(10)})")
+            raise RuntimeError(f"{what} did not start (exit {proc.wait(10)})")
         yield json.loads(line)
     finally:
         proc.stdin.close()

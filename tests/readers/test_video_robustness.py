@@ -13,7 +13,7 @@ import torch
 av = pytest.importorskip("av")
 
 from exits import EXITS, random_exits  # noqa: E402
-from sample_data import make_video  # noqa: E402
+from sample_data import make_video, rotated_video  # noqa: E402
 
 from headrace import DecodeError, Loader, ops, readers  # noqa: E402
 
@@ -116,24 +116,9 @@ async def test_truncated_and_corrupt_videos_raise_a_decode_error_naming_the_file
     await leaks.check()
 
 
-def _rotated(path: Path, degrees: int, *, hflip: bool = False) -> Path:
-    """The frames of ``make_video(…, 16)`` stored with a display matrix: rotate by ``degrees``
-    counter-clockwise (``hflip``: then mirror) to show them."""
-    with av.open(str(make_video(path.with_suffix(".plain.mp4"), 16))) as plain, av.open(str(path), "w") as out:
-        source = plain.streams.video[0]
-        stream = out.add_stream("libx264", rate=25)
-        stream.width, stream.height, stream.pix_fmt = source.width, source.height, "yuv420p"
-        stream.codec_context.gop_size = 8
-        stream.set_display_rotation(degrees, hflip=hflip)
-        for frame in plain.decode(source):
-            out.mux(stream.encode(av.VideoFrame.from_ndarray(frame.to_ndarray(format="rgb24"), format="rgb24")))
-        out.mux(stream.encode())
-    return path
-
-
 @pytest.mark.parametrize("degrees", [90, 180, -90])
 async def test_rotation_metadata_is_applied(tmp_path, degrees, leaks):
-    path = _rotated(tmp_path / "r" / "v.mp4", degrees)
+    path = rotated_video(tmp_path / "r" / "v.mp4", degrees)
     with av.open(str(path)) as container:  # the coded frames, as stored (PyAV does not turn them)
         coded = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
     loader = Loader(readers.video([(path, 0)], sequence_length=4, stride=2), batch_size=2, device="cpu",
@@ -149,7 +134,7 @@ async def test_rotation_metadata_is_applied(tmp_path, degrees, leaks):
 
 
 async def test_a_mirrored_display_matrix_is_refused_naming_the_file(tmp_path):
-    path = _rotated(tmp_path / "m" / "v.mp4", 90, hflip=True)
+    path = rotated_video(tmp_path / "m" / "v.mp4", 90, hflip=True)
     with pytest.raises(DecodeError, match="mirrors") as info:
         ops.decode_frames(str(path), 0, 1, 2, key="k")
     assert info.value.source == str(path) and info.value.key == "k"
