@@ -56,9 +56,12 @@ class StageCalls:
 
         async def worker() -> None:
             # A few workers a batch, each taking the next row, rather than a task a row: a task
-            # costs the loop more than a typical call, and the bound is the semaphore anyway.
-            for i in pending:
-                async with limit:
+            # costs the loop more than a typical call. A worker holds its permit of the bound
+            # for all the rows it takes (one call at a time), not one acquire a row: with several
+            # batches in flight the permits are contended, and each blocked acquire cost the
+            # loop a future and a wake-up a sample.
+            async with limit:
+                for i in pending:
                     try:
                         value, extras = arguments(i)
                         store(i, await stage.fn(value, **extras))
