@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from headrace._errors import ConfigError, ReadError, StorageError, require_int
-from headrace._sample import Sample, SampleList
+from headrace._sample import Sample, SampleList, samples_nbytes
 
 from ._base import IndexedReader
 from ._read_files import ChunkReader, PathTable
@@ -60,7 +60,8 @@ class FileReader(IndexedReader):
         self.buffer_bytes = buffer_bytes
         # Remote objects: chunks fetched ahead, grown while the consumer waits (see ``_handed``).
         self._depth = io_threads
-        self._sample_bytes = 0.0  # the mean object size seen        # Objects in a store are fetched on the event loop (``requests`` GETs at once per read);
+        self._sample_bytes = 0.0  # the mean object size seen
+        # Objects in a store are fetched on the event loop (``requests`` GETs at once per read);
         # their sources are URLs without credentials or query strings.
         remote = storage is not None and any(storage.store is not None or is_url(p) for p in self.paths)
         if remote and storage is not None:
@@ -149,7 +150,7 @@ class FileReader(IndexedReader):
         """
         if not self._fetch_on_loop or not samples:
             return
-        size = sum(len(v) for s in samples for v in s.fields.values()) / len(samples)
+        size = samples_nbytes(samples) / len(samples)
         self._sample_bytes = size if not self._sample_bytes else 0.8 * self._sample_bytes + 0.2 * size
         deeper = self._depth + 1
         if (waited > _WAITED and deeper * self.chunk_size <= 2 * self.requests
