@@ -17,7 +17,7 @@ from headrace._errors import LoaderError, TransformError
 from headrace._sample import Sample, hand_off
 from headrace._threads import gather_jobs, join_threads
 
-from ._results import split_evenly
+from ._results import named, split_evenly
 from ._stages import Map, Stage
 
 __all__ = ["StageCalls", "each_row", "stage_failure"]
@@ -146,7 +146,7 @@ def each_row(rows: list[int], work: Callable[[int], None], stage: Stage | None, 
 
 def stage_failure(stage: Stage | None, sample: Sample, exc: Exception) -> LoaderError:
     """The sample's failure: a LoaderError as it is (named), anything else as the stage's TransformError."""
-    return _named(exc, sample) if isinstance(exc, LoaderError) else _stage_error(stage, sample, exc)
+    return named(exc, sample) if isinstance(exc, LoaderError) else _stage_error(stage, sample, exc)
 
 
 def _stage_error(stage: Stage | None, sample: Sample, exc: Exception) -> LoaderError:
@@ -155,12 +155,6 @@ def _stage_error(stage: Stage | None, sample: Sample, exc: Exception) -> LoaderE
                          stage=f"stage {stage.name}" if stage is not None else None)
     err.__cause__ = exc
     return err
-
-
-def _named(exc: LoaderError, sample: Sample) -> LoaderError:
-    if exc.key is None:
-        exc.key, exc.source = sample.key, sample.source
-    return exc
 
 
 def _recorded(stream: Any) -> Any:
