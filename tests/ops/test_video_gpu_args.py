@@ -97,7 +97,13 @@ def _fake_nvc(frames=10, pts=None, dtype=torch.uint8, fail=None, short=False):
         def __len__(self):
             return frames
 
+        def seek_to_index(self, index):
+            self.sought = index
+
         def get_batch_frames_by_index(self, indices):
+            # NvdecClips seeks before each clip (a kept PyNvVideoCodec 2.2.4 decoder gave stale frames without)
+            assert getattr(self, "sought", None) == indices[0], "no seek to the clip's first frame"
+            self.sought = None
             out = [_Frame(torch.full((3, 4, 6), i, dtype=dtype), (pts or list(range(frames)))[i]) for i in indices]
             return out[:-1] if short else out
 
