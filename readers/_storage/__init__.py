@@ -2,9 +2,10 @@
 that streams an object into a parser thread with retries and a byte bound (``RemoteFile``)."""
 
 from ._base import Body, ObjectInfo, Store, StoreFault, redact_url, scrub
+from ._downloads import Downloads
 from ._http import HttpStore
 from ._memory import LocalStore, MemoryStore
-from ._remote import Downloads, RemoteFile
+from ._remote import RemoteFile
 from ._resolve import Storage, is_url, run_sync
 from ._retry import Retry, with_retries
 from ._s3 import S3Store

@@ -1,0 +1,70 @@
+"""The downloads of one read: their tasks on the loop, their stop, and their counts summed up.
+
+``Downloads`` starts each new download of a read at the GET count the earlier ones came to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from headrace._threads import cancel_and_wait
+
+from ._remote import RemoteFile
+
+if TYPE_CHECKING:
+    from ._resolve import Storage
+
+__all__ = ["Downloads"]
+
+
+class Downloads:
+    """The objects one read streams: ``open(source, n)`` starts a download as a task on this loop
+    (named ``headrace:storage:n``) and returns the file a parser thread reads; ``aclose()`` stops
+    them all and awaits their tasks, even when cancelled. ``retries`` and ``peak`` sum them up."""
+
+    def __init__(self, storage: Storage | None, capacity: int) -> None:
+        self.storage, self.capacity = storage, capacity
+        self.files: list[RemoteFile] = []
+        self.tasks: list[asyncio.Task[None]] = []
+        self.retries = 0
+        self.peak = 0
+        self.pieces = 1  # the most GETs in flight a finished download came to
+
+    def open(self, source: str, n: int) -> RemoteFile:
+        assert self.storage is not None
+        self._prune()
+        store, key = self.storage.locate(source)
+        # A new download starts with the GETs in flight the read's downloads came to (they grow
+        # while their parser waits): the shard after a slow one need not find that out again.
+        pieces = max([self.pieces] + [f.fetcher.want for f in self.files])
+        remote = RemoteFile(store, key, capacity=self.capacity, retry=self.storage.retry, pieces=pieces)
+        self.files.append(remote)
+        self.tasks.append(asyncio.get_running_loop().create_task(remote.fill(), name=f"headrace:storage:{n}"))
+        return remote
+
+    def stop(self) -> None:
+        """Stop every download and wake every thread waiting for bytes (its read raises)."""
+        for remote in self.files:
+            remote.close_from_loop()
+
+    async def aclose(self) -> None:
+        self.stop()
+        try:
+            await cancel_and_wait(self.tasks)
+        finally:
+            self._prune()
+
+    def _prune(self) -> None:
+        """Forget finished downloads (an epoch may stream thousands of shards), keeping their counts."""
+        keep = []
+        for remote, task in zip(self.files, self.tasks):
+            if task.done() and remote.closed:
+                self.retries += remote.fetcher.retries
+                self.peak = max(self.peak, remote.fetcher.peak)
+                self.pieces = max(self.pieces, remote.fetcher.want)
+                if not task.cancelled():
+                    task.exception()  # retrieved: fill() hands its errors to the thread, never raises
+            else:
+                keep.append((remote, task))
+        self.files, self.tasks = [f for f, _ in keep], [t for _, t in keep]
