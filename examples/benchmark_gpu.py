@@ -14,11 +14,17 @@ the GPU, unless the row says otherwise):
   DALI (--dali-threads 4,8)  NVIDIA DALI: file reader, mixed decode (image_random_crop; validation:
                              whole image), resize, crop_mirror_normalize float16 NCHW, DALIGenericIterator
   --rows train_stage         the train row with a trivial ops.MapBatch added (what a user stage costs)
-  --rows train_noop           the train row with an ops.MapBatch that returns the batch as it is
+  --rows train_noop          the train row with an ops.MapBatch that returns the batch as it is
   --rows train_lookup        the train row with an async ops.Map awaiting 1 ms per sample, concurrency=64
 Each row: one warm-up epoch, then the median of --epochs epochs. headrace rows also report the
 cores busy (process CPU time / wall), the event loop's own busy share (the loop thread's CPU
 time / wall) and peak GPU memory. Prints a table; writes JSON (--out).
+
+For a small difference between headrace rows (a stage's cost), ``--interleave`` keeps their loaders
+side by side and runs one epoch of each in turn for --epochs rounds, reporting each row's median and
+its median paired ratio to the first row; whole runs of one row moved 10-15% within an H100 lease:
+
+    python examples/benchmark_gpu.py --images 16384 --epochs 12 --interleave --rows train,train_noop,train_stage
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -107,18 +114,27 @@ def bench_reader(root: Path, epochs: int) -> dict:
         loop.close()
 
 
+def _gpu_loader(root: Path, pipeline, batch: int, lanes: int, hw_load: float | str = 0.65, threads: int | None = None,
+                run_ahead: bool | None = None, tuning: ops.GpuTuning | None = None) -> headrace.Loader:
+    return headrace.Loader(readers.files(root, shuffle=True, io_threads=IO_THREADS), batch_size=batch, pipeline=pipeline,
+                           device="cuda", lanes=lanes, prefetch=lanes + 2, hw_load=hw_load, num_threads=threads,
+                           run_ahead=run_ahead, gpu_tuning=tuning)
+
+
+async def _count_epoch(loader: headrace.Loader) -> int:
+    n = 0
+    async for b in loader:
+        n += b.size
+    return n
+
+
 def bench_headrace(root: Path, pipeline, batch: int, epochs: int, lanes: int, hw_load: float | str = 0.65,
                    threads: int | None = None, run_ahead: bool | None = None, tuning: ops.GpuTuning | None = None) -> dict:
     loop = new_event_loop()
-    loader = headrace.Loader(readers.files(root, shuffle=True, io_threads=IO_THREADS), batch_size=batch, pipeline=pipeline,
-                             device="cuda", lanes=lanes, prefetch=lanes + 2, hw_load=hw_load, num_threads=threads,
-                             run_ahead=run_ahead, gpu_tuning=tuning)
+    loader = _gpu_loader(root, pipeline, batch, lanes, hw_load, threads, run_ahead, tuning)
 
-    async def epoch() -> int:
-        n = 0
-        async for b in loader:
-            n += b.size
-        return n
+    def epoch():
+        return _count_epoch(loader)
 
     torch.cuda.empty_cache()  # earlier rows' cached blocks would count as this row's
     torch.cuda.reset_peak_memory_stats()
@@ -130,6 +146,33 @@ def bench_headrace(root: Path, pipeline, batch: int, epochs: int, lanes: int, hw
     loop.run_until_complete(loader.aclose())
     loop.close()
     return result
+
+
+def bench_interleaved(root: Path, pipelines: dict[str, Any], batch: int, epochs: int, lanes: int) -> dict:
+    """Rows whose loaders live side by side, one epoch each in turn, the order rotated every round:
+    the machine's drift over a lease (whole runs of one row moved 10-15% on the H100) falls on every
+    row alike, and each round gives a paired ratio to the first row."""
+    loop = new_event_loop()
+    loaders = {name: _gpu_loader(root, pipeline, batch, lanes) for name, pipeline in pipelines.items()}
+    names = list(loaders)
+    try:
+        for name in names:  # warm-up
+            loop.run_until_complete(_count_epoch(loaders[name]))
+        rates: dict[str, list[float]] = {name: [] for name in names}
+        for turn in range(epochs):
+            for name in names[turn % len(names):] + names[:turn % len(names)]:
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                n = loop.run_until_complete(_count_epoch(loaders[name]))
+                torch.cuda.synchronize()
+                rates[name].append(n / (time.perf_counter() - start))
+    finally:
+        for loader in loaders.values():
+            loop.run_until_complete(loader.aclose())
+        loop.close()
+    first = rates[names[0]]
+    return {name: {"images_per_s": statistics.median(v), "runs": v,
+                   "paired_ratio": statistics.median(a / b for a, b in zip(v, first))} for name, v in rates.items()}
 
 
 def bench_dali(files, batch: int, epochs: int, threads: int, train: bool = True) -> dict:
@@ -291,6 +334,8 @@ def main() -> None:
                     help="also run headrace (train) decoding through nvImageCodec's Python API (GpuTuning(decode=\"python\"))")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the rows this many times in turn (A/B pairs interleaved, labels numbered)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="run the headrace pipeline rows of --rows side by side, one epoch each in turn (--epochs rounds)")
     ap.add_argument("--without-run-ahead", action="store_true",
                     help="also run headrace (train) with each epoch drained before the next starts (Loader(run_ahead=False))")
     ap.add_argument("--python-launch", action="store_true",
@@ -320,22 +365,25 @@ def main() -> None:
     workers = os.cpu_count() or 1
     rows = [r for r in args.rows.split(",") if r]  # --rows "" with --variants: the variants alone
     results: dict[str, dict] = {}
+    pipelines = {  # the rows that are headrace over a pipeline (--interleave runs them side by side)
+        "train": ("headrace (train)", lambda: ops.training(224, dtype="float16")),
+        "val": ("headrace (validation)", lambda: ops.validation(224, dtype="float16")),
+        "train_stage": ("headrace (train + a batch stage)",
+                        lambda: _staged(ops.training(224, dtype="float16"), ops.MapBatch(_touch))),
+        "train_noop": ("headrace (train + a no-op batch stage)",
+                       lambda: _staged(ops.training(224, dtype="float16"), ops.MapBatch(_pass))),
+        "train_lookup": ("headrace (train + 1 ms async lookup, 64)",
+                         lambda: _staged(ops.training(224, dtype="float16"), ops.Map(_lookup, concurrency=64))),
+    }
     runners = {
-        "train": ("headrace (train)", lambda: bench_headrace(root, ops.training(224, dtype="float16"), args.batch, args.epochs, args.lanes)),
-        "val": ("headrace (validation)", lambda: bench_headrace(root, ops.validation(224, dtype="float16"), args.batch, args.epochs, args.lanes)),
+        **{key: (name, lambda make=make: bench_headrace(root, make(), args.batch, args.epochs, args.lanes))
+           for key, (name, make) in pipelines.items()},
         "sizes": ("headrace (decode, resize 256, own sizes)", lambda: bench_headrace(
             root, ops.Pipeline([ops.Decode(), ops.Resize(256), ops.Normalize(dtype="float16")]), args.batch, args.epochs, args.lanes)),
         "dataloader": (f"DataLoader ({workers} workers) + PIL + tv v2", lambda: bench_dataloader(files, args.batch, args.epochs, workers)),
         "torchvision": ("torchvision decode_jpeg(cuda) + v2", lambda: bench_torchvision_gpu(files, args.batch, args.epochs)),
         "nvimgcodec": ("nvImageCodec decode only (whole)", lambda: bench_nvimgcodec(files, args.batch, args.epochs)),
         "reader": ("files reader alone (no decode)", lambda: bench_reader(root, args.epochs)),
-        "train_stage": ("headrace (train + a batch stage)", lambda: bench_headrace(
-            root, _staged(ops.training(224, dtype="float16"), ops.MapBatch(_touch)), args.batch, args.epochs, args.lanes)),
-        "train_noop": ("headrace (train + a no-op batch stage)", lambda: bench_headrace(
-            root, _staged(ops.training(224, dtype="float16"), ops.MapBatch(_pass)), args.batch, args.epochs, args.lanes)),
-        "train_lookup": ("headrace (train + 1 ms async lookup, 64)", lambda: bench_headrace(
-            root, _staged(ops.training(224, dtype="float16"), ops.Map(_lookup, concurrency=64)), args.batch, args.epochs,
-            args.lanes)),
     }
     for threads in filter(None, args.dali_threads.split(",")):
         for kind, train in (("train", True), ("val", False)):
@@ -371,6 +419,15 @@ def main() -> None:
         train_with("python_launch", "kernel launched from Python", ops.GpuTuning(launch="python"))
     if args.python_codec:
         train_with("python", "Python nvImageCodec API", ops.GpuTuning(decode="python"))
+    if args.interleave:  # the pipeline rows side by side, epochs in turn; the others after, as usual
+        side = [key for key in rows if key in pipelines]
+        rows = [key for key in rows if key not in pipelines]
+        print(f"running {', '.join(side)} side by side, {args.epochs} rounds ...", flush=True)
+        for key, r in bench_interleaved(root, {key: pipelines[key][1]() for key in side}, args.batch, args.epochs,
+                                        args.lanes).items():
+            results[pipelines[key][0]] = r
+            print(f"  {pipelines[key][0]}: {r['images_per_s']:,.0f} images/s, paired ratio to {side[0]} "
+                  f"{r['paired_ratio']:.3f}; rounds {', '.join(f'{x:,.0f}' for x in r['runs'])}", flush=True)
     for turn, key in itertools.product(range(args.repeat), rows):
         name, fn = runners[key]
         name = name if turn == 0 else f"{name} #{turn + 1}"
@@ -383,8 +440,9 @@ def main() -> None:
     for name, r in results.items():
         ratio = f"{r['images_per_s'] / base:.2f}x" if base else "-"
         ratio2 = f"{r['images_per_s'] / nvc:.2f}x" if nvc else "-"
-        loop_busy = f"{r['main_thread_busy']:.0%}" if name.startswith("headrace") else "-"
-        print(f"{name:44} {r['images_per_s']:>10,.0f} {ratio:>14} {ratio2:>16} {r['cores_busy']:>11.1f} {loop_busy:>10}")
+        loop_busy = f"{r['main_thread_busy']:.0%}" if "main_thread_busy" in r and name.startswith("headrace") else "-"
+        cores = f"{r['cores_busy']:.1f}" if "cores_busy" in r else "-"  # not measured per row when interleaved
+        print(f"{name:44} {r['images_per_s']:>10,.0f} {ratio:>14} {ratio2:>16} {cores:>11} {loop_busy:>10}")
     for kind, ours in (("train", "headrace (train)"), ("validation", "headrace (validation)")):
         dali = {k: v["images_per_s"] for k, v in results.items() if k.startswith(f"DALI ({kind},")}
         mine = [v["images_per_s"] for k, v in results.items() if k == ours or k.startswith(ours + " #")]
