@@ -25,6 +25,18 @@ imports, clients and readers are made, and an S3 prefix listed, before the clock
     python examples/benchmark_latency.py                      # 50 ms, 100 MB/s, 256 connections
     python examples/benchmark_latency.py --images 2048 --rows headrace   # a quick look
 
+With ``--pipeline cuda`` (or ``cpu``) the rows are the training pipeline instead of the reader alone:
+``headrace.Loader(reader, pipeline=ops.training(224, dtype="float16"))`` (on cuda: 2 lanes, prefetch 4,
+``hw_load=0.65``, as ``examples/benchmark_gpu.py`` builds it) fed by the same headrace readers, shuffled,
+from local disk and over S3 at the same server settings: shards (``buffer_bytes=--buffer-mb``) and
+objects. Each row: one warm-up epoch off the clock, then ``--epochs`` timed epochs; images/s against the
+local-disk row of the same data (shards against local shards, objects against the local folder) and
+the peak RSS, also as what the remote row holds beyond the local one, next to what its reader is
+configured to buffer. MB/s counts the JPEG bytes of the images delivered.
+
+    python examples/benchmark_latency.py --pipeline cuda      # 16384 images, 2 timed epochs a row
+    python examples/benchmark_latency.py --pipeline cpu --images 512 --batch 64   # tried without a GPU
+
 It prints a table and writes JSON to ``examples/results/``.
 """
 
@@ -32,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import json
 import os
 import platform
@@ -68,7 +81,7 @@ def make_data(data: Path, images: int, shard_mb: float) -> Path:
     import shutil
 
     shutil.rmtree(serve, ignore_errors=True)
-    ensure_image_folder(data / "folder", count=images)
+    ensure_image_folder(data / "folder", count=images, workers=os.cpu_count())  # the same images, whatever workers
     shutil.copytree(data / "folder", serve / "images", ignore=shutil.ignore_patterns(".*"))
     readers.pack(serve / "images", serve / "shards", format="webdataset", shard_size=shard_mb, shuffle=True)
     stamp.write_text(json.dumps(config))
@@ -114,7 +127,8 @@ def _object_keys(serve: Path) -> list[str]:
     return sorted(p.relative_to(serve).as_posix() for p in (serve / "images").rglob("*.jpg"))
 
 
-def row_headrace_shards(serve: Path, url: str, where: str, args: argparse.Namespace) -> Callable[[], tuple[int, int]]:
+def _shards_reader(serve: Path, url: str, where: str, args: argparse.Namespace, **options):  # noqa: ANN202
+    """headrace's webdataset reader over the shards, from ``where``; ``options`` go to the reader."""
     from headrace import readers
 
     names = _shard_names(serve)
@@ -125,20 +139,28 @@ def row_headrace_shards(serve: Path, url: str, where: str, args: argparse.Namesp
     else:
         sources = [f"{url}/{BUCKET}/shards/{n}" for n in names]
     kw = {} if where == "local" else {"buffer_bytes": args.buffer_mb << 20}
-    reader = readers.webdataset(sources, **kw)
+    return readers.webdataset(sources, **kw, **options)
+
+
+def _objects_reader(serve: Path, url: str, where: str, args: argparse.Namespace, **options):  # noqa: ANN202
+    """headrace's files reader over the JPEGs, from ``where``; ``options`` go to the reader."""
+    from headrace import readers
+
+    if where == "local":
+        return readers.files(serve / "images", **options)
+    if where == "s3":
+        return readers.files(f"s3://{BUCKET}/images/", **options)
+    keys = _object_keys(serve)
+    return readers.files([f"{url}/{BUCKET}/{k}" for k in keys], labels=[0] * len(keys), **options)
+
+
+def row_headrace_shards(serve: Path, url: str, where: str, args: argparse.Namespace) -> Callable[[], tuple[int, int]]:
+    reader = _shards_reader(serve, url, where, args)
     return lambda: _count(reader.read(0))
 
 
 def row_headrace_objects(serve: Path, url: str, where: str, args: argparse.Namespace) -> Callable[[], tuple[int, int]]:
-    from headrace import readers
-
-    if where == "local":
-        reader = readers.files(serve / "images")
-    elif where == "s3":
-        reader = readers.files(f"s3://{BUCKET}/images/")
-    else:
-        keys = _object_keys(serve)
-        reader = readers.files([f"{url}/{BUCKET}/{k}" for k in keys], labels=[0] * len(keys))
+    reader = _objects_reader(serve, url, where, args)
     return lambda: _count(reader.read(0))
 
 
@@ -260,16 +282,65 @@ async def _client_gets(store, keys: list[str]) -> tuple[int, int]:  # noqa: ANN0
     return len(keys), total
 
 
+class TrainingEpochs:
+    """headrace's training pipeline fed by ``reader`` through a Loader: a call runs one epoch and
+    returns (images, their JPEG bytes); ``close()`` releases the loader's threads, lanes and loop."""
+
+    def __init__(self, reader, serve: Path, args: argparse.Namespace) -> None:  # noqa: ANN001 - a headrace reader
+        import headrace
+        from headrace import ops
+        from headrace._loop import new_event_loop  # uvloop when installed, as the loader uses
+
+        self.cuda = args.pipeline == "cuda"
+        # On the GPU, the loader examples/benchmark_gpu.py's bench_headrace measures from local disk.
+        gpu = {"lanes": 2, "prefetch": 2 + 2, "hw_load": 0.65} if self.cuda else {}
+        self.loader = headrace.Loader(reader, batch_size=args.batch, pipeline=ops.training(224, dtype="float16"),
+                                      device=args.pipeline, **gpu)
+        # Every epoch delivers every image once, so its JPEG bytes are the images' sizes summed.
+        sizes = [p.stat().st_size for p in (serve / "images").rglob("*.jpg")]
+        self.mean_bytes = sum(sizes) / len(sizes)
+        self.loop = new_event_loop()
+
+    async def _epoch(self) -> int:
+        images = 0
+        async for batch in self.loader:
+            images += batch.size
+        return images
+
+    def __call__(self) -> tuple[int, int]:
+        images = self.loop.run_until_complete(self._epoch())
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()  # the last batch is ready on the consumer's stream, not yet computed
+        return images, round(images * self.mean_bytes)
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.loader.aclose())
+        self.loop.close()
+
+
+def row_pipeline_shards(serve: Path, url: str, where: str, args: argparse.Namespace) -> TrainingEpochs:
+    return TrainingEpochs(_shards_reader(serve, url, where, args, shuffle=True), serve, args)
+
+
+def row_pipeline_objects(serve: Path, url: str, where: str, args: argparse.Namespace) -> TrainingEpochs:
+    return TrainingEpochs(_objects_reader(serve, url, where, args, shuffle=True), serve, args)
+
+
 ROWS = {
     "headrace-shards": row_headrace_shards,
     "headrace-objects": row_headrace_objects,
     "webdataset-shards": row_webdataset,
     "dataloader-objects": row_dataloader,
     "client-objects": row_client,
+    "pipeline-shards": row_pipeline_shards,
+    "pipeline-objects": row_pipeline_objects,
 }
 SYSTEMS = {"headrace-shards": "headrace webdataset()", "headrace-objects": "headrace files()",
            "webdataset-shards": "webdataset library", "dataloader-objects": "DataLoader + boto3/urllib",
-           "client-objects": "obstore GETs, 256 at once"}
+           "client-objects": "obstore GETs, 256 at once", "pipeline-shards": "Loader + training(), webdataset()",
+           "pipeline-objects": "Loader + training(), files()"}
 
 
 def run_row(args: argparse.Namespace) -> None:
@@ -281,25 +352,116 @@ def run_row(args: argparse.Namespace) -> None:
         kids = resource.getrusage(resource.RUSAGE_CHILDREN)
         return time.process_time() + kids.ru_utime + kids.ru_stime
 
+    pipeline_row = args.row.startswith("pipeline")
     start = time.perf_counter()
     read = ROWS[args.row](serve, args.url, args.where, args)  # imports, clients, a bucket listed: off the clock
     setup = time.perf_counter() - start
+    warmup = 0.0
+    if pipeline_row:  # decoders, kernels and connections made, and the page cache read once, off the clock
+        start = time.perf_counter()
+        read()
+        warmup = time.perf_counter() - start
     began, start = cpu(), time.perf_counter()
-    samples, nbytes = read()
+    samples = nbytes = 0
+    epoch_rates = []
+    for _ in range(args.epochs if pipeline_row else 1):
+        epoch_start = time.perf_counter()
+        n, b = read()
+        epoch_rates.append(n / (time.perf_counter() - epoch_start))
+        samples, nbytes = samples + n, nbytes + b
     seconds = time.perf_counter() - start
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    print(json.dumps({"samples": samples, "payload_bytes": nbytes, "seconds": seconds,
-                      "cpu_seconds": cpu() - began, "samples_per_s": samples / seconds,
-                      "mb_per_s": nbytes / seconds / 1e6, "peak_rss_mb": own,
-                      "peak_rss_children_mb": children, "setup_seconds": setup}), flush=True)
+    result = {"samples": samples, "payload_bytes": nbytes, "seconds": seconds, "cpu_seconds": cpu() - began,
+              "samples_per_s": samples / seconds, "mb_per_s": nbytes / seconds / 1e6, "peak_rss_mb": own,
+              "peak_rss_children_mb": children, "setup_seconds": setup}
+    if pipeline_row:
+        result.update(warmup_seconds=warmup, epoch_samples_per_s=epoch_rates)
+        if args.pipeline == "cuda":
+            import torch
+
+            result["peak_gpu_mib_torch"] = torch.cuda.max_memory_allocated() / 2**20
+    print(json.dumps(result), flush=True)
+    if pipeline_row:
+        read.close()  # after the result line: a slow release must not cost the measurement
+
+
+# --- tables ------------------------------------------------------------------------------------
+
+
+def print_reader_table(results: list[dict], label: dict[str, str], args: argparse.Namespace) -> None:
+    print(f"| {'source':30s} | {'data':7s} | {'system':28s} | {'samples/s':>9s} | {'MB/s':>6s} | {'peak RSS MB':>11s} "
+          f"| {'conns':>5s} | {'503s':>5s} | {'CPU s: reader, server':>21s} |")
+    print(f"| {'-' * 30} | {'-' * 7} | {'-' * 28} | {'-' * 8}:| {'-' * 5}:| {'-' * 10}:| {'-' * 4}:| {'-' * 4}:| "
+          f"{'-' * 20}:|")
+    # Peak RSS: the process's own; a DataLoader's adds its largest worker process x the workers
+    # (an upper bound: workers share pages with the parent).
+    for r in results:
+        where = {"local": "local disk", "s3": "S3", "http": "HTTP"}[r["where"]]
+        src = where if r["where"] == "local" else f"{where}, {label[r['setting']]}"
+        rss = r["peak_rss_mb"] + (r["peak_rss_children_mb"] * args.workers if r["row"].startswith("dataloader") else 0)
+        print(f"| {src:30s} | {r['row'].split('-')[1]:7s} | {r['system']:28s} | {r['samples_per_s']:9,.0f} | "
+              f"{r['mb_per_s']:6.0f} | {rss:11.0f} | {r.get('server_peak_connections', '-'):>5} | "
+              f"{r.get('server_refused', '-'):>5} | {r['cpu_seconds']:11.1f}, {r.get('server_cpu_seconds', 0):7.1f} |")
+
+
+# The issue's goals for the training pipeline fed over S3, as a share of the same pipeline fed from
+# local disk: shards stream in large sequential reads, objects pay the first-byte latency per image.
+GOALS = {"pipeline-shards": 0.90, "pipeline-objects": 0.70}
+
+
+def reader_bounds(args: argparse.Namespace) -> dict[str, int]:
+    """Bytes each remote pipeline row's reader is configured to buffer, as its docstring bounds it.
+
+    The Loader's own buffers (``max_bytes`` between reader and batcher, ``prefetch`` batches) are
+    the same from local disk, so a remote row's peak RSS beyond its local row's should stay within
+    this. Shards: ``(read_ahead + 1)`` downloads of ``buffer_bytes``, twice that while ranged GETs
+    run; objects: the chunks fetched ahead fit in ``buffer_bytes``. Read from the signatures, so
+    the bounds follow the readers' defaults.
+    """
+    from headrace import readers
+
+    read_ahead = inspect.signature(readers.webdataset).parameters["read_ahead"].default
+    files_buffer = inspect.signature(readers.files).parameters["buffer_bytes"].default
+    return {"pipeline-shards": 2 * (read_ahead + 1) * (args.buffer_mb << 20), "pipeline-objects": files_buffer}
+
+
+def print_pipeline_table(results: list[dict], label: dict[str, str], bounds: dict[str, int]) -> None:
+    local = {r["row"]: r for r in results if r["where"] == "local"}
+    print(f"| {'data':7s} | {'source':30s} | {'images/s':>8s} | {'MB/s':>5s} | {'vs local disk':>13s} | "
+          f"{'goal':>13s} | {'peak RSS MB':>11s} | {'beyond local / reader bound MB':>30s} | {'conns':>5s} | "
+          f"{'503s':>5s} |")
+    print(f"| {'-' * 7} | {'-' * 30} | {'-' * 7}:| {'-' * 4}:| {'-' * 12}:| {'-' * 12}:| {'-' * 10}:| {'-' * 29}:| "
+          f"{'-' * 4}:| {'-' * 4}:|")
+    for r in results:
+        base = local.get(r["row"])
+        remote = r["where"] != "local"
+        vs = goal = beyond = "-"
+        if remote and base:
+            share = r["samples_per_s"] / base["samples_per_s"]
+            vs = f"{share:.0%}"
+            goal = f">= {GOALS[r['row']]:.0%} " + ("met" if share >= GOALS[r["row"]] else "MISSED")
+            beyond = f"{r['peak_rss_mb'] - base['peak_rss_mb']:+.0f} / {bounds[r['row']] / 2**20:.0f}"
+        src = "local disk" if not remote else f"S3, {label[r['setting']]}"
+        print(f"| {r['row'].split('-')[1]:7s} | {src:30s} | {r['samples_per_s']:8,.0f} | {r['mb_per_s']:5.0f} | "
+              f"{vs:>13s} | {goal:>13s} | {r['peak_rss_mb']:11.0f} | {beyond:>30s} | "
+              f"{r.get('server_peak_connections', '-'):>5} | {r.get('server_refused', '-'):>5} |")
+    for r in results:
+        gpu = f", peak torch GPU memory {r['peak_gpu_mib_torch']:.0f} MiB" if "peak_gpu_mib_torch" in r else ""
+        print(f"{r['row']} {r['where']}: epochs {', '.join(f'{x:,.0f}' for x in r['epoch_samples_per_s'])} images/s "
+              f"(rounds {', '.join(f'{x:,}' for x in r['all_samples_per_s'])}); setup {r['setup_seconds']:.1f} s, "
+              f"warm-up epoch {r['warmup_seconds']:.1f} s, process {r['process_seconds']:.0f} s{gpu}")
 
 
 # --- main --------------------------------------------------------------------------------------
 
 
-def plan(rows: str) -> list[tuple[str, str, str]]:
+def plan(rows: str, pipeline: str | None) -> list[tuple[str, str, str]]:
     """(row, where, server setting) in the order they run."""
+    if pipeline:
+        out = [("pipeline-shards", "local", "-"), ("pipeline-objects", "local", "-"),
+               ("pipeline-shards", "s3", "slow"), ("pipeline-objects", "s3", "slow")]
+        return out if rows == "all" else [r for r in out if r[0].split("-")[1] in rows.split(",")]
     out = [("headrace-shards", "local", "-"), ("webdataset-shards", "local", "-"),
            ("headrace-objects", "local", "-"), ("dataloader-objects", "local", "-")]
     for where in ("s3", "http"):
@@ -322,7 +484,16 @@ def measure(key: tuple[str, str, str], url: str, serve: Path, args: argparse.Nam
         server_cpu = server_stats(url, reset=True)["cpu_seconds"]
     cmd = [sys.executable, __file__, "--row", row, "--where", where, "--url", url, "--serve", str(serve),
            "--buffer-mb", str(args.buffer_mb), "--workers", str(args.workers)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    if args.pipeline:
+        cmd += ["--pipeline", args.pipeline, "--epochs", str(args.epochs), "--batch", str(args.batch)]
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.row_timeout)
+    except subprocess.TimeoutExpired as timed_out:  # one stuck row must not cost the rows after it
+        tail = timed_out.stderr or b""  # bytes even in text mode: what was read before the kill
+        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+        print(f"  {row} {where}: no result in {args.row_timeout:g} s\n{tail[-2000:]}", flush=True)
+        return None
     if done.returncode != 0:
         print(f"  {row} {where}: failed (exit {done.returncode})\n{done.stdout[-1000:]}{done.stderr[-2000:]}", flush=True)
         return None
@@ -331,7 +502,8 @@ def measure(key: tuple[str, str, str], url: str, serve: Path, args: argparse.Nam
         stats = server_stats(url)
         res.update(server_peak_connections=stats["peak_open"], server_refused=stats["refused"],
                    server_cpu_seconds=stats["cpu_seconds"] - server_cpu)
-    res.update(row=row, where=where, setting=setting, system=SYSTEMS[row])
+    res.update(row=row, where=where, setting=setting, system=SYSTEMS[row],
+               process_seconds=time.perf_counter() - started)
     print(f"  {row:20s} {where:5s} {setting:4s} {res['samples_per_s']:8,.0f} samples/s "
           f"{res['mb_per_s']:7.1f} MB/s  RSS {res['peak_rss_mb']:5.0f} MB", flush=True)
     return res
@@ -339,7 +511,7 @@ def measure(key: tuple[str, str, str], url: str, serve: Path, args: argparse.Nam
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--images", type=int, default=8192)
+    parser.add_argument("--images", type=int, default=None, help="default 8192; 16384 with --pipeline")
     parser.add_argument("--shard-mb", type=float, default=100)
     parser.add_argument("--latency-ms", type=float, default=50)
     parser.add_argument("--mbps", type=float, default=100, help="per connection")
@@ -347,8 +519,15 @@ def main() -> None:
     parser.add_argument("--buffer-mb", type=int, default=64, help="headrace webdataset(buffer_bytes=) for remote shards")
     parser.add_argument("--workers", type=int, default=16, help="DataLoader worker processes")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--rows", default="all", help="all, or a comma list of: headrace,webdataset,dataloader,client")
-    parser.add_argument("--out", default=str(HERE / "results" / f"latency-vm-{datetime.date.today().isoformat()}.json"))
+    parser.add_argument("--rows", default="all", help="all, or a comma list of: headrace,webdataset,dataloader,client "
+                        "(with --pipeline: shards,objects)")
+    parser.add_argument("--pipeline", choices=("cuda", "cpu"), default=None,
+                        help="the rows run headrace's training pipeline on this device, not the reader alone")
+    parser.add_argument("--epochs", type=int, default=2, help="--pipeline: timed epochs a row, after one warm-up")
+    parser.add_argument("--batch", type=int, default=256, help="--pipeline: batch size")
+    parser.add_argument("--row-timeout", type=float, default=None, help="seconds a row's process may run (default: no limit)")
+    parser.add_argument("--out", default=None, help="default examples/results/latency-vm-DATE.json "
+                        "(with --pipeline: latency-pipeline-DEVICE-DATE.json)")
     parser.add_argument("--no-json", action="store_true")
     parser.add_argument("--row", help=argparse.SUPPRESS)
     parser.add_argument("--where", help=argparse.SUPPRESS)
@@ -357,9 +536,15 @@ def main() -> None:
     args = parser.parse_args()
     if args.row:
         return run_row(args)
+    today = datetime.date.today().isoformat()
+    args.images = args.images or (16384 if args.pipeline else 8192)
+    args.out = args.out or str(HERE / "results" / (f"latency-pipeline-{args.pipeline}-{today}.json" if args.pipeline
+                                                   else f"latency-vm-{today}.json"))
 
     t0 = time.perf_counter()
-    serve = make_data(ROOT / ".data" / "bench-latency", args.images, args.shard_mb)
+    # Its own folder for the pipeline rows: their image count differs, and either mode would remake the other's.
+    data = ROOT / ".data" / ("bench-latency-pipeline" if args.pipeline else "bench-latency")
+    serve = make_data(data, args.images, args.shard_mb)
     shards = sorted((serve / "shards").glob("*.tar"))
     objects = list((serve / "images").rglob("*.jpg"))
     size = sum(p.stat().st_size for p in objects)
@@ -370,7 +555,7 @@ def main() -> None:
         p.read_bytes()
     slow = {"latency_ms": args.latency_ms, "mbps": args.mbps, "max_connections": args.max_connections}
     zero = {"latency_ms": 0, "mbps": 0, "max_connections": args.max_connections}
-    runs: dict[tuple[str, str, str], list[dict]] = {key: [] for key in plan(args.rows)}
+    runs: dict[tuple[str, str, str], list[dict]] = {key: [] for key in plan(args.rows, args.pipeline)}
     with object_server(serve, BUCKET, **slow) as url:
         for r in range(args.rounds):
             for key in list(runs) if r % 2 == 0 else list(reversed(runs)):
@@ -387,31 +572,27 @@ def main() -> None:
     if len(payload) > 2:  # shards and objects hold the same images; every row must agree
         print(f"WARNING: the rows disagree on the bytes read: {sorted(payload)}")
 
-    label = {"-": "local disk", "slow": f"{args.latency_ms:g} ms, {args.mbps:g} MB/s/conn",
+    cap = f"{args.mbps:g} MB/s/conn" if args.mbps else "no cap"  # --mbps 0: the server paces nothing
+    label = {"-": "local disk", "slow": f"{args.latency_ms:g} ms, {cap}",
              "zero": "no latency, no cap"}
     print(f"\n{len(objects)} JPEGs of mean {size / len(objects) / 1e3:.0f} KB; {len(shards)} shards; server "
           f"{args.latency_ms:g} ms first byte, {args.mbps:g} MB/s per connection, <= {args.max_connections} "
           "connections\n")
-    print(f"| {'source':30s} | {'data':7s} | {'system':28s} | {'samples/s':>9s} | {'MB/s':>6s} | {'peak RSS MB':>11s} "
-          f"| {'conns':>5s} | {'503s':>5s} | {'CPU s: reader, server':>21s} |")
-    print(f"| {'-' * 30} | {'-' * 7} | {'-' * 28} | {'-' * 8}:| {'-' * 5}:| {'-' * 10}:| {'-' * 4}:| {'-' * 4}:| "
-          f"{'-' * 20}:|")
-    # Peak RSS: the process's own; a DataLoader's adds its largest worker process x the workers
-    # (an upper bound: workers share pages with the parent).
-    for r in results:
-        where = {"local": "local disk", "s3": "S3", "http": "HTTP"}[r["where"]]
-        src = where if r["where"] == "local" else f"{where}, {label[r['setting']]}"
-        rss = r["peak_rss_mb"] + (r["peak_rss_children_mb"] * args.workers if r["row"].startswith("dataloader") else 0)
-        print(f"| {src:30s} | {r['row'].split('-')[1]:7s} | {r['system']:28s} | {r['samples_per_s']:9,.0f} | "
-              f"{r['mb_per_s']:6.0f} | {rss:11.0f} | {r.get('server_peak_connections', '-'):>5} | "
-              f"{r.get('server_refused', '-'):>5} | {r['cpu_seconds']:11.1f}, {r.get('server_cpu_seconds', 0):7.1f} |")
+    bounds = reader_bounds(args) if args.pipeline else {}
+    if args.pipeline:
+        print_pipeline_table(results, label, bounds)
+    else:
+        print_reader_table(results, label, args)
 
     if not args.no_json:
-        doc = {"benchmark": "latency", "date": datetime.date.today().isoformat(), "host": socket.gethostname(),
+        doc = {"benchmark": "latency-pipeline" if args.pipeline else "latency", "date": today,
+               "host": socket.gethostname(),
                "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                            "python": platform.python_version()},
                "config": {**vars(args), "objects": len(objects), "object_bytes": size, "shards": len(shards),
-                          "server": "tests/readers/object_server.py, child process, 127.0.0.1"},
+                          "server": "tests/readers/object_server.py, child process, 127.0.0.1",
+                          **({"reader_bound_bytes": bounds, "pipeline": "ops.training(224, dtype='float16')"}
+                             if args.pipeline else {})},
                "results": results}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
