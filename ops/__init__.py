@@ -1,4 +1,4 @@
-"""Decode and transform ops, user stages (Map, MapBatch), and the executors that run them on a batch: on the CPU
+"""Decode and transform ops, user stages (Map, Filter, MapBatch), and the executors that run them on a batch: on the CPU
 (CpuExecutor) and on a GPU (CudaExecutor)."""
 
 from .cpu._executor import CpuExecutor
@@ -6,7 +6,7 @@ from ._results import Processed
 from .cuda._executor import CudaExecutor, GpuTuning, cuda_available, gpu_unsupported
 from ._pipeline import IMAGE_EXTENSIONS, Pipeline, training, validation
 from ._random import uniforms
-from ._stages import Map, MapBatch
+from ._stages import Filter, Map, MapBatch
 from ._video import DecodeClip, decode_frames, video_pipeline
 from ._post_spec import ColorTwist, GaussianBlur, PostOp, Rotate, WarpAffine
 from ._spec import (
@@ -32,6 +32,7 @@ __all__ = [
     "CudaExecutor",
     "Decode",
     "DecodeClip",
+    "Filter",
     "Flip",
     "GaussianBlur",
     "GpuTuning",

@@ -47,9 +47,9 @@ class Pipeline:
     tensors of one shape stack; ``.npy`` fields are loaded first). ``layout`` applies to uint8
     output (no Normalize); Normalize carries its own.
 
-    User stages (``Map``, ``MapBatch``, see ``_stages``) go before ``Decode`` (on the samples'
-    fields) or after the last built-in op (on output rows or whole batches), never between two
-    built-in ops. ``image=None`` is a pipeline for data that is not images (arrays, token ids,
+    User stages (``Map``, ``Filter``, ``MapBatch``, see ``_stages``) go before ``Decode`` (on the
+    samples' fields) or after the last built-in op (on output rows or whole batches), never between
+    two built-in ops. ``image=None`` is a pipeline for data that is not images (arrays, token ids,
     audio): no Decode and no image ops; every field of the samples (or only ``fields``, when
     given) is batched by the same rules, after the stages.
 
@@ -69,7 +69,8 @@ class Pipeline:
         listed = list(ops)
         for op in listed:
             if not isinstance(op, (Op, Stage)):
-                raise ConfigError(f"Pipeline: {op!r} is not a headrace op or stage (ops.Map, ops.MapBatch)")
+                raise ConfigError(f"Pipeline: {op!r} is not a headrace op or stage (ops.Map, ops.Filter, "
+                                  "ops.MapBatch)")
         self.listed: tuple[Op | Stage, ...] = tuple(listed)
         self.before, ops, self.after = _split_stages(listed)
         self.has_image = image is not None
@@ -177,7 +178,7 @@ class Pipeline:
 
 def _split_stages(listed: list[Op | Stage]) -> tuple[tuple[Stage, ...], list[Op], tuple[Stage, ...]]:
     """(stages before the built-in ops, the built-in ops, stages after them). Without built-in ops,
-    the ``Map``s up to the first ``MapBatch`` come before. Raises ConfigError for a stage between two
+    the ``Map``s and ``Filter``s up to the first ``MapBatch`` come before. Raises ConfigError for a stage between two
     built-in ops or a MapBatch before them."""
     builtin = [i for i, op in enumerate(listed) if isinstance(op, Op)]
     if builtin:

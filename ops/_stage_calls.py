@@ -1,5 +1,5 @@
 """Where the user's stage calls run: plain functions in threads, ``async def`` ones on the event
-loop (each ``Map`` at most ``concurrency`` calls at once), GPU work on a side stream.
+loop (each ``Map`` or ``Filter`` at most ``concurrency`` calls at once), GPU work on a side stream.
 
 A row that raises fails alone, named: its error goes into the batch's ``failures`` under its row.
 """
@@ -18,7 +18,7 @@ from headrace._sample import Sample, hand_off
 from headrace._threads import gather_jobs, join_threads
 
 from ._results import named, split_evenly
-from ._stages import Map, Stage
+from ._stages import SampleStage, Stage
 
 __all__ = ["StageCalls", "each_row", "stage_failure"]
 
@@ -39,7 +39,7 @@ class StageCalls:
         self._limits: dict[int, tuple[Any, asyncio.Semaphore]] = {}
         self._stream: Any = None
 
-    async def apply(self, stage: Map, rows: list[int], arguments: Callable[[int], tuple[Any, dict[str, Any]]],
+    async def apply(self, stage: SampleStage, rows: list[int], arguments: Callable[[int], tuple[Any, dict[str, Any]]],
                     store: Callable[[int, Any], None], samples: list[Sample], failures: dict[int, LoaderError]) -> None:
         """``stage.fn`` on each row (its value and keyword arguments from ``arguments(i)``), each result
         through ``store(i, out)``: in the threads, or on the loop for an ``async def``. A row that
@@ -78,7 +78,7 @@ class StageCalls:
         parts = [rows[lo:hi] for lo, hi in split_evenly(len(rows), max(1, min(len(rows), self.num_threads)))]
         await gather_jobs([self._submit(each_row, part, work, stage, samples, failures) for part in parts if part])
 
-    def _limit(self, stage: Map) -> asyncio.Semaphore:
+    def _limit(self, stage: SampleStage) -> asyncio.Semaphore:
         """The stage's bound on calls at once, shared by the batches in flight on this event loop."""
         loop = asyncio.get_running_loop()
         held = self._limits.get(id(stage))

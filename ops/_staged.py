@@ -3,9 +3,10 @@
 A batch goes: read failures out, ``.npy`` fields loaded, the stages before Decode (each sample's
 fields), then the image executor (``CpuExecutor``/``CudaExecutor`` over ``Pipeline.core()``) on
 the samples left, or for a pipeline without images the batching of every field (``_collate``);
-then the stages after the built-in ops, on rows (``Map``) or on the batch (``MapBatch``). A
-failure anywhere is that sample's, recorded with its row of the whole batch, and the rows left
-move on: the loader's ``on_error`` sees every failure once.
+then the stages after the built-in ops, on rows (``Map``, ``Filter``: ``_row_stages``) or on the
+batch (``MapBatch``). A failure anywhere is that sample's, recorded with its row of the whole batch,
+and the rows left move on: the loader's ``on_error`` sees every failure once. A row a ``Filter``
+drops is neither kept nor failed: it leaves the batch, and the loader counts it apart from the errors.
 
 Plain functions run in this executor's threads, a batch's samples spread over them (one call per
 thread per batch, as the CPU executor's chunks); ``async def`` ones run on the event loop, each
@@ -16,6 +17,7 @@ the host never waits for the GPU here.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -28,8 +30,9 @@ from headrace._sample import Sample, SampleBatch
 from ._collate import collate, is_npy_field, load_npy
 from ._results import Processed, read_failure, sample_label
 from ._pipeline import Pipeline
-from ._stage_calls import StageCalls, each_row, stage_failure
-from ._stages import Map, MapBatch
+from ._row_stages import filter_rows, keep_when_true, map_rows, row_arguments
+from ._stage_calls import StageCalls, stage_failure
+from ._stages import Filter, MapBatch, SampleStage
 
 __all__ = ["StagedExecutor"]
 
@@ -70,8 +73,7 @@ class StagedExecutor:
         for i, sample in enumerate(samples):
             if sample.error is not None:
                 failures[i] = read_failure(sample)
-        await self._before(batch, samples, failures)
-        alive = [i for i in range(len(samples)) if i not in failures]
+        alive = await self._before(batch, samples, failures)
         ready = None
         if not alive:
             data: dict[str, Any] = {}
@@ -95,42 +97,48 @@ class StagedExecutor:
                 break
             if isinstance(stage, MapBatch):
                 data, kept, ready = await self._map_batch(stage, batch, samples, data, kept, ready, failures)
+                continue
+            position = pipe.stage_position(stage)
+            arguments = row_arguments(data, kept, lambda i, stage=stage, position=position:
+                                      self._extras(stage, batch, position, samples[i]))
+            if isinstance(stage, Filter):
+                data, kept = await filter_rows(self._calls, stage, arguments, data, kept, samples, failures)
             else:
-                data, kept, ready = await self._map_rows(stage, batch, samples, data, kept, ready, failures)
+                data, kept, ready = await map_rows(self._calls, stage, arguments, data, kept, ready, samples, failures,
+                                                   self._cuda)
         return Processed(data, kept, sorted(failures.items()), ready)
 
     # -- before decode ---------------------------------------------------------------------------------
 
-    async def _before(self, batch: SampleBatch, samples: list[Sample], failures: dict[int, LoaderError]) -> None:
-        """``.npy`` fields loaded and the ``Map``s before Decode applied, sample by sample, in place."""
+    async def _before(self, batch: SampleBatch, samples: list[Sample], failures: dict[int, LoaderError]) -> list[int]:
+        """``.npy`` fields loaded and the ``Map``s and ``Filter``s before Decode applied, sample by sample,
+        in place. Returns the rows left: neither failed nor dropped by a ``Filter``."""
         pipe = self.pipeline
         rows = [i for i in range(len(samples)) if i not in failures]
         if any(is_npy_field(n) for i in rows[:1] for n in samples[i].fields):
             await self._calls.in_threads(rows, lambda i: _load_npy_fields(samples, i), None, samples, failures)
+        dropped: set[int] = set()  # by a Filter: these rows leave the batch without failing
         for stage in pipe.before:
-            rows = [i for i in rows if i not in failures]
+            rows = [i for i in rows if i not in failures and i not in dropped]
             position = pipe.stage_position(stage)
 
-            def arguments(i: int, stage: Map = stage, position: int = position) -> tuple[Any, dict[str, Any]]:
+            def arguments(i: int, stage: SampleStage = stage, position: int = position) -> tuple[Any, dict[str, Any]]:
                 return dict(samples[i].fields), self._extras(stage, batch, position, samples[i])
 
-            def store(i: int, out: Any) -> None:
-                if not isinstance(out, dict):
-                    raise TypeError(f"returned {type(out).__name__}, not a dict of fields")
-                sample = samples[i]
-                samples[i] = Sample(sample.key, out, sample.source, sample.index, sample.position)
-
+            store = keep_when_true(dropped) if isinstance(stage, Filter) else functools.partial(_store_fields, samples)
             await self._calls.apply(stage, rows, arguments, store, samples, failures)
+        rows = [i for i in rows if i not in failures and i not in dropped]
         if pipe.has_image and pipe.before and not self._warned_unused:
-            self._warn_unused(samples, [i for i in rows if i not in failures][:1], batch)
+            self._warn_unused(samples, rows[:1], batch)
         if pipe.has_image and pipe.fields:
             for i in rows:
-                if i not in failures and (missing := [n for n in pipe.fields if n not in samples[i].fields]):
+                if missing := [n for n in pipe.fields if n not in samples[i].fields]:
                     failures[i] = _sample_error(TransformError, samples[i], f"sample has no {missing[0]!r} field (Pipeline "
                                                 f"fields={pipe.fields!r}; it has {', '.join(samples[i].fields) or 'none'})")
+        return [i for i in rows if i not in failures]
 
-    def _extras(self, stage: Map, batch: SampleBatch, position: int, sample: Sample) -> dict[str, Any]:
-        """The keyword arguments a Map's function asked for by name: ``rng``, ``key``, ``index``."""
+    def _extras(self, stage: SampleStage, batch: SampleBatch, position: int, sample: Sample) -> dict[str, Any]:
+        """The keyword arguments a Map's or Filter's function asked for by name: ``rng``, ``key``, ``index``."""
         extras: dict[str, Any] = {}
         if stage.wants_rng:
             extras["rng"] = _rng(self.seed, batch.epoch, position, sample.index)
@@ -190,40 +198,6 @@ class StagedExecutor:
 
     # -- after the built-in ops -----------------------------------------------------------------------------
 
-    async def _map_rows(self, stage: Map, batch: SampleBatch, samples: list[Sample], data: dict[str, Any],
-                        kept: list[int], ready: Any, failures: dict[int, LoaderError]) -> tuple[dict[str, Any], list[int], Any]:
-        position = self.pipeline.stage_position(stage)
-        results: dict[int, dict[str, Any]] = {}
-        slot = {row: p for p, row in enumerate(kept)}
-
-        def arguments(i: int) -> tuple[Any, dict[str, Any]]:
-            row = {name: column[slot[i]] for name, column in data.items()}
-            return row, self._extras(stage, batch, position, samples[i])
-
-        def store(i: int, out: Any) -> None:
-            if not isinstance(out, dict):
-                raise TypeError(f"returned {type(out).__name__}, not a dict")
-            results[i] = out
-
-        def outputs() -> tuple[dict[str, Any], list[int]]:
-            left = [i for i in kept if i in results]
-            return _columns(results, left), left
-
-        if not self._cuda:
-            await self._calls.apply(stage, kept, arguments, store, samples, failures)
-            return *outputs(), None
-
-        def on_stream() -> tuple[dict[str, Any], list[int]]:
-            def work(i: int) -> None:
-                value, extras = arguments(i)
-                store(i, stage.fn(value, **extras))
-
-            each_row(kept, work, stage, samples, failures)  # one thread: kernels launched in row order
-            return outputs()
-
-        (out, left), ready = await self._calls.call_on_stream(data, ready, on_stream)
-        return out, left, ready
-
     async def _map_batch(self, stage: MapBatch, batch: SampleBatch, samples: list[Sample], data: dict[str, Any],
                          kept: list[int], ready: Any, failures: dict[int, LoaderError]) -> tuple[dict[str, Any], list[int], Any]:
         extras = {"rng": _rng(self.seed, batch.epoch, self.pipeline.stage_position(stage), batch.index)} if stage.wants_rng else {}
@@ -264,6 +238,14 @@ class StagedExecutor:
                 await self.inner.aclose()
 
 
+def _store_fields(samples: list[Sample], i: int, out: Any) -> None:
+    """A ``Map`` before Decode returned ``out``: sample ``i``'s new fields (a new Sample: the reader's stays as it was)."""
+    if not isinstance(out, dict):
+        raise TypeError(f"returned {type(out).__name__}, not a dict of fields")
+    sample = samples[i]
+    samples[i] = Sample(sample.key, out, sample.source, sample.index, sample.position)
+
+
 def _load_npy_fields(samples: list[Sample], i: int) -> None:
     """Sample ``i`` with its ``.npy`` fields loaded (a new Sample: the reader's stays as it was)."""
     sample = samples[i]
@@ -275,13 +257,6 @@ def _load_npy_fields(samples: list[Sample], i: int) -> None:
             except ValueError as exc:
                 raise _sample_error(DecodeError, sample, f"field {name!r} is not a .npy file: {exc}") from exc
     samples[i] = Sample(sample.key, fields, sample.source, sample.index, sample.position)
-
-
-def _columns(results: dict[int, dict[str, Any]], rows: list[int]) -> dict[str, Any]:
-    if not rows:
-        return {}
-    names = list(results[rows[0]])
-    return {name: collate([results[i].get(name) for i in rows]) for name in names}
 
 
 def _on_device(columns: dict[str, Any], device: torch.device) -> dict[str, Any]:

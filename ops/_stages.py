@@ -1,20 +1,22 @@
 """User stages: a function of the user's own at a point of the pipeline.
 
-``Map(fn)`` calls ``fn`` on each sample, ``MapBatch(fn)`` on each batch. Where a stage stands in
-``Pipeline(ops)`` says what it gets:
+``Map(fn)`` calls ``fn`` on each sample, ``Filter(fn)`` keeps the samples for which ``fn`` is
+true, ``MapBatch(fn)`` calls ``fn`` on each batch. Where a stage stands in ``Pipeline(ops)`` says
+what it gets:
 
 - a ``Map`` before ``Decode``: the sample's fields as a dict (encoded bytes, text, arrays, whatever
   the reader gave), and it returns the fields the rest of the pipeline sees;
 - a ``Map`` after the last built-in op: one output row as a dict (``"image"`` a tensor,
   ``"label"`` a 0-d tensor, the pipeline's ``fields``), and it returns the row;
+- a ``Filter`` in either place: what a ``Map`` there gets, and it returns whether to keep the sample;
 - a ``MapBatch`` after the last built-in op: the batch as a dict of tensors and lists.
 
 A function whose signature has an ``rng`` parameter gets a ``numpy.random.Generator`` keyed by
 (seed, epoch, the stage's place, the sample's index; the batch's index for ``MapBatch``), as the
 built-in ops key theirs: a seed gives the same results whatever the thread count or resume point.
-A ``Map`` whose function has a ``key`` (or ``index``) parameter gets the sample's key (or its
-index in the data set), for a lookup by key; a ``MapBatch`` with a ``keys`` parameter gets the
-keys of the batch's rows.
+A ``Map`` or ``Filter`` whose function has a ``key`` (or ``index``) parameter gets the sample's key
+(or its index in the data set), for a lookup by key; a ``MapBatch`` with a ``keys`` parameter gets
+the keys of the batch's rows.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 
 from headrace._errors import ConfigError, require_int
 
-__all__ = ["Map", "MapBatch", "Stage"]
+__all__ = ["Filter", "Map", "MapBatch", "SampleStage", "Stage"]
 
 
 class Stage:
@@ -49,7 +51,21 @@ class Stage:
         return f"{type(self).__name__}({self.name})"
 
 
-class Map(Stage):
+class SampleStage(Stage):
+    """A stage called once per sample (``Map``, ``Filter``): a plain function in the loader's
+    threads, an ``async def`` on the event loop at most ``concurrency`` calls at once (default 64)."""
+
+    def __init__(self, fn: Callable[..., Any], *, concurrency: int | None, name: str | None) -> None:
+        super().__init__(fn, name=name)
+        if concurrency is not None:
+            require_int(f"{type(self).__name__}({self.name}): concurrency", concurrency)
+            if not self.is_async:
+                raise ConfigError(f"{type(self).__name__}({self.name}): concurrency bounds an async def's calls; a "
+                                  "plain function runs in the loader's threads (num_threads)")
+        self.concurrency = concurrency or 64
+
+
+class Map(SampleStage):
     """Call ``fn`` on each sample: ``fn(fields)`` or ``fn(fields, rng=...)``, returning a dict.
 
     A plain function runs in the loader's threads (one call per sample, samples of a batch spread
@@ -62,13 +78,28 @@ class Map(Stage):
     """
 
     def __init__(self, fn: Callable[..., Any], *, concurrency: int | None = None, name: str | None = None) -> None:
-        super().__init__(fn, name=name)
-        if concurrency is not None:
-            require_int(f"Map({self.name}): concurrency", concurrency)
-            if not self.is_async:
-                raise ConfigError(f"Map({self.name}): concurrency bounds an async def's calls; a plain function runs "
-                                  "in the loader's threads (num_threads)")
-        self.concurrency = concurrency or 64
+        super().__init__(fn, concurrency=concurrency, name=name)
+
+
+class Filter(SampleStage):
+    """Keep the samples for which ``fn(fields)`` (or ``fn(fields, rng=...)``, ``key=``, ``index=``,
+    asked for by name as for ``Map``) is true; the others leave their batch, which comes out shorter.
+
+    It stands where a ``Map`` can: before ``Decode``, on the sample's encoded fields (the cheap place:
+    nothing is decoded for a dropped sample), or after the last built-in op, on one output row (the
+    CPU path only: on the GPU path a row is CUDA tensors, and a keep-or-drop answer read on the host
+    would make it wait for the GPU, so the loader refuses it, see ``gpu_unsupported``). It runs as a
+    ``Map`` does: a plain function in the loader's threads, an ``async def`` on the event loop, at most
+    ``concurrency`` calls at once.
+
+    A dropped sample is not an error: it is counted in ``batch.filtered`` and ``stats().filtered``,
+    never against ``max_errors`` nor in ``stats().errors``, and it counts as read for resume. An
+    exception in ``fn`` (or an answer with no truth value, such as an array of several numbers) is
+    a ``TransformError`` naming the sample and the stage, under the loader's ``on_error``.
+    """
+
+    def __init__(self, fn: Callable[..., Any], *, concurrency: int | None = None, name: str | None = None) -> None:
+        super().__init__(fn, concurrency=concurrency, name=name)
 
 
 class MapBatch(Stage):

@@ -144,6 +144,7 @@ class Epochs:
         self._cursor.position, self._cursor.batches = item.extra["end_position"], item.index + 1
         stats.dropped += item.dropped
         stats.replaced += item.replaced
+        stats.filtered += item.filtered
         if not item.sample_keys:
             return None
         stats.batches += 1

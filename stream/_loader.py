@@ -29,7 +29,8 @@ class LoaderStats:
 
     ``dropped`` counts samples skipped and ``replaced`` samples whose row another sample took
     (``on_error``); ``errors`` counts every failed sample by error class (``{"DecodeError": 3}``),
-    and ``recent_errors`` holds the last 32 failures, newest last.
+    and ``recent_errors`` holds the last 32 failures, newest last. ``filtered`` counts samples an
+    ``ops.Filter`` dropped: not failures, so in none of the error counts and not against ``max_errors``.
 
     ``epoch_metrics`` says where the current (or last) epoch's time went: how long the consumer
     waited for batches (starved), how long finished batches waited for the consumer (blocked), and
@@ -42,6 +43,7 @@ class LoaderStats:
     samples: int = 0
     dropped: int = 0
     replaced: int = 0
+    filtered: int = 0
     errors: dict[str, int] = field(default_factory=dict)
     recent_errors: list[ErrorRecord] = field(default_factory=list)
     channels: list[ChannelStats] = field(default_factory=list)

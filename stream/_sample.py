@@ -105,6 +105,7 @@ class Batch(Mapping[str, Any]):
     padded: int = 0
     dropped: int = 0  # samples of this batch skipped (``on_error="skip"``)
     replaced: int = 0  # rows holding another sample of the batch (``on_error="replace"``)
+    filtered: int = 0  # samples of this batch an ``ops.Filter`` dropped (not errors)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __getitem__(self, name: str) -> Any:

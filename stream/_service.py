@@ -118,6 +118,9 @@ class Preprocessor:
             raise ConfigError(f"Preprocessor: a request carries only its image; the pipeline's fields={pipeline.fields!r} "
                               "cannot be filled" if pipeline.has_image else "Preprocessor: serves images; the pipeline "
                               "has image=None")
+        if any(isinstance(stage, ops.Filter) for stage in pipeline.stages):  # each caller is owed a row
+            raise ConfigError("Preprocessor: every request is answered with its row, and an ops.Filter would drop "
+                              "some; leave the request out before calling instead")
         self.max_batch = require_int("max_batch", max_batch)
         if isinstance(max_delay, bool) or not isinstance(max_delay, (int, float)) or not 0 <= max_delay < float("inf"):
             raise ConfigError(f"max_delay must be a finite number of seconds >= 0, got {max_delay!r}")

@@ -72,6 +72,7 @@ PUBLIC = {
         "CudaExecutor",
         "Decode",
         "DecodeClip",
+        "Filter",
         "Flip",
         "GaussianBlur",
         "GpuTuning",

@@ -40,6 +40,7 @@ from .._geometry import check_foldable
 from .._limits import ByteBudget
 from .._pipeline import Pipeline
 from .._results import Processed
+from .._stages import Filter
 from . import _batch_decode as batch_decode
 from ._codecs import NativeHeaders, PythonHeaders
 from ._lane import Lane
@@ -50,6 +51,11 @@ __all__ = ["CudaExecutor", "GpuTuning", "cuda_available", "gpu_unsupported"]
 
 def gpu_unsupported(pipeline: Pipeline) -> str | None:
     """Why the GPU path cannot run ``pipeline`` (None when it can)."""
+    late_filters = [stage for stage in pipeline.after if isinstance(stage, Filter)]
+    if late_filters:
+        return (f"{late_filters[0]!r} stands after decode: on the GPU path a row is CUDA tensors, and reading a "
+                "keep-or-drop answer from them on the host would make it wait for the GPU row by row; put the Filter "
+                "before Decode (on the encoded fields: nothing is decoded for a sample it drops), or use device='cpu'")
     late_async = [stage for stage in pipeline.after if stage.is_async]
     if late_async:
         return (f"{late_async[0]!r} is an async def after decode: on the GPU path torch's current stream is per "

@@ -1,5 +1,6 @@
 """User stages and non-image payloads on the GPU path: stages after decode run on a stream of their
-own, after the lane, with the same results as the stage applied to the stage-less batch."""
+own, after the lane, with the same results as the stage applied to the stage-less batch; a Filter
+runs before decode and is refused after it."""
 
 from __future__ import annotations
 
@@ -96,6 +97,26 @@ async def test_an_async_stage_after_decode_is_refused_on_the_gpu_when_the_loader
     assert auto.device == "cpu"  # the path that can run it
     await auto.aclose()
     await leaks.check()
+
+
+async def test_a_filter_runs_before_decode_on_the_gpu_and_is_refused_after_it(leaks):
+    def keep(fields: dict, index: int) -> bool:
+        return isinstance(fields["jpg"], bytes) and index % 3 != 0
+
+    async with _loader(ops.Pipeline([ops.Filter(keep), ops.Decode(), ops.Resize((24, 24))])) as loader:
+        batches = [b async for b in loader]
+        stats = loader.stats()
+    assert sorted(k for b in batches for k in b.sample_keys) == [f"s{i:03d}" for i in range(N) if i % 3]
+    assert all(b["image"].is_cuda and len(b["image"]) == len(b.sample_keys) for b in batches)
+    assert stats.filtered == sum(b.filtered for b in batches) == N // 3 and stats.dropped == 0
+
+    late = ops.Pipeline([ops.Decode(), ops.Resize(16), ops.Filter(lambda row: True)])
+    with pytest.raises(ConfigError, match="put the Filter before Decode"):
+        _loader(late)
+    auto = Loader(readers.sequence(_items()), batch_size=16, pipeline=late, device="auto")
+    assert auto.device == "cpu"  # the path that can run it
+    await auto.aclose()
+    await leaks.check(settle=2.0)
 
 
 async def test_a_failing_gpu_stage_is_a_typed_error_and_nothing_is_kept():

@@ -1,4 +1,4 @@
-"""User stages (``ops.Map``, ``ops.MapBatch``) on the CPU path: where they run, what they get, their
+"""User stages (``ops.Map``, ``ops.MapBatch``; ``ops.Filter`` in test_filter.py) on the CPU path: where they run, what they get, their
 randomness across thread counts and resume, their errors under ``on_error``, the bound on async calls."""
 
 from __future__ import annotations
@@ -111,8 +111,14 @@ def _pre(fields: dict, rng: np.random.Generator) -> dict:
     return fields
 
 
-def _random_pipeline() -> ops.Pipeline:
-    return ops.Pipeline([ops.Map(_pre), ops.Decode(), ops.RandomResizedCrop(16), ops.Map(_noisy),
+def _keep_most(fields: dict, rng: np.random.Generator) -> bool:
+    return rng.random() < 0.7
+
+
+def _random_pipeline(filtered: bool = False) -> ops.Pipeline:
+    """Stages drawing random numbers before and after the ops; ``filtered``: a Filter drawing in each place too."""
+    filters = [ops.Filter(_keep_most)] if filtered else []
+    return ops.Pipeline([*filters, ops.Map(_pre), ops.Decode(), ops.RandomResizedCrop(16), *filters, ops.Map(_noisy),
                          ops.MapBatch(_jitter)], fields=["pre"])
 
 
@@ -124,16 +130,19 @@ def _draws(batches) -> dict:
     return out
 
 
-async def test_stage_randomness_is_keyed_like_the_ops_whatever_the_threads_or_resume(leaks):
+@pytest.mark.parametrize("filtered", [False, True])
+async def test_stage_randomness_is_keyed_like_the_ops_whatever_the_threads_or_resume(leaks, filtered):
     async def run(threads: int, epochs: int = 2) -> list:
-        async with _loader(_random_pipeline(), num_threads=threads) as loader:
+        async with _loader(_random_pipeline(filtered), num_threads=threads) as loader:
             return [await _all(loader) for _ in range(epochs)]
 
     one, four = await run(1), await run(4)
     assert _draws(one[0]) == _draws(four[0]) and _draws(one[1]) == _draws(four[1])
     assert _draws(one[0]) != _draws(one[1])  # a new epoch draws anew
-    # Stop after 2 batches of epoch 1, resume in a new loader: the rest of the epoch draws the same.
-    async with _loader(_random_pipeline()) as first:
+    if filtered:  # the same samples kept whatever the threads, others in another epoch
+        assert 0 < len(_draws(one[0])) < N and _draws(one[0]).keys() != _draws(one[1]).keys()
+    # Stop after 2 batches of epoch 1, resume in a new loader: the rest of the epoch is the same batches.
+    async with _loader(_random_pipeline(filtered)) as first:
         await _all(first)
         taken = []
         async for b in first:
@@ -141,10 +150,13 @@ async def test_stage_randomness_is_keyed_like_the_ops_whatever_the_threads_or_re
             if len(taken) == 2:
                 break
         state = first.state_dict()
-    async with _loader(_random_pipeline()) as second:
+    async with _loader(_random_pipeline(filtered)) as second:
         second.load_state_dict(state)
         rest = await _all(second)
     assert {**_draws(taken), **_draws(rest)} == _draws(one[1])
+    assert [(b.index, b.sample_keys, b.filtered) for b in taken + rest] == [(b.index, b.sample_keys, b.filtered)
+                                                                             for b in one[1]]
+    assert all(torch.equal(x["image"], y["image"]) for x, y in zip(taken + rest, one[1], strict=True))
     await leaks.check()
 
 
@@ -154,19 +166,20 @@ def _fails_on_three(fields: dict) -> dict:
     return fields
 
 
-async def test_an_exception_in_a_stage_names_the_sample_and_the_stage(leaks):
-    pipe = ops.Pipeline([ops.Map(_fails_on_three), ops.Decode(), ops.Resize((16, 16))])
+@pytest.mark.parametrize("stage", [ops.Map, ops.Filter])  # a Filter keeps the others: a dict is true
+async def test_an_exception_in_a_stage_names_the_sample_and_the_stage(leaks, stage):
+    pipe = ops.Pipeline([stage(_fails_on_three), ops.Decode(), ops.Resize((16, 16))])
     with pytest.raises(TransformError) as info:
         async with _loader(pipe) as loader:
             await _all(loader)
     err = info.value
     assert err.key.startswith("s") and int(err.key[1:]) % 4 == 3 and err.source.startswith("list[")
     assert "_fails_on_three" in str(err) and "no label lookup for class 3" in str(err)
-    assert isinstance(err.__cause__, ValueError)
+    assert isinstance(err.__cause__, ValueError) and err.stage == "stage _fails_on_three"
     async with _loader(pipe, on_error="skip", max_errors=0.5) as loader:
         batches = await _all(loader)
         stats = loader.stats()
-    assert stats.dropped == N // 4 and stats.errors == {"TransformError": N // 4}
+    assert stats.dropped == N // 4 and stats.errors == {"TransformError": N // 4} and stats.filtered == 0
     assert sorted(k for b in batches for k in b.sample_keys) == [f"s{i:03d}" for i in range(N) if i % 4 != 3]
     await leaks.check()
 
