@@ -35,7 +35,7 @@ from headrace.ops import (
 )
 from headrace.ops._geometry import output_error, output_pixels
 from headrace.ops import _pillow
-from headrace.ops._limits import ByteBudget, claimed_size, too_few_bits
+from headrace.ops._limits import ByteBudget, _trim_heap, claimed_size, too_few_bits
 
 MiB = 1 << 20
 DEFAULT_PIXELS = 2**26
@@ -51,14 +51,10 @@ def _resident_after_trim() -> int:
     trim, memory that earlier tests freed in this process can stay resident and be counted here:
     in the whole GPU suite a run held 108 MiB that the same test alone never held (2 MiB). A live
     object keeps its pages through a trim, so a leak still shows."""
-    import ctypes
     import gc
 
     gc.collect()
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: measure as it is
-        pass
+    _trim_heap()  # the budget's own trim (glibc's malloc_trim; elsewhere nothing)
     return _status("VmRSS")
 
 
