@@ -17,13 +17,14 @@ __all__ = ["Processed", "check_fields", "field_columns", "image_field", "named",
 
 @dataclass
 class Processed:
-    """One batch through the ops: outputs for the rows in ``kept`` (ascending, no repeats), and the
-    failures of the others."""
+    """One batch through the ops: outputs for the rows in ``kept`` (ascending, no repeats), the
+    failures of others, and the rows an ``ops.Filter`` dropped (``filtered``: not errors)."""
 
     data: dict[str, Any]
     kept: list[int]
     failures: list[tuple[int, LoaderError]] = field(default_factory=list)
     ready: Any = None  # GPU path: the CUDA event after the batch's last kernel (None on the CPU)
+    filtered: list[int] = field(default_factory=list)
 
 
 def named(exc: LoaderError, sample) -> LoaderError:

@@ -81,12 +81,11 @@ async def map_rows(calls: StageCalls, stage: Map, arguments: RowArguments, data:
 
 
 async def filter_rows(calls: StageCalls, stage: Filter, arguments: RowArguments, data: dict[str, Any],
-                      kept: list[int], samples: list[Sample],
-                      failures: dict[int, LoaderError]) -> tuple[dict[str, Any], list[int]]:
+                      kept: list[int], samples: list[Sample], failures: dict[int, LoaderError],
+                      dropped: set[int]) -> tuple[dict[str, Any], list[int]]:
     """``stage`` on each row of ``data`` (CPU tensors: the GPU path refuses a Filter here): (the
-    columns of the rows it kept, those rows). The kept rows are taken from the columns as they are,
-    not stacked again from rows."""
-    dropped: set[int] = set()
+    columns of the rows it kept, those rows); the rows it dropped go to ``dropped``. The kept rows are
+    taken from the columns as they are, not stacked again from rows."""
     await calls.apply(stage, kept, arguments, keep_when_true(dropped), samples, failures)
     slots = [p for p, row in enumerate(kept) if row not in dropped and row not in failures]
     if len(slots) == len(kept):

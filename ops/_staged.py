@@ -73,7 +73,8 @@ class StagedExecutor:
         for i, sample in enumerate(samples):
             if sample.error is not None:
                 failures[i] = read_failure(sample)
-        alive = await self._before(batch, samples, failures)
+        dropped: set[int] = set()  # rows a Filter dropped: they leave the batch without failing
+        alive = await self._before(batch, samples, failures, dropped)
         ready = None
         if not alive:
             data: dict[str, Any] = {}
@@ -102,22 +103,22 @@ class StagedExecutor:
             arguments = row_arguments(data, kept, lambda i, stage=stage, position=position:
                                       self._extras(stage, batch, position, samples[i]))
             if isinstance(stage, Filter):
-                data, kept = await filter_rows(self._calls, stage, arguments, data, kept, samples, failures)
+                data, kept = await filter_rows(self._calls, stage, arguments, data, kept, samples, failures, dropped)
             else:
                 data, kept, ready = await map_rows(self._calls, stage, arguments, data, kept, ready, samples, failures,
                                                    self._cuda)
-        return Processed(data, kept, sorted(failures.items()), ready)
+        return Processed(data, kept, sorted(failures.items()), ready, sorted(dropped))
 
     # -- before decode ---------------------------------------------------------------------------------
 
-    async def _before(self, batch: SampleBatch, samples: list[Sample], failures: dict[int, LoaderError]) -> list[int]:
+    async def _before(self, batch: SampleBatch, samples: list[Sample], failures: dict[int, LoaderError],
+                      dropped: set[int]) -> list[int]:
         """``.npy`` fields loaded and the ``Map``s and ``Filter``s before Decode applied, sample by sample,
-        in place. Returns the rows left: neither failed nor dropped by a ``Filter``."""
+        in place; a ``Filter``'s rows go to ``dropped``. Returns the rows left: neither failed nor dropped."""
         pipe = self.pipeline
         rows = [i for i in range(len(samples)) if i not in failures]
         if any(is_npy_field(n) for i in rows[:1] for n in samples[i].fields):
             await self._calls.in_threads(rows, lambda i: _load_npy_fields(samples, i), None, samples, failures)
-        dropped: set[int] = set()  # by a Filter: these rows leave the batch without failing
         for stage in pipe.before:
             rows = [i for i in rows if i not in failures and i not in dropped]
             position = pipe.stage_position(stage)

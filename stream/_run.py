@@ -338,10 +338,10 @@ class _Run:
 
         Skipped rows leave the batch; a replaced row holds another sample of the same batch (chosen
         by the seed, epoch and the failed sample's index, so a resumed run chooses the same), named
-        by that sample's key. A row the executor neither kept nor failed was dropped by an
-        ``ops.Filter``: it leaves the batch too, counted in ``filtered``, never an error. A batch left
-        with no row is still sent (empty), for its counts; the loader does not hand it out. Each
-        failure and what was done with it goes to ``outcomes``.
+        by that sample's key. A row an ``ops.Filter`` dropped (``processed.filtered``) leaves the
+        batch too, counted in ``filtered``, never an error. A batch left with no row is still sent
+        (empty), for its counts; the loader does not hand it out. Each failure and what was done
+        with it goes to ``outcomes``.
         """
         samples, kept = batch.samples, processed.kept
         real = len(samples) - batch.padded
@@ -374,18 +374,9 @@ class _Run:
             padded=sum(1 for slot in slots if slot >= real) if batch.padded else 0,
             dropped=len(outcomes) - len(replaced),
             replaced=len(replaced),
-            filtered=_filtered(processed, len(samples), real),
+            filtered=sum(1 for row in processed.filtered if row < real),  # padded rows are not the data's
             extra={"end_position": batch.end_position, "ready": processed.ready, "take": take},
         )
-
-
-def _filtered(processed: Any, rows: int, real: int) -> int:
-    """Of a batch's ``rows``, the ``real`` ones (not padded) an ``ops.Filter`` dropped: those neither
-    kept nor failed."""
-    if len(processed.kept) + len(processed.failures) == rows:  # the usual case, at no cost: none dropped
-        return 0
-    kept, failed = set(processed.kept), {row for row, _ in processed.failures}
-    return sum(1 for row in range(real) if row not in kept and row not in failed)
 
 
 async def _noted(coro: Awaitable[None], stage: str) -> None:
