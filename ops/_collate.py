@@ -16,6 +16,7 @@ loaded to its array first (never with pickles), so it stacks like any array.
 from __future__ import annotations
 
 import io
+import threading
 from typing import Any
 
 import numpy as np
@@ -30,9 +31,19 @@ def is_npy_field(name: str) -> bool:
     return name == "npy" or name.endswith(".npy")
 
 
+# NumPy reads an .npy header with ast.literal_eval, and CPython's AST constructor keeps one
+# recursion count per interpreter: two threads parsing at once can fail one of them with
+# "SystemError: AST constructor recursion depth mismatch" (cpython gh-106905). It failed a .npy
+# sample in the loader's threads once in a full CI run on Python 3.11.7. Loads are serialised, so
+# our threads never race each other (a parse elsewhere in the process still can); np.load from
+# memory holds the GIL for most of its time anyway.
+_NPY_LOCK = threading.Lock()
+
+
 def load_npy(data: bytes | bytearray | memoryview) -> np.ndarray:
     """An ``.npy`` file's array. Raises ValueError for bytes that are not one (or hold pickles)."""
-    return np.load(io.BytesIO(data), allow_pickle=False)
+    with _NPY_LOCK:
+        return np.load(io.BytesIO(data), allow_pickle=False)
 
 
 def collate(values: list[Any]) -> Any:
