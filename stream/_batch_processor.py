@@ -47,7 +47,8 @@ class BatchProcessor:
             batch = SampleBatch([r.sample for r in reqs], epoch=0, index=index)
             try:
                 processed = await self.executor.run(batch)
-                outputs = await self._finish(processed)
+                # Every request failed (an unreadable image, a stage that raised): no images to finish.
+                outputs = await self._finish(processed) if processed.kept else []
             except asyncio.CancelledError:
                 for r in reqs:
                     answer(r, error=ClosedError("the service closed while the request was processed",
@@ -69,7 +70,11 @@ class BatchProcessor:
             self._requests.batch_done(reqs)
 
     async def _finish(self, processed: Any) -> Any:
-        images = processed.data["image"]
+        images = processed.data.get("image")
+        if images is None:  # a MapBatch returned a dict without it: every request fails, saying why
+            raise TransformError(f"the pipeline's batch has no 'image' to answer with (it has "
+                                 f"{', '.join(map(repr, processed.data)) or 'nothing'}); a MapBatch must keep it",
+                                 stage="postprocess")
         ready = processed.ready
         if self._finisher is None:
             hand_off([images], ready)  # the loop thread's current stream: the callers'

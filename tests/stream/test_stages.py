@@ -245,6 +245,26 @@ async def test_the_preprocessor_runs_batch_stages():
         assert torch.equal(await staged(image), 255 - await plain(image))
 
 
+async def test_the_preprocessor_names_each_request_when_no_image_comes_back():
+    # A batch whose every request fails before Decode, and a stage that drops the image: each
+    # caller gets a typed error of its own, not a KeyError from the service's bookkeeping.
+    def refuse(fields: dict) -> dict:
+        raise ValueError("not this one")
+
+    image = jpeg_bytes(np.random.default_rng(2), 48, 64)
+    refusing = ops.Pipeline([ops.Map(refuse), ops.Decode(), ops.Resize((16, 16))], label=None)
+    async with Preprocessor(refusing, device="cpu", max_batch=2, max_delay=3600) as pre:
+        errors = await asyncio.gather(pre(image, key="a"), pre(b"junk", key="b"), return_exceptions=True)
+    assert all(isinstance(e, TransformError) and "not this one" in e.message for e in errors)
+    assert [e.key for e in errors] == ["a", "b"]
+
+    dropping = ops.Pipeline([ops.Decode(), ops.Resize((16, 16)), ops.MapBatch(lambda b: {"other": 1})], label=None)
+    async with Preprocessor(dropping, device="cpu", max_batch=2, max_delay=3600) as pre:
+        errors = await asyncio.gather(pre(image, key="c"), pre(image, key="d"), return_exceptions=True)
+    assert all(isinstance(e, TransformError) and "no 'image'" in e.message for e in errors)
+    assert [e.key for e in errors] == ["c", "d"]
+
+
 async def test_random_exits_with_stages_leave_nothing_behind(leaks):
     from exits import EXITS, random_exits
 
