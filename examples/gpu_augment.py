@@ -9,9 +9,9 @@ batch as a dict (``image`` float [B, 3, S, S], ``label`` [B]) and returns it aug
 batch's index): the per-sample parameters drawn from it are the same for a seed whatever the
 thread count or resume point (``--check`` runs epoch 0 again with one thread and compares).
 
-On the GPU path the stage runs in a thread with a CUDA stream of its own as torch's current
-stream, ordered after the lane that made the batch by an event: the torch calls below queue
-kernels and never wait for the GPU. The parameters go up in one copy from pinned memory, since a
+On the GPU path the stage runs in the lane that made the batch, right after its kernel, with the
+lane's CUDA stream as torch's current stream: the torch calls below queue kernels and never wait
+for the GPU. The parameters go up in one copy from pinned memory, since a
 copy from ordinary (pageable) memory would make the host wait for the stream. kornia's
 augmentations work the same way (pass them the batch's tensors inside the function).
 """

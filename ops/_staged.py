@@ -21,12 +21,12 @@ import functools
 import logging
 from typing import Any
 
-import numpy as np
 import torch
 
 from headrace._errors import ClosedError, DecodeError, LoaderError, TransformError
 from headrace._sample import Sample, SampleBatch
 
+from ._batch_stages import batch_extras, checked_batch, stage_rng
 from ._collate import collate, is_npy_field, load_npy
 from ._results import Processed, read_failure, sample_label
 from ._pipeline import Pipeline
@@ -38,20 +38,21 @@ __all__ = ["StagedExecutor"]
 
 logger = logging.getLogger("headrace")
 
-_MASK64 = (1 << 64) - 1
-
-
 class StagedExecutor:
     """Runs ``pipeline``'s stages and field batching; ``inner`` (an executor over
     ``pipeline.core()``, or None when the pipeline has no image) decodes and transforms the images.
 
     Owns ``inner`` (``drain`` and ``aclose`` pass on to it) and ``num_threads`` threads of its own.
     ``device`` is where batches are made: on ``"cuda:N"`` stacked columns are copied there.
+    ``on_lanes`` is how many of the stages after decode the GPU lanes of ``inner`` run themselves
+    (``_batch_stages.lane_stages``): this executor runs the rest.
     """
 
-    def __init__(self, pipeline: Pipeline, inner: Any, *, num_threads: int, seed: int, device: str = "cpu") -> None:
+    def __init__(self, pipeline: Pipeline, inner: Any, *, num_threads: int, seed: int, device: str = "cpu",
+                 on_lanes: int = 0) -> None:
         self.pipeline = pipeline
         self.inner = inner
+        self.after = pipeline.after[on_lanes:]
         self.seed = seed
         self.device = torch.device(device)
         self._cuda = self.device.type == "cuda"
@@ -93,7 +94,7 @@ class StagedExecutor:
                 data.update(columns)
         else:
             data, kept, ready = await self._calls.call(self._collate_fields, samples, alive, failures)
-        for stage in pipe.after:
+        for stage in self.after:
             if not kept:
                 break
             if isinstance(stage, MapBatch):
@@ -142,7 +143,7 @@ class StagedExecutor:
         """The keyword arguments a Map's or Filter's function asked for by name: ``rng``, ``key``, ``index``."""
         extras: dict[str, Any] = {}
         if stage.wants_rng:
-            extras["rng"] = _rng(self.seed, batch.epoch, position, sample.index)
+            extras["rng"] = stage_rng(self.seed, batch.epoch, position, sample.index)
         if stage.wants_key:
             extras["key"] = sample.key
         if stage.wants_index:
@@ -201,9 +202,8 @@ class StagedExecutor:
 
     async def _map_batch(self, stage: MapBatch, batch: SampleBatch, samples: list[Sample], data: dict[str, Any],
                          kept: list[int], ready: Any, failures: dict[int, LoaderError]) -> tuple[dict[str, Any], list[int], Any]:
-        extras = {"rng": _rng(self.seed, batch.epoch, self.pipeline.stage_position(stage), batch.index)} if stage.wants_rng else {}
-        if stage.wants_keys:
-            extras["keys"] = [samples[i].key for i in kept]
+        extras = batch_extras(stage, self.pipeline.stage_position(stage), seed=self.seed, epoch=batch.epoch,
+                              index=batch.index, keys=lambda: [samples[i].key for i in kept])
         try:
             if stage.is_async:
                 out = await stage.fn(data, **extras)
@@ -211,8 +211,7 @@ class StagedExecutor:
                 out, ready = await self._calls.call_on_stream(data, ready, lambda: stage.fn(data, **extras))
             else:
                 out = await self._calls.call(stage.fn, data, **extras)
-            if not isinstance(out, dict):
-                raise TypeError(f"returned {type(out).__name__}, not a dict")
+            out = checked_batch(out)
         except Exception as exc:
             for i in kept:
                 failures[i] = stage_failure(stage, samples[i], exc)
@@ -270,10 +269,6 @@ def _copied(value: Any, device: torch.device) -> Any:
     if isinstance(value, list) and value and all(isinstance(v, torch.Tensor) for v in value):
         return [_copied(v, device) for v in value]
     return value
-
-
-def _rng(seed: int, epoch: int, position: int, index: int) -> np.random.Generator:
-    return np.random.default_rng([seed & _MASK64, epoch & _MASK64, position, index & _MASK64])
 
 
 def _sample_error(kind: type[LoaderError], sample: Sample, message: str) -> LoaderError:

@@ -108,9 +108,11 @@ class MapBatch(Stage):
 
     A plain function runs in a thread; an ``async def`` on the event loop (the CPU path only: the GPU
     path refuses an async stage after decode, see ``gpu_unsupported``). On the GPU path it runs
-    with a CUDA stream of its own as torch's current stream, ordered after the lane that made the
-    batch by an event (no host synchronisation): the place for a GPU augmentation. An exception
-    fails every sample of the batch with a ``TransformError`` naming the stage.
+    with no host synchronisation, the place for a GPU augmentation: in the lane that made the batch,
+    right after its kernel, with the lane's CUDA stream as torch's current stream (when it comes
+    first among the stages after decode, or after other ``MapBatch`` stages, in a pipeline without
+    ``fields``); otherwise in a thread with a stream of its own, ordered after the lane by an event.
+    An exception fails every sample of the batch with a ``TransformError`` naming the stage.
     """
 
     def __init__(self, fn: Callable[..., Any], *, name: str | None = None) -> None:

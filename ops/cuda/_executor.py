@@ -37,6 +37,7 @@ from headrace._sample import SampleBatch
 from headrace._threads import join_threads
 
 from .._geometry import check_foldable
+from .._batch_stages import LaneStage
 from .._limits import ByteBudget
 from .._pipeline import Pipeline
 from .._results import Processed
@@ -122,6 +123,9 @@ class CudaExecutor:
     have not started (their parsed headers go back to the reader); one already running finishes
     and its output is dropped. ``drain`` waits for those, after which the executor takes new
     batches; ``aclose`` drains, then frees decoders, streams, workspaces and threads.
+
+    ``stages`` are ``MapBatch`` stages each lane runs on its batch right after the kernel, in its
+    thread with its stream current (``_batch_stages``); ``Processed.ready`` then follows them.
     """
 
     def __init__(
@@ -134,6 +138,7 @@ class CudaExecutor:
         hw_load: float | str = 0.65,
         decoder_threads: int | None = None,
         tuning: GpuTuning | None = None,
+        stages: tuple[LaneStage, ...] = (),
     ) -> None:
         if not cuda_available():
             raise ConfigError("device='cuda' needs a GPU, CuPy and nvImageCodec (pip install 'headrace[cuda13]')")
@@ -146,6 +151,7 @@ class CudaExecutor:
             raise ConfigError(f"tuning must be a headrace.ops.GpuTuning, got {type(tuning).__name__}")
         self.tuning = tuning = tuning or GpuTuning()
         self.pipeline = pipeline
+        self.stages = stages
         self.seed = seed
         self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         if self.device.index is None:

@@ -15,7 +15,9 @@ import torch
 from headrace._errors import LoaderError
 
 from .. import _pillow
+from .._batch_stages import batch_extras, checked_batch
 from .._results import Processed, field_columns, image_field
+from .._stage_calls import stage_failure
 from ._codecs import NativeDecoder, PythonDecoder
 from ._launch import FusedLaunch, Staging
 from ._output import LaneOutput
@@ -238,9 +240,29 @@ class Lane:
             result.data.update(field_columns(prep.batch.samples, result.kept, fields))
         # The decoded pixels (and Pillow's uploads) stay alive until the host wait two batches later.
         self.recent.append((stage.ready, keep))
+        if self.owner.stages and result.kept:
+            self._run_stages(prep, result)
+            stage.ready.record(self.stream)  # after the stages' work: what consumers wait on
         result.ready = stage.ready
         self.seconds["batches"] += 1
         return result
+
+    def _run_stages(self, prep: Prepared, result: Processed) -> None:
+        """The executor's ``MapBatch`` stages on the batch, here: this thread, this lane's stream
+        current. One that raises fails every row left, named, as a ``StagedExecutor`` would."""
+        started = time.perf_counter()
+        owner, batch = self.owner, prep.batch
+        for lane_stage in owner.stages:
+            stage = lane_stage.stage
+            try:
+                extras = batch_extras(stage, lane_stage.position, seed=owner.seed, epoch=batch.epoch, index=batch.index,
+                                      keys=lambda: [batch.samples[row].key for row in result.kept])
+                result.data = checked_batch(stage.fn(result.data, **extras))
+            except Exception as exc:
+                result.failures.extend((row, stage_failure(stage, batch.samples[row], exc)) for row in result.kept)
+                result.data, result.kept = {}, []
+                break
+        self.seconds["stages"] += time.perf_counter() - started
 
     def _cpu_decode(self, sample, region, decoded: torch.Tensor | LoaderError | None) -> torch.Tensor:
         """``region`` of the sample's pixels on the device: Pillow's window from the prep thread

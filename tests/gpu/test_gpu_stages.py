@@ -1,11 +1,13 @@
-"""User stages and non-image payloads on the GPU path: stages after decode run on a stream of their
-own, after the lane, with the same results as the stage applied to the stage-less batch; a Filter
-runs before decode and is refused after it."""
+"""User stages and non-image payloads on the GPU path: stages after decode run after the lane on a
+stream that is not the default one (a batch stage at their head in the lane itself, on its stream),
+with the same results as the stage applied to the stage-less batch; a Filter runs before decode and
+is refused after it."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 
 import numpy as np
 import pytest
@@ -37,25 +39,53 @@ async def _by_key(loader) -> dict[str, dict]:
     return out
 
 
-async def test_a_batch_stage_runs_on_its_own_stream_after_the_lane(leaks):
-    streams = []
-
+def _brighten(calls: list) -> object:
     def brighten(batch: dict) -> dict:
-        stream = torch.cuda.current_stream()
-        streams.append((stream, batch["image"].device))
+        calls.append((threading.current_thread().name, torch.cuda.current_stream(), batch["image"].device))
         batch["image"] = (batch["image"] * 2 + 1).clamp_(max=255)
         return batch
 
+    return brighten
+
+
+def _same_row(row: dict) -> dict:
+    return row
+
+
+@pytest.mark.parametrize("where", ["lane", "stage thread"])
+async def test_a_batch_stage_runs_after_the_lane_on_a_stream_that_is_not_the_default(leaks, where):
+    # At the head of the stages after decode a MapBatch runs in the lane's thread on its stream;
+    # after a Map it runs in a stage thread on a stream of its own. Either way: no host wait, the
+    # same results as the stage applied to the stage-less batch.
+    calls: list = []
     base = [ops.Decode(), ops.RandomResizedCrop(32), ops.Flip()]
+    before = [ops.Map(_same_row)] if where == "stage thread" else []
     plain = await _by_key(_loader(ops.Pipeline(base)))
-    staged = await _by_key(_loader(ops.Pipeline([*base, ops.MapBatch(brighten)])))
+    staged = await _by_key(_loader(ops.Pipeline([*base, *before, ops.MapBatch(_brighten(calls))])))
     assert sorted(plain) == sorted(staged) == [f"s{i:03d}" for i in range(N)]
     for key in plain:
         expected = (plain[key]["image"] * 2 + 1).clamp_(max=255)
         assert torch.equal(staged[key]["image"], expected), key
-    assert streams and all(device.type == "cuda" for _, device in streams)
-    assert all(stream != torch.cuda.default_stream(device) for stream, device in streams)
+    prefix = "headrace-lane" if where == "lane" else "headrace-stage"
+    assert calls and all(name.startswith(prefix) for name, _, _ in calls), {name for name, _, _ in calls}
+    assert all(device.type == "cuda" and stream != torch.cuda.default_stream(device) for _, stream, device in calls)
     await leaks.check(settle=2.0)
+
+
+async def test_a_batch_stages_random_numbers_do_not_depend_on_where_it_runs():
+    # fields=["emb"] keeps the MapBatch off the lanes (fields are batched after them): its rng,
+    # keyed by the batch's index, gives the same noise on either side.
+    def noisy(batch: dict, rng) -> dict:
+        noise = torch.as_tensor(rng.integers(0, 7, size=batch["image"].shape, dtype=np.int64), device=batch["image"].device)
+        batch["image"] = batch["image"].to(torch.int64) + noise
+        return batch
+
+    base = [ops.Decode(), ops.RandomResizedCrop(24), ops.MapBatch(noisy)]
+    on_lane = await _by_key(_loader(ops.Pipeline(base)))
+    off_lane = await _by_key(_loader(ops.Pipeline(base, fields=["emb"])))
+    assert sorted(on_lane) == sorted(off_lane)
+    for key in on_lane:
+        assert torch.equal(on_lane[key]["image"], off_lane[key]["image"]), key
 
 
 async def test_row_stages_and_fields_on_the_gpu():

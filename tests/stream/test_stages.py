@@ -232,6 +232,24 @@ def test_a_stage_keeps_the_ops_random_numbers():
     assert plain.ops == staged.ops
 
 
+def test_the_gpu_lanes_take_the_batch_stages_at_the_head_of_those_after_decode():
+    # What a GPU lane runs itself (no thread hop, its own stream): plain MapBatch stages up to the
+    # first other stage, in a pipeline without fields (those are batched after the lane).
+    from headrace.ops._batch_stages import lane_stages
+
+    async def later(batch: dict) -> dict:
+        return batch
+
+    first, second = ops.MapBatch(_jitter), ops.MapBatch(lambda b: b)
+    base = [ops.Decode(), ops.Resize((16, 16))]
+    taken = lane_stages(ops.Pipeline([*base, first, second, ops.Map(_noisy), ops.MapBatch(_jitter)]))
+    assert [t.stage for t in taken] == [first, second]
+    assert [t.position for t in taken] == [1000, 1001]  # 1000 + the place among the stages: the rng key
+    assert lane_stages(ops.Pipeline([*base, first], fields=["tokens"])) == ()
+    assert lane_stages(ops.Pipeline([*base, ops.Map(_noisy), first])) == ()
+    assert lane_stages(ops.Pipeline([*base, ops.MapBatch(later), first])) == ()
+
+
 async def test_the_preprocessor_runs_batch_stages():
     def invert(batch: dict) -> dict:
         batch["image"] = 255 - batch["image"]
