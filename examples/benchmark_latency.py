@@ -470,7 +470,7 @@ def plan(rows: str, pipeline: str | None) -> list[tuple[str, str, str]]:
     out += [("client-objects", "s3", "slow"), ("client-objects", "s3", "zero"),
             ("headrace-objects", "s3", "zero"), ("headrace-shards", "s3", "zero")]
     if rows != "all":
-        out = [r for r in out if r[0].split("-")[0] in rows.split(",")]
+        out = [r for r in out if r[0].split("-")[0] in rows.split(",") or r[0] in rows.split(",")]
     return out
 
 
@@ -520,7 +520,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=16, help="DataLoader worker processes")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rows", default="all", help="all, or a comma list of: headrace,webdataset,dataloader,client "
-                        "(with --pipeline: shards,objects)")
+                        "or of whole row names (headrace-shards: the shard rows alone) (with --pipeline: shards,objects)")
     parser.add_argument("--pipeline", choices=("cuda", "cpu"), default=None,
                         help="the rows run headrace's training pipeline on this device, not the reader alone")
     parser.add_argument("--epochs", type=int, default=2, help="--pipeline: timed epochs a row, after one warm-up")
