@@ -362,9 +362,11 @@ def webdataset(
     stops reading the socket), so memory stays at about ``(read_ahead + 1) * buffer_bytes`` plus the
     samples in flight, however large the shards (twice that at most while ranged GETs run). While a
     parser waits for bytes (a store's latency, a bandwidth cap per connection), its download adds
-    ranged GETs of the segments ahead (``buffer_bytes / 8`` each, up to ``buffer_bytes / segment + 1``
-    in flight) and the next shards start with as many: for a store 50 ms and 100 MB/s per connection
-    away, ``buffer_bytes=64 << 20`` streams several hundred MB/s. Timeouts, dropped connections and 5xx answers are
+    ranged GETs of the segments ahead, sized from the latency and per-connection bandwidth it observed
+    and the parser's pace (1 MiB to ``buffer_bytes / 8`` each, up to ``buffer_bytes / segment + 1``
+    in flight, 128 for the whole read); the next shards start with as many once the current one has
+    asked for all its bytes: for a store 50 ms and 100 MB/s per connection away,
+    ``buffer_bytes=64 << 20`` streams several hundred MB/s. Timeouts, dropped connections and 5xx answers are
     retried with backoff and jitter, resuming from the byte reached; once the budget is spent the
     shard ends with a sample whose ``error`` is a ``StorageError`` naming the URL.
 

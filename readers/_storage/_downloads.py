@@ -1,6 +1,7 @@
 """The downloads of one read: their tasks on the loop, their stop, and their counts summed up.
 
-``Downloads`` starts each new download of a read at the GET count the earlier ones came to.
+The downloads of a read share a ``Link`` (``_remote_fetch.py``): what they observed of the store
+sizes a new download's segments, and it starts at the GET count the earlier ones came to.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING
 from headrace._threads import cancel_and_wait
 
 from ._remote import RemoteFile
+from ._remote_fetch import Link
 
 if TYPE_CHECKING:
     from ._resolve import Storage
@@ -29,7 +31,7 @@ class Downloads:
         self.tasks: list[asyncio.Task[None]] = []
         self.retries = 0
         self.peak = 0
-        self.pieces = 1  # the most GETs in flight a finished download came to
+        self.link = Link()
 
     def open(self, source: str, n: int) -> RemoteFile:
         assert self.storage is not None
@@ -37,8 +39,7 @@ class Downloads:
         store, key = self.storage.locate(source)
         # A new download starts with the GETs in flight the read's downloads came to (they grow
         # while their parser waits): the shard after a slow one need not find that out again.
-        pieces = max([self.pieces] + [f.fetcher.want for f in self.files])
-        remote = RemoteFile(store, key, capacity=self.capacity, retry=self.storage.retry, pieces=pieces)
+        remote = RemoteFile(store, key, capacity=self.capacity, retry=self.storage.retry, link=self.link)
         self.files.append(remote)
         self.tasks.append(asyncio.get_running_loop().create_task(remote.fill(), name=f"headrace:storage:{n}"))
         return remote
@@ -62,7 +63,6 @@ class Downloads:
             if task.done() and remote.closed:
                 self.retries += remote.fetcher.retries
                 self.peak = max(self.peak, remote.fetcher.peak)
-                self.pieces = max(self.pieces, remote.fetcher.want)
                 if not task.cancelled():
                     task.exception()  # retrieved: fill() hands its errors to the thread, never raises
             else:

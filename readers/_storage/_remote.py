@@ -18,7 +18,7 @@ from collections import deque
 from headrace._errors import ReadError, StorageError
 
 from ._base import Store
-from ._remote_fetch import Fetcher
+from ._remote_fetch import Fetcher, Link
 from ._retry import Retry
 
 __all__ = ["RemoteFile"]
@@ -34,7 +34,7 @@ class RemoteFile:
     mode = "rb"
 
     def __init__(self, store: Store, key: str, *, capacity: int = 8 << 20, retry: Retry | None = None,
-                 jump: int = 4 << 20, pieces: int = 1) -> None:
+                 jump: int = 4 << 20, link: Link | None = None) -> None:
         self.name = store.url(key)
         self.capacity, self.jump = capacity, jump
         self._cond = threading.Condition()
@@ -47,7 +47,8 @@ class RemoteFile:
         self.closed = False
         self._flowing = False  # the head piece has delivered bytes since the last (re)start
         self._starved = 0.0  # seconds the thread waited for bytes, since the download last grew
-        self.fetcher = Fetcher(self, store, key, retry or Retry(), pieces, self._cond)
+        self._waited = 0.0  # seconds the thread waited for bytes in all
+        self.fetcher = Fetcher(self, store, key, retry or Retry(), link or Link(), self._cond)
 
     # -- loop side ----------------------------------------------------------------------------
 
@@ -75,6 +76,11 @@ class RemoteFile:
     def starved(self) -> float:
         """Seconds the thread waited for bytes while they flowed, since ``forget_starved()``."""
         return self._starved
+
+    @property
+    def waited(self) -> float:
+        """Seconds the thread waited for bytes in ``read``, in all (its pace is the rest)."""
+        return self._waited
 
     def forget_starved(self) -> None:
         with self._cond:
@@ -147,9 +153,11 @@ class RemoteFile:
                     self._check()
                     began, faults, flowing = time.monotonic(), self.fetcher.retries, self._flowing
                     self._cond.wait()
+                    waited = time.monotonic() - began
+                    self._waited += waited
                     # Bytes flowed before and after, and no fault meanwhile: the download is too slow.
                     if flowing and self._flowing and self.fetcher.retries == faults:
-                        self._starved += time.monotonic() - began
+                        self._starved += waited
                     continue
                 offset, block = self._blocks[0]
                 start = self._pos - offset

@@ -1,12 +1,24 @@
-"""The loop side of a ``RemoteFile``: the GETs that fill its buffer, and how many run at once.
+"""The loop side of a ``RemoteFile``: the GETs that fill its buffer, how many run at once and how big.
 
 A store that answers each GET after a latency and caps each connection's bandwidth makes one GET
 too slow for a parser: while the thread waits for bytes (20 ms of waiting since the last look),
-the download gains a ranged GET of the next segment (``capacity / 8`` bytes, 1 MiB at least), up
-to ``capacity / segment + 1`` GETs in flight (16 at most). Only the first piece's bytes go to the
-thread; a later piece holds its own until the ones before it are done, and reads while everything
-held stays under ``capacity``: memory stays under ``2 * capacity`` plus a block per GET. Each piece
-retries alone, from its own first missing byte, with the first answer's ETag.
+the download gains ranged GETs of the segments ahead. How many and how big come from what the
+read's downloads observed (their ``Link``): the first-byte latency ``L`` and a connection's
+bandwidth ``B`` (both taken before the read's own GETs load the CPU and the network), and the
+parser's pace ``R`` (bytes it read per second of not waiting). By Little's law ``n`` segments of
+``s`` bytes in flight pass ``n * s / (L + s / B)``, and the window ``n * s`` is bounded by
+``capacity + s``: the segment is the largest (whole MiB, 1 MiB to ``capacity / 8``) whose window
+passes ``R``, ``B * (capacity / R - L)``, and the GETs grow to 1.5 times what ``R`` needs, up to
+``capacity / s + 1`` (``_MAX_PIECES`` at most; ``_READ_GETS`` for all the read's downloads). At
+50 ms and 100 MB/s with a 64 MiB buffer, 8 MiB segments (9 GETs) passed at most ~560 MB/s; 1 to
+4 MiB segments (17 to 64 GETs) pass 0.8 to 1 GB/s. Only the oldest download still asking for
+bytes (``Link.leader``) grows: the ones read ahead stream on one GET until they lead, then start
+with what it came to, so the consumer's shard gets the CPU and the network first.
+
+Only the first piece's bytes go to the thread; a later piece holds its own until the ones before it
+are done, and reads while everything held stays under ``capacity``: memory stays under
+``2 * capacity`` plus a block per GET. Each piece retries alone, from its own first missing byte,
+with the first answer's ETag.
 
 The fetcher shares the file's lock: the thread's reads, the bytes held here and the wake-ups
 between them are counted under one condition.
@@ -15,7 +27,9 @@ between them are counted under one condition.
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
+import time
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -25,7 +39,7 @@ from ._retry import Retry, backoff_or_raise
 if TYPE_CHECKING:
     from ._remote import RemoteFile
 
-__all__ = ["Fetcher"]
+__all__ = ["Fetcher", "Link"]
 
 
 class _Jump(Exception):
@@ -36,9 +50,76 @@ class _Jump(Exception):
         self.target = target
 
 
-# The thread waited this long for bytes since the download last grew: one more GET in flight.
+# The thread waited this long for bytes since the download last grew: more GETs in flight.
 _STARVED = 0.02
-_MAX_PIECES = 16
+_MAX_PIECES = 64  # GETs in flight for one download
+_READ_GETS = 128  # for all the downloads of one read: well inside a store's connection cap (S3's 503 SlowDown)
+_MIB = 1 << 20
+
+
+class Link:
+    """What the downloads of one read observed of their store, shared by them: a new download
+    sizes its segments from it and starts with the GETs the earlier ones came to (``pieces``).
+
+    Loop side only. ``latency``: seconds from a GET to its answer; ``bandwidth``: bytes a second
+    one connection delivered. Both are taken before any download of the read gains a ranged GET:
+    later, the read's own GETs share the CPU and the network, and a connection's share of them
+    would shrink the segments and add more GETs to share them with.
+    """
+
+    def __init__(self) -> None:
+        self.latency: float | None = None
+        self.pieces = 1  # the most GETs in flight one download came to
+        self.pace: float | None = None  # bytes a second the consumer read while not waiting, last measured
+        self.fetchers: dict[Fetcher, None] = {}  # the downloads running now, oldest first
+        self._bytes = 0
+        self._seconds = 0.0
+
+    @property
+    def bandwidth(self) -> float | None:
+        return self._bytes / self._seconds if self._seconds > 0.01 else None
+
+    @property
+    def observing(self) -> bool:
+        return self.pieces == 1 or self.latency is None or self.bandwidth is None
+
+    def answered(self, seconds: float) -> None:
+        if self.observing:
+            self.latency = seconds if self.latency is None else min(self.latency, seconds)
+
+    def received(self, nbytes: int, seconds: float) -> None:
+        if self.observing:
+            self._bytes += nbytes
+            self._seconds += seconds
+
+    def leader(self) -> Fetcher | None:
+        """The oldest running download with bytes no GET asks for yet: the one that adds GETs.
+
+        The consumer reads the downloads in the order they started; once the oldest has asked for
+        all its bytes, more GETs for it would fetch nothing, and the next one takes the lead.
+        """
+        return next((f for f in self.fetchers if f.can_grow()), None)
+
+    def handed_over(self) -> None:
+        """The lead passed (a download asked for its last bytes, or ended): the new leader grows now."""
+        leader = self.leader()
+        if leader is not None:
+            leader.grow()
+
+    def wanted(self) -> int:
+        """GETs the running downloads want in flight, together."""
+        return sum(f.want for f in self.fetchers)
+
+    def segment(self, capacity: int) -> int:
+        """Bytes per ranged GET: the largest (in whole MiB) whose window of ``capacity`` bytes in
+        flight passes the consumer's ``pace``: ``B * (capacity / pace - L)``, between 1 MiB and
+        ``capacity / 8`` (that, until the link and a pace are observed)."""
+        most = max(_MIB, capacity // 8)
+        bandwidth = self.bandwidth
+        if self.latency is None or bandwidth is None or not self.pace:
+            return most
+        fit = bandwidth * (capacity / self.pace - self.latency)
+        return min(most, max(_MIB, int(fit) // _MIB * _MIB))
 
 
 class _Piece:
@@ -54,15 +135,15 @@ class _Piece:
 class Fetcher:
     """The GETs of one ``RemoteFile``, run on the loop by its ``fill()``; ``cond`` is the file's lock."""
 
-    def __init__(self, file: RemoteFile, store: Store, key: str, retry: Retry, pieces: int,
+    def __init__(self, file: RemoteFile, store: Store, key: str, retry: Retry, link: Link,
                  cond: threading.Condition) -> None:
-        self.file, self.store, self.key, self.retry = file, store, key, retry
+        self.file, self.store, self.key, self.retry, self.link = file, store, key, retry, link
         self._cond = cond
         self.size: int | None = None  # the object's size, from the first answer
         self.retries = 0  # faults survived (reported in the reader's stats)
         self.peak = 0  # most bytes buffered at once
-        self.pieces = pieces  # GETs in flight to start with once the size is known
         self.want = 1  # GETs in flight wanted now
+        self._mark: tuple[float, int, float] | None = None  # (time, bytes read, seconds waited) at the last look
         self._loop: asyncio.AbstractEventLoop | None = None
         self._room: asyncio.Event | None = None
         self._waking = False  # a wake-up of the download is scheduled on the loop
@@ -76,10 +157,14 @@ class Fetcher:
         """Download to the end or a close; raises the first error of a piece's GET."""
         self._loop = asyncio.get_running_loop()
         self._room = asyncio.Event()
+        self.link.fetchers[self] = None
         try:
             await self._download()
         except BaseExceptionGroup as group:  # from the pieces' task group: its first error
             raise group.exceptions[0] from None
+        finally:
+            self.link.fetchers.pop(self, None)
+            self.link.handed_over()
 
     async def _download(self) -> None:
         start: int | None = 0
@@ -92,6 +177,7 @@ class Fetcher:
         self._pieces = deque([_Piece(start, None)])
         self._planned = self.size  # the end of the last piece planned; None until the size is known
         self.want = 1
+        self._mark = None
         self.file.restarted()
         try:
             async with asyncio.TaskGroup() as group:
@@ -111,13 +197,14 @@ class Fetcher:
 
     async def _fetch(self, piece: _Piece) -> None:
         """One piece's GET, resumed at its first byte not yet received after a fault."""
-        failures, body = 0, None
+        failures, body, loop = 0, None, asyncio.get_running_loop()
         try:
             while not self.file.closed:
                 end = piece.end if piece.end is not None else self.size
                 if end is not None and piece.pos >= end:
                     break
                 if body is None:
+                    asked = loop.time()
                     try:
                         async with asyncio.timeout(self.retry.timeout):
                             body = await self._open(piece)
@@ -125,11 +212,13 @@ class Fetcher:
                         failures += 1
                         await self._backoff(exc, failures)
                         continue
+                    self.link.answered(loop.time() - asked)
                     self._etag = self._etag or body.etag  # later pieces must come from the same object
                     self._set_size(body.size)
-                    self._grow()
+                    self.grow()
                     continue
-                await self._wait_for_room(piece)
+                waited = await self._wait_for_room(piece)
+                asked = loop.time()
                 try:
                     async with asyncio.timeout(self.retry.timeout):
                         block = await body.next()
@@ -143,13 +232,15 @@ class Fetcher:
                     continue
                 if not block:
                     break
+                if not waited:  # bytes the socket held while the piece waited would overstate the link
+                    self.link.received(len(block), loop.time() - asked)
                 failures = 0  # progress: the budget is for failures in a row
                 end = piece.end if piece.end is not None else body.size
                 if piece.pos + len(block) > end:  # a cut piece, or a server that ignored the range's end
                     block = block[: end - piece.pos]
                 self._deliver(piece, memoryview(block))
                 piece.pos += len(block)
-                self._grow()
+                self.grow()
         finally:
             if body is not None:
                 await _drop(body)
@@ -198,24 +289,64 @@ class Fetcher:
         self.wake()  # the new head waited as a later piece: it may go on now
         self._plan()
 
-    def _grow(self) -> None:
-        """The thread waited for bytes (``_STARVED`` seconds since the last look): one more GET in
-        flight, up to ``capacity / segment + 1`` (``_MAX_PIECES`` at most). A new download starts at once with as many as ``pieces``
-        (what the downloads before it of the same read came to)."""
+    def grow(self) -> None:
+        """More GETs in flight, if this download leads the read's (``Link.leader``): at once as
+        many as the read's downloads came to (``Link.pieces``: what the consumer needed), then,
+        each time the thread has waited ``_STARVED`` seconds since the last look, what the
+        thread's pace needs (see the module docstring), or one more. A download read ahead
+        of the consumer keeps its one streamed GET until it leads: the CPU and the network go to
+        the shard the consumer waits on first."""
         if self.size is None:
             return
-        if self.want < self.pieces:
-            while self.want < self.pieces and self._more():
+        starved = self.file.starved
+        if self._mark is None or starved == 0:
+            self._mark = (time.monotonic(), self.file.tell(), self.file.waited)
+        if self.link.leader() is not self:
+            return
+        if self.want < self.link.pieces:
+            while self.want < self.link.pieces and self._more():
                 pass
-        elif self.file.starved >= _STARVED:
+        elif starved >= _STARVED:
             self.file.forget_starved()
-            self._more()
+            needed = self._needed()
+            # With the link observed, the GETs the pace needs (half again: the estimate is taken
+            # before the read's own load, so it is low); without, one more, as each wait asks.
+            target = math.ceil(1.5 * needed) if needed else self.want + 1
+            while self.want < target and self._more():
+                pass
+            self._mark = (time.monotonic(), self.file.tell(), self.file.waited)
+        if not self.can_grow():
+            self.link.handed_over()
+
+    def can_grow(self) -> bool:
+        """Bytes of the object are not yet asked for by a ranged GET (or its size is unknown)."""
+        if self.size is None:
+            return True
+        tail = self._pieces[-1] if self._pieces else None
+        if tail is not None and tail.end is None:  # one streamed GET: _more cuts it a segment ahead
+            return tail.pos + 2 * self._segment() <= self.size
+        return self._planned is not None and self._planned < self.size
+
+    def _needed(self) -> int:
+        """GETs in flight the thread's pace since the last look needs: ``R * (L + s / B) / s``,
+        with the segment sized for that pace (``Link.segment``)."""
+        link, mark = self.link, self._mark
+        bandwidth = link.bandwidth
+        if mark is None or link.latency is None or bandwidth is None:
+            return 0
+        began, read, waited = mark
+        busy = (time.monotonic() - began) - (self.file.waited - waited)
+        if self.file.tell() <= read:  # nothing read since (a jump, or a thread held up elsewhere)
+            return 0
+        link.pace = (self.file.tell() - read) / max(busy, 2e-3)
+        segment = self._segment()
+        return math.ceil(link.pace * (link.latency + segment / bandwidth) / segment)
 
     def _more(self) -> bool:
-        """One more piece in flight, if the limit and the object's size allow."""
+        """One more piece in flight, if the limits and the object's size allow."""
         assert self.size is not None
         segment = self._segment()
-        if self.want >= min(_MAX_PIECES, self.file.capacity // segment + 1):
+        if self.want >= min(_MAX_PIECES, self.file.capacity // segment + 1) or self.link.wanted() >= _READ_GETS:
             return False
         tail = self._pieces[-1] if self._pieces else None
         if tail is not None and tail.end is None:  # still one streamed GET: it stops a segment ahead
@@ -223,14 +354,13 @@ class Fetcher:
                 return False
             tail.end = self._planned = tail.pos + segment
         self.want += 1
+        self.link.pieces = max(self.link.pieces, self.want)
         self._plan()
         return True
 
     def _segment(self) -> int:
-        # Segments of capacity / 8: the pieces after the head hold at most ``capacity`` (the
-        # head's bound is its own), and at 50 ms first byte and 100 MB/s a segment of 8 MiB (a
-        # 64 MiB buffer) keeps its connection busy 60% of the time, 1 MiB (8 MiB) 17%.
-        return max(1 << 20, self.file.capacity // 8)
+        # The pieces after the head hold at most ``capacity`` (the head's bound is its own).
+        return self.link.segment(self.file.capacity)
 
     def _plan(self) -> None:
         """Start segments after the last planned piece until ``want`` are in flight."""
@@ -255,10 +385,12 @@ class Fetcher:
             f"stalled: nothing within {self.retry.timeout:g} s", retryable=True)
         await backoff_or_raise(fault, failures, self.retry, self.file.name, "GET")
 
-    async def _wait_for_room(self, piece: _Piece) -> None:
+    async def _wait_for_room(self, piece: _Piece) -> bool:
         """Wait while the bytes held reach ``capacity`` (the head: its own, sent to the thread;
-        a later piece: everything held). A long seek of the thread ends the download here."""
+        a later piece: everything held); True if it waited. A long seek of the thread ends the
+        download here."""
         assert self._room is not None
+        waited = False
         while True:
             with self._cond:
                 target = self.file.take_jump()
@@ -267,8 +399,9 @@ class Fetcher:
                 head = bool(self._pieces) and self._pieces[0] is piece
                 used = self.file.buffered if head else self.file.buffered + self._held
                 if used < self.file.capacity or self.file.closed:
-                    return
+                    return waited
                 self._room.clear()
+            waited = True
             await self._room.wait()
 
     # -- wake-ups ------------------------------------------------------------------------------

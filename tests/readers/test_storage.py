@@ -341,3 +341,22 @@ def test_wrong_storage_arguments():
     with pytest.raises(ConfigError):
         S3Store("b", secret="x")
     assert "x" not in repr(S3Store("b", secret_access_key="x" * 8))
+
+
+def test_segments_are_sized_for_the_link_and_the_pace():
+    from headrace.readers._storage._remote_fetch import Link
+
+    link = Link()
+    assert link.segment(64 << 20) == 8 << 20  # nothing observed: capacity / 8
+    link.answered(0.05)
+    link.received(100 << 20, 1.0)  # ~105 MB/s a connection
+    assert link.segment(64 << 20) == 8 << 20  # no pace yet
+    link.pace = 700e6  # a window of 64 MiB passes 700 MB/s at 50 ms with segments up to ~4.5 MB
+    assert link.segment(64 << 20) == 4 << 20
+    link.pace = 2e9  # more than 64 MiB / 50 ms can pass: the smallest segments
+    assert link.segment(64 << 20) == 1 << 20
+    link.pace = 100e6  # a slow consumer: few, large segments
+    assert link.segment(64 << 20) == 8 << 20
+    link.pieces = 2  # a download grew: what the read's own GETs do to the link is not observed
+    link.answered(0.5)
+    assert link.latency == 0.05
