@@ -4,7 +4,8 @@ L lanes (a thread, a CUDA stream and a decoder each) parse and decode batches of
 training pipeline's random-resized-crop windows, from JPEGs already in memory: no reader, no
 kernels, no event loop. What the whole pipeline reaches over this is what the host side costs
 (docs/gpu-notes.md §6 has the Python API's numbers). Needs a GPU; prints one line per
-configuration (lanes, hw_load, decoder threads): median images/s of two passes after one.
+configuration (lanes, hw_load, decoder threads): median images/s of two passes after one, and the
+host cores the process kept busy (CPU time over wall time) for it.
 
     python examples/benchmark_decode_floor.py /path/to/class-folders [K ...]   # e.g. benchmark_gpu.py's --data;
                                                                               # K: run only configuration K
@@ -74,14 +75,17 @@ def run(lanes, hw, threads, cuda_load=1.0, order=None, passes=3):
     ls = [Lane(i) for i in range(lanes)]
     for l in ls: l.start()
     for l in ls: l.ready.wait()
+    busy = []  # host cores busy (process CPU time over wall time): what the rate costs the host
     for p in range(passes):
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         for l in ls: l.go.set()
         for l in ls: l.done.wait(); l.done.clear()
         dt = time.perf_counter() - t
-        if p: rates.append(len(blobs) / dt)
+        if p:
+            rates.append(len(blobs) / dt)
+            busy.append((time.process_time() - cpu) / dt)
     for l in ls: l.join()
-    return statistics.median(rates), rates
+    return statistics.median(rates), rates, statistics.median(busy)
 
 cores = os.cpu_count()
 # (lanes, hw_load, decoder threads, CUDA decoder's share of the rest: the remainder decodes on the CPU[, order])
@@ -89,11 +93,19 @@ configs = [(1, 0.65, cores, 1.0), (2, 0.65, cores, 1.0), (2, "adaptive", cores, 
            (2, 0.65, cores, 0.8), (2, 0.5, cores, 0.8), (3, 0.65, cores, 1.0), (3, "adaptive", cores, 1.0),
            (4, 0.65, cores, 1.0), (4, "adaptive", cores, 1.0), (2, 0.65, cores // 2, 1.0), (2, 0.5, cores, 1.0),
            (2, 0.8, cores, 1.0), (3, 0.65, cores // 3, 1.0),
-           (2, 0.65, cores, 1.0, "area"), (2, 0.8, cores, 1.0, "area"), (1, 0.65, cores, 1.0, "area")]
+           (2, 0.65, cores, 1.0, "area"), (2, 0.8, cores, 1.0, "area"), (1, 0.65, cores, 1.0, "area"),
+           # 17-19: the hardware engines alone (every JPEG here is baseline); 20-23: the CUDA decoder
+           # alone (Huffman on the host) on 16, 8, 4, 2 threads: what a host core is worth to it
+           (1, 1.0, cores, 1.0), (2, 1.0, cores, 1.0), (3, 1.0, cores, 1.0),
+           (2, 0.0, cores, 1.0), (2, 0.0, 8, 1.0), (2, 0.0, 4, 1.0), (2, 0.0, 2, 1.0),
+           # 24-29: more lanes with the engines taking more, the host threads shared among the lanes
+           (4, 1.0, cores, 1.0), (3, 0.8, cores, 1.0), (3, 0.8, cores // 3, 1.0), (4, 0.8, cores // 4, 1.0),
+           (4, 0.65, cores // 4, 1.0), (3, 0.9, cores, 1.0)]
 only = sys.argv[2:]  # optional: the indices of the configurations to run
 for k, (lanes, hw, th, cl, *rest) in enumerate(configs):
     if only and str(k) not in only:
         continue
     order = rest[0] if rest else None
-    med, rates = run(lanes, hw, th, cl, order)
-    print(f"decode floor lanes={lanes} hw={hw} threads={th} cuda_load={cl} order={order}: {med:,.0f} img/s  runs {[round(r) for r in rates]}", flush=True)
+    med, rates, busy = run(lanes, hw, th, cl, order)
+    print(f"decode floor lanes={lanes} hw={hw} threads={th} cuda_load={cl} order={order}: {med:,.0f} img/s  "
+          f"runs {[round(r) for r in rates]}  cores busy {busy:.1f} ({busy / med * 1000:.2f} per 1,000 img/s)", flush=True)

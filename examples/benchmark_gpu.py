@@ -116,8 +116,10 @@ def bench_reader(root: Path, epochs: int) -> dict:
 
 def _gpu_loader(root: Path, pipeline, batch: int, lanes: int, hw_load: float | str = 0.65, threads: int | None = None,
                 run_ahead: bool | None = None, tuning: ops.GpuTuning | None = None) -> headrace.Loader:
+    # threads: each lane's decoder threads (the loader's num_threads is the lanes' total)
     return headrace.Loader(readers.files(root, shuffle=True, io_threads=IO_THREADS), batch_size=batch, pipeline=pipeline,
-                           device="cuda", lanes=lanes, prefetch=lanes + 2, hw_load=hw_load, num_threads=threads,
+                           device="cuda", lanes=lanes, prefetch=lanes + 2, hw_load=hw_load,
+                           num_threads=threads * lanes if threads else None,
                            run_ahead=run_ahead, gpu_tuning=tuning)
 
 
@@ -151,9 +153,14 @@ def bench_headrace(root: Path, pipeline, batch: int, epochs: int, lanes: int, hw
 def bench_interleaved(root: Path, pipelines: dict[str, Any], batch: int, epochs: int, lanes: int) -> dict:
     """Rows whose loaders live side by side, one epoch each in turn, the order rotated every round:
     the machine's drift over a lease (whole runs of one row moved 10-15% on the H100) falls on every
-    row alike, and each round gives a paired ratio to the first row."""
+    row alike, and each round gives a paired ratio to the first row. A row is a pipeline, or a
+    (pipeline, {lanes, hw_load, threads}) pair for a loader set up otherwise."""
     loop = new_event_loop()
-    loaders = {name: _gpu_loader(root, pipeline, batch, lanes) for name, pipeline in pipelines.items()}
+    loaders = {}
+    for name, row in pipelines.items():
+        pipeline, setup = row if isinstance(row, tuple) else (row, {})
+        loaders[name] = _gpu_loader(root, pipeline, batch, setup.get("lanes", lanes), setup.get("hw_load", 0.65),
+                                    setup.get("threads"))
     names = list(loaders)
     try:
         for name in names:  # warm-up
@@ -322,9 +329,9 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=16384)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--lanes", type=int, default=2)
+    ap.add_argument("--lanes", type=int, default=4, help="GPU lanes (the Loader's default)")
     ap.add_argument("--variants", default="",
-                    help="also run headrace (train) with these LANES:HW_LOAD[:THREADS] (decoder threads per lane), e.g. 2:0.5,2:adaptive,3:0.65:5")
+                    help="also run headrace (train, or validation with val:) with these [val:]LANES:HW_LOAD[:THREADS] (decoder threads per lane), e.g. 2:0.5,3:0.65:5,val:4:0.65:4; --interleave runs them side by side")
     ap.add_argument("--io-threads", type=int, default=IO_THREADS, help="the files reader's I/O threads")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for the whole run (Python's default is 0.005 s)")
@@ -396,11 +403,16 @@ def main() -> None:
             root, ops.training(224, dtype="float16"), args.batch, args.epochs, args.lanes, hw))
         rows.append(f"hw{hw}")
     for variant in filter(None, args.variants.split(",")):
-        n, hw, *threads = variant.split(":")  # lanes:hw_load[:decoder threads per lane]
+        # [val:]lanes:hw_load[:decoder threads per lane]: the train (or validation) row set up otherwise
+        kind, spec = ("val", variant[4:]) if variant.startswith("val:") else ("train", variant)
+        n, hw, *threads = spec.split(":")
         hw_load = hw if hw == "adaptive" else float(hw)
-        label = f"headrace (train, {n} lanes, hw_load={hw}" + (f", {threads[0]} threads)" if threads else ")")
-        runners[variant] = (label, lambda n=int(n), hw_load=hw_load, t=int(threads[0]) if threads else None: bench_headrace(
-            root, ops.training(224, dtype="float16"), args.batch, args.epochs, n, hw_load, t))
+        label = f"headrace ({kind}, {n} lanes, hw_load={hw}" + (f", {threads[0]} threads)" if threads else ")")
+        make = pipelines[kind][1]
+        setup = {"lanes": int(n), "hw_load": hw_load, "threads": int(threads[0]) if threads else None}
+        pipelines[variant] = (label, lambda make=make, setup=setup: (make(), setup))  # --interleave runs it side by side
+        runners[variant] = (label, lambda make=make, s=setup: bench_headrace(
+            root, make(), args.batch, args.epochs, s["lanes"], s["hw_load"], s["threads"]))
         rows.append(variant)
     def train_with(key: str, label: str, tuning: ops.GpuTuning) -> None:  # the train row, tuned
         runners[key] = (f"headrace (train, {label})", lambda: bench_headrace(

@@ -31,7 +31,7 @@ class Executor(Protocol):
     async def aclose(self) -> None: ...
 
 
-def open_executor(pipeline: Pipeline, device: str, *, num_threads: int, seed: int, lanes: int = 2,
+def open_executor(pipeline: Pipeline, device: str, *, num_threads: int, seed: int, lanes: int = 4,
                   hw_load: float | str = 0.65, name: str = "headrace-cpu", decoder_threads: int | None = None,
                   tuning: Any = None) -> Executor:
     """An executor running ``pipeline`` on ``device`` (``"cpu"`` or ``"cuda[:N]"``).

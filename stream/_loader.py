@@ -72,8 +72,10 @@ class Loader:
             ready on the consumer's current stream (it waits on the lane's event; the host does not).
             Under torchrun, ``"auto"`` and ``"cuda"`` mean ``"cuda:<LOCAL_RANK>"``.
         lanes: GPU lanes (thread + CUDA stream + decoder), fed by one thread that parses headers
-            and plans crops. Two is the default: on the H100 it was as fast as one or faster, and
-            held up better when other Python threads competed for the GIL (ops/README.md).
+            and plans crops. Four is the default: on the H100 (16 cores) four lanes of 4 host
+            threads each ran the training pipeline 1.16x as fast as two lanes of 16, epochs
+            interleaved (docs/benchmarks.md, issue 22): more batches in the decoders at once keep
+            both the hardware engines and the host threads busier.
         hw_load: share of each batch offered to the hardware JPEG decoder first (GPU path; 0.65,
             DALI's default, measured as good as or better than the others), or ``"adaptive"``
             (the share moves batch by batch).
@@ -81,9 +83,10 @@ class Loader:
             knobs; the defaults were the fastest measured).
         last_batch: ``"partial"`` (default), ``"fill"`` or ``"drop"`` for the short last batch.
         seed: keys the reader's shuffle (unless it has its own seed) and every random op.
-        num_threads: CPU threads for decode and transforms: the CPU path's workers, or each GPU
-            lane's nvImageCodec host threads (default: all cores, divided among the processes
-            torchrun started on the node, from ``LOCAL_WORLD_SIZE``).
+        num_threads: CPU threads for decode and transforms: the CPU path's workers, or the GPU
+            lanes' nvImageCodec host threads, shared among the lanes (each gets
+            ``num_threads // lanes``, at least one). Default: all cores, divided among the processes
+            torchrun started on the node, from ``LOCAL_WORLD_SIZE``.
         prefetch: batches in flight between the batcher and the consumer (decoding or done);
             default 3 on the CPU, ``lanes + 2`` on the GPU.
         run_ahead: once an epoch's last batch has gone to decode, start reading and decoding the
@@ -161,7 +164,7 @@ class Loader:
         max_bytes: int = 256 << 20,
         on_error: Literal["raise", "skip", "replace"] | Callable[[LoaderError], str] = "raise",
         max_errors: int | float | None = None,
-        lanes: int = 2,
+        lanes: int = 4,
         hw_load: float | str = 0.65,
         gpu_tuning: Any = None,
         run_ahead: bool | None = None,
@@ -200,7 +203,8 @@ class Loader:
         from headrace.ops._executors import open_executor
 
         return open_executor(self.pipeline, self.device, num_threads=self.num_threads, seed=self.seed,
-                             lanes=self.lanes, hw_load=self.hw_load, decoder_threads=self.num_threads,
+                             lanes=self.lanes, hw_load=self.hw_load,
+                             decoder_threads=max(1, self.num_threads // self.lanes),
                              tuning=self.gpu_tuning)
 
     def __len__(self) -> int:

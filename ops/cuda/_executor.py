@@ -116,8 +116,9 @@ class CudaExecutor:
     ``hw_load`` is the share of each batch given to the hardware JPEG decoder (baseline JPEGs,
     the largest first; the rest, and what it fails, go to the CUDA decoder, then Pillow), or
     ``"adaptive"``: the share moves batch by batch to keep both busy. ``decoder_threads`` are the host threads of
-    each lane's decoder (default: the cores; sharing them among the lanes was slower on the H100,
-    ops/README.md).
+    each lane's decoder (default: the cores shared among the lanes: on the H100, 4 lanes of 4
+    threads decoded more than 2 lanes of 16, each lane's batch a unit that waits for its slower
+    part, so more lanes keep the engines and the threads busier; docs/benchmarks.md, issue 22).
 
     ``run`` may be awaited for several batches at once. Cancelling it cancels its thread jobs that
     have not started (their parsed headers go back to the reader); one already running finishes
@@ -133,7 +134,7 @@ class CudaExecutor:
         pipeline: Pipeline,
         *,
         device: int | str | torch.device = 0,
-        lanes: int = 2,
+        lanes: int = 4,
         seed: int = 0,
         hw_load: float | str = 0.65,
         decoder_threads: int | None = None,
@@ -156,7 +157,7 @@ class CudaExecutor:
         self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        threads = decoder_threads or (os.cpu_count() or 2)
+        threads = decoder_threads or max(1, (os.cpu_count() or 2) // lanes)  # the cores, shared by the lanes
         # The C shim when it builds (GIL-free decode), else nvImageCodec's Python API.
         self.native = tuning.decode == "shim" and batch_decode.load() is not None
         exif = pipeline.decode.exif
