@@ -101,7 +101,8 @@ class WebDatasetReader(Reader):
 
     @property
     def peak_buffered(self) -> int:
-        """The most bytes one download held ahead of its parser."""
+        """The most bytes one download held ahead of its parser, counting what the client held for
+        its ranged GETs: ``buffer_bytes`` at most, plus the block of the GET the parser reads."""
         return self.files.peak_buffered
 
     # -- shape of the stream ------------------------------------------------------------------
@@ -358,12 +359,14 @@ def webdataset(
     as a dict, or an attempt count); without them the standard AWS environment applies (e.g.
     ``AWS_ENDPOINT_URL_S3`` for an S3-compatible store). ``store``: read every shard from this
     store instead, ``source`` naming keys in it (``MemoryStore`` in tests). A shard is parsed while
-    it downloads; each download buffers at most ``buffer_bytes`` ahead of its parser (a full buffer
-    stops reading the socket), so memory stays at about ``(read_ahead + 1) * buffer_bytes`` plus the
-    samples in flight, however large the shards (twice that at most while ranged GETs run). While a
+    it downloads; each download holds at most ``buffer_bytes`` ahead of its parser, counting what the
+    HTTP client holds for each ranged GET it has in flight (a full buffer stops reading the socket),
+    so the reader holds about ``(read_ahead + 1) * buffer_bytes`` plus the samples in flight, however
+    large the shards. The process may show up to as much again in freed blocks the allocator keeps
+    (glibc's arenas of the client's threads: 100-170 MB at ``3 * 64`` MiB, measured). While a
     parser waits for bytes (a store's latency, a bandwidth cap per connection), its download adds
     ranged GETs of the segments ahead, sized from the latency and per-connection bandwidth it observed
-    and the parser's pace (1 MiB to ``buffer_bytes / 8`` each, up to ``buffer_bytes / segment + 1``
+    and the parser's pace (1 MiB to ``buffer_bytes / 8`` each, up to ``buffer_bytes / segment``
     in flight, 128 for the whole read); the next shards start with as many once the current one has
     asked for all its bytes: for a store 50 ms and 100 MB/s per connection away,
     ``buffer_bytes=64 << 20`` streams several hundred MB/s. Timeouts, dropped connections and 5xx answers are

@@ -60,6 +60,10 @@ class Store(ABC):
     """
 
     scheme: str = ""
+    # Bytes one open GET may hold in the client before ``next()`` hands them over: a download counts
+    # them against its bound for each GET it has in flight (``_remote_fetch.py``). Zero where
+    # ``next()`` makes the block on demand (memory, local files).
+    held_per_get: int = 0
     _users: int = 0
 
     @abstractmethod

@@ -29,6 +29,8 @@ class HttpStore(Store):
     """
 
     scheme = "http"
+    # A block of next(): up to _BLOCK taken from what aiohttp buffered, and the socket read it began with.
+    held_per_get = _BLOCK + (256 << 10)
 
     def __init__(self, **options: Any) -> None:
         unknown = set(options) - _OPTIONS

@@ -7,18 +7,24 @@ read's downloads observed (their ``Link``): the first-byte latency ``L`` and a c
 bandwidth ``B`` (both taken before the read's own GETs load the CPU and the network), and the
 parser's pace ``R`` (bytes it read per second of not waiting). By Little's law ``n`` segments of
 ``s`` bytes in flight pass ``n * s / (L + s / B)``, and the window ``n * s`` is bounded by
-``capacity + s``: the segment is the largest (whole MiB, 1 MiB to ``capacity / 8``) whose window
+``capacity``: the segment is the largest (whole MiB, 1 MiB to ``capacity / 8``) whose window
 passes ``R``, ``B * (capacity / R - L)``, and the GETs grow to 1.5 times what ``R`` needs, up to
-``capacity / s + 1`` (``_MAX_PIECES`` at most; ``_READ_GETS`` for all the read's downloads). At
+``capacity / s`` (``_MAX_PIECES`` at most; ``_READ_GETS`` for all the read's downloads). At
 50 ms and 100 MB/s with a 64 MiB buffer, 8 MiB segments (9 GETs) passed at most ~560 MB/s; 1 to
 4 MiB segments (17 to 64 GETs) pass 0.8 to 1 GB/s. Only the oldest download still asking for
 bytes (``Link.leader``) grows: the ones read ahead stream on one GET until they lead, then start
 with what it came to, so the consumer's shard gets the CPU and the network first.
 
 Only the first piece's bytes go to the thread; a later piece holds its own until the ones before it
-are done, and reads while everything held stays under ``capacity``: memory stays under
-``2 * capacity`` plus a block per GET. Each piece retries alone, from its own first missing byte,
-with the first answer's ETag.
+are done. What a download holds is counted as its ``load``: the bytes buffered for the thread, those
+held by later pieces, and for each later piece reading a block, what the client may hold for it until
+``next()`` hands it over (``Store.held_per_get``, at most what is left of the range: over S3 obstore
+assembles a block of 1 MiB and more below us, so a 1 MiB segment sits there whole until it is done).
+A later piece reads only while its block fits in ``capacity`` with the load, and its block is counted
+from that check on, so pieces passing together cannot overshoot; the head reads while the load is
+under ``capacity``, or the thread has nothing buffered (it waits for these bytes). Memory stays under
+``capacity`` plus the head's block. Each piece retries alone, from its own first missing byte, with
+the first answer's ETag.
 
 The fetcher shares the file's lock: the thread's reads, the bytes held here and the wake-ups
 between them are counted under one condition.
@@ -125,11 +131,12 @@ class Link:
 class _Piece:
     """Bytes ``[pos, end)`` of the object still to come from one GET (``end`` None: to the object's end)."""
 
-    __slots__ = ("done", "end", "held", "pos")
+    __slots__ = ("done", "end", "held", "pos", "reserved")
 
     def __init__(self, pos: int, end: int | None) -> None:
         self.pos, self.end, self.done = pos, end, False
         self.held: list[tuple[int, memoryview]] = []  # received before it was the head
+        self.reserved = 0  # bytes counted for the block the client assembles for it now
 
 
 class Fetcher:
@@ -151,6 +158,7 @@ class Fetcher:
         self._group: asyncio.TaskGroup | None = None
         self._planned: int | None = None
         self._held = 0  # bytes held by pieces after the head
+        self._reserved = 0  # bytes the client may hold for the later pieces' blocks being read
         self._etag: str | None = None
 
     async def run(self) -> None:
@@ -220,8 +228,11 @@ class Fetcher:
                 waited = await self._wait_for_room(piece)
                 asked = loop.time()
                 try:
-                    async with asyncio.timeout(self.retry.timeout):
-                        block = await body.next()
+                    try:
+                        async with asyncio.timeout(self.retry.timeout):
+                            block = await body.next()
+                    finally:
+                        self._release(piece)
                     if not block and piece.pos < (end if end is not None else body.size):
                         raise StoreFault(f"the body ended at byte {piece.pos} of {end}", retryable=True)
                 except (StoreFault, TimeoutError) as exc:
@@ -265,13 +276,13 @@ class Fetcher:
             with self._cond:
                 piece.held.append((piece.pos, block))
                 self._held += len(block)
-                self.peak = max(self.peak, self.file.buffered + self._held)
+                self.peak = max(self.peak, self.load())
 
     def _push(self, offset: int, block: memoryview) -> None:
         # The lock (reentrant) is held across the push, so the peak counts the buffer as it left it.
         with self._cond:
             if self.file.push(offset, block):
-                self.peak = max(self.peak, self.file.buffered + self._held)
+                self.peak = max(self.peak, self.load())
 
     def _done(self, piece: _Piece) -> None:
         """A piece is complete: the pieces after it that are complete too, or the next one, become
@@ -346,7 +357,9 @@ class Fetcher:
         """One more piece in flight, if the limits and the object's size allow."""
         assert self.size is not None
         segment = self._segment()
-        if self.want >= min(_MAX_PIECES, self.file.capacity // segment + 1) or self.link.wanted() >= _READ_GETS:
+        # The window: the pieces after the head hold their segments (in the client, then here), and
+        # with this many their load stays under ``capacity`` while the thread keeps up.
+        if self.want >= min(_MAX_PIECES, self.file.capacity // segment) or self.link.wanted() >= _READ_GETS:
             return False
         tail = self._pieces[-1] if self._pieces else None
         if tail is not None and tail.end is None:  # still one streamed GET: it stops a segment ahead
@@ -359,8 +372,19 @@ class Fetcher:
         return True
 
     def _segment(self) -> int:
-        # The pieces after the head hold at most ``capacity`` (the head's bound is its own).
         return self.link.segment(self.file.capacity)
+
+    def load(self) -> int:
+        """The bytes this download holds, counted against ``capacity``: those buffered for the
+        thread, those held by later pieces, and the blocks the client assembles for the later
+        pieces reading now (``Store.held_per_get`` each, at most what is left of the range; the
+        head's block is not counted: its bytes go to the thread as they come)."""
+        return self.file.buffered + self._held + self._reserved
+
+    def _release(self, piece: _Piece) -> None:
+        with self._cond:
+            self._reserved -= piece.reserved
+            piece.reserved = 0
 
     def _plan(self) -> None:
         """Start segments after the last planned piece until ``want`` are in flight."""
@@ -375,7 +399,7 @@ class Fetcher:
 
     def _drop_pieces(self) -> None:
         with self._cond:
-            self._held = 0
+            self._held = self._reserved = 0
         self._pieces.clear()
 
     async def _backoff(self, exc: BaseException, failures: int) -> None:
@@ -386,9 +410,11 @@ class Fetcher:
         await backoff_or_raise(fault, failures, self.retry, self.file.name, "GET")
 
     async def _wait_for_room(self, piece: _Piece) -> bool:
-        """Wait while the bytes held reach ``capacity`` (the head: its own, sent to the thread;
-        a later piece: everything held); True if it waited. A long seek of the thread ends the
-        download here."""
+        """Wait until the piece's next block fits: a later piece while ``load()`` and the block the
+        client may assemble for it stay within ``capacity`` (counted from here until its ``next()``
+        returns: pieces that pass together cannot overshoot); the head while ``load()`` is under
+        it, or the thread has nothing buffered (it waits for these bytes). True if it waited. A long
+        seek of the thread ends the download here."""
         assert self._room is not None
         waited = False
         while True:
@@ -396,10 +422,17 @@ class Fetcher:
                 target = self.file.take_jump()
                 if target is not None:
                     raise _Jump(target)
-                head = bool(self._pieces) and self._pieces[0] is piece
-                used = self.file.buffered if head else self.file.buffered + self._held
-                if used < self.file.capacity or self.file.closed:
+                if self.file.closed:
                     return waited
+                if self._pieces and self._pieces[0] is piece:
+                    if self.load() < self.file.capacity or not self.file.buffered:
+                        return waited
+                else:
+                    block = min(self.store.held_per_get, (piece.end or 0) - piece.pos)
+                    if self.load() + block <= self.file.capacity:
+                        piece.reserved = max(block, 0)
+                        self._reserved += piece.reserved
+                        return waited
                 self._room.clear()
             waited = True
             await self._room.wait()
