@@ -4,7 +4,8 @@ L lanes (a thread, a CUDA stream and a decoder each) parse and decode batches of
 training pipeline's random-resized-crop windows, from JPEGs already in memory: no reader, no
 kernels, no event loop. What the whole pipeline reaches over this is what the host side costs
 (docs/gpu-notes.md §6 has the Python API's numbers). Needs a GPU; prints one line per
-configuration (lanes, hw_load, decoder threads): median images/s of two passes after one, and the
+configuration (lanes, hw_load, decoder threads; lanes of their own kind, lanes taking the next
+batch when free): median images/s of two passes after one, and the
 host cores the process kept busy (CPU time over wall time) for it.
 
     python examples/benchmark_decode_floor.py /path/to/class-folders [K ...]   # e.g. benchmark_gpu.py's --data;
@@ -38,27 +39,43 @@ def regions_for(info, k):
     rnd = [uniforms(0, 0, pos, idx, op.randoms) if op.randoms else None for pos, op in enumerate(pipe.image_ops, 1)]
     return roi_batch(plan_batch(info[:, 0], info[:, 1], pipe.image_ops, rnd), info[:, 0], info[:, 1]).astype(np.int32)
 
-def run(lanes, hw, threads, cuda_load=1.0, order=None, passes=3):
+def run(lanes, hw, threads, cuda_load=1.0, order=None, passes=3, mix=None, dynamic=False):
+    """mix: each lane's own (hw_load, threads); dynamic: each lane takes the next batch when it is
+    free (a shared queue) instead of every lanes-th batch."""
     rates = []
+    queue = {"next": iter(()), "lock": threading.Lock()}
+
+    def batch_numbers(i):
+        if not dynamic:
+            yield from range(i, len(batches), lanes)
+            return
+        while True:
+            with queue["lock"]:
+                k = next(queue["next"], None)
+            if k is None:
+                return
+            yield k
+
     class Lane(threading.Thread):
         def __init__(s, i):
             super().__init__(); s.i = i; s.ready = threading.Event(); s.go = threading.Event(); s.done = threading.Event()
         def run(s):
             torch.cuda.set_device(0); cupy.cuda.Device(0).use()
             s.stream = cupy.cuda.Stream(non_blocking=True)
-            s.dec = BatchDecoder(0, threads=threads, hw_load=hw, cuda_load=cuda_load)
+            lane_hw, lane_threads = mix[s.i] if mix else (hw, threads)
+            s.dec = BatchDecoder(0, threads=lane_threads, hw_load=lane_hw, cuda_load=cuda_load)
             s.parsed = ParsedBatch()
             s.ws = [torch.empty(B * 224 * 224 * 3 * 8, dtype=torch.uint8, device="cuda") for _ in range(2)]
             s.ready.set()
             for p in range(passes):
                 s.go.wait(); s.go.clear()
                 ev = [None, None]
-                for k in range(s.i, len(batches), lanes):
+                for turn, k in enumerate(batch_numbers(s.i)):
                     info = s.parsed.parse(batches[k], exif=True)
                     reg = regions_for(info, k)
                     h, w = reg[:, 2] - reg[:, 0], reg[:, 3] - reg[:, 1]
                     sizes = (h.astype(np.int64) * w * 3 + 255) // 256 * 256
-                    slot = k // lanes % 2
+                    slot = turn % 2
                     if ev[slot] is not None: ev[slot].synchronize()
                     ptr = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.uint64) + np.uint64(s.ws[slot].data_ptr())
                     launch = Launch()
@@ -77,6 +94,7 @@ def run(lanes, hw, threads, cuda_load=1.0, order=None, passes=3):
     for l in ls: l.ready.wait()
     busy = []  # host cores busy (process CPU time over wall time): what the rate costs the host
     for p in range(passes):
+        queue["next"] = iter(range(len(batches)))
         t, cpu = time.perf_counter(), time.process_time()
         for l in ls: l.go.set()
         for l in ls: l.done.wait(); l.done.clear()
@@ -100,12 +118,21 @@ configs = [(1, 0.65, cores, 1.0), (2, 0.65, cores, 1.0), (2, "adaptive", cores, 
            (2, 0.0, cores, 1.0), (2, 0.0, 8, 1.0), (2, 0.0, 4, 1.0), (2, 0.0, 2, 1.0),
            # 24-29: more lanes with the engines taking more, the host threads shared among the lanes
            (4, 1.0, cores, 1.0), (3, 0.8, cores, 1.0), (3, 0.8, cores // 3, 1.0), (4, 0.8, cores // 4, 1.0),
-           (4, 0.65, cores // 4, 1.0), (3, 0.9, cores, 1.0)]
+           (4, 0.65, cores // 4, 1.0), (3, 0.9, cores, 1.0),
+           # 30-35: lanes taking the next batch when free; then lanes of one kind each, the engines'
+           # (hw_load 1, one host thread) beside the CUDA decoder's (hw_load 0, the cores left)
+           (4, 0.65, cores // 4, 1.0, None, None, True), (3, 0.65, cores // 3, 1.0, None, None, True),
+           (5, "mix", 0, 1.0, None, [(1.0, 1)] * 3 + [(0.0, (cores - 3) // 2)] * 2, True),
+           (4, "mix", 0, 1.0, None, [(1.0, 1)] * 2 + [(0.0, (cores - 2) // 2)] * 2, True),
+           (6, "mix", 0, 1.0, None, [(1.0, 1)] * 4 + [(0.0, (cores - 4) // 2)] * 2, True),
+           (6, "mix", 0, 1.0, None, [(1.0, 1)] * 3 + [(0.0, (cores - 3) // 3)] * 3, True)]
 only = sys.argv[2:]  # optional: the indices of the configurations to run
 for k, (lanes, hw, th, cl, *rest) in enumerate(configs):
     if only and str(k) not in only:
         continue
-    order = rest[0] if rest else None
-    med, rates, busy = run(lanes, hw, th, cl, order)
-    print(f"decode floor lanes={lanes} hw={hw} threads={th} cuda_load={cl} order={order}: {med:,.0f} img/s  "
+    order, mix, dynamic = (list(rest) + [None, None, False])[:3]
+    med, rates, busy = run(lanes, hw, th, cl, order, mix=mix, dynamic=dynamic)
+    how = f" mix={mix}" if mix else ""
+    how += " (each lane takes the next batch)" if dynamic else ""
+    print(f"decode floor lanes={lanes} hw={hw} threads={th} cuda_load={cl} order={order}{how}: {med:,.0f} img/s  "
           f"runs {[round(r) for r in rates]}  cores busy {busy:.1f} ({busy / med * 1000:.2f} per 1,000 img/s)", flush=True)
