@@ -21,15 +21,21 @@ imports, clients and readers are made, and an S3 prefix listed, before the clock
 - ``client``: obstore GETs of the objects, 256 at once, bytes counted and dropped: the ceiling of
   the client alone. With ``--latency-ms 0`` and ``--mbps 0`` (the ``zero`` rows) it shows the
   server is not the bottleneck: the raw client goes faster through it than any reader.
+- ``download`` (``headrace-download``): the shards through the webdataset reader's storage path
+  (``Downloads``: ``read_ahead + 1`` at once, ``buffer_bytes=--buffer-mb`` each, the ranged GETs
+  they gain), each drained by a thread in 1 MiB reads and the bytes dropped, no tar parsing: the
+  download limit apart from the parser. MB/s counts the shards' bytes; ``peak_load_mb`` is the most
+  one download counted against its bound (``buffer_bytes``), next to the process's peak RSS.
 
     python examples/benchmark_latency.py                      # 50 ms, 100 MB/s, 256 connections
     python examples/benchmark_latency.py --images 2048 --rows headrace   # a quick look
+    python examples/benchmark_latency.py --rows headrace-download --rounds 5   # downloads alone, no parse
 
 With ``--pipeline cuda`` (or ``cpu``) the rows are the training pipeline instead of the reader alone:
 ``headrace.Loader(reader, pipeline=ops.training(224, dtype="float16"))`` (on cuda: 2 lanes, prefetch 4,
 ``hw_load=0.65``, as ``examples/benchmark_gpu.py`` builds it) fed by the same headrace readers, shuffled,
 from local disk and over S3 at the same server settings: shards (``buffer_bytes=--buffer-mb``) and
-objects. Each row: one warm-up epoch off the clock, then ``--epochs`` timed epochs; images/s against the
+objects (and, with ``--rows shards,download``, the download-only row at the same settings). Each row: one warm-up epoch off the clock, then ``--epochs`` timed epochs; images/s against the
 local-disk row of the same data (shards against local shards, objects against the local folder) and
 the peak RSS, also as what the remote row holds beyond the local one, next to what its reader is
 configured to buffer. MB/s counts the JPEG bytes of the images delivered.
@@ -157,6 +163,62 @@ def _objects_reader(serve: Path, url: str, where: str, args: argparse.Namespace,
 def row_headrace_shards(serve: Path, url: str, where: str, args: argparse.Namespace) -> Callable[[], tuple[int, int]]:
     reader = _shards_reader(serve, url, where, args)
     return lambda: _count(reader.read(0))
+
+
+def row_headrace_download(serve: Path, url: str, where: str, args: argparse.Namespace) -> Callable[[], tuple[int, int]]:
+    """The shards downloaded as ``readers.webdataset`` downloads them, the bytes dropped (no parse):
+    returns (0 samples, the shards' bytes); ``peak_load_mb`` goes into ``_extra``."""
+    import asyncio
+    from collections import deque
+
+    from headrace import readers
+    from headrace._loop import new_event_loop
+    from headrace.readers._storage import Downloads, Storage
+
+    names = _shard_names(serve)
+    if where == "s3":
+        sources = [f"s3://{BUCKET}/shards/{n}" for n in names]
+    else:
+        sources = [f"{url}/{BUCKET}/shards/{n}" for n in names]
+    storage = Storage()
+    for source in sources:
+        storage.locate(source)  # the stores (and their clients) made off the clock
+    at_once = inspect.signature(readers.webdataset).parameters["read_ahead"].default + 1
+
+    def drain(f) -> int:  # noqa: ANN001 - a RemoteFile, read by a thread as the parser reads it
+        n = 0
+        with f:
+            while block := f.read(1 << 20):
+                n += len(block)
+        return n
+
+    async def run() -> tuple[int, int]:
+        downloads = Downloads(storage, args.buffer_mb << 20)
+        total = 0
+        async with storage.session():
+            try:
+                ahead = deque(downloads.open(s, i) for i, s in enumerate(sources[:at_once]))
+                for i in range(at_once, len(sources) + at_once):
+                    total += await asyncio.to_thread(drain, ahead.popleft())
+                    if i < len(sources):
+                        ahead.append(downloads.open(sources[i], i))
+            finally:
+                await downloads.aclose()
+        _extra["peak_load_mb"] = max(_extra.get("peak_load_mb", 0), downloads.peak / 2**20)
+        return 0, total
+
+    def read() -> tuple[int, int]:
+        loop = new_event_loop()
+        try:
+            return loop.run_until_complete(run())
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()
+
+    return read
+
+
+_extra: dict[str, float] = {}  # what a row reports beyond rate and memory (the child's result line)
 
 
 def row_headrace_objects(serve: Path, url: str, where: str, args: argparse.Namespace) -> Callable[[], tuple[int, int]]:
@@ -294,6 +356,7 @@ class TrainingEpochs:
         self.cuda = args.pipeline == "cuda"
         # On the GPU, the loader examples/benchmark_gpu.py's bench_headrace measures from local disk.
         gpu = {"lanes": 2, "prefetch": 2 + 2, "hw_load": 0.65} if self.cuda else {}
+        self.reader = reader
         self.loader = headrace.Loader(reader, batch_size=args.batch, pipeline=ops.training(224, dtype="float16"),
                                       device=args.pipeline, **gpu)
         # Every epoch delivers every image once, so its JPEG bytes are the images' sizes summed.
@@ -331,6 +394,7 @@ def row_pipeline_objects(serve: Path, url: str, where: str, args: argparse.Names
 ROWS = {
     "headrace-shards": row_headrace_shards,
     "headrace-objects": row_headrace_objects,
+    "headrace-download": row_headrace_download,
     "webdataset-shards": row_webdataset,
     "dataloader-objects": row_dataloader,
     "client-objects": row_client,
@@ -338,6 +402,7 @@ ROWS = {
     "pipeline-objects": row_pipeline_objects,
 }
 SYSTEMS = {"headrace-shards": "headrace webdataset()", "headrace-objects": "headrace files()",
+           "headrace-download": "headrace downloads, no parse",
            "webdataset-shards": "webdataset library", "dataloader-objects": "DataLoader + boto3/urllib",
            "client-objects": "obstore GETs, 256 at once", "pipeline-shards": "Loader + training(), webdataset()",
            "pipeline-objects": "Loader + training(), files()"}
@@ -374,9 +439,11 @@ def run_row(args: argparse.Namespace) -> None:
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     result = {"samples": samples, "payload_bytes": nbytes, "seconds": seconds, "cpu_seconds": cpu() - began,
               "samples_per_s": samples / seconds, "mb_per_s": nbytes / seconds / 1e6, "peak_rss_mb": own,
-              "peak_rss_children_mb": children, "setup_seconds": setup}
+              "peak_rss_children_mb": children, "setup_seconds": setup, "config_buffer_mb": args.buffer_mb, **_extra}
     if pipeline_row:
         result.update(warmup_seconds=warmup, epoch_samples_per_s=epoch_rates)
+        if getattr(read.reader, "peak_buffered", 0):  # shards over a store: one download's peak load
+            result["peak_load_mb"] = read.reader.peak_buffered / 2**20
         if args.pipeline == "cuda":
             import torch
 
@@ -390,9 +457,9 @@ def run_row(args: argparse.Namespace) -> None:
 
 
 def print_reader_table(results: list[dict], label: dict[str, str], args: argparse.Namespace) -> None:
-    print(f"| {'source':30s} | {'data':7s} | {'system':28s} | {'samples/s':>9s} | {'MB/s':>6s} | {'peak RSS MB':>11s} "
+    print(f"| {'source':30s} | {'data':8s} | {'system':28s} | {'samples/s':>9s} | {'MB/s':>6s} | {'peak RSS MB':>11s} "
           f"| {'conns':>5s} | {'503s':>5s} | {'CPU s: reader, server':>21s} |")
-    print(f"| {'-' * 30} | {'-' * 7} | {'-' * 28} | {'-' * 8}:| {'-' * 5}:| {'-' * 10}:| {'-' * 4}:| {'-' * 4}:| "
+    print(f"| {'-' * 30} | {'-' * 8} | {'-' * 28} | {'-' * 8}:| {'-' * 5}:| {'-' * 10}:| {'-' * 4}:| {'-' * 4}:| "
           f"{'-' * 20}:|")
     # Peak RSS: the process's own; a DataLoader's adds its largest worker process x the workers
     # (an upper bound: workers share pages with the parent).
@@ -400,7 +467,8 @@ def print_reader_table(results: list[dict], label: dict[str, str], args: argpars
         where = {"local": "local disk", "s3": "S3", "http": "HTTP"}[r["where"]]
         src = where if r["where"] == "local" else f"{where}, {label[r['setting']]}"
         rss = r["peak_rss_mb"] + (r["peak_rss_children_mb"] * args.workers if r["row"].startswith("dataloader") else 0)
-        print(f"| {src:30s} | {r['row'].split('-')[1]:7s} | {r['system']:28s} | {r['samples_per_s']:9,.0f} | "
+        rate = f"{r['samples_per_s']:9,.0f}" if r["samples"] else f"{'-':>9s}"
+        print(f"| {src:30s} | {r['row'].split('-')[1]:8s} | {r['system']:28s} | {rate} | "
               f"{r['mb_per_s']:6.0f} | {rss:11.0f} | {r.get('server_peak_connections', '-'):>5} | "
               f"{r.get('server_refused', '-'):>5} | {r['cpu_seconds']:11.1f}, {r.get('server_cpu_seconds', 0):7.1f} |")
 
@@ -415,9 +483,10 @@ def reader_bounds(args: argparse.Namespace) -> dict[str, int]:
 
     The Loader's own buffers (``max_bytes`` between reader and batcher, ``prefetch`` batches) are
     the same from local disk, so a remote row's peak RSS beyond its local row's should stay within
-    this. Shards: ``(read_ahead + 1)`` downloads of ``buffer_bytes``, twice that while ranged GETs
-    run; objects: the chunks fetched ahead fit in ``buffer_bytes``. Read from the signatures, so
-    the bounds follow the readers' defaults.
+    this. Shards: ``(read_ahead + 1)`` downloads of ``buffer_bytes`` (counting what the client holds
+    for their GETs), twice that with the freed blocks the allocator keeps; objects: the chunks
+    fetched ahead fit in ``buffer_bytes``. Read from the signatures, so the bounds follow the
+    readers' defaults.
     """
     from headrace import readers
 
@@ -428,10 +497,10 @@ def reader_bounds(args: argparse.Namespace) -> dict[str, int]:
 
 def print_pipeline_table(results: list[dict], label: dict[str, str], bounds: dict[str, int]) -> None:
     local = {r["row"]: r for r in results if r["where"] == "local"}
-    print(f"| {'data':7s} | {'source':30s} | {'images/s':>8s} | {'MB/s':>5s} | {'vs local disk':>13s} | "
+    print(f"| {'data':8s} | {'source':30s} | {'images/s':>8s} | {'MB/s':>5s} | {'vs local disk':>13s} | "
           f"{'goal':>13s} | {'peak RSS MB':>11s} | {'beyond local / reader bound MB':>30s} | {'conns':>5s} | "
           f"{'503s':>5s} |")
-    print(f"| {'-' * 7} | {'-' * 30} | {'-' * 7}:| {'-' * 4}:| {'-' * 12}:| {'-' * 12}:| {'-' * 10}:| {'-' * 29}:| "
+    print(f"| {'-' * 8} | {'-' * 30} | {'-' * 7}:| {'-' * 4}:| {'-' * 12}:| {'-' * 12}:| {'-' * 10}:| {'-' * 29}:| "
           f"{'-' * 4}:| {'-' * 4}:|")
     for r in results:
         base = local.get(r["row"])
@@ -443,11 +512,18 @@ def print_pipeline_table(results: list[dict], label: dict[str, str], bounds: dic
             goal = f">= {GOALS[r['row']]:.0%} " + ("met" if share >= GOALS[r["row"]] else "MISSED")
             beyond = f"{r['peak_rss_mb'] - base['peak_rss_mb']:+.0f} / {bounds[r['row']] / 2**20:.0f}"
         src = "local disk" if not remote else f"S3, {label[r['setting']]}"
-        print(f"| {r['row'].split('-')[1]:7s} | {src:30s} | {r['samples_per_s']:8,.0f} | {r['mb_per_s']:5.0f} | "
+        rate = f"{r['samples_per_s']:8,.0f}" if r["samples"] else f"{'-':>8s}"
+        print(f"| {r['row'].split('-')[1]:8s} | {src:30s} | {rate} | {r['mb_per_s']:5.0f} | "
               f"{vs:>13s} | {goal:>13s} | {r['peak_rss_mb']:11.0f} | {beyond:>30s} | "
               f"{r.get('server_peak_connections', '-'):>5} | {r.get('server_refused', '-'):>5} |")
     for r in results:
+        if "epoch_samples_per_s" not in r:  # the download-only row
+            print(f"{r['row']} {r['where']}: {r['mb_per_s']:,.0f} MB/s, peak RSS {r['peak_rss_mb']:.0f} MB, "
+                  f"one download's peak load {r.get('peak_load_mb', 0):.0f} MiB (bound {r['config_buffer_mb']} MiB)")
+            continue
         gpu = f", peak torch GPU memory {r['peak_gpu_mib_torch']:.0f} MiB" if "peak_gpu_mib_torch" in r else ""
+        if "peak_load_mb" in r:
+            gpu += f", one download's peak load {r['peak_load_mb']:.0f} MiB (bound {r['config_buffer_mb']} MiB)"
         print(f"{r['row']} {r['where']}: epochs {', '.join(f'{x:,.0f}' for x in r['epoch_samples_per_s'])} images/s "
               f"(rounds {', '.join(f'{x:,}' for x in r['all_samples_per_s'])}); setup {r['setup_seconds']:.1f} s, "
               f"warm-up epoch {r['warmup_seconds']:.1f} s, process {r['process_seconds']:.0f} s{gpu}")
@@ -460,7 +536,8 @@ def plan(rows: str, pipeline: str | None) -> list[tuple[str, str, str]]:
     """(row, where, server setting) in the order they run."""
     if pipeline:
         out = [("pipeline-shards", "local", "-"), ("pipeline-objects", "local", "-"),
-               ("pipeline-shards", "s3", "slow"), ("pipeline-objects", "s3", "slow")]
+               ("pipeline-shards", "s3", "slow"), ("pipeline-objects", "s3", "slow"),
+               ("headrace-download", "s3", "slow")]  # the shards' download limit, apart from the parser
         return out if rows == "all" else [r for r in out if r[0].split("-")[1] in rows.split(",")]
     out = [("headrace-shards", "local", "-"), ("webdataset-shards", "local", "-"),
            ("headrace-objects", "local", "-"), ("dataloader-objects", "local", "-")]
@@ -468,7 +545,8 @@ def plan(rows: str, pipeline: str | None) -> list[tuple[str, str, str]]:
         out += [("headrace-shards", where, "slow"), ("webdataset-shards", where, "slow"),
                 ("headrace-objects", where, "slow"), ("dataloader-objects", where, "slow")]
     out += [("client-objects", "s3", "slow"), ("client-objects", "s3", "zero"),
-            ("headrace-objects", "s3", "zero"), ("headrace-shards", "s3", "zero")]
+            ("headrace-objects", "s3", "zero"), ("headrace-shards", "s3", "zero"),
+            ("headrace-download", "s3", "slow"), ("headrace-download", "s3", "zero")]
     if rows != "all":
         out = [r for r in out if r[0].split("-")[0] in rows.split(",") or r[0] in rows.split(",")]
     return out
@@ -505,7 +583,8 @@ def measure(key: tuple[str, str, str], url: str, serve: Path, args: argparse.Nam
     res.update(row=row, where=where, setting=setting, system=SYSTEMS[row],
                process_seconds=time.perf_counter() - started)
     print(f"  {row:20s} {where:5s} {setting:4s} {res['samples_per_s']:8,.0f} samples/s "
-          f"{res['mb_per_s']:7.1f} MB/s  RSS {res['peak_rss_mb']:5.0f} MB", flush=True)
+          f"{res['mb_per_s']:7.1f} MB/s  RSS {res['peak_rss_mb']:5.0f} MB"
+          + (f"  one download's peak load {res['peak_load_mb']:.0f} MiB" if "peak_load_mb" in res else ""), flush=True)
     return res
 
 
@@ -568,7 +647,7 @@ def main() -> None:
         if done:
             med = sorted(done, key=lambda x: x["seconds"])[len(done) // 2]
             results.append({**med, "all_samples_per_s": [round(x["samples_per_s"]) for x in done]})
-    payload = {r["payload_bytes"] for r in results if r["row"] != "client-objects"}
+    payload = {r["payload_bytes"] for r in results if r["row"] not in ("client-objects", "headrace-download")}
     if len(payload) > 2:  # shards and objects hold the same images; every row must agree
         print(f"WARNING: the rows disagree on the bytes read: {sorted(payload)}")
 
