@@ -363,7 +363,7 @@ def webdataset(
     HTTP client holds for each ranged GET it has in flight (a full buffer stops reading the socket),
     so the reader holds about ``(read_ahead + 1) * buffer_bytes`` plus the samples in flight, however
     large the shards. The process may show up to as much again in freed blocks the allocator keeps
-    (glibc's arenas of the client's threads: 100-170 MB at ``3 * 64`` MiB, measured). While a
+    (glibc's arenas of the client's threads: 60-170 MB at ``3 * 64`` MiB, measured). While a
     parser waits for bytes (a store's latency, a bandwidth cap per connection), its download adds
     ranged GETs of the segments ahead, sized from the latency and per-connection bandwidth it observed
     and the parser's pace (1 MiB to ``buffer_bytes / 8`` each, up to ``buffer_bytes / segment``
