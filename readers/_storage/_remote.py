@@ -47,7 +47,8 @@ class RemoteFile:
         self.closed = False
         self._flowing = False  # the head piece has delivered bytes since the last (re)start
         self._starved = 0.0  # seconds the thread waited for bytes, since the download last grew
-        self._waited = 0.0  # seconds the thread waited for bytes in all
+        self._waited = 0.0  # seconds the thread waited for bytes in all, up to its last wait
+        self._waiting: float | None = None  # when the thread's wait for bytes going on now began
         self.fetcher = Fetcher(self, store, key, retry or Retry(), link or Link(), self._cond)
 
     # -- loop side ----------------------------------------------------------------------------
@@ -79,8 +80,11 @@ class RemoteFile:
 
     @property
     def waited(self) -> float:
-        """Seconds the thread waited for bytes in ``read``, in all (its pace is the rest)."""
-        return self._waited
+        """Seconds the thread waited for bytes in ``read``, in all, the wait going on now included
+        (its pace is the rest: a wait counted only once it ends would count as the thread busy)."""
+        with self._cond:
+            began = self._waiting
+            return self._waited + (time.monotonic() - began if began is not None else 0.0)
 
     def forget_starved(self) -> None:
         with self._cond:
@@ -152,7 +156,11 @@ class RemoteFile:
                         break
                     self._check()
                     began, faults, flowing = time.monotonic(), self.fetcher.retries, self._flowing
-                    self._cond.wait()
+                    self._waiting = began
+                    try:
+                        self._cond.wait()
+                    finally:
+                        self._waiting = None
                     waited = time.monotonic() - began
                     self._waited += waited
                     # Bytes flowed before and after, and no fault meanwhile: the download is too slow.

@@ -5,15 +5,20 @@ too slow for a parser: while the thread waits for bytes (20 ms of waiting since 
 the download gains ranged GETs of the segments ahead. How many and how big come from what the
 read's downloads observed (their ``Link``): the first-byte latency ``L`` and a connection's
 bandwidth ``B`` (both taken before the read's own GETs load the CPU and the network), and the
-parser's pace ``R`` (bytes it read per second of not waiting). By Little's law ``n`` segments of
-``s`` bytes in flight pass ``n * s / (L + s / B)``, and the window ``n * s`` is bounded by
-``capacity``: the segment is the largest (whole MiB, 1 MiB to ``capacity / 8``) whose window
-passes ``R``, ``B * (capacity / R - L)``, and the GETs grow to 1.5 times what ``R`` needs, up to
-``capacity / s`` (``_MAX_PIECES`` at most; ``_READ_GETS`` for all the read's downloads). At
-50 ms and 100 MB/s with a 64 MiB buffer, 8 MiB segments (9 GETs) passed at most ~560 MB/s; 1 to
-4 MiB segments (17 to 64 GETs) pass 0.8 to 1 GB/s. Only the oldest download still asking for
-bytes (``Link.leader``) grows: the ones read ahead stream on one GET until they lead, then start
-with what it came to, so the consumer's shard gets the CPU and the network first.
+parser's pace ``R`` (bytes it read per second of not waiting, a wait going on counted as waiting).
+By Little's law ``n`` segments of ``s`` bytes in flight pass ``n * s / (L + s / B)``. A GET holds
+no bytes while it waits for its first one, so the GETs may ask for ``_SPAN`` (2) capacities at once,
+``n * s <= 2 * capacity``, while what they hold stays within ``capacity`` (below): the segment is
+the largest (whole MiB, 1 MiB to ``capacity / 8``) whose span passes ``R``,
+``B * (2 * capacity / R - L)``, and the GETs grow to 1.5 times what ``R`` needs, up to
+``2 * capacity / s`` (``_MAX_PIECES`` at most; ``_READ_GETS`` for all the read's downloads). On
+the 2-core VM at 50 ms and 100 MB/s, loaded GETs take ~120 ms, not ``L + s / B``: 64 GETs of
+1 MiB pass ~540 MB/s (64 MiB in flight: what a span of one capacity allowed), 16 of 8 MiB
+~730 MB/s and 64 of 2 MiB ~850 MB/s (128 MiB). Only the oldest download still asking for bytes
+(``Link.leader``) grows: the ones read ahead stream on one GET until they lead, then start with
+what it came to, so the consumer's shard gets the CPU and the network first. A piece done ahead
+of the head frees its GET for the next segment at once (its bytes stay held, counted): GETs
+started together do not wait for the slowest of them.
 
 Only the first piece's bytes go to the thread; a later piece holds its own until the ones before it
 are done. What a download holds is counted as its ``load``: the bytes buffered for the thread, those
@@ -59,6 +64,7 @@ class _Jump(Exception):
 # The thread waited this long for bytes since the download last grew: more GETs in flight.
 _STARVED = 0.02
 _MAX_PIECES = 64  # GETs in flight for one download
+_SPAN = 2  # what one download's GETs ask for at once, in capacities (a GET waiting for its first byte holds none)
 _READ_GETS = 128  # for all the downloads of one read: well inside a store's connection cap (S3's 503 SlowDown)
 _MIB = 1 << 20
 
@@ -117,14 +123,14 @@ class Link:
         return sum(f.want for f in self.fetchers)
 
     def segment(self, capacity: int) -> int:
-        """Bytes per ranged GET: the largest (in whole MiB) whose window of ``capacity`` bytes in
-        flight passes the consumer's ``pace``: ``B * (capacity / pace - L)``, between 1 MiB and
-        ``capacity / 8`` (that, until the link and a pace are observed)."""
+        """Bytes per ranged GET: the largest (in whole MiB) whose span of ``_SPAN * capacity`` bytes
+        asked for passes the consumer's ``pace``: ``B * (2 * capacity / pace - L)``, between 1 MiB
+        and ``capacity / 8`` (that, until the link and a pace are observed)."""
         most = max(_MIB, capacity // 8)
         bandwidth = self.bandwidth
         if self.latency is None or bandwidth is None or not self.pace:
             return most
-        fit = bandwidth * (capacity / self.pace - self.latency)
+        fit = bandwidth * (_SPAN * capacity / self.pace - self.latency)
         return min(most, max(_MIB, int(fit) // _MIB * _MIB))
 
 
@@ -154,7 +160,8 @@ class Fetcher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._room: asyncio.Event | None = None
         self._waking = False  # a wake-up of the download is scheduled on the loop
-        self._pieces: deque[_Piece] = deque()  # in flight, in offset order (the head's bytes go to the thread)
+        self._pieces: deque[_Piece] = deque()  # in flight or held, in offset order (the head's bytes go to the thread)
+        self._running = 0  # pieces whose GET is not done: what ``want`` counts
         self._group: asyncio.TaskGroup | None = None
         self._planned: int | None = None
         self._held = 0  # bytes held by pieces after the head
@@ -183,6 +190,7 @@ class Fetcher:
         """Download from byte ``start`` to the end: one streamed GET, then (once the thread starves)
         ranged GETs of segments ahead of it. Returns the target of a long seek, or None at the end."""
         self._pieces = deque([_Piece(start, None)])
+        self._running = 1
         self._planned = self.size  # the end of the last piece planned; None until the size is known
         self.want = 1
         self._mark = None
@@ -288,6 +296,7 @@ class Fetcher:
         """A piece is complete: the pieces after it that are complete too, or the next one, become
         the head (their held bytes go to the thread), and the next segment is started."""
         piece.done = True
+        self._running -= 1
         while self._pieces and self._pieces[0].done:
             self._pieces.popleft()
             if self._pieces:
@@ -314,7 +323,9 @@ class Fetcher:
             self._mark = (time.monotonic(), self.file.tell(), self.file.waited)
         if self.link.leader() is not self:
             return
-        if self.want < self.link.pieces:
+        # Up to what the read's downloads came to; where larger segments allow fewer, the pace is
+        # measured again below (else a low first estimate would size every later segment).
+        if self.want < self.link.pieces and self._more():
             while self.want < self.link.pieces and self._more():
                 pass
         elif starved >= _STARVED:
@@ -357,9 +368,9 @@ class Fetcher:
         """One more piece in flight, if the limits and the object's size allow."""
         assert self.size is not None
         segment = self._segment()
-        # The window: the pieces after the head hold their segments (in the client, then here), and
-        # with this many their load stays under ``capacity`` while the thread keeps up.
-        if self.want >= min(_MAX_PIECES, self.file.capacity // segment) or self.link.wanted() >= _READ_GETS:
+        # The span: GETs asking for twice ``capacity``. Answered, the pieces after the head hold
+        # their segments (in the client, then here) only as far as the room check lets them.
+        if self.want >= min(_MAX_PIECES, _SPAN * self.file.capacity // segment) or self.link.wanted() >= _READ_GETS:
             return False
         tail = self._pieces[-1] if self._pieces else None
         if tail is not None and tail.end is None:  # still one streamed GET: it stops a segment ahead
@@ -387,20 +398,23 @@ class Fetcher:
             piece.reserved = 0
 
     def _plan(self) -> None:
-        """Start segments after the last planned piece until ``want`` are in flight."""
+        """Start segments after the last planned piece until ``want`` GETs run (pieces done and
+        held behind the head do not count)."""
         if self._group is None or self._planned is None or self.file.closed:
             return
         segment = self._segment()
-        while len(self._pieces) < self.want and self._planned < (self.size or 0):
+        while self._running < self.want and self._planned < (self.size or 0):
             piece = _Piece(self._planned, min(self._planned + segment, self.size or 0))
             self._planned = piece.end
             self._pieces.append(piece)
+            self._running += 1
             self._group.create_task(self._fetch(piece), name=f"headrace:storage:range:{piece.pos}")
 
     def _drop_pieces(self) -> None:
         with self._cond:
             self._held = self._reserved = 0
         self._pieces.clear()
+        self._running = 0
 
     async def _backoff(self, exc: BaseException, failures: int) -> None:
         self.retries += 1

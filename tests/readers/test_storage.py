@@ -343,6 +343,23 @@ def test_wrong_storage_arguments():
     assert "x" not in repr(S3Store("b", secret_access_key="x" * 8))
 
 
+async def test_a_wait_for_bytes_going_on_counts_as_waiting():
+    # The parser's pace is bytes read per second of not waiting: a look taken while the thread
+    # still waits (the download's GETs answer late) must not count that wait as the thread busy.
+    remote = RemoteFile(MemoryStore({"k": b"x" * 100}), "k")  # its download not started: no bytes come
+    reading = asyncio.create_task(asyncio.to_thread(remote.read, 10))
+    try:
+        for _ in range(5000):
+            if remote.waited > 0:
+                break
+            await asyncio.sleep(0.001)
+        assert not reading.done() and remote.waited > 0
+    finally:
+        remote.close_from_loop()  # the read raises: the thread is not left waiting
+    with pytest.raises(ReadError):
+        await reading
+
+
 def test_segments_are_sized_for_the_link_and_the_pace():
     from headrace.readers._storage._remote_fetch import Link
 
@@ -351,9 +368,11 @@ def test_segments_are_sized_for_the_link_and_the_pace():
     link.answered(0.05)
     link.received(100 << 20, 1.0)  # ~105 MB/s a connection
     assert link.segment(64 << 20) == 8 << 20  # no pace yet
-    link.pace = 700e6  # a window of 64 MiB passes 700 MB/s at 50 ms with segments up to ~4.5 MB
-    assert link.segment(64 << 20) == 4 << 20
-    link.pace = 2e9  # more than 64 MiB / 50 ms can pass: the smallest segments
+    link.pace = 1.5e9  # a span of 2 x 64 MiB passes 1.5 GB/s at 50 ms with segments up to ~4.1 MB
+    assert link.segment(64 << 20) == 3 << 20
+    link.pace = 700e6  # ... and 700 MB/s with the largest
+    assert link.segment(64 << 20) == 8 << 20
+    link.pace = 3e9  # more than 128 MiB / 50 ms can pass: the smallest segments
     assert link.segment(64 << 20) == 1 << 20
     link.pace = 100e6  # a slow consumer: few, large segments
     assert link.segment(64 << 20) == 8 << 20
