@@ -61,6 +61,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -103,10 +104,6 @@ def _aws_env(url: str) -> None:
 
 
 def _count(stream) -> tuple[int, int]:  # noqa: ANN001 - an async iterator of sample lists
-    import asyncio
-
-    from headrace._loop import new_event_loop
-
     async def run() -> tuple[int, int]:
         n = b = 0
         async for chunk in stream:
@@ -116,6 +113,15 @@ def _count(stream) -> tuple[int, int]:  # noqa: ANN001 - an async iterator of sa
                 n += 1
                 b += sum(len(v) for k, v in s.fields.items() if k != "cls")
         return n, b
+
+    return _on_new_loop(run)
+
+
+def _on_new_loop(run: Callable[[], Any]) -> Any:
+    """``run()`` (a coroutine function) to the end on an event loop of its own, closed after."""
+    import asyncio
+
+    from headrace._loop import new_event_loop
 
     loop = new_event_loop()
     try:
@@ -172,7 +178,6 @@ def row_headrace_download(serve: Path, url: str, where: str, args: argparse.Name
     from collections import deque
 
     from headrace import readers
-    from headrace._loop import new_event_loop
     from headrace.readers._storage import Downloads, Storage
 
     names = _shard_names(serve)
@@ -207,15 +212,7 @@ def row_headrace_download(serve: Path, url: str, where: str, args: argparse.Name
         _extra["peak_load_mb"] = max(_extra.get("peak_load_mb", 0), downloads.peak / 2**20)
         return 0, total
 
-    def read() -> tuple[int, int]:
-        loop = new_event_loop()
-        try:
-            return loop.run_until_complete(run())
-        finally:
-            asyncio.set_event_loop(None)
-            loop.close()
-
-    return read
+    return lambda: _on_new_loop(run)
 
 
 _extra: dict[str, float] = {}  # what a row reports beyond rate and memory (the child's result line)
