@@ -38,16 +38,17 @@ def open_executor(pipeline: Pipeline, device: str, *, num_threads: int, seed: in
 
     The CPU executor (``num_threads`` threads) or the GPU one (``lanes`` lanes) for the images;
     wrapped in a ``StagedExecutor`` (``num_threads`` threads of its own) when the pipeline has user
-    stages (other than the ``MapBatch`` stages the GPU lanes run themselves), ``fields`` or no image. Making the GPU executor blocks once (decoders, streams, kernels);
-    ``tuning`` (an ``ops.GpuTuning``) goes to it.
+    stages (other than the ``MapBatch`` stages the GPU lanes run themselves), ``fields`` or no
+    image. Making the GPU executor blocks once (decoders, streams, kernels); ``tuning`` (an
+    ``ops.GpuTuning``) goes to it.
     """
     from .cpu._executor import CpuExecutor
     from .cuda._executor import CudaExecutor
-    from ._batch_stages import lane_stages
+    from ._batch_stages import LaneStage, lane_stages
     from ._staged import StagedExecutor
 
     inner: Any = None
-    on_lanes: tuple = ()
+    on_lanes: tuple[LaneStage, ...] = ()
     if pipeline.has_image:
         core = pipeline.core() if pipeline.needs_staging else pipeline
         if device == "cpu":
@@ -58,12 +59,8 @@ def open_executor(pipeline: Pipeline, device: str, *, num_threads: int, seed: in
             threads = {} if decoder_threads is None else {"decoder_threads": decoder_threads}
             inner = CudaExecutor(core, device=device, lanes=lanes, seed=seed, hw_load=hw_load, tuning=tuning,
                                  stages=on_lanes, **threads)
-    if not pipeline.needs_staging or (on_lanes and _lanes_run_all(pipeline, len(on_lanes))):
+    # Lanes take stages only from a pipeline without fields: when they take all its stages, no
+    # StagedExecutor is left with anything to do.
+    if not pipeline.needs_staging or (on_lanes and len(on_lanes) == len(pipeline.stages)):
         return inner
     return StagedExecutor(pipeline, inner, num_threads=num_threads, seed=seed, device=device, on_lanes=len(on_lanes))
-
-
-def _lanes_run_all(pipeline: Pipeline, on_lanes: int) -> bool:
-    """Whether the GPU lanes leave nothing for a ``StagedExecutor``: no stage before decode, none
-    after those the lanes run, no ``fields``."""
-    return not pipeline.before and len(pipeline.after) == on_lanes and not pipeline.fields
