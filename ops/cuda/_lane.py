@@ -37,6 +37,8 @@ class Lane:
 
     def __init__(self, owner: CudaExecutor, index: int, hw_load: float | str, threads: int) -> None:
         self.owner = owner
+        self.index = index
+        self.queued: set[concurrent.futures.Future[Any]] = set()  # batches given to this lane, not finished
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"headrace-lane{index}")
         self.pool.submit(self._init, hw_load, threads).result()
 
