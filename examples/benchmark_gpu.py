@@ -21,10 +21,12 @@ cores busy (process CPU time / wall), the event loop's own busy share (the loop 
 time / wall) and peak GPU memory. Prints a table; writes JSON (--out).
 
 For a small difference between headrace rows (a stage's cost), ``--interleave`` keeps their loaders
-side by side and runs one epoch of each in turn for --epochs rounds, reporting each row's median and
-its median paired ratio to the first row; whole runs of one row moved 10-15% within an H100 lease:
+(and DALI's pipelines, with --dali-threads) side by side and runs one epoch of each in turn for
+--epochs rounds, reporting each row's median, its median paired ratio to the first row and its host
+cores per 1,000 images/s; whole runs of one row moved 10-25% within an H100 lease:
 
     python examples/benchmark_gpu.py --images 16384 --epochs 12 --interleave --rows train,train_noop,train_stage
+    python examples/benchmark_gpu.py --images 16384 --epochs 8 --interleave --rows train,val --dali-threads 4,8,12,16 --repeat 2
 """
 
 from __future__ import annotations
@@ -150,42 +152,61 @@ def bench_headrace(root: Path, pipeline, batch: int, epochs: int, lanes: int, hw
     return result
 
 
-def bench_interleaved(root: Path, pipelines: dict[str, Any], batch: int, epochs: int, lanes: int) -> dict:
-    """Rows whose loaders live side by side, one epoch each in turn, the order rotated every round:
-    the machine's drift over a lease (whole runs of one row moved 10-15% on the H100) falls on every
-    row alike, and each round gives a paired ratio to the first row. A row is a pipeline, or a
-    (pipeline, {lanes, hw_load, threads}) pair for a loader set up otherwise."""
+def _headrace_epochs(root: Path, row: Any, batch: int, lanes: int) -> tuple[Any, Any]:
+    """A loader for ``row`` (a pipeline, or (pipeline, {lanes, hw_load, threads, tuning})): its
+    (run one epoch, close) pair, on a loop of its own."""
+    pipeline, setup = row if isinstance(row, tuple) else (row, {})
     loop = new_event_loop()
-    loaders = {}
-    for name, row in pipelines.items():
-        pipeline, setup = row if isinstance(row, tuple) else (row, {})
-        loaders[name] = _gpu_loader(root, pipeline, batch, setup.get("lanes", lanes), setup.get("hw_load", 0.65),
-                                    setup.get("threads"))
-    names = list(loaders)
+    loader = _gpu_loader(root, pipeline, batch, setup.get("lanes", lanes), setup.get("hw_load", 0.65),
+                         setup.get("threads"), tuning=setup.get("tuning"))
+
+    def close() -> None:
+        loop.run_until_complete(loader.aclose())
+        loop.close()
+
+    return (lambda: loop.run_until_complete(_count_epoch(loader))), close
+
+
+def bench_interleaved(rows: dict[str, Any], epochs: int) -> dict:
+    """Rows that live side by side, one epoch each in turn, the order rotated every round: the
+    machine's drift over a lease (whole runs of one row moved 10-25% on the H100) falls on every
+    row alike, and each round gives a paired ratio to the first row. A row is a callable making its
+    (run one epoch, close) pair: a headrace loader (``_headrace_epochs``) or a DALI pipeline
+    (``_dali_epochs``). Cores busy are the process's CPU time over an epoch's wall time (the rows
+    waiting their turn are idle, but for what they had queued)."""
+    made: dict[str, tuple[Any, Any]] = {}
     try:
+        for name, make in rows.items():
+            made[name] = make()
+        names = list(made)
         for name in names:  # warm-up
-            loop.run_until_complete(_count_epoch(loaders[name]))
+            made[name][0]()
         rates: dict[str, list[float]] = {name: [] for name in names}
+        cores: dict[str, list[float]] = {name: [] for name in names}
         for turn in range(epochs):
             for name in names[turn % len(names):] + names[:turn % len(names)]:
                 torch.cuda.synchronize()
-                start = time.perf_counter()
-                n = loop.run_until_complete(_count_epoch(loaders[name]))
+                start, cpu = time.perf_counter(), time.process_time()
+                n = made[name][0]()
                 torch.cuda.synchronize()
-                rates[name].append(n / (time.perf_counter() - start))
+                wall = time.perf_counter() - start
+                rates[name].append(n / wall)
+                cores[name].append((time.process_time() - cpu) / wall)
     finally:
-        for loader in loaders.values():
-            loop.run_until_complete(loader.aclose())
-        loop.close()
+        for _, close in made.values():
+            close()
+        gc.collect()
     first = rates[names[0]]
-    return {name: {"images_per_s": statistics.median(v), "runs": v,
+    return {name: {"images_per_s": statistics.median(v), "runs": v, "cores_busy": statistics.median(cores[name]),
+                   "cores_per_1k": statistics.median(c / r * 1000 for c, r in zip(cores[name], v)),
                    "paired_ratio": statistics.median(a / b for a, b in zip(v, first))} for name, v in rates.items()}
 
 
-def bench_dali(files, batch: int, epochs: int, threads: int, train: bool = True) -> dict:
+def _dali_epochs(files, batch: int, threads: int, train: bool = True) -> tuple[Any, Any]:
     """NVIDIA DALI on the same files and pipeline: file reader, mixed (GPU) decode with its random
     crop, resize 224, crop_mirror_normalize to float16 NCHW (validation: whole-image decode, resize
-    shorter side 256, centre crop 224); DALIGenericIterator, as its ImageNet example has it."""
+    shorter side 256, centre crop 224); DALIGenericIterator, as its ImageNet example has it. Its
+    (run one epoch, close) pair."""
     from nvidia.dali import fn, pipeline_def, types
     from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
@@ -222,10 +243,20 @@ def bench_dali(files, batch: int, epochs: int, threads: int, train: bool = True)
             n += out[0]["image"].shape[0]
         return n
 
-    result = _timed_epochs(epoch, epochs)
-    del it, p
-    gc.collect()
-    return result
+    def close() -> None:
+        nonlocal it, p
+        del it, p
+        gc.collect()
+
+    return epoch, close
+
+
+def bench_dali(files, batch: int, epochs: int, threads: int, train: bool = True) -> dict:
+    epoch, close = _dali_epochs(files, batch, threads, train)
+    try:
+        return _timed_epochs(epoch, epochs)
+    finally:
+        close()
 
 
 def _touch(batch: dict) -> dict:
@@ -331,7 +362,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--lanes", type=int, default=4, help="GPU lanes (the Loader's default)")
     ap.add_argument("--variants", default="",
-                    help="also run headrace (train, or validation with val:) with these [val:]LANES:HW_LOAD[:THREADS] (decoder threads per lane), e.g. 2:0.5,3:0.65:5,val:4:0.65:4; --interleave runs them side by side")
+                    help="also run headrace (train, or validation with val:) with these [val:]LANES:HW_LOAD[:THREADS[:DISPATCH]] (decoder threads per lane; free or turn), e.g. 2:0.5,3:0.65:5,val:4:0.65:4:turn; --interleave runs them side by side")
     ap.add_argument("--io-threads", type=int, default=IO_THREADS, help="the files reader's I/O threads")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for the whole run (Python's default is 0.005 s)")
@@ -342,7 +373,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the rows this many times in turn (A/B pairs interleaved, labels numbered)")
     ap.add_argument("--interleave", action="store_true",
-                    help="run the headrace pipeline rows of --rows side by side, one epoch each in turn (--epochs rounds)")
+                    help="run the headrace pipeline rows of --rows and the DALI rows side by side, one epoch each in turn (--epochs rounds; --repeat: that many times)")
     ap.add_argument("--without-run-ahead", action="store_true",
                     help="also run headrace (train) with each epoch drained before the next starts (Loader(run_ahead=False))")
     ap.add_argument("--python-launch", action="store_true",
@@ -392,8 +423,10 @@ def main() -> None:
         "nvimgcodec": ("nvImageCodec decode only (whole)", lambda: bench_nvimgcodec(files, args.batch, args.epochs)),
         "reader": ("files reader alone (no decode)", lambda: bench_reader(root, args.epochs)),
     }
+    dali: dict[str, tuple[int, bool]] = {}  # DALI rows: (threads, train)
     for threads in filter(None, args.dali_threads.split(",")):
         for kind, train in (("train", True), ("val", False)):
+            dali[f"dali_{kind}{threads}"] = (int(threads), train)
             runners[f"dali_{kind}{threads}"] = (f"DALI ({'train' if train else 'validation'}, {threads} threads)",
                                                 lambda t=int(threads), train=train: bench_dali(files, args.batch, args.epochs, t, train))
             if kind in args.dali_rows.split(","):
@@ -405,14 +438,17 @@ def main() -> None:
     for variant in filter(None, args.variants.split(",")):
         # [val:]lanes:hw_load[:decoder threads per lane]: the train (or validation) row set up otherwise
         kind, spec = ("val", variant[4:]) if variant.startswith("val:") else ("train", variant)
-        n, hw, *threads = spec.split(":")
+        n, hw, *more = spec.split(":")
+        threads, dispatch = (more + [None, None])[:2]
         hw_load = hw if hw == "adaptive" else float(hw)
-        label = f"headrace ({kind}, {n} lanes, hw_load={hw}" + (f", {threads[0]} threads)" if threads else ")")
+        label = (f"headrace ({kind}, {n} lanes, hw_load={hw}" + (f", {threads} threads" if threads else "")
+                 + (f", {dispatch} dispatch" if dispatch else "") + ")")
         make = pipelines[kind][1]
-        setup = {"lanes": int(n), "hw_load": hw_load, "threads": int(threads[0]) if threads else None}
+        setup = {"lanes": int(n), "hw_load": hw_load, "threads": int(threads) if threads else None,
+                 "tuning": ops.GpuTuning(dispatch=dispatch) if dispatch else None}
         pipelines[variant] = (label, lambda make=make, setup=setup: (make(), setup))  # --interleave runs it side by side
         runners[variant] = (label, lambda make=make, s=setup: bench_headrace(
-            root, make(), args.batch, args.epochs, s["lanes"], s["hw_load"], s["threads"]))
+            root, make(), args.batch, args.epochs, s["lanes"], s["hw_load"], s["threads"], tuning=s["tuning"]))
         rows.append(variant)
     def train_with(key: str, label: str, tuning: ops.GpuTuning) -> None:  # the train row, tuned
         runners[key] = (f"headrace (train, {label})", lambda: bench_headrace(
@@ -431,15 +467,20 @@ def main() -> None:
         train_with("python_launch", "kernel launched from Python", ops.GpuTuning(launch="python"))
     if args.python_codec:
         train_with("python", "Python nvImageCodec API", ops.GpuTuning(decode="python"))
-    if args.interleave:  # the pipeline rows side by side, epochs in turn; the others after, as usual
-        side = [key for key in rows if key in pipelines]
-        rows = [key for key in rows if key not in pipelines]
-        print(f"running {', '.join(side)} side by side, {args.epochs} rounds ...", flush=True)
-        for key, r in bench_interleaved(root, {key: pipelines[key][1]() for key in side}, args.batch, args.epochs,
-                                        args.lanes).items():
-            results[pipelines[key][0]] = r
-            print(f"  {pipelines[key][0]}: {r['images_per_s']:,.0f} images/s, paired ratio to {side[0]} "
-                  f"{r['paired_ratio']:.3f}; rounds {', '.join(f'{x:,.0f}' for x in r['runs'])}", flush=True)
+    if args.interleave:  # the pipeline rows (and DALI's) side by side, epochs in turn; the others after, as usual
+        side = [key for key in rows if key in pipelines or key in dali]
+        rows = [key for key in rows if key not in side]
+        names = {key: pipelines[key][0] if key in pipelines else runners[key][0] for key in side}
+        makers = {key: (lambda key=key: _headrace_epochs(root, pipelines[key][1](), args.batch, args.lanes))
+                  if key in pipelines else (lambda key=key: _dali_epochs(files, args.batch, *dali[key])) for key in side}
+        for turn in range(args.repeat):
+            print(f"running {', '.join(side)} side by side, {args.epochs} rounds ...", flush=True)
+            for key, r in bench_interleaved(makers, args.epochs).items():
+                name = names[key] if turn == 0 else f"{names[key]} #{turn + 1}"
+                results[name] = r
+                print(f"  {name}: {r['images_per_s']:,.0f} images/s, paired ratio to {side[0]} "
+                      f"{r['paired_ratio']:.3f}, {r['cores_per_1k']:.2f} cores per 1k/s; rounds "
+                      f"{', '.join(f'{x:,.0f}' for x in r['runs'])}", flush=True)
     for turn, key in itertools.product(range(args.repeat), rows):
         name, fn = runners[key]
         name = name if turn == 0 else f"{name} #{turn + 1}"
@@ -456,12 +497,19 @@ def main() -> None:
         cores = f"{r['cores_busy']:.1f}" if "cores_busy" in r else "-"  # not measured per row when interleaved
         print(f"{name:44} {r['images_per_s']:>10,.0f} {ratio:>14} {ratio2:>16} {cores:>11} {loop_busy:>10}")
     for kind, ours in (("train", "headrace (train)"), ("validation", "headrace (validation)")):
-        dali = {k: v["images_per_s"] for k, v in results.items() if k.startswith(f"DALI ({kind},")}
-        mine = [v["images_per_s"] for k, v in results.items() if k == ours or k.startswith(ours + " #")]
-        if dali and mine:
-            best = max(dali, key=dali.get)
-            print(f"{ours} / DALI at its best thread count ({best}): "
-                  f"{min(mine) / dali[best]:.2f}x to {max(mine) / dali[best]:.2f}x")
+        for suffix in [""] + [f" #{turn + 1}" for turn in range(1, args.repeat)]:  # each turn on its own
+            theirs = {k: v for k, v in results.items()
+                      if k.startswith(f"DALI ({kind},") and k.endswith("threads)" + suffix)}
+            mine = results.get(ours + suffix)
+            if not theirs or mine is None:
+                continue
+            best = max(theirs, key=lambda k: theirs[k]["images_per_s"])
+            line = f"{ours + suffix} / DALI at its best thread count ({best}): {mine['images_per_s'] / theirs[best]['images_per_s']:.2f}x"
+            if "paired_ratio" in mine and "paired_ratio" in theirs[best]:  # side by side: round by round
+                paired = statistics.median(a / b for a, b in zip(mine["runs"], theirs[best]["runs"]))
+                line += (f", paired by round {paired:.2f}x; host cores per 1,000 images/s "
+                         f"{mine['cores_per_1k']:.2f} against {theirs[best]['cores_per_1k']:.2f}")
+            print(line)
     for name, r in results.items():
         if "peak_gpu_mib_torch" in r:
             print(f"{name}: epochs {', '.join(f'{x:,.0f}' for x in r['runs'])} images/s; garbage collections "

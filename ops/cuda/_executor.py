@@ -7,8 +7,9 @@ reads of the JPEGs (nvImageCodec: hardware JPEG engine and CUDA decoder together
 GIL-free through the C shim of ``_batch_decode`` when it builds), launches one fused kernel for the batch and records an
 event; it never waits for the GPU. In the common case (every image to nvImageCodec, the CUDA driver
 reachable) the shim does all of that in the one call that decodes, so the lane takes the GIL back
-once a batch (``_launch.py``). Batch i goes to lane i mod lanes, so the prep thread and the
-lanes work on different batches at once, and each lane's batches stay in order on its stream.
+once a batch (``_launch.py``). A batch goes to the lane with the fewest batches queued (among
+equals, batch i to lane i mod lanes), so the prep thread and the lanes work on different batches at
+once, a lane slowed by one batch is passed over, and each lane's batches stay in order on its stream.
 
 Hand-off: the output is allocated by torch on the lane's stream; the consumer's current stream
 waits on the lane's event and the tensor is recorded on that stream, so the caching allocator
@@ -47,7 +48,7 @@ from ._codecs import NativeHeaders, PythonHeaders
 from ._lane import Lane
 from ._prep import PillowThreads, Prepared, prepare
 
-__all__ = ["CudaExecutor", "GpuTuning", "cuda_available", "gpu_unsupported"]
+__all__ = ["CudaExecutor", "GpuTuning", "cuda_available", "gpu_unsupported", "pick_lane"]
 
 
 def gpu_unsupported(pipeline: Pipeline) -> str | None:
@@ -67,6 +68,18 @@ def gpu_unsupported(pipeline: Pipeline) -> str | None:
     except ConfigError as exc:
         return exc.message
     return None
+
+
+def pick_lane(lanes: list[Lane], index: int, dispatch: str = "free") -> Lane:
+    """The lane batch ``index`` goes to. ``"free"``: the one with the fewest batches queued or
+    decoding; among equals, the batch's turn (lane ``index mod lanes``). A lane held up by a slow batch
+    (large images, the engine's share late) is passed over rather than waited for: in the decode
+    floor on the H100 this took 4 lanes from 28.2k to 28.8k images/s and 3 lanes from 26.4k to
+    28.4k (docs/benchmarks.md, issue 22). ``"turn"``: always the batch's turn."""
+    n = len(lanes)
+    if dispatch == "turn":
+        return lanes[index % n]
+    return min(lanes, key=lambda lane: (len(lane.queued), (lane.index - index) % n))
 
 
 def cuda_available() -> bool:
@@ -92,13 +105,16 @@ class GpuTuning:
     ``"nvjpeg_cuda_decoder:hybrid_huffman_threshold=0"``). ``decode``: ``"shim"`` (one GIL-free call
     a batch through nvImageCodec's C API) or ``"python"`` (its Python API, the fallback where the
     shim cannot be built). ``launch``: ``"shim"`` (the shim also launches the fused kernel) or
-    ``"python"`` (launched from Python after the decode).
+    ``"python"`` (launched from Python after the decode). ``dispatch``: ``"free"`` (a batch to the
+    lane with the fewest batches queued) or ``"turn"`` (batch i to lane i mod lanes, whatever is
+    queued there).
     """
 
     cuda_load: float = 1.0
     nvimgcodec_options: str = ""
     decode: Literal["shim", "python"] = "shim"
     launch: Literal["shim", "python"] = "shim"
+    dispatch: Literal["free", "turn"] = "free"
 
     def __post_init__(self) -> None:
         if not isinstance(self.cuda_load, (int, float)) or not 0.0 <= self.cuda_load <= 1.0:
@@ -108,6 +124,8 @@ class GpuTuning:
         for name in ("decode", "launch"):
             if getattr(self, name) not in ("shim", "python"):
                 raise ConfigError(f"{name} must be 'shim' or 'python', got {getattr(self, name)!r}")
+        if self.dispatch not in ("free", "turn"):
+            raise ConfigError(f"dispatch must be 'free' or 'turn', got {self.dispatch!r}")
 
 
 class CudaExecutor:
@@ -198,7 +216,7 @@ class CudaExecutor:
         except asyncio.CancelledError:
             job.add_done_callback(_release_result)  # still running: its headers go back when it ends
             raise
-        lane = self._free_lane(batch.index)
+        lane = pick_lane(self._lanes, batch.index, self.tuning.dispatch)
         future = self._submit(lane.pool, lane.finish, prepared)
         lane.queued.add(future)
         future.add_done_callback(lane.queued.discard)
@@ -211,14 +229,6 @@ class CudaExecutor:
             # not live on through this frame, which the CancelledError's traceback keeps.
             del future, prepared
             raise
-
-    def _free_lane(self, index: int) -> Lane:
-        """The lane with the fewest batches queued or decoding; among equals, batch ``index``'s turn.
-        A lane whose batch is slow (large images, the engine's share late) is passed over rather
-        than waited for: in the decode floor on the H100 this took 4 lanes from 28.2k to 28.8k
-        images/s and 3 lanes from 26.4k to 28.4k (docs/benchmarks.md, issue 22)."""
-        n = len(self._lanes)
-        return min(self._lanes, key=lambda lane: (len(lane.queued), (lane.index - index) % n))
 
     def _submit(self, pool: concurrent.futures.ThreadPoolExecutor, fn, *args) -> concurrent.futures.Future[Any]:
         job = pool.submit(fn, *args)

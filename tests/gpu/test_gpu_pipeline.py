@@ -211,6 +211,32 @@ async def test_the_shims_launch_equals_the_launch_from_python():
         assert lbl_a.tolist() == [i % 7 for i in range(40)]
 
 
+async def test_batches_given_to_the_free_lane_equal_batches_given_in_turn():
+    # Nine batches at once on three lanes, one of them large (it holds its lane): whichever lane a
+    # batch lands on, its images, labels and rows are those of batch i on lane i mod 3, and no lane
+    # keeps a batch counted as queued afterwards.
+    import asyncio
+
+    rng = np.random.default_rng(6)
+    sizes = [48 if i == 1 else 12 for i in range(9)]
+    blobs = [[_jpeg(rng, int(rng.integers(64, 900)), int(rng.integers(64, 900))) for _ in range(n)] for n in sizes]
+    pipeline = ops.training(48, dtype="float16")
+    results = {}
+    for dispatch in ("free", "turn"):
+        gpu = ops.CudaExecutor(pipeline, seed=3, lanes=3, tuning=ops.GpuTuning(dispatch=dispatch))
+        try:
+            batches = [SampleBatch(_batch(b, "jpg").samples, 0, i) for i, b in enumerate(blobs)]
+            outs = await asyncio.gather(*(gpu.run(b) for b in batches))
+            torch.cuda.synchronize()
+            results[dispatch] = [(o.kept, o.data["image"].cpu(), o.data["label"].cpu()) for o in outs]
+            assert all(not lane.queued for lane in gpu._lanes)
+        finally:
+            await gpu.aclose()
+    for (kept_a, img_a, lbl_a), (kept_b, img_b, lbl_b), n in zip(results["free"], results["turn"], sizes):
+        assert kept_a == kept_b == list(range(n))
+        assert torch.equal(img_a, img_b) and torch.equal(lbl_a, lbl_b)
+
+
 @pytest.fixture
 def folder(tmp_path):
     rng = np.random.default_rng(4)

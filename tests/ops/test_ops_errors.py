@@ -252,7 +252,26 @@ def test_gpu_tuning_is_checked():
     from headrace import ConfigError
     from headrace.ops import GpuTuning
 
-    assert GpuTuning() == GpuTuning(cuda_load=1.0, nvimgcodec_options="", decode="shim", launch="shim")
-    for bad in ({"cuda_load": 1.5}, {"decode": "c"}, {"launch": None}, {"nvimgcodec_options": 3}):
+    assert GpuTuning() == GpuTuning(cuda_load=1.0, nvimgcodec_options="", decode="shim", launch="shim", dispatch="free")
+    for bad in ({"cuda_load": 1.5}, {"decode": "c"}, {"launch": None}, {"nvimgcodec_options": 3}, {"dispatch": "any"}):
         with pytest.raises(ConfigError):
             GpuTuning(**bad)
+
+
+def test_a_batch_goes_to_the_lane_with_the_fewest_queued():
+    from types import SimpleNamespace
+
+    from headrace.ops.cuda._executor import pick_lane
+
+    lanes = [SimpleNamespace(index=i, queued=set()) for i in range(4)]
+    # All idle: each batch's turn, as batch i to lane i mod 4.
+    assert [pick_lane(lanes, i).index for i in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    lanes[1].queued.update({"a", "b"})  # lane 1 held up by a slow batch
+    lanes[2].queued.add("c")
+    assert pick_lane(lanes, 1).index == 3  # the next idle lane after its turn, not lane 0
+    assert pick_lane(lanes, 2).index == 3
+    assert pick_lane(lanes, 4).index == 0
+    lanes[0].queued.add("d")
+    lanes[3].queued.add("e")
+    assert pick_lane(lanes, 1).index == 2  # all busy: the least queued lane from its turn on
+    assert [pick_lane(lanes, i, "turn").index for i in range(5)] == [0, 1, 2, 3, 0]
