@@ -306,6 +306,11 @@ async def test_stream_safety_consumer_on_its_own_stream_matches_a_synchronous_ru
         assert torch.equal(x, (y.float() * 2).half())
 
 
+def _workspaces(loader) -> list[int]:
+    """The bytes of each lane workspace of ``loader``'s executor, lane by lane."""
+    return [w.untyped_storage().nbytes() for lane in loader._epochs._executor._lanes for w in lane.decoder.workspaces]
+
+
 def _nbytes(value) -> int:
     return sum(x.nbytes for x in value) if isinstance(value, list) else value.nbytes
 
@@ -325,23 +330,28 @@ async def test_gpu_memory_is_flat_over_epochs(folder, sizes, run_ahead):
             gc.collect()
             torch.cuda.synchronize()
             free, _ = torch.cuda.mem_get_info()
-            used.append((torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), free))
+            used.append((torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), free, _workspaces(loader)))
     gc.collect()
     after = torch.cuda.memory_allocated()
-    print(f"sizes={sizes} run_ahead={run_ahead}: allocated, reserved, device free per epoch:", used,
+    print(f"sizes={sizes} run_ahead={run_ahead}: allocated, reserved, device free, workspaces per epoch:", used,
           f"allocated before the loader {before}, after its close {after}")
     assert after == before  # the run ahead, too, gave everything back
-    allocated = [u[0] for u in used[1:]]
-    if run_ahead:
-        # At an epoch's end the next one's run holds up to prefetch + 2 decoded batches (in flight
-        # and in its output channel), how many depends on timing; a leak would grow past that.
-        assert max(allocated) - min(allocated) <= (loader._epochs.cfg.prefetch + 2) * batch_bytes
-    else:
-        assert len(set(allocated)) == 1
+    # Each lane's two workspaces grow to the largest batch they have met; which lane meets which
+    # batch depends on timing (a batch goes to the least busy lane), so one may still grow after
+    # the first epoch, up to its budget. Anything else that grew would be a leak.
+    for u, v in zip(used[1:], used[2:]):
+        changed = sum(x != y for x, y in zip(u[3], v[3]))
+        drift = (v[0] - u[0]) - (sum(v[3]) - sum(u[3]))  # what grew besides the workspaces
+        slack = changed * (2 << 20)  # the allocator may hand a workspace a block up to 2 MiB larger
+        if run_ahead:
+            # At an epoch's end the next one's run holds up to prefetch + 2 decoded batches (in flight
+            # and in its output channel), how many depends on timing; a leak would grow past that.
+            slack += (loader._epochs.cfg.prefetch + 2) * batch_bytes
+        assert abs(drift) <= slack, (u, v)
     reserved = [u[1] for u in used[1:]]
-    if sizes == "fixed" and not run_ahead:
+    if sizes == "fixed" and not run_ahead and all(u[3] == used[1][3] for u in used[1:]):
         assert max(reserved) == reserved[0]
-    else:  # timing, or each epoch's batches of other sizes, may still grow the allocator's cache a little
+    else:  # timing, or a workspace grown, may still grow the allocator's cache a little
         assert max(reserved) - reserved[0] < 64 << 20
     assert max(u[2] for u in used[1:]) - min(u[2] for u in used[1:]) < 64 << 20
 
