@@ -15,6 +15,15 @@ imports, clients and readers are made, and an S3 prefix listed, before the clock
 - ``webdataset``: the library's documented way: ``wds.WebDataset(urls)``, ``http://`` through its
   gopen (a ``curl`` subprocess per shard), ``s3://`` through a gopen handler streaming boto3's
   ``get_object`` body (``pipe:aws s3 cp`` needs the AWS CLI, not installed here);
+- ``litdata`` (``litdata-shards``): Lightning's ``litdata.StreamingDataset("s3://BUCKET/litdata")`` over the
+  same JPEGs written by its ``BinaryWriter`` (the writer under ``litdata.optimize``) as raw bytes in
+  chunks of ``--shard-mb`` MB, the endpoint in ``storage_options``; ``streaming`` (``streaming-shards``):
+  Mosaic's ``streaming.StreamingDataset(remote="s3://BUCKET/streaming")`` over MDS shards of
+  ``--shard-mb`` MB (``MDSWriter``, a ``bytes`` column), the endpoint from ``S3_ENDPOINT_URL``. Both
+  over S3 only, iterated in the row's process, their local cache in a fresh temporary folder (every
+  shard downloaded on the clock); see ``examples/_latency_peers.py``. Neither package is a headrace
+  dependency (``pip install litdata mosaicml-streaming``: both pull torchvision, streaming pins
+  ``numpy<2.2``); without one, its row is skipped and says so;
 - ``DataLoader``: a torch ``DataLoader`` over the objects, boto3 (S3) or requests-free urllib (HTTP)
   in ``--workers`` worker processes, one client per worker, ``batch_size=64``;
 - ``local disk``: the same readers over the same files on disk (page cache warm);
@@ -66,6 +75,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "tests" / "readers"))
+sys.path.insert(0, str(HERE))
+import _latency_peers as peers  # noqa: E402
 from object_server import configure, object_server, server_stats  # noqa: E402
 from storage_servers import ACCESS_KEY, BUCKET, SECRET_KEY  # noqa: E402
 
@@ -393,6 +404,8 @@ ROWS = {
     "headrace-objects": row_headrace_objects,
     "headrace-download": row_headrace_download,
     "webdataset-shards": row_webdataset,
+    "litdata-shards": peers.row_litdata,
+    "streaming-shards": peers.row_streaming,
     "dataloader-objects": row_dataloader,
     "client-objects": row_client,
     "pipeline-shards": row_pipeline_shards,
@@ -400,7 +413,8 @@ ROWS = {
 }
 SYSTEMS = {"headrace-shards": "headrace webdataset()", "headrace-objects": "headrace files()",
            "headrace-download": "headrace downloads, no parse",
-           "webdataset-shards": "webdataset library", "dataloader-objects": "DataLoader + boto3/urllib",
+           "webdataset-shards": "webdataset library", "litdata-shards": "litdata StreamingDataset",
+           "streaming-shards": "streaming StreamingDataset", "dataloader-objects": "DataLoader + boto3/urllib",
            "client-objects": "obstore GETs, 256 at once", "pipeline-shards": "Loader + training(), webdataset()",
            "pipeline-objects": "Loader + training(), files()"}
 
@@ -539,8 +553,10 @@ def plan(rows: str, pipeline: str | None) -> list[tuple[str, str, str]]:
     out = [("headrace-shards", "local", "-"), ("webdataset-shards", "local", "-"),
            ("headrace-objects", "local", "-"), ("dataloader-objects", "local", "-")]
     for where in ("s3", "http"):
-        out += [("headrace-shards", where, "slow"), ("webdataset-shards", where, "slow"),
-                ("headrace-objects", where, "slow"), ("dataloader-objects", where, "slow")]
+        out += [("headrace-shards", where, "slow"), ("webdataset-shards", where, "slow")]
+        if where == "s3":  # the peers' own shard formats, over S3 alone
+            out += [(row, where, "slow") for row in peers.PEERS]
+        out += [("headrace-objects", where, "slow"), ("dataloader-objects", where, "slow")]
     out += [("client-objects", "s3", "slow"), ("client-objects", "s3", "zero"),
             ("headrace-objects", "s3", "zero"), ("headrace-shards", "s3", "zero"),
             ("headrace-download", "s3", "slow"), ("headrace-download", "s3", "zero")]
@@ -595,8 +611,9 @@ def main() -> None:
     parser.add_argument("--buffer-mb", type=int, default=64, help="headrace webdataset(buffer_bytes=) for remote shards")
     parser.add_argument("--workers", type=int, default=16, help="DataLoader worker processes")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--rows", default="all", help="all, or a comma list of: headrace,webdataset,dataloader,client "
-                        "or of whole row names (headrace-shards: the shard rows alone) (with --pipeline: shards,objects)")
+    parser.add_argument("--rows", default="all", help="all, or a comma list of: headrace,webdataset,litdata,streaming,"
+                        "dataloader,client or of whole row names (headrace-shards: the shard rows alone) "
+                        "(with --pipeline: shards,objects)")
     parser.add_argument("--pipeline", choices=("cuda", "cpu"), default=None,
                         help="the rows run headrace's training pipeline on this device, not the reader alone")
     parser.add_argument("--epochs", type=int, default=2, help="--pipeline: timed epochs a row, after one warm-up")
@@ -621,17 +638,23 @@ def main() -> None:
     # Its own folder for the pipeline rows: their image count differs, and either mode would remake the other's.
     data = ROOT / ".data" / ("bench-latency-pipeline" if args.pipeline else "bench-latency")
     serve = make_data(data, args.images, args.shard_mb)
+    keys = plan(args.rows, args.pipeline)
+    # litdata's and streaming's own shards, before the server starts (it lists the folder once);
+    # a peer not installed, or whose shards could not be written, is left out.
+    peer_shards = peers.write(serve, args.shard_mb, {k[0] for k in keys})
+    keys = [k for k in keys if k[0] not in peers.PEERS or k[0] in peer_shards]
     shards = sorted((serve / "shards").glob("*.tar"))
     objects = list((serve / "images").rglob("*.jpg"))
     size = sum(p.stat().st_size for p in objects)
     print(f"data ready in {time.perf_counter() - t0:.0f} s: {len(objects)} JPEGs ({size / 1e6:.0f} MB, "
           f"mean {size / len(objects) / 1e3:.0f} KB), {len(shards)} shards "
           f"(largest {max(p.stat().st_size for p in shards) / 1e6:.0f} MB)")
-    for p in shards + objects:  # warm the page cache: local rows read from memory, as the server does
+    # Warm the page cache: local rows read from memory, as the server does.
+    for p in shards + objects + [p for files in peer_shards.values() for p in files]:
         p.read_bytes()
     slow = {"latency_ms": args.latency_ms, "mbps": args.mbps, "max_connections": args.max_connections}
     zero = {"latency_ms": 0, "mbps": 0, "max_connections": args.max_connections}
-    runs: dict[tuple[str, str, str], list[dict]] = {key: [] for key in plan(args.rows, args.pipeline)}
+    runs: dict[tuple[str, str, str], list[dict]] = {key: [] for key in keys}
     with object_server(serve, BUCKET, **slow) as url:
         for r in range(args.rounds):
             for key in list(runs) if r % 2 == 0 else list(reversed(runs)):
