@@ -41,8 +41,8 @@ imports, clients and readers are made, and an S3 prefix listed, before the clock
     python examples/benchmark_latency.py --rows headrace-download --rounds 5   # downloads alone, no parse
 
 With ``--pipeline cuda`` (or ``cpu``) the rows are the training pipeline instead of the reader alone:
-``headrace.Loader(reader, pipeline=ops.training(224, dtype="float16"))`` (on cuda: 2 lanes, prefetch 4,
-``hw_load=0.65``, as ``examples/benchmark_gpu.py`` builds it) fed by the same headrace readers, shuffled,
+``headrace.Loader(reader, pipeline=ops.training(224, dtype="float16"))`` (the Loader's defaults: on
+cuda 4 lanes sharing the cores, ``hw_load=0.65``) fed by the same headrace readers, shuffled,
 from local disk and over S3 at the same server settings: shards (``buffer_bytes=--buffer-mb``) and
 objects (and, with ``--rows shards,download``, the download-only row at the same settings). Each row: one warm-up epoch off the clock, then ``--epochs`` timed epochs; images/s against the
 local-disk row of the same data (shards against local shards, objects against the local folder) and
@@ -362,11 +362,9 @@ class TrainingEpochs:
         from headrace._loop import new_event_loop  # uvloop when installed, as the loader uses
 
         self.cuda = args.pipeline == "cuda"
-        # On the GPU, the loader examples/benchmark_gpu.py's bench_headrace measures from local disk.
-        gpu = {"lanes": 2, "prefetch": 2 + 2, "hw_load": 0.65} if self.cuda else {}
         self.reader = reader
         self.loader = headrace.Loader(reader, batch_size=args.batch, pipeline=ops.training(224, dtype="float16"),
-                                      device=args.pipeline, **gpu)
+                                      device=args.pipeline)  # the defaults, as a user's loader
         # Every epoch delivers every image once, so its JPEG bytes are the images' sizes summed.
         sizes = [p.stat().st_size for p in (serve / "images").rglob("*.jpg")]
         self.mean_bytes = sum(sizes) / len(sizes)

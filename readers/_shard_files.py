@@ -22,6 +22,7 @@ from headrace._threads import join_threads
 
 from ._feed import END, Feed
 from ._storage import Downloads, RemoteFile, Storage, is_url
+from ._storage._remote_fetch import Link
 from ._tar import count_samples, iter_groups, open_shard
 
 __all__ = ["ShardFiles", "ShardJob"]
@@ -63,6 +64,9 @@ class ShardFiles:
                       for p, remote in zip(self.shards, self.remote)]
         self.retries = 0  # storage faults survived by the downloads (resumed from their offset)
         self.peak_buffered = 0  # most bytes one download held ahead of its parser
+        # What the epochs' downloads observed of the store (latency, bandwidth, GETs a download came
+        # to, the parser's pace): kept across epochs, so each epoch's first shard starts grown.
+        self.link = Link()
 
     def _source(self, shard: int, downloads: Downloads) -> str | RemoteFile:
         path = self.shards[shard]
@@ -71,7 +75,7 @@ class ShardFiles:
     async def count(self) -> list[int]:
         """Samples per shard from the tar headers (data is seeked over; remote: skipped by Range requests)."""
         with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="headrace-io-scan") as pool:
-            async with self.downloads() as downloads:
+            async with self.downloads(Link()) as downloads:  # header reads: small GETs, not a stream's
                 futures = [pool.submit(count_samples, self._source(i, downloads), self.names[i])
                            for i in range(len(self.shards))]
                 try:
@@ -83,10 +87,11 @@ class ShardFiles:
                     await join_threads(futures)
 
     @contextlib.asynccontextmanager
-    async def downloads(self) -> AsyncIterator[Downloads]:
-        """The downloads of one read; on exit they are stopped, their tasks awaited and the stores'
-        connections closed, even when cancelled: no task outlives the block."""
-        downloads = Downloads(self.storage, self.buffer_bytes)
+    async def downloads(self, link: Link | None = None) -> AsyncIterator[Downloads]:
+        """The downloads of one read (sharing ``link``, by default the reader's); on exit they are
+        stopped, their tasks awaited and the stores' connections closed, even when cancelled: no
+        task outlives the block."""
+        downloads = Downloads(self.storage, self.buffer_bytes, link or self.link)
         if self.storage is None or not any(self.remote):
             yield downloads
             return

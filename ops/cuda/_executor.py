@@ -7,9 +7,9 @@ reads of the JPEGs (nvImageCodec: hardware JPEG engine and CUDA decoder together
 GIL-free through the C shim of ``_batch_decode`` when it builds), launches one fused kernel for the batch and records an
 event; it never waits for the GPU. In the common case (every image to nvImageCodec, the CUDA driver
 reachable) the shim does all of that in the one call that decodes, so the lane takes the GIL back
-once a batch (``_launch.py``). A batch goes to the lane with the fewest batches queued (among
-equals, batch i to lane i mod lanes), so the prep thread and the lanes work on different batches at
-once, a lane slowed by one batch is passed over, and each lane's batches stay in order on its stream.
+once a batch (``_launch.py``). Batch i goes to lane i mod lanes (or, with
+``GpuTuning(dispatch="free")``, to the lane with the fewest batches queued), so the prep thread and
+the lanes work on different batches at once, and each lane's batches stay in order on its stream.
 
 Hand-off: the output is allocated by torch on the lane's stream; the consumer's current stream
 waits on the lane's event and the tensor is recorded on that stream, so the caching allocator
@@ -70,12 +70,13 @@ def gpu_unsupported(pipeline: Pipeline) -> str | None:
     return None
 
 
-def pick_lane(lanes: list[Lane], index: int, dispatch: str = "free") -> Lane:
+def pick_lane(lanes: list[Lane], index: int, dispatch: str) -> Lane:
     """The lane batch ``index`` goes to. ``"free"``: the one with the fewest batches queued or
     decoding; among equals, the batch's turn (lane ``index mod lanes``). A lane held up by a slow batch
     (large images, the engine's share late) is passed over rather than waited for: in the decode
     floor on the H100 this took 4 lanes from 28.2k to 28.8k images/s and 3 lanes from 26.4k to
-    28.4k (docs/benchmarks.md, issue 22). ``"turn"``: always the batch's turn."""
+    28.4k, though the training pipeline showed no difference through its noise (docs/benchmarks.md,
+    issue 22). ``"turn"``: always the batch's turn."""
     n = len(lanes)
     if dispatch == "turn":
         return lanes[index % n]
@@ -105,16 +106,16 @@ class GpuTuning:
     ``"nvjpeg_cuda_decoder:hybrid_huffman_threshold=0"``). ``decode``: ``"shim"`` (one GIL-free call
     a batch through nvImageCodec's C API) or ``"python"`` (its Python API, the fallback where the
     shim cannot be built). ``launch``: ``"shim"`` (the shim also launches the fused kernel) or
-    ``"python"`` (launched from Python after the decode). ``dispatch``: ``"free"`` (a batch to the
-    lane with the fewest batches queued) or ``"turn"`` (batch i to lane i mod lanes, whatever is
-    queued there).
+    ``"python"`` (launched from Python after the decode). ``dispatch``: ``"turn"`` (batch i to lane
+    i mod lanes) or ``"free"`` (to the lane with the fewest batches queued: +2-8% in the decode
+    floor on the H100, no difference the training pipeline's noise let us see; docs/benchmarks.md).
     """
 
     cuda_load: float = 1.0
     nvimgcodec_options: str = ""
     decode: Literal["shim", "python"] = "shim"
     launch: Literal["shim", "python"] = "shim"
-    dispatch: Literal["free", "turn"] = "free"
+    dispatch: Literal["turn", "free"] = "turn"
 
     def __post_init__(self) -> None:
         if not isinstance(self.cuda_load, (int, float)) or not 0.0 <= self.cuda_load <= 1.0:

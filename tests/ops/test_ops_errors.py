@@ -252,7 +252,7 @@ def test_gpu_tuning_is_checked():
     from headrace import ConfigError
     from headrace.ops import GpuTuning
 
-    assert GpuTuning() == GpuTuning(cuda_load=1.0, nvimgcodec_options="", decode="shim", launch="shim", dispatch="free")
+    assert GpuTuning() == GpuTuning(cuda_load=1.0, nvimgcodec_options="", decode="shim", launch="shim", dispatch="turn")
     for bad in ({"cuda_load": 1.5}, {"decode": "c"}, {"launch": None}, {"nvimgcodec_options": 3}, {"dispatch": "any"}):
         with pytest.raises(ConfigError):
             GpuTuning(**bad)
@@ -265,13 +265,13 @@ def test_a_batch_goes_to_the_lane_with_the_fewest_queued():
 
     lanes = [SimpleNamespace(index=i, queued=set()) for i in range(4)]
     # All idle: each batch's turn, as batch i to lane i mod 4.
-    assert [pick_lane(lanes, i).index for i in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert [pick_lane(lanes, i, "free").index for i in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
     lanes[1].queued.update({"a", "b"})  # lane 1 held up by a slow batch
     lanes[2].queued.add("c")
-    assert pick_lane(lanes, 1).index == 3  # the next idle lane after its turn, not lane 0
-    assert pick_lane(lanes, 2).index == 3
-    assert pick_lane(lanes, 4).index == 0
+    assert pick_lane(lanes, 1, "free").index == 3  # the next idle lane after its turn, not lane 0
+    assert pick_lane(lanes, 2, "free").index == 3
+    assert pick_lane(lanes, 4, "free").index == 0
     lanes[0].queued.add("d")
     lanes[3].queued.add("e")
-    assert pick_lane(lanes, 1).index == 2  # all busy: the least queued lane from its turn on
+    assert pick_lane(lanes, 1, "free").index == 2  # all busy: the least queued lane from its turn on
     assert [pick_lane(lanes, i, "turn").index for i in range(5)] == [0, 1, 2, 3, 0]

@@ -114,6 +114,26 @@ async def test_a_shard_streams_gets_in_flight_stay_within_the_window_and_the_rea
 
 
 @pytest.mark.parametrize("kind", ["s3", "http"])
+async def test_the_next_epoch_starts_from_what_the_last_one_learned_of_the_link(slow, kind, leaks):
+    # Epoch 0's download of the big shard observes the latency and grows ranged GETs; epoch 1's
+    # download of it shares that Link (no streamed GET to start over from), and reads the same samples.
+    capacity = 4 << 20
+    reader = readers.webdataset(slow.source(kind, "big/big-0.tar"), buffer_bytes=capacity, chunk_size=4,
+                                storage_options={"retry": RETRY})
+    first = await _read_all(reader, epoch=0)
+    link = reader.files.link
+    assert link.pieces > 1 and link.latency is not None and link.bandwidth is not None
+    learned = link.pieces
+    before = slow.stats()["requests"]
+    again = await _read_all(reader, epoch=1)
+    assert [(s.key, s.fields["bin"]) for s in again] == [(s.key, s.fields["bin"]) for s in first]
+    assert reader.files.link is link and link.pieces >= learned and not link.fetchers  # none left running
+    assert slow.stats()["requests"] - before > 1
+    assert 0 < reader.peak_buffered <= capacity + HEAD_BLOCK
+    await leaks.check()
+
+
+@pytest.mark.parametrize("kind", ["s3", "http"])
 async def test_the_blocks_the_client_holds_for_the_gets_count_against_the_bound(slow, kind, leaks):
     # A parser that does not keep up and a download far ahead of it: the big shard, read in small
     # steps with a pause, behind a latency that makes its download add ranged GETs. Whatever the
