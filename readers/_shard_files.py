@@ -21,8 +21,7 @@ from headrace._sample import Sample
 from headrace._threads import join_threads
 
 from ._feed import END, Feed
-from ._storage import Downloads, RemoteFile, Storage, is_url
-from ._storage._remote_fetch import Link
+from ._storage import Downloads, Link, RemoteFile, Storage, is_url
 from ._tar import count_samples, iter_groups, open_shard
 
 __all__ = ["ShardFiles", "ShardJob"]

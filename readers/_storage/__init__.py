@@ -6,6 +6,7 @@ from ._downloads import Downloads
 from ._http import HttpStore
 from ._memory import LocalStore, MemoryStore
 from ._remote import RemoteFile
+from ._remote_fetch import Link
 from ._resolve import Storage, is_url, run_sync
 from ._retry import Retry, with_retries
 from ._s3 import S3Store
@@ -14,6 +15,7 @@ __all__ = [
     "Body",
     "Downloads",
     "HttpStore",
+    "Link",
     "LocalStore",
     "MemoryStore",
     "ObjectInfo",

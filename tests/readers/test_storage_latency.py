@@ -48,6 +48,16 @@ class Slow:
         await asyncio.to_thread(server_stats, self.url, reset=True)
 
 
+def _big_shard(slow: Slow) -> list[tuple[str, bytes]]:
+    """The big shard's samples as (key, bytes), read from the tar on disk."""
+    with tarfile.open(slow.root / "big" / "big-0.tar") as tar:
+        return [(m.name[:-4], tar.extractfile(m).read()) for m in tar]
+
+
+def _pairs(samples) -> list[tuple[str, bytes]]:
+    return [(s.key, s.fields["bin"]) for s in samples]
+
+
 @pytest.fixture(scope="module")
 def slow_server(storage_root):
     with object_server(storage_root, BUCKET, **SLOW) as url:
@@ -81,11 +91,8 @@ async def test_a_big_shard_behind_a_bandwidth_cap_gains_ranged_gets_in_bounded_m
     capacity = 2 << 20
     reader = readers.webdataset(slow.source(kind, "big/big-0.tar"), buffer_bytes=capacity, chunk_size=4,
                                 storage_options={"retry": RETRY})
-    with tarfile.open(slow.root / "big" / "big-0.tar") as tar:
-        expected = [(m.name[:-4], tar.extractfile(m).read()) for m in tar]
     before = slow.stats()["requests"]
-    samples = await _read_all(reader)
-    assert [(s.key, s.fields["bin"]) for s in samples] == expected
+    assert _pairs(await _read_all(reader)) == _big_shard(slow)
     stats = slow.stats()
     assert stats["requests"] - before > 1 and stats["peak_active"] > 1  # segments ahead, on their own connections
     assert 0 < reader.peak_buffered <= capacity + HEAD_BLOCK  # GETs' blocks in the client counted too
@@ -101,11 +108,8 @@ async def test_a_shard_streams_gets_in_flight_stay_within_the_window_and_the_rea
     capacity = 4 << 20
     reader = readers.webdataset([slow.source(kind, "big/big-0.tar")] * 2, buffer_bytes=capacity, chunk_size=4,
                                 read_ahead=1, storage_options={"retry": RETRY})
-    with tarfile.open(slow.root / "big" / "big-0.tar") as tar:
-        expected = [(m.name[:-4], tar.extractfile(m).read()) for m in tar] * 2
     before = slow.stats()["requests"]
-    samples = await _read_all(reader)
-    assert [(s.key, s.fields["bin"]) for s in samples] == expected  # every sample once, in order
+    assert _pairs(await _read_all(reader)) == _big_shard(slow) * 2  # every sample once, in order
     stats = slow.stats()
     assert stats["requests"] - before > 2  # ranged GETs beyond the two downloads' first
     assert 1 < stats["peak_answering"] <= 2 * (2 * capacity // (1 << 20) + 1)
@@ -120,13 +124,12 @@ async def test_the_next_epoch_starts_from_what_the_last_one_learned_of_the_link(
     capacity = 4 << 20
     reader = readers.webdataset(slow.source(kind, "big/big-0.tar"), buffer_bytes=capacity, chunk_size=4,
                                 storage_options={"retry": RETRY})
-    first = await _read_all(reader, epoch=0)
+    assert _pairs(await _read_all(reader, epoch=0)) == _big_shard(slow)
     link = reader.files.link
     assert link.pieces > 1 and link.latency is not None and link.bandwidth is not None
     learned = link.pieces
     before = slow.stats()["requests"]
-    again = await _read_all(reader, epoch=1)
-    assert [(s.key, s.fields["bin"]) for s in again] == [(s.key, s.fields["bin"]) for s in first]
+    assert _pairs(await _read_all(reader, epoch=1)) == _big_shard(slow)
     assert reader.files.link is link and link.pieces >= learned and not link.fetchers  # none left running
     assert slow.stats()["requests"] - before > 1
     assert 0 < reader.peak_buffered <= capacity + HEAD_BLOCK
