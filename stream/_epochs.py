@@ -137,8 +137,8 @@ class Epochs:
             self._errors.add(error, action)
         if isinstance(item, BaseException):
             raise item
-        if run_ahead and self.ahead is None and run.dispatched_all.is_set():
-            self.ahead = _Run(self.cfg, run.epoch + 1, 0, 0)
+        if run_ahead and self.ahead is None and run.read_all.is_set():
+            self.ahead = _Run(self.cfg, run.epoch + 1, 0, 0, dispatch_after=run.dispatched_all)
             self.ahead.start_runner()
         stats = self._stats
         self._cursor.position, self._cursor.batches = item.extra["end_position"], item.index + 1

@@ -76,8 +76,9 @@ class EpochMetrics:
     the output channel) and ``"handoff"`` (the loader's work between a finished batch and the
     consumer: the ``on_error`` policy, the CUDA stream hand-off).
 
-    With ``run_ahead``, an epoch's stages start during the previous epoch's last batches, so their
-    seconds can include time before ``wall_seconds`` began.
+    With ``run_ahead``, an epoch's reading starts once the previous epoch's reading is done, and its
+    decoding once the previous epoch's last batch has gone to decode, so their seconds can include
+    time before ``wall_seconds`` began.
     """
 
     epoch: int
@@ -164,7 +165,7 @@ class RunConfig:
 
 class _Run:
     def __init__(self, cfg: RunConfig, epoch: int, start: int, first_batch: int,
-                 history: tuple[tuple[int, int], ...] = ()) -> None:
+                 history: tuple[tuple[int, int], ...] = (), *, dispatch_after: asyncio.Event | None = None) -> None:
         self.cfg = cfg
         self.epoch = epoch
         self.start = start
@@ -178,9 +179,16 @@ class _Run:
         self.out_tx, self.out_rx = open_channel(2, name="output")
         self._slots = asyncio.Semaphore(cfg.prefetch)
         self._runner: asyncio.Task[None] | None = None
-        # Set once every batch of the epoch has gone to the executor: the loader may then start
-        # the next epoch's run beside this one's last batches (``Loader(run_ahead=...)``).
+        # Set once the reader has yielded the epoch's last sample: the loader may then start the
+        # next epoch's run (``Loader(run_ahead=...)``), whose reading fills its own bounded channels
+        # while this one's last batches decode. Over object storage that hides the next epoch's
+        # first GETs, ~0.2 s an epoch at 50 ms a GET.
+        self.read_all = asyncio.Event()
+        # Set once every batch of the epoch has gone to the executor; a run started ahead sends
+        # its first batch only after the previous run's (``dispatch_after``), so the lanes take
+        # the epochs' batches in order.
         self.dispatched_all = asyncio.Event()
+        self._dispatch_after = dispatch_after
         # Set by the loader: a consumer is inside this run's iterator (between two batches), or a
         # later ``async for`` replaced the iterator that a loop left without closing it.
         self.consumer_inside = False
@@ -274,6 +282,7 @@ class _Run:
                         self._read_seconds += time.perf_counter() - started
                     self._read_items += len(chunk)
                     await self._chunks_tx.send(chunk, samples_nbytes(chunk))
+            self.read_all.set()
         finally:
             await self._chunks_tx.aclose()
 
@@ -293,6 +302,8 @@ class _Run:
         # backpressure the batcher (and through it the reader) feels.
         try:
             async for batch in self._batches_rx:
+                if self._dispatch_after is not None:
+                    await self._dispatch_after.wait()
                 await self._slots.acquire()
                 task = tg.create_task(self._decode(executor, batch), name=f"loader:ops:batch{batch.index}")
                 await self._order_tx.send((batch, task))

@@ -25,8 +25,9 @@ are done. What a download holds is counted as its ``load``: the bytes buffered f
 held by later pieces, and for each later piece reading a block, what the client may hold for it until
 ``next()`` hands it over (``Store.held_per_get``, at most what is left of the range: over S3 obstore
 assembles a block of 1 MiB and more below us, so a 1 MiB segment sits there whole until it is done).
-A later piece reads only while its block fits in ``capacity`` with the load, and its block is counted
-from that check on, so pieces passing together cannot overshoot; the head reads while the load is
+A later piece reads only while its block fits in ``capacity`` with the load and the bytes the pieces
+before it have still to bring (room kept for them: the head never waits on the pieces behind it),
+and its block is counted from that check on, so pieces passing together cannot overshoot; the head reads while the load is
 under ``capacity``, or the thread has nothing buffered (it waits for these bytes). Memory stays under
 ``capacity`` plus the head's block. Each piece retries alone, from its own first missing byte, with
 the first answer's ETag.
@@ -84,6 +85,10 @@ class Link:
         self.pieces = 1  # the most GETs in flight one download came to
         self.pace: float | None = None  # bytes a second the consumer read while not waiting, last measured
         self.fetchers: dict[Fetcher, None] = {}  # the downloads running now, oldest first
+        # Times a head GET went on only because its parser had read all it was given, the room
+        # being held by the pieces behind it: it then creeps a block per read (what
+        # ``Fetcher._owed_before`` prevents).
+        self.head_starved = 0
         self._bytes = 0
         self._seconds = 0.0
 
@@ -440,16 +445,30 @@ class Fetcher:
                     return waited
                 if self._pieces and self._pieces[0] is piece:
                     if self.load() < self.file.capacity or not self.file.buffered:
+                        if self.load() >= self.file.capacity:  # the room is all behind it
+                            self.link.head_starved += 1
                         return waited
                 else:
                     block = min(self.store.held_per_get, (piece.end or 0) - piece.pos)
-                    if self.load() + block <= self.file.capacity:
+                    if self.load() + self._owed_before(piece) + block <= self.file.capacity:
                         piece.reserved = max(block, 0)
                         self._reserved += piece.reserved
                         return waited
                 self._room.clear()
             waited = True
             await self._room.wait()
+
+    def _owed_before(self, piece: _Piece) -> int:
+        """Bytes the pieces before ``piece`` have still to bring: room kept for them. Held bytes
+        reach the thread in offset order, so a later piece filling the room would leave the head
+        to creep a block per parser read while the bytes behind it wait."""
+        owed = 0
+        for ahead in self._pieces:
+            if ahead is piece:
+                break
+            if not ahead.done and ahead.end is not None:
+                owed += ahead.end - ahead.pos
+        return owed
 
     # -- wake-ups ------------------------------------------------------------------------------
 

@@ -111,3 +111,31 @@ async def test_the_sync_facade_does_not_run_ahead(image_folder, leaks):
 def test_run_ahead_must_be_a_bool(image_folder):
     with pytest.raises(ConfigError, match="run_ahead"):
         _loader(image_folder, run_ahead="yes")
+
+
+async def test_the_next_epoch_reads_ahead_but_decodes_after_the_last_batch_went_to_decode(image_folder, leaks):
+    # 8 batches an epoch and 2 in flight: the reader is done long before the last batch goes to
+    # decode. From then on the next epoch's run reads into its channels, and sends no batch to
+    # the executor while this epoch still has batches to send.
+    loader = _loader(image_folder, run_ahead=True, prefetch=2)
+    plain = _loader(image_folder, run_ahead=False)
+    seen_reading = False
+    got = []
+    async for batch in loader:
+        got.append(batch)
+        run, ahead = loader._epochs.active, loader._epochs.ahead
+        if ahead is not None and not run.dispatched_all.is_set():
+            for _ in range(100):  # the run ahead's reader gets a turn of the loop
+                if ahead._read_items:
+                    break
+                await asyncio.sleep(0.01)
+            seen_reading = seen_reading or ahead._read_items > 0
+            assert ahead._decode_items == 0 and ahead._decoding == 0
+    assert seen_reading  # read ahead while this epoch still had batches to send
+    for x, y in zip(got, await _collect(plain), strict=True):
+        _same(x, y)
+    for x, y in zip(await _collect(loader), await _collect(plain), strict=True):  # epoch 1: the run ahead
+        _same(x, y)
+    await loader.aclose()
+    await plain.aclose()
+    await leaks.check()
