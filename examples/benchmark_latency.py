@@ -417,6 +417,20 @@ SYSTEMS = {"headrace-shards": "headrace webdataset()", "headrace-objects": "head
            "pipeline-objects": "Loader + training(), files()"}
 
 
+def _peak_rss_mb() -> float:
+    """This process's peak resident set, in MB: ``VmHWM`` where Linux gives it. ``ru_maxrss`` of a
+    process that ``subprocess`` started counts its parent's peak too (it survives the exec), which
+    hid every row below the parent's ~156 MB on the 2-core VM."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def run_row(args: argparse.Namespace) -> None:
     """In the child: one row, then one JSON line (rate, bytes, peak RSS of this process and its children)."""
     serve = Path(args.serve)
@@ -444,7 +458,7 @@ def run_row(args: argparse.Namespace) -> None:
         epoch_rates.append(n / (time.perf_counter() - epoch_start))
         samples, nbytes = samples + n, nbytes + b
     seconds = time.perf_counter() - start
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    own = _peak_rss_mb()
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     result = {"samples": samples, "payload_bytes": nbytes, "seconds": seconds, "cpu_seconds": cpu() - began,
               "samples_per_s": samples / seconds, "mb_per_s": nbytes / seconds / 1e6, "peak_rss_mb": own,
@@ -494,14 +508,16 @@ def reader_bounds(args: argparse.Namespace) -> dict[str, int]:
     the same from local disk, so a remote row's peak RSS beyond its local row's should stay within
     this. Shards: ``(read_ahead + 1)`` downloads of ``buffer_bytes`` (counting what the client holds
     for their GETs), twice that with the freed blocks the allocator keeps; objects: the chunks
-    fetched ahead fit in ``buffer_bytes``. Read from the signatures, so the bounds follow the
-    readers' defaults.
+    fetched ahead fit in ``buffer_bytes``, and the client keeps a connection for each of
+    ``requests`` GETs at once, ~128 KiB each (``files()`` says so). Read from the signatures, so
+    the bounds follow the readers' defaults.
     """
     from headrace import readers
 
     read_ahead = inspect.signature(readers.webdataset).parameters["read_ahead"].default
-    files_buffer = inspect.signature(readers.files).parameters["buffer_bytes"].default
-    return {"pipeline-shards": 2 * (read_ahead + 1) * (args.buffer_mb << 20), "pipeline-objects": files_buffer}
+    files = inspect.signature(readers.files).parameters
+    objects = files["buffer_bytes"].default + files["requests"].default * (128 << 10)
+    return {"pipeline-shards": 2 * (read_ahead + 1) * (args.buffer_mb << 20), "pipeline-objects": objects}
 
 
 def print_pipeline_table(results: list[dict], label: dict[str, str], bounds: dict[str, int]) -> None:

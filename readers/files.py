@@ -229,11 +229,17 @@ def files(
 
     The folder may be a bucket prefix, ``"s3://bucket/train/"`` (listed once, here), and the paths
     URLs (``s3://``, ``http(s)://``). Objects are then fetched on the event loop, ``chunk_size`` per
-    chunk, with at most ``requests`` GETs at once (224: at 50 ms a GET, ~4,500 objects/s; under
-    a 256-connection mark with room for the connections obstore's pool opens while others return). The chunks fetched ahead start at
+    chunk, with at most ``requests`` GETs at once (224: at 50 ms a GET, ~4,500 objects/s). The
+    connections open can pass ``requests`` by a few dozen: when a GET finds no idle connection,
+    the client's pool (hyper's) starts a new one even if one is about to come back, and keeps
+    both (+30 on a 2-core machine, +33 on a 16-core one, against 224; a store answers a client
+    past its own cap with 503 SlowDown, which is retried). The pool's options make it worse; lower
+    ``requests`` where a store's cap is close. The chunks fetched ahead start at
     ``io_threads + 1`` and grow by one each time the consumer waits for a chunk (a store's latency
     needs latency x rate GETs in flight), while they fit in ``requests`` and, at the mean object
-    size seen, in ``buffer_bytes``; each GET is retried with backoff (``storage_options["retry"]``)
+    size seen, in ``buffer_bytes``; the client keeps ~110 KB a connection besides (measured: 20-28
+    MB for 224), and each of its threads (one a core) an allocator arena: 30-50 MB with 16 threads,
+    which ``MALLOC_ARENA_MAX=1`` in the environment removed. Each GET is retried with backoff (``storage_options["retry"]``)
     and a sample that still fails carries a ``StorageError`` naming its URL. ``storage_options`` and
     ``store`` are as for ``webdataset()``. Local files are read a chunk per call by a small C helper
     (compiled on first use); ``native_read=False`` reads them in Python instead, as happens anyway
