@@ -37,14 +37,27 @@ class StoreFault(Exception):
 
 
 class Body(ABC):
-    """An open download: ``next()`` gives the next block of bytes (``b""`` at the end)."""
+    """An open download: ``next()`` gives the next block of bytes (``b""`` at the end).
+
+    ``whole``: ``rest()`` hands over the rest of the range in one buffer without copying it
+    under the GIL (where blocks would be); a later segment of a download, which waits for the
+    ones before it anyway, is then read that way.
+    """
 
     size: int  # of the whole object, not of this range
     etag: str | None
+    whole: bool = False
 
     @abstractmethod
     async def next(self) -> bytes | memoryview:
         """The next block; raises StoreFault."""
+
+    async def rest(self) -> bytes | memoryview:
+        """The rest of the range at once (before any ``next()``); raises StoreFault."""
+        blocks = []
+        while block := await self.next():
+            blocks.append(block)
+        return b"".join(blocks)
 
     @abstractmethod
     async def aclose(self) -> None:

@@ -142,12 +142,13 @@ class Link:
 class _Piece:
     """Bytes ``[pos, end)`` of the object still to come from one GET (``end`` None: to the object's end)."""
 
-    __slots__ = ("done", "end", "held", "pos", "reserved")
+    __slots__ = ("done", "end", "held", "pos", "reserved", "streamed")
 
     def __init__(self, pos: int, end: int | None) -> None:
         self.pos, self.end, self.done = pos, end, False
         self.held: list[tuple[int, memoryview]] = []  # received before it was the head
         self.reserved = 0  # bytes counted for the block the client assembles for it now
+        self.streamed = False  # read block by block even where the body could give it whole
 
 
 class Fetcher:
@@ -238,12 +239,14 @@ class Fetcher:
                     self._set_size(body.size)
                     self.grow()
                     continue
-                waited = await self._wait_for_room(piece)
+                whole = body.whole and self._whole(piece)
+                waited = await self._wait_for_room(piece, whole)
+                whole = whole and piece.reserved > 0  # not if it became the head meanwhile: that one streams
                 asked = loop.time()
                 try:
                     try:
                         async with asyncio.timeout(self.retry.timeout):
-                            block = await body.next()
+                            block = await (body.rest() if whole else body.next())
                     finally:
                         self._release(piece)
                     if not block and piece.pos < (end if end is not None else body.size):
@@ -252,6 +255,7 @@ class Fetcher:
                     await _drop(body)
                     body = None
                     failures += 1
+                    piece.streamed = piece.streamed or (whole and isinstance(exc, TimeoutError))
                     await self._backoff(exc, failures)
                     continue
                 if not block:
@@ -428,10 +432,19 @@ class Fetcher:
             f"stalled: nothing within {self.retry.timeout:g} s", retryable=True)
         await backoff_or_raise(fault, failures, self.retry, self.file.name, "GET")
 
-    async def _wait_for_room(self, piece: _Piece) -> bool:
+    def _whole(self, piece: _Piece) -> bool:
+        """Read this piece's range in one go: a later segment (its bytes wait for the ones before
+        it anyway), one the link observed delivers well within a retry's timeout (its progress is
+        not seen until it is done), and not after such a read timed out."""
+        bandwidth = self.link.bandwidth
+        if piece.streamed or piece.end is None or bandwidth is None or (self._pieces and self._pieces[0] is piece):
+            return False
+        return (piece.end - piece.pos) / bandwidth < self.retry.timeout / 4
+
+    async def _wait_for_room(self, piece: _Piece, whole: bool = False) -> bool:
         """Wait until the piece's next block fits: a later piece while ``load()`` and the block the
-        client may assemble for it stay within ``capacity`` (counted from here until its ``next()``
-        returns: pieces that pass together cannot overshoot); the head while ``load()`` is under
+        client may assemble for it (``whole``: the rest of its range) stay within ``capacity``
+        (counted from here until its ``next()`` returns: pieces that pass together cannot overshoot); the head while ``load()`` is under
         it, or the thread has nothing buffered (it waits for these bytes). True if it waited. A long
         seek of the thread ends the download here."""
         assert self._room is not None
@@ -449,7 +462,8 @@ class Fetcher:
                             self.link.head_starved += 1
                         return waited
                 else:
-                    block = min(self.store.held_per_get, (piece.end or 0) - piece.pos)
+                    rest = (piece.end or 0) - piece.pos
+                    block = rest if whole else min(self.store.held_per_get, rest)
                     if self.load() + self._owed_before(piece) + block <= self.file.capacity:
                         piece.reserved = max(block, 0)
                         self._reserved += piece.reserved
