@@ -292,11 +292,11 @@ async def test_memory_store_resets_stalls_and_5xx_resume_from_the_offset(memory_
 async def test_later_segments_read_whole_resume_after_faults_and_stream_after_a_timeout(leaks):
     # A body that can hand over its range whole (as S3's does, uncopied) is read that way for the
     # segments behind the head. A reset or a 503 during such a read costs nothing (no byte was
-    # delivered: the retry asks for the same range). The segment at 3 MiB comes whole only after
-    # the timeout, every time (a link slower than it was observed): its retry reads it block by
-    # block, whose progress the timeout then watches.
+    # delivered: the retry asks for the same range). The segment at 1 MiB comes whole only after
+    # the timeout, every time (a link slower than it was observed), while the head streams slowly
+    # before it: its retry reads it block by block, whose progress the timeout then watches.
     data = tar_bytes([(f"{i:03d}.bin", bytes([i]) * (100_000 + i)) for i in range(80)])  # ~8 MB
-    slow = 3 << 20
+    slow = 1 << 20
     reads: list[tuple[int, str]] = []
 
     class WholeStore(MemoryStore):
@@ -317,14 +317,16 @@ async def test_later_segments_read_whole_resume_after_faults_and_stream_after_a_
             async def next_block():
                 if not inside and (start, "blocks") not in reads:
                     reads.append((start, "blocks"))
+                if start == 0:
+                    await asyncio.sleep(0.02)  # the head's 16 blocks take ~0.3 s: the slow segment stays behind it
                 return await plain_next()
 
             body.rest, body.next = rest, next_block
             return body
 
-    # Opens in order: the head at 0, then the segments at 1, 2, 3 MiB (the first reset, the second 503).
+    # Opens in order: the head at 0, then the segments at 1, 2, 3 MiB (2 MiB reset, 3 MiB 503).
     store = WholeStore({"big.tar": data}, block=64 << 10,
-                       fail={"big.tar": [None, ("reset", 300_000), ("status", 503)]})
+                       fail={"big.tar": [None, None, ("reset", 300_000), ("status", 503)]})
     reader = readers.webdataset("big.tar", store=store, buffer_bytes=4 << 20, chunk_size=4,
                                 storage_options={"retry": {**RETRY, "timeout": 0.2}})
     link = reader.files.link  # as if an earlier epoch had observed the store: segments from the start
@@ -334,7 +336,7 @@ async def test_later_segments_read_whole_resume_after_faults_and_stream_after_a_
     assert reader.retries == 3  # the reset, the 503, the timeout
     whole = [start for start, how in reads if how == "whole"]
     assert len(whole) > 3 and all(start % (1 << 20) == 0 for start in whole)  # segments of 1 MiB, whole
-    assert (1 << 20, "whole") in reads  # reset midway: asked again (whole, or streamed once it leads)
+    assert (2 << 20, "whole") in reads  # reset midway: asked again (whole, or streamed once it leads)
     assert reads.count((slow, "whole")) == 1 and (slow, "blocks") in reads  # timed out, then streamed
     await leaks.check()
 
