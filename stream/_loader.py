@@ -92,8 +92,9 @@ class Loader:
         run_ahead: once an epoch's reader is done, start reading the next epoch (into the bounded
             channels: ``max_bytes``, two batches), and once the epoch's last batch has gone to
             decode, start decoding it (up to ``prefetch`` batches), so neither the reads nor the
-            lanes drain and refill at every epoch boundary, as DALI's pipeline runs on. Over
-            object storage the next epoch's first GETs then wait while this epoch's last batches decode. The next ``async for`` takes that work over;
+            lanes drain and refill at every epoch boundary, as DALI's pipeline runs on (over
+            object storage, the next epoch's first GETs overlap this epoch's last batches). The
+            next ``async for`` takes that work over;
             a ``load_state_dict``, a ``break`` or ``aclose()`` throws it away (``state_dict()`` never
             counts it). The ``sync()`` facade does not run ahead (each of its epochs has its own
             event loop, which the work would not outlive). Default: on for the GPU path (its executor is shared

@@ -301,9 +301,9 @@ class _Run:
         # ``prefetch`` batches are decoded-or-waiting at once: that bounds memory and is the
         # backpressure the batcher (and through it the reader) feels.
         try:
+            if self._dispatch_after is not None:  # run ahead: the batcher fills its channel meanwhile
+                await self._dispatch_after.wait()
             async for batch in self._batches_rx:
-                if self._dispatch_after is not None:
-                    await self._dispatch_after.wait()
                 await self._slots.acquire()
                 task = tg.create_task(self._decode(executor, batch), name=f"loader:ops:batch{batch.index}")
                 await self._order_tx.send((batch, task))

@@ -27,9 +27,9 @@ held by later pieces, and for each later piece reading a block, what the client 
 assembles a block of 1 MiB and more below us, so a 1 MiB segment sits there whole until it is done).
 A later piece reads only while its block fits in ``capacity`` with the load and the bytes the pieces
 before it have still to bring (room kept for them: the head never waits on the pieces behind it),
-and its block is counted from that check on, so pieces passing together cannot overshoot; the head reads while the load is
-under ``capacity``, or the thread has nothing buffered (it waits for these bytes). Memory stays under
-``capacity`` plus the head's block. Each piece retries alone, from its own first missing byte, with
+and its block is counted from that check on, so pieces passing together cannot overshoot; the head
+reads while the load is under ``capacity``, or the thread has nothing buffered (it waits for these
+bytes). Memory stays under ``capacity`` plus the head's block. Each piece retries alone, from its own first missing byte, with
 the first answer's ETag.
 
 The fetcher shares the file's lock: the thread's reads, the bytes held here and the wake-ups
@@ -255,7 +255,8 @@ class Fetcher:
                     await _drop(body)
                     body = None
                     failures += 1
-                    piece.streamed = piece.streamed or (whole and isinstance(exc, TimeoutError))
+                    if whole and isinstance(exc, TimeoutError):
+                        piece.streamed = True  # its progress unseen: the retry streams, block by block
                     await self._backoff(exc, failures)
                     continue
                 if not block:
@@ -444,9 +445,9 @@ class Fetcher:
     async def _wait_for_room(self, piece: _Piece, whole: bool = False) -> bool:
         """Wait until the piece's next block fits: a later piece while ``load()`` and the block the
         client may assemble for it (``whole``: the rest of its range) stay within ``capacity``
-        (counted from here until its ``next()`` returns: pieces that pass together cannot overshoot); the head while ``load()`` is under
-        it, or the thread has nothing buffered (it waits for these bytes). True if it waited. A long
-        seek of the thread ends the download here."""
+        (counted from here until its ``next()`` returns: pieces that pass together cannot
+        overshoot); the head while ``load()`` is under it, or the thread has nothing buffered (it
+        waits for these bytes). True if it waited. A long seek of the thread ends the download here."""
         assert self._room is not None
         waited = False
         while True:
