@@ -1,0 +1,347 @@
+"""The hardware JPEG engines driven directly through nvJPEG, without nvImageCodec: their ceiling.
+
+nvImageCodec's engine decoder keeps one nvJPEG state per decoder and waits for its previous batch
+before the next, so headrace needs several lanes to keep the engines busy. This script calls
+nvJPEG's hardware batched decode itself (ctypes, the `nvidia-nvjpeg` wheel's library) to see what
+the engines give for this data however they are driven. Needs a GPU with the engines (A100, H100);
+the images are benchmark_gpu.py's set (`--data`), read into memory first.
+
+    python examples/benchmark_jpeg_engines.py /path/to/class-folders [CONFIG ...]
+
+A CONFIG is either `K:S:roi:B`, K threads each with its own handle and S states used in turn,
+batches of B, whole images (roi 0) or the training pipeline's crop windows (roi 1), or
+`mix:E:C:T`, E such engine threads beside C nvImageCodec lanes of the CUDA decoder alone
+(`hw_load` 0, T host threads each), every thread taking the next whole batch from one queue.
+Each line: images/s (median of the passes after the first), the host cores the process kept busy,
+and for `K:S:roi:B` the share of the threads' time spent inside the decode call; the first
+configuration is checked against Pillow. docs/benchmarks.md has the H100's numbers (issue 22).
+"""
+import ctypes as C
+import glob
+import os
+import statistics
+import sys
+import threading
+import time
+
+import cupy
+import numpy as np
+
+lib_path = None
+for p in sys.path:
+    cand = os.path.join(p, "nvidia/cu13/lib/libnvjpeg.so.13")
+    if os.path.exists(cand):
+        lib_path = cand
+        break
+nv = C.CDLL(lib_path or "libnvjpeg.so.13")
+print("libnvjpeg:", lib_path, flush=True)
+V = C.c_void_p
+
+
+class Image(C.Structure):
+    _fields_ = [("channel", V * 4), ("pitch", C.c_size_t * 4)]
+
+
+P, I, SZ = C.POINTER(V), C.c_int, C.c_size_t
+for name, args in {
+    "nvjpegCreateEx": [I, V, V, C.c_uint, P], "nvjpegGetHardwareDecoderInfo": [V, C.POINTER(C.c_uint), C.POINTER(C.c_uint)],
+    "nvjpegGetImageInfo": [V, C.c_char_p, SZ, C.POINTER(I), C.POINTER(I), C.POINTER(I), C.POINTER(I)],
+    "nvjpegJpegStreamCreate": [V, P], "nvjpegJpegStreamParse": [V, C.c_char_p, SZ, I, I, V],
+    "nvjpegDecodeBatchedSupported": [V, V, C.POINTER(I)], "nvjpegDecodeBatchedSupportedEx": [V, V, V, C.POINTER(I)],
+    "nvjpegDecodeParamsCreate": [V, P], "nvjpegDecodeParamsSetOutputFormat": [V, I],
+    "nvjpegDecodeParamsSetROI": [V, I, I, I, I], "nvjpegJpegStateCreate": [V, P],
+    "nvjpegDecodeBatchedInitialize": [V, V, I, I, I],
+    "nvjpegDecodeBatchedEx": [V, V, V, V, V, V, V], "nvjpegDecodeBatched": [V, V, V, V, V, V],
+}.items():
+    getattr(nv, name).argtypes = args
+    getattr(nv, name).restype = I
+
+
+def ok(status, what):
+    if status != 0:
+        raise RuntimeError(f"{what}: nvjpeg status {status}")
+
+
+HARDWARE, RGBI = 3, 5
+root = sys.argv[1]
+files = sorted(glob.glob(f"{root}/*/*.jpg"))
+blobs = [open(f, "rb").read() for f in files]
+addrs = np.array([C.cast(C.c_char_p(b), V).value for b in blobs], dtype=np.uint64)
+sizes = np.array([len(b) for b in blobs], dtype=np.uint64)
+
+h0 = V()
+ok(nv.nvjpegCreateEx(HARDWARE, None, None, 0, C.byref(h0)), "nvjpegCreateEx(HARDWARE)")
+engines, cores = C.c_uint(), C.c_uint()
+st = nv.nvjpegGetHardwareDecoderInfo(h0, C.byref(engines), C.byref(cores))
+print(f"hardware decoder info: status {st}, engines {engines.value}, cores per engine {cores.value}", flush=True)
+
+# sizes and support
+H = np.zeros(len(blobs), np.int64); W = np.zeros(len(blobs), np.int64)
+ncomp, sub = C.c_int(), C.c_int()
+ws, hs = (C.c_int * 4)(), (C.c_int * 4)()
+for i, b in enumerate(blobs):
+    ok(nv.nvjpegGetImageInfo(h0, b, len(b), C.byref(ncomp), C.byref(sub), ws, hs), "info")
+    H[i], W[i] = hs[0], ws[0]
+js = V(); ok(nv.nvjpegJpegStreamCreate(h0, C.byref(js)), "stream create")
+unsupported = 0
+for b in blobs[:2048]:
+    ok(nv.nvjpegJpegStreamParse(h0, b, C.c_size_t(len(b)), 0, 0, js), "parse")
+    s = C.c_int(); ok(nv.nvjpegDecodeBatchedSupported(h0, js, C.byref(s)), "supported")
+    unsupported += s.value != 0
+print(f"{len(blobs)} JPEGs, mean {sizes.mean() / 1024:.0f} KiB, mean {H.mean():.0f} x {W.mean():.0f}; "
+      f"unsupported by the engine (of the first 2048): {unsupported}", flush=True)
+
+# the training pipeline's crop windows, as the decode floor benchmark makes them
+from headrace import ops  # noqa: E402
+from headrace.ops._geometry import plan_batch, roi_batch  # noqa: E402
+from headrace.ops._random import uniforms  # noqa: E402
+
+pipe = ops.training(224)
+REG = np.zeros((len(blobs), 4), np.int64)
+for k in range(0, len(blobs), 256):
+    idx = np.arange(k, min(k + 256, len(blobs)))
+    rnd = [uniforms(0, 0, pos, idx, op.randoms) if op.randoms else None for pos, op in enumerate(pipe.image_ops, 1)]
+    REG[idx] = roi_batch(plan_batch(H[idx], W[idx], pipe.image_ops, rnd), H[idx], W[idx])
+# ROI support on the engine
+dp = V(); ok(nv.nvjpegDecodeParamsCreate(h0, C.byref(dp)), "params")
+ok(nv.nvjpegDecodeParamsSetOutputFormat(dp, RGBI), "fmt")
+roi_unsup = 0
+for i, b in enumerate(blobs[:512]):
+    y0, x0, y1, x1 = REG[i]
+    ok(nv.nvjpegDecodeParamsSetROI(dp, int(x0), int(y0), int(x1 - x0), int(y1 - y0)), "roi")
+    ok(nv.nvjpegJpegStreamParse(h0, b, C.c_size_t(len(b)), 0, 0, js), "parse")
+    s = C.c_int(); ok(nv.nvjpegDecodeBatchedSupportedEx(h0, js, dp, C.byref(s)), "supportedEx")
+    roi_unsup += s.value != 0
+print(f"ROI windows unsupported by the engine (of 512): {roi_unsup}", flush=True)
+OUT_MAX = int(max((H * W).max(), 1) * 3)
+
+
+def run(K, S, roi, B, passes=3, check=False):
+    batches = [np.arange(k, min(k + B, len(blobs))) for k in range(0, len(blobs), B)]
+    go = [threading.Event() for _ in range(K)]; done = [threading.Event() for _ in range(K)]
+    ready = threading.Barrier(K + 1)
+    call_s = [0.0] * K
+    errors = []
+    nxt = {"i": 0}; lock = threading.Lock()
+    outs = {}
+
+    def lane(t):
+        try:
+            cupy.cuda.Device(0).use()
+            stream = cupy.cuda.Stream(non_blocking=True)
+            h = V(); ok(nv.nvjpegCreateEx(HARDWARE, None, None, 0, C.byref(h)), "create")
+            states = []
+            for _ in range(S):
+                s = V(); ok(nv.nvjpegJpegStateCreate(h, C.byref(s)), "state"); states.append(s)
+            params = (V * B)()
+            for j in range(B):
+                p = V(); ok(nv.nvjpegDecodeParamsCreate(h, C.byref(p)), "params")
+                ok(nv.nvjpegDecodeParamsSetOutputFormat(p, RGBI), "fmt"); params[j] = p
+            area = (REG[:, 2] - REG[:, 0]) * (REG[:, 3] - REG[:, 1]) if roi else H * W
+            cap = int(max(area[b].sum() for b in batches) * 3 + B * 256)
+            bufs = [cupy.empty(cap, cupy.uint8) for _ in range(S)]
+            events = [None] * S
+            ready.wait()
+            for p in range(passes):
+                go[t].wait(); go[t].clear()
+                turn = 0
+                while True:
+                    with lock:
+                        k = nxt["i"]; nxt["i"] += 1
+                    if k >= len(batches):
+                        break
+                    idx = batches[k]; n = len(idx); slot = turn % S; turn += 1
+                    if events[slot] is not None:
+                        events[slot].synchronize()
+                    dests = (Image * n)()
+                    off = 0; base = bufs[slot].data.ptr
+                    for j, i in enumerate(idx):
+                        if roi:
+                            y0, x0, y1, x1 = (int(v) for v in REG[i]); hh, ww = y1 - y0, x1 - x0
+                            ok(nv.nvjpegDecodeParamsSetROI(V(params[j]), x0, y0, ww, hh), "roi")
+                        else:
+                            hh, ww = int(H[i]), int(W[i])
+                            ok(nv.nvjpegDecodeParamsSetROI(V(params[j]), 0, 0, -1, -1), "roi")
+                        dests[j].channel[0] = base + off; dests[j].pitch[0] = ww * 3
+                        if check and p == passes - 1:
+                            outs[int(i)] = (base + off, hh, ww, slot, bufs[slot])
+                        off += (hh * ww * 3 + 255) // 256 * 256
+                    data = (V * n)(*[int(a) for a in addrs[idx]]); lens = (C.c_size_t * n)(*[int(s) for s in sizes[idx]])
+                    c0 = time.perf_counter()
+                    ok(nv.nvjpegDecodeBatchedInitialize(h, states[slot], n, 1, RGBI), "init")
+                    st = nv.nvjpegDecodeBatchedEx(h, states[slot], C.addressof(data), C.addressof(lens), C.addressof(dests),
+                                                  C.addressof(params), stream.ptr)
+                    if st != 0:  # find the images it refuses, one by one
+                        bad = []
+                        for j in range(n):
+                            ok(nv.nvjpegDecodeBatchedInitialize(h, states[slot], 1, 1, RGBI), "init1")
+                            one = nv.nvjpegDecodeBatchedEx(h, states[slot], C.addressof(data) + 8 * j, C.addressof(lens) + 8 * j,
+                                                           C.addressof(dests) + C.sizeof(Image) * j, C.addressof(params) + 8 * j, stream.ptr)
+                            if one != 0:
+                                bad.append((int(idx[j]), one))
+                        raise RuntimeError(f"decode: nvjpeg status {st}; one by one {len(bad)} of {n} fail: {bad[:5]}")
+                    call_s[t] += time.perf_counter() - c0
+                    events[slot] = stream.record()
+                    if check and p == passes - 1:
+                        stream.synchronize()
+                        for i in idx[:4]:
+                            ptr, hh, ww, _, buf = outs[int(i)]
+                            arr = cupy.ndarray((hh, ww, 3), cupy.uint8, cupy.cuda.MemoryPointer(buf.data.mem, ptr - buf.data.mem.ptr))
+                            outs[int(i)] = cupy.asnumpy(arr)
+                stream.synchronize()
+                done[t].set()
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e)); ready.abort() if not ready.broken else None
+            for d in done:
+                d.set()
+
+    ths = [threading.Thread(target=lane, args=(t,), daemon=True) for t in range(K)]
+    for th in ths: th.start()
+    try:
+        ready.wait()
+    except threading.BrokenBarrierError:
+        pass
+    rates, busy = [], []
+    for p in range(passes):
+        nxt["i"] = 0; call_s[:] = [0.0] * K
+        t0, c0 = time.perf_counter(), time.process_time()
+        for g in go: g.set()
+        for d in done: d.wait(); d.clear()
+        dt = time.perf_counter() - t0
+        if errors:
+            return None, errors, 0, 0, {}
+        if p:
+            rates.append(len(blobs) / dt); busy.append((time.process_time() - c0) / dt)
+    for th in ths: th.join(timeout=10)
+    return statistics.median(rates), [round(r) for r in rates], statistics.median(busy), sum(call_s) / K / dt, outs
+
+
+def run_mix(E, Cn, T, B=256, passes=3):
+    """E threads driving the engines directly (whole batches) beside Cn nvImageCodec lanes with
+    hw_load 0 and T host threads each (the CUDA decoder, Huffman on the host); every thread takes
+    the next batch from one queue."""
+    import torch
+    from headrace.ops.cuda._batch_decode import BatchDecoder, Launch, ParsedBatch
+    batches = [np.arange(k, min(k + B, len(blobs))) for k in range(0, len(blobs), B)]
+    nxt = {"i": 0}; lock = threading.Lock()
+    go = [threading.Event() for _ in range(E + Cn)]; done = [threading.Event() for _ in range(E + Cn)]
+    ready = threading.Barrier(E + Cn + 1); errors = []; counts = [0] * (E + Cn)
+
+    def take():
+        with lock:
+            k = nxt["i"]; nxt["i"] += 1
+        return k if k < len(batches) else None
+
+    def engine(t):
+        try:
+            cupy.cuda.Device(0).use(); stream = cupy.cuda.Stream(non_blocking=True)
+            h = V(); ok(nv.nvjpegCreateEx(HARDWARE, None, None, 0, C.byref(h)), "create")
+            st = V(); ok(nv.nvjpegJpegStateCreate(h, C.byref(st)), "state")
+            params = (V * B)()
+            for j in range(B):
+                q = V(); ok(nv.nvjpegDecodeParamsCreate(h, C.byref(q)), "params")
+                ok(nv.nvjpegDecodeParamsSetOutputFormat(q, RGBI), "fmt"); params[j] = q
+            area = (REG[:, 2] - REG[:, 0]) * (REG[:, 3] - REG[:, 1])
+            buf = cupy.empty(int(max(area[b].sum() for b in batches) * 3 + B * 256), cupy.uint8)
+            ev = None
+            ready.wait()
+            for p in range(passes):
+                go[t].wait(); go[t].clear()
+                while (k := take()) is not None:
+                    idx = batches[k]; n = len(idx)
+                    if ev is not None: ev.synchronize()
+                    dests = (Image * n)(); off = 0
+                    for j, i in enumerate(idx):
+                        y0, x0, y1, x1 = (int(v) for v in REG[i]); hh, ww = y1 - y0, x1 - x0
+                        ok(nv.nvjpegDecodeParamsSetROI(V(params[j]), x0, y0, ww, hh), "roi")
+                        dests[j].channel[0] = buf.data.ptr + off; dests[j].pitch[0] = ww * 3
+                        off += (hh * ww * 3 + 255) // 256 * 256
+                    data = (V * n)(*[int(a) for a in addrs[idx]]); lens = (C.c_size_t * n)(*[int(s) for s in sizes[idx]])
+                    ok(nv.nvjpegDecodeBatchedInitialize(h, st, n, 1, RGBI), "init")
+                    ok(nv.nvjpegDecodeBatchedEx(h, st, C.addressof(data), C.addressof(lens), C.addressof(dests),
+                                                C.addressof(params), stream.ptr), "decode")
+                    ev = stream.record(); counts[t] += n
+                stream.synchronize(); done[t].set()
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+            for d in done: d.set()
+
+    def cuda_lane(t):
+        try:
+            torch.cuda.set_device(0); cupy.cuda.Device(0).use(); stream = cupy.cuda.Stream(non_blocking=True)
+            dec = BatchDecoder(0, threads=T, hw_load=0.0, cuda_load=1.0); parsed = ParsedBatch()
+            wss = [torch.empty(B * 224 * 224 * 3 * 8, dtype=torch.uint8, device="cuda") for _ in range(2)]
+            evs = [None, None]
+            ready.wait()
+            for p in range(passes):
+                go[t].wait(); go[t].clear(); turn = 0
+                while (k := take()) is not None:
+                    idx = batches[k]
+                    info = parsed.parse([blobs[i] for i in idx], exif=True)
+                    reg = REG[idx].astype(np.int32)
+                    hh, ww = reg[:, 2] - reg[:, 0], reg[:, 3] - reg[:, 1]
+                    szs = (hh.astype(np.int64) * ww * 3 + 255) // 256 * 256
+                    slot = turn % 2; turn += 1
+                    if evs[slot] is not None: evs[slot].synchronize()
+                    ptr = np.concatenate(([0], np.cumsum(szs)[:-1])).astype(np.uint64) + np.uint64(wss[slot].data_ptr())
+                    stt, _ = dec.decode_launch(parsed, np.arange(len(info), dtype=np.int32), reg, ptr, stream.ptr, Launch())
+                    assert (stt == 1).all(), (stt != 1).sum()
+                    parsed.release(); evs[slot] = stream.record(); counts[t] += len(idx)
+                stream.synchronize(); done[t].set()
+            dec.close(); parsed.close()
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+            for d in done: d.set()
+
+    ths = [threading.Thread(target=engine, args=(t,), daemon=True) for t in range(E)]
+    ths += [threading.Thread(target=cuda_lane, args=(E + t,), daemon=True) for t in range(Cn)]
+    for th in ths: th.start()
+    ready.wait()
+    rates, busy, shares = [], [], []
+    for p in range(passes):
+        nxt["i"] = 0; counts[:] = [0] * (E + Cn)
+        t0, c0 = time.perf_counter(), time.process_time()
+        for g in go: g.set()
+        for d in done: d.wait(); d.clear()
+        dt = time.perf_counter() - t0
+        if errors:
+            return f"FAILED {errors}"
+        if p:
+            rates.append(len(blobs) / dt); busy.append((time.process_time() - c0) / dt)
+            shares.append(sum(counts[:E]) / len(blobs))
+    for th in ths: th.join(timeout=10)
+    med = statistics.median(rates)
+    return (f"{med:,.0f} img/s runs {[round(r) for r in rates]} cores busy {statistics.median(busy):.1f} "
+            f"({statistics.median(busy) / med * 1000:.2f} per 1,000 img/s), engine share {statistics.median(shares):.2f}")
+
+
+configs = sys.argv[2:] or ["1:1:0:256", "1:2:0:256", "2:1:0:256", "4:1:0:256", "1:1:1:256", "1:2:1:256",
+                           "2:1:1:256", "2:2:1:256", "4:1:1:256", "4:2:1:256", "8:1:1:256", "4:1:1:64", "8:1:1:64"]
+first = True
+for cfg in configs:
+    if cfg.startswith("mix:"):
+        E, Cn, T = (int(x) for x in cfg.split(":")[1:])
+        print(f"mix: {E} direct engine threads + {Cn} CUDA-decoder lanes x {T} threads: {run_mix(E, Cn, T)}", flush=True)
+        continue
+    K, S, roi, B = (int(x) for x in cfg.split(":"))
+    med, rates, busy, callfrac, outs = run(K, S, roi, B, check=first)
+    if med is None:
+        print(f"nvjpeg hw K={K} states={S} roi={roi} B={B}: FAILED {rates}", flush=True)
+        continue
+    line = (f"nvjpeg hw K={K} states={S} roi={roi} B={B}: {med:,.0f} img/s runs {rates} cores busy {busy:.1f} "
+            f"host share in the decode call {callfrac:.2f}")
+    if first:
+        try:
+            from PIL import Image as PI
+            import io
+            diffs = []
+            for i, got in outs.items():
+                if isinstance(got, np.ndarray):
+                    y0, x0, y1, x1 = REG[i] if roi else (0, 0, H[i], W[i])
+                    ref = np.asarray(PI.open(io.BytesIO(blobs[i])).convert("RGB"))[y0:y1, x0:x1]
+                    diffs.append(np.abs(ref.astype(int) - got.astype(int)).mean())
+            line += f"; vs Pillow mean abs diff over {len(diffs)} images: max {max(diffs):.2f}"
+        except Exception as e:  # noqa: BLE001
+            line += f"; check failed: {e!r}"
+        first = False
+    print(line, flush=True)
