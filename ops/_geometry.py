@@ -16,6 +16,7 @@ import numpy as np
 
 from headrace._errors import ConfigError
 
+from ._gil import columns, zeros
 from ._spec import CenterCrop, Flip, Op, RandomResizedCrop, Resize
 
 __all__ = ["PlanBatch", "check_foldable", "index_affine", "output_error", "output_pixels", "plan_batch", "roi_batch"]
@@ -63,7 +64,7 @@ def output_pixels(h: np.ndarray, w: np.ndarray, ops: tuple[Op, ...]) -> np.ndarr
     image; 0 where no op makes one. Compare with ``Decode.max_pixels``; ``output_error`` says why."""
     h = np.asarray(h, dtype=np.int64)
     w = np.asarray(w, dtype=np.int64)
-    largest = np.zeros(len(h), dtype=np.int64)
+    largest = zeros(len(h), np.int64)
     for op in ops:
         if isinstance(op, Resize):
             h, w = _resize_targets(op, h, w)
@@ -106,7 +107,7 @@ def plan_batch(h: np.ndarray, w: np.ndarray, ops: tuple[Op, ...], randoms: list[
     h = np.asarray(h, dtype=np.int64)
     w = np.asarray(w, dtype=np.int64)
     n = len(h)
-    x0, y0 = np.zeros(n), np.zeros(n)
+    x0, y0 = zeros(n), zeros(n)
     x1, y1 = w.astype(np.float64), h.astype(np.float64)
     clip = [x0.copy(), y0.copy(), x1.copy(), y1.copy()]
     cw, ch = w.copy(), h.copy()
@@ -137,11 +138,11 @@ def plan_batch(h: np.ndarray, w: np.ndarray, ops: tuple[Op, ...], randoms: list[
             else:
                 flip_h ^= flips
     out_h, out_w = np.broadcast_to(ch, (n,)).astype(np.int64), np.broadcast_to(cw, (n,)).astype(np.int64)
-    return PlanBatch(np.stack([x0, y0, x1, y1], 1), np.stack(clip, 1), out_w, out_h, flip_h, flip_v)
+    return PlanBatch(columns([x0, y0, x1, y1], np.float64), columns(clip, np.float64), out_w, out_h, flip_h, flip_v)
 
 
-def roi_batch(p: PlanBatch, h: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """The integer regions (y0, x0, y1, x1) of the sources that the resampling filter reads, as int64 (B, 4).
+def roi_batch(p: PlanBatch, h: np.ndarray, w: np.ndarray, dtype: type = np.int64) -> np.ndarray:
+    """The integer regions (y0, x0, y1, x1) of the sources that the resampling filter reads, as (B, 4) ``dtype``.
 
     Pillow's bilinear filter reaches ``max(scale, 1)`` pixels around each sample point, so each box
     grows by that margin (plus one for rounding), then is clipped to ``clip``. Decoding exactly this
@@ -160,7 +161,7 @@ def roi_batch(p: PlanBatch, h: np.ndarray, w: np.ndarray) -> np.ndarray:
     empty = (rx1 <= rx0) | (ry1 <= ry0)
     rx0, ry0 = np.where(empty, 0, rx0), np.where(empty, 0, ry0)
     rx1, ry1 = np.where(empty, np.minimum(w, 1), rx1), np.where(empty, np.minimum(h, 1), ry1)
-    return np.stack([ry0, rx0, ry1, rx1], 1).astype(np.int64)
+    return columns([ry0, rx0, ry1, rx1], dtype)
 
 
 def _resize_targets(op: Resize, h: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -183,18 +184,24 @@ def _centre_windows(op: CenterCrop, h: np.ndarray, w: np.ndarray):
 
 
 def _rrc_windows(op: RandomResizedCrop, h: np.ndarray, w: np.ndarray, u: np.ndarray):
-    area = (h * w).astype(np.float64)[:, None]
+    # torchvision's ten tries one at a time, each over the whole batch and kept where no earlier try
+    # fitted: the same first fit as all ten at once, on arrays small enough to keep the GIL, and
+    # without indexing by arrays, which NumPy does with the GIL let go whatever the size (``_gil``).
+    area = (h * w).astype(np.float64)
     lo, hi = op.scale
     log_lo, log_hi = math.log(op.ratio[0]), math.log(op.ratio[1])
-    target = area * (lo + (hi - lo) * u[:, 0:20:2])
-    aspect = np.exp(log_lo + (log_hi - log_lo) * u[:, 1:20:2])
-    cw = np.round(np.sqrt(target * aspect)).astype(np.int64)
-    ch = np.round(np.sqrt(target / aspect)).astype(np.int64)
-    ok = (cw > 0) & (cw <= w[:, None]) & (ch > 0) & (ch <= h[:, None])
-    found = ok.any(1)
-    first = ok.argmax(1)
-    rows = np.arange(len(h))
-    cw, ch = cw[rows, first], ch[rows, first]
+    found = np.zeros(len(h), dtype=bool)
+    cw, ch = zeros(len(h), np.int64), zeros(len(h), np.int64)
+    for attempt in range(10):
+        target = area * (lo + (hi - lo) * u[:, 2 * attempt])
+        aspect = np.exp(log_lo + (log_hi - log_lo) * u[:, 2 * attempt + 1])
+        tw = np.round(np.sqrt(target * aspect)).astype(np.int64)
+        th = np.round(np.sqrt(target / aspect)).astype(np.int64)
+        fits = (tw > 0) & (tw <= w) & (th > 0) & (th <= h) & ~found
+        cw, ch = np.where(fits, tw, cw), np.where(fits, th, ch)
+        found |= fits
+        if found.all():
+            break
     top = np.minimum((u[:, 20] * (h - ch + 1)).astype(np.int64), h - ch)
     left = np.minimum((u[:, 21] * (w - cw + 1)).astype(np.int64), w - cw)
     # torchvision's fallback: a centre crop clamped to the ratio range

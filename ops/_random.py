@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._gil import KEPT
+
 __all__ = ["uniforms"]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -38,12 +40,18 @@ def _key(*parts: int) -> np.uint64:
 def uniforms(seed: int, epoch: int, op: int, indices: np.ndarray, count: int) -> np.ndarray:
     """``count`` uniform floats in [0, 1) for each sample index: an array of shape (len(indices), count).
 
-    Row ``r`` depends only on ``(seed, epoch, op, indices[r])``.
+    Row ``r`` depends only on ``(seed, epoch, op, indices[r])``. Computed in blocks of rows small
+    enough that NumPy keeps the GIL (``_gil``): the GPU path's prep thread calls this per batch.
     """
     key = _key(seed, epoch, op)
     idx = np.asarray(indices, dtype=np.int64).astype(np.uint64).reshape(-1, 1)
+    counters = np.arange(1, count + 1, dtype=np.uint64).reshape(1, -1)
+    out = np.empty((len(idx), count), dtype=np.float64)
+    rows = max(1, KEPT // max(count, 1))
     with np.errstate(over="ignore"):
-        base = _mix(idx * _GOLDEN + key)
-        counters = np.arange(1, count + 1, dtype=np.uint64).reshape(1, -1)
-        bits = _mix(base + counters * _GOLDEN)
-    return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+        steps = counters * _GOLDEN
+        for lo in range(0, len(idx), rows):
+            base = _mix(idx[lo : lo + rows] * _GOLDEN + key)
+            bits = _mix(base + steps)
+            out[lo : lo + rows] = (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+    return out

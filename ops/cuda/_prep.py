@@ -37,6 +37,7 @@ from headrace._sample import SampleBatch
 
 from .. import _pillow
 from .._geometry import output_error, output_pixels, plan_batch, roi_batch
+from .._gil import columns, zeros
 from .._limits import MAX_SIDE, ByteBudget, pixel_error, too_few_bits
 from .._pipeline import Pipeline
 from .._random import uniforms
@@ -166,11 +167,11 @@ def prepare(batch: SampleBatch, pipe: Pipeline, headers: Any, seed: int, seconds
 def _plan(batch, pipe, seed, rows, data, labels, failures, token, info, recycle, seconds, t0, t1, threads) -> Prepared:
     samples = batch.samples
     limit = pipe.decode.max_pixels
-    sizes = info[:, :2].astype(np.int64)
+    sizes = columns([info[:, 0], info[:, 1]], np.int64)  # whole-array NumPy calls give up the GIL: ``_gil``
     parsed = info[:, 3] == 1
     alive = np.ones(len(rows), dtype=bool)
     # A header nvImageCodec read: its claim checked as the CPU path does (``_limits.pixel_error``).
-    refused = parsed & ((sizes.min(1) < 1) | (sizes.max(1) > MAX_SIDE))
+    refused = parsed & ((np.minimum(sizes[:, 0], sizes[:, 1]) < 1) | (np.maximum(sizes[:, 0], sizes[:, 1]) > MAX_SIDE))
     if limit is not None:
         refused |= parsed & (sizes[:, 0] * sizes[:, 1] > limit)
     for i in np.flatnonzero(refused).tolist():
@@ -197,9 +198,11 @@ def _plan(batch, pipe, seed, rows, data, labels, failures, token, info, recycle,
             alive[i] = False
             continue
         sizes[i] = (opened[i].height, opened[i].width)
+    # Contiguous columns: NumPy gathers rows of a 2-D array by an index array with the GIL let go.
+    heights, widths = sizes[:, 0].copy(), sizes[:, 1].copy()
     if limit is not None:  # what the ops would make, bounded as the files are (as on the CPU path)
         idx = np.flatnonzero(alive)
-        for i in idx[output_pixels(sizes[idx, 0], sizes[idx, 1], pipe.image_ops) > limit].tolist():
+        for i in idx[output_pixels(heights[idx], widths[idx], pipe.image_ops) > limit].tolist():
             sample = samples[rows[i]]
             why = output_error(int(sizes[i, 0]), int(sizes[i, 1]), pipe.image_ops, limit)
             failures.append((rows[i], TransformError(why, key=sample.key, source=sample.source)))
@@ -213,8 +216,9 @@ def _plan(batch, pipe, seed, rows, data, labels, failures, token, info, recycle,
         uniforms(seed, batch.epoch, pos, indices, op.randoms) if op.randoms else None
         for pos, op in enumerate(pipe.image_ops, start=1)
     ]
-    plans = plan_batch(sizes[kept, 0], sizes[kept, 1], pipe.image_ops, randoms)
-    regions = roi_batch(plans, sizes[kept, 0], sizes[kept, 1]).astype(np.int32)
+    heights, widths = heights[kept], widths[kept]
+    plans = plan_batch(heights, widths, pipe.image_ops, randoms)
+    regions = roi_batch(plans, heights, widths, np.int32)
     meta, geo = kernel_tables(plans, regions)
     keep = kept.tolist()
     pillow = _decode_windows(opened, keep, regions, pipe, threads)
@@ -276,16 +280,12 @@ def kernel_tables(plans, regions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     meta = (height, width, row stride, flip_h, flip_v, out_h, out_w, 0) of the decoded window and
     the output; geo = the box to read and the real pixels (outside them: zero padding), in window
     coordinates."""
-    n = len(regions)
-    meta = np.zeros((n, 8), dtype=np.int32)
-    meta[:, 0] = regions[:, 2] - regions[:, 0]
-    meta[:, 1] = regions[:, 3] - regions[:, 1]
-    meta[:, 3] = plans.flip_h
-    meta[:, 4] = plans.flip_v
-    meta[:, 5] = plans.out_h
-    meta[:, 6] = plans.out_w
-    origin = np.tile(regions[:, [1, 0]], 2).astype(np.float64)
-    geo = np.empty((n, 8), dtype=np.float32)
-    geo[:, 0:4] = plans.box - origin
-    geo[:, 4:8] = plans.clip - origin
+    zero = zeros(len(regions), np.int32)
+    meta = columns([regions[:, 2] - regions[:, 0], regions[:, 3] - regions[:, 1], zero, plans.flip_h, plans.flip_v,
+                    plans.out_h, plans.out_w, zero], np.int32)
+    # Column by column, as ``_gil.columns``: the box and clip less the window's origin (x, y, x, y).
+    x0, y0 = regions[:, 1].astype(np.float64), regions[:, 0].astype(np.float64)
+    origin = (x0, y0, x0, y0)
+    geo = columns([plans.box[:, k] - origin[k] for k in range(4)] + [plans.clip[:, k] - origin[k] for k in range(4)],
+                  np.float32)
     return meta, geo
