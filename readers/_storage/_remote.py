@@ -188,9 +188,17 @@ class RemoteFile:
                     break
                 self._check()
                 self._cond.wait()
-            data = b"".join(bytes(b) for _, b in self._blocks)
+            # Only the n bytes: the blocks may hold the whole buffer by the time a parser opens the shard.
+            out: list[bytes] = []
             skip = self._pos - self._blocks[0][0] if self._blocks else 0
-            return data[skip : skip + n]
+            for _, block in self._blocks:
+                if n <= 0:
+                    break
+                part = bytes(block[skip : skip + n])
+                out.append(part)
+                n -= len(part)
+                skip = 0
+            return b"".join(out)
 
     def seek(self, offset: int, whence: int = 0) -> int:
         """Forward only: read through short gaps, reopen the download past long ones."""

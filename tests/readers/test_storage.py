@@ -381,6 +381,27 @@ async def test_remote_file_jumps_over_long_skips_with_a_range_request():
     assert store.opens == [("k", 0), ("k", (8 << 20) + 10)]
 
 
+async def test_remote_file_peeks_across_blocks_without_consuming():
+    data = bytes(range(256)) * 64
+    store = MemoryStore({"k": data}, block=100)
+    remote = RemoteFile(store, "k", capacity=1 << 20)
+    task = asyncio.create_task(remote.fill())
+
+    def consume():
+        with remote:
+            looks = [remote.peek(2)]
+            remote.read(95)
+            looks.append(remote.peek(250))  # the rest of one block and the next two
+            looks.append(remote.read(250))
+            remote.seek(len(data) - 3)
+            looks.append(remote.peek(10))  # fewer at the end
+            return looks
+
+    looks = await asyncio.to_thread(consume)
+    await task
+    assert looks == [data[:2], data[95:345], data[95:345], data[-3:]]
+
+
 def test_wrong_storage_arguments():
     with pytest.raises(ConfigError):
         readers.webdataset("ftp://host/x.tar")
