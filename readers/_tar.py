@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import os
 import re
+import zlib
 from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
@@ -73,6 +74,14 @@ class _GzipShard(gzip.GzipFile):
             super().close()
         finally:
             self._raw.close()
+
+
+def _byte_sum(header: bytes) -> int:
+    """The sum of a header's 512 bytes (the tar checksum) in C: ``sum(header)`` took 2.7 µs a member,
+    zlib's Adler-32 0.5. Its low half is 1 + the sum of the bytes modulo 65521, exact for 256 bytes
+    (at most 65,280), so the header is summed in two halves."""
+    view = memoryview(header)
+    return (zlib.adler32(view[:256]) & 0xFFFF) + (zlib.adler32(view[256:]) & 0xFFFF) - 2
 
 
 def _number(field: bytes) -> int:
@@ -150,7 +159,7 @@ class _TarCursor:
         if header == _ZERO:
             return None
         stored = header[148:156]
-        total = sum(header) - sum(stored) + 256
+        total = _byte_sum(header) - sum(stored) + 256
         try:
             valid = _number(stored) == total
         except ValueError:

@@ -234,6 +234,17 @@ async def test_corrupt_header_is_a_read_error(tmp_path, packed):
     assert samples[-1].error.source == str(bad) and samples[-1].error.key is not None
 
 
+def test_header_byte_sum_equals_pythons_sum():
+    import random
+
+    from headrace.readers._tar import _byte_sum
+
+    rng = random.Random(0)
+    headers = [bytes(512), b"\xff" * 512, b"\xff" * 256 + bytes(256)]
+    headers += [bytes(rng.randrange(256) for _ in range(512)) for _ in range(200)]
+    assert [_byte_sum(h) for h in headers] == [sum(h) for h in headers]
+
+
 async def test_hostile_member_names_are_error_samples_never_paths(tmp_path):
     shard = _tar(tmp_path / "evil.tar", [
         ("ok/1.jpg", b"one"), ("../x.jpg", b"evil"), ("/etc/x", b"evil"), ("a/../../y.cls", b"3"), ("ok/2.jpg", b"two"),
