@@ -6,6 +6,7 @@ what the whole-array formulas give, and that a batch is planned without giving u
 
 from __future__ import annotations
 
+import gc
 import math
 import sys
 import threading
@@ -78,7 +79,9 @@ def test_columns_and_kernel_tables_equal_the_whole_array_forms():
 
 def _gives_up_the_gil(work) -> bool:
     """Whether ``work()`` lets another thread run: that thread is made to wait for the GIL first,
-    with the switch interval so long that only a release lets it in."""
+    with the switch interval so long that only a release lets it in. The garbage collector is off
+    meanwhile: a collection could run the finalizer of an earlier test's object (a socket closing),
+    which lets the GIL go on its own."""
     ran, ready, go = [], threading.Event(), threading.Event()
 
     def waiter():
@@ -87,6 +90,8 @@ def _gives_up_the_gil(work) -> bool:
         ran.append(True)  # needs the GIL: runs only once the main thread lets it go
 
     old = sys.getswitchinterval()
+    gc.collect()
+    gc.disable()
     thread = threading.Thread(target=waiter)
     thread.start()
     ready.wait()
@@ -102,8 +107,16 @@ def _gives_up_the_gil(work) -> bool:
         released = bool(ran)
     finally:
         sys.setswitchinterval(old)
+        gc.enable()
         thread.join()
     return released
+
+
+def _keeps_the_gil(work) -> bool:
+    """``work`` never gave up the GIL in one of three probes. A thread that asked for the GIL just
+    before the switch interval was lengthened can still force one hand-off in a probe; planning
+    that gives it up does so ~26 times a batch, in every probe."""
+    return not all(_gives_up_the_gil(work) for _ in range(3))
 
 
 def test_a_batch_is_planned_without_giving_up_the_gil():
@@ -121,7 +134,7 @@ def test_a_batch_is_planned_without_giving_up_the_gil():
     # The probe itself: a whole-array NumPy call over more than KEPT elements does let the GIL go.
     big = np.ones(KEPT * 20)
     assert _gives_up_the_gil(lambda: math.fsum((np.sqrt(big),)[0][:1]))
-    assert not _gives_up_the_gil(plan)
+    assert _keeps_the_gil(plan)
 
 
 def test_the_prep_thread_plans_a_batch_without_giving_up_the_gil():
@@ -148,4 +161,4 @@ def test_the_prep_thread_plans_a_batch_without_giving_up_the_gil():
     pipe = ops.training(224)
     prepared = prepare(batch, pipe, Headers(), 0, {"parse": 0.0, "plan": 0.0})
     assert not prepared.failures and len(prepared.rows) == n and prepared.on_gpu.all()
-    assert not _gives_up_the_gil(lambda: prepare(batch, pipe, Headers(), 0, {"parse": 0.0, "plan": 0.0}))
+    assert _keeps_the_gil(lambda: prepare(batch, pipe, Headers(), 0, {"parse": 0.0, "plan": 0.0}))
