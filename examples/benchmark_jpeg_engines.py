@@ -113,7 +113,66 @@ for i, b in enumerate(blobs[:512]):
     s = C.c_int(); ok(nv.nvjpegDecodeBatchedSupportedEx(h0, js, dp, C.byref(s)), "supportedEx")
     roi_unsup += s.value != 0
 print(f"ROI windows unsupported by the engine (of 512): {roi_unsup}", flush=True)
-OUT_MAX = int(max((H * W).max(), 1) * 3)
+class Engine:
+    """One thread's way to the engines: an nvJPEG handle (HARDWARE backend), ``states`` JPEG states
+    and output buffers used in turn, decode parameters for ``B`` images, a CUDA stream. Make it in
+    the thread that decodes."""
+
+    def __init__(self, B, states, roi, batches):
+        self.roi = roi
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.h = V(); ok(nv.nvjpegCreateEx(HARDWARE, None, None, 0, C.byref(self.h)), "create")
+        self.states = []
+        for _ in range(states):
+            st = V(); ok(nv.nvjpegJpegStateCreate(self.h, C.byref(st)), "state"); self.states.append(st)
+        self.params = (V * B)()
+        for j in range(B):
+            p = V(); ok(nv.nvjpegDecodeParamsCreate(self.h, C.byref(p)), "params")
+            ok(nv.nvjpegDecodeParamsSetOutputFormat(p, RGBI), "fmt"); self.params[j] = p
+        area = (REG[:, 2] - REG[:, 0]) * (REG[:, 3] - REG[:, 1]) if roi else H * W
+        cap = int(max(area[b].sum() for b in batches) * 3 + B * 256)
+        self.bufs = [cupy.empty(cap, cupy.uint8) for _ in range(states)]
+        self.events = [None] * states
+        self.turn = 0
+
+    def decode(self, idx):
+        """Batch ``idx`` into the next state's buffer, once that buffer's last batch is done:
+        [(image, pointer, height, width, buffer)], and the seconds spent inside the decode call."""
+        h, params, n = self.h, self.params, len(idx)
+        slot = self.turn % len(self.states); self.turn += 1
+        state, buf = self.states[slot], self.bufs[slot]
+        if self.events[slot] is not None:
+            self.events[slot].synchronize()
+        dests = (Image * n)()
+        placed, off = [], 0
+        for j, i in enumerate(idx):
+            if self.roi:
+                y0, x0, y1, x1 = (int(v) for v in REG[i]); hh, ww = y1 - y0, x1 - x0
+                ok(nv.nvjpegDecodeParamsSetROI(V(params[j]), x0, y0, ww, hh), "roi")
+            else:
+                hh, ww = int(H[i]), int(W[i])
+                ok(nv.nvjpegDecodeParamsSetROI(V(params[j]), 0, 0, -1, -1), "roi")
+            dests[j].channel[0] = buf.data.ptr + off; dests[j].pitch[0] = ww * 3
+            placed.append((int(i), buf.data.ptr + off, hh, ww, buf))
+            off += (hh * ww * 3 + 255) // 256 * 256
+        data = (V * n)(*[int(a) for a in addrs[idx]]); lens = (C.c_size_t * n)(*[int(s) for s in sizes[idx]])
+        c0 = time.perf_counter()
+        ok(nv.nvjpegDecodeBatchedInitialize(h, state, n, 1, RGBI), "init")
+        st = nv.nvjpegDecodeBatchedEx(h, state, C.addressof(data), C.addressof(lens), C.addressof(dests),
+                                      C.addressof(params), self.stream.ptr)
+        if st != 0:  # find the images it refuses, one by one
+            bad = []
+            for j in range(n):
+                ok(nv.nvjpegDecodeBatchedInitialize(h, state, 1, 1, RGBI), "init1")
+                one = nv.nvjpegDecodeBatchedEx(h, state, C.addressof(data) + 8 * j, C.addressof(lens) + 8 * j,
+                                               C.addressof(dests) + C.sizeof(Image) * j, C.addressof(params) + 8 * j,
+                                               self.stream.ptr)
+                if one != 0:
+                    bad.append((int(idx[j]), one))
+            raise RuntimeError(f"decode: nvjpeg status {st}; one by one {len(bad)} of {n} fail: {bad[:5]}")
+        seconds = time.perf_counter() - c0
+        self.events[slot] = self.stream.record()
+        return placed, seconds
 
 
 def run(K, S, roi, B, passes=3, check=False):
@@ -128,67 +187,23 @@ def run(K, S, roi, B, passes=3, check=False):
     def lane(t):
         try:
             cupy.cuda.Device(0).use()
-            stream = cupy.cuda.Stream(non_blocking=True)
-            h = V(); ok(nv.nvjpegCreateEx(HARDWARE, None, None, 0, C.byref(h)), "create")
-            states = []
-            for _ in range(S):
-                s = V(); ok(nv.nvjpegJpegStateCreate(h, C.byref(s)), "state"); states.append(s)
-            params = (V * B)()
-            for j in range(B):
-                p = V(); ok(nv.nvjpegDecodeParamsCreate(h, C.byref(p)), "params")
-                ok(nv.nvjpegDecodeParamsSetOutputFormat(p, RGBI), "fmt"); params[j] = p
-            area = (REG[:, 2] - REG[:, 0]) * (REG[:, 3] - REG[:, 1]) if roi else H * W
-            cap = int(max(area[b].sum() for b in batches) * 3 + B * 256)
-            bufs = [cupy.empty(cap, cupy.uint8) for _ in range(S)]
-            events = [None] * S
+            engine = Engine(B, S, roi, batches)
             ready.wait()
             for p in range(passes):
                 go[t].wait(); go[t].clear()
-                turn = 0
                 while True:
                     with lock:
                         k = nxt["i"]; nxt["i"] += 1
                     if k >= len(batches):
                         break
-                    idx = batches[k]; n = len(idx); slot = turn % S; turn += 1
-                    if events[slot] is not None:
-                        events[slot].synchronize()
-                    dests = (Image * n)()
-                    off = 0; base = bufs[slot].data.ptr
-                    for j, i in enumerate(idx):
-                        if roi:
-                            y0, x0, y1, x1 = (int(v) for v in REG[i]); hh, ww = y1 - y0, x1 - x0
-                            ok(nv.nvjpegDecodeParamsSetROI(V(params[j]), x0, y0, ww, hh), "roi")
-                        else:
-                            hh, ww = int(H[i]), int(W[i])
-                            ok(nv.nvjpegDecodeParamsSetROI(V(params[j]), 0, 0, -1, -1), "roi")
-                        dests[j].channel[0] = base + off; dests[j].pitch[0] = ww * 3
-                        if check and p == passes - 1:
-                            outs[int(i)] = (base + off, hh, ww, slot, bufs[slot])
-                        off += (hh * ww * 3 + 255) // 256 * 256
-                    data = (V * n)(*[int(a) for a in addrs[idx]]); lens = (C.c_size_t * n)(*[int(s) for s in sizes[idx]])
-                    c0 = time.perf_counter()
-                    ok(nv.nvjpegDecodeBatchedInitialize(h, states[slot], n, 1, RGBI), "init")
-                    st = nv.nvjpegDecodeBatchedEx(h, states[slot], C.addressof(data), C.addressof(lens), C.addressof(dests),
-                                                  C.addressof(params), stream.ptr)
-                    if st != 0:  # find the images it refuses, one by one
-                        bad = []
-                        for j in range(n):
-                            ok(nv.nvjpegDecodeBatchedInitialize(h, states[slot], 1, 1, RGBI), "init1")
-                            one = nv.nvjpegDecodeBatchedEx(h, states[slot], C.addressof(data) + 8 * j, C.addressof(lens) + 8 * j,
-                                                           C.addressof(dests) + C.sizeof(Image) * j, C.addressof(params) + 8 * j, stream.ptr)
-                            if one != 0:
-                                bad.append((int(idx[j]), one))
-                        raise RuntimeError(f"decode: nvjpeg status {st}; one by one {len(bad)} of {n} fail: {bad[:5]}")
-                    call_s[t] += time.perf_counter() - c0
-                    events[slot] = stream.record()
-                    if check and p == passes - 1:
-                        stream.synchronize()
-                        for i in idx[:4]:
-                            ptr, hh, ww, _, buf = outs[int(i)]
+                    placed, seconds = engine.decode(batches[k])
+                    call_s[t] += seconds
+                    if check and p == passes - 1:  # the batch's first four images, for the Pillow check
+                        engine.stream.synchronize()
+                        for i, ptr, hh, ww, buf in placed[:4]:
                             arr = cupy.ndarray((hh, ww, 3), cupy.uint8, cupy.cuda.MemoryPointer(buf.data.mem, ptr - buf.data.mem.ptr))
-                            outs[int(i)] = cupy.asnumpy(arr)
-                stream.synchronize()
+                            outs[i] = cupy.asnumpy(arr)
+                engine.stream.synchronize()
                 done[t].set()
         except Exception as e:  # noqa: BLE001
             errors.append(repr(e)); ready.abort() if not ready.broken else None
@@ -234,34 +249,14 @@ def run_mix(E, Cn, T, B=256, passes=3):
 
     def engine(t):
         try:
-            cupy.cuda.Device(0).use(); stream = cupy.cuda.Stream(non_blocking=True)
-            h = V(); ok(nv.nvjpegCreateEx(HARDWARE, None, None, 0, C.byref(h)), "create")
-            st = V(); ok(nv.nvjpegJpegStateCreate(h, C.byref(st)), "state")
-            params = (V * B)()
-            for j in range(B):
-                q = V(); ok(nv.nvjpegDecodeParamsCreate(h, C.byref(q)), "params")
-                ok(nv.nvjpegDecodeParamsSetOutputFormat(q, RGBI), "fmt"); params[j] = q
-            area = (REG[:, 2] - REG[:, 0]) * (REG[:, 3] - REG[:, 1])
-            buf = cupy.empty(int(max(area[b].sum() for b in batches) * 3 + B * 256), cupy.uint8)
-            ev = None
+            cupy.cuda.Device(0).use()
+            engine = Engine(B, 1, True, batches)
             ready.wait()
             for p in range(passes):
                 go[t].wait(); go[t].clear()
                 while (k := take()) is not None:
-                    idx = batches[k]; n = len(idx)
-                    if ev is not None: ev.synchronize()
-                    dests = (Image * n)(); off = 0
-                    for j, i in enumerate(idx):
-                        y0, x0, y1, x1 = (int(v) for v in REG[i]); hh, ww = y1 - y0, x1 - x0
-                        ok(nv.nvjpegDecodeParamsSetROI(V(params[j]), x0, y0, ww, hh), "roi")
-                        dests[j].channel[0] = buf.data.ptr + off; dests[j].pitch[0] = ww * 3
-                        off += (hh * ww * 3 + 255) // 256 * 256
-                    data = (V * n)(*[int(a) for a in addrs[idx]]); lens = (C.c_size_t * n)(*[int(s) for s in sizes[idx]])
-                    ok(nv.nvjpegDecodeBatchedInitialize(h, st, n, 1, RGBI), "init")
-                    ok(nv.nvjpegDecodeBatchedEx(h, st, C.addressof(data), C.addressof(lens), C.addressof(dests),
-                                                C.addressof(params), stream.ptr), "decode")
-                    ev = stream.record(); counts[t] += n
-                stream.synchronize(); done[t].set()
+                    engine.decode(batches[k]); counts[t] += len(batches[k])
+                engine.stream.synchronize(); done[t].set()
         except Exception as e:  # noqa: BLE001
             errors.append(repr(e))
             for d in done: d.set()
