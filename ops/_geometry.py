@@ -190,7 +190,7 @@ def _rrc_windows(op: RandomResizedCrop, h: np.ndarray, w: np.ndarray, u: np.ndar
     area = (h * w).astype(np.float64)
     lo, hi = op.scale
     log_lo, log_hi = math.log(op.ratio[0]), math.log(op.ratio[1])
-    found = np.zeros(len(h), dtype=bool)
+    found = zeros(len(h), bool)
     cw, ch = zeros(len(h), np.int64), zeros(len(h), np.int64)
     for attempt in range(10):
         target = area * (lo + (hi - lo) * u[:, 2 * attempt])
