@@ -77,6 +77,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "tests" / "readers"))
 sys.path.insert(0, str(HERE))
 import _latency_peers as peers  # noqa: E402
+from _thread_cpu import LoopLag, ThreadCpu  # noqa: E402
 from object_server import configure, object_server, server_stats  # noqa: E402
 from storage_servers import ACCESS_KEY, BUCKET, SECRET_KEY  # noqa: E402
 
@@ -369,11 +370,15 @@ class TrainingEpochs:
         sizes = [p.stat().st_size for p in (serve / "images").rglob("*.jpg")]
         self.mean_bytes = sum(sizes) / len(sizes)
         self.loop = new_event_loop()
+        self.lag = LoopLag()
+        self.lags: list[dict[str, float]] = []  # the loop's lag in each epoch
 
     async def _epoch(self) -> int:
         images = 0
+        self.lag.start()
         async for batch in self.loader:
             images += batch.size
+        self.lags.append(await self.lag.stop())
         return images
 
     def __call__(self) -> tuple[int, int]:
@@ -449,6 +454,8 @@ def run_row(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         read()
         warmup = time.perf_counter() - start
+    threads = ThreadCpu()
+    threads.start()
     began, start = cpu(), time.perf_counter()
     samples = nbytes = 0
     epoch_rates = []
@@ -458,13 +465,16 @@ def run_row(args: argparse.Namespace) -> None:
         epoch_rates.append(n / (time.perf_counter() - epoch_start))
         samples, nbytes = samples + n, nbytes + b
     seconds = time.perf_counter() - start
+    cores_by_thread = threads.stop()
     own = _peak_rss_mb()
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     result = {"samples": samples, "payload_bytes": nbytes, "seconds": seconds, "cpu_seconds": cpu() - began,
               "samples_per_s": samples / seconds, "mb_per_s": nbytes / seconds / 1e6, "peak_rss_mb": own,
               "peak_rss_children_mb": children, "setup_seconds": setup, "config_buffer_mb": args.buffer_mb, **_extra}
     if pipeline_row:
-        result.update(warmup_seconds=warmup, epoch_samples_per_s=epoch_rates)
+        # The cores each kind of thread kept busy over the timed epochs, and the loop's lag in each.
+        result.update(warmup_seconds=warmup, epoch_samples_per_s=epoch_rates, cores_by_thread=cores_by_thread,
+                      loop_lag=read.lags[1:])
         if getattr(read.reader, "peak_buffered", 0):  # shards over a store: one download's peak load
             result["peak_load_mb"] = read.reader.peak_buffered / 2**20
         if args.pipeline == "cuda":
@@ -612,6 +622,10 @@ def measure(key: tuple[str, str, str], url: str, serve: Path, args: argparse.Nam
     print(f"  {row:20s} {where:5s} {setting:4s} {res['samples_per_s']:8,.0f} samples/s "
           f"{res['mb_per_s']:7.1f} MB/s  RSS {res['peak_rss_mb']:5.0f} MB"
           + (f"  one download's peak load {res['peak_load_mb']:.0f} MiB" if "peak_load_mb" in res else ""), flush=True)
+    if "cores_by_thread" in res:
+        busiest = ", ".join(f"{name} {cores:.2f}" for name, cores in list(res["cores_by_thread"].items())[:8])
+        lag = "; ".join(f"{x['mean_ms']:.1f}/{x['p90_ms']:.1f}" for x in res["loop_lag"] if x)
+        print(f"    cores: {busiest}\n    loop lag, mean/p90 ms, by epoch: {lag}", flush=True)
     return res
 
 

@@ -1,0 +1,107 @@
+"""Where a process's CPU time goes, by thread, and how late its event loop runs: for the benchmarks'
+pipeline rows (Linux only; elsewhere both report nothing).
+
+``ThreadCpu`` reads every thread's user + system time from ``/proc/self/task`` and names it: a Python
+thread by its ``threading`` name, any other (obstore's tokio workers, nvImageCodec's and CUDA's
+threads) by its kernel name; names that differ only in a trailing number are one group, so "four
+lanes" is one line. ``LoopLag`` is a coroutine sleeping 1 ms at a time on the loop being measured:
+how much longer each sleep took is how long callbacks waited for the loop (and the loop for the GIL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import threading
+import time
+
+__all__ = ["LoopLag", "ThreadCpu"]
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_NUMBERED = re.compile(r"[-_:]?\d+$")
+
+
+def _group(name: str) -> str:
+    # "headrace-lane-3", "ThreadPoolExecutor-0_2", "tokio-runtime-w": the kind of thread, not which one.
+    while True:
+        shorter = _NUMBERED.sub("", name)
+        if shorter == name:
+            return name
+        name = shorter
+
+
+def _task_seconds() -> dict[int, tuple[str, float]]:
+    """{tid: (kernel name, CPU seconds)} of this process's threads now."""
+    out = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / _TICK)  # utime, stime
+    return out
+
+
+class ThreadCpu:
+    """CPU seconds by kind of thread between ``start()`` and ``stop()`` (threads started meanwhile
+    count from zero; threads that ended meanwhile are lost, so measure with the pipeline warm)."""
+
+    def __init__(self) -> None:
+        self._before: dict[int, tuple[str, float]] = {}
+        self._names: dict[int, str] = {}
+        self._began = 0.0
+
+    def start(self) -> None:
+        self._before = _task_seconds()
+        self._began = time.perf_counter()
+
+    def stop(self) -> dict[str, float]:
+        """{kind of thread: CPU seconds per wall second}, largest first, plus ``"(all)"``."""
+        wall = max(time.perf_counter() - self._began, 1e-9)
+        python = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+        used: dict[str, float] = {}
+        for tid, (kernel, seconds) in _task_seconds().items():
+            name = _group(python.get(tid, kernel))
+            used[name] = used.get(name, 0.0) + seconds - self._before.get(tid, (kernel, 0.0))[1]
+        ranked = {name: round(s / wall, 3) for name, s in sorted(used.items(), key=lambda kv: -kv[1]) if s > 0}
+        return {"(all)": round(sum(used.values()) / wall, 3), **ranked}
+
+
+class LoopLag:
+    """A sleeper on the running loop: ``start()`` inside the loop, ``stop()`` for the lag in ms (mean, p90, max)."""
+
+    def __init__(self, period: float = 0.001) -> None:
+        self.period = period
+        self.lags: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._sleep(), name="benchmark:loop-lag")
+
+    async def _sleep(self) -> None:
+        while True:
+            began = time.perf_counter()
+            await asyncio.sleep(self.period)
+            self.lags.append(time.perf_counter() - began - self.period)
+
+    async def stop(self) -> dict[str, float]:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        lags = sorted(self.lags)
+        self.lags = []
+        if not lags:
+            return {}
+        return {"mean_ms": round(1e3 * sum(lags) / len(lags), 3), "p90_ms": round(1e3 * lags[int(0.9 * len(lags))], 3),
+                "max_ms": round(1e3 * lags[-1], 3)}
