@@ -51,17 +51,20 @@ def _task_seconds() -> dict[int, tuple[str, float]]:
 
 
 class ThreadCpu:
-    """CPU seconds by kind of thread between ``start()`` and ``stop()`` (threads started meanwhile
-    count from zero; threads that ended meanwhile are lost, so measure with the pipeline warm)."""
+    """CPU seconds by kind of thread between ``start()`` and ``stop()``. Threads started meanwhile
+    count from zero; threads that ended meanwhile (a shard's parser, say) are one line,
+    ``"(ended)"``: the process's CPU time less what the living threads used."""
 
     def __init__(self) -> None:
         self._before: dict[int, tuple[str, float]] = {}
         self._names: dict[int, str] = {}
         self._began = 0.0
+        self._process = 0.0
 
     def start(self) -> None:
         self._before = _task_seconds()
         self._began = time.perf_counter()
+        self._process = time.process_time()
 
     def stop(self) -> dict[str, float]:
         """{kind of thread: CPU seconds per wall second}, largest first, plus ``"(all)"``."""
@@ -71,8 +74,11 @@ class ThreadCpu:
         for tid, (kernel, seconds) in _task_seconds().items():
             name = _group(python.get(tid, kernel))
             used[name] = used.get(name, 0.0) + seconds - self._before.get(tid, (kernel, 0.0))[1]
+        process = time.process_time() - self._process
+        if used:  # else no /proc: nothing to say by thread
+            used["(ended)"] = max(0.0, process - sum(used.values()))
         ranked = {name: round(s / wall, 3) for name, s in sorted(used.items(), key=lambda kv: -kv[1]) if s > 0}
-        return {"(all)": round(sum(used.values()) / wall, 3), **ranked}
+        return {"(all)": round(process / wall, 3), **ranked}
 
 
 class LoopLag:
