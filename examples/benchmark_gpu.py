@@ -50,6 +50,9 @@ import headrace
 from headrace import datasets, ops, readers
 from headrace._loop import new_event_loop  # uvloop when installed, as the loader uses
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _thread_cpu import ThreadCpu  # noqa: E402
+
 
 def _files(root: Path) -> list[tuple[str, int]]:
     classes = sorted(d.name for d in root.iterdir() if d.is_dir())
@@ -78,6 +81,8 @@ def _timed_epochs(run_epoch, epochs: int) -> dict:
     rates, cpu, loop_share = [], [], []
     pauses = _GcPauses()
     gc.callbacks.append(pauses)
+    threads = ThreadCpu()
+    threads.start()
     try:
         for _ in range(epochs):
             torch.cuda.synchronize()
@@ -91,6 +96,7 @@ def _timed_epochs(run_epoch, epochs: int) -> dict:
     finally:
         gc.callbacks.remove(pauses)
     return {"images_per_s": statistics.median(rates), "runs": rates, "cores_busy": statistics.median(cpu),
+            "cores_by_thread": threads.stop(),
             "main_thread_busy": statistics.median(loop_share), "gc_collections": pauses.count,
             "gc_seconds": pauses.seconds}
 
@@ -183,15 +189,19 @@ def bench_interleaved(rows: dict[str, Any], epochs: int) -> dict:
             made[name][0]()
         rates: dict[str, list[float]] = {name: [] for name in names}
         cores: dict[str, list[float]] = {name: [] for name in names}
+        by_thread: dict[str, list[dict[str, float]]] = {name: [] for name in names}
         for turn in range(epochs):
             for name in names[turn % len(names):] + names[:turn % len(names)]:
+                threads = ThreadCpu()
                 torch.cuda.synchronize()
+                threads.start()
                 start, cpu = time.perf_counter(), time.process_time()
                 n = made[name][0]()
                 torch.cuda.synchronize()
                 wall = time.perf_counter() - start
                 rates[name].append(n / wall)
                 cores[name].append((time.process_time() - cpu) / wall)
+                by_thread[name].append(threads.stop())
     finally:
         for _, close in made.values():
             close()
@@ -199,7 +209,15 @@ def bench_interleaved(rows: dict[str, Any], epochs: int) -> dict:
     first = rates[names[0]]
     return {name: {"images_per_s": statistics.median(v), "runs": v, "cores_busy": statistics.median(cores[name]),
                    "cores_per_1k": statistics.median(c / r * 1000 for c, r in zip(cores[name], v)),
+                   "cores_by_thread": _mean_by_thread(by_thread[name]),
                    "paired_ratio": statistics.median(a / b for a, b in zip(v, first))} for name, v in rates.items()}
+
+
+def _mean_by_thread(epochs: list[dict[str, float]]) -> dict[str, float]:
+    """The cores each kind of thread kept busy, averaged over epochs, largest first."""
+    names = {name for epoch in epochs for name in epoch}
+    mean = {name: sum(e.get(name, 0.0) for e in epochs) / max(len(epochs), 1) for name in names}
+    return {name: round(c, 3) for name, c in sorted(mean.items(), key=lambda kv: -kv[1])}
 
 
 def _dali_epochs(files, batch: int, threads: int, train: bool = True) -> tuple[Any, Any]:
@@ -510,6 +528,10 @@ def main() -> None:
                 line += (f", paired by round {paired:.2f}x; host cores per 1,000 images/s "
                          f"{mine['cores_per_1k']:.2f} against {theirs[best]['cores_per_1k']:.2f}")
             print(line)
+    for name, r in results.items():
+        if r.get("cores_by_thread"):  # where the cores went: nvImageCodec's pool, lanes, readers, DALI's workers
+            top = list(r["cores_by_thread"].items())[:7]
+            print(f"{name}: cores by thread {', '.join(f'{k} {c:.2f}' for k, c in top)}")
     for name, r in results.items():
         if "peak_gpu_mib_torch" in r:
             print(f"{name}: epochs {', '.join(f'{x:,.0f}' for x in r['runs'])} images/s; garbage collections "
