@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from headrace import _native as native
 
-__all__ = ["ChunkReader", "PathTable", "unavailable_reason"]
+__all__ = ["ChunkReader", "PathTable", "copy_spans", "unavailable_reason"]
 
 _SOURCE = Path(__file__).parent / "_native" / "read_files.c"
 _lock = threading.Lock()
@@ -51,6 +51,7 @@ def _load() -> ctypes.CDLL | None:
                 lib.hr_open_files.argtypes, lib.hr_open_files.restype = [ctypes.c_int, p, p, p, p], None
                 lib.hr_read_files.argtypes, lib.hr_read_files.restype = [ctypes.c_int, p, p, p, p], None
                 lib.hr_close_files.argtypes, lib.hr_close_files.restype = [ctypes.c_int, p], None
+                lib.hr_copy_spans.argtypes, lib.hr_copy_spans.restype = [ctypes.c_int, p, p, p], None
                 lib.read_chunk = None
                 if with_python:  # holds the GIL when called, and lets it go around its I/O itself
                     read_chunk = ctypes.PyDLL(str(target)).hr_read_chunk
@@ -134,6 +135,21 @@ class ChunkReader:
             else:
                 out.append(blob if got == want else blob[:got])  # a file that shrank meanwhile
         return out, int(np.count_nonzero(errs))
+
+
+def copy_spans(spans: Sequence[tuple[int, int]]) -> list[bytes] | None:
+    """A fresh ``bytes`` of each ``(address, size)`` span, all copied in one GIL-free call; None
+    without the C helper. The memory must stay valid (its owner alive) until this returns."""
+    lib = _load()
+    if lib is None:
+        return None
+    n = len(spans)
+    blobs = [_new_bytes(None, size) for _, size in spans]
+    outs = (ctypes.c_char_p * n)(*blobs)  # the bytes objects' own storage, no copy
+    sources = np.fromiter((address for address, _ in spans), dtype=np.uint64, count=n)
+    sizes = np.fromiter((size for _, size in spans), dtype=np.int64, count=n)
+    lib.hr_copy_spans(n, outs, sources.ctypes.data, sizes.ctypes.data)
+    return blobs
 
 
 def _with_errors(blobs: list, path_of: Callable[[int], bytes]) -> list[bytes | OSError]:

@@ -21,7 +21,9 @@ from headrace._sample import Sample
 from headrace._threads import join_threads
 
 from ._feed import END, Feed
+from ._read_files import copy_spans
 from ._storage import Downloads, Link, RemoteFile, Storage, is_url
+from ._storage._remote import Span
 from ._tar import count_samples, iter_groups, open_shard
 
 __all__ = ["ShardFiles", "ShardJob"]
@@ -147,9 +149,10 @@ class ShardFiles:
 
         chunk: list[Sample] = []
         last = -1
+        remote = isinstance(source, RemoteFile)
         try:
             with open_shard(source) as f:
-                for j, key, fields, error in iter_groups(f, path, select, lambda: feed.stopped):
+                for j, key, fields, error in iter_groups(f, path, select, lambda: feed.stopped, spans=remote):
                     last = j
                     if fields is None:
                         continue
@@ -159,6 +162,8 @@ class ShardFiles:
                         fields = {}
                     chunk.append(Sample(key, fields, path, base + j, rank_base + (j - first) // stride, error))
                     if len(chunk) >= self.chunk_size:
+                        if remote:
+                            _own_bytes(chunk)
                         if not feed.put(chunk):
                             return
                         chunk = []
@@ -171,8 +176,26 @@ class ShardFiles:
             chunk.append(Sample(exc.key or os.path.basename(path), {}, path, base + j,
                                 rank_base + max(0, j - first) // stride, exc))
         if chunk:
+            if remote:
+                _own_bytes(chunk)
             feed.put(chunk)
         feed.put(END, force=True)
+
+
+def _own_bytes(chunk: list[Sample]) -> None:
+    """Every field of the chunk its own ``bytes``, as read from a file: the members a download
+    handed out uncopied (``Span``) are copied out of their blocks in one call that lets the GIL go.
+    A copy into fresh memory costs ~50 µs a 68 KB member in page faults (H100, samples kept alive
+    as a shuffle buffer keeps them): with the GIL held, the event loop and the decode lanes waited
+    that long for every member (docs/benchmarks.md, issue 21)."""
+    held = [(s.fields, name, value) for s in chunk for name, value in s.fields.items() if type(value) is Span]
+    if not held:
+        return
+    blobs = copy_spans([(span.address, len(span.view)) for _, _, span in held])
+    if blobs is None:  # no C helper: copied here, the GIL held
+        blobs = [bytes(span.view) for _, _, span in held]
+    for (fields, name, _), blob in zip(held, blobs):
+        fields[name] = blob
 
 
 def _missing(fields: dict, require: list[tuple[str, ...]], key: str, path: str) -> ReadError | None:

@@ -107,11 +107,13 @@ class _TarCursor:
     """Reads a tar stream member by member, keeping the byte offset and the key being read (for the
     errors it raises) and, for a seekable file, where the archive ends (to seek over data)."""
 
-    __slots__ = ("end", "f", "key", "offset", "read", "source")
+    __slots__ = ("end", "f", "key", "offset", "read", "source", "take")
 
-    def __init__(self, f: BinaryIO, source: str) -> None:
+    def __init__(self, f: BinaryIO, source: str, spans: bool = False) -> None:
         self.f = f
         self.read = f.read
+        # A download can hand a member's data out uncopied (``RemoteFile.take``), when asked to.
+        self.take = getattr(f, "take", None) if spans else None
         self.source = source
         self.key: str | None = None
         self.offset = 0
@@ -174,7 +176,7 @@ class _TarCursor:
         self.offset += padded
 
     def read_member(self, size: int, padded: int, name: str) -> bytes:
-        data = self.read(size)
+        data = self.take(size) if self.take is not None else self.read(size)
         if len(data) < size:
             raise self.error(f"truncated tar: member {name!r} needs {size} bytes, {len(data)} left")
         self._skip(padded - size, name)
@@ -215,7 +217,7 @@ def _field_name(name: str, kind: bytes) -> tuple[str, str] | None:
 
 
 def iter_groups(f: BinaryIO, source: str, select: Callable[[int], bool] | None = None,
-                stop: Callable[[], bool] | None = None) -> Iterator[TarGroup]:
+                stop: Callable[[], bool] | None = None, spans: bool = False) -> Iterator[TarGroup]:
     """Yield the shard's samples in order, one tuple per group of members that share a key.
 
     ``select(ordinal)`` says whether a sample's data is wanted; an unwanted one is yielded with
@@ -224,8 +226,10 @@ def iter_groups(f: BinaryIO, source: str, select: Callable[[int], bool] | None =
     field or a missing ``select``-ed byte is reported the same way. A truncated archive or a corrupt
     header raises ReadError naming the shard and the sample being read; the samples before it
     have been yielded. ``stop()`` is polled once per member so a reader can be abandoned quickly.
+    ``spans``: a download's larger members may come as ``Span``s, not bytes, for the caller to
+    copy out (``_shard_files`` does, a chunk at a time) before anyone else sees the sample.
     """
-    tar = _TarCursor(f, source)
+    tar = _TarCursor(f, source, spans)
     ordinal = -1
     key: str | None = None
     fields: dict[str, bytes] | None = None

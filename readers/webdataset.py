@@ -362,7 +362,9 @@ def webdataset(
     it downloads; each download holds at most ``buffer_bytes`` ahead of its parser, counting what the
     HTTP client holds for each ranged GET it has in flight (a full buffer stops reading the socket),
     so the reader holds about ``(read_ahead + 1) * buffer_bytes`` plus the samples in flight, however
-    large the shards. The process may show up to as much again in freed blocks the allocator keeps
+    large the shards (a parser copies a chunk's members out of the downloaded blocks at once, letting
+    the GIL go: until then it keeps the blocks they lie in, about a chunk's bytes plus a block of up to
+    ``buffer_bytes / 8``). The process may show up to as much again in freed blocks the allocator keeps
     (glibc's arenas of the client's threads: 60-170 MB at ``3 * 64`` MiB, measured). While a
     parser waits for bytes (a store's latency, a bandwidth cap per connection), its download adds
     ranged GETs of the segments ahead, sized from the latency and per-connection bandwidth it observed

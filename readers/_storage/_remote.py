@@ -1,6 +1,6 @@
 """A download on the event loop, read as a file by a parser thread, with a byte bound in between.
 
-``RemoteFile`` is the thread's side: ``read``, ``peek``, ``seek`` forward, ``tell``, ``size``. Its
+``RemoteFile`` is the thread's side: ``read``, ``take``, ``peek``, ``seek`` forward, ``tell``, ``size``. Its
 ``fill()`` coroutine is the loop's side: its ``Fetcher`` (``_remote_fetch.py``) streams the object
 into a buffer of at most ``capacity`` bytes (plus the block in hand) and waits while the buffer is
 full, so a slow parser slows the socket (TCP backpressure), whatever the object's size. A dropped or
@@ -15,13 +15,36 @@ import threading
 import time
 from collections import deque
 
+import numpy as np
 from headrace._errors import ReadError, StorageError
 
 from ._base import Store
 from ._remote_fetch import Fetcher, Link
 from ._retry import Retry
 
-__all__ = ["RemoteFile"]
+__all__ = ["RemoteFile", "Span"]
+
+# ``take`` hands out spans this long and longer; shorter reads (tar headers, labels) are copied at once.
+SPAN_MIN = 4 << 10
+
+
+class Span:
+    """Bytes of a download not copied out yet: a view of the block that holds them, and where they
+    start in memory. The view keeps the block alive; copy it out soon (``_shard_files`` copies a
+    chunk's spans in one GIL-free call) so the block goes back with it."""
+
+    __slots__ = ("address", "view")
+
+    def __init__(self, view: memoryview, address: int) -> None:
+        self.view, self.address = view, address
+
+    def __len__(self) -> int:
+        return len(self.view)
+
+
+def _address(block: memoryview) -> int:
+    """Where a block's bytes start (read-only buffers too, as obstore's are)."""
+    return np.frombuffer(block, dtype=np.uint8).ctypes.data if len(block) else 0
 
 
 class _Closed(ReadError):
@@ -38,7 +61,7 @@ class RemoteFile:
         self.name = store.url(key)
         self.capacity, self.jump = capacity, jump
         self._cond = threading.Condition()
-        self._blocks: deque[tuple[int, memoryview]] = deque()  # (offset, bytes), in offset order
+        self._blocks: deque[tuple[int, memoryview, int]] = deque()  # (offset, bytes, their address), in offset order
         self._buffered = 0  # bytes in _blocks
         self._pos = 0  # next byte the thread reads
         self._jump: int | None = None  # set by a long seek, taken by the download
@@ -104,7 +127,7 @@ class RemoteFile:
         with self._cond:
             if self.closed or offset + len(block) <= self._pos:
                 return False
-            self._blocks.append((offset, block))
+            self._blocks.append((offset, block, _address(block)))
             self._flowing = True
             self._buffered += len(block)
             self._cond.notify_all()
@@ -167,7 +190,7 @@ class RemoteFile:
                     if flowing and self._flowing and self.fetcher.retries == faults:
                         self._starved += waited
                     continue
-                offset, block = self._blocks[0]
+                offset, block, _ = self._blocks[0]
                 start = self._pos - offset
                 part = block[start : start + n - got]
                 out.append(part)
@@ -178,6 +201,24 @@ class RemoteFile:
                     self._buffered -= len(block)
                     self._wake()
         return bytes(out[0]) if len(out) == 1 else b"".join(out)
+
+    def take(self, n: int) -> bytes | Span:
+        """``read(n)``, but where the ``n`` bytes (``SPAN_MIN`` or more) lie in one downloaded block
+        already here, a ``Span`` of them, not a copy: the caller copies many spans at once."""
+        if n >= SPAN_MIN:
+            with self._cond:
+                if self._blocks:
+                    offset, block, address = self._blocks[0]
+                    start = self._pos - offset
+                    if start + n <= len(block):
+                        span = Span(block[start : start + n], address + start)
+                        self._pos += n
+                        if start + n == len(block):
+                            self._blocks.popleft()
+                            self._buffered -= len(block)
+                            self._wake()
+                        return span
+        return self.read(n)
 
     def peek(self, n: int = 1) -> bytes:
         """Up to ``n`` next bytes without consuming them (``n`` small: the gzip magic)."""
@@ -191,7 +232,7 @@ class RemoteFile:
             # Only the n bytes: the blocks may hold the whole buffer by the time a parser opens the shard.
             out: list[bytes] = []
             skip = self._pos - self._blocks[0][0] if self._blocks else 0
-            for _, block in self._blocks:
+            for _, block, _ in self._blocks:
                 if n <= 0:
                     break
                 part = bytes(block[skip : skip + n])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import tarfile
 import traceback
 
@@ -13,7 +14,9 @@ import pytest
 
 import headrace
 from headrace import ConfigError, ReadError, StorageError, readers
+from headrace.readers._read_files import copy_spans
 from headrace.readers._storage import RemoteFile, S3Store
+from headrace.readers._storage._remote import Span
 from headrace.testing import MemoryStore
 
 from sample_data import tar_bytes
@@ -400,6 +403,57 @@ async def test_remote_file_peeks_across_blocks_without_consuming():
     looks = await asyncio.to_thread(consume)
     await task
     assert looks == [data[:2], data[95:345], data[95:345], data[-3:]]
+
+
+async def test_remote_file_hands_out_spans_within_a_block_and_copies_otherwise():
+    data = bytes(range(256)) * 1024  # 256 KiB, delivered in blocks of 64 KiB
+    store = MemoryStore({"k": data}, block=64 << 10)
+    remote = RemoteFile(store, "k", capacity=1 << 20)
+    task = asyncio.create_task(remote.fill())
+
+    def consume():
+        with remote:
+            small = remote.take(100)  # under SPAN_MIN: copied at once
+            inside = remote.take(10_000)  # within the first block
+            across = remote.take(60_000)  # from the first block into the second
+            rest = remote.take(len(data))  # to the end, across blocks
+            return small, inside, across, rest, remote.tell()
+
+    small, inside, across, rest, pos = await asyncio.to_thread(consume)
+    await task
+    assert type(small) is bytes and small == data[:100]
+    assert isinstance(inside, Span) and bytes(inside.view) == data[100:10_100] and len(inside) == 10_000
+    assert type(across) is bytes and across == data[10_100:70_100]
+    assert type(rest) is bytes and rest == data[70_100:] and pos == len(data)
+    # The span's address is where its bytes are: copy_spans makes them a bytes of their own.
+    copied = copy_spans([(inside.address, len(inside))])
+    if copied is not None:  # None only without a C compiler
+        assert type(copied[0]) is bytes and copied[0] == data[100:10_100]
+
+
+@pytest.mark.parametrize("helper", [True, False], ids=["c-helper", "python"])
+async def test_remote_shard_members_are_bytes_of_their_own(tmp_path, monkeypatch, helper, leaks):
+    # Members of 5-20 KB in blocks of 64 KiB: most lie in one block (handed out uncopied, then
+    # copied a chunk at a time), some cross two (copied at once); every field ends up its own bytes.
+    rng = random.Random(7)
+    members = [(f"{i:04d}.{ext}", rng.randbytes(rng.randrange(5_000, 20_000) if ext == "jpg" else 3))
+               for i in range(150) for ext in ("jpg", "cls")]
+    shard = tar_bytes(members)
+    (tmp_path / "s.tar").write_bytes(shard)
+    copied = []  # the spans each chunk handed to the copy
+
+    def copy(spans):
+        copied.append(len(spans))
+        return copy_spans(spans) if helper else None
+
+    monkeypatch.setattr("headrace.readers._shard_files.copy_spans", copy)
+    store = MemoryStore({"m/s.tar": shard}, block=64 << 10)
+    remote = await _read_all(readers.webdataset("m/s.tar", store=store, shuffle=False, chunk_size=16))
+    local = await _read_all(readers.webdataset(str(tmp_path / "s.tar"), shuffle=False))
+    _same(remote, local)
+    assert all(type(v) is bytes for s in remote for v in s.fields.values())
+    assert len(copied) == 10 and 100 < sum(copied) < 150  # a call a chunk; the jpgs crossing a block copied at once
+    await leaks.check()
 
 
 def test_wrong_storage_arguments():
