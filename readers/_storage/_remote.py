@@ -61,7 +61,8 @@ class RemoteFile:
         self.name = store.url(key)
         self.capacity, self.jump = capacity, jump
         self._cond = threading.Condition()
-        self._blocks: deque[tuple[int, memoryview, int]] = deque()  # (offset, bytes, their address), in offset order
+        # [offset, bytes, their address (found on the first take from the block)], in offset order
+        self._blocks: deque[list] = deque()
         self._buffered = 0  # bytes in _blocks
         self._pos = 0  # next byte the thread reads
         self._jump: int | None = None  # set by a long seek, taken by the download
@@ -127,7 +128,7 @@ class RemoteFile:
         with self._cond:
             if self.closed or offset + len(block) <= self._pos:
                 return False
-            self._blocks.append((offset, block, _address(block)))
+            self._blocks.append([offset, block, None])
             self._flowing = True
             self._buffered += len(block)
             self._cond.notify_all()
@@ -208,9 +209,12 @@ class RemoteFile:
         if n >= SPAN_MIN:
             with self._cond:
                 if self._blocks:
-                    offset, block, address = self._blocks[0]
+                    first = self._blocks[0]
+                    offset, block, address = first
                     start = self._pos - offset
                     if start + n <= len(block):
+                        if address is None:  # once a block (numpy: ~2.5 µs; HTTP's small blocks seldom get here)
+                            address = first[2] = _address(block)
                         span = Span(block[start : start + n], address + start)
                         self._pos += n
                         if start + n == len(block):
