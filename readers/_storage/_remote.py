@@ -1,7 +1,7 @@
 """A download on the event loop, read as a file by a parser thread, with a byte bound in between.
 
-``RemoteFile`` is the thread's side: ``read``, ``take``, ``peek``, ``seek`` forward, ``tell``, ``size``. Its
-``fill()`` coroutine is the loop's side: its ``Fetcher`` (``_remote_fetch.py``) streams the object
+``RemoteFile`` is the thread's side: ``read``, ``take``, ``peek``, ``seek`` forward, ``tell``,
+``size``. Its ``fill()`` coroutine is the loop's side: its ``Fetcher`` (``_remote_fetch.py``) streams the object
 into a buffer of at most ``capacity`` bytes (plus the block in hand) and waits while the buffer is
 full, so a slow parser slows the socket (TCP backpressure), whatever the object's size. A dropped or
 stalled download is reopened at the first byte not yet received (``Range``, ``If-Match``): the thread
@@ -196,11 +196,7 @@ class RemoteFile:
                 part = block[start : start + n - got]
                 out.append(part)
                 got += len(part)
-                self._pos += len(part)
-                if start + len(part) == len(block):
-                    self._blocks.popleft()
-                    self._buffered -= len(block)
-                    self._wake()
+                self._advance(start, len(part), block)
         return bytes(out[0]) if len(out) == 1 else b"".join(out)
 
     def take(self, n: int) -> bytes | Span:
@@ -216,11 +212,7 @@ class RemoteFile:
                         if address is None:  # once a block (numpy: ~2.5 µs; HTTP's small blocks seldom get here)
                             address = first[2] = _address(block)
                         span = Span(block[start : start + n], address + start)
-                        self._pos += n
-                        if start + n == len(block):
-                            self._blocks.popleft()
-                            self._buffered -= len(block)
-                            self._wake()
+                        self._advance(start, n, block)
                         return span
         return self.read(n)
 
@@ -282,6 +274,15 @@ class RemoteFile:
             raise self._error
         if self.closed:
             raise _Closed("the download was closed", source=self.name)
+
+    def _advance(self, start: int, n: int, block: memoryview) -> None:
+        """The thread has read ``n`` bytes of the first block from ``start``: a block read to its end
+        goes, and the download may refill."""
+        self._pos += n
+        if start + n == len(block):
+            self._blocks.popleft()
+            self._buffered -= len(block)
+            self._wake()
 
     def _drop_all(self) -> None:
         self._blocks.clear()
