@@ -15,6 +15,7 @@ import os
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import BinaryIO
 
 from headrace._errors import ReadError
 from headrace._sample import Sample
@@ -22,6 +23,7 @@ from headrace._threads import join_threads
 
 from ._feed import END, Feed
 from ._read_files import copy_spans
+from ._shard_cache import ShardCache
 from ._storage import Downloads, Link, RemoteFile, Storage, is_url
 from ._storage._remote import Span
 from ._tar import count_samples, iter_groups, open_shard
@@ -48,17 +50,19 @@ class ShardFiles:
     ``read_ahead`` shards beyond the current one are read at once, each by its own thread (and, for
     a remote shard, its own download buffering at most ``buffer_bytes``) into a feed of two
     ``chunk_size`` lists. ``require``: alternatives of field names every sample must have.
-    ``retries`` and ``peak_buffered`` add up what the downloads reported.
+    ``retries`` and ``peak_buffered`` add up what the downloads reported. ``cache``: remote shards
+    are read from it when there, and written to it as they are read when not (``_shard_cache.py``).
     """
 
     def __init__(self, shards: Sequence[str], storage: Storage | None, *, read_ahead: int, chunk_size: int,
-                 require: list[tuple[str, ...]], buffer_bytes: int) -> None:
+                 require: list[tuple[str, ...]], buffer_bytes: int, cache: ShardCache | None = None) -> None:
         self.shards = list(shards)
         self.storage = storage
         self.read_ahead = read_ahead
         self.chunk_size = chunk_size
         self.require = require
         self.buffer_bytes = buffer_bytes
+        self.cache = cache
         # Shards read through a store (URLs, or keys of an explicit store) and their display names.
         self.remote = [storage is not None and (storage.store is not None or is_url(p)) for p in self.shards]
         self.names = [storage.locate(p)[0].url(storage.locate(p)[1]) if remote and storage else p
@@ -69,15 +73,24 @@ class ShardFiles:
         # to, the parser's pace): kept across epochs, so each epoch's first shard starts grown.
         self.link = Link()
 
-    def _source(self, shard: int, downloads: Downloads) -> str | RemoteFile:
+    def _source(self, shard: int, downloads: Downloads, cache: bool = True) -> str | RemoteFile | BinaryIO:
+        """A local shard's path; a remote shard's cached copy, open (``cache``), or its download
+        (written to the cache as it is read)."""
         path = self.shards[shard]
-        return downloads.open(path, shard) if self.remote[shard] else path
+        if not self.remote[shard]:
+            return path
+        if cache and self.cache is not None:
+            local = self.cache.open(self.names[shard])
+            if local is not None:
+                return local
+            return downloads.open(path, shard, tee=self.cache.writer(self.names[shard]))
+        return downloads.open(path, shard)
 
     async def count(self) -> list[int]:
         """Samples per shard from the tar headers (data is seeked over; remote: skipped by Range requests)."""
         with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="headrace-io-scan") as pool:
             async with self.downloads(Link()) as downloads:  # header reads: small GETs, not a stream's
-                futures = [pool.submit(count_samples, self._source(i, downloads), self.names[i])
+                futures = [pool.submit(count_samples, self._source(i, downloads, cache=False), self.names[i])
                            for i in range(len(self.shards))]
                 try:
                     return [await asyncio.wrap_future(f) for f in futures]
@@ -110,7 +123,7 @@ class ShardFiles:
         """The jobs' samples in order; ``read_ahead`` shards beyond the current one are read meanwhile."""
         loop = asyncio.get_running_loop()
         pool = concurrent.futures.ThreadPoolExecutor(self.read_ahead + 1, thread_name_prefix="headrace-io-webdataset")
-        running: deque[tuple[Feed, concurrent.futures.Future[None]]] = deque()
+        running: deque[tuple[Feed, concurrent.futures.Future[None], object]] = deque()
         todo = iter(jobs)
         async with self.downloads() as downloads:
             try:
@@ -120,7 +133,8 @@ class ShardFiles:
                         if job is None:
                             break
                         feed = Feed(loop, capacity=2)
-                        running.append((feed, pool.submit(self._parse, job, feed, self._source(job.shard, downloads))))
+                        source = self._source(job.shard, downloads)
+                        running.append((feed, pool.submit(self._parse, job, feed, source), source))
                     if not running:
                         return
                     item = await running[0][0].get()
@@ -129,16 +143,19 @@ class ShardFiles:
                         continue
                     yield item
             finally:
-                for feed, _ in running:
+                for feed, _, _ in running:
                     feed.stop()
                 downloads.stop()  # a thread waiting for bytes wakes up (and its read raises)
                 pool.shutdown(wait=False, cancel_futures=True)
-                await join_threads([f for _, f in running])
+                await join_threads([f for _, f, _ in running])
                 pool.shutdown(wait=True)
+                for _, future, source in running:  # a cached copy opened for a job that never ran
+                    if future.cancelled() and hasattr(source, "close"):
+                        source.close()
 
-    def _parse(self, job: ShardJob, feed: Feed, source: str | RemoteFile) -> None:
-        """Thread: parse one shard (a local path, or a download) into lists of samples; ``position``
-        carries the rank input ordinal."""
+    def _parse(self, job: ShardJob, feed: Feed, source: str | RemoteFile | BinaryIO) -> None:
+        """Thread: parse one shard (a local path, a cached copy open, or a download) into lists of
+        samples; ``position`` carries the rank input ordinal."""
         first, stride, base, path, rank_base = job.first, job.stride, job.base_index, job.path, job.rank_base
         needed = job.needed
 
@@ -167,6 +184,8 @@ class ShardFiles:
                         if not feed.put(chunk):
                             return
                         chunk = []
+                if remote and source.tee is not None and not feed.stopped:
+                    _keep(source)
         except (OSError, ReadError) as exc:
             if not isinstance(exc, ReadError):
                 err = ReadError(f"cannot read shard: {exc.strerror or exc}", source=path)
@@ -180,6 +199,16 @@ class ShardFiles:
                 _own_bytes(chunk)
             feed.put(chunk)
         feed.put(END, force=True)
+
+
+def _keep(download: RemoteFile) -> None:
+    """The shard was parsed to its end: its local copy goes into the cache if whole. Reading the
+    bytes after the archive's end marker can fail like any read; every sample is out by then, so
+    that only means the copy is not kept."""
+    try:
+        download.keep()
+    except (OSError, ReadError):
+        pass
 
 
 def _own_bytes(chunk: list[Sample]) -> None:

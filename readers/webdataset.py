@@ -35,6 +35,7 @@ from headrace._sample import Sample
 
 from ._base import Equal, Reader, _check_shard, number_samples
 from ._reshard import resharded
+from ._shard_cache import ShardCache
 from ._shard_files import ShardFiles, ShardJob
 from ._shards import read_index, resolve_shards
 from ._shuffle import Draws, ShuffleBuffer, resume_state
@@ -66,6 +67,7 @@ class WebDatasetReader(Reader):
         require: Sequence[str] = (),
         storage: Storage | None = None,
         buffer_bytes: int = 8 << 20,
+        cache: ShardCache | None = None,
     ) -> None:
         for name, value, low in (("shuffle_buffer", shuffle_buffer, 0), ("read_ahead", read_ahead, 0),
                                  ("chunk_size", chunk_size, 1), ("buffer_bytes", buffer_bytes, 1 << 16)):
@@ -82,7 +84,8 @@ class WebDatasetReader(Reader):
         self.equal: Equal = None
         self.storage = storage
         self.files = ShardFiles(self.shards, storage, read_ahead=read_ahead, chunk_size=chunk_size,
-                                require=[tuple(alt.split(";")) for alt in require], buffer_bytes=buffer_bytes)
+                                require=[tuple(alt.split(";")) for alt in require], buffer_bytes=buffer_bytes,
+                                cache=cache)
         self._counts = None if counts is None else [int(c) for c in counts]
         self._total = sum(self._counts) if self._counts is not None else total
         # Sample.index: dense dataset positions when counts are known now, else (shard << 32) + ordinal.
@@ -98,6 +101,12 @@ class WebDatasetReader(Reader):
     def retries(self) -> int:
         """Storage faults survived by this reader's downloads (each resumed from the byte reached)."""
         return self.files.retries
+
+    @property
+    def cache(self) -> ShardCache | None:
+        """The local copies of remote shards (``cache_dir=``), with their counts: ``hits``, ``kept``,
+        ``evicted``, ``failed``; None without a ``cache_dir``."""
+        return self.files.cache
 
     @property
     def peak_buffered(self) -> int:
@@ -330,6 +339,8 @@ def webdataset(
     storage_options: Mapping[str, Any] | None = None,
     store: Store | None = None,
     buffer_bytes: int = 8 << 20,
+    cache_dir: str | os.PathLike | None = None,
+    cache_bytes: int | None = None,
 ) -> WebDatasetReader:
     """A reader over WebDataset tar shards, local or in object storage.
 
@@ -376,20 +387,45 @@ def webdataset(
     retried with backoff and jitter, resuming from the byte reached; once the budget is spent the
     shard ends with a sample whose ``error`` is a ``StorageError`` naming the URL.
 
+    ``cache_dir``: a local folder where remote shards are kept as they are read, whole, so later
+    epochs and later runs read them from local disk instead of the store (local shards are read
+    where they are). A shard is written while its parser reads it, from the blocks it has parsed
+    (no second download, no extra memory), and appears in the folder, renamed into place, only once
+    every byte of it is there: a shard left early (a ``break``, a resume past its start, a fault
+    past the retry budget) is not kept. Processes may share the folder (ranks on one host). A kept
+    shard is used as it is: clear the folder when the objects at those URLs change.
+    ``cache_bytes``: the most the folder may hold; the least recently used shards are removed to
+    make room (None: no bound). A full disk stops caching, never reading. ``reader.cache`` counts
+    hits, shards kept, evicted and failed writes.
+
     Raises ReadError for a missing local shard, StorageError when a bucket cannot be listed,
     ConfigError for a wrong argument.
     """
+    if cache_bytes is not None:
+        require_int("webdataset: cache_bytes", cache_bytes, 1)
+        if cache_dir is None:
+            raise ConfigError("webdataset: cache_bytes needs a cache_dir")
     storage = Storage(storage_options, store)
     shards = resolve_shards(source, storage)
+    cache = _shard_cache(cache_dir, cache_bytes)
     reader = WebDatasetReader(shards, shuffle=shuffle, shuffle_buffer=shuffle_buffer, seed=seed,
                               read_ahead=read_ahead, chunk_size=chunk_size, split=split, require=require,
-                              storage=storage, buffer_bytes=buffer_bytes)
+                              storage=storage, buffer_bytes=buffer_bytes, cache=cache)
     per_shard, total = _given_counts(counts, shards, storage, reader)
     if per_shard is None and total is None:
         return reader
     return WebDatasetReader(shards, counts=per_shard, total=total, shuffle=shuffle, shuffle_buffer=shuffle_buffer,
                             seed=seed, read_ahead=read_ahead, chunk_size=chunk_size, split=split, require=require,
-                            storage=storage, buffer_bytes=buffer_bytes)
+                            storage=storage, buffer_bytes=buffer_bytes, cache=cache)
+
+
+def _shard_cache(folder: str | os.PathLike | None, max_bytes: int | None) -> ShardCache | None:
+    if folder is None:
+        return None
+    try:
+        return ShardCache(folder, max_bytes)
+    except OSError as exc:
+        raise ConfigError(f"webdataset: cannot use cache_dir {os.fspath(folder)!r}: {exc.strerror or exc}") from exc
 
 
 def _given_counts(counts: int | Sequence[int] | Literal["scan"] | None, shards: list[str], storage: Storage,

@@ -17,6 +17,8 @@ from ._remote import RemoteFile
 from ._remote_fetch import Link
 
 if TYPE_CHECKING:
+    from headrace.readers._shard_cache import CacheWriter
+
     from ._resolve import Storage
 
 __all__ = ["Downloads"]
@@ -35,13 +37,14 @@ class Downloads:
         self.peak = 0
         self.link = link or Link()
 
-    def open(self, source: str, n: int) -> RemoteFile:
+    def open(self, source: str, n: int, tee: CacheWriter | None = None) -> RemoteFile:
+        """``tee``: a local copy the parser writes as it reads (``webdataset(cache_dir=)``)."""
         assert self.storage is not None
         self._prune()
         store, key = self.storage.locate(source)
         # A new download starts with the GETs in flight the read's downloads came to (they grow
         # while their parser waits): the shard after a slow one need not find that out again.
-        remote = RemoteFile(store, key, capacity=self.capacity, retry=self.storage.retry, link=self.link)
+        remote = RemoteFile(store, key, capacity=self.capacity, retry=self.storage.retry, link=self.link, tee=tee)
         self.files.append(remote)
         self.tasks.append(asyncio.get_running_loop().create_task(remote.fill(), name=f"headrace:storage:{n}"))
         return remote

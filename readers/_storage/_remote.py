@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 import numpy as np
 from headrace._errors import ReadError, StorageError
@@ -21,6 +22,9 @@ from headrace._errors import ReadError, StorageError
 from ._base import Store
 from ._remote_fetch import Fetcher, Link
 from ._retry import Retry
+
+if TYPE_CHECKING:
+    from headrace.readers._shard_cache import CacheWriter
 
 __all__ = ["RemoteFile", "Span"]
 
@@ -57,8 +61,12 @@ class RemoteFile:
     mode = "rb"
 
     def __init__(self, store: Store, key: str, *, capacity: int = 8 << 20, retry: Retry | None = None,
-                 jump: int = 4 << 20, link: Link | None = None) -> None:
+                 jump: int = 4 << 20, link: Link | None = None, tee: CacheWriter | None = None) -> None:
         self.name = store.url(key)
+        # A local copy being written (``webdataset(cache_dir=)``): the blocks the thread is done
+        # with, written by the thread once it has let the lock go (the loop pushes under it).
+        self.tee = tee
+        self._teed: list[tuple[int, memoryview]] = []
         self.capacity, self.jump = capacity, jump
         self._cond = threading.Condition()
         # [offset, bytes, their address (found on the first take from the block)], in offset order
@@ -197,12 +205,15 @@ class RemoteFile:
                 out.append(part)
                 got += len(part)
                 self._advance(start, len(part), block)
+        if self._teed:
+            self._write_teed()
         return bytes(out[0]) if len(out) == 1 else b"".join(out)
 
     def take(self, n: int) -> bytes | Span:
         """``read(n)``, but where the ``n`` bytes (``SPAN_MIN`` or more) lie in one downloaded block
         already here, a ``Span`` of them, not a copy: the caller copies many spans at once."""
         if n >= SPAN_MIN:
+            span = None
             with self._cond:
                 if self._blocks:
                     first = self._blocks[0]
@@ -213,7 +224,10 @@ class RemoteFile:
                             address = first[2] = _address(block)
                         span = Span(block[start : start + n], address + start)
                         self._advance(start, n, block)
-                        return span
+            if span is not None:
+                if self._teed:
+                    self._write_teed()
+                return span
         return self.read(n)
 
     def peek(self, n: int = 1) -> bytes:
@@ -245,6 +259,8 @@ class RemoteFile:
         with self._cond:
             ahead = self._buffered - (self._pos - self._blocks[0][0] if self._blocks else 0)
             if target - self._pos > ahead + self.jump:
+                if self.tee is not None:  # the bytes jumped over never come: no whole copy
+                    self.tee.abandon()
                 self._drop_all()
                 self._pos = self._jump = target
                 self._flowing = False  # waiting for the first bytes there is not the download being slow
@@ -254,12 +270,25 @@ class RemoteFile:
             pass
         return self._pos
 
+    def keep(self) -> bool:
+        """Thread side, once the parser is done: read the rest (a tar's end padding) and put the
+        local copy in place if it holds the whole object. True if it was kept."""
+        tee = self.tee
+        if tee is None or not tee.active:
+            return False
+        while tee.active and self.read(1 << 20):
+            pass
+        return tee.commit(self.size)
+
     def close(self) -> None:
-        """Thread side: done reading; the download stops."""
+        """Thread side: done reading; the download stops (and a local copy not kept is removed)."""
         with self._cond:
             self.closed = True
             self._drop_all()
             self._wake(always=True)
+            self._teed.clear()
+        if self.tee is not None:
+            self.tee.abandon()
 
     def __enter__(self) -> RemoteFile:
         return self
@@ -280,9 +309,18 @@ class RemoteFile:
         goes, and the download may refill."""
         self._pos += n
         if start + n == len(block):
+            if self.tee is not None:
+                self._teed.append((self._blocks[0][0], block))
             self._blocks.popleft()
             self._buffered -= len(block)
             self._wake()
+
+    def _write_teed(self) -> None:
+        """Without the lock: the blocks the thread is done with, to the local copy."""
+        teed, self._teed = self._teed, []
+        assert self.tee is not None
+        for offset, block in teed:
+            self.tee.write(offset, block)
 
     def _drop_all(self) -> None:
         self._blocks.clear()

@@ -1,0 +1,210 @@
+"""Remote shards kept on local disk as they are read, so later epochs (and later runs) read them
+from there: ``webdataset(..., cache_dir=, cache_bytes=)``.
+
+A shard is written while its parser reads it (``RemoteFile``'s ``tee``: each downloaded block once
+the parser is done with it, from the parser's thread, outside the download's lock) into a file of
+its own name ending ``.part``, and renamed into place only once every byte of the object is in it:
+a reader that stops early, seeks far ahead, or meets a fault it cannot get past leaves no file
+behind. Several processes (ranks on one host) may share a folder: each writes its own ``.part`` and
+the rename is atomic, so a reader sees a whole shard or none.
+
+A cached shard is used as it is, without asking the store: like webdataset's ``cache_dir`` and
+litdata's cache, the cache assumes the object at a URL does not change (clear the folder if it
+does). With ``cache_bytes``, the least recently used shards go to make room for a new one; a shard
+larger than the bound alone is not kept. Writing never fails a read: a full disk or an unwritable
+folder stops the caching of that shard (counted in ``failed``), and the parser goes on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import threading
+import uuid
+from pathlib import Path
+from typing import BinaryIO
+
+__all__ = ["CacheWriter", "ShardCache"]
+
+logger = logging.getLogger("headrace")
+
+_PART = ".part"
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+class ShardCache:
+    """A folder of whole shards, named by their URL. ``hits``: shards read from it; ``kept``: shards
+    written to it; ``evicted``: shards removed for room; ``failed``: writes given up (disk full, ...)."""
+
+    def __init__(self, folder: str | os.PathLike, max_bytes: int | None = None) -> None:
+        self.folder = Path(folder)
+        self.max_bytes = max_bytes
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.hits = self.kept = self.evicted = self.failed = 0
+        self._lock = threading.Lock()  # the counters and eviction, from several parser threads
+        _remove_dead_parts(self.folder)
+
+    def __repr__(self) -> str:
+        return (f"ShardCache({str(self.folder)!r}, max_bytes={self.max_bytes}, hits={self.hits}, kept={self.kept}, "
+                f"evicted={self.evicted}, failed={self.failed})")
+
+    def path(self, url: str) -> Path:
+        """Where the shard at ``url`` is kept: a hash of the URL (distinct URLs, distinct files) and
+        its file name (for people looking in the folder)."""
+        digest = hashlib.sha256(url.encode()).hexdigest()[:16]
+        name = _UNSAFE.sub("_", url.rstrip("/").rsplit("/", 1)[-1])[-80:] or "shard"
+        return self.folder / f"{digest}-{name}"
+
+    def open(self, url: str) -> BinaryIO | None:
+        """The cached copy of ``url``, open for reading, or None. Opened here, not by path later: a
+        copy another process evicts meanwhile stays readable once open."""
+        path = self.path(url)
+        try:
+            f = open(path, "rb", buffering=1 << 20)  # noqa: SIM115 - the parser closes it
+        except OSError:
+            return None
+        try:
+            os.utime(path)  # recently used: evicted last
+        except OSError:
+            pass
+        with self._lock:
+            self.hits += 1
+        return f
+
+    def writer(self, url: str) -> CacheWriter | None:
+        """A ``.part`` file for ``url``'s bytes, or None where it cannot be made (counted)."""
+        final = self.path(url)
+        part = final.with_name(f"{final.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}{_PART}")
+        try:
+            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except OSError as exc:
+            self._give_up(url, exc)
+            return None
+        return CacheWriter(self, url, fd, part, final)
+
+    def _give_up(self, url: str, exc: OSError) -> None:
+        with self._lock:
+            self.failed += 1
+            first = self.failed == 1
+        if first:  # once: a full disk would say it for every shard
+            logger.warning("headrace: not caching %s in %s: %s", url, self.folder, exc)
+
+    def _make_room(self, size: int, keep: Path) -> bool:
+        """With ``max_bytes``: remove the least recently used shards until ``size`` more fit. False
+        if it cannot fit even alone."""
+        if self.max_bytes is None:
+            return True
+        if size > self.max_bytes:
+            return False
+        shards = []
+        for entry in os.scandir(self.folder):
+            if entry.name.endswith(_PART) or entry.path == str(keep):
+                continue
+            try:
+                st = entry.stat()
+            except OSError:  # removed meanwhile (another process)
+                continue
+            shards.append((st.st_mtime, st.st_size, entry.path))
+        total = sum(s for _, s, _ in shards)
+        for _, nbytes, path in sorted(shards):
+            if total + size <= self.max_bytes:
+                break
+            try:
+                os.unlink(path)
+                self.evicted += 1
+            except FileNotFoundError:
+                pass
+            total -= nbytes
+        return total + size <= self.max_bytes
+
+
+class CacheWriter:
+    """One shard's ``.part`` file, written front to back: ``write(offset, block)`` appends a block
+    that starts where the last ended (else the copy is given up: a seek skipped bytes);
+    ``commit(size)`` renames it into place once it holds ``size`` bytes; ``abandon()`` removes it."""
+
+    def __init__(self, cache: ShardCache, url: str, fd: int, part: Path, final: Path) -> None:
+        self.cache, self.url = cache, url
+        self._fd: int | None = fd
+        self._part, self._final = part, final
+        self.written = 0
+
+    @property
+    def active(self) -> bool:
+        return self._fd is not None
+
+    def write(self, offset: int, block: memoryview) -> None:
+        if self._fd is None:
+            return
+        if offset != self.written:
+            self.abandon()
+            return
+        try:
+            view = block
+            while view:  # os.write lets the GIL go; a short write goes on where it stopped
+                view = view[os.write(self._fd, view):]
+        except OSError as exc:
+            self.cache._give_up(self.url, exc)
+            self.abandon()
+            return
+        self.written += len(block)
+
+    def commit(self, size: int) -> bool:
+        """Put the shard in place if it is whole (``size`` bytes, the object's); True if kept."""
+        if self._fd is None:
+            return False
+        if self.written != size:
+            self.abandon()
+            return False
+        fd, self._fd = self._fd, None
+        try:
+            os.close(fd)
+            with self.cache._lock:
+                if not self.cache._make_room(size, self._final):
+                    raise _TooLarge
+                os.replace(self._part, self._final)
+                self.cache.kept += 1
+            return True
+        except _TooLarge:
+            _unlink(self._part)
+            return False
+        except OSError as exc:
+            self.cache._give_up(self.url, exc)
+            _unlink(self._part)
+            return False
+
+    def abandon(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+            _unlink(self._part)
+
+
+class _TooLarge(Exception):
+    """The shard alone is over the cache's bound."""
+
+
+_PART_OWNER = re.compile(r"\.(\d+)-[0-9a-f]{8}\.part$")
+
+
+def _remove_dead_parts(folder: Path) -> None:
+    """``.part`` files whose writer (a process on this host) is gone: a run killed mid-shard."""
+    for entry in os.scandir(folder):
+        owner = _PART_OWNER.search(entry.name)
+        if owner is None:
+            continue
+        try:
+            os.kill(int(owner.group(1)), 0)
+        except ProcessLookupError:
+            _unlink(Path(entry.path))
+        except OSError:  # alive, another user's
+            pass
+
+
+def _unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
