@@ -183,6 +183,31 @@ def row_headrace_shards(serve: Path, url: str, where: str, args: argparse.Namesp
     return lambda: _count(reader.read(0))
 
 
+def _cache_dir() -> str:
+    """A fresh cache folder for this row's process, removed when it exits."""
+    import atexit
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="headrace-bench-cache-", dir=ROOT / ".data")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
+def row_cached_shards(serve: Path, url: str, where: str, args: argparse.Namespace) -> Callable[[], tuple[int, int]]:
+    """The epoch that fills ``webdataset(cache_dir=)``: every shard downloaded and written to disk."""
+    reader = _shards_reader(serve, url, where, args, cache_dir=_cache_dir())
+    return lambda: _count(reader.read(0))
+
+
+def row_cachehit_shards(serve: Path, url: str, where: str, args: argparse.Namespace) -> Callable[[], tuple[int, int]]:
+    """A later epoch of ``webdataset(cache_dir=)``: one epoch fills the folder off the clock."""
+    reader = _shards_reader(serve, url, where, args, cache_dir=_cache_dir())
+    _count(reader.read(0))
+    assert reader.cache.kept == len(reader.shards), reader.cache
+    return lambda: _count(reader.read(1))
+
+
 def row_headrace_download(serve: Path, url: str, where: str, args: argparse.Namespace) -> Callable[[], tuple[int, int]]:
     """The shards downloaded as ``readers.webdataset`` downloads them, the bytes dropped (no parse):
     returns (0 samples, the shards' bytes); ``peak_load_mb`` goes into ``_extra``."""
@@ -398,6 +423,11 @@ def row_pipeline_shards(serve: Path, url: str, where: str, args: argparse.Namesp
     return TrainingEpochs(_shards_reader(serve, url, where, args, shuffle=True), serve, args)
 
 
+def row_pipeline_cached(serve: Path, url: str, where: str, args: argparse.Namespace) -> TrainingEpochs:
+    """The shards row with ``cache_dir=``: the warm-up epoch fills the folder, the timed ones read it."""
+    return TrainingEpochs(_shards_reader(serve, url, where, args, shuffle=True, cache_dir=_cache_dir()), serve, args)
+
+
 def row_pipeline_objects(serve: Path, url: str, where: str, args: argparse.Namespace) -> TrainingEpochs:
     return TrainingEpochs(_objects_reader(serve, url, where, args, shuffle=True), serve, args)
 
@@ -406,6 +436,8 @@ ROWS = {
     "headrace-shards": row_headrace_shards,
     "headrace-objects": row_headrace_objects,
     "headrace-download": row_headrace_download,
+    "cached-shards": row_cached_shards,
+    "cachehit-shards": row_cachehit_shards,
     "webdataset-shards": row_webdataset,
     "litdata-shards": peers.row_litdata,
     "streaming-shards": peers.row_streaming,
@@ -413,13 +445,16 @@ ROWS = {
     "client-objects": row_client,
     "pipeline-shards": row_pipeline_shards,
     "pipeline-objects": row_pipeline_objects,
+    "pipeline-cached": row_pipeline_cached,
 }
 SYSTEMS = {"headrace-shards": "headrace webdataset()", "headrace-objects": "headrace files()",
            "headrace-download": "headrace downloads, no parse",
+           "cached-shards": "headrace, cache_dir: filling it", "cachehit-shards": "headrace, cache_dir: read",
            "webdataset-shards": "webdataset library", "litdata-shards": "litdata StreamingDataset",
            "streaming-shards": "streaming StreamingDataset", "dataloader-objects": "DataLoader + boto3/urllib",
            "client-objects": "obstore GETs, 256 at once", "pipeline-shards": "Loader + training(), webdataset()",
-           "pipeline-objects": "Loader + training(), files()"}
+           "pipeline-objects": "Loader + training(), files()",
+           "pipeline-cached": "Loader + training(), webdataset(cache_dir=)"}
 
 
 def _peak_rss_mb() -> float:
@@ -508,7 +543,8 @@ def print_reader_table(results: list[dict], label: dict[str, str], args: argpars
 
 # The issue's goals for the training pipeline fed over S3, as a share of the same pipeline fed from
 # local disk: shards stream in large sequential reads, objects pay the first-byte latency per image.
-GOALS = {"pipeline-shards": 0.90, "pipeline-objects": 0.70}
+GOALS = {"pipeline-shards": 0.90, "pipeline-objects": 0.70, "pipeline-cached": 0.90}
+LOCAL_ROW = {"pipeline-cached": "pipeline-shards"}  # the local row a remote row is measured against
 
 
 def reader_bounds(args: argparse.Namespace) -> dict[str, int]:
@@ -527,7 +563,8 @@ def reader_bounds(args: argparse.Namespace) -> dict[str, int]:
     read_ahead = inspect.signature(readers.webdataset).parameters["read_ahead"].default
     files = inspect.signature(readers.files).parameters
     objects = files["buffer_bytes"].default + files["requests"].default * (128 << 10)
-    return {"pipeline-shards": 2 * (read_ahead + 1) * (args.buffer_mb << 20), "pipeline-objects": objects}
+    shards = 2 * (read_ahead + 1) * (args.buffer_mb << 20)
+    return {"pipeline-shards": shards, "pipeline-objects": objects, "pipeline-cached": shards}
 
 
 def print_pipeline_table(results: list[dict], label: dict[str, str], bounds: dict[str, int]) -> None:
@@ -538,7 +575,7 @@ def print_pipeline_table(results: list[dict], label: dict[str, str], bounds: dic
     print(f"| {'-' * 8} | {'-' * 30} | {'-' * 7}:| {'-' * 4}:| {'-' * 12}:| {'-' * 12}:| {'-' * 10}:| {'-' * 29}:| "
           f"{'-' * 4}:| {'-' * 4}:|")
     for r in results:
-        base = local.get(r["row"])
+        base = local.get(LOCAL_ROW.get(r["row"], r["row"]))
         remote = r["where"] != "local"
         vs = goal = beyond = "-"
         if remote and base:
@@ -572,6 +609,7 @@ def plan(rows: str, pipeline: str | None) -> list[tuple[str, str, str]]:
     if pipeline:
         out = [("pipeline-shards", "local", "-"), ("pipeline-objects", "local", "-"),
                ("pipeline-shards", "s3", "slow"), ("pipeline-objects", "s3", "slow"),
+               ("pipeline-cached", "s3", "slow"),  # shards kept on disk by the warm-up epoch
                ("headrace-download", "s3", "slow")]  # the shards' download limit, apart from the parser
         return out if rows == "all" else [r for r in out if r[0].split("-")[1] in rows.split(",")]
     out = [("headrace-shards", "local", "-"), ("webdataset-shards", "local", "-"),
@@ -580,6 +618,7 @@ def plan(rows: str, pipeline: str | None) -> list[tuple[str, str, str]]:
         out += [("headrace-shards", where, "slow"), ("webdataset-shards", where, "slow")]
         if where == "s3":  # the peers' own shard formats, over S3 alone
             out += [(row, where, "slow") for row in peers.PEERS]
+            out += [("cached-shards", where, "slow"), ("cachehit-shards", where, "slow")]
         out += [("headrace-objects", where, "slow"), ("dataloader-objects", where, "slow")]
     out += [("client-objects", "s3", "slow"), ("client-objects", "s3", "zero"),
             ("headrace-objects", "s3", "zero"), ("headrace-shards", "s3", "zero"),

@@ -2,8 +2,8 @@
 from there: ``webdataset(..., cache_dir=, cache_bytes=)``.
 
 A shard is written while its parser reads it (``RemoteFile``'s ``tee``: each downloaded block once
-the parser is done with it, from the parser's thread, outside the download's lock) into a file of
-its own name ending ``.part``, and renamed into place only once every byte of the object is in it:
+the parser is done with it, handed to one writing thread per read, so parsing and writing overlap)
+into a file of its own name ending ``.part``, and renamed into place only once every byte of the object is in it:
 a reader that stops early, seeks far ahead, or meets a fault it cannot get past leaves no file
 behind. Several processes (ranks on one host) may share a folder: each writes its own ``.part`` and
 the rename is atomic, so a reader sees a whole shard or none.
@@ -17,16 +17,21 @@ folder stops the caching of that shard (counted in ``failed``), and the parser g
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import hashlib
 import logging
 import os
 import re
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["CacheWriter", "ShardCache"]
+from headrace._threads import join_threads
+
+__all__ = ["CacheWriter", "CacheWrites", "ShardCache"]
 
 logger = logging.getLogger("headrace")
 
@@ -73,8 +78,13 @@ class ShardCache:
             self.hits += 1
         return f
 
-    def writer(self, url: str) -> CacheWriter | None:
-        """A ``.part`` file for ``url``'s bytes, or None where it cannot be made (counted)."""
+    def writes(self, bound: int) -> CacheWrites:
+        """The writing thread of one read, at most ``bound`` bytes queued."""
+        return CacheWrites(bound)
+
+    def writer(self, url: str, writes: CacheWrites) -> CacheWriter | None:
+        """A ``.part`` file for ``url``'s bytes, written by ``writes``, or None where it cannot be
+        made (counted)."""
         final = self.path(url)
         part = final.with_name(f"{final.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}{_PART}")
         try:
@@ -82,7 +92,7 @@ class ShardCache:
         except OSError as exc:
             self._give_up(url, exc)
             return None
-        return CacheWriter(self, url, fd, part, final)
+        return CacheWriter(self, url, fd, part, final, writes)
 
     def _give_up(self, url: str, exc: OSError) -> None:
         with self._lock:
@@ -120,45 +130,100 @@ class ShardCache:
         return total + size <= self.max_bytes
 
 
-class CacheWriter:
-    """One shard's ``.part`` file, written front to back: ``write(offset, block)`` appends a block
-    that starts where the last ended (else the copy is given up: a seek skipped bytes);
-    ``commit(size)`` renames it into place once it holds ``size`` bytes; ``abandon()`` removes it."""
+class CacheWrites:
+    """The local copies' writes of one read, done in order by one thread of their own, so a parser
+    goes on parsing while its blocks go to disk. At most ``bound`` bytes wait to be written: past
+    it a parser waits (a disk slower than the store slows the read, rather than filling memory).
+    ``aclose()`` waits for the writes queued, then for the thread."""
 
-    def __init__(self, cache: ShardCache, url: str, fd: int, part: Path, final: Path) -> None:
-        self.cache, self.url = cache, url
-        self._fd: int | None = fd
+    def __init__(self, bound: int) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="headrace-io-cache")
+        self._cond = threading.Condition()
+        self._queued = 0
+        self._bound = bound
+        self._last: concurrent.futures.Future[None] | None = None
+
+    def submit(self, job: Callable[[], None], nbytes: int = 0) -> None:
+        with self._cond:
+            while self._queued and self._queued + nbytes > self._bound:
+                self._cond.wait()
+            self._queued += nbytes
+            self._last = self._pool.submit(self._run, job, nbytes)
+
+    def _run(self, job: Callable[[], None], nbytes: int) -> None:
+        try:
+            job()
+        finally:
+            with self._cond:
+                self._queued -= nbytes
+                self._cond.notify_all()
+
+    async def aclose(self) -> None:
+        self._pool.shutdown(wait=False)  # what is queued still runs
+        if self._last is not None:
+            await join_threads([self._last])
+        self._pool.shutdown(wait=True)
+
+
+class CacheWriter:
+    """One shard's ``.part`` file, written front to back by ``CacheWrites``' thread. The parser's
+    side: ``write(offset, block)`` queues a block that starts where the last ended (else the copy
+    is given up: a seek skipped bytes); ``commit(size)`` puts it in place once it holds ``size``
+    bytes; ``abandon()`` removes it. Each is called once the parser is done with the block."""
+
+    def __init__(self, cache: ShardCache, url: str, fd: int, part: Path, final: Path, writes: CacheWrites) -> None:
+        self.cache, self.url, self._writes = cache, url, writes
         self._part, self._final = part, final
-        self.written = 0
+        self._fd: int | None = fd  # the writing thread's
+        self._next = 0  # the parser's: the offset the next block must start at
+        self._open = True  # the parser's: neither committed nor abandoned yet
+        self._failed = False  # set by the writing thread (a full disk)
 
     @property
     def active(self) -> bool:
-        return self._fd is not None
+        return self._open and not self._failed
 
     def write(self, offset: int, block: memoryview) -> None:
-        if self._fd is None:
+        if not self.active:
             return
-        if offset != self.written:
+        if offset != self._next:
             self.abandon()
+            return
+        self._next += len(block)
+        self._writes.submit(functools.partial(self._write, block), len(block))
+
+    def commit(self, size: int) -> None:
+        if not self._open:
+            return
+        if self._next != size:
+            self.abandon()
+            return
+        self._open = False
+        self._writes.submit(functools.partial(self._commit, size))
+
+    def abandon(self) -> None:
+        if self._open:
+            self._open = False
+            self._writes.submit(self._remove)
+
+    # -- the writing thread ----------------------------------------------------------------------
+
+    def _write(self, block: memoryview) -> None:
+        if self._fd is None:
             return
         try:
             view = block
-            while view:  # os.write lets the GIL go; a short write goes on where it stopped
-                view = view[os.write(self._fd, view):]
+            while view:  # a short write goes on where it stopped
+                view = view[os.write(self._fd, view) :]
         except OSError as exc:
+            self._failed = True
             self.cache._give_up(self.url, exc)
-            self.abandon()
-            return
-        self.written += len(block)
+            self._remove()
 
-    def commit(self, size: int) -> bool:
-        """Put the shard in place if it is whole (``size`` bytes, the object's); True if kept."""
-        if self._fd is None:
-            return False
-        if self.written != size:
-            self.abandon()
-            return False
+    def _commit(self, size: int) -> None:
         fd, self._fd = self._fd, None
+        if fd is None:  # a write failed
+            return
         try:
             os.close(fd)
             with self.cache._lock:
@@ -166,16 +231,13 @@ class CacheWriter:
                     raise _TooLarge
                 os.replace(self._part, self._final)
                 self.cache.kept += 1
-            return True
         except _TooLarge:
             _unlink(self._part)
-            return False
         except OSError as exc:
             self.cache._give_up(self.url, exc)
             _unlink(self._part)
-            return False
 
-    def abandon(self) -> None:
+    def _remove(self) -> None:
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)

@@ -23,7 +23,7 @@ from headrace._threads import join_threads
 
 from ._feed import END, Feed
 from ._read_files import copy_spans
-from ._shard_cache import ShardCache
+from ._shard_cache import CacheWrites, ShardCache
 from ._storage import Downloads, Link, RemoteFile, Storage, is_url
 from ._storage._remote import Span
 from ._tar import count_samples, iter_groups, open_shard
@@ -73,24 +73,24 @@ class ShardFiles:
         # to, the parser's pace): kept across epochs, so each epoch's first shard starts grown.
         self.link = Link()
 
-    def _source(self, shard: int, downloads: Downloads, cache: bool = True) -> str | RemoteFile | BinaryIO:
-        """A local shard's path; a remote shard's cached copy, open (``cache``), or its download
-        (written to the cache as it is read)."""
+    def _source(self, shard: int, downloads: Downloads, writes: CacheWrites | None = None) -> str | RemoteFile | BinaryIO:
+        """A local shard's path; a remote shard's cached copy, open, or its download (with
+        ``writes``, copied into the cache as it is read)."""
         path = self.shards[shard]
         if not self.remote[shard]:
             return path
-        if cache and self.cache is not None:
+        if writes is not None and self.cache is not None:
             local = self.cache.open(self.names[shard])
             if local is not None:
                 return local
-            return downloads.open(path, shard, tee=self.cache.writer(self.names[shard]))
+            return downloads.open(path, shard, tee=self.cache.writer(self.names[shard], writes))
         return downloads.open(path, shard)
 
     async def count(self) -> list[int]:
         """Samples per shard from the tar headers (data is seeked over; remote: skipped by Range requests)."""
         with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="headrace-io-scan") as pool:
             async with self.downloads(Link()) as downloads:  # header reads: small GETs, not a stream's
-                futures = [pool.submit(count_samples, self._source(i, downloads, cache=False), self.names[i])
+                futures = [pool.submit(count_samples, self._source(i, downloads), self.names[i])
                            for i in range(len(self.shards))]
                 try:
                     return [await asyncio.wrap_future(f) for f in futures]
@@ -125,6 +125,7 @@ class ShardFiles:
         pool = concurrent.futures.ThreadPoolExecutor(self.read_ahead + 1, thread_name_prefix="headrace-io-webdataset")
         running: deque[tuple[Feed, concurrent.futures.Future[None], object]] = deque()
         todo = iter(jobs)
+        writes = self.cache.writes(self.buffer_bytes) if self.cache is not None else None
         async with self.downloads() as downloads:
             try:
                 while True:
@@ -133,7 +134,7 @@ class ShardFiles:
                         if job is None:
                             break
                         feed = Feed(loop, capacity=2)
-                        source = self._source(job.shard, downloads)
+                        source = self._source(job.shard, downloads, writes)
                         running.append((feed, pool.submit(self._parse, job, feed, source), source))
                     if not running:
                         return
@@ -147,11 +148,15 @@ class ShardFiles:
                     feed.stop()
                 downloads.stop()  # a thread waiting for bytes wakes up (and its read raises)
                 pool.shutdown(wait=False, cancel_futures=True)
-                await join_threads([f for _, f, _ in running])
-                pool.shutdown(wait=True)
-                for _, future, source in running:  # a cached copy opened for a job that never ran
-                    if future.cancelled() and hasattr(source, "close"):
-                        source.close()
+                try:
+                    await join_threads([f for _, f, _ in running])  # a cancellation is raised once they are done
+                finally:
+                    pool.shutdown(wait=True)
+                    for _, future, source in running:  # a cached copy or a copy begun, for a job that never ran
+                        if future.cancelled() and not isinstance(source, str):
+                            source.close()
+                    if writes is not None:
+                        await writes.aclose()
 
     def _parse(self, job: ShardJob, feed: Feed, source: str | RemoteFile | BinaryIO) -> None:
         """Thread: parse one shard (a local path, a cached copy open, or a download) into lists of

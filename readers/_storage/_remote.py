@@ -270,15 +270,15 @@ class RemoteFile:
             pass
         return self._pos
 
-    def keep(self) -> bool:
-        """Thread side, once the parser is done: read the rest (a tar's end padding) and put the
-        local copy in place if it holds the whole object. True if it was kept."""
+    def keep(self) -> None:
+        """Thread side, once the parser is done: read the rest (a tar's end padding) and have the
+        local copy put in place if it holds the whole object."""
         tee = self.tee
         if tee is None or not tee.active:
-            return False
+            return
         while tee.active and self.read(1 << 20):
             pass
-        return tee.commit(self.size)
+        tee.commit(self.size)
 
     def close(self) -> None:
         """Thread side: done reading; the download stops (and a local copy not kept is removed)."""
