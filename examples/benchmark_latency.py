@@ -26,6 +26,9 @@ imports, clients and readers are made, and an S3 prefix listed, before the clock
   ``numpy<2.2``); without one, its row is skipped and says so;
 - ``DataLoader``: a torch ``DataLoader`` over the objects, boto3 (S3) or requests-free urllib (HTTP)
   in ``--workers`` worker processes, one client per worker, ``batch_size=64``;
+- ``cached-shards`` / ``cachehit-shards``: headrace's shards row with ``cache_dir=`` (a fresh folder
+  under ``.data``): the epoch that fills the folder, and a later epoch that reads it (one epoch fills
+  it off the clock); with ``--pipeline``, the ``cached`` row's warm-up epoch fills it;
 - ``local disk``: the same readers over the same files on disk (page cache warm);
 - ``client``: obstore GETs of the objects, 256 at once, bytes counted and dropped: the ceiling of
   the client alone. With ``--latency-ms 0`` and ``--mbps 0`` (the ``zero`` rows) it shows the
