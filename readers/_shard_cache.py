@@ -145,7 +145,7 @@ class CacheWrites:
 
     def submit(self, job: Callable[[], None], nbytes: int = 0) -> None:
         with self._cond:
-            while self._queued and self._queued + nbytes > self._bound:
+            while nbytes and self._queued and self._queued + nbytes > self._bound:  # a removal never waits
                 self._cond.wait()
             self._queued += nbytes
             self._last = self._pool.submit(self._run, job, nbytes)
