@@ -198,8 +198,10 @@ async def test_a_big_shard_streams_in_bounded_memory_and_resumes_mid_body(s3_env
             await asyncio.sleep(0.005)  # a slow consumer: the download must wait, not pile up
     assert n == 48
     log = [r for r in s3_env.log("s3") if "big-0" in r["path"]]
-    assert [r["range"] is None for r in log] == [True, False, False]  # resumed from offsets
-    assert all(int(r["range"][6:-1]) > 0 for r in log[1:])
+    # One streamed GET, then GETs from offsets: the two resumes (and, when the machine is loaded
+    # enough to starve the parser, ranged GETs of segments ahead).
+    assert len(log) >= 3 and log[0]["range"] is None
+    assert all(int(r["range"][6:].split("-")[0]) > 0 for r in log[1:])
     assert 0 < reader.peak_buffered <= (2 << 20) + (64 << 10)  # the bound, plus at most one block
     await leaks.check()
 
