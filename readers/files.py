@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from headrace._errors import ConfigError, ReadError, StorageError, require_int
 from headrace._sample import Sample, SampleList, samples_nbytes
+from headrace._threads import join_threads
 
 from ._base import IndexedReader
+from ._object_cache import ObjectCache
 from ._read_files import ChunkReader, PathTable
 from ._storage import Storage, Store, is_url, redact_url, run_sync, with_retries
 
 __all__ = ["FileReader", "files"]
+
+_T = TypeVar("_T")
 
 _WAITED = 0.002  # seconds the consumer may wait for a chunk of objects before more are fetched ahead
 DEFAULT_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "ppm", "pgm", "gif")
@@ -43,6 +49,7 @@ class FileReader(IndexedReader):
         requests: int = 224,
         native_read: bool = True,
         buffer_bytes: int = 64 << 20,
+        cache: ObjectCache | None = None,
     ) -> None:
         super().__init__(shuffle=shuffle, seed=seed, chunk_size=chunk_size, io_threads=io_threads)
         require_int("files: requests", requests)
@@ -70,6 +77,12 @@ class FileReader(IndexedReader):
             self._sources = [store.url(key) for store, key in self._located]
         else:
             self._sources = self.paths
+        # Remote objects kept on local disk (``cache_dir=``): looked up and written on I/O threads
+        # of the reader's own, shared by its reads at the time (a Loader running ahead has two).
+        self.cache = cache if self._fetch_on_loop else None
+        self._cache_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._cache_jobs: set[concurrent.futures.Future[Any]] = set()
+        self._cache_reads = 0
         self._keys = [_key(p, root) for p in self._sources]
         self._exts = [_ext(p) for p in self._sources]
         # Per-sample work done once here rather than in ``_fetch`` every epoch (it holds the GIL).
@@ -109,14 +122,44 @@ class FileReader(IndexedReader):
             out.append(Sample(keys[i], fields, paths[i], i, error=error))
         return out
 
-    def _io_session(self) -> Any:
+    @contextlib.asynccontextmanager
+    async def _io_session(self) -> AsyncIterator[None]:
         assert self.storage is not None
-        return self.storage.session()
+        async with self.storage.session():
+            if self.cache is None:
+                yield
+                return
+            if self._cache_reads == 0:
+                self._cache_pool = concurrent.futures.ThreadPoolExecutor(
+                    self.io_threads, thread_name_prefix="headrace-io-cache")
+            self._cache_reads += 1
+            try:
+                yield
+            finally:
+                self._cache_reads -= 1
+                if self._cache_reads == 0:
+                    pool, self._cache_pool = self._cache_pool, None
+                    assert pool is not None
+                    pool.shutdown(wait=False, cancel_futures=True)
+                    await join_threads(list(self._cache_jobs))  # a fetch cancelled meanwhile left its job running
+                    pool.shutdown(wait=True)
+
+    async def _on_cache_thread(self, job: Callable[..., _T], *args: Any) -> _T:
+        assert self._cache_pool is not None
+        future = self._cache_pool.submit(job, *args)
+        self._cache_jobs.add(future)
+        future.add_done_callback(self._cache_jobs.discard)
+        return await asyncio.wrap_future(future)
 
     async def _fetch_async(self, indices: Sequence[int]) -> list[Sample]:
-        """GET the chunk's objects, ``requests`` at once for this read, each with retries."""
+        """The chunk's objects: the kept copies (``cache_dir=``), then GETs of the rest,
+        ``requests`` at once for this read, each with retries; what was fetched is then kept."""
         assert self.storage is not None
         limit = self._limit()
+        kept: dict[int, bytes] = {}
+        if self.cache is not None:
+            copies = await self._on_cache_thread(self.cache.read, [self._sources[i] for i in indices])
+            kept = {i: b for i, b in zip(indices, copies) if b is not None}
 
         async def one(i: int) -> Sample:
             store, key = self._located[i]
@@ -134,8 +177,18 @@ class FileReader(IndexedReader):
             return Sample(self._keys[i], fields, self._sources[i], i, error=error)
 
         async with asyncio.TaskGroup() as group:  # no yield inside: the group ends with the chunk
-            tasks = [group.create_task(one(i)) for i in indices]
-        return [t.result() for t in tasks]
+            tasks = [group.create_task(one(i)) if i not in kept else None for i in indices]
+        samples = [t.result() if t is not None else self._kept_sample(i, kept[i]) for i, t in zip(indices, tasks)]
+        if self.cache is not None:
+            fetched = [(s.source, s.fields[self._exts[i]]) for i, s, t in zip(indices, samples, tasks)
+                       if t is not None and s.error is None]
+            if fetched:
+                await self._on_cache_thread(self.cache.keep, fetched)
+        return samples
+
+    def _kept_sample(self, i: int, blob: bytes) -> Sample:
+        fields = {self._exts[i]: blob} if self._cls is None else {self._exts[i]: blob, "cls": self._cls[i]}
+        return Sample(self._keys[i], fields, self._sources[i], i)
 
     def _ahead(self) -> int:
         return self._depth if self._fetch_on_loop else self.io_threads
@@ -219,6 +272,8 @@ def files(
     requests: int = 224,
     native_read: bool = True,
     buffer_bytes: int = 64 << 20,
+    cache_dir: str | os.PathLike | None = None,
+    cache_bytes: int | None = None,
 ) -> FileReader:
     """A reader over image files, local or in object storage.
 
@@ -245,6 +300,14 @@ def files(
     (compiled on first use); ``native_read=False`` reads them in Python instead, as happens anyway
     where no compiler is found (``examples/benchmark_files.py`` measures one against the other).
 
+    ``cache_dir``: a local folder where objects from a store are kept as they are first fetched,
+    so later epochs and later runs read them from local disk (in the same GIL-free chunk reads as
+    local files) and GET only what is not there; each copy appears whole or not at all, and
+    processes may share the folder. ``cache_bytes``: the most it may hold; once full it keeps what
+    it has (with a shuffled order, as good as any eviction). A full disk stops caching, never
+    reading; a kept copy is used as it is (clear the folder when the objects change).
+    ``reader.cache`` counts ``hits``, ``kept`` and ``failed``. Local files are read where they are.
+
     Raises ReadError if the folder does not exist or holds no images (StorageError if it cannot
     be listed), ConfigError for a wrong argument. A listed path that is missing raises ReadError
     (naming it) when it is read.
@@ -252,7 +315,7 @@ def files(
     storage = Storage(storage_options, store)
     common: dict[str, Any] = {"shuffle": shuffle, "seed": seed, "chunk_size": chunk_size, "io_threads": io_threads,
                               "storage": storage, "requests": requests, "native_read": native_read,
-                              "buffer_bytes": buffer_bytes}
+                              "buffer_bytes": buffer_bytes, "cache": _object_cache(cache_dir, cache_bytes, native_read)}
     exts = {e.lower().lstrip(".") for e in extensions}
     if isinstance(source, (str, os.PathLike)):
         if labels is not None:
@@ -315,3 +378,16 @@ def bucket_class_folders(prefix: str, storage: Storage, exts: set[str], what: st
             keys.append(k)
             labels.append(label)
     return store, key, classes, keys, labels
+
+
+def _object_cache(folder: str | os.PathLike | None, max_bytes: int | None, native: bool) -> ObjectCache | None:
+    if max_bytes is not None:
+        require_int("files: cache_bytes", max_bytes, 1)
+        if folder is None:
+            raise ConfigError("files: cache_bytes needs a cache_dir")
+    if folder is None:
+        return None
+    try:
+        return ObjectCache(folder, max_bytes, native=native)
+    except OSError as exc:
+        raise ConfigError(f"files: cannot use cache_dir {os.fspath(folder)!r}: {exc.strerror or exc}") from exc

@@ -1,0 +1,120 @@
+"""Objects of a store kept on local disk as they are first fetched, so later epochs (and later runs)
+read them from there: ``files(..., cache_dir=, cache_bytes=)`` over a bucket or URLs.
+
+A chunk's objects are looked up in one call that lets the GIL go (the files reader's C helper: a
+missing copy is one failed ``open``); the ones not there are fetched from the store as before and
+written afterwards, each to a ``.part`` file renamed into place, so a reader sees a whole object or
+none. Both run on the reader's own I/O threads, never on the event loop. The folder fans out by
+the first two hex digits of the URL's hash (256 sub-folders: a million objects stay listable).
+
+With ``cache_bytes`` the folder fills until the bound and then keeps what it has: under a shuffled
+order every object is as likely to come next, so a fixed subset hits as often as any eviction
+policy would, without rewriting the disk every epoch. A cached copy is used as it is (clear the
+folder when the objects change); writing never fails a read (a full disk stops the copies, counted
+in ``failed`` and logged once).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import threading
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+from ._read_files import ChunkReader
+
+__all__ = ["ObjectCache"]
+
+logger = logging.getLogger("headrace")
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+class ObjectCache:
+    """A folder of objects, named by their URL. ``hits``: objects read from it; ``kept``: objects
+    written to it; ``failed``: writes given up; ``used``: bytes in it as this process counts them
+    (what it found at its first write with a ``max_bytes``, plus what it wrote)."""
+
+    def __init__(self, folder: str | os.PathLike, max_bytes: int | None = None, *, native: bool = True) -> None:
+        self.folder = Path(folder)
+        self.max_bytes = max_bytes
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.hits = self.kept = self.failed = 0
+        self.used: int | None = None
+        self._files = ChunkReader(native=native)
+        self._lock = threading.Lock()  # counters and the byte count, from several I/O threads
+
+    def __repr__(self) -> str:
+        return (f"ObjectCache({str(self.folder)!r}, max_bytes={self.max_bytes}, hits={self.hits}, kept={self.kept}, "
+                f"failed={self.failed})")
+
+    def path(self, url: str) -> str:
+        digest = hashlib.sha256(url.encode()).hexdigest()[:16]
+        name = _UNSAFE.sub("_", url.rsplit("/", 1)[-1])[-80:] or "object"
+        return os.path.join(self.folder, digest[:2], f"{digest}-{name}")
+
+    def read(self, urls: Sequence[str]) -> list[bytes | None]:
+        """I/O thread: each URL's kept copy, or None where there is none."""
+        blobs = self._files.read([os.fsencode(self.path(u)) for u in urls])
+        out = [None if isinstance(b, OSError) else b for b in blobs]
+        with self._lock:
+            self.hits += sum(b is not None for b in out)
+        return out
+
+    def keep(self, objects: Sequence[tuple[str, bytes]]) -> None:
+        """I/O thread: write each ``(url, bytes)``, while they fit within ``max_bytes``."""
+        if self.max_bytes is not None and self.used is None:
+            found = self._scan()
+            with self._lock:
+                if self.used is None:
+                    self.used = found
+        for url, data in objects:
+            with self._lock:
+                if self.max_bytes is not None and (self.used or 0) + len(data) > self.max_bytes:
+                    return  # full: what is there stays
+            final = self.path(url)
+            part = f"{final}.{os.getpid()}-{uuid.uuid4().hex[:8]}.part"
+            try:
+                os.makedirs(os.path.dirname(final), exist_ok=True)
+                with open(part, "wb", buffering=0) as f:
+                    f.write(data)
+                os.replace(part, final)
+            except OSError as exc:
+                _unlink(part)
+                self._give_up(url, exc)
+                return
+            with self._lock:
+                self.kept += 1
+                self.used = (self.used or 0) + len(data)
+
+    def _scan(self) -> int:
+        """Bytes of the copies in the folder now (``.part`` files left out)."""
+        total = 0
+        for sub in os.scandir(self.folder):
+            if not sub.is_dir():
+                continue
+            for entry in os.scandir(sub.path):
+                if not entry.name.endswith(".part"):
+                    try:
+                        total += entry.stat().st_size
+                    except OSError:  # removed meanwhile
+                        pass
+        return total
+
+    def _give_up(self, url: str, exc: OSError) -> None:
+        with self._lock:
+            self.failed += 1
+            first = self.failed == 1
+        if first:
+            logger.warning("headrace: not caching %s in %s: %s", url, self.folder, exc)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

@@ -1,0 +1,122 @@
+"""``files(cache_dir=)``: objects of a store kept on local disk as they are first fetched, through
+the real S3 (moto) and HTTP servers behind their fault proxies; later epochs GET only what is not there."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+
+from headrace import ConfigError, StorageError, readers
+
+from storage_servers import BUCKET
+from test_storage import RETRY, _read_all
+
+OBJECTS = 75
+
+
+def _copies(folder) -> dict[str, bytes]:
+    """The kept objects by file name; asserts no ``.part`` file is left."""
+    out = {}
+    for sub in sorted(folder.iterdir()):
+        for f in sorted(sub.iterdir()):
+            assert not f.name.endswith(".part"), f
+            out[f.name] = f.read_bytes()
+    return out
+
+
+def _object_gets(servers, kind: str) -> list[dict]:
+    return [r for r in servers.log(kind) if r["path"].endswith(".jpg")]
+
+
+def _remote(servers, kind, image_folder, **options):
+    if kind == "s3":
+        return readers.files(f"s3://{BUCKET}/images/", storage_options={"retry": RETRY}, **options)
+    paths = sorted(p.relative_to(image_folder).as_posix() for p in image_folder.rglob("*.jpg"))
+    return readers.files([f"{servers.http}/images/{p}" for p in paths], labels=[int(p[1]) for p in paths],
+                         storage_options={"retry": RETRY}, **options)
+
+
+def _same(samples, expected):
+    assert [(s.key, s.index, s.position) for s in samples] == [(s.key, s.index, s.position) for s in expected]
+    assert [s.fields for s in samples] == [s.fields for s in expected]
+    assert all(s.error is None for s in samples)
+
+
+@pytest.mark.parametrize("kind", ["s3", "http"])
+async def test_later_epochs_read_the_kept_objects_not_the_store(s3_env, kind, image_folder, tmp_path, leaks):
+    local = readers.files(image_folder, shuffle=True) if kind == "s3" else None
+    remote = _remote(s3_env, kind, image_folder, shuffle=True, chunk_size=16, cache_dir=tmp_path / "cache")
+    _object_gets(s3_env, kind)  # the log from here on
+    first = await _read_all(remote, epoch=0, seed=2)
+    assert len(_object_gets(s3_env, kind)) == OBJECTS
+    copies = _copies(tmp_path / "cache")
+    assert len(copies) == OBJECTS
+    assert set(copies.values()) == {p.read_bytes() for p in image_folder.rglob("*.jpg")}  # byte for byte
+    assert (remote.cache.kept, remote.cache.hits) == (OBJECTS, 0)
+
+    second = await _read_all(remote, epoch=1, seed=2)
+    assert _object_gets(s3_env, kind) == []  # every object from the folder
+    assert remote.cache.hits == OBJECTS
+    if local is not None:
+        _same(first, await _read_all(local, epoch=0, seed=2))
+        _same(second, await _read_all(local, epoch=1, seed=2))
+    assert second[0].source.startswith(f"s3://{BUCKET}/images/" if kind == "s3" else s3_env.http)  # named by URL
+    await leaks.check()
+
+
+async def test_only_the_objects_not_kept_are_fetched_and_a_failed_one_is_not_kept(s3_env, image_folder, tmp_path, leaks):
+    cache = tmp_path / "cache"
+    local = readers.files(image_folder)
+    first = _remote(s3_env, "s3", image_folder, chunk_size=16, cache_dir=cache)
+    s3_env.faults("s3", {"match": "/images/c1/", "then": {"kind": "status", "status": 503}})
+    samples = await _read_all(first)
+    bad = [s for s in samples if s.error is not None]
+    assert len(bad) == 25 and all(isinstance(s.error, StorageError) for s in bad)
+    assert len(_copies(cache)) == OBJECTS - 25
+    s3_env.faults("s3")
+    _object_gets(s3_env, "s3")
+    # A new reader (a later run): the 50 kept come from the folder, the 25 from the store.
+    again = _remote(s3_env, "s3", image_folder, chunk_size=16, cache_dir=cache)
+    _same(await _read_all(again), await _read_all(local))
+    gets = _object_gets(s3_env, "s3")
+    assert len(gets) == 25 and all("/images/c1/" in r["path"] for r in gets)
+    assert (again.cache.hits, again.cache.kept) == (50, 25)
+    await leaks.check()
+
+
+async def test_cache_bytes_fills_then_keeps_what_it_has(s3_env, image_folder, tmp_path, leaks):
+    sizes = sorted(p.stat().st_size for p in image_folder.rglob("*.jpg"))
+    bound = sum(sizes[-20:])  # any twenty objects fit, never all 75
+    reader = _remote(s3_env, "s3", image_folder, chunk_size=16, cache_dir=tmp_path / "cache", cache_bytes=bound)
+    await _read_all(reader, epoch=0)
+    copies = _copies(tmp_path / "cache")
+    assert 20 <= len(copies) < OBJECTS and sum(map(len, copies.values())) <= bound
+    before = dict(copies)
+    await _read_all(reader, epoch=1)
+    assert _copies(tmp_path / "cache") == before  # full: nothing replaced
+    assert reader.cache.hits == len(before)
+    await leaks.check()
+
+
+async def test_leaving_early_with_cache_work_in_flight_leaves_nothing_running(s3_env, image_folder, tmp_path, leaks):
+    reader = _remote(s3_env, "s3", image_folder, chunk_size=4, cache_dir=tmp_path / "cache")
+    async with contextlib.aclosing(reader.read(0)) as stream:
+        async for _ in stream:
+            break
+    await leaks.check()
+    assert all(not f.name.endswith(".part") for sub in (tmp_path / "cache").iterdir() for f in sub.iterdir())
+
+
+def test_wrong_cache_arguments(tmp_path, image_folder):
+    a_file = tmp_path / "file"
+    a_file.write_bytes(b"")
+    with pytest.raises(ConfigError, match="cache_dir"):
+        readers.files(image_folder, cache_dir=a_file / "cache")
+    with pytest.raises(ConfigError, match="cache_bytes needs a cache_dir"):
+        readers.files(image_folder, cache_bytes=1 << 30)
+    with pytest.raises(ConfigError, match="cache_bytes"):
+        readers.files(image_folder, cache_dir=tmp_path / "c", cache_bytes=-1)
+    assert readers.files(image_folder, cache_dir=tmp_path / "c").cache is None  # local files stay where they are
+    assert os.listdir(tmp_path / "c") == []
