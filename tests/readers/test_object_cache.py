@@ -120,3 +120,33 @@ def test_wrong_cache_arguments(tmp_path, image_folder):
         readers.files(image_folder, cache_dir=tmp_path / "c", cache_bytes=-1)
     assert readers.files(image_folder, cache_dir=tmp_path / "c").cache is None  # local files stay where they are
     assert os.listdir(tmp_path / "c") == []
+
+
+@pytest.mark.parametrize("reader", ["files", "webdataset"])
+async def test_a_loader_running_ahead_across_epochs_with_a_cache(s3_env, image_folder, tmp_path, reader, leaks):
+    """Epochs read into each other (two reads of one reader at once): every epoch whole, the same
+    batches as a loader without a cache, nothing left running after ``aclose()``."""
+    import headrace
+    from headrace import ops
+
+    def make(cache_dir):
+        if reader == "files":
+            source = _remote(s3_env, "s3", image_folder, shuffle=True, chunk_size=8, cache_dir=cache_dir)
+        else:
+            source = readers.webdataset(f"s3://{BUCKET}/wds/shard-{{000000..000009}}.tar", shuffle=True,
+                                        shuffle_buffer=16, storage_options={"retry": RETRY}, cache_dir=cache_dir)
+        return headrace.Loader(source, batch_size=8, pipeline=ops.validation(32), num_threads=2, seed=3,
+                               device="cpu", run_ahead=True)
+
+    async def epochs(loader):
+        out = []
+        async with loader:
+            for _ in range(3):
+                out.append([key for batch in [b async for b in loader] for key in batch.sample_keys])
+        return out
+
+    cached, plain = make(tmp_path / "cache"), make(None)
+    got, expected = await epochs(cached), await epochs(plain)
+    assert got == expected and all(sorted(e) == sorted(expected[0]) for e in expected)
+    assert cached.reader.cache.hits > 0
+    await leaks.check()
