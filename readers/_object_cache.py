@@ -16,6 +16,7 @@ in ``failed`` and logged once).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -26,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ._read_files import ChunkReader
+from ._shard_cache import disk_has_room
 
 __all__ = ["ObjectCache"]
 
@@ -67,6 +69,10 @@ class ObjectCache:
 
     def keep(self, objects: Sequence[tuple[str, bytes]]) -> None:
         """I/O thread: write each ``(url, bytes)``, while they fit within ``max_bytes``."""
+        if not disk_has_room(self.folder, sum(len(data) for _, data in objects)):
+            self._give_up(objects[0][0] if objects else "", OSError(
+                errno.ENOSPC, "the disk is nearly full (a cache leaves 5% of it or 1 GiB free)"))
+            return
         if self.max_bytes is not None and self.used is None:
             found = self._scan()
             with self._lock:

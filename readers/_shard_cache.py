@@ -11,13 +11,15 @@ the rename is atomic, so a reader sees a whole shard or none.
 A cached shard is used as it is, without asking the store: like webdataset's ``cache_dir`` and
 litdata's cache, the cache assumes the object at a URL does not change (clear the folder if it
 does). With ``cache_bytes``, the least recently used shards go to make room for a new one; a shard
-larger than the bound alone is not kept. Writing never fails a read: a full disk or an unwritable
-folder stops the caching of that shard (counted in ``failed``), and the parser goes on.
+larger than the bound alone is not kept. Writing never fails a read: an unwritable folder, a
+write error, or a disk with less free than ``RESERVE_BYTES`` / ``RESERVE_FRACTION`` of it (checkpoints
+must still fit) stops the caching of that shard (counted in ``failed``), and the parser goes on.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import functools
 import hashlib
 import logging
@@ -31,11 +33,26 @@ from typing import BinaryIO
 
 from headrace._threads import join_threads
 
-__all__ = ["CacheWriter", "CacheWrites", "ShardCache"]
+__all__ = ["CacheWriter", "CacheWrites", "ShardCache", "disk_has_room"]
 
 logger = logging.getLogger("headrace")
 
 _PART = ".part"
+# Free space a cache leaves on its disk: checkpoints and logs must still fit.
+RESERVE_BYTES = 1 << 30
+RESERVE_FRACTION = 0.05
+_CHECK_EVERY = 64 << 20  # bytes a shard's copy writes between two looks at the free space
+
+
+def disk_has_room(folder: str | os.PathLike, nbytes: int) -> bool:
+    """``nbytes`` more fit on ``folder``'s disk leaving ``RESERVE_BYTES`` or ``RESERVE_FRACTION``
+    of it free, whichever is larger."""
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return False
+    free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    return free - nbytes >= max(RESERVE_BYTES, int(total * RESERVE_FRACTION))
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -178,6 +195,7 @@ class CacheWriter:
         self._next = 0  # the parser's: the offset the next block must start at
         self._open = True  # the parser's: neither committed nor abandoned yet
         self._failed = False  # set by the writing thread (a full disk)
+        self._unchecked = 0  # bytes written since the free space was last looked at
 
     @property
     def active(self) -> bool:
@@ -211,6 +229,13 @@ class CacheWriter:
     def _write(self, block: memoryview) -> None:
         if self._fd is None:
             return
+        if self._unchecked == 0 and not disk_has_room(self.cache.folder, _CHECK_EVERY):
+            self._failed = True
+            self.cache._give_up(self.url, OSError(errno.ENOSPC, "the disk is nearly full (a cache leaves "
+                                                  "5% of it or 1 GiB free)"))
+            self._remove()
+            return
+        self._unchecked = (self._unchecked + len(block)) % _CHECK_EVERY
         try:
             view = block
             while view:  # a short write goes on where it stopped

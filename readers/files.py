@@ -304,8 +304,8 @@ def files(
     so later epochs and later runs read them from local disk (in the same GIL-free chunk reads as
     local files) and GET only what is not there; each copy appears whole or not at all, and
     processes may share the folder. ``cache_bytes``: the most it may hold; once full it keeps what
-    it has (with a shuffled order, as good as any eviction). A full disk stops caching, never
-    reading; a kept copy is used as it is (clear the folder when the objects change).
+    it has (with a shuffled order, as good as any eviction). A cache leaves 5% of its disk or 1 GiB
+    free, whichever is more; a nearly full disk stops caching, never reading (logged once); a kept copy is used as it is (clear the folder when the objects change).
     ``reader.cache`` counts ``hits``, ``kept`` and ``failed``. Local files are read where they are.
 
     Raises ReadError if the folder does not exist or holds no images (StorageError if it cannot

@@ -390,12 +390,13 @@ def webdataset(
     ``cache_dir``: a local folder where remote shards are kept as they are read, whole, so later
     epochs and later runs read them from local disk instead of the store (local shards are read
     where they are). A shard is written while its parser reads it, from the blocks it has parsed
-    (no second download, no extra memory), and appears in the folder, renamed into place, only once
+    (no second download; at most ``buffer_bytes`` more held while they wait for the disk), and appears in the folder, renamed into place, only once
     every byte of it is there: a shard left early (a ``break``, a resume past its start, a fault
     past the retry budget) is not kept. Processes may share the folder (ranks on one host). A kept
     shard is used as it is: clear the folder when the objects at those URLs change.
     ``cache_bytes``: the most the folder may hold; the least recently used shards are removed to
-    make room (None: no bound). A full disk stops caching, never reading. ``reader.cache`` counts
+    make room (None: no bound). A cache leaves 5% of its disk or 1 GiB free, whichever is more; a
+    nearly full disk stops caching, never reading (logged once). ``reader.cache`` counts
     hits, shards kept, evicted and failed writes.
 
     Raises ReadError for a missing local shard, StorageError when a bucket cannot be listed,

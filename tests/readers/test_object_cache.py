@@ -150,3 +150,24 @@ async def test_a_loader_running_ahead_across_epochs_with_a_cache(s3_env, image_f
     assert got == expected and all(sorted(e) == sorted(expected[0]) for e in expected)
     assert cached.reader.cache.hits > 0
     await leaks.check()
+
+
+@pytest.mark.parametrize("reader", ["files", "webdataset"])
+async def test_a_nearly_full_disk_stops_the_copies_not_the_reads(s3_env, image_folder, tmp_path, reader, monkeypatch,
+                                                                  caplog, leaks):
+    from headrace.readers import _shard_cache
+
+    # The disk as a cache sees it when it is nearly full: the reserve it leaves free is all of it.
+    monkeypatch.setattr(_shard_cache, "RESERVE_FRACTION", 1.0)
+    if reader == "files":
+        source = _remote(s3_env, "s3", image_folder, chunk_size=16, cache_dir=tmp_path / "cache")
+    else:
+        source = readers.webdataset(f"s3://{BUCKET}/wds/shard-{{000000..000009}}.tar",
+                                    storage_options={"retry": RETRY}, cache_dir=tmp_path / "cache")
+    samples = await _read_all(source)
+    assert len(samples) == OBJECTS and all(s.error is None for s in samples)
+    assert source.cache.kept == 0 and source.cache.failed > 0
+    assert [p for p in (tmp_path / "cache").rglob("*") if p.is_file()] == []
+    warnings = [r for r in caplog.records if "not caching" in r.getMessage()]
+    assert len(warnings) == 1 and "nearly full" in warnings[0].getMessage()
+    await leaks.check()
