@@ -200,32 +200,19 @@ def _cache_dir() -> str:
     return folder
 
 
-def row_cached_shards(serve: Path, url: str, where: str, args: argparse.Namespace) -> Callable[[], tuple[int, int]]:
-    """The epoch that fills ``webdataset(cache_dir=)``: every shard downloaded and written to disk."""
-    reader = _shards_reader(serve, url, where, args, cache_dir=_cache_dir())
-    return lambda: _count(reader.read(0))
+def _cache_row(make_reader: Callable[..., Any], later: bool) -> Callable[..., Callable[[], tuple[int, int]]]:
+    """A row of headrace's reader with ``cache_dir=``: the epoch that fills the folder (every shard or
+    object fetched and written to disk), or (``later``) an epoch after one that filled it off the clock."""
 
+    def row(serve: Path, url: str, where: str, args: argparse.Namespace) -> Callable[[], tuple[int, int]]:
+        reader = make_reader(serve, url, where, args, cache_dir=_cache_dir())
+        if not later:
+            return lambda: _count(reader.read(0))
+        _count(reader.read(0))
+        assert reader.cache.kept > 0 and reader.cache.failed == 0, reader.cache
+        return lambda: _count(reader.read(1))
 
-def row_cachehit_shards(serve: Path, url: str, where: str, args: argparse.Namespace) -> Callable[[], tuple[int, int]]:
-    """A later epoch of ``webdataset(cache_dir=)``: one epoch fills the folder off the clock."""
-    reader = _shards_reader(serve, url, where, args, cache_dir=_cache_dir())
-    _count(reader.read(0))
-    assert reader.cache.kept == len(reader.shards), reader.cache
-    return lambda: _count(reader.read(1))
-
-
-def row_cached_objects(serve: Path, url: str, where: str, args: argparse.Namespace) -> Callable[[], tuple[int, int]]:
-    """The epoch that fills ``files(cache_dir=)``: every object fetched and written to disk."""
-    reader = _objects_reader(serve, url, where, args, cache_dir=_cache_dir())
-    return lambda: _count(reader.read(0))
-
-
-def row_cachehit_objects(serve: Path, url: str, where: str, args: argparse.Namespace) -> Callable[[], tuple[int, int]]:
-    """A later epoch of ``files(cache_dir=)``: one epoch fills the folder off the clock."""
-    reader = _objects_reader(serve, url, where, args, cache_dir=_cache_dir())
-    _count(reader.read(0))
-    assert reader.cache.kept == len(reader), reader.cache
-    return lambda: _count(reader.read(1))
+    return row
 
 
 def row_headrace_download(serve: Path, url: str, where: str, args: argparse.Namespace) -> Callable[[], tuple[int, int]]:
@@ -461,10 +448,10 @@ ROWS = {
     "headrace-shards": row_headrace_shards,
     "headrace-objects": row_headrace_objects,
     "headrace-download": row_headrace_download,
-    "cached-shards": row_cached_shards,
-    "cachehit-shards": row_cachehit_shards,
-    "cached-objects": row_cached_objects,
-    "cachehit-objects": row_cachehit_objects,
+    "cached-shards": _cache_row(_shards_reader, later=False),
+    "cachehit-shards": _cache_row(_shards_reader, later=True),
+    "cached-objects": _cache_row(_objects_reader, later=False),
+    "cachehit-objects": _cache_row(_objects_reader, later=True),
     "webdataset-shards": row_webdataset,
     "litdata-shards": peers.row_litdata,
     "streaming-shards": peers.row_streaming,
