@@ -38,21 +38,23 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 class ObjectCache:
     """A folder of objects, named by their URL. ``hits``: objects read from it; ``kept``: objects
-    written to it; ``failed``: writes given up; ``used``: bytes in it as this process counts them
-    (what it found at its first write with a ``max_bytes``, plus what it wrote)."""
+    written to it; ``skipped``: objects not written because the writes were behind; ``failed``:
+    writes given up; ``used``: bytes in it as this process counts them (what it found at its first
+    write with a ``max_bytes``, plus what it wrote)."""
 
     def __init__(self, folder: str | os.PathLike, max_bytes: int | None = None, *, native: bool = True) -> None:
         self.folder = Path(folder)
         self.max_bytes = max_bytes
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.hits = self.kept = self.failed = 0
+        self.hits = self.kept = self.skipped = self.failed = 0
         self.used: int | None = None
+        self._queued = 0  # bytes handed to ``keep`` and not yet written
         self._files = ChunkReader(native=native)
         self._lock = threading.Lock()  # counters and the byte count, from several I/O threads
 
     def __repr__(self) -> str:
         return (f"ObjectCache({str(self.folder)!r}, max_bytes={self.max_bytes}, hits={self.hits}, kept={self.kept}, "
-                f"failed={self.failed})")
+                f"skipped={self.skipped}, failed={self.failed})")
 
     def path(self, url: str) -> str:
         digest = hashlib.sha256(url.encode()).hexdigest()[:16]
@@ -66,6 +68,20 @@ class ObjectCache:
         with self._lock:
             self.hits += sum(b is not None for b in out)
         return out
+
+    def reserve(self, nbytes: int, count: int, bound: int) -> bool:
+        """Room for ``count`` objects of ``nbytes`` in all to wait to be written, within ``bound``
+        (always when none waits); False counts them as skipped. ``release(nbytes)`` once written."""
+        with self._lock:
+            if self._queued and self._queued + nbytes > bound:
+                self.skipped += count
+                return False
+            self._queued += nbytes
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self._queued -= nbytes
 
     def keep(self, objects: Sequence[tuple[str, bytes]]) -> None:
         """I/O thread: write each ``(url, bytes)``, while they fit within ``max_bytes``."""

@@ -140,13 +140,15 @@ class FileReader(IndexedReader):
                 if self._cache_reads == 0:
                     pool, self._cache_pool = self._cache_pool, None
                     assert pool is not None
-                    pool.shutdown(wait=False, cancel_futures=True)
-                    await join_threads(list(self._cache_jobs))  # a fetch cancelled meanwhile left its job running
+                    # The copies queued are written (at most ``buffer_bytes``), and a lookup whose
+                    # fetch was cancelled meanwhile ends: no thread outlives the read.
+                    pool.shutdown(wait=False)
+                    await join_threads(list(self._cache_jobs))
                     pool.shutdown(wait=True)
 
     async def _on_cache_thread(self, job: Callable[..., _T], *args: Any) -> _T:
         assert self._cache_pool is not None
-        future = self._cache_pool.submit(job, *args)
+        future = self._cache_pool.submit(job, *args)  # tracked: a fetch cancelled meanwhile leaves it running
         self._cache_jobs.add(future)
         future.add_done_callback(self._cache_jobs.discard)
         return await asyncio.wrap_future(future)
@@ -183,8 +185,21 @@ class FileReader(IndexedReader):
             fetched = [(s.source, s.fields[self._exts[i]]) for i, s, t in zip(indices, samples, tasks)
                        if t is not None and s.error is None]
             if fetched:
-                await self._on_cache_thread(self.cache.keep, fetched)
+                self._keep_later(fetched)
         return samples
+
+    def _keep_later(self, fetched: list[tuple[str, bytes]]) -> None:
+        """Write the chunk's fetched objects on the cache's threads while the chunk goes on (the
+        read's end waits for them). Past ``buffer_bytes`` waiting to be written the chunk is not
+        kept (counted in ``cache.skipped``; a later epoch keeps it): the disk never holds the read
+        up, and memory stays bounded."""
+        assert self.cache is not None and self._cache_pool is not None
+        cache, nbytes = self.cache, sum(len(data) for _, data in fetched)
+        if not cache.reserve(nbytes, len(fetched), self.buffer_bytes):
+            return
+        future = self._cache_pool.submit(cache.keep, fetched)
+        self._cache_jobs.add(future)
+        future.add_done_callback(lambda f: (self._cache_jobs.discard(f), cache.release(nbytes)))
 
     def _kept_sample(self, i: int, blob: bytes) -> Sample:
         fields = {self._exts[i]: blob} if self._cls is None else {self._exts[i]: blob, "cls": self._cls[i]}

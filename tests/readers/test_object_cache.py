@@ -171,3 +171,29 @@ async def test_a_nearly_full_disk_stops_the_copies_not_the_reads(s3_env, image_f
     warnings = [r for r in caplog.records if "not caching" in r.getMessage()]
     assert len(warnings) == 1 and "nearly full" in warnings[0].getMessage()
     await leaks.check()
+
+
+async def test_with_little_room_for_writes_every_object_is_kept_skipped_or_hit(s3_env, image_folder, tmp_path, leaks):
+    # buffer_bytes=1: a chunk's copies are written only when no other chunk's wait to be.
+    reader = _remote(s3_env, "s3", image_folder, chunk_size=4, buffer_bytes=1, cache_dir=tmp_path / "cache")
+    for epoch in range(20):
+        samples = await _read_all(reader, epoch=epoch)
+        assert len(samples) == OBJECTS and all(s.error is None for s in samples)
+        copies = _copies(tmp_path / "cache")
+        assert len(copies) == reader.cache.kept  # every write the read started is done when it ends
+        assert reader.cache.kept + reader.cache.skipped + reader.cache.hits == OBJECTS * (epoch + 1)
+        if len(copies) == OBJECTS:
+            break
+    assert len(copies) == OBJECTS  # a skipped chunk is kept by a later epoch
+    await leaks.check()
+
+
+def test_writes_waiting_past_the_bound_are_skipped_and_counted(tmp_path):
+    from headrace.readers._object_cache import ObjectCache
+
+    cache = ObjectCache(tmp_path)
+    assert cache.reserve(100, 2, bound=10)  # nothing waits: always room, even past the bound
+    assert not cache.reserve(1, 1, bound=10) and cache.skipped == 1
+    assert cache.reserve(1, 1, bound=101) and cache.skipped == 1
+    cache.release(101)
+    assert cache.reserve(5, 3, bound=10) and not cache.reserve(6, 4, bound=10) and cache.skipped == 5
