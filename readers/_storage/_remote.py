@@ -64,7 +64,7 @@ class RemoteFile:
                  jump: int = 4 << 20, link: Link | None = None, tee: CacheWriter | None = None) -> None:
         self.name = store.url(key)
         # A local copy being written (``webdataset(cache_dir=)``): the blocks the thread is done
-        # with, written by the thread once it has let the lock go (the loop pushes under it).
+        # with, handed to the copy's writing thread once the lock is let go (the loop pushes under it).
         self.tee = tee
         self._teed: list[tuple[int, memoryview]] = []
         self.capacity, self.jump = capacity, jump
@@ -316,7 +316,8 @@ class RemoteFile:
             self._wake()
 
     def _write_teed(self) -> None:
-        """Without the lock: the blocks the thread is done with, to the local copy."""
+        """Without the lock: the blocks the thread is done with, to the local copy (may wait while
+        the copy's writes are ``buffer_bytes`` behind)."""
         teed, self._teed = self._teed, []
         assert self.tee is not None
         for offset, block in teed:
