@@ -179,6 +179,19 @@ class RemoteFile:
         """Up to ``n`` bytes (fewer only at the end); raises StorageError after the retry budget."""
         if n is None or n < 0:
             n = self.size - self._pos
+        # Within the first block, short of its end, without the lock (a tar header, a label, a
+        # member's padding: ~0.7 µs against ~3 µs locked, several times a sample). Safe: only this
+        # thread takes blocks off and moves ``_pos``; the loop appends, or clears on a close (then
+        # the index fails, or the next read that needs the lock raises).
+        try:
+            offset, block, _ = self._blocks[0]
+        except IndexError:
+            pass
+        else:
+            start = self._pos - offset
+            if 0 <= start and start + n < len(block):
+                self._pos += n
+                return bytes(block[start : start + n])
         out: list[memoryview] = []
         got = 0
         with self._cond:
@@ -213,6 +226,18 @@ class RemoteFile:
         """``read(n)``, but where the ``n`` bytes (``SPAN_MIN`` or more) lie in one downloaded block
         already here, a ``Span`` of them, not a copy: the caller copies many spans at once."""
         if n >= SPAN_MIN:
+            try:  # within the first block, short of its end: without the lock, as in ``read``
+                first = self._blocks[0]
+            except IndexError:
+                pass
+            else:
+                offset, block, address = first
+                start = self._pos - offset
+                if 0 <= start and start + n < len(block):
+                    if address is None:  # once a block (numpy: ~2.5 µs; HTTP's small blocks seldom get here)
+                        address = first[2] = _address(block)
+                    self._pos += n
+                    return Span(block[start : start + n], address + start)
             span = None
             with self._cond:
                 if self._blocks:
