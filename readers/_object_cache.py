@@ -95,9 +95,10 @@ class ObjectCache:
                 if self.used is None:
                     self.used = found
         for url, data in objects:
-            with self._lock:
+            with self._lock:  # counted before the write: two threads must not both take the last room
                 if self.max_bytes is not None and (self.used or 0) + len(data) > self.max_bytes:
                     return  # full: what is there stays
+                self.used = (self.used or 0) + len(data)
             final = self.path(url)
             part = f"{final}.{os.getpid()}-{uuid.uuid4().hex[:8]}.part"
             try:
@@ -107,11 +108,12 @@ class ObjectCache:
                 os.replace(part, final)
             except OSError as exc:
                 _unlink(part)
+                with self._lock:
+                    self.used -= len(data)
                 self._give_up(url, exc)
                 return
             with self._lock:
                 self.kept += 1
-                self.used = (self.used or 0) + len(data)
 
     def _scan(self) -> int:
         """Bytes of the copies in the folder now (``.part`` files left out)."""

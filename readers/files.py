@@ -8,13 +8,13 @@ import contextlib
 import os
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 from headrace._errors import ConfigError, ReadError, StorageError, require_int
 from headrace._sample import Sample, SampleList, samples_nbytes
 from headrace._threads import join_threads
 
-from ._base import IndexedReader
+from ._base import Equal, IndexedReader
 from ._object_cache import ObjectCache
 from ._read_files import ChunkReader, PathTable
 from ._storage import Storage, Store, is_url, redact_url, run_sync, with_retries
@@ -231,6 +231,12 @@ class FileReader(IndexedReader):
         if getattr(self, "_limit_loop", None) is not loop:
             self._limit_loop, self._limit_sem = loop, asyncio.Semaphore(self.requests)
         return self._limit_sem
+
+    def shard(self, rank: int, world: int, *, equal: Equal = None) -> Self:
+        part = super().shard(rank, world, equal=equal)
+        # Its own cache threads: a copy made while this reader reads must not share (or close) them.
+        part._cache_pool, part._cache_jobs, part._cache_reads = None, set(), 0
+        return part
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "root": str(self.root) if self.root else None}
