@@ -16,50 +16,35 @@ in ``failed`` and logged once).
 
 from __future__ import annotations
 
-import errno
-import hashlib
-import logging
 import os
-import re
-import threading
-import uuid
 from collections.abc import Sequence
-from pathlib import Path
 
+from ._cache_folder import PART, CacheFolder, disk_has_room, nearly_full, unlink
 from ._read_files import ChunkReader
-from ._shard_cache import disk_has_room
 
 __all__ = ["ObjectCache"]
 
-logger = logging.getLogger("headrace")
 
-_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
-
-
-class ObjectCache:
+class ObjectCache(CacheFolder):
     """A folder of objects, named by their URL. ``hits``: objects read from it; ``kept``: objects
     written to it; ``skipped``: objects not written because the writes were behind; ``failed``:
     writes given up; ``used``: bytes in it as this process counts them (what it found at its first
     write with a ``max_bytes``, plus what it wrote)."""
 
     def __init__(self, folder: str | os.PathLike, max_bytes: int | None = None, *, native: bool = True) -> None:
-        self.folder = Path(folder)
-        self.max_bytes = max_bytes
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self.hits = self.kept = self.skipped = self.failed = 0
+        super().__init__(folder, max_bytes)
+        self.hits = self.kept = self.skipped = 0
         self.used: int | None = None
         self._queued = 0  # bytes handed to ``keep`` and not yet written
         self._files = ChunkReader(native=native)
-        self._lock = threading.Lock()  # counters and the byte count, from several I/O threads
 
     def __repr__(self) -> str:
         return (f"ObjectCache({str(self.folder)!r}, max_bytes={self.max_bytes}, hits={self.hits}, kept={self.kept}, "
                 f"skipped={self.skipped}, failed={self.failed})")
 
     def path(self, url: str) -> str:
-        digest = hashlib.sha256(url.encode()).hexdigest()[:16]
-        name = _UNSAFE.sub("_", url.rsplit("/", 1)[-1])[-80:] or "object"
-        return os.path.join(self.folder, digest[:2], f"{digest}-{name}")
+        digest, name = self._name(url, "object")
+        return os.path.join(self.folder, digest[:2], name)
 
     def read(self, urls: Sequence[str]) -> list[bytes | None]:
         """I/O thread: each URL's kept copy, or None where there is none."""
@@ -86,8 +71,7 @@ class ObjectCache:
     def keep(self, objects: Sequence[tuple[str, bytes]]) -> None:
         """I/O thread: write each ``(url, bytes)``, while they fit within ``max_bytes``."""
         if not disk_has_room(self.folder, sum(len(data) for _, data in objects)):
-            self._give_up(objects[0][0] if objects else "", OSError(
-                errno.ENOSPC, "the disk is nearly full (a cache leaves 5% of it or 1 GiB free)"))
+            self._give_up(objects[0][0] if objects else "", nearly_full())
             return
         if self.max_bytes is not None and self.used is None:
             found = self._scan()
@@ -100,14 +84,14 @@ class ObjectCache:
                     return  # full: what is there stays
                 self.used = (self.used or 0) + len(data)
             final = self.path(url)
-            part = f"{final}.{os.getpid()}-{uuid.uuid4().hex[:8]}.part"
+            part = self._part(final)
             try:
                 os.makedirs(os.path.dirname(final), exist_ok=True)
                 with open(part, "wb", buffering=0) as f:
                     f.write(data)
                 os.replace(part, final)
             except OSError as exc:
-                _unlink(part)
+                unlink(part)
                 with self._lock:
                     self.used -= len(data)
                 self._give_up(url, exc)
@@ -122,23 +106,9 @@ class ObjectCache:
             if not sub.is_dir():
                 continue
             for entry in os.scandir(sub.path):
-                if not entry.name.endswith(".part"):
+                if not entry.name.endswith(PART):
                     try:
                         total += entry.stat().st_size
                     except OSError:  # removed meanwhile
                         pass
         return total
-
-    def _give_up(self, url: str, exc: OSError) -> None:
-        with self._lock:
-            self.failed += 1
-            first = self.failed == 1
-        if first:
-            logger.warning("headrace: not caching %s in %s: %s", url, self.folder, exc)
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass

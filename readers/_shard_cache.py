@@ -3,8 +3,8 @@ from there: ``webdataset(..., cache_dir=, cache_bytes=)``.
 
 A shard is written while its parser reads it (``RemoteFile``'s ``tee``: each downloaded block once
 the parser is done with it, handed to one writing thread per read, so parsing and writing overlap)
-into a file of its own name ending ``.part``, and renamed into place only once every byte of the object is in it:
-a reader that stops early, seeks far ahead, or meets a fault it cannot get past leaves no file
+into a file of its own name ending ``.part``, and renamed into place only once every byte of the
+object is in it: a reader that stops early, seeks far ahead, or meets a fault it cannot get past leaves no file
 behind. Several processes (ranks on one host) may share a folder: each writes its own ``.part`` and
 the rename is atomic, so a reader sees a whole shard or none.
 
@@ -12,60 +12,37 @@ A cached shard is used as it is, without asking the store: like webdataset's ``c
 litdata's cache, the cache assumes the object at a URL does not change (clear the folder if it
 does). With ``cache_bytes``, the least recently used shards go to make room for a new one; a shard
 larger than the bound alone is not kept. Writing never fails a read: an unwritable folder, a
-write error, or a disk with less free than ``RESERVE_BYTES`` / ``RESERVE_FRACTION`` of it (checkpoints
-must still fit) stops the caching of that shard (counted in ``failed``), and the parser goes on.
+write error, or a disk nearly full (``_cache_folder.disk_has_room``: checkpoints must still fit)
+stops the caching of that shard (counted in ``failed``), and the parser goes on.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import errno
 import functools
-import hashlib
-import logging
 import os
 import re
 import threading
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
 from headrace._threads import join_threads
 
-__all__ = ["CacheWriter", "CacheWrites", "ShardCache", "disk_has_room"]
+from ._cache_folder import PART, CacheFolder, disk_has_room, nearly_full, unlink
 
-logger = logging.getLogger("headrace")
+__all__ = ["CacheWriter", "CacheWrites", "ShardCache"]
 
-_PART = ".part"
-# Free space a cache leaves on its disk: checkpoints and logs must still fit.
-RESERVE_BYTES = 1 << 30
-RESERVE_FRACTION = 0.05
 _CHECK_EVERY = 64 << 20  # bytes a shard's copy writes between two looks at the free space
 
 
-def disk_has_room(folder: str | os.PathLike, nbytes: int) -> bool:
-    """``nbytes`` more fit on ``folder``'s disk leaving ``RESERVE_BYTES`` or ``RESERVE_FRACTION``
-    of it free, whichever is larger."""
-    try:
-        st = os.statvfs(folder)
-    except OSError:
-        return False
-    free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
-    return free - nbytes >= max(RESERVE_BYTES, int(total * RESERVE_FRACTION))
-_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
-
-
-class ShardCache:
+class ShardCache(CacheFolder):
     """A folder of whole shards, named by their URL. ``hits``: shards read from it; ``kept``: shards
     written to it; ``evicted``: shards removed for room; ``failed``: writes given up (disk full, ...)."""
 
     def __init__(self, folder: str | os.PathLike, max_bytes: int | None = None) -> None:
-        self.folder = Path(folder)
-        self.max_bytes = max_bytes
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self.hits = self.kept = self.evicted = self.failed = 0
-        self._lock = threading.Lock()  # the counters and eviction, from several parser threads
+        super().__init__(folder, max_bytes)
+        self.hits = self.kept = self.evicted = 0
         _remove_dead_parts(self.folder)
 
     def __repr__(self) -> str:
@@ -73,11 +50,8 @@ class ShardCache:
                 f"evicted={self.evicted}, failed={self.failed})")
 
     def path(self, url: str) -> Path:
-        """Where the shard at ``url`` is kept: a hash of the URL (distinct URLs, distinct files) and
-        its file name (for people looking in the folder)."""
-        digest = hashlib.sha256(url.encode()).hexdigest()[:16]
-        name = _UNSAFE.sub("_", url.rstrip("/").rsplit("/", 1)[-1])[-80:] or "shard"
-        return self.folder / f"{digest}-{name}"
+        """Where the shard at ``url`` is kept."""
+        return self.folder / self._name(url, "shard")[1]
 
     def open(self, url: str) -> BinaryIO | None:
         """The cached copy of ``url``, open for reading, or None. Opened here, not by path later: a
@@ -95,28 +69,17 @@ class ShardCache:
             self.hits += 1
         return f
 
-    def writes(self, bound: int) -> CacheWrites:
-        """The writing thread of one read, at most ``bound`` bytes queued."""
-        return CacheWrites(bound)
-
     def writer(self, url: str, writes: CacheWrites) -> CacheWriter | None:
         """A ``.part`` file for ``url``'s bytes, written by ``writes``, or None where it cannot be
         made (counted)."""
         final = self.path(url)
-        part = final.with_name(f"{final.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}{_PART}")
+        part = Path(self._part(final))
         try:
             fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except OSError as exc:
             self._give_up(url, exc)
             return None
         return CacheWriter(self, url, fd, part, final, writes)
-
-    def _give_up(self, url: str, exc: OSError) -> None:
-        with self._lock:
-            self.failed += 1
-            first = self.failed == 1
-        if first:  # once: a full disk would say it for every shard
-            logger.warning("headrace: not caching %s in %s: %s", url, self.folder, exc)
 
     def _make_room(self, size: int, keep: Path) -> bool:
         """With ``max_bytes``: remove the least recently used shards until ``size`` more fit. False
@@ -127,7 +90,7 @@ class ShardCache:
             return False
         shards = []
         for entry in os.scandir(self.folder):
-            if entry.name.endswith(_PART) or entry.path == str(keep):
+            if entry.name.endswith(PART) or entry.path == str(keep):
                 continue
             try:
                 st = entry.stat()
@@ -195,7 +158,7 @@ class CacheWriter:
         self._next = 0  # the parser's: the offset the next block must start at
         self._open = True  # the parser's: neither committed nor abandoned yet
         self._failed = False  # set by the writing thread (a full disk)
-        self._unchecked = 0  # bytes written since the free space was last looked at
+        self._unchecked: int | None = None  # bytes written since the free space was last looked at
 
     @property
     def active(self) -> bool:
@@ -229,13 +192,14 @@ class CacheWriter:
     def _write(self, block: memoryview) -> None:
         if self._fd is None:
             return
-        if self._unchecked == 0 and not disk_has_room(self.cache.folder, _CHECK_EVERY):
-            self._failed = True
-            self.cache._give_up(self.url, OSError(errno.ENOSPC, "the disk is nearly full (a cache leaves "
-                                                  "5% of it or 1 GiB free)"))
-            self._remove()
-            return
-        self._unchecked = (self._unchecked + len(block)) % _CHECK_EVERY
+        if self._unchecked is None or self._unchecked >= _CHECK_EVERY:
+            if not disk_has_room(self.cache.folder, _CHECK_EVERY):
+                self._failed = True
+                self.cache._give_up(self.url, nearly_full())
+                self._remove()
+                return
+            self._unchecked = 0
+        self._unchecked += len(block)
         try:
             view = block
             while view:  # a short write goes on where it stopped
@@ -252,25 +216,19 @@ class CacheWriter:
         try:
             os.close(fd)
             with self.cache._lock:
-                if not self.cache._make_room(size, self._final):
-                    raise _TooLarge
-                os.replace(self._part, self._final)
-                self.cache.kept += 1
-        except _TooLarge:
-            _unlink(self._part)
+                if self.cache._make_room(size, self._final):
+                    os.replace(self._part, self._final)
+                    self.cache.kept += 1
+                    return
         except OSError as exc:
             self.cache._give_up(self.url, exc)
-            _unlink(self._part)
+        unlink(self._part)  # over the bound alone, or failed
 
     def _remove(self) -> None:
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
-            _unlink(self._part)
-
-
-class _TooLarge(Exception):
-    """The shard alone is over the cache's bound."""
+            unlink(self._part)
 
 
 _PART_OWNER = re.compile(r"\.(\d+)-[0-9a-f]{8}\.part$")
@@ -285,13 +243,7 @@ def _remove_dead_parts(folder: Path) -> None:
         try:
             os.kill(int(owner.group(1)), 0)
         except ProcessLookupError:
-            _unlink(Path(entry.path))
+            unlink(entry.path)
         except OSError:  # alive, another user's
             pass
 
-
-def _unlink(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass

@@ -73,7 +73,8 @@ class ShardFiles:
         # to, the parser's pace): kept across epochs, so each epoch's first shard starts grown.
         self.link = Link()
 
-    def _source(self, shard: int, downloads: Downloads, writes: CacheWrites | None = None) -> str | RemoteFile | BinaryIO:
+    def _source(self, shard: int, downloads: Downloads,
+                writes: CacheWrites | None = None) -> str | RemoteFile | BinaryIO:
         """A local shard's path; a remote shard's cached copy, open, or its download (with
         ``writes``, copied into the cache as it is read)."""
         path = self.shards[shard]
@@ -125,7 +126,7 @@ class ShardFiles:
         pool = concurrent.futures.ThreadPoolExecutor(self.read_ahead + 1, thread_name_prefix="headrace-io-webdataset")
         running: deque[tuple[Feed, concurrent.futures.Future[None], object]] = deque()
         todo = iter(jobs)
-        writes = self.cache.writes(self.buffer_bytes) if self.cache is not None else None
+        writes = CacheWrites(self.buffer_bytes) if self.cache is not None else None
         async with self.downloads() as downloads:
             try:
                 while True:

@@ -146,12 +146,14 @@ class FileReader(IndexedReader):
                     await join_threads(list(self._cache_jobs))
                     pool.shutdown(wait=True)
 
-    async def _on_cache_thread(self, job: Callable[..., _T], *args: Any) -> _T:
+    def _on_cache_thread(self, job: Callable[..., _T], *args: Any) -> concurrent.futures.Future[_T]:
+        """``job`` on the cache's threads, tracked: the read's end waits for it, also when the
+        fetch that started it was cancelled meanwhile."""
         assert self._cache_pool is not None
-        future = self._cache_pool.submit(job, *args)  # tracked: a fetch cancelled meanwhile leaves it running
+        future = self._cache_pool.submit(job, *args)
         self._cache_jobs.add(future)
         future.add_done_callback(self._cache_jobs.discard)
-        return await asyncio.wrap_future(future)
+        return future
 
     async def _fetch_async(self, indices: Sequence[int]) -> list[Sample]:
         """The chunk's objects: the kept copies (``cache_dir=``), then GETs of the rest,
@@ -160,7 +162,8 @@ class FileReader(IndexedReader):
         limit = self._limit()
         kept: dict[int, bytes] = {}
         if self.cache is not None:
-            copies = await self._on_cache_thread(self.cache.read, [self._sources[i] for i in indices])
+            urls = [self._sources[i] for i in indices]
+            copies = await asyncio.wrap_future(self._on_cache_thread(self.cache.read, urls))
             kept = {i: b for i, b in zip(indices, copies) if b is not None}
 
         async def one(i: int) -> Sample:
@@ -193,13 +196,10 @@ class FileReader(IndexedReader):
         read's end waits for them). Past ``buffer_bytes`` waiting to be written the chunk is not
         kept (counted in ``cache.skipped``; a later epoch keeps it): the disk never holds the read
         up, and memory stays bounded."""
-        assert self.cache is not None and self._cache_pool is not None
+        assert self.cache is not None
         cache, nbytes = self.cache, sum(len(data) for _, data in fetched)
-        if not cache.reserve(nbytes, len(fetched), self.buffer_bytes):
-            return
-        future = self._cache_pool.submit(cache.keep, fetched)
-        self._cache_jobs.add(future)
-        future.add_done_callback(lambda f: (self._cache_jobs.discard(f), cache.release(nbytes)))
+        if cache.reserve(nbytes, len(fetched), self.buffer_bytes):
+            self._on_cache_thread(cache.keep, fetched).add_done_callback(lambda _: cache.release(nbytes))
 
     def _kept_sample(self, i: int, blob: bytes) -> Sample:
         fields = {self._exts[i]: blob} if self._cls is None else {self._exts[i]: blob, "cls": self._cls[i]}
@@ -326,8 +326,9 @@ def files(
     local files) and GET only what is not there; each copy appears whole or not at all, and
     processes may share the folder. ``cache_bytes``: the most it may hold; once full it keeps what
     it has (with a shuffled order, as good as any eviction). A cache leaves 5% of its disk or 1 GiB
-    free, whichever is more; a nearly full disk stops caching, never reading (logged once); a kept copy is used as it is (clear the folder when the objects change).
-    ``reader.cache`` counts ``hits``, ``kept`` and ``failed``. Local files are read where they are.
+    free, whichever is more; a nearly full disk stops caching, never reading (logged once); a
+    kept copy is used as it is (clear the folder when the objects change). ``reader.cache``
+    counts ``hits``, ``kept``, ``skipped`` and ``failed``. Local files are read where they are.
 
     Raises ReadError if the folder does not exist or holds no images (StorageError if it cannot
     be listed), ConfigError for a wrong argument. A listed path that is missing raises ReadError
@@ -336,7 +337,8 @@ def files(
     storage = Storage(storage_options, store)
     common: dict[str, Any] = {"shuffle": shuffle, "seed": seed, "chunk_size": chunk_size, "io_threads": io_threads,
                               "storage": storage, "requests": requests, "native_read": native_read,
-                              "buffer_bytes": buffer_bytes, "cache": _object_cache(cache_dir, cache_bytes, native_read)}
+                              "buffer_bytes": buffer_bytes,
+                              "cache": _object_cache(cache_dir, cache_bytes, native_read)}
     exts = {e.lower().lstrip(".") for e in extensions}
     if isinstance(source, (str, os.PathLike)):
         if labels is not None:

@@ -390,8 +390,8 @@ def webdataset(
     ``cache_dir``: a local folder where remote shards are kept as they are read, whole, so later
     epochs and later runs read them from local disk instead of the store (local shards are read
     where they are). A shard is written while its parser reads it, from the blocks it has parsed
-    (no second download; at most ``buffer_bytes`` more held while they wait for the disk), and appears in the folder, renamed into place, only once
-    every byte of it is there: a shard left early (a ``break``, a resume past its start, a fault
+    (no second download; at most ``buffer_bytes`` more held while they wait for the disk), and
+    appears in the folder, renamed into place, only once every byte of it is there: a shard left early (a ``break``, a resume past its start, a fault
     past the retry budget) is not kept. Processes may share the folder (ranks on one host). A kept
     shard is used as it is: clear the folder when the objects at those URLs change.
     ``cache_bytes``: the most the folder may hold; the least recently used shards are removed to

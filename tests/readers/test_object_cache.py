@@ -156,10 +156,10 @@ async def test_a_loader_running_ahead_across_epochs_with_a_cache(s3_env, image_f
 @pytest.mark.parametrize("reader", ["files", "webdataset"])
 async def test_a_nearly_full_disk_stops_the_copies_not_the_reads(s3_env, image_folder, tmp_path, reader, monkeypatch,
                                                                   caplog, leaks):
-    from headrace.readers import _shard_cache
+    from headrace.readers import _cache_folder
 
     # The disk as a cache sees it when it is nearly full: the reserve it leaves free is all of it.
-    monkeypatch.setattr(_shard_cache, "RESERVE_FRACTION", 1.0)
+    monkeypatch.setattr(_cache_folder, "RESERVE_FRACTION", 1.0)
     if reader == "files":
         source = _remote(s3_env, "s3", image_folder, chunk_size=16, cache_dir=tmp_path / "cache")
     else:

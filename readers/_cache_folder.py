@@ -1,0 +1,77 @@
+"""What the shard cache and the object cache share: a folder of copies named by their URL, ``.part``
+files renamed into place, the free space a cache leaves on its disk, and failures counted and
+logged once (``_shard_cache.py``, ``_object_cache.py``)."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import os
+import re
+import threading
+import uuid
+from pathlib import Path
+
+__all__ = ["PART", "CacheFolder", "disk_has_room", "nearly_full", "unlink"]
+
+logger = logging.getLogger("headrace")
+
+PART = ".part"
+# Free space a cache leaves on its disk: checkpoints and logs must still fit.
+RESERVE_BYTES = 1 << 30
+RESERVE_FRACTION = 0.05
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def disk_has_room(folder: str | os.PathLike, nbytes: int) -> bool:
+    """``nbytes`` more fit on ``folder``'s disk leaving ``RESERVE_BYTES`` or ``RESERVE_FRACTION``
+    of it free, whichever is larger."""
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return False
+    free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    return free - nbytes >= max(RESERVE_BYTES, int(total * RESERVE_FRACTION))
+
+
+def nearly_full() -> OSError:
+    return OSError(errno.ENOSPC, "the disk is nearly full (a cache leaves 5% of it or 1 GiB free)")
+
+
+def unlink(path: str | os.PathLike) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+class CacheFolder:
+    """A folder of copies, each named by a hash of its URL (distinct URLs, distinct files) and the
+    URL's file name (for people looking in the folder). ``failed``: copies given up."""
+
+    def __init__(self, folder: str | os.PathLike, max_bytes: int | None) -> None:
+        self.folder = Path(folder)
+        self.max_bytes = max_bytes
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.failed = 0
+        self._lock = threading.Lock()  # counters and byte counts, from several threads
+
+    @staticmethod
+    def _name(url: str, fallback: str) -> tuple[str, str]:
+        """(the URL's hash, the file name of its copy)."""
+        digest = hashlib.sha256(url.encode()).hexdigest()[:16]
+        return digest, f"{digest}-{_UNSAFE.sub('_', url.rstrip('/').rsplit('/', 1)[-1])[-80:] or fallback}"
+
+    @staticmethod
+    def _part(final: str | os.PathLike) -> str:
+        """A ``.part`` name beside ``final`` that this process alone writes (its pid: see
+        ``_shard_cache._remove_dead_parts``)."""
+        return f"{os.fspath(final)}.{os.getpid()}-{uuid.uuid4().hex[:8]}{PART}"
+
+    def _give_up(self, url: str, exc: OSError) -> None:
+        with self._lock:
+            self.failed += 1
+            first = self.failed == 1
+        if first:  # once: a full disk would say it for every copy
+            logger.warning("headrace: not caching %s in %s: %s", url, self.folder, exc)
