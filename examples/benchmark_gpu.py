@@ -373,6 +373,23 @@ def bench_nvimgcodec(files, batch: int, epochs: int) -> dict:
     return _timed_epochs(epoch, epochs)
 
 
+# CU_CTX_SCHED_*: how a host thread waits for the GPU in a synchronize.
+CUDA_SCHED = {"auto": 0, "spin": 1, "yield": 2, "blocking": 4}
+
+
+def set_cuda_sched(name: str) -> None:
+    """The primary context's scheduling flags, before torch or CuPy create it (driver API, device 0)."""
+    import ctypes
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    dev = ctypes.c_int()
+    for call in (lambda: cuda.cuInit(0), lambda: cuda.cuDeviceGet(ctypes.byref(dev), 0),
+                 lambda: cuda.cuDevicePrimaryCtxSetFlags_v2(dev, CUDA_SCHED[name])):
+        if rc := call():
+            raise RuntimeError(f"setting CUDA's scheduling to {name}: driver error {rc}")
+    print(f"CUDA scheduling: {name}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--images", type=int, default=16384)
@@ -404,8 +421,14 @@ def main() -> None:
     ap.add_argument("--data", default=".data/bench-gpu")
     ap.add_argument("--photos", default=None, help="an .npz of photographs (for machines without scikit-image)")
     ap.add_argument("--rows", default="train,val,dataloader,torchvision,nvimgcodec")
+    ap.add_argument("--cuda-sched", choices=sorted(CUDA_SCHED), default=None,
+                    help="how the process's CUDA waits for the GPU (the primary context's flags, set before any "
+                         "CUDA work): auto (CUDA's default: spin when there are fewer contexts than cores), spin, "
+                         "yield or blocking")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.cuda_sched:
+        set_cuda_sched(args.cuda_sched)
     root = Path(args.data)
     globals()["IO_THREADS"] = args.io_threads
     if args.switch_interval:
@@ -541,7 +564,7 @@ def main() -> None:
                   f"device memory still in use after the run {r['gpu_mib_in_use_after']:.0f} MiB")
     report = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "cores": workers,
               "images": args.images, "batch": args.batch, "epochs": args.epochs, "lanes": args.lanes,
-              "torch": torch.__version__, "results": results}
+              "torch": torch.__version__, "cuda_sched": args.cuda_sched or "auto", "results": results}
     out = Path(args.out or f"examples/results/gpu-{report['gpu'].replace(' ', '_')}-{report['date']}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))

@@ -9,7 +9,7 @@ parser's pace ``R`` (bytes it read per second of not waiting, a wait going on co
 By Little's law ``n`` segments of ``s`` bytes in flight pass ``n * s / (L + s / B)``. A GET holds
 no bytes while it waits for its first one, so the GETs may ask for ``_SPAN`` (2) capacities at once,
 ``n * s <= 2 * capacity``, while what they hold stays within ``capacity`` (below): the segment is
-the largest (whole MiB, 1 MiB to ``capacity / 8``) whose span passes ``R``,
+the largest (whole MiB, 1 MiB to ``capacity / 8`` and at most ``_MAX_SEGMENT``) whose span passes ``R``,
 ``B * (2 * capacity / R - L)``, and the GETs grow to 1.5 times what ``R`` needs, up to
 ``2 * capacity / s`` (``_MAX_PIECES`` at most; ``_READ_GETS`` for all the read's downloads). On
 the 2-core VM at 50 ms and 100 MB/s, loaded GETs take ~120 ms, not ``L + s / B``: 64 GETs of
@@ -68,6 +68,10 @@ _MAX_PIECES = 64  # GETs in flight for one download
 _SPAN = 2  # what one download's GETs ask for at once, in capacities (a GET waiting for its first byte holds none)
 _READ_GETS = 128  # for all the downloads of one read: well inside a store's connection cap (S3's 503 SlowDown)
 _MIB = 1 << 20
+# Larger segments mean fewer GETs for the same bytes, each one connection's bandwidth: with 192 MiB
+# of buffer (24 MiB segments) the H200 pipeline at 50 ms read 9.1k images/s, with 8 MiB 12.6-13.0k
+# (docs/benchmarks.md, thirteenth session).
+_MAX_SEGMENT = 8 * _MIB
 
 
 class Link:
@@ -130,8 +134,8 @@ class Link:
     def segment(self, capacity: int) -> int:
         """Bytes per ranged GET: the largest (in whole MiB) whose span of ``_SPAN * capacity`` bytes
         asked for passes the consumer's ``pace``: ``B * (2 * capacity / pace - L)``, between 1 MiB
-        and ``capacity / 8`` (that, until the link and a pace are observed)."""
-        most = max(_MIB, capacity // 8)
+        and ``capacity / 8``, at most ``_MAX_SEGMENT`` (that, until the link and a pace are observed)."""
+        most = max(_MIB, min(capacity // 8, _MAX_SEGMENT))
         bandwidth = self.bandwidth
         if self.latency is None or bandwidth is None or not self.pace:
             return most
