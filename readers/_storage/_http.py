@@ -1,20 +1,29 @@
-"""HTTP(S) objects through aiohttp: pure asyncio, any URL (presigned query strings too), Range requests."""
+"""HTTP(S) objects: through obstore where it is installed and the URL is a plain one, through aiohttp
+otherwise (any URL: presigned query strings too, servers that ignore Range)."""
 
 from __future__ import annotations
 
 import asyncio
+import datetime
 import importlib.util
 import re
+import urllib.parse
 from typing import Any
 
 from headrace._errors import ConfigError
 
 from ._base import Body, Store, StoreFault, redact_url, scrub
+from ._obstore import BLOCK, HELD_PER_GET, ObstoreBody, fault
 
 __all__ = ["HttpStore"]
 
-_OPTIONS = {"headers", "connect_timeout", "limit"}
-_BLOCK = 1 << 20
+_OPTIONS = {"headers", "connect_timeout", "limit", "http_client"}
+_CLIENTS = ("auto", "obstore", "aiohttp")
+_BLOCK = BLOCK
+# obstore's errors for a server it cannot read the way a range GET needs (the whole object answered
+# to a range, no Content-Range, no Content-Length): aiohttp reads such a server instead.
+_NOT_FOR_OBSTORE = ("non-partial response", "Range request not supported", "Header missing from response",
+                    "Content-Range header not present")
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
 
@@ -22,15 +31,21 @@ class HttpStore(Store):
     """Objects by URL; a key is the full ``http://`` or ``https://`` URL.
 
     ``options``: ``headers`` (sent with every request, e.g. ``Authorization``; never shown),
-    ``connect_timeout`` (seconds, default 10), ``limit`` (connections, default 256: as many as a
-    reader's ``requests`` may use). A download is
-    resumed with ``Range: bytes=N-`` and ``If-Match`` (the first answer's ETag); a server that
-    ignores Range is read from the start and the first N bytes dropped. HTTP has no listing.
+    ``connect_timeout`` (seconds, default 10), ``limit`` (aiohttp's connections, default 256: as
+    many as a reader's ``requests`` may use), ``http_client``: ``"auto"`` (obstore for a URL without
+    query string or user, where obstore is installed; aiohttp otherwise), ``"obstore"`` or
+    ``"aiohttp"``. obstore receives off the GIL, on its own threads: over a server 50 ms away,
+    shards streamed 1.3x faster through it than through aiohttp, whose every socket read is a
+    callback on the event loop (2-core VM). A download is resumed with ``Range: bytes=N-`` and
+    ``If-Match`` (the first answer's ETag); a server that ignores Range (or leaves out the
+    headers obstore needs) is read through aiohttp from then on, from the start and the first N
+    bytes dropped. HTTP has no listing.
     """
 
     scheme = "http"
-    # A block of next(): up to _BLOCK taken from what aiohttp buffered, and the socket read it began with.
-    held_per_get = _BLOCK + (256 << 10)
+    # A block of next(): obstore's (see _obstore.py), or up to _BLOCK taken from what aiohttp
+    # buffered and the socket read it began with, whichever is larger.
+    held_per_get = max(HELD_PER_GET, _BLOCK + (256 << 10))
 
     def __init__(self, **options: Any) -> None:
         unknown = set(options) - _OPTIONS
@@ -42,6 +57,15 @@ class HttpStore(Store):
         self._connect_timeout = float(options.get("connect_timeout", 10))
         self._limit = int(options.get("limit", 256))
         self._secrets = [str(v) for v in self._headers.values()]
+        client = options.get("http_client", "auto")
+        if client not in _CLIENTS:
+            raise ConfigError(f"storage option http_client must be one of {', '.join(_CLIENTS)}, got {client!r}")
+        has_obstore = importlib.util.find_spec("obstore") is not None
+        if client == "obstore" and not has_obstore:
+            raise ConfigError("storage option http_client='obstore' needs obstore: pip install 'headrace[s3]'")
+        self._use_obstore = client == "obstore" or (client == "auto" and has_obstore)
+        self._obstores: dict[str, Any] = {}  # an obstore HTTPStore per origin
+        self._aiohttp_only: set[str] = set()  # origins obstore could not read (see _NOT_FOR_OBSTORE)
         self._session: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -67,6 +91,73 @@ class HttpStore(Store):
         return self._session
 
     async def open(self, key: str, start: int = 0, *, end: int | None = None, etag: str | None = None) -> Body:
+        place = self._obstore_place(key)
+        if place is not None:
+            try:
+                return await self._open_obstore(*place, start, end, etag)
+            except _NotForObstore:
+                self._aiohttp_only.add(place[0])
+        return await self._open_aiohttp(key, start, end, etag)
+
+    async def read(self, key: str) -> bytes:
+        """The whole object; through obstore in one call, off the GIL (a small object: one hand-off)."""
+        place = self._obstore_place(key)
+        if place is not None:
+            try:
+                body = await self._open_obstore(*place, 0, None, None)
+            except _NotForObstore:
+                self._aiohttp_only.add(place[0])
+            else:
+                try:
+                    return bytes(await body.rest())
+                finally:
+                    await body.aclose()
+        return await super().read(key)
+
+    def _obstore_place(self, key: str) -> tuple[str, str] | None:
+        """(origin, path) where obstore reads ``key``; None where aiohttp does."""
+        if not self._use_obstore:
+            return None
+        parts = urllib.parse.urlsplit(key)
+        if parts.query or parts.fragment or "@" in parts.netloc or parts.scheme not in ("http", "https"):
+            return None  # a presigned URL, or credentials in it: as given, through aiohttp
+        origin = f"{parts.scheme}://{parts.netloc}"
+        if origin in self._aiohttp_only:
+            return None
+        # obstore's paths are its own, percent-encoded again on the way out.
+        return origin, urllib.parse.unquote(parts.path.lstrip("/"))
+
+    async def _open_obstore(self, origin: str, path: str, start: int, end: int | None, etag: str | None) -> Body:
+        import obstore
+
+        options: dict[str, Any] = {"range": (start, end)} if end is not None else {"range": {"offset": start}} if start else {}
+        if etag is not None:
+            options["if_match"] = etag
+        try:
+            result = await obstore.get_async(self._obstore(origin), path, options=options)
+            meta = result.meta
+        except Exception as exc:  # obstore raises its own tree; translate it here
+            if any(marker in str(exc) for marker in _NOT_FOR_OBSTORE):
+                raise _NotForObstore from None
+            raise self._obstore_fault(exc) from None
+        return ObstoreBody(self._obstore_fault, result, meta["size"], meta.get("e_tag"))
+
+    def _obstore(self, origin: str) -> Any:
+        store = self._obstores.get(origin)
+        if store is None:
+            from obstore.store import HTTPStore
+
+            client = {"allow_http": True, "connect_timeout": datetime.timedelta(seconds=self._connect_timeout),
+                      # Whole-request timeout: ours (Retry.timeout) bounds every block instead.
+                      "timeout": "24h", "default_headers": self._headers}
+            store = self._obstores[origin] = HTTPStore.from_url(
+                origin, client_options=client, retry_config={"max_retries": 0})  # ours resume from the offset
+        return store
+
+    def _obstore_fault(self, exc: BaseException) -> StoreFault:
+        return fault(exc, self._secrets, missing="no such object (HTTP 404)")
+
+    async def _open_aiohttp(self, key: str, start: int, end: int | None, etag: str | None) -> Body:
         import aiohttp
 
         headers = {}
@@ -114,9 +205,14 @@ class HttpStore(Store):
         return StoreFault(scrub(text, self._secrets)[:500], retryable=True)
 
     async def _disconnect(self) -> None:
+        self._obstores = {}  # dropping the Rust stores drops their connection pools
         session, self._session = self._session, None
         if session is not None and not session.closed and self._loop is asyncio.get_running_loop():
             await session.close()
+
+
+class _NotForObstore(Exception):
+    """obstore cannot read this server's answers (see ``_NOT_FOR_OBSTORE``): aiohttp reads it."""
 
 
 class _HttpBody(Body):
@@ -152,7 +248,7 @@ class _HttpBody(Body):
         """``block`` plus whatever else has arrived, up to ``_BLOCK``, without waiting.
 
         aiohttp hands over socket reads of ~64 KiB; a block per loop iteration costs the loop a GIL
-        hand-off from the parsing thread, so fewer, larger blocks stream faster (see ``_s3._BLOCK``).
+        hand-off from the parsing thread, so fewer, larger blocks stream faster (see ``_obstore.BLOCK``).
         """
         content = self._response.content
         parts, size = [block], len(block)

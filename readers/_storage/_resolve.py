@@ -20,7 +20,7 @@ from ._s3 import S3Store
 __all__ = ["Storage", "is_url", "run_sync"]
 
 T = TypeVar("T")
-_HTTP_ONLY = {"headers", "limit"}
+_HTTP_ONLY = {"headers", "limit", "http_client"}
 _S3_ONLY = {"endpoint", "region", "access_key_id", "secret_access_key", "session_token", "skip_signature",
             "virtual_hosted_style_request", "allow_http", "credential_provider", "request_payer"}
 _SCHEMES = ("s3://", "http://", "https://", "memory://")
@@ -35,7 +35,7 @@ class Storage:
     """The stores one reader uses: ``store`` for every source if given, else one per bucket or origin.
 
     ``options`` (``storage_options=``): S3 options (see ``S3Store``), HTTP options (``headers``,
-    ``limit``), ``connect_timeout``, and ``retry`` (a ``Retry``, a dict of its fields, or an attempt
+    ``limit``, ``http_client``), ``connect_timeout``, and ``retry`` (a ``Retry``, a dict of its fields, or an attempt
     count). Holds no connection itself: ``session()`` opens them for a block and closes them after.
     """
 

@@ -6,30 +6,18 @@ from __future__ import annotations
 import datetime
 import importlib.util
 import os
-import re
 from typing import Any
 
 from headrace._errors import ConfigError
 
-from ._base import Body, ObjectInfo, Store, StoreFault, scrub
+from ._base import ObjectInfo, Store, StoreFault
+from ._obstore import HELD_PER_GET, ObstoreBody, fault
 
 __all__ = ["S3Store"]
 
 _SECRET_KEYS = ("secret_access_key", "session_token", "access_key_id")
 _OPTIONS = {"endpoint", "region", "access_key_id", "secret_access_key", "session_token", "skip_signature",
             "virtual_hosted_style_request", "allow_http", "credential_provider", "connect_timeout", "request_payer"}
-_STATUS = re.compile(r"status code: (\d{3})")
-# Blocks handed from the download to the parser thread. Each costs a loop iteration, and while a
-# parser holds the GIL the loop waits for it (up to the 5 ms switch interval): over the in-memory
-# store 1 MiB blocks streamed 885 MB/s against 672 MB/s with 256 KiB (local files: ~1,000 MB/s).
-# The byte bound is overshot by one block at most.
-_BLOCK = 1 << 20
-# obstore's stream assembles each block of at least _BLOCK from hyper's chunks (~130-400 KiB) before
-# it hands it over, so an open GET holds up to a block and a chunk in the client: blocks measured up
-# to 1.38 MiB, and 1.36 MiB a GET at most beyond what the downloads had received (~100 GETs, 50 ms).
-_HELD_PER_GET = _BLOCK + _BLOCK // 2
-
-
 class S3Store(Store):
     """Objects in one S3 bucket.
 
@@ -47,7 +35,7 @@ class S3Store(Store):
     """
 
     scheme = "s3"
-    held_per_get = _HELD_PER_GET
+    held_per_get = HELD_PER_GET
 
     def __init__(self, bucket: str, **options: Any) -> None:
         unknown = set(options) - _OPTIONS
@@ -101,7 +89,7 @@ class S3Store(Store):
         try:
             result = await obstore.get_async(self._store(), key, options=options)
             meta = result.meta
-            return _S3Body(self, result, meta["size"], meta.get("e_tag"))
+            return ObstoreBody(self._fault, result, meta["size"], meta.get("e_tag"))
         except Exception as exc:  # obstore raises its own tree; translate it here
             raise self._fault(exc) from None
 
@@ -133,60 +121,9 @@ class S3Store(Store):
         self._client = None
 
     def _fault(self, exc: BaseException) -> StoreFault:
-        import obstore.exceptions as oe
-
-        text = scrub(str(exc).split("\n\nDebug source:", 1)[0].strip(), self._secrets)[:500]
-        if isinstance(exc, (oe.NotFoundError, FileNotFoundError)):  # obstore raises the builtin for a 404
-            return StoreFault("no such object", retryable=False, missing=True)
-        if isinstance(exc, oe.PreconditionError):
-            return StoreFault("the object changed while it was read (ETag mismatch)", retryable=False)
-        if isinstance(exc, (oe.PermissionDeniedError, oe.UnauthenticatedError, PermissionError)):
-            return StoreFault(f"access denied: {text}", retryable=False)
-        status = _STATUS.search(text)
-        code = int(status.group(1)) if status else 0
-        retryable = not (400 <= code < 500 and code not in (408, 429))
-        return StoreFault(text, retryable=retryable)
+        return fault(exc, self._secrets)
 
 
 def _duration(value: Any) -> Any:
     """Seconds as a number become a timedelta (obstore takes "10s" strings or timedeltas)."""
     return datetime.timedelta(seconds=value) if isinstance(value, (int, float)) else value
-
-
-class _S3Body(Body):
-    # obstore's stream copies each block into a new ``bytes`` on one of its threads, holding the
-    # GIL (~0.6 s a GB on the 2-core VM: reading shards over S3 took twice the GIL of reading them
-    # from disk); ``bytes_async()`` gathers the range off the GIL and hands it over uncopied.
-    whole = True
-
-    def __init__(self, store: S3Store, result: Any, size: int, etag: str | None) -> None:
-        self._owner = store
-        self._result = result  # until the first next() or rest() takes it
-        self._stream: Any = None
-        self.size = size
-        self.etag = etag
-
-    async def next(self) -> bytes | memoryview:
-        if self._stream is None:
-            if self._result is None:
-                return b""
-            self._stream, self._result = self._result.stream(min_chunk_size=_BLOCK), None
-        try:
-            return memoryview(await self._stream.__anext__())
-        except StopAsyncIteration:
-            self._stream = None
-            return b""
-        except Exception as exc:
-            raise self._owner._fault(exc) from None
-
-    async def rest(self) -> bytes | memoryview:
-        if self._result is None:
-            return await super().rest()
-        result, self._result = self._result, None
-        try:
-            return memoryview(await result.bytes_async())
-        except Exception as exc:
-            raise self._owner._fault(exc) from None
-
-    async def aclose(self) -> None:
-        self._stream = self._result = None  # dropping them drops the connection

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
 import tarfile
 import traceback
@@ -15,7 +16,7 @@ import pytest
 import headrace
 from headrace import ConfigError, ReadError, StorageError, readers
 from headrace.readers._read_files import copy_spans
-from headrace.readers._storage import RemoteFile, S3Store
+from headrace.readers._storage import HttpStore, RemoteFile, S3Store
 from headrace.readers._storage._remote import Span
 from headrace.testing import MemoryStore
 
@@ -41,6 +42,12 @@ def _same(samples, expected):
 
 def _url(servers, kind, key):
     return f"s3://{BUCKET}/{key}" if kind == "s3" else f"{servers.http}/{key}"
+
+
+# The stores and clients a fault must be survived through: HTTP goes through obstore where it is
+# installed (and the URL is a plain one), through aiohttp when asked or for any other URL.
+CLIENTS = pytest.mark.parametrize(("kind", "client"), [("s3", {}), ("http", {}), ("http", {"http_client": "aiohttp"})],
+                                  ids=["s3", "http", "http-aiohttp"])
 
 
 # -- reading --------------------------------------------------------------------------------------
@@ -142,37 +149,37 @@ FAULTS = [{"kind": "reset", "after": 1500}, {"kind": "status", "status": 503},
           {"kind": "reset", "after": 0}, {"kind": "status", "status": 500}]
 
 
-@pytest.mark.parametrize("kind", ["s3", "http"])
-async def test_faults_within_budget_lose_and_double_nothing(s3_env, kind, leaks):
+@CLIENTS
+async def test_faults_within_budget_lose_and_double_nothing(s3_env, kind, client, leaks):
     sockets = open_sockets()
     s3_env.faults(kind, {"match": "shard-000004", "faults": [{"kind": "stall", "after": 2000, "seconds": 3}]},
                   {"match": "shard-", "faults": FAULTS})
     local = readers.webdataset(str(s3_env.root / WDS), shuffle=True, shuffle_buffer=20)
     remote = readers.webdataset(_url(s3_env, kind, WDS), shuffle=True, shuffle_buffer=20,
-                                storage_options={"retry": RETRY})
+                                storage_options={"retry": RETRY, **client})
     _same(await _read_all(remote, seed=9), await _read_all(local, seed=9))
     log = [r for r in s3_env.log(kind) if r["path"].endswith(".tar")]
     assert sum(r["fault"] is not None for r in log) == 9 * len(FAULTS) + 1
     assert remote.retries >= 9 * len(FAULTS) + 1  # more only if the machine stalled a read past the timeout
-    if kind == "http":  # bytes arrive before each drop: the next GET resumes from there
-        assert any(r["range"] not in (None, "bytes=0-") for r in log)
+    if client:  # aiohttp hands over bytes that arrive before a drop: the next GET resumes from there
+        assert any(r["range"] not in (None, "bytes=0-") for r in log)  # (obstore, a block at a time)
     await leaks.check()
     await no_new_sockets(sockets)
 
 
-@pytest.mark.parametrize("kind", ["s3", "http"])
-async def test_faults_beyond_budget_give_a_storage_error_and_shut_down(s3_env, kind, leaks):
+@CLIENTS
+async def test_faults_beyond_budget_give_a_storage_error_and_shut_down(s3_env, kind, client, leaks):
     from headrace import ops
 
     s3_env.faults(kind, {"match": "shard-000002", "then": {"kind": "status", "status": 503}})
-    remote = readers.webdataset(_url(s3_env, kind, WDS), storage_options={"retry": RETRY})
+    remote = readers.webdataset(_url(s3_env, kind, WDS), storage_options={"retry": RETRY, **client})
     samples = await _read_all(remote)
     bad = [s for s in samples if s.error is not None]
     assert len(bad) == 1 and isinstance(bad[0].error, StorageError)
     assert bad[0].error.source == bad[0].source == remote._names[2]
     assert "6 times" in str(bad[0].error) and "503" in str(bad[0].error)
     assert len(samples) == 75 - 8 + 1  # every other shard whole; shard 2 is one error sample
-    loader = headrace.Loader(readers.webdataset(_url(s3_env, kind, WDS), storage_options={"retry": RETRY}),
+    loader = headrace.Loader(readers.webdataset(_url(s3_env, kind, WDS), storage_options={"retry": RETRY, **client}),
                              batch_size=8, pipeline=ops.training(32), num_threads=2, device="cpu")
     with pytest.raises(StorageError) as info:
         async for _ in loader:
@@ -206,10 +213,11 @@ async def test_a_big_shard_streams_in_bounded_memory_and_resumes_mid_body(s3_env
     await leaks.check()
 
 
-@pytest.mark.parametrize("kind", ["s3", "http"])
-async def test_cancelling_a_stalled_download_closes_everything(s3_env, kind, leaks):
+@CLIENTS
+async def test_cancelling_a_stalled_download_closes_everything(s3_env, kind, client, leaks):
     s3_env.faults(kind, {"match": "shard-", "then": {"kind": "stall", "after": 100, "seconds": 3}})
-    reader = readers.webdataset(_url(s3_env, kind, WDS), read_ahead=3, storage_options={"retry": {"timeout": 30}})
+    reader = readers.webdataset(_url(s3_env, kind, WDS), read_ahead=3,
+                                storage_options={"retry": {"timeout": 30}, **client})
     sockets = open_sockets()
     with pytest.raises(TimeoutError):
         async with asyncio.timeout(0.3):
@@ -470,6 +478,39 @@ def test_wrong_storage_arguments():
     with pytest.raises(ConfigError):
         S3Store("b", secret="x")
     assert "x" not in repr(S3Store("b", secret_access_key="x" * 8))
+    with pytest.raises(ConfigError, match="http_client"):
+        readers.webdataset("http://127.0.0.1:1/x.tar", storage_options={"http_client": "curl"})
+
+
+async def test_a_server_that_ignores_range_is_read_through_aiohttp(leaks):
+    """obstore reads a plain URL; answered a range request with the whole object, the store reads
+    that origin through aiohttp from then on, which drops the bytes before the range."""
+    from aiohttp import web
+
+    data = os.urandom(100_000)
+    seen = []
+
+    async def whole(request):
+        seen.append((request.headers.get("Range"), "aiohttp" in request.headers.get("User-Agent", "")))
+        return web.Response(body=data, headers={"ETag": '"v1"', "Last-Modified": "Sat, 28 Nov 2026 00:00:00 GMT"})
+
+    app = web.Application()
+    app.router.add_get("/blob", whole)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/blob"
+    store = HttpStore()
+    try:
+        async with store.session():
+            assert await store.read(url) == data
+            assert await store.read_range(url, 10, 20) == data[10:20]
+            assert await store.read_range(url, 5, 9) == data[5:9]
+    finally:
+        await runner.cleanup()
+    assert seen == [(None, False), ("bytes=10-19", False), ("bytes=10-19", True), ("bytes=5-8", True)]
+    await leaks.check()
 
 
 async def test_a_wait_for_bytes_going_on_counts_as_waiting():
