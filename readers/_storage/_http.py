@@ -62,7 +62,7 @@ class HttpStore(Store):
             raise ConfigError(f"storage option http_client must be one of {', '.join(_CLIENTS)}, got {client!r}")
         has_obstore = importlib.util.find_spec("obstore") is not None
         if client == "obstore" and not has_obstore:
-            raise ConfigError("storage option http_client='obstore' needs obstore: pip install 'headrace[s3]'")
+            raise ConfigError("storage option http_client='obstore' needs obstore: pip install 'headrace[http]'")
         self._use_obstore = client == "obstore" or (client == "auto" and has_obstore)
         self._obstores: dict[str, Any] = {}  # an obstore HTTPStore per origin
         self._aiohttp_only: set[str] = set()  # origins obstore could not read (see _NOT_FOR_OBSTORE)
@@ -122,10 +122,13 @@ class HttpStore(Store):
         if parts.query or parts.fragment or "@" in parts.netloc or parts.scheme not in ("http", "https"):
             return None  # a presigned URL, or credentials in it: as given, through aiohttp
         origin = f"{parts.scheme}://{parts.netloc}"
-        if origin in self._aiohttp_only:
+        path = parts.path.lstrip("/")
+        # obstore parses a path into its own segments and encodes them again on the way out: a path
+        # it would refuse (empty, ".", ".." segments, a trailing slash) or might send otherwise than
+        # given (percent-escapes: "%2F" is not "/") goes as given, through aiohttp.
+        if origin in self._aiohttp_only or "%" in path or {"", ".", ".."} & set(path.split("/")):
             return None
-        # obstore's paths are its own, percent-encoded again on the way out.
-        return origin, urllib.parse.unquote(parts.path.lstrip("/"))
+        return origin, path
 
     async def _open_obstore(self, origin: str, path: str, start: int, end: int | None, etag: str | None) -> Body:
         import obstore

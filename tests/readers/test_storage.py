@@ -482,6 +482,38 @@ def test_wrong_storage_arguments():
         readers.webdataset("http://127.0.0.1:1/x.tar", storage_options={"http_client": "curl"})
 
 
+async def test_http_paths_reach_the_server_as_given(leaks):
+    """A plain path goes through obstore; one obstore would parse and encode otherwise than given
+    (percent-escapes, empty or dot segments, a trailing slash) and a query string go through
+    aiohttp, so the server sees exactly the URL the user wrote."""
+    from aiohttp import web
+
+    async def echo(request):
+        agent = "aiohttp" if "aiohttp" in request.headers.get("User-Agent", "") else "obstore"
+        return web.Response(body=f"{agent} {request.raw_path}".encode(),
+                            headers={"Last-Modified": "Sat, 28 Nov 2026 00:00:00 GMT"})
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", echo)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    store = HttpStore()
+    try:
+        async with store.session():
+            got = {path: (await store.read(base + path)).decode()
+                   for path in ("/data/train-0001.tar", "/data/a%2Fb.tar", "/data/a%20b.tar", "/data//x.tar",
+                                "/data/dir/", "/data/x.tar?sig=1")}
+    finally:
+        await runner.cleanup()
+    assert got == {"/data/train-0001.tar": "obstore /data/train-0001.tar", "/data/a%2Fb.tar": "aiohttp /data/a%2Fb.tar",
+                   "/data/a%20b.tar": "aiohttp /data/a%20b.tar", "/data//x.tar": "aiohttp /data//x.tar",
+                   "/data/dir/": "aiohttp /data/dir/", "/data/x.tar?sig=1": "aiohttp /data/x.tar?sig=1"}
+    await leaks.check()
+
+
 async def test_a_server_that_ignores_range_is_read_through_aiohttp(leaks):
     """obstore reads a plain URL; answered a range request with the whole object, the store reads
     that origin through aiohttp from then on, which drops the bytes before the range."""
