@@ -32,8 +32,9 @@ class HttpStore(Store):
 
     ``options``: ``headers`` (sent with every request, e.g. ``Authorization``; never shown),
     ``connect_timeout`` (seconds, default 10), ``limit`` (aiohttp's connections, default 256: as
-    many as a reader's ``requests`` may use), ``http_client``: ``"auto"`` (obstore for a URL without
-    query string or user, where obstore is installed; aiohttp otherwise), ``"obstore"`` or
+    many as a reader's ``requests`` may use), ``http_client``: ``"auto"`` (obstore, where it is
+    installed, for a plain URL: no query string, user, percent-escape, empty or dot path segment;
+    aiohttp for any other, sent as given), ``"obstore"`` (the same, obstore required) or
     ``"aiohttp"``. obstore receives off the GIL, on its own threads: over a server 50 ms away,
     shards streamed 1.3x faster through it than through aiohttp, whose every socket read is a
     callback on the event loop (2-core VM). A download is resumed with ``Range: bytes=N-`` and
