@@ -482,6 +482,30 @@ def test_wrong_storage_arguments():
         readers.webdataset("http://127.0.0.1:1/x.tar", storage_options={"http_client": "curl"})
 
 
+@contextlib.asynccontextmanager
+async def _http_server(handler):
+    """A real aiohttp server on 127.0.0.1 answering every GET with ``handler``; yields its base URL."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()
+
+
+def _client(request) -> str:
+    return "aiohttp" if "aiohttp" in request.headers.get("User-Agent", "") else "obstore"
+
+
+_DATED = {"Last-Modified": "Sat, 28 Nov 2026 00:00:00 GMT"}  # obstore's HTTP store needs it
+
+
 async def test_http_paths_reach_the_server_as_given(leaks):
     """A plain path goes through obstore; one obstore would parse and encode otherwise than given
     (percent-escapes, empty or dot segments, a trailing slash) and a query string go through
@@ -489,28 +513,14 @@ async def test_http_paths_reach_the_server_as_given(leaks):
     from aiohttp import web
 
     async def echo(request):
-        agent = "aiohttp" if "aiohttp" in request.headers.get("User-Agent", "") else "obstore"
-        return web.Response(body=f"{agent} {request.raw_path}".encode(),
-                            headers={"Last-Modified": "Sat, 28 Nov 2026 00:00:00 GMT"})
+        return web.Response(body=f"{_client(request)} {request.raw_path}".encode(), headers=_DATED)
 
-    app = web.Application()
-    app.router.add_get("/{tail:.*}", echo)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    paths = ("/data/train-0001.tar", "/data/a%2Fb.tar", "/data/a%20b.tar", "/data//x.tar", "/data/dir/",
+             "/data/x.tar?sig=1")
     store = HttpStore()
-    try:
-        async with store.session():
-            got = {path: (await store.read(base + path)).decode()
-                   for path in ("/data/train-0001.tar", "/data/a%2Fb.tar", "/data/a%20b.tar", "/data//x.tar",
-                                "/data/dir/", "/data/x.tar?sig=1")}
-    finally:
-        await runner.cleanup()
-    assert got == {"/data/train-0001.tar": "obstore /data/train-0001.tar", "/data/a%2Fb.tar": "aiohttp /data/a%2Fb.tar",
-                   "/data/a%20b.tar": "aiohttp /data/a%20b.tar", "/data//x.tar": "aiohttp /data//x.tar",
-                   "/data/dir/": "aiohttp /data/dir/", "/data/x.tar?sig=1": "aiohttp /data/x.tar?sig=1"}
+    async with _http_server(echo) as base, store.session():
+        got = [(await store.read(base + path)).decode() for path in paths]
+    assert got == ["obstore /data/train-0001.tar"] + [f"aiohttp {path}" for path in paths[1:]]
     await leaks.check()
 
 
@@ -523,25 +533,15 @@ async def test_a_server_that_ignores_range_is_read_through_aiohttp(leaks):
     seen = []
 
     async def whole(request):
-        seen.append((request.headers.get("Range"), "aiohttp" in request.headers.get("User-Agent", "")))
-        return web.Response(body=data, headers={"ETag": '"v1"', "Last-Modified": "Sat, 28 Nov 2026 00:00:00 GMT"})
+        seen.append((request.headers.get("Range"), _client(request)))
+        return web.Response(body=data, headers={"ETag": '"v1"', **_DATED})
 
-    app = web.Application()
-    app.router.add_get("/blob", whole)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/blob"
     store = HttpStore()
-    try:
-        async with store.session():
-            assert await store.read(url) == data
-            assert await store.read_range(url, 10, 20) == data[10:20]
-            assert await store.read_range(url, 5, 9) == data[5:9]
-    finally:
-        await runner.cleanup()
-    assert seen == [(None, False), ("bytes=10-19", False), ("bytes=10-19", True), ("bytes=5-8", True)]
+    async with _http_server(whole) as base, store.session():
+        assert await store.read(base + "/blob") == data
+        assert await store.read_range(base + "/blob", 10, 20) == data[10:20]
+        assert await store.read_range(base + "/blob", 5, 9) == data[5:9]
+    assert seen == [(None, "obstore"), ("bytes=10-19", "obstore"), ("bytes=10-19", "aiohttp"), ("bytes=5-8", "aiohttp")]
     await leaks.check()
 
 
