@@ -11,9 +11,13 @@ import os
 import re
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
-__all__ = ["PART", "CacheFolder", "disk_has_room", "nearly_full", "unlink"]
+from headrace._errors import ConfigError, require_int
+
+__all__ = ["PART", "CacheFolder", "disk_has_room", "from_arguments", "nearly_full", "unlink"]
 
 logger = logging.getLogger("headrace")
 
@@ -22,6 +26,23 @@ PART = ".part"
 RESERVE_BYTES = 1 << 30
 RESERVE_FRACTION = 0.05
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+_C = TypeVar("_C")
+
+
+def from_arguments(what: str, folder: str | os.PathLike | None, max_bytes: int | None,
+                   make: Callable[[str | os.PathLike, int | None], _C]) -> _C | None:
+    """A reader's ``cache_dir=`` and ``cache_bytes=`` checked, and its cache made (None without a
+    folder); ConfigError naming the reader (``what``) for a wrong value or a folder it cannot use."""
+    if max_bytes is not None:
+        require_int(f"{what}: cache_bytes", max_bytes, 1)
+        if folder is None:
+            raise ConfigError(f"{what}: cache_bytes needs a cache_dir")
+    if folder is None:
+        return None
+    try:
+        return make(folder, max_bytes)
+    except OSError as exc:
+        raise ConfigError(f"{what}: cannot use cache_dir {os.fspath(folder)!r}: {exc.strerror or exc}") from exc
 
 
 def disk_has_room(folder: str | os.PathLike, nbytes: int) -> bool:

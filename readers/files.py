@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import os
+from functools import partial
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self, TypeVar
@@ -15,6 +16,7 @@ from headrace._sample import Sample, SampleList, samples_nbytes
 from headrace._threads import join_threads
 
 from ._base import Equal, IndexedReader
+from ._cache_folder import from_arguments
 from ._object_cache import ObjectCache
 from ._read_files import ChunkReader, PathTable
 from ._storage import Storage, Store, is_url, redact_url, run_sync, with_retries
@@ -338,7 +340,7 @@ def files(
     common: dict[str, Any] = {"shuffle": shuffle, "seed": seed, "chunk_size": chunk_size, "io_threads": io_threads,
                               "storage": storage, "requests": requests, "native_read": native_read,
                               "buffer_bytes": buffer_bytes,
-                              "cache": _object_cache(cache_dir, cache_bytes, native_read)}
+                              "cache": from_arguments("files", cache_dir, cache_bytes, partial(ObjectCache, native=native_read))}
     exts = {e.lower().lstrip(".") for e in extensions}
     if isinstance(source, (str, os.PathLike)):
         if labels is not None:
@@ -401,16 +403,3 @@ def bucket_class_folders(prefix: str, storage: Storage, exts: set[str], what: st
             keys.append(k)
             labels.append(label)
     return store, key, classes, keys, labels
-
-
-def _object_cache(folder: str | os.PathLike | None, max_bytes: int | None, native: bool) -> ObjectCache | None:
-    if max_bytes is not None:
-        require_int("files: cache_bytes", max_bytes, 1)
-        if folder is None:
-            raise ConfigError("files: cache_bytes needs a cache_dir")
-    if folder is None:
-        return None
-    try:
-        return ObjectCache(folder, max_bytes, native=native)
-    except OSError as exc:
-        raise ConfigError(f"files: cannot use cache_dir {os.fspath(folder)!r}: {exc.strerror or exc}") from exc

@@ -34,6 +34,7 @@ from headrace._errors import ConfigError, ReadError, require_int
 from headrace._sample import Sample
 
 from ._base import Equal, Reader, _check_shard, number_samples
+from ._cache_folder import from_arguments
 from ._reshard import resharded
 from ._shard_cache import ShardCache
 from ._shard_files import ShardFiles, ShardJob
@@ -402,13 +403,9 @@ def webdataset(
     Raises ReadError for a missing local shard, StorageError when a bucket cannot be listed,
     ConfigError for a wrong argument.
     """
-    if cache_bytes is not None:
-        require_int("webdataset: cache_bytes", cache_bytes, 1)
-        if cache_dir is None:
-            raise ConfigError("webdataset: cache_bytes needs a cache_dir")
+    cache = from_arguments("webdataset", cache_dir, cache_bytes, ShardCache)
     storage = Storage(storage_options, store)
     shards = resolve_shards(source, storage)
-    cache = _shard_cache(cache_dir, cache_bytes)
     reader = WebDatasetReader(shards, shuffle=shuffle, shuffle_buffer=shuffle_buffer, seed=seed,
                               read_ahead=read_ahead, chunk_size=chunk_size, split=split, require=require,
                               storage=storage, buffer_bytes=buffer_bytes, cache=cache)
@@ -418,15 +415,6 @@ def webdataset(
     return WebDatasetReader(shards, counts=per_shard, total=total, shuffle=shuffle, shuffle_buffer=shuffle_buffer,
                             seed=seed, read_ahead=read_ahead, chunk_size=chunk_size, split=split, require=require,
                             storage=storage, buffer_bytes=buffer_bytes, cache=cache)
-
-
-def _shard_cache(folder: str | os.PathLike | None, max_bytes: int | None) -> ShardCache | None:
-    if folder is None:
-        return None
-    try:
-        return ShardCache(folder, max_bytes)
-    except OSError as exc:
-        raise ConfigError(f"webdataset: cannot use cache_dir {os.fspath(folder)!r}: {exc.strerror or exc}") from exc
 
 
 def _given_counts(counts: int | Sequence[int] | Literal["scan"] | None, shards: list[str], storage: Storage,

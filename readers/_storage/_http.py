@@ -13,13 +13,12 @@ from typing import Any
 from headrace._errors import ConfigError
 
 from ._base import Body, Store, StoreFault, redact_url, scrub
-from ._obstore import BLOCK, HELD_PER_GET, ObstoreBody, fault
+from ._obstore import BLOCK, HELD_PER_GET, ObstoreBody, fault, open_body
 
 __all__ = ["HttpStore"]
 
 _OPTIONS = {"headers", "connect_timeout", "limit", "http_client"}
 _CLIENTS = ("auto", "obstore", "aiohttp")
-_BLOCK = BLOCK
 # obstore's errors for a server it cannot read the way a range GET needs (the whole object answered
 # to a range, no Content-Range, no Content-Length): aiohttp reads such a server instead.
 _NOT_FOR_OBSTORE = ("non-partial response", "Range request not supported", "Header missing from response",
@@ -44,9 +43,9 @@ class HttpStore(Store):
     """
 
     scheme = "http"
-    # A block of next(): obstore's (see _obstore.py), or up to _BLOCK taken from what aiohttp
-    # buffered and the socket read it began with, whichever is larger.
-    held_per_get = max(HELD_PER_GET, _BLOCK + (256 << 10))
+    # A block of next(): obstore's (see _obstore.py), larger than aiohttp's (up to BLOCK taken from
+    # what it buffered, and the socket read it began with: BLOCK + 256 KiB).
+    held_per_get = HELD_PER_GET
 
     def __init__(self, **options: Any) -> None:
         unknown = set(options) - _OPTIONS
@@ -92,28 +91,33 @@ class HttpStore(Store):
         return self._session
 
     async def open(self, key: str, start: int = 0, *, end: int | None = None, etag: str | None = None) -> Body:
-        place = self._obstore_place(key)
-        if place is not None:
-            try:
-                return await self._open_obstore(*place, start, end, etag)
-            except _NotForObstore:
-                self._aiohttp_only.add(place[0])
-        return await self._open_aiohttp(key, start, end, etag)
+        body = await self._open_obstore(key, start, end, etag)
+        return body if body is not None else await self._open_aiohttp(key, start, end, etag)
 
     async def read(self, key: str) -> bytes:
         """The whole object; through obstore in one call, off the GIL (a small object: one hand-off)."""
+        body = await self._open_obstore(key, 0, None, None)
+        if body is None:
+            return await super().read(key)
+        try:
+            return bytes(await body.rest())
+        finally:
+            await body.aclose()
+
+    async def _open_obstore(self, key: str, start: int, end: int | None, etag: str | None) -> ObstoreBody | None:
+        """obstore's download of ``key``; None where aiohttp reads it: a URL that is not a plain
+        one, or an origin obstore cannot read (from then on)."""
         place = self._obstore_place(key)
-        if place is not None:
-            try:
-                body = await self._open_obstore(*place, 0, None, None)
-            except _NotForObstore:
-                self._aiohttp_only.add(place[0])
-            else:
-                try:
-                    return bytes(await body.rest())
-                finally:
-                    await body.aclose()
-        return await super().read(key)
+        if place is None:
+            return None
+        origin, path = place
+        try:
+            return await open_body(self._obstore(origin), path, start, end, etag, self._obstore_fault)
+        except Exception as exc:  # obstore raises its own tree; translate it here
+            if any(marker in str(exc) for marker in _NOT_FOR_OBSTORE):
+                self._aiohttp_only.add(origin)
+                return None
+            raise self._obstore_fault(exc) from None
 
     def _obstore_place(self, key: str) -> tuple[str, str] | None:
         """(origin, path) where obstore reads ``key``; None where aiohttp does."""
@@ -130,21 +134,6 @@ class HttpStore(Store):
         if origin in self._aiohttp_only or "%" in path or {"", ".", ".."} & set(path.split("/")):
             return None
         return origin, path
-
-    async def _open_obstore(self, origin: str, path: str, start: int, end: int | None, etag: str | None) -> Body:
-        import obstore
-
-        options: dict[str, Any] = {"range": (start, end)} if end is not None else {"range": {"offset": start}} if start else {}
-        if etag is not None:
-            options["if_match"] = etag
-        try:
-            result = await obstore.get_async(self._obstore(origin), path, options=options)
-            meta = result.meta
-        except Exception as exc:  # obstore raises its own tree; translate it here
-            if any(marker in str(exc) for marker in _NOT_FOR_OBSTORE):
-                raise _NotForObstore from None
-            raise self._obstore_fault(exc) from None
-        return ObstoreBody(self._obstore_fault, result, meta["size"], meta.get("e_tag"))
 
     def _obstore(self, origin: str) -> Any:
         store = self._obstores.get(origin)
@@ -215,10 +204,6 @@ class HttpStore(Store):
             await session.close()
 
 
-class _NotForObstore(Exception):
-    """obstore cannot read this server's answers (see ``_NOT_FOR_OBSTORE``): aiohttp reads it."""
-
-
 class _HttpBody(Body):
     def __init__(self, store: HttpStore, response: Any, size: int, etag: str | None, skip: int) -> None:
         self._owner = store
@@ -249,15 +234,15 @@ class _HttpBody(Body):
             raise self._owner._fault(exc) from None
 
     def _coalesce(self, block: bytes) -> bytes:
-        """``block`` plus whatever else has arrived, up to ``_BLOCK``, without waiting.
+        """``block`` plus whatever else has arrived, up to ``BLOCK``, without waiting.
 
         aiohttp hands over socket reads of ~64 KiB; a block per loop iteration costs the loop a GIL
         hand-off from the parsing thread, so fewer, larger blocks stream faster (see ``_obstore.BLOCK``).
         """
         content = self._response.content
         parts, size = [block], len(block)
-        while size < _BLOCK:
-            more = content.read_nowait(_BLOCK - size)
+        while size < BLOCK:
+            more = content.read_nowait(BLOCK - size)
             if not more:
                 break
             parts.append(more)

@@ -9,7 +9,7 @@ from typing import Any
 
 from ._base import Body, StoreFault, scrub
 
-__all__ = ["BLOCK", "HELD_PER_GET", "ObstoreBody", "fault"]
+__all__ = ["BLOCK", "HELD_PER_GET", "ObstoreBody", "fault", "open_body"]
 
 # Blocks handed from the download to the parser thread. Each costs a loop iteration, and while a
 # parser holds the GIL the loop waits for it (up to the 5 ms switch interval): over the in-memory
@@ -40,6 +40,20 @@ def fault(exc: BaseException, secrets: Iterable[str | None], missing: str = "no 
     code = int(status.group(1)) if status else 0
     retryable = not (400 <= code < 500 and code not in (408, 429))
     return StoreFault(text, retryable=retryable)
+
+
+async def open_body(client: Any, path: str, start: int, end: int | None, etag: str | None,
+                    to_fault: Callable[[BaseException], StoreFault]) -> ObstoreBody:
+    """A GET of bytes ``[start, end)`` of ``path`` (``etag``: fail if it changed) from an obstore
+    store. Raises obstore's own errors (the caller translates them); the body, ``to_fault``'s."""
+    import obstore
+
+    options: dict[str, Any] = {"range": (start, end)} if end is not None else {"range": {"offset": start}} if start else {}
+    if etag is not None:
+        options["if_match"] = etag
+    result = await obstore.get_async(client, path, options=options)
+    meta = result.meta
+    return ObstoreBody(to_fault, result, meta["size"], meta.get("e_tag"))
 
 
 class ObstoreBody(Body):

@@ -10,8 +10,8 @@ from typing import Any
 
 from headrace._errors import ConfigError
 
-from ._base import ObjectInfo, Store, StoreFault
-from ._obstore import HELD_PER_GET, ObstoreBody, fault
+from ._base import Body, ObjectInfo, Store, StoreFault
+from ._obstore import HELD_PER_GET, fault, open_body
 
 __all__ = ["S3Store"]
 
@@ -81,15 +81,8 @@ class S3Store(Store):
         return self._client
 
     async def open(self, key: str, start: int = 0, *, end: int | None = None, etag: str | None = None) -> Body:
-        import obstore
-
-        options: dict[str, Any] = {"range": (start, end)} if end is not None else {"range": {"offset": start}} if start else {}
-        if etag is not None:
-            options["if_match"] = etag
         try:
-            result = await obstore.get_async(self._store(), key, options=options)
-            meta = result.meta
-            return ObstoreBody(self._fault, result, meta["size"], meta.get("e_tag"))
+            return await open_body(self._store(), key, start, end, etag, self._fault)
         except Exception as exc:  # obstore raises its own tree; translate it here
             raise self._fault(exc) from None
 
