@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from headrace import _native as native
 
-__all__ = ["ChunkReader", "PathTable", "copy_spans", "unavailable_reason"]
+__all__ = ["ChunkReader", "PathTable", "copy_spans", "tar_scanner", "unavailable_reason"]
 
 _SOURCE = Path(__file__).parent / "_native" / "read_files.c"
 _lock = threading.Lock()
@@ -52,6 +52,7 @@ def _load() -> ctypes.CDLL | None:
                 lib.hr_read_files.argtypes, lib.hr_read_files.restype = [ctypes.c_int, p, p, p, p], None
                 lib.hr_close_files.argtypes, lib.hr_close_files.restype = [ctypes.c_int, p], None
                 lib.hr_copy_spans.argtypes, lib.hr_copy_spans.restype = [ctypes.c_int, p, p, p], None
+                lib.hr_tar_scan.argtypes, lib.hr_tar_scan.restype = [p, ctypes.c_int64, ctypes.c_int64, p], ctypes.c_int64
                 lib.read_chunk = None
                 if with_python:  # holds the GIL when called, and lets it go around its I/O itself
                     read_chunk = ctypes.PyDLL(str(target)).hr_read_chunk
@@ -150,6 +151,13 @@ def copy_spans(spans: Sequence[tuple[int, int]]) -> list[bytes] | None:
     sizes = np.fromiter((size for _, size in spans), dtype=np.int64, count=n)
     lib.hr_copy_spans(n, outs, sources.ctypes.data, sizes.ctypes.data)
     return blobs
+
+
+def tar_scanner() -> Callable[[int, int, int, int], int] | None:
+    """``hr_tar_scan(address, length, max, records)`` (``_tar.py`` reads shards' headers with it);
+    None without the C helper."""
+    lib = _load()
+    return None if lib is None else lib.hr_tar_scan
 
 
 def _with_errors(blobs: list, path_of: Callable[[int], bytes]) -> list[bytes | OSError]:

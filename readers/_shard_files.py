@@ -175,7 +175,7 @@ class ShardFiles:
         remote = isinstance(source, RemoteFile)
         try:
             with open_shard(source) as f:
-                for j, key, fields, error in iter_groups(f, path, select, lambda: feed.stopped, spans=remote):
+                for j, key, fields, error in iter_groups(f, path, select, lambda: feed.stopped, spans=True):
                     last = j
                     if fields is None:
                         continue
@@ -185,8 +185,7 @@ class ShardFiles:
                         fields = {}
                     chunk.append(Sample(key, fields, path, base + j, rank_base + (j - first) // stride, error))
                     if len(chunk) >= self.chunk_size:
-                        if remote:
-                            _own_bytes(chunk)
+                        _own_bytes(chunk)
                         if not feed.put(chunk):
                             return
                         chunk = []
@@ -201,8 +200,7 @@ class ShardFiles:
             chunk.append(Sample(exc.key or os.path.basename(path), {}, path, base + j,
                                 rank_base + max(0, j - first) // stride, exc))
         if chunk:
-            if remote:
-                _own_bytes(chunk)
+            _own_bytes(chunk)
             feed.put(chunk)
         feed.put(END, force=True)
 
@@ -218,8 +216,8 @@ def _keep(download: RemoteFile) -> None:
 
 
 def _own_bytes(chunk: list[Sample]) -> None:
-    """Every field of the chunk its own ``bytes``, as read from a file: the members a download
-    handed out uncopied (``Span``) are copied out of their blocks in one call that lets the GIL go.
+    """Every field of the chunk its own ``bytes``, as read from a file: the members a download or
+    a mapped shard handed out uncopied (``Span``) are copied out in one call that lets the GIL go.
     A copy into fresh memory costs ~50 µs a 68 KB member in page faults (H100, samples kept alive
     as a shuffle buffer keeps them): with the GIL held, the event loop and the decode lanes waited
     that long for every member (docs/benchmarks.md, issue 21)."""

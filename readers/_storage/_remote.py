@@ -255,6 +255,31 @@ class RemoteFile:
                 return span
         return self.read(n)
 
+    def window(self) -> tuple[memoryview, int] | None:
+        """The rest of the block at hand, from the next byte, and where it starts in memory (for the
+        tar parser's C helper to read headers in place); None when no block is here yet."""
+        try:  # without the lock, as in ``read``: only this thread takes blocks off
+            first = self._blocks[0]
+        except IndexError:
+            return None
+        offset, block, address = first
+        start = self._pos - offset
+        if not 0 <= start < len(block):
+            return None
+        if address is None:
+            address = first[2] = _address(block)
+        return block[start:], address + start
+
+    def consume(self, n: int) -> None:
+        """The thread is done with the next ``n`` bytes, all in the block ``window()`` gave."""
+        with self._cond:
+            if not self._blocks:
+                self._check()
+            offset, block, _ = self._blocks[0]
+            self._advance(self._pos - offset, n, block)
+        if self._teed:
+            self._write_teed()
+
     def peek(self, n: int = 1) -> bytes:
         """Up to ``n`` next bytes without consuming them (``n`` small: the gzip magic)."""
         with self._cond:
