@@ -210,7 +210,7 @@ class _TarCursor:
     """Reads a tar stream member by member, keeping the byte offset and the key being read (for the
     errors it raises) and, for a seekable file, where the archive ends (to seek over data)."""
 
-    __slots__ = ("_batch", "_data", "_next", "_records", "_scan", "_view", "_window", "address", "end", "f",
+    __slots__ = ("_batch", "_data", "_records", "_scan", "_view", "_window", "address", "end", "f",
                  "key", "offset", "read", "source", "spans", "take")
 
     def __init__(self, f: BinaryIO, source: str, spans: bool = False) -> None:
@@ -228,9 +228,8 @@ class _TarCursor:
         # The C helper's path: headers scanned out of ``f.window()``, the contiguous bytes at hand.
         self._window = getattr(f, "window", None)
         self._scan = tar_scanner() if self._window is not None else None
-        self._records = (ctypes.c_int64 * (4 * _SCAN_BATCH))()
-        self._batch: list[int] = []  # the records of the window being read, flat
-        self._next = 0  # index into _batch of the next record
+        self._records = (ctypes.c_int64 * (6 * _SCAN_BATCH))()
+        self._batch: list[int] = []  # the records of the window being read, flat (hr_tar_scan's six a member)
         self._view: memoryview | None = None
         self.address = 0
         self._data: int | None = None  # the current member's data in _view (helper's path)
@@ -238,18 +237,50 @@ class _TarCursor:
     def error(self, message: str) -> ReadError:
         return ReadError(message, key=self.key, source=self.source)
 
+    def fields(self, stop: Callable[[], bool] | None) -> Iterator[tuple[str, str, str | None, int, int]]:
+        """(key, field, name, size, padded size) of each member that becomes a field, in order;
+        the others are passed over. ``name`` is None for a plain field (the C helper checked its
+        name: ``key.field`` as written). After each, the caller reads or skips the member's data.
+        ``stop()`` is polled once a member."""
+        while True:
+            if stop is not None and stop():
+                return
+            if self._scan is not None and self._scan_window():
+                view = self._view
+                assert view is not None
+                records = self._batch
+                for header, size, kind, name_length, key_length, plain in zip(*[iter(records)] * 6):
+                    if stop is not None and stop():
+                        return
+                    self.offset += BLOCK
+                    self._data = header + BLOCK
+                    padded = (size + BLOCK - 1) & ~(BLOCK - 1)
+                    if plain:
+                        key = bytes(view[header : header + key_length]).decode("ascii")
+                        ext = bytes(view[header + key_length + 1 : header + name_length]).decode("ascii").lower()
+                        yield key, ext, None, size, padded
+                        continue
+                    name = bytes(view[header : header + name_length]).decode("utf-8", "surrogateescape")
+                    split = _field_name(name, _KINDS[kind])
+                    if split is None:
+                        self.skip_member(padded, name)
+                    else:
+                        yield split[0], split[1], name, size, padded
+                continue
+            member = self.next_member()
+            if member is None:
+                return
+            name, kind, size, padded = member
+            split = _field_name(name, kind)
+            if split is None:
+                self.skip_member(padded, name)
+            else:
+                yield split[0], split[1], name, size, padded
+
     def next_member(self) -> tuple[str, bytes, int, int] | None:
-        """(name, type flag, size, size padded to blocks) of the next member, its GNU long-name and
-        pax headers applied; None at the end of the archive. The cursor is then at its data."""
-        if self._scan is not None and (self._next < len(self._batch) or self._scan_window()):
-            header, size, kind, name_length = self._batch[self._next : self._next + 4]
-            self._next += 4
-            view = self._view
-            assert view is not None
-            self.offset += BLOCK
-            self._data = header + BLOCK
-            name = bytes(view[header : header + name_length]).decode("utf-8", "surrogateescape")
-            return name, _KINDS[kind], size, (size + BLOCK - 1) & ~(BLOCK - 1)
+        """(name, type flag, size, size padded to blocks) of the next member, read in Python, its GNU
+        long-name and pax headers applied; None at the end of the archive. The cursor is then at
+        its data."""
         long_name: str | None = None
         pax: dict[str, str] = {}
         while True:
@@ -278,8 +309,8 @@ class _TarCursor:
         """Scan headers in the window at hand (after handing back the one read); False when the
         helper leaves the next member to Python."""
         if self._batch:
-            last = self._batch[-4:]
-            self._batch, self._next, self._view = [], 0, None
+            last = self._batch[-6:]
+            self._batch, self._view = [], None
             self.f.consume(last[0] + BLOCK + ((last[1] + BLOCK - 1) & ~(BLOCK - 1)))  # type: ignore[attr-defined]
         assert self._window is not None and self._scan is not None
         window = self._window()
@@ -289,7 +320,7 @@ class _TarCursor:
         n = self._scan(address, len(view), _SCAN_BATCH, ctypes.addressof(self._records))
         if n == 0:
             return False
-        self._batch, self._view, self.address = self._records[: 4 * n], view, address
+        self._batch, self._view, self.address = self._records[: 6 * n], view, address
         return True
 
     def _header(self) -> bytes | None:
@@ -311,7 +342,7 @@ class _TarCursor:
             raise self.error(f"corrupt tar header at byte {self.offset} (checksum mismatch)")
         return header
 
-    def skip_member(self, padded: int, name: str) -> None:
+    def skip_member(self, padded: int, name: str | None) -> None:
         """Pass over the member's data without reading it where the file can seek."""
         if self._data is not None:
             self._data = None
@@ -319,7 +350,7 @@ class _TarCursor:
             self._skip(padded, name)
         self.offset += padded
 
-    def read_member(self, size: int, padded: int, name: str) -> bytes | Span:
+    def read_member(self, size: int, padded: int, name: str | None) -> bytes | Span:
         start = self._data
         if start is not None:
             self._data = None
@@ -336,7 +367,7 @@ class _TarCursor:
         self.offset += padded
         return data
 
-    def _skip(self, n: int, name: str) -> None:
+    def _skip(self, n: int, name: str | None) -> None:
         if n <= 0:
             return
         if self.end is not None and n > BLOCK:
@@ -388,18 +419,7 @@ def iter_groups(f: BinaryIO, source: str, select: Callable[[int], bool] | None =
     key: str | None = None
     fields: dict[str, bytes] | None = None
     error: ReadError | None = None
-    while True:
-        if stop is not None and stop():
-            return
-        member = tar.next_member()
-        if member is None:
-            break
-        name, kind, size, padded = member
-        split = _field_name(name, kind)
-        if split is None:
-            tar.skip_member(padded, name)
-            continue
-        member_key, ext = split
+    for member_key, ext, name, size, padded in tar.fields(stop):
         if member_key != key:
             if key is not None:
                 yield ordinal, key, fields, error
@@ -408,7 +428,7 @@ def iter_groups(f: BinaryIO, source: str, select: Callable[[int], bool] | None =
             error = None
             wanted = select is None or select(ordinal)
             fields = {} if wanted else None
-            if wanted and unsafe(member_key):
+            if wanted and name is not None and unsafe(member_key):  # a plain field's key is safe
                 fields, error = {}, ReadError(f"member path escapes the archive: {name!r}", key=member_key, source=source)
         if fields is None or error is not None:
             tar.skip_member(padded, name)
@@ -417,7 +437,7 @@ def iter_groups(f: BinaryIO, source: str, select: Callable[[int], bool] | None =
             tar.skip_member(padded, name)
         else:
             fields[ext] = tar.read_member(size, padded, name)
-    if key is not None:
+    if key is not None and not (stop is not None and stop()):
         yield ordinal, key, fields, error
 
 

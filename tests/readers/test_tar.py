@@ -34,6 +34,11 @@ def _members(rng: random.Random) -> list[tuple[str, bytes]]:
         for ext in rng.sample(["jpg", "cls", "json"], rng.randint(1, 3)):
             out.append((f"{key}.{ext}", rng.randbytes(rng.choice([0, 1, 100, 511, 512, 513, 5000, 70_000]))))
     out[10:10] = [("__meta__/info.json", b"{}"), ("README", b"no extension")]
+    # Names at the edges of the helper's "plain field" test, each read as Python reads it.
+    odd = ["__index__", "____/x.jpg", "___.jpg", "a/__b__/c.jpg", ".hidden.jpg", "a/.b", "trailing.", "a.b.C",
+           "UPPER.JPG", "\u00fcber/\u00e9t\u00e9.jpg", "a\\b.jpg", "C:/x.jpg", "c:x.jpg", "./a.jpg", "a/./b.jpg",
+           "a/../b.jpg", "..a/b.jpg", "a../b.jpg", "/abs.jpg", "x/y/z.tar.gz"]
+    out[20:20] = [(name, rng.randbytes(rng.choice([3, 5000]))) for name in odd]
     out[30:30] = [("../escape.jpg", b"evil")]
     out[50:50] = [(out[49][0], b"the same field again")]
     return out
