@@ -366,6 +366,12 @@ def webdataset(
     every sample must have (``"jpg;png"`` accepts either); a sample without one becomes a ReadError
     sample.
 
+    Local shards (and cached copies) are mapped into memory where the C helper builds: their tar
+    headers are read in place and a chunk's members copied out with the GIL let go. Treat a shard
+    as immutable while it is read: as with any memory map, a file cut short under the reader stops
+    the process with SIGBUS (write a new file and rename it over the old one;
+    ``HEADRACE_NO_C_HELPERS=1`` reads through buffered files instead).
+
     Object storage: ``storage_options`` are the S3 and HTTP options (endpoint, region, credentials,
     headers; see ``headrace.readers.S3Store`` and ``HttpStore``) and ``retry`` (a ``Retry``, its fields
     as a dict, or an attempt count); without them the standard AWS environment applies (e.g.
