@@ -20,7 +20,6 @@ from headrace._sample import Sample
 from headrace.readers._shard_files import _own_bytes
 from headrace.readers._storage import RemoteFile
 from headrace.readers._tar import iter_groups, open_shard
-from headrace.testing import MemoryStore
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 8 << 20
@@ -29,12 +28,7 @@ CHUNK = 64
 
 def parse_download(data: bytes) -> float:
     """µs a sample to parse ``data`` from a download whose blocks are all here."""
-    remote = RemoteFile(MemoryStore({"shard": b""}), "shard", capacity=1 << 40)
-    view = memoryview(data)
-    for offset in range(0, len(data), BLOCK):
-        remote.push(offset, view[offset : offset + BLOCK])
-    remote.fetcher.size = len(data)
-    remote.finish()
+    remote = RemoteFile.arrived(data, BLOCK)
     began, n, chunk = time.perf_counter(), 0, []
     with open_shard(remote) as f:
         for j, key, fields, _ in iter_groups(f, "shard", spans=True):
@@ -67,7 +61,7 @@ def main() -> None:
     remote = [parse_download(data) for _ in range(args.runs)]
     local = [parse_file(shard) for _ in range(args.runs)]
     print(f"{shard.name}: {len(data) / 1e6:.0f} MB")
-    print(f"| parsed from | µs a sample (best) | runs |\n| --- | ---: | --- |")
+    print("| parsed from | µs a sample (best) | runs |\n| --- | ---: | --- |")
     for name, runs in (("a download's blocks", remote), ("its file", local)):
         print(f"| {name} | {min(runs):.1f} | {', '.join(f'{x:.1f}' for x in runs)} |")
 

@@ -83,6 +83,20 @@ class RemoteFile:
         self._waiting: float | None = None  # when the thread's wait for bytes going on now began
         self.fetcher = Fetcher(self, store, key, retry or Retry(), link or Link(), self._cond)
 
+    @classmethod
+    def arrived(cls, data: bytes, block: int) -> RemoteFile:
+        """A download of ``data`` whose blocks of ``block`` bytes have all arrived: read by a
+        thread with no loop and no store behind it (the parser's tests and benchmarks)."""
+        from ._memory import MemoryStore
+
+        remote = cls(MemoryStore({"shard": b""}), "shard", capacity=1 << 62)
+        view = memoryview(data)
+        for offset in range(0, len(data), block):
+            remote.push(offset, view[offset : offset + block])
+        remote.fetcher.size = len(data)
+        remote.finish()
+        return remote
+
     # -- loop side ----------------------------------------------------------------------------
 
     async def fill(self) -> None:

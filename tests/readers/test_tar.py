@@ -19,7 +19,6 @@ from headrace.readers import _tar
 from headrace.readers._read_files import tar_scanner
 from headrace.readers._storage import RemoteFile
 from headrace.readers._storage._remote import Span
-from headrace.testing import MemoryStore
 
 pytestmark = pytest.mark.skipif(tar_scanner() is None, reason="no C compiler: only the Python path exists here")
 
@@ -131,20 +130,9 @@ def test_a_download_in_blocks_parses_as_the_python_loop_does(monkeypatch, block)
     for name, data in _cases():
         with monkeypatch.context() as m:
             _python_only(m)
-            expected = _parse(_download(data, block), spans=True)
-        assert _parse(_download(data, block), spans=True) == expected, (name, block)
+            expected = _parse(RemoteFile.arrived(data, block), spans=True)
+        assert _parse(RemoteFile.arrived(data, block), spans=True) == expected, (name, block)
     assert by_helper[0] > (0 if block < 4096 else 1000)
-
-
-def _download(data: bytes, block: int) -> RemoteFile:
-    """A download whose blocks have all arrived (no loop needed to read it)."""
-    remote = RemoteFile(MemoryStore({"shard": b""}), "shard", capacity=1 << 40)
-    view = memoryview(data)
-    for offset in range(0, len(data), block):
-        remote.push(offset, view[offset : offset + block])
-    remote.fetcher.size = len(data)
-    remote.finish()
-    return remote
 
 
 def test_a_mapped_shard_closes_with_spans_still_out(tmp_path):
