@@ -404,6 +404,8 @@ class TrainingEpochs:
         self.loop = new_event_loop()
         self.lag = LoopLag()
         self.lags: list[dict[str, float]] = []  # the loop's lag in each epoch
+        # Each epoch's ``EpochMetrics`` line: whether the reader or decode held the consumer up.
+        self.metrics: list[str] = []
 
     async def _epoch(self) -> int:
         images = 0
@@ -411,6 +413,8 @@ class TrainingEpochs:
         async for batch in self.loader:
             images += batch.size
         self.lags.append(await self.lag.stop())
+        metrics = self.loader.stats().epoch_metrics
+        self.metrics.append(metrics.summary() if metrics is not None else "")
         return images
 
     def __call__(self) -> tuple[int, int]:
@@ -526,7 +530,7 @@ def run_row(args: argparse.Namespace) -> None:
     if pipeline_row:
         # The cores each kind of thread kept busy over the timed epochs, and the loop's lag in each.
         result.update(warmup_seconds=warmup, epoch_samples_per_s=epoch_rates, cores_by_thread=cores_by_thread,
-                      loop_lag=read.lags[1:])
+                      loop_lag=read.lags[1:], epoch_metrics=read.metrics[1:])
         if getattr(read.reader, "peak_buffered", 0):  # shards over a store: one download's peak load
             result["peak_load_mb"] = read.reader.peak_buffered / 2**20
         if args.pipeline == "cuda":
@@ -685,6 +689,8 @@ def measure(key: tuple[str, str, str], url: str, serve: Path, args: argparse.Nam
         busiest = ", ".join(f"{name} {cores:.2f}" for name, cores in list(res["cores_by_thread"].items())[:8])
         lag = "; ".join(f"{x['mean_ms']:.1f}/{x['p90_ms']:.1f}" for x in res["loop_lag"] if x)
         print(f"    cores: {busiest}\n    loop lag, mean/p90 ms, by epoch: {lag}", flush=True)
+        for line in res.get("epoch_metrics", [])[-1:]:  # the last epoch: who held the consumer up
+            print(f"    {line}", flush=True)
     return res
 
 
