@@ -406,13 +406,19 @@ class TrainingEpochs:
         self.lags: list[dict[str, float]] = []  # the loop's lag in each epoch
         # Each epoch's ``EpochMetrics`` line: whether the reader or decode held the consumer up.
         self.metrics: list[str] = []
+        # Each epoch's rate between its 10% and 90% marks: without the epoch's start (first GETs,
+        # 50 ms each at the latency rows) and its tail, which weigh on short epochs.
+        self.steady: list[float] = []
 
     async def _epoch(self) -> int:
         images = 0
+        marks: list[tuple[float, int]] = []
         self.lag.start()
         async for batch in self.loader:
             images += batch.size
+            marks.append((time.perf_counter(), images))
         self.lags.append(await self.lag.stop())
+        self.steady.append(_steady_rate(marks))
         metrics = self.loader.stats().epoch_metrics
         self.metrics.append(metrics.summary() if metrics is not None else "")
         return images
@@ -428,6 +434,16 @@ class TrainingEpochs:
     def close(self) -> None:
         self.loop.run_until_complete(self.loader.aclose())
         self.loop.close()
+
+
+def _steady_rate(marks: list[tuple[float, int]]) -> float:
+    """Images a second between the batches that pass 10% and 90% of the epoch's images."""
+    if not marks:
+        return 0.0
+    total = marks[-1][1]
+    first = next(m for m in marks if m[1] >= total * 0.1)
+    last = next(m for m in marks if m[1] >= total * 0.9)
+    return (last[1] - first[1]) / (last[0] - first[0]) if last[0] > first[0] else 0.0
 
 
 def row_pipeline_shards(serve: Path, url: str, where: str, args: argparse.Namespace) -> TrainingEpochs:
@@ -530,7 +546,7 @@ def run_row(args: argparse.Namespace) -> None:
     if pipeline_row:
         # The cores each kind of thread kept busy over the timed epochs, and the loop's lag in each.
         result.update(warmup_seconds=warmup, epoch_samples_per_s=epoch_rates, cores_by_thread=cores_by_thread,
-                      loop_lag=read.lags[1:], epoch_metrics=read.metrics[1:])
+                      loop_lag=read.lags[1:], epoch_metrics=read.metrics[1:], epoch_steady_samples_per_s=read.steady[1:])
         if getattr(read.reader, "peak_buffered", 0):  # shards over a store: one download's peak load
             result["peak_load_mb"] = read.reader.peak_buffered / 2**20
         if args.pipeline == "cuda":
@@ -618,6 +634,9 @@ def print_pipeline_table(results: list[dict], label: dict[str, str], bounds: dic
         gpu = f", peak torch GPU memory {r['peak_gpu_mib_torch']:.0f} MiB" if "peak_gpu_mib_torch" in r else ""
         if "peak_load_mb" in r:
             gpu += f", one download's peak load {r['peak_load_mb']:.0f} MiB (bound {r['config_buffer_mb']} MiB)"
+        steady = r.get("epoch_steady_samples_per_s")
+        if steady:
+            gpu += f"; between 10% and 90% of each epoch {', '.join(f'{x:,.0f}' for x in steady)} images/s"
         print(f"{r['row']} {r['where']}: epochs {', '.join(f'{x:,.0f}' for x in r['epoch_samples_per_s'])} images/s "
               f"(rounds {', '.join(f'{x:,}' for x in r['all_samples_per_s'])}); setup {r['setup_seconds']:.1f} s, "
               f"warm-up epoch {r['warmup_seconds']:.1f} s, process {r['process_seconds']:.0f} s{gpu}")
