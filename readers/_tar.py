@@ -108,8 +108,9 @@ class _MappedShard:
             mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
         except (OSError, ValueError, AttributeError):
             return file
-        if hasattr(mapped, "madvise"):
-            mapped.madvise(mmap.MADV_SEQUENTIAL)  # the kernel reads ahead, and drops what was read
+        sequential = getattr(mmap, "MADV_SEQUENTIAL", None)  # not on every platform
+        if sequential is not None and hasattr(mapped, "madvise"):
+            mapped.madvise(sequential)  # the kernel reads ahead, and drops what was read
         return cls(file, mapped)  # type: ignore[return-value]
 
     def window(self) -> tuple[memoryview, int] | None:
@@ -127,8 +128,13 @@ class _MappedShard:
         (a file mapping's pages come back from the file on the next touch); the mark is far enough
         behind that the chunk being filled is never there."""
         end = (self._pos - _MAPPED_BEHIND) & ~(mmap.PAGESIZE - 1)
-        if end > self._kept and hasattr(self._map, "madvise"):
-            self._map.madvise(mmap.MADV_DONTNEED, self._kept, end - self._kept)
+        dontneed = getattr(mmap, "MADV_DONTNEED", None)  # not on every platform: the map is then kept
+        if end > self._kept and dontneed is not None and hasattr(self._map, "madvise"):
+            try:
+                self._map.madvise(dontneed, self._kept, end - self._kept)
+            except OSError:  # refused here: a larger RSS, not a failed read
+                self._kept = self.size
+                return
             self._kept = end
 
     def read(self, n: int = -1) -> bytes:
