@@ -143,9 +143,6 @@ class _MappedShard:
         self._pos = max(self._pos, end)
         return out
 
-    def peek(self, n: int = 1) -> bytes:
-        return self._map[self._pos : self._pos + max(n, 1)]
-
     def seek(self, offset: int, whence: int = 0) -> int:
         base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self.size}[whence]
         self._pos = max(0, base + offset)
@@ -267,21 +264,20 @@ class _TarCursor:
                         yield key, ext, None, size, padded
                         continue
                     name = bytes(view[header : header + name_length]).decode("utf-8", "surrogateescape")
-                    split = _field_name(name, _KINDS[kind])
-                    if split is None:
-                        self.skip_member(padded, name)
-                    else:
-                        yield split[0], split[1], name, size, padded
+                    yield from self._as_field(name, _KINDS[kind], size, padded)
                 continue
             member = self.next_member()
             if member is None:
                 return
-            name, kind, size, padded = member
-            split = _field_name(name, kind)
-            if split is None:
-                self.skip_member(padded, name)
-            else:
-                yield split[0], split[1], name, size, padded
+            yield from self._as_field(*member)
+
+    def _as_field(self, name: str, kind: bytes, size: int, padded: int) -> Iterator[tuple[str, str, str, int, int]]:
+        """A member whose name Python checks: as a field, or passed over (``_field_name``)."""
+        split = _field_name(name, kind)
+        if split is None:
+            self.skip_member(padded, name)
+        else:
+            yield split[0], split[1], name, size, padded
 
     def next_member(self) -> tuple[str, bytes, int, int] | None:
         """(name, type flag, size, size padded to blocks) of the next member, read in Python, its GNU
