@@ -385,8 +385,8 @@ def webdataset(
     ``buffer_bytes / 8``). The process may show up to as much again in freed blocks the allocator keeps
     (glibc's arenas of the client's threads: 60-170 MB at ``3 * 64`` MiB, measured). While a
     parser waits for bytes (a store's latency, a bandwidth cap per connection), its download adds
-    ranged GETs of the segments ahead, sized from the latency and per-connection bandwidth it observed
-    and the parser's pace (1 MiB to ``buffer_bytes / 8`` each, 8 MiB at most, up to ``2 * buffer_bytes / segment``
+    ranged GETs of the segments ahead, as many as the latency and per-connection bandwidth it observed
+    and the parser's pace need (``buffer_bytes / 8`` each, 1 to 4 MiB, up to ``2 * buffer_bytes / segment``
     in flight, 128 for the whole read: a GET waiting for its first byte holds nothing, the bound
     above holds for the bytes they bring); the next shards start with as many once the current one has
     asked for all its bytes: for a store 50 ms and 100 MB/s per connection away,

@@ -2,23 +2,20 @@
 
 A store that answers each GET after a latency and caps each connection's bandwidth makes one GET
 too slow for a parser: while the thread waits for bytes (20 ms of waiting since the last look),
-the download gains ranged GETs of the segments ahead. How many and how big come from what the
-read's downloads observed (their ``Link``): the first-byte latency ``L`` and a connection's
-bandwidth ``B`` (both taken before the read's own GETs load the CPU and the network), and the
-parser's pace ``R`` (bytes it read per second of not waiting, a wait going on counted as waiting).
-By Little's law ``n`` segments of ``s`` bytes in flight pass ``n * s / (L + s / B)``. A GET holds
-no bytes while it waits for its first one, so the GETs may ask for ``_SPAN`` (2) capacities at once,
-``n * s <= 2 * capacity``, while what they hold stays within ``capacity`` (below): the segment is
-the largest (whole MiB, 1 MiB to ``capacity / 8`` and at most ``_MAX_SEGMENT``) whose span passes ``R``,
-``B * (2 * capacity / R - L)``, and the GETs grow to 1.5 times what ``R`` needs, up to
-``2 * capacity / s`` (``_MAX_PIECES`` at most; ``_READ_GETS`` for all the read's downloads). On
-the 2-core VM at 50 ms and 100 MB/s, loaded GETs take ~120 ms, not ``L + s / B``: 64 GETs of
-1 MiB pass ~540 MB/s (64 MiB in flight: what a span of one capacity allowed), 16 of 8 MiB
-~730 MB/s and 64 of 2 MiB ~850 MB/s (128 MiB). Only the oldest download still asking for bytes
-(``Link.leader``) grows: the ones read ahead stream on one GET until they lead, then start with
-what it came to, so the consumer's shard gets the CPU and the network first. A piece done ahead
-of the head frees its GET for the next segment at once (its bytes stay held, counted): GETs
-started together do not wait for the slowest of them.
+the download gains ranged GETs of the segments ahead. Segments are ``capacity / 8``, 1 to 4 MiB
+(``segment_bytes``; why 4 at most: ``_MAX_SEGMENT``). How many GETs come from what the read's
+downloads observed (their ``Link``): the first-byte latency ``L`` and a connection's bandwidth ``B``
+(both taken before the read's own GETs load the CPU and the network), and the parser's pace ``R``
+(bytes it read per second of not waiting, a wait going on counted as waiting). By Little's law
+``n`` segments of ``s`` bytes in flight pass ``n * s / (L + s / B)``: the GETs grow to 1.5 times
+what ``R`` needs. A GET holds no bytes while it waits for its first one, so they may ask for
+``_SPAN`` (2) capacities at once, ``n * s <= 2 * capacity`` (``_MAX_PIECES`` at most; ``_READ_GETS``
+for all the read's downloads), while what they hold stays within ``capacity`` (below).
+
+Only the oldest download still asking for bytes (``Link.leader``) grows: the ones read ahead stream
+on one GET until they lead, then start with what it came to, so the consumer's shard gets the CPU
+and the network first. A piece done ahead of the head frees its GET for the next segment at once
+(its bytes stay held, counted): GETs started together do not wait for the slowest of them.
 
 Only the first piece's bytes go to the thread; a later piece holds its own until the ones before it
 are done. What a download holds is counted as its ``load``: the bytes buffered for the thread, those
@@ -68,20 +65,23 @@ _MAX_PIECES = 64  # GETs in flight for one download
 _SPAN = 2  # what one download's GETs ask for at once, in capacities (a GET waiting for its first byte holds none)
 _READ_GETS = 128  # for all the downloads of one read: well inside a store's connection cap (S3's 503 SlowDown)
 _MIB = 1 << 20
-# Larger segments mean fewer GETs for the same bytes, each one connection's bandwidth: with 192 MiB
-# of buffer (24 MiB segments) the H200 pipeline at 50 ms read 9.1k images/s, with 8 MiB 12.6-13.0k
-# (docs/benchmarks.md, thirteenth session).
-_MAX_SEGMENT = 8 * _MIB
+# A piece reads only with room for the bytes the pieces before it still owe (``_owed_before``), so
+# about ``capacity / s`` pieces read at once, and the parser waits on the head piece's one
+# connection: larger segments leave fewer pieces reading and longer waits on the head; smaller
+# ones cost a GET each. The H200's reader alone over S3 at 50 ms and 100 MB/s a connection read
+# 17.0-17.2k samples/s with 8 MiB, 18.9-19.7k with 2, 3 or 4 MiB, 15.6-16.3k with 1 MiB (128 GETs);
+# at 128 MiB of buffer 17.4-17.7k with 8 MiB, 19.6-20.0k with 4 (docs/benchmarks.md, fifteenth session).
+_MAX_SEGMENT = 4 * _MIB
 
 
 class Link:
-    """What the downloads of one read observed of their store, shared by them: a new download
-    sizes its segments from it and starts with the GETs the earlier ones came to (``pieces``).
+    """What the downloads of one read observed of their store, shared by them: a download sizes
+    its GET count from it and starts with the GETs the earlier ones came to (``pieces``).
 
     Loop side only. ``latency``: seconds from a GET to its answer; ``bandwidth``: bytes a second
     one connection delivered. Both are taken before any download of the read gains a ranged GET:
     later, the read's own GETs share the CPU and the network, and a connection's share of them
-    would shrink the segments and add more GETs to share them with.
+    would add more GETs to share them with.
     """
 
     def __init__(self) -> None:
@@ -131,16 +131,11 @@ class Link:
         """GETs the running downloads want in flight, together."""
         return sum(f.want for f in self.fetchers)
 
-    def segment(self, capacity: int) -> int:
-        """Bytes per ranged GET: the largest (in whole MiB) whose span of ``_SPAN * capacity`` bytes
-        asked for passes the consumer's ``pace``: ``B * (2 * capacity / pace - L)``, between 1 MiB
-        and ``capacity / 8``, at most ``_MAX_SEGMENT`` (that, until the link and a pace are observed)."""
-        most = max(_MIB, min(capacity // 8, _MAX_SEGMENT))
-        bandwidth = self.bandwidth
-        if self.latency is None or bandwidth is None or not self.pace:
-            return most
-        fit = bandwidth * (_SPAN * capacity / self.pace - self.latency)
-        return min(most, max(_MIB, int(fit) // _MIB * _MIB))
+
+def segment_bytes(capacity: int) -> int:
+    """Bytes per ranged GET of a download bound to ``capacity``: an eighth of it in whole MiB, 1 MiB
+    to ``_MAX_SEGMENT``."""
+    return max(_MIB, min(capacity // 8 // _MIB * _MIB, _MAX_SEGMENT))
 
 
 class _Piece:
@@ -337,8 +332,8 @@ class Fetcher:
             self._mark = (time.monotonic(), self.file.tell(), self.file.waited)
         if self.link.leader() is not self:
             return
-        # Up to what the read's downloads came to; where larger segments allow fewer, the pace is
-        # measured again below (else a low first estimate would size every later segment).
+        # Up to what the read's downloads came to; then, while the thread still waits, what its
+        # pace needs, measured again.
         if self.want < self.link.pieces and self._more():
             while self.want < self.link.pieces and self._more():
                 pass
@@ -364,8 +359,7 @@ class Fetcher:
         return self._planned is not None and self._planned < self.size
 
     def _needed(self) -> int:
-        """GETs in flight the thread's pace since the last look needs: ``R * (L + s / B) / s``,
-        with the segment sized for that pace (``Link.segment``)."""
+        """GETs in flight the thread's pace since the last look needs: ``R * (L + s / B) / s``."""
         link, mark = self.link, self._mark
         bandwidth = link.bandwidth
         if mark is None or link.latency is None or bandwidth is None:
@@ -397,7 +391,7 @@ class Fetcher:
         return True
 
     def _segment(self) -> int:
-        return self.link.segment(self.file.capacity)
+        return segment_bytes(self.file.capacity)
 
     def load(self) -> int:
         """The bytes this download holds, counted against ``capacity``: those buffered for the

@@ -563,27 +563,22 @@ async def test_a_wait_for_bytes_going_on_counts_as_waiting():
         await reading
 
 
-def test_segments_are_sized_for_the_link_and_the_pace():
+def test_segments_are_an_eighth_of_the_bound_within_1_to_4_mib():
+    from headrace.readers._storage._remote_fetch import segment_bytes
+
+    assert segment_bytes(64 << 20) == 4 << 20  # at most 4 MiB: more pieces read at once
+    assert segment_bytes(1 << 30) == 4 << 20
+    assert segment_bytes(24 << 20) == 3 << 20
+    assert segment_bytes(8 << 20) == 1 << 20  # the default buffer
+    assert segment_bytes(4 << 20) == 1 << 20  # and 1 MiB at least
+
+
+def test_the_link_is_observed_before_the_reads_own_gets():
     from headrace.readers._storage._remote_fetch import Link
 
     link = Link()
-    assert link.segment(64 << 20) == 8 << 20  # nothing observed: capacity / 8
     link.answered(0.05)
     link.received(100 << 20, 1.0)  # ~105 MB/s a connection
-    assert link.segment(64 << 20) == 8 << 20  # no pace yet
-    link.pace = 1.5e9  # a span of 2 x 64 MiB passes 1.5 GB/s at 50 ms with segments up to ~4.1 MB
-    assert link.segment(64 << 20) == 3 << 20
-    link.pace = 700e6  # ... and 700 MB/s with the largest
-    assert link.segment(64 << 20) == 8 << 20
-    link.pace = 3e9  # more than 128 MiB / 50 ms can pass: the smallest segments
-    assert link.segment(64 << 20) == 1 << 20
-    link.pace = 100e6  # a slow consumer: few, large segments
-    assert link.segment(64 << 20) == 8 << 20
-    # A larger buffer does not make larger segments: a 24 MiB GET spends a quarter second on one
-    # connection's 100 MB/s, and fewer GETs run (slower on the H200, docs/benchmarks.md).
-    assert link.segment(192 << 20) == 8 << 20
-    assert Link().segment(1 << 30) == 8 << 20
-    assert Link().segment(4 << 20) == 1 << 20  # and 1 MiB at least
     link.pieces = 2  # a download grew: what the read's own GETs do to the link is not observed
     link.answered(0.5)
     assert link.latency == 0.05
