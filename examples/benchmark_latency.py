@@ -155,6 +155,15 @@ def _object_keys(serve: Path) -> list[str]:
     return sorted(p.relative_to(serve).as_posix() for p in (serve / "images").rglob("*.jpg"))
 
 
+def _read_ahead(args: argparse.Namespace) -> int:
+    """The shards read ahead of the current one: ``--read-ahead``, or the reader's default."""
+    from headrace import readers
+
+    if args.read_ahead is not None:
+        return args.read_ahead
+    return inspect.signature(readers.webdataset).parameters["read_ahead"].default
+
+
 def _shards_reader(serve: Path, url: str, where: str, args: argparse.Namespace, **options):  # noqa: ANN202
     """headrace's webdataset reader over the shards, from ``where``; ``options`` go to the reader."""
     from headrace import readers
@@ -167,6 +176,8 @@ def _shards_reader(serve: Path, url: str, where: str, args: argparse.Namespace, 
     else:
         sources = [f"{url}/{BUCKET}/shards/{n}" for n in names]
     kw = {} if where == "local" else {"buffer_bytes": args.buffer_mb << 20}
+    if args.read_ahead is not None:
+        kw["read_ahead"] = args.read_ahead
     return readers.webdataset(sources, **kw, **options)
 
 
@@ -232,7 +243,7 @@ def row_headrace_download(serve: Path, url: str, where: str, args: argparse.Name
     storage = Storage()
     for source in sources:
         storage.locate(source)  # the stores (and their clients) made off the clock
-    at_once = inspect.signature(readers.webdataset).parameters["read_ahead"].default + 1
+    at_once = _read_ahead(args) + 1
 
     def drain(f) -> int:  # noqa: ANN001 - a RemoteFile, read by a thread as the parser reads it
         n = 0
@@ -542,7 +553,8 @@ def run_row(args: argparse.Namespace) -> None:
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     result = {"samples": samples, "payload_bytes": nbytes, "seconds": seconds, "cpu_seconds": cpu() - began,
               "samples_per_s": samples / seconds, "mb_per_s": nbytes / seconds / 1e6, "peak_rss_mb": own,
-              "peak_rss_children_mb": children, "setup_seconds": setup, "config_buffer_mb": args.buffer_mb, **_extra}
+              "peak_rss_children_mb": children, "setup_seconds": setup, "config_buffer_mb": args.buffer_mb,
+              "config_read_ahead": _read_ahead(args), **_extra}
     if pipeline_row:
         # The cores each kind of thread kept busy over the timed epochs, and the loop's lag in each.
         result.update(warmup_seconds=warmup, epoch_samples_per_s=epoch_rates, cores_by_thread=cores_by_thread,
@@ -597,7 +609,7 @@ def reader_bounds(args: argparse.Namespace) -> dict[str, int]:
     """
     from headrace import readers
 
-    read_ahead = inspect.signature(readers.webdataset).parameters["read_ahead"].default
+    read_ahead = _read_ahead(args)
     files = inspect.signature(readers.files).parameters
     objects = files["buffer_bytes"].default + files["requests"].default * (128 << 10)
     shards = 2 * (read_ahead + 1) * (args.buffer_mb << 20)
@@ -681,6 +693,8 @@ def measure(key: tuple[str, str, str], url: str, serve: Path, args: argparse.Nam
         server_cpu = server_stats(url, reset=True)["cpu_seconds"]
     cmd = [sys.executable, __file__, "--row", row, "--where", where, "--url", url, "--serve", str(serve),
            "--buffer-mb", str(args.buffer_mb), "--workers", str(args.workers)]
+    if args.read_ahead is not None:
+        cmd += ["--read-ahead", str(args.read_ahead)]
     if args.pipeline:
         cmd += ["--pipeline", args.pipeline, "--epochs", str(args.epochs), "--batch", str(args.batch)]
     started = time.perf_counter()
@@ -721,6 +735,8 @@ def main() -> None:
     parser.add_argument("--mbps", type=float, default=100, help="per connection")
     parser.add_argument("--max-connections", type=int, default=256)
     parser.add_argument("--buffer-mb", type=int, default=64, help="headrace webdataset(buffer_bytes=) for remote shards")
+    parser.add_argument("--read-ahead", type=int, default=None, help="headrace webdataset(read_ahead=), every shard row "
+                        "(default: the reader's)")
     parser.add_argument("--workers", type=int, default=16, help="DataLoader worker processes")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rows", default="all", help="all, or a comma list of: headrace,webdataset,litdata,streaming,"
