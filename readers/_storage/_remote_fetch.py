@@ -69,7 +69,7 @@ _MIB = 1 << 20
 # about ``capacity / s`` pieces read at once, and the parser waits on the head piece's one
 # connection: larger segments leave fewer pieces reading and longer waits on the head; smaller
 # ones cost a GET each. The H200's reader alone over S3 at 50 ms and 100 MB/s a connection read
-# 17.0-17.2k samples/s with 8 MiB, 18.9-19.7k with 2, 3 or 4 MiB, 15.6-16.3k with 1 MiB (128 GETs);
+# 17.0-17.6k samples/s with 8 MiB, 18.9-19.9k with 2, 3 or 4 MiB, 15.6-16.3k with 1 MiB (128 GETs);
 # at 128 MiB of buffer 17.4-17.7k with 8 MiB, 19.6-20.0k with 4 (docs/benchmarks.md, fifteenth session).
 _MAX_SEGMENT = 4 * _MIB
 
