@@ -38,16 +38,11 @@ class Reader(ABC):
     runs read on other world sizes (every rank of a span at the same position); it then yields this
     rank's part of what those spans left unread, from position ``k`` of that part. The loader passes
     ``history`` only when it is not empty, so other readers need not take it.
-
-    ``overlapping_reads``: two epochs' ``read()`` iterators may run at once. The loader's
-    ``run_ahead`` then starts the next epoch's reading shortly before this epoch's reader ends,
-    not after it.
     """
 
     rank: int = 0
     world: int = 1
     reshardable: bool = False
-    overlapping_reads: bool = False
 
     @abstractmethod
     def __len__(self) -> int:

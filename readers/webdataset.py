@@ -99,13 +99,6 @@ class WebDatasetReader(Reader):
         return self.files.names
 
     @property
-    def overlapping_reads(self) -> bool:
-        """Each read has its own parser threads and downloads (they share what the downloads
-        observed of the store, the older read's downloads first), so two epochs may be read at
-        once; not with a ``cache``, where both could write one shard's copy."""
-        return self.files.cache is None
-
-    @property
     def retries(self) -> int:
         """Storage faults survived by this reader's downloads (each resumed from the byte reached)."""
         return self.files.retries

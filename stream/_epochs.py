@@ -49,10 +49,6 @@ class Epochs:
         self._executor: Executor | None = None
         self.active: _Run | None = None
         self.ahead: _Run | None = None
-        # What the last epoch read whole from its start yielded, and how long its reader took to
-        # its first chunk: when the next run's reading may start (``_reading_ends_soon``).
-        self._epoch_samples: int | None = None
-        self._first_chunk_seconds = 0.0
         # A run whose loop was left without closing its iterator (a bare ``break``): the next
         # ``async for`` tears it down before it starts its own.
         self._abandoned: _Run | None = None
@@ -141,7 +137,7 @@ class Epochs:
             self._errors.add(error, action)
         if isinstance(item, BaseException):
             raise item
-        if run_ahead and self.ahead is None and (run.read_all.is_set() or self._reading_ends_soon(run)):
+        if run_ahead and self.ahead is None and run.read_all.is_set():
             self.ahead = _Run(self.cfg, run.epoch + 1, 0, 0, dispatch_after=run.dispatched_all)
             self.ahead.start_runner()
         stats = self._stats
@@ -161,21 +157,6 @@ class Epochs:
         run.samples_out += item.size
         return item
 
-    def _reading_ends_soon(self, run: _Run) -> bool:
-        """The run's reader is expected to yield its last sample within twice the time a reader
-        took to its first chunk (over object storage, a latency or two), and its reads may overlap
-        the next epoch's: so the next epoch's first GETs and fills are under way by then, instead
-        of starting once this reader is done. Expected from the last epoch read whole, at this
-        epoch's rate so far. Near the end of an epoch the readers then hold up to twice their
-        buffers."""
-        expected, read = self._epoch_samples, run.read_items
-        if (expected is None or run.start or run.history or not read or run.read_started is None
-                or not getattr(self.cfg.reader, "overlapping_reads", False)):
-            return False
-        lead = 2 * max(run.first_chunk_seconds or 0.0, self._first_chunk_seconds)
-        elapsed = time.perf_counter() - run.read_started
-        return (expected - read) * elapsed / read <= lead
-
     async def _end(self, run: _Run, completed: bool, bar: EpochProgress | None) -> None:
         """After an iteration, however it ended: record the epoch's metrics and stop the run."""
         run.consumer_inside = False
@@ -187,9 +168,6 @@ class Epochs:
         if bar is not None:
             bar.close(run.metrics())
         if completed:
-            if not run.start and not run.history:
-                self._epoch_samples = run.read_items
-                self._first_chunk_seconds = run.first_chunk_seconds or 0.0
             self.active = None
             await run.aclose()
         elif run.superseded:

@@ -93,11 +93,8 @@ class Loader:
             channels: ``max_bytes``, two batches), and once the epoch's last batch has gone to
             decode, start decoding it (up to ``prefetch`` batches), so neither the reads nor the
             lanes drain and refill at every epoch boundary, as DALI's pipeline runs on (over
-            object storage, the next epoch's first GETs overlap this epoch's last batches). A
-            reader whose reads may overlap (``Reader.overlapping_reads``: ``webdataset()`` without
-            ``cache_dir``) starts the next epoch sooner, from the second epoch on: about twice its
-            first chunk's wait before it is expected to end, so for that while two epochs' reads
-            hold their buffers. The next ``async for`` takes that work over;
+            object storage, the next epoch's first GETs overlap this epoch's last batches). The
+            next ``async for`` takes that work over;
             a ``load_state_dict``, a ``break`` or ``aclose()`` throws it away (``state_dict()`` never
             counts it). The ``sync()`` facade does not run ahead (each of its epochs has its own
             event loop, which the work would not outlive). Default: on for the GPU path (its executor is shared

@@ -184,11 +184,6 @@ class _Run:
         # while this one's last batches decode. Over object storage that hides the next epoch's
         # first GETs, ~0.2 s an epoch at 50 ms a GET.
         self.read_all = asyncio.Event()
-        # When the reader was asked for the epoch and how long its first chunk took (perf_counter
-        # seconds): with a reader whose reads may overlap, the loader starts the next epoch's run
-        # that long (twice) before this reader is expected to end (``Epochs._reading_ends_soon``).
-        self.read_started: float | None = None
-        self.first_chunk_seconds: float | None = None
         # Set once every batch of the epoch has gone to the executor; a run started ahead sends
         # its first batch only after the previous run's (``dispatch_after``), so the lanes take
         # the epochs' batches in order.
@@ -207,11 +202,6 @@ class _Run:
         self._read_items, self._read_seconds = 0, 0.0
         self._decode_items, self._decode_seconds = 0, 0.0
         self._decoding, self._decoding_since = 0, 0.0  # batches in the executor, and since when
-
-    @property
-    def read_items(self) -> int:
-        """Samples the reader has yielded so far in this run."""
-        return self._read_items
 
     def start_runner(self) -> None:
         """Start the stages (once; a run started ahead of its epoch is not started again)."""
@@ -280,7 +270,6 @@ class _Run:
             # ``history`` only when there is one: readers that cannot reshard need not take it.
             more = {"history": self.history} if self.history else {}
             stream = cfg.reader.read(self.epoch, start=self.start, seed=cfg.seed, **more)
-            self.read_started = time.perf_counter()
             async with contextlib.aclosing(stream):
                 chunks = aiter(stream)
                 while True:
@@ -291,8 +280,6 @@ class _Run:
                         break
                     finally:
                         self._read_seconds += time.perf_counter() - started
-                    if self.first_chunk_seconds is None:
-                        self.first_chunk_seconds = time.perf_counter() - self.read_started
                     self._read_items += len(chunk)
                     await self._chunks_tx.send(chunk, samples_nbytes(chunk))
             self.read_all.set()

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 
 import pytest
 import torch
 
 from headrace import ConfigError, Loader, ops, readers
-from headrace.readers import Reader
 
 
 def _loader(folder, **kw):
@@ -138,68 +136,6 @@ async def test_the_next_epoch_reads_ahead_but_decodes_after_the_last_batch_went_
         _same(x, y)
     for x, y in zip(await _collect(loader), await _collect(plain), strict=True):  # epoch 1: the run ahead
         _same(x, y)
-    await loader.aclose()
-    await plain.aclose()
-    await leaks.check()
-
-
-class _Far(Reader):
-    """A reader whose every epoch waits ``delay`` seconds for its first chunk, as a far store's
-    first GETs do; its reads may overlap (``overlapping``) or not."""
-
-    def __init__(self, inner, delay: float, overlapping: bool) -> None:
-        self.inner, self.delay, self.overlapping_reads = inner, delay, overlapping
-        self.rank, self.world = inner.rank, inner.world
-        self.reading = 0  # read() iterators open now
-        self.most_reading = 0
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def shard(self, rank, world, *, equal=None):
-        return _Far(self.inner.shard(rank, world, equal=equal), self.delay, self.overlapping_reads)
-
-    async def read(self, epoch, *, start=0, seed=0):
-        self.reading += 1
-        self.most_reading = max(self.most_reading, self.reading)
-        try:
-            await asyncio.sleep(self.delay)
-            async with contextlib.aclosing(self.inner.read(epoch, start=start, seed=seed)) as stream:
-                async for chunk in stream:
-                    await asyncio.sleep(0.002)
-                    yield chunk
-        finally:
-            self.reading -= 1
-
-
-def _far_loader(overlapping: bool, **kw):
-    items = [{"bin": bytes([i % 256]) * 100} for i in range(512)]
-    reader = _Far(readers.sequence(items, seed=5), delay=0.1, overlapping=overlapping)
-    return Loader(reader, batch_size=32, device="cpu", num_threads=2, seed=3,
-                  pipeline=ops.Pipeline(image=None, label=None, fields=["bin"]), **kw)
-
-
-@pytest.mark.parametrize("overlapping", [True, False])
-async def test_a_reader_whose_reads_overlap_starts_the_next_epoch_before_it_ends(overlapping, leaks):
-    loader, plain = _far_loader(overlapping, run_ahead=True), _far_loader(overlapping, run_ahead=False)
-    await _collect(loader)  # epoch 0 read whole: how long an epoch is and its first chunk took
-    early = False
-    got = []
-    async for batch in loader:
-        got.append(batch)
-        run, ahead = loader._epochs.active, loader._epochs.ahead
-        early = early or (ahead is not None and not run.read_all.is_set())
-    # Overlapping: the next epoch's run started while this epoch's reader still read (its first
-    # chunk a latency away); otherwise only once the reader was done.
-    assert early is overlapping
-    assert loader.reader.most_reading == (2 if overlapping else 1)
-    await _collect(plain)
-    want = await _collect(plain)  # epoch 1
-    assert [b.sample_keys for b in got] == [b.sample_keys for b in want]
-    assert [b["bin"] for b in got] == [b["bin"] for b in want]
-    assert [b.sample_keys for b in await _collect(loader)] == [b.sample_keys for b in await _collect(plain)]
-    async for _ in loader:  # epoch 3, taken over from the run ahead, left early
-        break
     await loader.aclose()
     await plain.aclose()
     await leaks.check()
