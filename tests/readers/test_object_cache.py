@@ -31,12 +31,12 @@ def _object_gets(servers, kind: str) -> set[str]:
     return {r["path"] for r in servers.log(kind) if r["path"].endswith(".jpg")}
 
 
-def _remote(servers, kind, image_folder, **options):
+def _remote(servers, kind, image_folder, retry=RETRY, **options):
     if kind == "s3":
-        return readers.files(f"s3://{BUCKET}/images/", storage_options={"retry": RETRY}, **options)
+        return readers.files(f"s3://{BUCKET}/images/", storage_options={"retry": retry}, **options)
     paths = sorted(p.relative_to(image_folder).as_posix() for p in image_folder.rglob("*.jpg"))
     return readers.files([f"{servers.http}/images/{p}" for p in paths], labels=[int(p[1]) for p in paths],
-                         storage_options={"retry": RETRY}, **options)
+                         storage_options={"retry": retry}, **options)
 
 
 def _same(samples, expected):
@@ -130,12 +130,16 @@ async def test_a_loader_running_ahead_across_epochs_with_a_cache(s3_env, image_f
     import headrace
     from headrace import ops
 
+    # No faults here: a patient timeout, so that two reads' GETs queued at a loaded test server
+    # are not taken for stalls (0.5 s, six times in a row, failed it on the 2-core VM under load).
+    retry = {**RETRY, "timeout": 5.0}
+
     def make(cache_dir):
         if reader == "files":
-            source = _remote(s3_env, "s3", image_folder, shuffle=True, chunk_size=8, cache_dir=cache_dir)
+            source = _remote(s3_env, "s3", image_folder, retry, shuffle=True, chunk_size=8, cache_dir=cache_dir)
         else:
             source = readers.webdataset(f"s3://{BUCKET}/wds/shard-{{000000..000009}}.tar", shuffle=True,
-                                        shuffle_buffer=16, storage_options={"retry": RETRY}, cache_dir=cache_dir)
+                                        shuffle_buffer=16, storage_options={"retry": retry}, cache_dir=cache_dir)
         return headrace.Loader(source, batch_size=8, pipeline=ops.validation(32), num_threads=2, seed=3,
                                device="cpu", run_ahead=True)
 
