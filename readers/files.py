@@ -6,8 +6,8 @@ import asyncio
 import concurrent.futures
 import contextlib
 import os
-from functools import partial
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
@@ -340,7 +340,8 @@ def files(
     common: dict[str, Any] = {"shuffle": shuffle, "seed": seed, "chunk_size": chunk_size, "io_threads": io_threads,
                               "storage": storage, "requests": requests, "native_read": native_read,
                               "buffer_bytes": buffer_bytes,
-                              "cache": from_arguments("files", cache_dir, cache_bytes, partial(ObjectCache, native=native_read))}
+                              "cache": from_arguments("files", cache_dir, cache_bytes,
+                                                      partial(ObjectCache, native=native_read))}
     exts = {e.lower().lstrip(".") for e in extensions}
     if isinstance(source, (str, os.PathLike)):
         if labels is not None:

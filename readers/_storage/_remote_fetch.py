@@ -87,7 +87,6 @@ class Link:
     def __init__(self) -> None:
         self.latency: float | None = None
         self.pieces = 1  # the most GETs in flight one download came to
-        self.pace: float | None = None  # bytes a second the consumer read while not waiting, last measured
         self.fetchers: dict[Fetcher, None] = {}  # the downloads running now, oldest first
         # Times a head GET went on only because its parser had read all it was given, the room
         # being held by the pieces behind it: it then creeps a block per read (what
@@ -161,6 +160,7 @@ class Fetcher:
         self.retries = 0  # faults survived (reported in the reader's stats)
         self.peak = 0  # most bytes buffered at once
         self.want = 1  # GETs in flight wanted now
+        self.segment = segment_bytes(file.capacity)  # bytes per ranged GET
         self._mark: tuple[float, int, float] | None = None  # (time, bytes read, seconds waited) at the last look
         self._loop: asyncio.AbstractEventLoop | None = None
         self._room: asyncio.Event | None = None
@@ -355,7 +355,7 @@ class Fetcher:
             return True
         tail = self._pieces[-1] if self._pieces else None
         if tail is not None and tail.end is None:  # one streamed GET: _more cuts it a segment ahead
-            return tail.pos + 2 * self._segment() <= self.size
+            return tail.pos + 2 * self.segment <= self.size
         return self._planned is not None and self._planned < self.size
 
     def _needed(self) -> int:
@@ -368,14 +368,13 @@ class Fetcher:
         busy = (time.monotonic() - began) - (self.file.waited - waited)
         if self.file.tell() <= read:  # nothing read since (a jump, or a thread held up elsewhere)
             return 0
-        link.pace = (self.file.tell() - read) / max(busy, 2e-3)
-        segment = self._segment()
-        return math.ceil(link.pace * (link.latency + segment / bandwidth) / segment)
+        pace = (self.file.tell() - read) / max(busy, 2e-3)
+        return math.ceil(pace * (link.latency + self.segment / bandwidth) / self.segment)
 
     def _more(self) -> bool:
         """One more piece in flight, if the limits and the object's size allow."""
         assert self.size is not None
-        segment = self._segment()
+        segment = self.segment
         # The span: GETs asking for twice ``capacity``. Answered, the pieces after the head hold
         # their segments (in the client, then here) only as far as the room check lets them.
         if self.want >= min(_MAX_PIECES, _SPAN * self.file.capacity // segment) or self.link.wanted() >= _READ_GETS:
@@ -389,9 +388,6 @@ class Fetcher:
         self.link.pieces = max(self.link.pieces, self.want)
         self._plan()
         return True
-
-    def _segment(self) -> int:
-        return segment_bytes(self.file.capacity)
 
     def load(self) -> int:
         """The bytes this download holds, counted against ``capacity``: those buffered for the
@@ -410,7 +406,7 @@ class Fetcher:
         held behind the head do not count)."""
         if self._group is None or self._planned is None or self.file.closed:
             return
-        segment = self._segment()
+        segment = self.segment
         while self._running < self.want and self._planned < (self.size or 0):
             piece = _Piece(self._planned, min(self._planned + segment, self.size or 0))
             self._planned = piece.end
