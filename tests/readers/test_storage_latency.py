@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import tarfile
 import time
 from dataclasses import dataclass
@@ -41,10 +42,15 @@ class Slow:
 
     async def idle(self) -> None:
         """Wait until every connection to the server is closed, then start its peaks again."""
-        for _ in range(200):
-            if (await asyncio.to_thread(server_stats, self.url))["open"] == 0:
+        # An earlier test's store may sit in a reference cycle, its pool's connections open with it:
+        # counted in this test's peaks, they failed a bound once in CI.
+        gc.collect()
+        for _ in range(500):
+            if (open_now := (await asyncio.to_thread(server_stats, self.url))["open"]) == 0:
                 break
             await asyncio.sleep(0.01)
+        else:
+            raise AssertionError(f"{open_now} connections to the test server still open after 5 s")
         await asyncio.to_thread(server_stats, self.url, reset=True)
 
 
@@ -178,22 +184,25 @@ async def test_resume_mid_shard_and_mid_object_list_is_exact(slow, image_folder)
         _same(await _read_all(remote, epoch=3, start=start), whole[start:])
 
 
-@pytest.mark.parametrize("kind", ["s3", "http"])
-async def test_the_request_bound_holds_at_the_server(slow, kind, image_folder):
+@pytest.mark.parametrize(("kind", "client"), [("s3", None), ("http", "obstore"), ("http", "aiohttp")])
+async def test_the_request_bound_holds_at_the_server(slow, kind, client, image_folder):
     urls = sorted(slow.source(kind, "images/" + p.relative_to(image_folder).as_posix())
                   for p in image_folder.rglob("*.jpg"))
     expected = [(slow.root / u.split(f"{BUCKET}/", 1)[1]).read_bytes() for u in urls]
-    reader = readers.files(urls, labels=[0] * len(urls), chunk_size=16, requests=8,
-                           storage_options={"retry": RETRY})
+    options = {"retry": RETRY} | ({"http_client": client} if kind == "http" else {})
+    reader = readers.files(urls, labels=[0] * len(urls), chunk_size=16, requests=8, storage_options=options)
     assert [s.fields["jpg"] for s in await _read_all(reader)] == expected
     stats = slow.stats()
     assert 1 < stats["peak_answering"] <= 8  # GETs in flight, counted at the server
-    if kind == "http":  # aiohttp reuses a connection as soon as its answer is read: one per GET in flight
-        assert stats["peak_open"] <= 8  # (obstore's pool may open a few more, kept idle)
+    if client == "aiohttp":
+        # aiohttp puts a connection back in its pool when the answer's last byte arrives, before
+        # the GET's slot is free: one connection per GET in flight. obstore's pool is its own
+        # (hyper's) and at times opens a ninth: 1 run in 5 for S3 here, once in CI over HTTP.
+        assert stats["peak_open"] <= 8
     await slow.idle()
     configure(slow.url, max_connections=4)  # the store serves 4 connections: the others get 503 SlowDown
     reader = readers.files(urls, labels=[0] * len(urls), chunk_size=16, requests=8,
-                           storage_options={"retry": {**RETRY, "attempts": 50}})
+                           storage_options=options | {"retry": {**RETRY, "attempts": 50}})
     assert [s.fields["jpg"] for s in await _read_all(reader)] == expected  # backed off and retried, none lost
     stats = slow.stats()
     assert stats["peak_active"] <= 4 and stats["refused"] > 0
