@@ -224,6 +224,7 @@ class IterableReader(Reader):
             pool.shutdown(wait=False)
             # A source blocked in next() holds this until it returns: a sync iterator cannot be interrupted.
             await join_threads([job])
+            pool.shutdown(wait=True)  # the job is done: this waits only for its thread to exit
 
     def _produce(self, made: Iterable, pick: _Picker, feed: Feed) -> None:
         """In the thread: advance the sync source, hand over chunks; END (or the failure) at the end."""

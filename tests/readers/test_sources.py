@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import contextlib
+
 from pathlib import Path
 
 import pytest
@@ -236,6 +238,17 @@ async def test_a_list_is_iterated_again_each_epoch():
     reader = readers.iterable([{"cls": i} for i in range(5)])
     for epoch in range(2):
         assert [s.fields["cls"] for s in await _read_all(reader, epoch)] == [0, 1, 2, 3, 4]
+
+
+async def test_a_sync_sources_thread_is_gone_when_its_read_ends_or_is_closed(leaks):
+    reader = readers.iterable(lambda: _gen([{"cls": i} for i in range(50)]), chunk_size=4)
+    for epoch in range(20):  # its pool's thread outlived the read now and then (1 read in 4, say) before
+        if epoch % 2:
+            assert len(await _read_all(reader, epoch)) == 50
+        else:
+            async with contextlib.aclosing(reader.read(epoch)) as chunks:
+                await anext(chunks)
+        await leaks.check()
 
 
 @pytest.mark.parametrize("world", [2, 3])
