@@ -260,6 +260,7 @@ async def _in_thread(fn: Any) -> Any:
     finally:
         pool.shutdown(wait=False)
         await join_threads([job])
+        pool.shutdown(wait=True)  # the job is done: this waits only for its thread to exit
 
 
 def _key(path: str | TarMember | RemoteVideo | ReadError, root: Path | str | None) -> str:
