@@ -5,6 +5,7 @@ from ._pack import PackResult, pack
 from ._storage import HttpStore, LocalStore, MemoryStore, ObjectInfo, Retry, S3Store, Store
 from .files import FileReader, files
 from .lmdb import LmdbReader, decode_default, decode_record, encode_record, lmdb
+from .mix import MixReader, mix
 from .sources import IterableReader, SequenceReader, iterable, sequence
 from .video import VideoReader, video
 from .webdataset import WebDatasetReader, webdataset
@@ -17,6 +18,7 @@ __all__ = [
     "LmdbReader",
     "LocalStore",
     "MemoryStore",
+    "MixReader",
     "ObjectInfo",
     "PackResult",
     "Reader",
@@ -33,6 +35,7 @@ __all__ = [
     "files",
     "iterable",
     "lmdb",
+    "mix",
     "pack",
     "sequence",
     "video",
