@@ -22,9 +22,10 @@ from headrace._sample import Sample
 from headrace._threads import join_threads
 
 from ._feed import END, Feed
+from ._pipe import PIPE, PipeShard, is_pipe
 from ._read_files import copy_spans
 from ._shard_cache import CacheWrites, ShardCache
-from ._storage import Downloads, Link, RemoteFile, Storage, is_url
+from ._storage import Downloads, Link, RemoteFile, Storage, is_url, scrub
 from ._storage._remote import Span
 from ._tar import count_samples, iter_groups, open_shard
 
@@ -64,9 +65,11 @@ class ShardFiles:
         self.buffer_bytes = buffer_bytes
         self.cache = cache
         # Shards read through a store (URLs, or keys of an explicit store) and their display names.
-        self.remote = [storage is not None and (storage.store is not None or is_url(p)) for p in self.shards]
-        self.names = [storage.locate(p)[0].url(storage.locate(p)[1]) if remote and storage else p
-                      for p, remote in zip(self.shards, self.remote)]
+        self.remote = [storage is not None and not is_pipe(p) and (storage.store is not None or is_url(p))
+                       for p in self.shards]
+        # A command's name leaves out its URLs' query strings and credentials, as a URL's does.
+        self.names = [storage.locate(p)[0].url(storage.locate(p)[1]) if remote and storage
+                      else scrub(p, ()) if is_pipe(p) else p for p, remote in zip(self.shards, self.remote)]
         self.retries = 0  # storage faults survived by the downloads (resumed from their offset)
         self.peak_buffered = 0  # most bytes one download held ahead of its parser
         # What the epochs' downloads observed of the store (latency, bandwidth, GETs a download came
@@ -74,10 +77,13 @@ class ShardFiles:
         self.link = Link()
 
     def _source(self, shard: int, downloads: Downloads,
-                writes: CacheWrites | None = None) -> str | RemoteFile | BinaryIO:
+                writes: CacheWrites | None = None) -> str | RemoteFile | BinaryIO | PipeShard:
         """A local shard's path; a remote shard's cached copy, open, or its download (with
-        ``writes``, copied into the cache as it is read)."""
+        ``writes``, copied into the cache as it is read); a command's output (``pipe:``), not yet
+        started."""
         path = self.shards[shard]
+        if is_pipe(path):
+            return PipeShard(path[len(PIPE):], self.names[shard])
         if not self.remote[shard]:
             return path
         if writes is not None and self.cache is not None:
@@ -91,15 +97,19 @@ class ShardFiles:
         """Samples per shard from the tar headers (data is seeked over; remote: skipped by Range requests)."""
         with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="headrace-io-scan") as pool:
             async with self.downloads(Link()) as downloads:  # header reads: small GETs, not a stream's
-                futures = [pool.submit(count_samples, self._source(i, downloads), self.names[i])
-                           for i in range(len(self.shards))]
+                sources = [self._source(i, downloads) for i in range(len(self.shards))]
+                futures = [pool.submit(count_samples, source, self.names[i]) for i, source in enumerate(sources)]
                 try:
                     return [await asyncio.wrap_future(f) for f in futures]
                 finally:
                     for f in futures:
                         f.cancel()
                     downloads.stop()
+                    _kill_commands(sources)
                     await join_threads(futures)
+                    for f, source in zip(futures, sources):
+                        if f.cancelled() and isinstance(source, PipeShard):
+                            source.close()
 
     @contextlib.asynccontextmanager
     async def downloads(self, link: Link | None = None) -> AsyncIterator[Downloads]:
@@ -148,6 +158,7 @@ class ShardFiles:
                 for feed, _, _ in running:
                     feed.stop()
                 downloads.stop()  # a thread waiting for bytes wakes up (and its read raises)
+                _kill_commands([source for _, _, source in running])  # and one waiting on a command's output
                 pool.shutdown(wait=False, cancel_futures=True)
                 try:
                     await join_threads([f for _, f, _ in running])  # a cancellation is raised once they are done
@@ -159,9 +170,9 @@ class ShardFiles:
                     if writes is not None:
                         await writes.aclose()
 
-    def _parse(self, job: ShardJob, feed: Feed, source: str | RemoteFile | BinaryIO) -> None:
-        """Thread: parse one shard (a local path, a cached copy open, or a download) into lists of
-        samples; ``position`` carries the rank input ordinal."""
+    def _parse(self, job: ShardJob, feed: Feed, source: str | RemoteFile | BinaryIO | PipeShard) -> None:
+        """Thread: parse one shard (a local path, a cached copy open, a download, or a command's
+        output) into lists of samples; ``position`` carries the rank input ordinal."""
         first, stride, base, path, rank_base = job.first, job.stride, job.base_index, job.path, job.rank_base
         needed = job.needed
 
@@ -191,6 +202,8 @@ class ShardFiles:
                         chunk = []
                 if remote and source.tee is not None and not feed.stopped:
                     _keep(source)
+                if isinstance(source, PipeShard) and not feed.stopped:
+                    source.finish()  # the command's exit status: a failure after its last sample is one too
         except (OSError, ReadError) as exc:
             if not isinstance(exc, ReadError):
                 err = ReadError(f"cannot read shard: {exc.strerror or exc}", source=path)
@@ -203,6 +216,12 @@ class ShardFiles:
             _own_bytes(chunk)
             feed.put(chunk)
         feed.put(END, force=True)
+
+
+def _kill_commands(sources: Sequence[object]) -> None:
+    for source in sources:
+        if isinstance(source, PipeShard):
+            source.kill()
 
 
 def _keep(download: RemoteFile) -> None:

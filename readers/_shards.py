@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from headrace._errors import ConfigError, ReadError
 
+from ._pipe import is_pipe
 from ._storage import Storage, Store, is_url, redact_url, run_sync, with_retries
 
 __all__ = ["INDEX_NAME", "expand_braces", "read_index", "resolve_shards", "write_index"]
@@ -70,6 +71,8 @@ def resolve_shards(source: str | os.PathLike | Sequence[str | os.PathLike], stor
         text = os.fspath(source)
         if text.startswith("file://"):
             text = text[len("file://") :]
+        if is_pipe(text):  # a command per shard: braces expanded, nothing globbed or checked here
+            return expand_braces(text)
         if storage is not None and (storage.store is not None or is_url(text)):
             return _remote_shards(text, storage)
         if "://" in text:
@@ -90,7 +93,7 @@ def resolve_shards(source: str | os.PathLike | Sequence[str | os.PathLike], stor
     if not paths:
         raise ConfigError("webdataset: the shard list is empty")
     for path in paths:
-        if not is_url(path) and not (storage is not None and storage.store is not None) and not os.path.isfile(path):
+        if not is_url(path) and not is_pipe(path) and not (storage is not None and storage.store is not None) and not os.path.isfile(path):
             raise ReadError("no such shard", source=path)
     return paths
 
@@ -140,6 +143,8 @@ def read_index(paths: Sequence[str], storage: Storage | None = None) -> list[int
     disagrees with a local shard's size on disk (a stale index would make ``len()`` and resume
     wrong); a remote shard's size is checked when it is read.
     """
+    if any(is_pipe(p) for p in paths):
+        return None  # a command's output has no folder to hold an index: counts= gives them
     remote = storage is not None and (storage.store is not None or any(is_url(p) for p in paths))
     if remote:
         assert storage is not None

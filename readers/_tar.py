@@ -226,8 +226,8 @@ class _TarCursor:
         self.key: str | None = None
         self.offset = 0
         # A plain file (or a download, which has a size) is seeked over and its size bounds every
-        # member; a gzip stream is read through.
-        self.end = None if isinstance(f, gzip.GzipFile) else _size(f) - f.tell()
+        # member; a gzip stream and a command's output (``pipe:``) are read through.
+        self.end = None if isinstance(f, gzip.GzipFile) or getattr(f, "streamed", False) else _size(f) - f.tell()
         # The C helper's path: headers scanned out of ``f.window()``, the contiguous bytes at hand.
         self._window = getattr(f, "window", None)
         self._scan = tar_scanner() if self._window is not None else None

@@ -348,7 +348,14 @@ def webdataset(
     ``source``: a brace pattern (``"train-{0000..0127}.tar"``, ``"{a,b}.tar"``), a folder (its
     ``*.tar`` files in sorted order), or a list of either. Each may be a URL:
     ``"s3://bucket/prefix/train-{0000..0127}.tar"``, ``"https://host/data/train-{0..9}.tar"``, a
-    bucket folder ``"s3://bucket/prefix/"`` or an S3 glob ``"s3://bucket/train-*.tar"``. Members are
+    bucket folder ``"s3://bucket/prefix/"`` or an S3 glob ``"s3://bucket/train-*.tar"``. Or a shell
+    command whose output is the shard, WebDataset's ``pipe:`` convention, for stores the S3 and HTTP
+    readers do not reach (``"pipe:gsutil cat gs://bucket/train-{0000..0127}.tar"``: braces expand
+    into one command per shard). A command runs in ``/bin/sh`` when its shard is read, in a session
+    of its own: closing the read kills it and whatever it started. Its output is read through (a
+    resume mid-shard runs it again and reads over the start); an exit status other than 0 is a
+    ReadError naming the shard, with the end of the command's error output. Commands have no index
+    beside them: give ``counts=`` (or ``"scan"``) for ``len()``. Members are
     grouped by key (the path up to the first dot of the file name) into one Sample per key, whose
     fields are the extensions (lowercased; ``"jpg"``, ``"cls"``, ``"json"``...) mapped to the
     members' bytes, undecoded.

@@ -1,0 +1,128 @@
+"""Shards read from a shell command's standard output: ``pipe:`` sources, WebDataset's convention.
+
+``"pipe:gsutil cat gs://bucket/train-0001.tar"`` reaches any store a command-line tool reaches
+(GCS, Azure, a cluster file system's client), where the S3 and HTTP readers do not. The output is
+a stream: never seeked, passed over by reading, resumed mid-shard by running the command again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import tempfile
+import threading
+from typing import IO
+
+from headrace._errors import ReadError
+
+__all__ = ["PIPE", "PipeShard", "is_pipe"]
+
+PIPE = "pipe:"
+_STDERR_SHOWN = 2000  # the end of the command's error output, in the error that names it
+
+
+def is_pipe(path: object) -> bool:
+    return isinstance(path, str) and path.startswith(PIPE)
+
+
+class PipeShard:
+    """A command's output read as a shard file, by one parser thread.
+
+    The command starts on the first read (in that thread, not on the event loop), in a session of
+    its own so that ``kill()`` reaches what it started too (``sh -c 'curl … | gunzip'``). Its end
+    is checked where the output ends: an exit status other than 0 raises a ReadError naming the
+    shard, with the end of the command's error output, before the parser sees a truncated tar.
+    ``kill()`` (from the event loop, when the read is stopped) ends the command, so a thread
+    waiting on its output wakes up; ``close()`` kills it if it still runs, reaps it and closes
+    the pipe and the file its error output went to.
+    """
+
+    streamed = True  # the tar parser reads over what it skips: a pipe cannot seek
+
+    def __init__(self, command: str, source: str) -> None:
+        self.command = command
+        self.source = source  # the shard's name in errors (its URLs' query strings left out)
+        self.closed = False
+        self._lock = threading.Lock()
+        self._killed = False
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._out: IO[bytes] | None = None
+        self._err: IO[bytes] | None = None
+
+    def _stream(self) -> IO[bytes]:
+        if self._out is None:
+            with self._lock:
+                if self._killed or self.closed:
+                    raise ReadError("the read was stopped", source=self.source)
+                self._err = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close(); a file never fills up as a pipe can
+                self._proc = subprocess.Popen(self.command, shell=True, stdin=subprocess.DEVNULL,
+                                              stdout=subprocess.PIPE, stderr=self._err, bufsize=1 << 20,
+                                              start_new_session=True)
+                self._out = self._proc.stdout
+        assert self._out is not None
+        return self._out
+
+    def peek(self, n: int = 1) -> bytes:
+        data = self._stream().peek(n)  # type: ignore[attr-defined]
+        if not data:
+            self._check_exit()
+        return data
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._stream().read(n)  # a buffered pipe returns less than n only at its end
+        if n < 0 or len(data) < n:
+            self._check_exit()
+        return data
+
+    def finish(self) -> None:
+        """After the parser's end: the rest of the output (after the archive's end marker) read and
+        dropped, then the exit status checked."""
+        out = self._stream()
+        while out.read(1 << 20):
+            pass
+        self._check_exit()
+
+    def _check_exit(self) -> None:
+        assert self._proc is not None
+        status = self._proc.wait()
+        if status != 0 and not self._killed:
+            raise ReadError(f"the command exited with status {status}{self._stderr_tail()}", source=self.source)
+
+    def _stderr_tail(self) -> str:
+        if self._err is None:
+            return ""
+        self._err.seek(0, os.SEEK_END)
+        size = self._err.tell()
+        self._err.seek(max(0, size - _STDERR_SHOWN))
+        text = self._err.read().decode("utf-8", "replace").strip()
+        return f": {text}" if text else ""
+
+    def kill(self) -> None:
+        """End the command and whatever it started; safe from any thread, and more than once."""
+        with self._lock:
+            self._killed = True
+            proc = self._proc
+            if proc is not None and proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.kill()
+        with self._lock:
+            self.closed = True
+        if self._proc is not None:
+            self._proc.wait()
+        for f in (self._out, self._err):
+            if f is not None:
+                f.close()
+
+    def __enter__(self) -> PipeShard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
