@@ -55,6 +55,13 @@ def storage_root(tmp_path_factory, image_folder) -> Path:
 
 
 @pytest.fixture(scope="session")
+def shards(storage_root) -> Path:
+    """The served ``wds/`` folder read from disk: 75 JPEGs in 10 tar shards of at most 8 samples, and
+    their index (read only)."""
+    return storage_root / "wds"
+
+
+@pytest.fixture(scope="session")
 def servers(storage_root) -> Servers:
     """The child process serving ``storage_root``; stopped when the session ends."""
     with serving(storage_root) as urls:

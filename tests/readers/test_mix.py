@@ -18,14 +18,6 @@ from headrace import ConfigError, Loader, ReadError, ops, readers
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory, image_folder):
-    """image_folder's 75 JPEGs as tar shards of at most 10 samples."""
-    dest = tmp_path_factory.mktemp("mix") / "wds"
-    readers.pack(image_folder, dest, format="webdataset", shard_count=10, shuffle=True, seed=1)
-    return dest
-
-
-@pytest.fixture(scope="module")
 def database(tmp_path_factory, image_folder):
     dest = tmp_path_factory.mktemp("mix") / "db.lmdb"
     readers.pack(image_folder, dest, format="lmdb")

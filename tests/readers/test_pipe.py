@@ -15,14 +15,6 @@ import pytest
 from headrace import Loader, ReadError, ops, readers
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory, image_folder):
-    """image_folder's 75 JPEGs as 10 tar shards (8 samples at most), and their index."""
-    dest = tmp_path_factory.mktemp("pipe") / "wds"
-    readers.pack(image_folder, dest, format="webdataset", shard_count=8, shuffle=True, seed=1)
-    return dest
-
-
 def _counts(shards):
     """Each shard's sample count, from the index beside the files (a command's output has none)."""
     return [len(readers.webdataset(str(p))) for p in sorted(shards.glob("*.tar"))]
