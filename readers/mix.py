@@ -195,7 +195,7 @@ def _apportion(total: int, shares: Sequence[float]) -> list[int]:
 
 def mix(
     sources: Sequence[Reader] | Mapping[str, Reader],
-    weights: Sequence[float] | None = None,
+    weights: Sequence[float] | Mapping[str, float] | None = None,
     *,
     length: int | None = None,
     seed: int | None = None,
@@ -207,7 +207,8 @@ def mix(
     ``sources``: readers (any of this package's, with ``len()``), as a list or as a mapping of
     names to readers (the names appear in errors and in ``state_dict()``).
 
-    ``weights``: each source's share of every epoch. Without them, an epoch is every sample of every
+    ``weights``: each source's share of every epoch (a list, or a mapping by name for sources
+    given by name). Without them, an epoch is every sample of every
     source once, interleaved uniformly (each source's share its size). With them, an epoch holds
     ``length`` samples, split among the sources in proportion to the weights (whole numbers that add
     up exactly, the same every epoch); by default ``length`` is the longest epoch in which no source
@@ -256,6 +257,11 @@ def mix(
         if not isinstance(source, Reader):
             raise ConfigError(f"mix: source {name!r} is not a reader (got {type(source).__name__}); "
                               "make one with readers.files, webdataset, lmdb, sequence or iterable")
+    if isinstance(weights, Mapping):  # by name, for sources given by name
+        if not isinstance(sources, Mapping) or set(map(str, weights)) != set(names):
+            raise ConfigError(f"mix: weights by name need sources by the same names; got weights for "
+                              f"{sorted(map(str, weights))} and sources {names}")
+        weights = [{str(k): v for k, v in weights.items()}[n] for n in names]
     if weights is not None:
         weights = list(weights)
         if len(weights) != len(readers_):

@@ -69,6 +69,7 @@ async def test_weights_fix_each_sources_count_every_epoch_and_the_first_to_run_o
     skewed = readers.mix([big, small], weights=[3, 1])
     assert skewed.counts == [90, 30]
     assert readers.mix([big, small], weights=[1, 0]).counts == [100, 0]
+    assert readers.mix({"b": big, "s": small}, weights={"s": 1, "b": 3}).counts == [90, 30]
 
 
 async def test_a_source_weighted_past_its_size_comes_round_again_in_a_new_order_with_new_indices():
@@ -236,6 +237,8 @@ def test_wrong_arguments_are_refused_by_name():
         (lambda: readers.mix([a, [1, 2]]), "source '1' is not a reader"),
         (lambda: readers.mix([a, b], weights=[1]), "1 weights for 2 sources"),
         (lambda: readers.mix([a, b], weights=[1, -1]), "weights must be"),
+        (lambda: readers.mix([a, b], weights={"0": 1, "1": 1}), "weights by name need sources by the same names"),
+        (lambda: readers.mix({"a": a, "b": b}, weights={"a": 1}), "weights by name need sources by the same names"),
         (lambda: readers.mix([a, b], weights=[0, 0]), "weights must be"),
         (lambda: readers.mix([a, b], weights=[1, float("nan")]), "weights must be"),
         (lambda: readers.mix([a, b], length=0), "length"),
