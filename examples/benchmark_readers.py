@@ -11,6 +11,8 @@ around ``--kib`` KiB) plus a ``.cls`` label: two members per sample. Rows:
 - ``sequential``: shards in order, no shuffle (the library: ``WebDataset(urls, shardshuffle=False)``);
 - ``shuffled``: shard shuffle plus a 1,000-sample shuffle buffer (the library: ``shardshuffle=True``
   and ``.shuffle(1000)``), seeded;
+- ``pipe:cat``: the shards in order as a command's output (``pipe:cat shard.tar``, the convention
+  both readers follow for stores reached by a command-line tool), no shuffle;
 - ``parser``: the tar parsing alone in one thread, members grouped into samples: headrace's
   512-byte-header parser against ``tarfile`` in stream mode ("r|*") plus WebDataset's grouping,
   which is how the library (and a tarfile-based reader) parses.
@@ -174,11 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     paths = make_shards(root, args.samples, args.kib, args.shards)
     size = warm(paths)
     print(f"shards: {size / 2**20:,.0f} MiB on disk, read once to warm the page cache; {os.cpu_count()} cores\n")
+    piped = [f"pipe:cat {p}" for p in paths]
     rows = [
         ("sequential", "webdataset library", lambda: library_read(paths, False)),
         ("sequential", "headrace", lambda: headrace_read(paths, False)),
         ("shuffled", "webdataset library", lambda: library_read(paths, True)),
         ("shuffled", "headrace", lambda: headrace_read(paths, True)),
+        ("pipe:cat", "webdataset library", lambda: library_read(piped, False)),
+        ("pipe:cat", "headrace", lambda: headrace_read(piped, False)),
         ("parser", "tarfile r|* + grouping", lambda: tarfile_parse(paths)),
         ("parser", "headrace _tar.iter_groups", lambda: headrace_parse(paths)),
     ]

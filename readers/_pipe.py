@@ -19,7 +19,19 @@ from headrace._errors import ReadError
 __all__ = ["PIPE", "PipeShard", "is_pipe"]
 
 PIPE = "pipe:"
-_STDERR_SHOWN = 2000  # the end of the command's error output, in the error that names it
+_STDERR_SHOWN = 2000
+_PIPE_BYTES = 1 << 20  # the end of the command's error output, in the error that names it
+
+
+def _widen(out: IO[bytes]) -> None:
+    """A 1 MiB pipe instead of Linux's 64 KiB: the command writes, and the parser reads, in larger
+    steps, with fewer switches between them."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(out.fileno(), getattr(fcntl, "F_SETPIPE_SZ", 1031), _PIPE_BYTES)
+    except (ImportError, OSError):  # not Linux, or past /proc/sys/fs/pipe-max-size: the default stands
+        pass
 
 
 def is_pipe(path: object) -> bool:
@@ -60,6 +72,7 @@ class PipeShard:
                                               stdout=subprocess.PIPE, stderr=self._err, bufsize=1 << 20,
                                               start_new_session=True)
                 self._out = self._proc.stdout
+                _widen(self._out)
         assert self._out is not None
         return self._out
 
