@@ -7,6 +7,7 @@ from .files import FileReader, files
 from .lmdb import LmdbReader, decode_default, decode_record, encode_record, lmdb
 from .mix import MixReader, mix
 from .sources import IterableReader, SequenceReader, iterable, sequence
+from .tfrecord import TFRecordReader, parse_example, tfrecord
 from .video import VideoReader, video
 from .webdataset import WebDatasetReader, webdataset
 
@@ -26,6 +27,7 @@ __all__ = [
     "S3Store",
     "SequenceReader",
     "Store",
+    "TFRecordReader",
     "VideoReader",
     "WebDatasetReader",
     "decode_default",
@@ -37,7 +39,9 @@ __all__ = [
     "lmdb",
     "mix",
     "pack",
+    "parse_example",
     "sequence",
+    "tfrecord",
     "video",
     "webdataset",
 ]

@@ -1,0 +1,321 @@
+"""TFRecord files of ``tf.train.Example`` records, without TensorFlow: the format of TensorFlow's
+ImageNet pipelines, which DALI's TFRecord reader also reads.
+
+A TFRecord file is a run of records, each ``u64 length | u32 CRC of the length | data | u32 CRC of
+the data`` (little-endian). The data is an ``Example`` protocol buffer: a map from feature names to
+a list of bytes, floats or int64s. Records are found once, by reading their length headers and
+seeking over the data (or from DALI's ``tfrecord2idx`` index files), then fetched by offset in the
+I/O threads, so shuffle, shard and exact resume are the files reader's. The protocol buffer is read
+here (its wire format is four field types deep), and only the features asked for are decoded.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from headrace._errors import ConfigError, ReadError
+from headrace._sample import Sample
+
+from ._base import IndexedReader
+from ._shards import expand_braces
+
+__all__ = ["TFRecordReader", "example_class", "parse_example", "tfrecord"]
+
+IMAGENET_FEATURES = {"image/encoded": "jpg", "image/class/label": "cls"}
+_HEADER = struct.Struct("<QI")  # length, its CRC
+_FOOTER = 4  # the data's CRC
+_CUT = -1  # an index entry whose record runs past the end of its file
+
+
+class TFRecordReader(IndexedReader):
+    """Reads TFRecord records by offset in chunks from I/O threads; one Sample per record (see ``tfrecord``)."""
+
+    def __init__(self, paths: Sequence[str], records: np.ndarray, features: Mapping[str, str] | None,
+                 label_offset: int, *, shuffle: bool, seed: int | None, chunk_size: int, io_threads: int) -> None:
+        super().__init__(shuffle=shuffle, seed=seed, chunk_size=chunk_size, io_threads=io_threads)
+        self.paths = list(paths)
+        self.records = records  # one row per record: file number, data offset, data length (_CUT: cut short)
+        self.features = None if features is None else dict(features)
+        self.label_offset = label_offset
+        self._stems = [Path(p).name.split(".")[0] for p in self.paths]
+        self._first = np.concatenate([[0], np.cumsum(np.bincount(records[:, 0], minlength=len(paths)))])
+
+    def _dataset_size(self) -> int:
+        return len(self.records)
+
+    def _fetch(self, indices: Sequence[int]) -> list[Sample]:
+        # The chunk's files opened for it alone: no descriptor is shared between reads (epochs
+        # overlap when the loader runs ahead) or kept past the chunk.
+        fds: dict[int, int] = {}
+        try:
+            return [self._record(i, fds) for i in indices]
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def _record(self, i: int, fds: dict[int, int]) -> Sample:
+        file, offset, length = (int(v) for v in self.records[i])
+        path = self.paths[file]
+        key = f"{self._stems[file]}/{i - int(self._first[file])}"
+        fields: dict[str, Any] = {}
+        error = None
+        try:
+            if length == _CUT:
+                raise ReadError(f"record at byte {offset} runs past the end of the file (cut short)",
+                                key=key, source=path)
+            fd = fds.get(file)
+            if fd is None:
+                fd = fds[file] = os.open(path, os.O_RDONLY)
+            data = os.pread(fd, length, offset)
+            if len(data) < length:
+                raise ReadError(f"record at byte {offset} needs {length} bytes, the file has {len(data)} there",
+                                key=key, source=path)
+            fields = self._fields(_feature_map(data), key, path)
+        except ReadError as exc:
+            error = exc
+        except (ValueError, IndexError) as exc:
+            error = ReadError(f"record at byte {offset} is not a tf.train.Example: {exc}", key=key, source=path)
+            error.__cause__ = exc
+        except OSError as exc:
+            error = ReadError(f"cannot read record at byte {offset}: {exc.strerror or exc}", key=key, source=path)
+            error.__cause__ = exc
+        return Sample(key, fields, path, i, error=error)
+
+    def _fields(self, features: Any, key: str, path: str) -> dict[str, Any]:
+        """The sample's fields from the Example's features: renamed, a label as ASCII digits."""
+        if self.features is None:
+            return {name: _value(features[name]) for name in features}
+        missing = [name for name in self.features if name not in features]
+        if missing:
+            raise ReadError(f"record has no feature {missing[0]!r} (it has {', '.join(sorted(features)) or 'none'})",
+                            key=key, source=path)
+        fields = {}
+        for name, field in self.features.items():
+            value = _value(features[name])
+            if field == "cls":  # the loader's label convention, as a WebDataset .cls member holds it
+                first = (value if isinstance(value, int)
+                         else value[0] if isinstance(value, np.ndarray) and len(value) else None)
+                if not isinstance(first, (int, np.integer)) or isinstance(first, bool):
+                    raise ReadError(f"feature {name!r} is not an int64 label", key=key, source=path)
+                value = str(int(first) + self.label_offset).encode()
+            fields[field] = value
+        return fields
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "paths": self.paths, "features": self.features,
+                "label_offset": self.label_offset}
+
+    def __repr__(self) -> str:
+        return (f"TFRecordReader({len(self.paths)} files, samples={len(self)}, shuffle={self.shuffle}, "
+                f"rank={self.rank}/{self.world})")
+
+
+# -- the protocol buffer -------------------------------------------------------------------------
+
+_EXAMPLE: Any = None  # the Example message class, made on first use
+
+
+def example_class() -> Any:
+    """``tf.train.Example`` as a protobuf message class, built from its schema (TensorFlow's
+    ``feature.proto`` and ``example.proto``, proto3) in a descriptor pool of its own, so that it
+    never clashes with TensorFlow's own in the same process. Raises ImportError without protobuf."""
+    global _EXAMPLE
+    if _EXAMPLE is not None:
+        return _EXAMPLE
+    try:
+        from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+    except ImportError as exc:
+        raise ImportError("reading TFRecord files needs protobuf: pip install 'headrace[tfrecord]'") from exc
+    field = descriptor_pb2.FieldDescriptorProto
+    schema = descriptor_pb2.FileDescriptorProto(name="headrace/tf_example.proto", package="headrace.tf",
+                                               syntax="proto3")
+    for name, kind in (("BytesList", field.TYPE_BYTES), ("FloatList", field.TYPE_FLOAT),
+                       ("Int64List", field.TYPE_INT64)):
+        message = schema.message_type.add(name=name)
+        message.field.add(name="value", number=1, type=kind, label=field.LABEL_REPEATED)
+    feature = schema.message_type.add(name="Feature")
+    feature.oneof_decl.add(name="kind")
+    for number, (name, kind) in enumerate((("bytes_list", "BytesList"), ("float_list", "FloatList"),
+                                           ("int64_list", "Int64List")), 1):
+        feature.field.add(name=name, number=number, type=field.TYPE_MESSAGE, label=field.LABEL_OPTIONAL,
+                          type_name=f".headrace.tf.{kind}", oneof_index=0)
+    features = schema.message_type.add(name="Features")
+    entry = features.nested_type.add(name="FeatureEntry")
+    entry.options.map_entry = True
+    entry.field.add(name="key", number=1, type=field.TYPE_STRING, label=field.LABEL_OPTIONAL)
+    entry.field.add(name="value", number=2, type=field.TYPE_MESSAGE, label=field.LABEL_OPTIONAL,
+                    type_name=".headrace.tf.Feature")
+    features.field.add(name="feature", number=1, type=field.TYPE_MESSAGE, label=field.LABEL_REPEATED,
+                       type_name=".headrace.tf.Features.FeatureEntry")
+    example = schema.message_type.add(name="Example")
+    example.field.add(name="features", number=1, type=field.TYPE_MESSAGE, label=field.LABEL_OPTIONAL,
+                      type_name=".headrace.tf.Features")
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(schema)
+    _EXAMPLE = message_factory.GetMessageClass(pool.FindMessageTypeByName("headrace.tf.Example"))
+    return _EXAMPLE
+
+
+def parse_example(data: bytes, wanted: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The features of a serialized ``tf.train.Example``: name → value (only the ``wanted`` names, if
+    given). A bytes list of one value is that ``bytes``, of several a list; an int64 list an ``int``
+    or an int64 array; a float list a ``float`` or a float32 array; a feature with no list ``b""``.
+    Raises ValueError for bytes that are not an Example (and ImportError without protobuf)."""
+    features = _feature_map(data)
+    names = features.keys() if wanted is None else [n for n in wanted if n in features]
+    return {name: _value(features[name]) for name in names}
+
+
+def _feature_map(data: bytes) -> Any:
+    """The Example's map of feature name → ``Feature`` message; ValueError if ``data`` is not one."""
+    try:
+        return example_class().FromString(data).features.feature
+    except ImportError:
+        raise
+    except Exception as exc:  # protobuf's DecodeError, or its C parser's own
+        raise ValueError(str(exc) or type(exc).__name__) from None
+
+
+def _value(feature: Any) -> Any:
+    kind = feature.WhichOneof("kind")
+    if kind is None:
+        return b""
+    values = getattr(feature, kind).value
+    if kind == "bytes_list":
+        return values[0] if len(values) == 1 else list(values)
+    if len(values) == 1:
+        return float(values[0]) if kind == "float_list" else int(values[0])
+    return np.array(values, dtype=np.float32 if kind == "float_list" else np.int64)
+
+
+# -- finding the records -------------------------------------------------------------------------
+
+
+def _scan(path: str, file: int) -> list[tuple[int, int, int]]:
+    """Every record's (file, data offset, data length) from its length header, the data seeked over.
+    A record that runs past the end is kept, cut (its sample is an error); nothing after it can be found."""
+    size = os.path.getsize(path)
+    records = []
+    with open(path, "rb", buffering=0) as f:
+        pos = 0
+        while pos < size:
+            header = os.pread(f.fileno(), _HEADER.size, pos)
+            if len(header) < _HEADER.size:
+                records.append((file, pos, _CUT))
+                break
+            length, _ = _HEADER.unpack(header)
+            if pos + _HEADER.size + length + _FOOTER > size:
+                records.append((file, pos, _CUT))
+                break
+            records.append((file, pos + _HEADER.size, length))
+            pos += _HEADER.size + length + _FOOTER
+    return records
+
+
+def _from_index(index: str, file: int, path: str) -> list[tuple[int, int, int]]:
+    """DALI's ``tfrecord2idx`` index: a line ``offset size`` per record, the size counting its header
+    and CRCs."""
+    records = []
+    size = os.path.getsize(path)
+    with open(index) as f:
+        for number, line in enumerate(f, 1):
+            parts = line.split()
+            if not parts:
+                continue
+            try:
+                offset, total = int(parts[0]), int(parts[1])
+            except (ValueError, IndexError):
+                raise ReadError(f"line {number} is not 'offset size': {line.strip()!r}", source=index) from None
+            length = total - _HEADER.size - _FOOTER
+            if offset < 0 or length < 0:
+                raise ReadError(f"line {number}: a record of {total} bytes at {offset} cannot be", source=index)
+            records.append((file, offset + _HEADER.size, length if offset + total <= size else _CUT))
+    return records
+
+
+def tfrecord(
+    source: str | os.PathLike | Sequence[str | os.PathLike],
+    *,
+    features: Mapping[str, str] | None = IMAGENET_FEATURES,
+    index: Sequence[str | os.PathLike] | None = None,
+    label_offset: int = 0,
+    shuffle: bool = False,
+    seed: int | None = None,
+    chunk_size: int = 64,
+    io_threads: int = 2,
+) -> TFRecordReader:
+    """A reader over local TFRecord files of ``tf.train.Example`` records (TensorFlow's format,
+    DALI's ``fn.readers.tfrecord``), without TensorFlow.
+
+    ``source``: a file, a brace pattern (``"train-{00000..01023}-of-01024"``), a folder (its files
+    in sorted order, ``*.idx`` left out) or a list of these. ``features`` maps the Example's feature
+    names to the sample's field names; the default reads the ImageNet layout TensorFlow's scripts
+    write (``image/encoded`` → ``jpg``, ``image/class/label`` → ``cls``). The field ``cls`` holds the
+    int64 label as ASCII digits, plus ``label_offset`` (``-1`` for those scripts' labels, which
+    count from 1); another int64 feature becomes an ``int`` (several values: an int64 array), a float
+    one a ``float`` (or a float32 array), a bytes one ``bytes`` (or a list). ``features=None``
+    keeps every feature under its own name. A record without one of the features is a sample with
+    a ReadError naming it.
+
+    The records are found here, once, by reading each one's length header and seeking over its
+    data, or from ``index``: DALI's ``tfrecord2idx`` files, one per file, in the same order. They
+    are then read by offset, ``chunk_size`` at a time by ``io_threads`` threads, with the files
+    reader's seeded shuffle, sharding and exact resume. CRCs are not checked (nor are they by
+    DALI's reader); a record whose bytes are not an Example, or that runs past the end of a
+    truncated file, is a sample with a ReadError naming its file and byte offset (nothing after a
+    cut record can be found). Local files only.
+
+    Needs protobuf (``pip install 'headrace[tfrecord]'``): ImportError without it. Raises ReadError
+    for a missing file, an empty folder or a bad index line; ConfigError for a wrong argument.
+    """
+    example_class()  # ImportError now, not in the I/O threads, where protobuf is missing
+    paths = _resolve(source)
+    if features is not None:
+        if not isinstance(features, Mapping) or not features or not all(
+                isinstance(k, str) and isinstance(v, str) and v for k, v in features.items()):
+            raise ConfigError(f"tfrecord: features must map feature names to field names, got {features!r}")
+        if len(set(features.values())) != len(features):
+            raise ConfigError(f"tfrecord: two features map to one field in {features!r}")
+    if isinstance(label_offset, bool) or not isinstance(label_offset, int):
+        raise ConfigError(f"tfrecord: label_offset must be an int, got {label_offset!r}")
+    if index is not None:
+        index = [os.fspath(p) for p in index]
+        if len(index) != len(paths):
+            raise ConfigError(f"tfrecord: {len(index)} index files for {len(paths)} TFRecord files")
+    found: list[tuple[int, int, int]] = []
+    for file, path in enumerate(paths):
+        found += _scan(path, file) if index is None else _from_index(index[file], file, path)
+    if not found:
+        raise ReadError("no records in these files", source=paths[0] if len(paths) == 1 else os.path.dirname(paths[0]))
+    records = np.array(found, dtype=np.int64).reshape(-1, 3)
+    return TFRecordReader(paths, records, features, label_offset, shuffle=shuffle, seed=seed,
+                          chunk_size=chunk_size, io_threads=io_threads)
+
+
+def _resolve(source: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
+    if isinstance(source, (str, os.PathLike)):
+        text = os.fspath(source)
+        if os.path.isdir(text):
+            paths = sorted(os.path.join(text, n) for n in os.listdir(text)
+                           if not n.startswith(".") and not n.endswith(".idx")
+                           and os.path.isfile(os.path.join(text, n)))
+            if not paths:
+                raise ReadError("no TFRecord files in folder", source=text)
+            return paths
+        paths = expand_braces(text)
+    elif isinstance(source, Sequence) and not isinstance(source, (bytes, bytearray)):
+        paths = [p for item in source for p in _resolve(item)]
+    else:
+        raise ConfigError(f"tfrecord: source must be a path, a pattern, a folder or a list, got {type(source).__name__}")
+    if not paths:
+        raise ConfigError("tfrecord: the file list is empty")
+    for path in paths:
+        if not os.path.isfile(path):
+            raise ReadError("no such TFRecord file", source=path)
+    return paths
