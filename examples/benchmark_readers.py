@@ -13,6 +13,9 @@ around ``--kib`` KiB) plus a ``.cls`` label: two members per sample. Rows:
   and ``.shuffle(1000)``), seeded;
 - ``pipe:cat``: the shards in order as a command's output (``pipe:cat shard.tar``, the convention
   both readers follow for stores reached by a command-line tool), no shuffle;
+- ``tfrecord``: the same samples as TFRecord files of ``tf.train.Example`` records (one file per
+  shard, ImageNet's feature names), in order: headrace's ``readers.tfrecord`` against the
+  ``tfrecord`` package's reader (what a torch ``DataLoader`` over TFRecords uses), when installed;
 - ``parser``: the tar parsing alone in one thread, members grouped into samples: headrace's
   512-byte-header parser against ``tarfile`` in stream mode ("r|*") plus WebDataset's grouping,
   which is how the library (and a tarfile-based reader) parses.
@@ -72,6 +75,29 @@ def make_shards(root: Path, samples: int, kib: float, shards: int, seed: int = 0
     return sorted(str(p) for p in out.glob("*.tar"))
 
 
+def make_tfrecords(root: Path, shards: list[str]) -> list[str] | None:
+    """The shards' samples as TFRecord files, one per shard (cached beside them); None without the
+    ``tfrecord`` package, which writes them."""
+    try:
+        from tfrecord.writer import TFRecordWriter
+    except ImportError:
+        return None
+    out = root / "tfrecord"
+    paths = [str(out / (Path(p).stem + ".tfrecord")) for p in shards]
+    if all(os.path.exists(p) for p in paths):
+        return paths
+    out.mkdir(exist_ok=True)
+    for shard, path in zip(shards, paths):
+        writer = TFRecordWriter(path + ".part")
+        with open_shard(shard) as f:
+            for _, _, fields, _ in iter_groups(f, shard):
+                writer.write({"image/encoded": (bytes(fields["jpg"]), "byte"),
+                              "image/class/label": (int(fields["cls"]), "int")})
+        writer.close()
+        os.replace(path + ".part", path)
+    return paths
+
+
 def warm(paths: list[str]) -> int:
     total = 0
     for p in paths:
@@ -120,6 +146,35 @@ def library_read(paths: list[str], shuffle: bool) -> tuple[int, int]:
     for sample in dataset:
         n += 1
         b += sum(len(v) for k, v in sample.items() if not k.startswith("__"))
+    return n, b
+
+
+def headrace_tfrecord(paths: list[str]) -> tuple[int, int]:
+    reader = readers.tfrecord(paths)
+
+    async def run() -> tuple[int, int]:
+        n = b = 0
+        async for chunk in reader.read(0):
+            n += len(chunk)
+            for s in chunk:
+                b += s.nbytes
+        return n, b
+
+    loop = new_event_loop()
+    try:
+        return loop.run_until_complete(run())
+    finally:
+        loop.close()
+
+
+def package_tfrecord(paths: list[str]) -> tuple[int, int]:
+    from tfrecord.reader import tfrecord_loader
+
+    n = b = 0
+    for path in paths:
+        for record in tfrecord_loader(path, None, {"image/encoded": "byte", "image/class/label": "int"}):
+            n += 1
+            b += len(record["image/encoded"]) + len(str(int(record["image/class/label"][0])))
     return n, b
 
 
@@ -177,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     size = warm(paths)
     print(f"shards: {size / 2**20:,.0f} MiB on disk, read once to warm the page cache; {os.cpu_count()} cores\n")
     piped = [f"pipe:cat {p}" for p in paths]
+    records = make_tfrecords(root, paths)
+    if records:
+        warm(records)
     rows = [
         ("sequential", "webdataset library", lambda: library_read(paths, False)),
         ("sequential", "headrace", lambda: headrace_read(paths, False)),
@@ -184,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         ("shuffled", "headrace", lambda: headrace_read(paths, True)),
         ("pipe:cat", "webdataset library", lambda: library_read(piped, False)),
         ("pipe:cat", "headrace", lambda: headrace_read(piped, False)),
+        *([("tfrecord", "tfrecord package", lambda: package_tfrecord(records)),
+           ("tfrecord", "headrace", lambda: headrace_tfrecord(records))] if records else []),
         ("parser", "tarfile r|* + grouping", lambda: tarfile_parse(paths)),
         ("parser", "headrace _tar.iter_groups", lambda: headrace_parse(paths)),
     ]
