@@ -5,8 +5,9 @@ A TFRecord file is a run of records, each ``u64 length | u32 CRC of the length |
 the data`` (little-endian). The data is an ``Example`` protocol buffer: a map from feature names to
 a list of bytes, floats or int64s. Records are found once, by reading their length headers and
 seeking over the data (or from DALI's ``tfrecord2idx`` index files), then fetched by offset in the
-I/O threads, so shuffle, shard and exact resume are the files reader's. The protocol buffer is read
-here (its wire format is four field types deep), and only the features asked for are decoded.
+I/O threads, so shuffle, shard and exact resume are the files reader's. protobuf parses each record
+(its C parser: ~12 µs an ImageNet record for the two features the loader takes, where a parser of
+the wire format written in Python took ~33), from the schema ``example_class`` builds.
 """
 
 from __future__ import annotations
