@@ -119,7 +119,11 @@ def timed(fn: Callable[[], tuple[int, int]]) -> dict:
 
 
 def headrace_read(paths: list[str], shuffle: bool) -> tuple[int, int]:
-    reader = readers.webdataset(paths, shuffle=shuffle, shuffle_buffer=1000, seed=0)
+    return drain(readers.webdataset(paths, shuffle=shuffle, shuffle_buffer=1000, seed=0))
+
+
+def drain(reader: readers.Reader) -> tuple[int, int]:
+    """One epoch of ``reader`` on headrace's event loop: (samples, payload bytes)."""
 
     async def run() -> tuple[int, int]:
         n = b = 0
@@ -147,24 +151,6 @@ def library_read(paths: list[str], shuffle: bool) -> tuple[int, int]:
         n += 1
         b += sum(len(v) for k, v in sample.items() if not k.startswith("__"))
     return n, b
-
-
-def headrace_tfrecord(paths: list[str]) -> tuple[int, int]:
-    reader = readers.tfrecord(paths)
-
-    async def run() -> tuple[int, int]:
-        n = b = 0
-        async for chunk in reader.read(0):
-            n += len(chunk)
-            for s in chunk:
-                b += s.nbytes
-        return n, b
-
-    loop = new_event_loop()
-    try:
-        return loop.run_until_complete(run())
-    finally:
-        loop.close()
 
 
 def package_tfrecord(paths: list[str]) -> tuple[int, int]:
@@ -243,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         ("pipe:cat", "webdataset library", lambda: library_read(piped, False)),
         ("pipe:cat", "headrace", lambda: headrace_read(piped, False)),
         *([("tfrecord", "tfrecord package", lambda: package_tfrecord(records)),
-           ("tfrecord", "headrace", lambda: headrace_tfrecord(records))] if records else []),
+           ("tfrecord", "headrace", lambda: drain(readers.tfrecord(records)))] if records else []),
         ("parser", "tarfile r|* + grouping", lambda: tarfile_parse(paths)),
         ("parser", "headrace _tar.iter_groups", lambda: headrace_parse(paths)),
     ]
