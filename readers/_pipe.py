@@ -61,6 +61,7 @@ class PipeShard:
         self._proc: subprocess.Popen[bytes] | None = None
         self._out: IO[bytes] | None = None
         self._err: IO[bytes] | None = None
+        self._head = b""  # bytes peeked at, not yet read
 
     def _stream(self) -> IO[bytes]:
         if self._out is None:
@@ -77,21 +78,32 @@ class PipeShard:
         return self._out
 
     def peek(self, n: int = 1) -> bytes:
-        data = self._stream().peek(n)  # type: ignore[attr-defined]
-        if not data:
-            self._check_exit()
-        return data
+        """At least ``n`` bytes ahead unless the output ends first (a buffered pipe's own ``peek``
+        gives what one read brought, which may be a single byte of a slow command's output)."""
+        out = self._stream()
+        while len(self._head) < n:
+            more = out.read1(n - len(self._head))  # type: ignore[attr-defined]
+            if not more:
+                self._check_exit()
+                break
+            self._head += more
+        return self._head
 
     def read(self, n: int = -1) -> bytes:
-        data = self._stream().read(n)  # a buffered pipe returns less than n only at its end
-        if n < 0 or len(data) < n:
+        head, self._head = self._head, b""
+        if head and 0 <= n <= len(head):
+            self._head = head[n:]
+            return head[:n]
+        want = -1 if n < 0 else n - len(head)
+        data = self._stream().read(want)  # a buffered pipe returns less than asked only at its end
+        if want < 0 or len(data) < want:
             self._check_exit()
-        return data
+        return head + data if head else data
 
     def finish(self) -> None:
         """After the parser's end: the rest of the output (after the archive's end marker) read and
         dropped, then the exit status checked."""
-        out = self._stream()
+        out, self._head = self._stream(), b""
         while out.read(1 << 20):
             pass
         self._check_exit()

@@ -8,6 +8,7 @@ started when the read is closed, and query strings left out of the names.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import time
 
 import pytest
@@ -111,6 +112,16 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ", 1)[1][0] != "Z"  # a zombie is dead, waiting for init to reap it
     except (FileNotFoundError, ProcessLookupError):
         return False
+
+
+async def test_a_command_that_writes_a_byte_at_a_time_is_still_read_whole(shards, tmp_path):
+    # The first two bytes decide gzip or tar: a command whose first write is one byte (dd, then a
+    # pause, then the rest) must not be taken for a plain tar on that byte alone.
+    gz = tmp_path / "shard.tar.gz"
+    gz.write_bytes(gzip.compress((shards / "shard-000000.tar").read_bytes()))
+    slow = f"(dd if={gz} bs=1 count=1 status=none; sleep 0.2; dd if={gz} bs=64k skip=1 iflag=skip_bytes status=none)"
+    samples = await _read(readers.webdataset(f"pipe:{slow}"))
+    _same(samples, await _read(readers.webdataset(str(shards / "shard-000000.tar"))))
 
 
 async def test_a_commands_name_leaves_out_query_strings(shards):
