@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Self
 
 from headrace._errors import ConfigError, LoaderError
-from headrace._sample import Sample
+from headrace._sample import Sample, value_nbytes
 from headrace.readers import Reader
 
 __all__ = ["Census", "image_format", "inspect", "inspect_path", "open_reader", "render"]
@@ -95,7 +95,7 @@ class Census:
         if sample.error is not None:
             self.unreadable.append(sample.error)
         self.fields.update(list(sample.fields))
-        self.sample_bytes.append(sum(len(v) for v in sample.fields.values()))
+        self.sample_bytes.append(sum(value_nbytes(v) for v in sample.fields.values()))  # ints and arrays too
         cls = sample.fields.get("cls")
         if cls is not None:
             try:
@@ -144,7 +144,8 @@ def _image_field(fields: dict[str, Any]) -> Any:
         if name in fields:
             return fields[name]
     for name, value in fields.items():
-        if name not in _NOT_IMAGES and image_format(value) != "unknown":
+        if (name not in _NOT_IMAGES and isinstance(value, (bytes, bytearray, memoryview))
+                and image_format(value) != "unknown"):
             return value
     return None
 
@@ -198,9 +199,12 @@ class _Tap(Reader):
 
 
 def open_reader(path: str, format: str | None = None) -> tuple[Any, str]:
-    """The reader for ``path`` and its kind (``files``, ``webdataset`` or ``lmdb``), guessed from the
-    path (``_guess``; a bucket folder is tried as shards first) unless ``format`` says. Raises what
-    the reader's constructor raises."""
+    """The reader for ``path`` and its kind (``files``, ``webdataset``, ``lmdb`` or ``tfrecord``),
+    guessed from the path (``_guess``; a bucket folder is tried as shards first) unless ``format``
+    says. TFRecord files are read with the ImageNet layout's fields (``jpg``, ``cls``) where their
+    first record has those features, else with its first feature that holds an image (by its bytes)
+    as ``jpg``, else with every feature under its own name. Raises what the reader's constructor
+    raises."""
     from headrace import readers
 
     kind = format or _guess(path)
@@ -213,27 +217,71 @@ def open_reader(path: str, format: str | None = None) -> tuple[Any, str]:
         return readers.lmdb(path), kind
     if kind == "webdataset":
         return readers.webdataset(path), kind
+    if kind == "tfrecord":
+        return _tfrecord_reader(path), kind
     if kind != "files":
-        raise ConfigError(f"inspect: format must be files, webdataset or lmdb, got {kind!r}")
+        raise ConfigError(f"inspect: format must be files, webdataset, lmdb or tfrecord, got {kind!r}")
     return readers.files(path), kind
+
+
+def _tfrecord_reader(path: str) -> Any:
+    from headrace import readers
+    from headrace.readers.tfrecord import IMAGENET_FEATURES
+
+    everything = readers.tfrecord(path, features=None)
+    first = everything._fetch([0])[0]  # one record, read here (its reader fetches in threads the same way)
+    if first.error is not None:
+        return everything
+    if set(IMAGENET_FEATURES) <= set(first.fields):
+        return readers.tfrecord(path)
+    images = [name for name, value in first.fields.items()
+              if isinstance(value, bytes) and image_format(value) != "unknown"]
+    # The image under a name the decoder takes (so that --verify decodes it); its other features
+    # are left out, since a feature named here must be in every record.
+    return readers.tfrecord(path, features={images[0]: "jpg"}) if images else everything
 
 
 def _guess(path: str) -> str:
     """A URL ending in ``/``, a local folder of class sub-folders: files; a local folder holding
-    ``data.mdb``, or another local file: an LMDB; shard names, patterns, other URLs: WebDataset."""
+    ``data.mdb``, or another local file: an LMDB; files that start as a TFRecord does (a folder of
+    them, or a pattern): TFRecord; shard names, patterns, other URLs: WebDataset."""
     shard_like = path.endswith((".tar", ".tar.gz", ".tgz")) or any(ch in path for ch in "{*?[")
     if "://" in path:
         return "webdataset" if shard_like or not path.endswith("/") else "files"
     if os.path.isfile(path):
-        return "webdataset" if shard_like else "lmdb"
+        return "webdataset" if shard_like else "tfrecord" if _is_tfrecord(path) else "lmdb"
     if os.path.isdir(path):
         names = os.listdir(path)
         if "data.mdb" in names:
             return "lmdb"
         if any(n.endswith((".tar", ".tar.gz", ".tgz")) for n in names):
             return "webdataset"
+        files = sorted(n for n in names if not n.startswith(".") and os.path.isfile(os.path.join(path, n)))
+        if files and _is_tfrecord(os.path.join(path, files[0])):
+            return "tfrecord"
         return "files"
+    if "{" in path and not path.endswith((".tar", ".tar.gz", ".tgz")):
+        from headrace.readers._shards import expand_braces
+
+        first = expand_braces(path)[0]
+        if os.path.isfile(first) and _is_tfrecord(first):
+            return "tfrecord"
     return "webdataset" if shard_like else "files"
+
+
+def _is_tfrecord(path: str) -> bool:
+    """The file starts as a TFRecord of Examples does: a length that fits the file, then the first
+    byte of an Example (its features field)."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(13)
+    except OSError:
+        return False
+    if len(head) < 13:
+        return False
+    length = int.from_bytes(head[:8], "little")
+    return 0 < length and 12 + length + 4 <= size and head[12] == 0x0A
 
 
 def _storage(reader: Any, kind: str, census: Census) -> dict[str, Any]:
@@ -241,6 +289,9 @@ def _storage(reader: Any, kind: str, census: Census) -> dict[str, Any]:
     if kind == "files":  # a file is a sample's image field
         return {"kind": "files", "count": len(census.image_bytes), "bytes": sum(census.image_bytes),
                 **_spread(census.image_bytes)}
+    if kind == "tfrecord":
+        sizes = [os.path.getsize(p) for p in reader.paths]
+        return {"kind": "tfrecord", "count": len(sizes), "bytes": sum(sizes), **_spread(sizes)}
     if kind == "lmdb":
         path = reader.path if not os.path.isdir(reader.path) else os.path.join(reader.path, "data.mdb")
         size = os.path.getsize(path)
@@ -354,7 +405,8 @@ def inspect_path(path: str, *, format: str | None = None, limit: int | None = No
     return 1 if report["bad"] else 0
 
 
-_KINDS = {"files": "a class-per-folder tree", "webdataset": "WebDataset shards", "lmdb": "an LMDB"}
+_KINDS = {"files": "a class-per-folder tree", "webdataset": "WebDataset shards", "lmdb": "an LMDB",
+          "tfrecord": "TFRecord files"}
 
 
 def render(report: dict[str, Any]) -> str:
@@ -375,7 +427,7 @@ def render(report: dict[str, Any]) -> str:
         lines += _bars("shorter side, px", sizes["shorter_side"]["histogram"], whole=True)
         lines += _bars("megapixels", sizes["megapixels"]["histogram"], whole=False)
     st = report["storage"]
-    what = {"files": "file(s)", "shards": "shard(s)", "lmdb": "LMDB file"}[st["kind"]]
+    what = {"files": "file(s)", "shards": "shard(s)", "lmdb": "LMDB file", "tfrecord": "TFRecord file(s)"}[st["kind"]]
     if st["bytes"] is None:
         lines.append(f"storage: {st['count']:,} {what}, sizes unknown (remote)")
     else:

@@ -115,6 +115,33 @@ def test_lmdb(data):
     assert {source for source, _ in _bad(report).values()} == {str(data / "db")}
 
 
+@pytest.mark.parametrize("layout", ["imagenet", "other"])
+def test_tfrecord_files_are_recognised_by_their_bytes(data, tmp_path, layout):
+    writer_module = pytest.importorskip("tfrecord.writer")
+    folder = tmp_path / "tfr"
+    folder.mkdir()
+    ref = readers.files(data / "src")
+    image, label = ("image/encoded", "image/class/label") if layout == "imagenet" else ("pixels", "class")
+    for part in range(2):  # no extension, as TensorFlow's scripts name them
+        writer = writer_module.TFRecordWriter(str(folder / f"train-{part:05d}-of-00002"))
+        for path, cls in list(zip(ref.paths, ref.labels))[part::2]:
+            writer.write({image: (open(path, "rb").read(), "byte"), label: (cls, "int")})
+        writer.close()
+    for path in (str(folder), str(folder / "train-{00000..00001}-of-00002")):
+        report = inspect(path, verify=True)
+        assert report["format"] == "tfrecord" and report["samples"] == 25
+        assert report["image_formats"] == {"jpeg": 23, "png": 1, "unknown": 1}  # the text file's bytes
+        assert len(report["bad"]) == 2  # the text file and the cut JPEG, as from the folder
+        storage = report["storage"]
+        assert storage["kind"] == "tfrecord" and storage["count"] == 2
+        assert storage["bytes"] == sum(p.stat().st_size for p in folder.iterdir())
+        if layout == "imagenet":  # read as jpg + cls: the classes are counted
+            assert report["fields"] == {"cls": 25, "jpg": 25} and report["classes"]["per_class"] == {"0": 9, "1": 7, "2": 9}
+        else:  # the feature holding images (found by their bytes) read as jpg, the label unknown
+            assert report["fields"] == {"jpg": 25} and report["classes"]["count"] == 0
+    assert "TFRecord files" in render(report) and "2 TFRecord file(s)" in render(report)
+
+
 def test_shards_over_http(data):
     pytest.importorskip("aiohttp")
     handler = functools.partial(_QuietHandler, directory=str(data / "wds"))
