@@ -6,6 +6,7 @@ from ._storage import HttpStore, LocalStore, MemoryStore, ObjectInfo, Retry, S3S
 from .files import FileReader, files
 from .lmdb import LmdbReader, decode_default, decode_record, encode_record, lmdb
 from .mix import MixReader, mix
+from .recordio import RecordIOReader, recordio
 from .sources import IterableReader, SequenceReader, iterable, sequence
 from .tfrecord import TFRecordReader, parse_example, tfrecord
 from .video import VideoReader, video
@@ -23,6 +24,7 @@ __all__ = [
     "ObjectInfo",
     "PackResult",
     "Reader",
+    "RecordIOReader",
     "Retry",
     "S3Store",
     "SequenceReader",
@@ -40,6 +42,7 @@ __all__ = [
     "mix",
     "pack",
     "parse_example",
+    "recordio",
     "sequence",
     "tfrecord",
     "video",

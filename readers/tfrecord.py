@@ -15,78 +15,33 @@ from __future__ import annotations
 import os
 import struct
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from headrace._errors import ConfigError, ReadError
-from headrace._sample import Sample
 
-from ._base import IndexedReader
-from ._shards import expand_braces
+from ._record_files import CUT, RecordFileReader, find_records, resolve_files
 
 __all__ = ["TFRecordReader", "example_class", "parse_example", "tfrecord"]
 
 IMAGENET_FEATURES = {"image/encoded": "jpg", "image/class/label": "cls"}
 _HEADER = struct.Struct("<QI")  # length, its CRC
 _FOOTER = 4  # the data's CRC
-_CUT = -1  # an index entry whose record runs past the end of its file
 
 
-class TFRecordReader(IndexedReader):
+class TFRecordReader(RecordFileReader):
     """Reads TFRecord records by offset in chunks from I/O threads; one Sample per record (see ``tfrecord``)."""
 
     def __init__(self, paths: Sequence[str], records: np.ndarray, features: Mapping[str, str] | None,
                  label_offset: int, *, shuffle: bool, seed: int | None, chunk_size: int, io_threads: int) -> None:
-        super().__init__(shuffle=shuffle, seed=seed, chunk_size=chunk_size, io_threads=io_threads)
-        self.paths = list(paths)
-        self.records = records  # one row per record: file number, data offset, data length (_CUT: cut short)
+        # records: (file, the data's offset, its length); an Example each
+        super().__init__(paths, records, shuffle=shuffle, seed=seed, chunk_size=chunk_size, io_threads=io_threads)
         self.features = None if features is None else dict(features)
         self.label_offset = label_offset
-        self._stems = [Path(p).name.split(".")[0] for p in self.paths]
-        self._first = np.concatenate([[0], np.cumsum(np.bincount(records[:, 0], minlength=len(paths)))])
 
-    def _dataset_size(self) -> int:
-        return len(self.records)
-
-    def _fetch(self, indices: Sequence[int]) -> list[Sample]:
-        # The chunk's files opened for it alone: no descriptor is shared between reads (epochs
-        # overlap when the loader runs ahead) or kept past the chunk.
-        fds: dict[int, int] = {}
-        try:
-            return [self._record(i, fds) for i in indices]
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-
-    def _record(self, i: int, fds: dict[int, int]) -> Sample:
-        file, offset, length = (int(v) for v in self.records[i])
-        path = self.paths[file]
-        key = f"{self._stems[file]}/{i - int(self._first[file])}"
-        fields: dict[str, Any] = {}
-        error = None
-        try:
-            if length == _CUT:
-                raise ReadError(f"record at byte {offset} runs past the end of the file (cut short)",
-                                key=key, source=path)
-            fd = fds.get(file)
-            if fd is None:
-                fd = fds[file] = os.open(path, os.O_RDONLY)
-            data = os.pread(fd, length, offset)
-            if len(data) < length:
-                raise ReadError(f"record at byte {offset} needs {length} bytes, the file has {len(data)} there",
-                                key=key, source=path)
-            fields = self._fields(_feature_map(data), key, path)
-        except ReadError as exc:
-            error = exc
-        except (ValueError, IndexError) as exc:
-            error = ReadError(f"record at byte {offset} is not a tf.train.Example: {exc}", key=key, source=path)
-            error.__cause__ = exc
-        except OSError as exc:
-            error = ReadError(f"cannot read record at byte {offset}: {exc.strerror or exc}", key=key, source=path)
-            error.__cause__ = exc
-        return Sample(key, fields, path, i, error=error)
+    def _parse(self, data: bytes, key: str, path: str) -> dict[str, Any]:
+        return self._fields(_feature_map(data), key, path)
 
     def _fields(self, features: Any, key: str, path: str) -> dict[str, Any]:
         """The sample's fields from the Example's features: renamed, a label as ASCII digits."""
@@ -109,12 +64,7 @@ class TFRecordReader(IndexedReader):
         return fields
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "paths": self.paths, "features": self.features,
-                "label_offset": self.label_offset}
-
-    def __repr__(self) -> str:
-        return (f"TFRecordReader({len(self.paths)} files, samples={len(self)}, shuffle={self.shuffle}, "
-                f"rank={self.rank}/{self.world})")
+        return {**super().state_dict(), "features": self.features, "label_offset": self.label_offset}
 
 
 # -- the protocol buffer -------------------------------------------------------------------------
@@ -180,7 +130,7 @@ def _feature_map(data: bytes) -> Any:
     except ImportError:
         raise
     except Exception as exc:  # protobuf's DecodeError, or its C parser's own
-        raise ValueError(str(exc) or type(exc).__name__) from None
+        raise ValueError(f"not a tf.train.Example: {exc or type(exc).__name__}") from None
 
 
 def _value(feature: Any) -> Any:
@@ -208,11 +158,11 @@ def _scan(path: str, file: int) -> list[tuple[int, int, int]]:
         while pos < size:
             header = os.pread(f.fileno(), _HEADER.size, pos)
             if len(header) < _HEADER.size:
-                records.append((file, pos, _CUT))
+                records.append((file, pos, CUT))
                 break
             length, _ = _HEADER.unpack(header)
             if pos + _HEADER.size + length + _FOOTER > size:
-                records.append((file, pos, _CUT))
+                records.append((file, pos, CUT))
                 break
             records.append((file, pos + _HEADER.size, length))
             pos += _HEADER.size + length + _FOOTER
@@ -236,7 +186,7 @@ def _from_index(index: str, file: int, path: str) -> list[tuple[int, int, int]]:
             length = total - _HEADER.size - _FOOTER
             if offset < 0 or length < 0:
                 raise ReadError(f"line {number}: a record of {total} bytes at {offset} cannot be", source=index)
-            records.append((file, offset + _HEADER.size, length if offset + total <= size else _CUT))
+            records.append((file, offset + _HEADER.size, length if offset + total <= size else CUT))
     return records
 
 
@@ -276,47 +226,13 @@ def tfrecord(
     for a missing file, an empty folder or a bad index line; ConfigError for a wrong argument.
     """
     example_class()  # ImportError now, not in the I/O threads, where protobuf is missing
-    paths = _resolve(source)
+    paths = resolve_files(source, "TFRecord", lambda name: not name.startswith(".") and not name.endswith(".idx"))
     if features is not None:
         if not isinstance(features, Mapping) or not features or not all(
                 isinstance(k, str) and isinstance(v, str) and v for k, v in features.items()):
             raise ConfigError(f"tfrecord: features must map feature names to field names, got {features!r}")
         if len(set(features.values())) != len(features):
             raise ConfigError(f"tfrecord: two features map to one field in {features!r}")
-    if isinstance(label_offset, bool) or not isinstance(label_offset, int):
-        raise ConfigError(f"tfrecord: label_offset must be an int, got {label_offset!r}")
-    if index is not None:
-        index = [os.fspath(p) for p in index]
-        if len(index) != len(paths):
-            raise ConfigError(f"tfrecord: {len(index)} index files for {len(paths)} TFRecord files")
-    found: list[tuple[int, int, int]] = []
-    for file, path in enumerate(paths):
-        found += _scan(path, file) if index is None else _from_index(index[file], file, path)
-    if not found:
-        raise ReadError("no records in these files", source=paths[0] if len(paths) == 1 else os.path.dirname(paths[0]))
-    records = np.array(found, dtype=np.int64).reshape(-1, 3)
+    records = find_records("tfrecord", paths, index, label_offset, _scan, _from_index)
     return TFRecordReader(paths, records, features, label_offset, shuffle=shuffle, seed=seed,
                           chunk_size=chunk_size, io_threads=io_threads)
-
-
-def _resolve(source: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
-    if isinstance(source, (str, os.PathLike)):
-        text = os.fspath(source)
-        if os.path.isdir(text):
-            paths = sorted(os.path.join(text, n) for n in os.listdir(text)
-                           if not n.startswith(".") and not n.endswith(".idx")
-                           and os.path.isfile(os.path.join(text, n)))
-            if not paths:
-                raise ReadError("no TFRecord files in folder", source=text)
-            return paths
-        paths = expand_braces(text)
-    elif isinstance(source, Sequence) and not isinstance(source, (bytes, bytearray)):
-        paths = [p for item in source for p in _resolve(item)]
-    else:
-        raise ConfigError(f"tfrecord: source must be a path, a pattern, a folder or a list, got {type(source).__name__}")
-    if not paths:
-        raise ConfigError("tfrecord: the file list is empty")
-    for path in paths:
-        if not os.path.isfile(path):
-            raise ReadError("no such TFRecord file", source=path)
-    return paths

@@ -199,7 +199,7 @@ class _Tap(Reader):
 
 
 def open_reader(path: str, format: str | None = None) -> tuple[Any, str]:
-    """The reader for ``path`` and its kind (``files``, ``webdataset``, ``lmdb`` or ``tfrecord``),
+    """The reader for ``path`` and its kind (``files``, ``webdataset``, ``lmdb``, ``tfrecord`` or ``recordio``),
     guessed from the path (``_guess``; a bucket folder is tried as shards first) unless ``format``
     says. TFRecord files are read with the ImageNet layout's fields (``jpg``, ``cls``) where their
     first record has those features, else with its first feature that holds an image (by its bytes)
@@ -219,8 +219,10 @@ def open_reader(path: str, format: str | None = None) -> tuple[Any, str]:
         return readers.webdataset(path), kind
     if kind == "tfrecord":
         return _tfrecord_reader(path), kind
+    if kind == "recordio":
+        return readers.recordio(path), kind
     if kind != "files":
-        raise ConfigError(f"inspect: format must be files, webdataset, lmdb or tfrecord, got {kind!r}")
+        raise ConfigError(f"inspect: format must be files, webdataset, lmdb, tfrecord or recordio, got {kind!r}")
     return readers.files(path), kind
 
 
@@ -244,10 +246,13 @@ def _tfrecord_reader(path: str) -> Any:
 def _guess(path: str) -> str:
     """A URL ending in ``/``, a local folder of class sub-folders: files; a local folder holding
     ``data.mdb``, or another local file: an LMDB; files that start as a TFRecord does (a folder of
-    them, or a pattern): TFRecord; shard names, patterns, other URLs: WebDataset."""
+    them, or a pattern): TFRecord; ``.rec`` files (or a folder of them): RecordIO; shard names,
+    patterns, other URLs: WebDataset."""
     shard_like = path.endswith((".tar", ".tar.gz", ".tgz")) or any(ch in path for ch in "{*?[")
     if "://" in path:
         return "webdataset" if shard_like or not path.endswith("/") else "files"
+    if path.endswith(".rec"):
+        return "recordio"
     if os.path.isfile(path):
         return "webdataset" if shard_like else "tfrecord" if _is_tfrecord(path) else "lmdb"
     if os.path.isdir(path):
@@ -256,6 +261,8 @@ def _guess(path: str) -> str:
             return "lmdb"
         if any(n.endswith((".tar", ".tar.gz", ".tgz")) for n in names):
             return "webdataset"
+        if any(n.endswith(".rec") for n in names):
+            return "recordio"
         files = sorted(n for n in names if not n.startswith(".") and os.path.isfile(os.path.join(path, n)))
         if files and _is_tfrecord(os.path.join(path, files[0])):
             return "tfrecord"
@@ -289,9 +296,9 @@ def _storage(reader: Any, kind: str, census: Census) -> dict[str, Any]:
     if kind == "files":  # a file is a sample's image field
         return {"kind": "files", "count": len(census.image_bytes), "bytes": sum(census.image_bytes),
                 **_spread(census.image_bytes)}
-    if kind == "tfrecord":
+    if kind in ("tfrecord", "recordio"):
         sizes = [os.path.getsize(p) for p in reader.paths]
-        return {"kind": "tfrecord", "count": len(sizes), "bytes": sum(sizes), **_spread(sizes)}
+        return {"kind": kind, "count": len(sizes), "bytes": sum(sizes), **_spread(sizes)}
     if kind == "lmdb":
         path = reader.path if not os.path.isdir(reader.path) else os.path.join(reader.path, "data.mdb")
         size = os.path.getsize(path)
@@ -406,7 +413,7 @@ def inspect_path(path: str, *, format: str | None = None, limit: int | None = No
 
 
 _KINDS = {"files": "a class-per-folder tree", "webdataset": "WebDataset shards", "lmdb": "an LMDB",
-          "tfrecord": "TFRecord files"}
+          "tfrecord": "TFRecord files", "recordio": "RecordIO files"}
 
 
 def render(report: dict[str, Any]) -> str:
@@ -427,7 +434,8 @@ def render(report: dict[str, Any]) -> str:
         lines += _bars("shorter side, px", sizes["shorter_side"]["histogram"], whole=True)
         lines += _bars("megapixels", sizes["megapixels"]["histogram"], whole=False)
     st = report["storage"]
-    what = {"files": "file(s)", "shards": "shard(s)", "lmdb": "LMDB file", "tfrecord": "TFRecord file(s)"}[st["kind"]]
+    what = {"files": "file(s)", "shards": "shard(s)", "lmdb": "LMDB file", "tfrecord": "TFRecord file(s)",
+            "recordio": ".rec file(s)"}[st["kind"]]
     if st["bytes"] is None:
         lines.append(f"storage: {st['count']:,} {what}, sizes unknown (remote)")
     else:

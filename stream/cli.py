@@ -73,12 +73,12 @@ def _parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser("inspect", help="say what a data set holds: samples, classes, fields, image formats "
                                              "and sizes; --verify decodes every image",
                              description="Inspect PATH: a class-per-folder image tree, a folder or pattern of "
-                                         "WebDataset tar shards, an LMDB, TFRecord files (a file, folder or "
-                                         "pattern), or an s3:// or http(s):// URL of shards (or an s3:// folder "
+                                         "WebDataset tar shards, an LMDB, TFRecord or RecordIO files (a "
+                                         "file, folder or pattern), or an s3:// or http(s):// URL of shards (or an s3:// folder "
                                          "of class sub-folders).")
     inspect.add_argument("path", metavar="PATH", help="data set: folder, shards (folder, glob, brace pattern), "
                                                       "LMDB or URL")
-    inspect.add_argument("--format", choices=("files", "webdataset", "lmdb", "tfrecord"), default=None,
+    inspect.add_argument("--format", choices=("files", "webdataset", "lmdb", "tfrecord", "recordio"), default=None,
                          help="what PATH is (default: guessed from it)")
     inspect.add_argument("--limit", type=_positive, default=None, metavar="N", help="look at the first N samples only")
     inspect.add_argument("--verify", action="store_true",
@@ -98,7 +98,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
                                        "(--dataloader adds torch's DataLoader on the same samples). Samples that "
                                        "fail to read or decode are skipped and counted.")
     bench.add_argument("path", metavar="PATH", help="data set: folder, shards (folder, glob, brace pattern), LMDB or URL")
-    bench.add_argument("--format", choices=("files", "webdataset", "lmdb", "tfrecord"), default=None,
+    bench.add_argument("--format", choices=("files", "webdataset", "lmdb", "tfrecord", "recordio"), default=None,
                        help="what PATH is (default: guessed from it)")
     bench.add_argument("--pipeline", choices=("training", "validation"), default="training",
                        help="the whole pipeline's ops: ops.training or ops.validation (default: %(default)s)")

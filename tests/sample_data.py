@@ -7,13 +7,15 @@ when it loads ``tests/conftest.py``).
 from __future__ import annotations
 
 import io
+import struct
 import tarfile
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-__all__ = ["frame_index", "jpeg_bytes", "make_folder", "make_video", "tar_bytes", "video_batches"]
+__all__ = ["frame_index", "jpeg_bytes", "make_folder", "make_video", "recordio_record", "tar_bytes", "video_batches",
+           "write_recordio"]
 
 
 def jpeg_bytes(rng: np.random.Generator, h: int, w: int, quality: int = 90) -> bytes:
@@ -121,3 +123,38 @@ async def video_batches(reader) -> list:
     batches = [b async for b in loader]
     await loader.aclose()
     return batches
+
+
+_RECORDIO_MAGIC = 0xCED7230A
+
+
+def recordio_record(label, image: bytes, id_: int = 0) -> bytes:
+    """An image record as ``mx.recordio.pack`` makes it (MXNet itself is not installable here):
+    IRHeader (flag, label, id, id2), the extra labels where ``label`` is several, the image."""
+    if np.ndim(label) == 0:
+        return struct.pack("<IfQQ", 0, float(label), id_, 0) + image
+    labels = np.asarray(label, np.float32)
+    return struct.pack("<IfQQ", len(labels), 0.0, id_, 0) + labels.tobytes() + image
+
+
+def write_recordio(path: Path, records: list[bytes], idx: bool = True) -> list[int]:
+    """``records`` to a ``.rec`` file (and its ``.idx``) as dmlc-core's RecordIOWriter writes them:
+    data holding the magic at a 4-byte boundary is written in parts (flags 1, 2..., 3) with the
+    magic left out; each part padded to 4 bytes. Returns the records' offsets."""
+    out, offsets = bytearray(), []
+    magic = struct.pack("<I", _RECORDIO_MAGIC)
+    for data in records:
+        offsets.append(len(out))
+        cuts = [i for i in range(0, len(data) - 3, 4) if data[i:i + 4] == magic]
+        pieces, last = [], 0
+        for cut in cuts:
+            pieces.append(data[last:cut])
+            last = cut + 4
+        pieces.append(data[last:])
+        for k, piece in enumerate(pieces):
+            flag = 0 if len(pieces) == 1 else 1 if k == 0 else 3 if k == len(pieces) - 1 else 2
+            out += struct.pack("<II", _RECORDIO_MAGIC, (flag << 29) | len(piece)) + piece + b"\0" * (-len(piece) % 4)
+    path.write_bytes(bytes(out))
+    if idx:
+        path.with_suffix(".idx").write_text("".join(f"{k}\t{o}\n" for k, o in enumerate(offsets)))
+    return offsets

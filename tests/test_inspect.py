@@ -12,7 +12,7 @@ import threading
 
 import numpy as np
 import pytest
-from sample_data import make_folder
+from sample_data import make_folder, recordio_record, write_recordio
 from PIL import Image
 
 from headrace import readers
@@ -140,6 +140,21 @@ def test_tfrecord_files_are_recognised_by_their_bytes(data, tmp_path, layout):
         else:  # the feature holding images (found by their bytes) read as jpg, the label unknown
             assert report["fields"] == {"jpg": 25} and report["classes"]["count"] == 0
     assert "TFRecord files" in render(report) and "2 TFRecord file(s)" in render(report)
+
+
+def test_recordio_files(data, tmp_path):
+    ref = readers.files(data / "src")
+    items = [recordio_record(cls, open(path, "rb").read()) for path, cls in zip(ref.paths, ref.labels)]
+    write_recordio(tmp_path / "train.rec", items)
+    report = inspect(str(tmp_path), verify=True)
+    assert report["format"] == "recordio" and report["samples"] == 25
+    assert report["classes"]["per_class"] == {"0": 9, "1": 7, "2": 9}
+    # A record's image field is named by its bytes: the text file's is "bin", a sample without an image
+    assert report["image_formats"] == {"jpeg": 23, "png": 1} and report["no_image_field"] == 1
+    assert report["fields"] == {"bin": 1, "cls": 25, "jpg": 23, "png": 1} and len(report["bad"]) == 2
+    assert report["storage"] == {**report["storage"], "kind": "recordio", "count": 1,
+                                 "bytes": (tmp_path / "train.rec").stat().st_size}
+    assert "RecordIO files" in render(report)
 
 
 def test_shards_over_http(data):

@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from headrace import ConfigError, Loader, ReadError, ops, readers
+from headrace import ConfigError, ReadError, readers
+from record_checks import a_loader_trains_on, reads_as_the_files_reader
 
 tfrecord_writer = pytest.importorskip("tfrecord.writer")  # in the test extra; a skip only off it
 
@@ -86,25 +87,12 @@ async def test_dali_index_files_give_the_same_records_as_a_scan(imagenet):
 @pytest.mark.parametrize("start", [1, 30, 74])
 async def test_shuffle_shard_and_resume_are_the_files_readers(imagenet, image_folder, start):
     root, _ = imagenet
-    records = readers.tfrecord(str(root / "train-{00000..00002}-of-00003"), label_offset=-1, shuffle=True)
-    folder = readers.files(image_folder, shuffle=True)
-    whole = await _read(records, epoch=3)
-    assert [bytes(s.fields["jpg"]) for s in whole] == [s.fields["jpg"] for s in await _read(folder, epoch=3)]
-    rest = await _read(records, epoch=3, start=start)
-    assert [(s.key, s.index, s.position) for s in rest] == [(s.key, s.index, s.position) for s in whole[start:]]
-    parts = [await _read(records.shard(r, 2), epoch=3) for r in range(2)]
-    assert sorted(s.key for p in parts for s in p) == sorted(s.key for s in whole)
+    await reads_as_the_files_reader(readers.tfrecord(str(root / "train-{00000..00002}-of-00003"), label_offset=-1, shuffle=True), image_folder, epoch=3,
+                                    start=start, world=2)
 
 
 async def test_the_loader_trains_on_them(imagenet, leaks):
-    root, _ = imagenet
-    loader = Loader(readers.tfrecord(root, label_offset=-1, shuffle=True), batch_size=16, device="cpu",
-                    num_threads=2, pipeline=ops.training(32))
-    async with loader:
-        batches = [b async for b in loader]
-    assert sum(len(b.sample_keys) for b in batches) == 75
-    assert batches[0]["image"].shape == (16, 3, 32, 32) and set(batches[0]["label"].tolist()) <= {0, 1, 2}
-    await leaks.check()
+    await a_loader_trains_on(readers.tfrecord(imagenet[0], label_offset=-1, shuffle=True), leaks)
 
 
 async def test_bad_records_are_errors_naming_their_file_and_byte_and_the_rest_reads(imagenet, tmp_path):

@@ -1,0 +1,137 @@
+"""What the TFRecord and RecordIO readers share: local files of records, found once, then read by
+offset in the I/O threads (``IndexedReader``: seeded shuffle, shard, exact resume)."""
+
+from __future__ import annotations
+
+import os
+from abc import abstractmethod
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from headrace._errors import ConfigError, ReadError
+from headrace._sample import Sample
+
+from ._base import IndexedReader
+from ._shards import expand_braces
+
+__all__ = ["CUT", "RecordFileReader", "find_records", "resolve_files"]
+
+CUT = -1  # a record's length where it runs past the end of its file
+
+
+class RecordFileReader(IndexedReader):
+    """Records at known offsets of local files. ``records``: a row per record, (file number, offset,
+    length), ``CUT`` for a record cut off by its file's end. A record's key is its file's stem and its
+    number in that file; ``_parse(data)`` makes its fields, raising ValueError for bytes it cannot take."""
+
+    kind = "record"
+
+    def __init__(self, paths: Sequence[str], records: np.ndarray, *, shuffle: bool, seed: int | None,
+                 chunk_size: int, io_threads: int) -> None:
+        super().__init__(shuffle=shuffle, seed=seed, chunk_size=chunk_size, io_threads=io_threads)
+        self.paths = list(paths)
+        self.records = records
+        self._stems = [Path(p).stem for p in self.paths]
+        self._first = np.concatenate([[0], np.cumsum(np.bincount(records[:, 0], minlength=len(paths)))])
+
+    @abstractmethod
+    def _parse(self, data: bytes, key: str, path: str) -> dict[str, Any]: ...
+
+    def _dataset_size(self) -> int:
+        return len(self.records)
+
+    def _fetch(self, indices: Sequence[int]) -> list[Sample]:
+        # The chunk's files opened for it alone: no descriptor is shared between reads (epochs
+        # overlap when the loader runs ahead) or kept past the chunk.
+        fds: dict[int, int] = {}
+        try:
+            return [self._record(i, fds) for i in indices]
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def _record(self, i: int, fds: dict[int, int]) -> Sample:
+        file, offset, length = (int(v) for v in self.records[i])
+        path = self.paths[file]
+        key = f"{self._stems[file]}/{i - int(self._first[file])}"
+        fields: dict[str, Any] = {}
+        error = None
+        try:
+            if length == CUT:
+                raise ValueError("it runs past the end of the file (cut short)")
+            fd = fds.get(file)
+            if fd is None:
+                fd = fds[file] = os.open(path, os.O_RDONLY)
+            data = os.pread(fd, length, offset)
+            if len(data) < length:
+                raise ValueError(f"it needs {length} bytes, the file has {len(data)} there")
+            fields = self._parse(data, key, path)
+        except ReadError as exc:
+            error = exc
+        except (ValueError, IndexError) as exc:
+            error = ReadError(f"{self.kind} at byte {offset}: {exc}", key=key, source=path)
+            error.__cause__ = exc
+        except OSError as exc:
+            error = ReadError(f"cannot read {self.kind} at byte {offset}: {exc.strerror or exc}", key=key, source=path)
+            error.__cause__ = exc
+        return Sample(key, fields, path, i, error=error)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "paths": self.paths}
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({len(self.paths)} files, samples={len(self)}, shuffle={self.shuffle}, "
+                f"rank={self.rank}/{self.world})")
+
+
+def resolve_files(source: Any, what: str, in_folder: Callable[[str], bool]) -> list[str]:
+    """Paths from a file, a brace pattern, a folder (its files ``in_folder`` keeps, sorted) or a list
+    of these. Raises ReadError for a missing file or an empty folder, ConfigError for the rest."""
+    if isinstance(source, (str, os.PathLike)):
+        text = os.fspath(source)
+        if os.path.isdir(text):
+            paths = sorted(os.path.join(text, n) for n in os.listdir(text)
+                           if in_folder(n) and os.path.isfile(os.path.join(text, n)))
+            if not paths:
+                raise ReadError(f"no {what} files in folder", source=text)
+            return paths
+        paths = expand_braces(text)
+    elif isinstance(source, Sequence) and not isinstance(source, (bytes, bytearray)):
+        paths = [p for item in source for p in resolve_files(item, what, in_folder)]
+    else:
+        raise ConfigError(f"source must be a path, a pattern, a folder or a list of {what} files, "
+                          f"got {type(source).__name__}")
+    if not paths:
+        raise ConfigError(f"the list of {what} files is empty")
+    for path in paths:
+        if not os.path.isfile(path):
+            raise ReadError(f"no such {what} file", source=path)
+    return paths
+
+
+Found = list[tuple[int, int, int]]
+
+
+def find_records(name: str, paths: list[str], index: Sequence[Any] | None, label_offset: object,
+                 scan: Callable[[str, int], Found], from_index: Callable[[str, int, str], Found],
+                 index_beside: Callable[[str], str | None] = lambda path: None) -> np.ndarray:
+    """The records of ``paths`` as ``RecordFileReader`` takes them: each file's from its index file
+    (``index``, one per file, else ``index_beside(path)``) or, without one, from ``scan``. Checks the
+    arguments the readers share (ConfigError naming ``name``); ReadError if there are no records."""
+    if isinstance(label_offset, bool) or not isinstance(label_offset, int):
+        raise ConfigError(f"{name}: label_offset must be an int, got {label_offset!r}")
+    if index is not None:
+        indexes: list[str | None] = [os.fspath(p) for p in index]
+        if len(indexes) != len(paths):
+            raise ConfigError(f"{name}: {len(indexes)} index files for {len(paths)} files")
+    else:
+        indexes = [index_beside(p) for p in paths]
+    found: Found = []
+    for file, (path, idx) in enumerate(zip(paths, indexes)):
+        found += scan(path, file) if idx is None else from_index(idx, file, path)
+    if not found:
+        raise ReadError("no records in these files", source=paths[0])
+    return np.array(found, dtype=np.int64).reshape(-1, 3)

@@ -1,0 +1,169 @@
+"""MXNet RecordIO files (``.rec``, with or without their ``.idx``): the ImageNet format of MXNet's
+``im2rec`` tool, which DALI's ``fn.readers.mxnet`` reads, without MXNet.
+
+A ``.rec`` file is a run of records, each ``u32 magic (0xced7230a) | u32 flag << 29 | length |
+data``, padded to 4 bytes. A record whose data held the magic number at a 4-byte boundary was
+written in parts (flag 1 the first, 2 the middle ones, 3 the last), the magic left out between
+them. An image record's data is MXNet's ``IRHeader`` (``u32 flag | f32 label | u64 id | u64 id2``),
+``flag`` more float32 labels where ``flag > 0``, then the encoded image. Records are found once (from
+the ``.idx`` files, or by reading their headers and seeking over the data), then read by offset in
+the I/O threads, so shuffle, shard and exact resume are the files reader's.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from headrace._errors import ReadError
+
+from ._record_files import CUT, RecordFileReader, find_records, resolve_files
+from .lmdb import decode_default
+
+__all__ = ["RecordIOReader", "recordio"]
+
+MAGIC = 0xCED7230A
+_HEAD = struct.Struct("<II")
+_IMAGE_HEADER = struct.Struct("<IfQQ")
+_LENGTH_BITS = (1 << 29) - 1
+_MAGIC_BYTES = struct.pack("<I", MAGIC)
+
+
+class RecordIOReader(RecordFileReader):
+    """Reads RecordIO image records by offset in chunks from I/O threads; one Sample per record (see ``recordio``)."""
+
+    def __init__(self, paths: Sequence[str], records: np.ndarray, label_offset: int, *, shuffle: bool,
+                 seed: int | None, chunk_size: int, io_threads: int) -> None:
+        # records: (file, offset of its first header, bytes to its last part's end)
+        super().__init__(paths, records, shuffle=shuffle, seed=seed, chunk_size=chunk_size, io_threads=io_threads)
+        self.label_offset = label_offset
+
+    def _parse(self, data: bytes, key: str, path: str) -> dict[str, Any]:
+        return self._fields(_join_parts(data))
+
+    def _fields(self, data: bytes) -> dict[str, Any]:
+        """An image record's fields: the image (named by its signature: ``jpg``, ``png``...), and
+        ``cls`` (one label) or ``labels`` (a float32 array, where the header says several)."""
+        if len(data) < _IMAGE_HEADER.size:
+            raise ValueError(f"{len(data)} bytes, too short for an image record's header")
+        count, label, _, _ = _IMAGE_HEADER.unpack_from(data)
+        start = _IMAGE_HEADER.size + 4 * count
+        if start > len(data):
+            raise ValueError(f"its header says {count} labels, more than its {len(data)} bytes hold")
+        fields: dict[str, Any] = dict(decode_default(b"", data[start:]))
+        if count == 0:
+            if label != int(label):
+                raise ValueError(f"its label {label!r} is not a whole number")
+            fields["cls"] = str(int(label) + self.label_offset).encode()
+        else:
+            fields["labels"] = np.frombuffer(data, "<f4", count, _IMAGE_HEADER.size).copy()
+        return fields
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "label_offset": self.label_offset}
+
+
+def _join_parts(raw: bytes) -> bytes:
+    """A record's data from its bytes on disk: one part, or several joined with the magic between."""
+    parts, pos = [], 0
+    while True:
+        if pos + _HEAD.size > len(raw):
+            raise ValueError("a part's header is cut off")
+        magic, word = _HEAD.unpack_from(raw, pos)
+        if magic != MAGIC:
+            raise ValueError(f"no RecordIO magic at its part {len(parts)} (found {magic:#010x})")
+        flag, length = word >> 29, word & _LENGTH_BITS
+        start = pos + _HEAD.size
+        parts.append(raw[start : start + length])
+        if flag in (0, 3):
+            return _MAGIC_BYTES.join(parts) if len(parts) > 1 else parts[0]
+        if flag not in (1, 2) or (flag == 1) != (len(parts) == 1):
+            raise ValueError(f"part flag {flag} out of order")
+        pos = start + ((length + 3) & ~3)
+
+
+def _scan(path: str, file: int) -> list[tuple[int, int, int]]:
+    """Every record's (file, offset, span on disk), from the headers, the data seeked over. A record
+    cut off by the end of the file, or a header without the magic, is kept as cut (its sample is an
+    error); nothing after it can be found."""
+    size = os.path.getsize(path)
+    records: list[tuple[int, int, int]] = []
+    with open(path, "rb", buffering=0) as f:
+        pos = start = 0
+        while pos < size:
+            head = os.pread(f.fileno(), _HEAD.size, pos)
+            if len(head) < _HEAD.size or _HEAD.unpack(head)[0] != MAGIC:
+                records.append((file, start, CUT))
+                break
+            word = _HEAD.unpack(head)[1]
+            flag, length = word >> 29, word & _LENGTH_BITS
+            end = pos + _HEAD.size + ((length + 3) & ~3)
+            if pos + _HEAD.size + length > size:
+                records.append((file, start, CUT))
+                break
+            pos = min(end, size)
+            if flag in (0, 3):  # the record's last part: it spans [start, pos)
+                records.append((file, start, pos - start))
+                start = pos
+    return records
+
+
+def _from_index(index: str, file: int, path: str) -> list[tuple[int, int, int]]:
+    """An ``.idx`` file (MXNet's: a line ``key<TAB>offset`` per record, in any key order): the
+    records sorted by offset, each spanning to the next one's offset (the last to the file's end)."""
+    offsets = []
+    with open(index) as f:
+        for number, line in enumerate(f, 1):
+            parts = line.split()
+            if not parts:
+                continue
+            try:
+                offsets.append(int(parts[1]))
+            except (ValueError, IndexError):
+                raise ReadError(f"line {number} is not 'key<TAB>offset': {line.strip()!r}", source=index) from None
+    offsets.sort()
+    ends = offsets[1:] + [os.path.getsize(path)]
+    return [(file, start, end - start if end > start else CUT) for start, end in zip(offsets, ends)]
+
+
+def _idx_beside(path: str) -> str | None:
+    idx = Path(path).with_suffix(".idx")
+    return str(idx) if idx.is_file() else None
+
+
+def recordio(
+    source: str | os.PathLike | Sequence[str | os.PathLike],
+    *,
+    index: Sequence[str | os.PathLike] | None = None,
+    label_offset: int = 0,
+    shuffle: bool = False,
+    seed: int | None = None,
+    chunk_size: int = 64,
+    io_threads: int = 2,
+) -> RecordIOReader:
+    """A reader over local MXNet RecordIO image files (``im2rec``'s ``.rec``, DALI's
+    ``fn.readers.mxnet``), without MXNet.
+
+    ``source``: a ``.rec`` file, a brace pattern, a folder (its ``*.rec`` files, sorted) or a list.
+    Each record is a sample: the image, its field named by its signature (``jpg``, ``png``, ...),
+    and ``cls``, the header's label as ASCII digits plus ``label_offset``; a record whose header
+    holds several labels gets ``labels`` (a float32 array) instead. ``index``: the ``.idx`` files
+    ``im2rec`` writes, one per ``.rec`` in the same order; by default the ``.idx`` beside each file
+    is used where there is one, and the records are otherwise found by reading their headers once.
+    Records are read by offset, ``chunk_size`` at a time by ``io_threads`` threads, with the files
+    reader's seeded shuffle, sharding and exact resume. A record cut off by the end of its file,
+    without its magic number, or with a bad header is a sample with a ReadError naming its file and
+    byte offset. Local files only.
+
+    Raises ReadError for a missing file, an empty folder or a bad index line; ConfigError for a
+    wrong argument.
+    """
+    paths = resolve_files(source, ".rec", lambda name: name.endswith(".rec"))
+    records = find_records("recordio", paths, index, label_offset, _scan, _from_index, _idx_beside)
+    return RecordIOReader(paths, records, label_offset, shuffle=shuffle, seed=seed, chunk_size=chunk_size,
+                          io_threads=io_threads)
