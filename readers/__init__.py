@@ -3,7 +3,7 @@
 from ._base import IndexedReader, Reader, epoch_order
 from ._pack import PackResult, pack
 from ._storage import HttpStore, LocalStore, MemoryStore, ObjectInfo, Retry, S3Store, Store
-from .files import FileReader, files
+from .files import FileReader, file_list, files
 from .lmdb import LmdbReader, decode_default, decode_record, encode_record, lmdb
 from .mix import MixReader, mix
 from .recordio import RecordIOReader, recordio
@@ -36,6 +36,7 @@ __all__ = [
     "decode_record",
     "encode_record",
     "epoch_order",
+    "file_list",
     "files",
     "iterable",
     "lmdb",

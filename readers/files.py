@@ -21,7 +21,7 @@ from ._object_cache import ObjectCache
 from ._read_files import ChunkReader, PathTable
 from ._storage import Storage, Store, is_url, redact_url, run_sync, with_retries
 
-__all__ = ["FileReader", "files"]
+__all__ = ["FileReader", "file_list", "files"]
 
 _T = TypeVar("_T")
 
@@ -246,6 +246,47 @@ class FileReader(IndexedReader):
     def __repr__(self) -> str:
         where = f"root={str(self.root)!r}" if self.root else f"{len(self.paths)} paths"
         return f"FileReader({where}, samples={len(self)}, shuffle={self.shuffle}, rank={self.rank}/{self.world})"
+
+
+def file_list(path: str | os.PathLike, root: str | os.PathLike | None = None) -> tuple[list[str], list[int] | None]:
+    """The paths and labels of a list file, DALI's ``file_list`` format: a line per file, its path
+    then its int label, separated by white space (``readers.files(*readers.file_list("train.txt"))``).
+
+    Paths are relative to ``root`` (default: the list file's folder) unless absolute; a path may
+    hold spaces where a label follows it (the label is the line's last word). Lines with a path
+    alone (no spaces in it) give no labels (None); every line must then have none. Blank lines and lines starting with ``#`` are skipped. Raises
+    ReadError if the file cannot be read, ConfigError naming the line for a label that is not an int,
+    a mix of lines with and without labels, or an empty list.
+    """
+    text_path = os.fspath(path)
+    base = os.fspath(root) if root is not None else os.path.dirname(os.path.abspath(text_path))
+    try:
+        with open(text_path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ReadError(f"cannot read the list file: {exc}", source=text_path) from exc
+    paths: list[str] = []
+    labels: list[int | None] = []
+    for number, line in enumerate(lines, 1):
+        entry = line.strip()
+        if not entry or entry.startswith("#"):
+            continue
+        words = entry.rsplit(None, 1)
+        label: int | None = None
+        if len(words) == 2:
+            try:
+                label = int(words[1])
+            except ValueError:
+                raise ConfigError(f"{text_path}, line {number}: the label {words[1]!r} is not an int "
+                                  "(a line is a path, then an int label)") from None
+            entry = words[0]
+        if labels and (label is None) != (labels[-1] is None):
+            raise ConfigError(f"{text_path}, line {number}: some lines have a label and some do not")
+        paths.append(entry if os.path.isabs(entry) else os.path.join(base, entry))
+        labels.append(label)
+    if not paths:
+        raise ConfigError(f"{text_path}: the list file names no files")
+    return paths, None if labels[0] is None else [int(v) for v in labels if v is not None]
 
 
 def class_folders(root: Path, exts: set[str]) -> tuple[list[str], list[Path], list[int]]:

@@ -60,6 +60,7 @@ PUBLIC = {
         "decode_record",
         "encode_record",
         "epoch_order",
+        "file_list",
         "files",
         "iterable",
         "lmdb",

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 
 import numpy as np
 import pytest
@@ -133,3 +134,36 @@ def test_a_single_file_gets_a_message_that_says_what_to_give(image_folder):
     one = sorted(image_folder.rglob("*.jpg"))[0]
     with pytest.raises(ConfigError, match="is a file; give a folder .* or a list of paths"):
         readers.files(one)
+
+
+def test_a_dali_list_file_gives_the_folders_paths_and_labels(image_folder, tmp_path):
+    folder = readers.files(image_folder)
+    listing = tmp_path / "train.txt"
+    lines = [f"{os.path.relpath(p, image_folder)} {label}" for p, label in zip(folder.paths, folder.labels)]
+    listing.write_text("# path label\n" + "\n".join(lines) + "\n\n")
+    paths, labels = readers.file_list(listing, root=image_folder)
+    assert [os.path.realpath(p) for p in paths] == [os.path.realpath(p) for p in folder.paths]
+    assert labels == folder.labels
+    beside = image_folder / "list.txt"  # no root: paths relative to the list file's folder
+    try:
+        beside.write_text("\n".join(lines))
+        assert readers.file_list(beside) == (paths, labels)
+    finally:
+        beside.unlink()
+    spaced = tmp_path / "with space.jpg"
+    spaced.write_bytes(open(folder.paths[0], "rb").read())
+    (tmp_path / "spaces.txt").write_text(f"{spaced} 7\n")
+    assert readers.file_list(tmp_path / "spaces.txt") == ([str(spaced)], [7])
+    (tmp_path / "bare.txt").write_text("a.jpg\nb.jpg\n")
+    assert readers.file_list(tmp_path / "bare.txt") == ([str(tmp_path / "a.jpg"), str(tmp_path / "b.jpg")], None)
+
+
+def test_a_bad_list_file_is_named_with_its_line(tmp_path):
+    for text, message in (("a.jpg 1\nb.jpg x\n", "line 2: the label 'x' is not an int"),
+                          ("a.jpg 1\nb.jpg\n", "line 2: some lines have a label and some do not"),
+                          ("# nothing\n\n", "names no files")):
+        (tmp_path / "list.txt").write_text(text)
+        with pytest.raises(ConfigError, match=message):
+            readers.file_list(tmp_path / "list.txt")
+    with pytest.raises(ReadError, match="cannot read the list file"):
+        readers.file_list(tmp_path / "missing.txt")
