@@ -68,7 +68,8 @@ class PipeShard:
             with self._lock:
                 if self._killed or self.closed:
                     raise ReadError("the read was stopped", source=self.source)
-                self._err = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close(); a file never fills up as a pipe can
+                # A file, not a pipe, for its errors: it never fills up and stops the command. Closed in close().
+                self._err = tempfile.TemporaryFile()  # noqa: SIM115
                 self._proc = subprocess.Popen(self.command, shell=True, stdin=subprocess.DEVNULL,
                                               stdout=subprocess.PIPE, stderr=self._err, bufsize=1 << 20,
                                               start_new_session=True)

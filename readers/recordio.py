@@ -12,6 +12,7 @@ the I/O threads, so shuffle, shard and exact resume are the files reader's.
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 from collections.abc import Sequence
@@ -57,7 +58,7 @@ class RecordIOReader(RecordFileReader):
             raise ValueError(f"its header says {count} labels, more than its {len(data)} bytes hold")
         fields: dict[str, Any] = dict(decode_default(b"", data[start:]))
         if count == 0:
-            if label != int(label):
+            if not math.isfinite(label) or label != int(label):
                 raise ValueError(f"its label {label!r} is not a whole number")
             fields["cls"] = str(int(label) + self.label_offset).encode()
         else:

@@ -29,7 +29,8 @@ def imagenet(tmp_path_factory, image_folder):
     items = [(Path(p).read_bytes(), label) for p, label in zip(reference.paths, reference.labels)]
     for part in range(3):
         chunk = items[part * 25:(part + 1) * 25]
-        write_recordio(root / f"train-{part}.rec", [recordio_record(label, jpg, n) for n, (jpg, label) in enumerate(chunk)])
+        records = [recordio_record(label, jpg, n) for n, (jpg, label) in enumerate(chunk)]
+        write_recordio(root / f"train-{part}.rec", records)
     return root, items
 
 
@@ -58,7 +59,8 @@ async def test_a_record_split_around_the_magic_and_one_with_several_labels(image
     tricky = items[0][0][:40] + magic + items[0][0][40:80] + magic + magic + items[0][0][80:]
     assert len(items[0][0][:40]) % 4 == 0  # the magic lands at 4-byte boundaries once packed (header: 24)
     path = tmp_path / "tricky.rec"
-    offsets = write_recordio(path, [recordio_record(1, items[1][0]), recordio_record(2, tricky), recordio_record([3.0, 7.5], items[2][0])])
+    offsets = write_recordio(path, [recordio_record(1, items[1][0]), recordio_record(2, tricky),
+                                    recordio_record([3.0, 7.5], items[2][0])])
     raw = path.read_bytes()
     assert struct.unpack_from("<I", raw, offsets[1] + 4)[0] >> 29 == 1  # written in parts
     for reader in (readers.recordio(path), readers.recordio(path, index=[path.with_suffix(".idx")])):
@@ -71,8 +73,8 @@ async def test_a_record_split_around_the_magic_and_one_with_several_labels(image
 @pytest.mark.parametrize("start", [1, 33, 74])
 async def test_shuffle_shard_and_resume_are_the_files_readers(imagenet, image_folder, start):
     root, _ = imagenet
-    await reads_as_the_files_reader(readers.recordio(str(root / "train-{0..2}.rec"), shuffle=True), image_folder, epoch=5,
-                                    start=start, world=3)
+    records = readers.recordio(str(root / "train-{0..2}.rec"), shuffle=True)
+    await reads_as_the_files_reader(records, image_folder, epoch=5, start=start, world=3)
 
 
 async def test_the_loader_trains_on_them(imagenet, leaks):
@@ -82,8 +84,9 @@ async def test_the_loader_trains_on_them(imagenet, leaks):
 async def test_bad_records_are_errors_naming_their_file_and_byte_and_the_rest_reads(imagenet, tmp_path):
     _, items = imagenet
     path = tmp_path / "damaged.rec"
-    offsets = write_recordio(path, [recordio_record(0, items[0][0]), b"short", recordio_record(0.5, items[1][0]), recordio_record(1, items[2][0]),
-                            recordio_record(2, items[3][0])], idx=False)
+    records = [recordio_record(0, items[0][0]), b"short", recordio_record(0.5, items[1][0]),
+               recordio_record(1, items[2][0]), recordio_record(2, items[3][0])]
+    offsets = write_recordio(path, records, idx=False)
     raw = bytearray(path.read_bytes())
     path.write_bytes(bytes(raw[: offsets[4] + 100]))  # the last record cut off
     samples = await _read(readers.recordio(path))
@@ -99,6 +102,8 @@ async def test_bad_records_are_errors_naming_their_file_and_byte_and_the_rest_re
     path.write_bytes(bytes(raw[: offsets[4]]))
     samples = await _read(readers.recordio(path))
     assert len(samples) == 4 and "cut short" in str(samples[3].error)
+    write_recordio(path, [recordio_record(float("inf"), items[0][0]), recordio_record(float("nan"), items[0][0])])
+    assert ["is not a whole number" in str(s.error) for s in await _read(readers.recordio(path))] == [True, True]
 
 
 def test_wrong_arguments_and_missing_files_are_refused(imagenet, tmp_path):

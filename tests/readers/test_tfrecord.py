@@ -87,8 +87,8 @@ async def test_dali_index_files_give_the_same_records_as_a_scan(imagenet):
 @pytest.mark.parametrize("start", [1, 30, 74])
 async def test_shuffle_shard_and_resume_are_the_files_readers(imagenet, image_folder, start):
     root, _ = imagenet
-    await reads_as_the_files_reader(readers.tfrecord(str(root / "train-{00000..00002}-of-00003"), label_offset=-1, shuffle=True), image_folder, epoch=3,
-                                    start=start, world=2)
+    records = readers.tfrecord(str(root / "train-{00000..00002}-of-00003"), label_offset=-1, shuffle=True)
+    await reads_as_the_files_reader(records, image_folder, epoch=3, start=start, world=2)
 
 
 async def test_the_loader_trains_on_them(imagenet, leaks):
