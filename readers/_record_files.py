@@ -4,6 +4,7 @@ offset in the I/O threads (``IndexedReader``: seeded shuffle, shard, exact resum
 from __future__ import annotations
 
 import os
+import struct
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -71,7 +72,7 @@ class RecordFileReader(IndexedReader):
             fields = self._parse(data, key, path)
         except ReadError as exc:
             error = exc
-        except (ValueError, IndexError) as exc:
+        except (ValueError, IndexError, OverflowError, struct.error) as exc:  # what bad bytes raise in a parse
             error = ReadError(f"{self.kind} at byte {offset}: {exc}", key=key, source=path)
             error.__cause__ = exc
         except OSError as exc:
