@@ -46,10 +46,11 @@ class MixReader(Reader):
 
     def _plan(self) -> None:
         """This rank's samples of each source per epoch, and the passes the most repeated one needs."""
+        self.lengths = self._lengths()  # each source's samples on this rank
         self.counts = self._counts()
         # Pass p of source i in epoch e reads the source's epoch e * passes + p: one more epoch of a
         # source for each time it comes round again, none shared between two epochs of the mix.
-        self.passes = max([1] + [math.ceil(c / n) for c, n in zip(self.counts, self._lengths()) if c])
+        self.passes = max([1] + [math.ceil(c / n) for c, n in zip(self.counts, self.lengths) if c])
 
     def _lengths(self) -> list[int]:
         lengths = []
@@ -61,7 +62,7 @@ class MixReader(Reader):
         return lengths
 
     def _counts(self) -> list[int]:
-        lengths = self._lengths()
+        lengths = self.lengths
         for name, n, w in zip(self.names, lengths, self.weights or lengths):
             if n == 0 and w > 0:
                 raise ConfigError(f"mix: source {name!r} has no samples on rank {self.rank} of {self.world}")
@@ -133,7 +134,7 @@ class _Lane:
     def __init__(self, mix: MixReader, i: int, epoch: int, position: int, seed: int) -> None:
         self.mix, self.i, self.epoch, self.seed = mix, i, epoch, seed
         self.source = mix.sources[i]
-        self.length = len(self.source)
+        self.length = mix.lengths[i]
         self.pass_, self.offset = divmod(position, self.length) if self.length else (0, 0)  # the next read's start
         self.given = self.offset  # samples of the current pass read so far
         self.stream: AsyncIterator[list[Sample]] | None = None
