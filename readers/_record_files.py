@@ -48,14 +48,14 @@ class RecordFileReader(IndexedReader):
         # The chunk's files opened for it alone: no descriptor is shared between reads (epochs
         # overlap when the loader runs ahead) or kept past the chunk.
         fds: dict[int, int] = {}
+        rows = self.records[np.asarray(indices, dtype=np.int64)].tolist()  # the chunk's rows as ints, at once
         try:
-            return [self._record(i, fds) for i in indices]
+            return [self._record(i, *row, fds) for i, row in zip(indices, rows)]
         finally:
             for fd in fds.values():
                 os.close(fd)
 
-    def _record(self, i: int, fds: dict[int, int]) -> Sample:
-        file, offset, length = (int(v) for v in self.records[i])
+    def _record(self, i: int, file: int, offset: int, length: int, fds: dict[int, int]) -> Sample:
         path = self.paths[file]
         key = f"{self._stems[file]}/{i - int(self._first[file])}"
         fields: dict[str, Any] = {}
