@@ -10,6 +10,7 @@ recording the samples that fail, so reading and decoding overlap as they do in t
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
 import logging
@@ -230,17 +231,21 @@ def _tfrecord_reader(path: str) -> Any:
     from headrace import readers
     from headrace.readers.tfrecord import IMAGENET_FEATURES
 
-    everything = readers.tfrecord(path, features=None)
+    everything = readers.tfrecord(path, features=None)  # the files scanned for their records once
     first = everything._fetch([0])[0]  # one record, read here (its reader fetches in threads the same way)
     if first.error is not None:
         return everything
-    if set(IMAGENET_FEATURES) <= set(first.fields):
-        return readers.tfrecord(path)
     images = [name for name, value in first.fields.items()
               if isinstance(value, bytes) and image_format(value) != "unknown"]
-    # The image under a name the decoder takes (so that --verify decodes it); its other features
-    # are left out, since a feature named here must be in every record.
-    return readers.tfrecord(path, features={images[0]: "jpg"}) if images else everything
+    # The ImageNet layout as the loader reads it; else the image under a name the decoder takes (so
+    # that --verify decodes it), its other features left out, since a feature named must be in every record.
+    features = (IMAGENET_FEATURES if set(IMAGENET_FEATURES) <= set(first.fields)
+                else {images[0]: "jpg"} if images else None)
+    if features is None:
+        return everything
+    chosen = copy.copy(everything)  # the same records, read with these features
+    chosen.features = dict(features)
+    return chosen
 
 
 def _guess(path: str) -> str:
