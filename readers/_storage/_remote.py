@@ -181,7 +181,7 @@ class RemoteFile:
     def size(self) -> int:
         """The object's size in bytes (waits for the first answer)."""
         with self._cond:
-            while self.fetcher.size is None:
+            while self.fetcher.size is None or self.fetcher.unconfirmed:
                 self._check()
                 self._cond.wait()
             return self.fetcher.size

@@ -72,6 +72,7 @@ _MIB = 1 << 20
 # 17.0-17.6k samples/s with 8 MiB, 18.9-19.9k with 2, 3 or 4 MiB, 15.6-16.3k with 1 MiB (128 GETs);
 # at 128 MiB of buffer 17.4-17.7k with 8 MiB, 19.6-20.0k with 4 (docs/benchmarks.md, fifteenth session).
 _MAX_SEGMENT = 4 * _MIB
+_REMEMBERED = 1 << 16  # objects whose size and ETag a Link keeps (~150 bytes each)
 
 
 class Link:
@@ -92,6 +93,10 @@ class Link:
         # being held by the pieces behind it: it then creeps a block per read (what
         # ``Fetcher._owed_before`` prevents).
         self.head_starved = 0
+        # Each object's (size, ETag) from its last download's first answer, by URL: the next
+        # download of it (the next epoch's) starts its ranged GETs at once, pinned to that ETag,
+        # instead of one latency later.
+        self.objects: dict[str, tuple[int, str]] = {}
         self._bytes = 0
         self._seconds = 0.0
 
@@ -111,6 +116,12 @@ class Link:
         if self.observing:
             self._bytes += nbytes
             self._seconds += seconds
+
+    def remember(self, url: str, size: int, etag: str) -> None:
+        self.objects.pop(url, None)
+        self.objects[url] = (size, etag)
+        if len(self.objects) > _REMEMBERED:
+            del self.objects[next(iter(self.objects))]  # the longest unread
 
     def leader(self) -> Fetcher | None:
         """The oldest running download with bytes no GET asks for yet: the one that adds GETs.
@@ -172,12 +183,21 @@ class Fetcher:
         self._held = 0  # bytes held by pieces after the head
         self._reserved = 0  # bytes the client may hold for the later pieces' blocks being read
         self._etag: str | None = None
+        # The size and ETag are the link's memory of the object, no answer of this download has
+        # confirmed them yet: the thread does not see the size, and a GET refused for the ETag
+        # (or answered with another object) starts the download again without them.
+        self.unconfirmed = False
+        self._start = 0  # where the download started last (it starts again there if unconfirmed)
 
     async def run(self) -> None:
         """Download to the end or a close; raises the first error of a piece's GET."""
         self._loop = asyncio.get_running_loop()
         self._room = asyncio.Event()
         self.link.fetchers[self] = None
+        remembered = self.link.objects.get(self.file.name)
+        if remembered is not None:
+            self.size, self._etag = remembered
+            self.unconfirmed = True
         try:
             await self._download()
         except BaseExceptionGroup as group:  # from the pieces' task group: its first error
@@ -199,11 +219,13 @@ class Fetcher:
         self._planned = self.size  # the end of the last piece planned; None until the size is known
         self.want = 1
         self._mark = None
+        self._start = start
         self.file.restarted()
         try:
             async with asyncio.TaskGroup() as group:
                 self._group = group
                 group.create_task(self._fetch(self._pieces[0]), name=f"headrace:storage:range:{start}")
+                self.grow()  # with the size known (remembered, or a seek's restart): GETs at once
         except BaseExceptionGroup as group:
             jumps = [e for e in group.exceptions if isinstance(e, _Jump)]
             if not jumps:
@@ -230,12 +252,18 @@ class Fetcher:
                         async with asyncio.timeout(self.retry.timeout):
                             body = await self._open(piece)
                     except (StoreFault, TimeoutError) as exc:
+                        if self.unconfirmed and isinstance(exc, StoreFault) and not exc.retryable:
+                            raise self._forget() from None  # the object changed, or is gone: ask plainly
                         failures += 1
                         await self._backoff(exc, failures)
                         continue
                     self.link.answered(loop.time() - asked)
+                    if self.unconfirmed and (body.size, body.etag or self._etag) != (self.size, self._etag):
+                        await _drop(body)  # a store that ignored If-Match: another object
+                        body = None
+                        raise self._forget()
                     self._etag = self._etag or body.etag  # later pieces must come from the same object
-                    self._set_size(body.size)
+                    self._confirm(body.size)
                     self.grow()
                     continue
                 whole = body.whole and self._whole(piece)
@@ -280,10 +308,23 @@ class Fetcher:
             return await self.store.open(self.key, piece.pos, etag=self._etag)
         return await self.store.open(self.key, piece.pos, end=piece.end, etag=self._etag)
 
-    def _set_size(self, size: int) -> None:
+    def _confirm(self, size: int) -> None:
+        """An answer: the object's size, for the thread; with its ETag, remembered by the link."""
         with self._cond:
             self.size = size
+            self.unconfirmed = False
             self._cond.notify_all()
+        if self._etag is not None:
+            self.link.remember(self.file.name, size, self._etag)
+
+    def _forget(self) -> _Jump:
+        """The remembered size and ETag were refused: forgotten, and the download starts again
+        where it started, with a plain GET (no byte reached the thread: nothing was answered)."""
+        self.link.objects.pop(self.file.name, None)
+        with self._cond:
+            self.size = self._etag = None
+            self.unconfirmed = False
+        return _Jump(self._start)
 
     def _deliver(self, piece: _Piece, block: memoryview) -> None:
         """The head piece's bytes go to the thread; a later piece's are held until it is the head."""

@@ -372,6 +372,112 @@ async def test_memory_store_budget_and_a_changed_object(memory_shards):
     assert all(s.error is None for s in samples[:-1])
 
 
+class _Asking(MemoryStore):
+    """A memory store that records each GET: (key, start, end, the ETag it was pinned to)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.asked: list[tuple[str, int, int | None, str | None]] = []
+
+    async def open(self, key, start=0, *, end=None, etag=None):
+        self.asked.append((key, start, end, etag))
+        return await super().open(key, start, end=end, etag=etag)
+
+
+def _firsts(store: _Asking, since: int) -> dict[str, list[str | None]]:
+    """Per shard, the ETags of the GETs from byte 0 asked after ``since`` GETs."""
+    out: dict[str, list[str | None]] = {}
+    for key, start, _, etag in store.asked[since:]:
+        if start == 0 and key.endswith(".tar"):  # not the reader's look for an index of counts
+            out.setdefault(key, []).append(etag)
+    return out
+
+
+async def test_a_later_epoch_asks_with_the_remembered_etag_and_starts_again_if_refused(memory_shards, leaks):
+    store = _Asking(memory_shards, block=1000)
+    reader = readers.webdataset("m/s-{0..2}.tar", store=store, storage_options={"retry": RETRY})
+    first = await _read_all(reader)
+    assert _firsts(store, 0) == {key: [None] for key in memory_shards}
+    etags = {key: store._etag(key, data) for key, data in memory_shards.items()}
+
+    asked = len(store.asked)
+    _same(await _read_all(reader, epoch=1), first)
+    assert _firsts(store, asked) == {key: [etags[key]] for key in memory_shards}  # pinned from the start
+
+    # Replaced between epochs (other size, other bytes): refused for the ETag, then asked plainly.
+    store.objects["m/s-1.tar"] = tar_bytes([(f"new_{i:03d}.jpg", b"n" * (700 + i)) for i in range(12)])
+    asked = len(store.asked)
+    samples = await _read_all(reader, epoch=2)
+    assert all(s.error is None for s in samples)
+    assert [s.key for s in samples if s.key.startswith("new")] == [f"new_{i:03d}" for i in range(12)]
+    assert all(s.fields["jpg"] == b"n" * (700 + int(s.key[4:])) for s in samples if s.key.startswith("new"))
+    assert _firsts(store, asked)["m/s-1.tar"] == [etags["m/s-1.tar"], None]
+
+    # Gone between epochs: the same error as without a remembered ETag, naming the URL.
+    del store.objects["m/s-2.tar"]
+    samples = await _read_all(reader, epoch=3)
+    assert [s.error.source for s in samples if s.error] == ["memory://m/s-2.tar"]
+    assert "no such object" in str(samples[-1].error)
+    await leaks.check()
+
+
+async def test_a_store_that_ignores_if_match_is_caught_by_the_answers_size_and_etag(leaks):
+    class Ignoring(_Asking):  # serves whatever the object is now, whatever ETag was asked for
+        async def open(self, key, start=0, *, end=None, etag=None):
+            return await super().open(key, start, end=end)
+
+    def shard(n: int, fill: int) -> bytes:  # MiB-sized: ranged GETs of 1 MiB segments
+        return tar_bytes([(f"{i:03d}.jpg", bytes([fill, i]) * 50_000) for i in range(n)])
+
+    store = Ignoring({"m/s-0.tar": shard(40, 1)}, block=64 << 10)
+    reader = readers.webdataset("m/s-0.tar", store=store, storage_options={"retry": RETRY})
+    await _read_all(reader)
+    reader.files.link.pieces = 4  # as if the first epoch's parser had waited: GETs at once
+    # Smaller now: ranged GETs planned to the remembered size would ask past its end.
+    store.objects["m/s-0.tar"] = shard(25, 2)
+    samples = await _read_all(reader, epoch=1)
+    assert [s.error for s in samples if s.error] == []
+    assert [s.fields["jpg"] for s in samples] == [bytes([2, i]) * 50_000 for i in range(25)]
+    assert reader.retries == 0  # no GET asked past the end, to be answered with nothing
+    await leaks.check()
+
+
+async def test_a_remembered_object_gets_its_ranged_gets_before_the_first_answer():
+    from headrace.readers._storage._remote_fetch import Link
+
+    class Gated(_Asking):  # the GET from byte 0 waits for the gate
+        gate = asyncio.Event()
+
+        async def open(self, key, start=0, *, end=None, etag=None):
+            if start == 0:
+                self.asked.append((key, start, end, etag))
+                await self.gate.wait()
+                return await MemoryStore.open(self, key, start, end=end, etag=etag)
+            return await super().open(key, start, end=end, etag=etag)
+
+    data = os.urandom(8 << 20)
+    store = Gated({"k": data}, block=64 << 10)
+    link = Link()
+    link.pieces = 4  # what an earlier download of the read came to
+    link.remember("memory://k", len(data), store._etag("k", data))
+    remote = RemoteFile(store, "k", capacity=8 << 20, link=link)  # 1 MiB segments
+    task = asyncio.create_task(remote.fill())
+    for _ in range(20):
+        await asyncio.sleep(0)
+    # The first GET has no answer yet, and the ranged GETs after it went out, pinned to the ETag
+    # (the ones answered at once free their GET for the next segments).
+    assert [start for _, start, _, _ in store.asked[:4]] == [0, 1 << 20, 2 << 20, 3 << 20]
+    assert {etag for *_, etag in store.asked} == {store._etag("k", data)}
+    store.gate.set()
+
+    def consume():
+        with remote:
+            return remote.read(-1)
+
+    assert await asyncio.to_thread(consume) == data
+    await task
+
+
 async def test_remote_file_jumps_over_long_skips_with_a_range_request():
     data = bytes(range(256)) * (64 << 10)  # 16 MiB
     store = MemoryStore({"k": data}, block=64 << 10)
