@@ -10,11 +10,6 @@ host cores the process kept busy (CPU time over wall time) for it.
 
     python examples/benchmark_decode_floor.py /path/to/class-folders [K ...]   # e.g. benchmark_gpu.py's --data;
                                                                               # K: run only configuration K
-    python examples/benchmark_decode_floor.py /path/to/class-folders --engine nvjpeg [K ...]
-
-``--engine nvjpeg``: the engines' share through nvJPEG's batched hardware decode called from the shim
-(``GpuTuning(engine="nvjpeg")``), not nvImageCodec's hardware decoder; ``--engine both`` runs each
-configuration both ways, in turn.
 """
 import glob
 import os
@@ -33,12 +28,6 @@ from headrace.ops._geometry import plan_batch, roi_batch
 from headrace.ops._random import uniforms
 
 root = sys.argv[1]
-argv = sys.argv[2:]
-engines = ["nvimgcodec"]
-if "--engine" in argv:
-    at = argv.index("--engine")
-    engines = ["nvimgcodec", "nvjpeg"] if argv[at + 1] == "both" else [argv[at + 1]]
-    del argv[at:at + 2]
 files = sorted(glob.glob(f"{root}/*/*.jpg"))
 blobs = [open(f, "rb").read() for f in files]
 B = 256
@@ -50,7 +39,7 @@ def regions_for(info, k):
     rnd = [uniforms(0, 0, pos, idx, op.randoms) if op.randoms else None for pos, op in enumerate(pipe.image_ops, 1)]
     return roi_batch(plan_batch(info[:, 0], info[:, 1], pipe.image_ops, rnd), info[:, 0], info[:, 1]).astype(np.int32)
 
-def run(lanes, hw, threads, cuda_load=1.0, order=None, passes=3, mix=None, dynamic=False, engine="nvimgcodec"):
+def run(lanes, hw, threads, cuda_load=1.0, order=None, passes=3, mix=None, dynamic=False):
     """mix: each lane's own (hw_load, threads); dynamic: each lane takes the next batch when it is
     free (a shared queue) instead of every lanes-th batch."""
     rates = []
@@ -74,8 +63,7 @@ def run(lanes, hw, threads, cuda_load=1.0, order=None, passes=3, mix=None, dynam
             torch.cuda.set_device(0); cupy.cuda.Device(0).use()
             s.stream = cupy.cuda.Stream(non_blocking=True)
             lane_hw, lane_threads = mix[s.i] if mix else (hw, threads)
-            s.dec = BatchDecoder(0, threads=lane_threads, hw_load=lane_hw, cuda_load=cuda_load, engine=engine)
-            s.engine = s.dec.engine
+            s.dec = BatchDecoder(0, threads=lane_threads, hw_load=lane_hw, cuda_load=cuda_load)
             s.parsed = ParsedBatch()
             s.ws = [torch.empty(B * 224 * 224 * 3 * 8, dtype=torch.uint8, device="cuda") for _ in range(2)]
             s.ready.set()
@@ -115,7 +103,7 @@ def run(lanes, hw, threads, cuda_load=1.0, order=None, passes=3, mix=None, dynam
             rates.append(len(blobs) / dt)
             busy.append((time.process_time() - cpu) / dt)
     for l in ls: l.join()
-    return statistics.median(rates), rates, statistics.median(busy), sorted({str(l.engine) for l in ls})
+    return statistics.median(rates), rates, statistics.median(busy)
 
 cores = os.cpu_count()
 # (lanes, hw_load, decoder threads, CUDA decoder's share of the rest: the remainder decodes on the CPU[, order])
@@ -138,15 +126,13 @@ configs = [(1, 0.65, cores, 1.0), (2, 0.65, cores, 1.0), (2, "adaptive", cores, 
            (4, "mix", 0, 1.0, None, [(1.0, 1)] * 2 + [(0.0, (cores - 2) // 2)] * 2, True),
            (6, "mix", 0, 1.0, None, [(1.0, 1)] * 4 + [(0.0, (cores - 4) // 2)] * 2, True),
            (6, "mix", 0, 1.0, None, [(1.0, 1)] * 3 + [(0.0, (cores - 3) // 3)] * 3, True)]
-only = argv  # optional: the indices of the configurations to run
+only = sys.argv[2:]  # optional: the indices of the configurations to run
 for k, (lanes, hw, th, cl, *rest) in enumerate(configs):
     if only and str(k) not in only:
         continue
     order, mix, dynamic = (list(rest) + [None, None, False])[:3]
-    for engine in engines:
-        med, rates, busy, used = run(lanes, hw, th, cl, order, mix=mix, dynamic=dynamic, engine=engine)
-        how = f" mix={mix}" if mix else ""
-        how += " (each lane takes the next batch)" if dynamic else ""
-        how += f" engine={engine} (used: {', '.join(used)})"
-        print(f"decode floor lanes={lanes} hw={hw} threads={th} cuda_load={cl} order={order}{how}: {med:,.0f} img/s  "
-              f"runs {[round(r) for r in rates]}  cores busy {busy:.1f} ({busy / med * 1000:.2f} per 1,000 img/s)", flush=True)
+    med, rates, busy = run(lanes, hw, th, cl, order, mix=mix, dynamic=dynamic)
+    how = f" mix={mix}" if mix else ""
+    how += " (each lane takes the next batch)" if dynamic else ""
+    print(f"decode floor lanes={lanes} hw={hw} threads={th} cuda_load={cl} order={order}{how}: {med:,.0f} img/s  "
+          f"runs {[round(r) for r in rates]}  cores busy {busy:.1f} ({busy / med * 1000:.2f} per 1,000 img/s)", flush=True)

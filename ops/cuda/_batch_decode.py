@@ -16,7 +16,6 @@ Python API instead (as it does with ``GpuTuning(decode="python")``).
 from __future__ import annotations
 
 import ctypes
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from headrace import _native as native
 
 from .._nvimgcodec import nvimgcodec
 
-__all__ = ["BatchDecoder", "Launch", "ParsedBatch", "driver_reason", "engine_reason", "load", "unavailable_reason"]
+__all__ = ["BatchDecoder", "Launch", "ParsedBatch", "driver_reason", "load", "unavailable_reason"]
 
 _HERE = Path(__file__).parent / "_native"
 _SOURCE = _HERE / "batch_decode.c"
@@ -57,7 +56,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     if not header.exists() or not library.exists():
         return None, f"nvImageCodec's C header or library is missing under {package}"
     target, reason = native.build(
-        "batch_decode", _SOURCE, inputs=(_HERE / "cuda_runtime_api.h", _HERE / "nvjpeg_engine.h", header),
+        "batch_decode", _SOURCE, inputs=(_HERE / "cuda_runtime_api.h", header),
         flags=(f"-I{_HERE}", f"-I{header.parent}", f"-L{package}", "-l:libnvimgcodec.so.0", f"-Wl,-rpath,{package}", "-ldl"),
     )
     if target is None:
@@ -75,7 +74,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i, f, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_size_t
     lib.hr_instance_create.argtypes, lib.hr_instance_create.restype = [ctypes.c_char_p, ctypes.c_char_p, sz], p
     lib.hr_instance_destroy.argtypes, lib.hr_instance_destroy.restype = [p], None
-    lib.hr_decoder_create.argtypes = [p, i, i, i, f, f, i, ctypes.c_char_p, i, ctypes.c_char_p, sz]
+    lib.hr_decoder_create.argtypes = [p, i, i, i, f, f, i, ctypes.c_char_p, ctypes.c_char_p, sz]
     lib.hr_decoder_create.restype = p
     lib.hr_parsed_create.argtypes, lib.hr_parsed_create.restype = [], p
     lib.hr_parsed_destroy.argtypes, lib.hr_parsed_destroy.restype = [p], None
@@ -84,8 +83,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hr_driver_load.argtypes, lib.hr_driver_load.restype = [ctypes.c_char_p, sz], i
     lib.hr_decode_launch.argtypes = [p, p, i, p, p, p, i, i, p, p, ctypes.POINTER(Launch)]
     lib.hr_decode_launch.restype = i
-    lib.hr_engine_load.argtypes, lib.hr_engine_load.restype = [ctypes.c_char_p, ctypes.c_char_p, sz], i
-    lib.hr_decoder_engine.argtypes, lib.hr_decoder_engine.restype = [p], i
 
 
 class Launch(ctypes.Structure):
@@ -130,38 +127,6 @@ def driver_reason() -> str | None:
         return _state["driver"]
 
 
-# Where pip's nvJPEG wheels put the library (CUDA 13's, then CUDA 12's), under a sys.path entry; else
-# the dynamic loader's search by name (a CUDA toolkit's).
-_NVJPEG_PLACES = ("nvidia/cu13/lib/libnvjpeg.so.13", "nvidia/nvjpeg/lib/libnvjpeg.so.12", "nvidia/cu12/lib/libnvjpeg.so.12")
-_NVJPEG_NAMES = ("libnvjpeg.so.13", "libnvjpeg.so.12")
-
-
-def _nvjpeg_candidates() -> list[str]:
-    found = [str(Path(entry) / place) for place in _NVJPEG_PLACES for entry in sys.path
-             if entry and (Path(entry) / place).exists()]
-    return found + list(_NVJPEG_NAMES)
-
-
-def engine_reason() -> str | None:
-    """Why the shim cannot drive the hardware JPEG engines through nvJPEG itself (None when it
-    can load nvJPEG; whether this GPU has the engines shows when a decoder is made)."""
-    lib = load()
-    if lib is None:
-        return unavailable_reason()
-    with _lock:
-        if "engine" not in _state:
-            err = ctypes.create_string_buffer(256)
-            reasons = []
-            for candidate in _nvjpeg_candidates():
-                if lib.hr_engine_load(candidate.encode(), err, len(err)):
-                    _state["engine"] = None
-                    break
-                reasons.append(err.value.decode())
-            else:
-                _state["engine"] = "; ".join(reasons) or "nvJPEG was not found"
-        return _state["engine"]
-
-
 def _instance(lib: ctypes.CDLL) -> int:
     """One library instance per process (extensions loaded once); it lives until the process ends."""
     with _lock:
@@ -185,10 +150,6 @@ class BatchDecoder:
     the stream given to ``decode``; what they fail on comes back failed (nvImageCodec's CPU backend
     is left out of that chain: with it, fuzzed JPEGs hung a decode now and then). ``options`` go to
     nvImageCodec's decoder as they are (e.g. ``"nvjpeg_cuda_decoder:hybrid_huffman_threshold=0"``).
-    ``engine="nvjpeg"`` gives the engine's share to nvJPEG's batched hardware decode called from the
-    shim (upright RGB baseline JPEGs; the rest of the share goes to the CUDA decoder), where nvJPEG
-    loads and the GPU has the engines; otherwise to nvImageCodec's hardware decoder. ``engine`` then
-    says which drives them: ``"nvjpeg"``, ``"nvimgcodec"`` or None.
     """
 
     def __init__(
@@ -201,7 +162,6 @@ class BatchDecoder:
         channels: int = 3,
         exif: bool = True,
         options: str = "",
-        engine: str = "nvimgcodec",
     ):
         lib = load()
         if lib is None:
@@ -211,16 +171,13 @@ class BatchDecoder:
         cpu_only = device is None
         adaptive = hw_load == "adaptive"
         share = 0.65 if adaptive else float(hw_load)
-        # nvJPEG's engine calls wait on CUDA events: the driver's entry points are resolved first.
-        direct = engine == "nvjpeg" and not cpu_only and engine_reason() is None and driver_reason() is None
         handle = lib.hr_decoder_create(
             _instance(lib), -1 if cpu_only else device, int(cpu_only), threads, share, cuda_load, int(adaptive),
-            options.encode(), int(direct), err, len(err)
+            options.encode(), err, len(err)
         )
         if not handle:
             raise RuntimeError(err.value.decode())
         self._handle = handle
-        self.engine = {1: "nvjpeg", 2: "nvimgcodec"}.get(lib.hr_decoder_engine(handle))
         self.channels = channels
         self.exif = exif
 

@@ -109,10 +109,6 @@ class GpuTuning:
     ``"python"`` (launched from Python after the decode). ``dispatch``: ``"turn"`` (batch i to lane
     i mod lanes) or ``"free"`` (to the lane with the fewest batches queued: +2-8% in the decode
     floor on the H100, no difference the training pipeline's noise let us see; docs/benchmarks.md).
-    ``engine``: what drives the hardware JPEG engines for their share of each batch:
-    ``"nvimgcodec"`` (nvImageCodec's hardware decoder) or ``"nvjpeg"`` (nvJPEG's batched hardware
-    decode called from the shim, two states in turn; upright RGB baseline JPEGs, the rest to the
-    CUDA decoder; nvImageCodec's where nvJPEG does not load).
     """
 
     cuda_load: float = 1.0
@@ -120,7 +116,6 @@ class GpuTuning:
     decode: Literal["shim", "python"] = "shim"
     launch: Literal["shim", "python"] = "shim"
     dispatch: Literal["turn", "free"] = "turn"
-    engine: Literal["nvimgcodec", "nvjpeg"] = "nvimgcodec"
 
     def __post_init__(self) -> None:
         if not isinstance(self.cuda_load, (int, float)) or not 0.0 <= self.cuda_load <= 1.0:
@@ -132,8 +127,6 @@ class GpuTuning:
                 raise ConfigError(f"{name} must be 'shim' or 'python', got {getattr(self, name)!r}")
         if self.dispatch not in ("free", "turn"):
             raise ConfigError(f"dispatch must be 'free' or 'turn', got {self.dispatch!r}")
-        if self.engine not in ("nvimgcodec", "nvjpeg"):
-            raise ConfigError(f"engine must be 'nvimgcodec' or 'nvjpeg', got {self.engine!r}")
 
 
 class CudaExecutor:

@@ -180,29 +180,6 @@ def test_the_driver_reason_says_why_the_shim_cannot_launch():
         assert reason is None
 
 
-def test_the_engine_reason_says_why_nvjpeg_cannot_drive_the_engines(rng):
-    reason = _batch_decode.engine_reason()
-    try:
-        import ctypes
-
-        ctypes.CDLL("libcuda.so.1")
-        ctypes.CDLL("libnvjpeg.so.13")
-    except OSError:  # no driver here (or no nvJPEG where the loader finds it): each place tried is named
-        assert reason is not None and "libnvjpeg.so.12" in reason and "libnvjpeg.so.13" in reason
-    # The CPU-only decoder has no engine whatever is asked, and decodes as ever.
-    dec = _batch_decode.BatchDecoder(None, threads=1, engine="nvjpeg")
-    dec.parsed = _batch_decode.ParsedBatch()
-    try:
-        assert dec.engine is None
-        blobs = [encode(random_image(rng, 30, 50), "JPEG")]
-        _, pick, _, status, outs = _decode(dec, blobs, [None])
-        assert status.tolist() == [1]
-        np.testing.assert_array_equal(outs[0], _pillow(blobs[0]))
-    finally:
-        dec.parsed.close()
-        dec.close()
-
-
 def test_the_decode_order_changes_no_image_and_no_status(decoder, rng):
     dec = decoder()
     good = [encode(random_image(rng, 24 + 3 * k, 40), "JPEG") for k in range(5)]

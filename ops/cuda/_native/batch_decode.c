@@ -21,7 +21,6 @@
 #include <dlfcn.h>
 
 #include "nvimgcodec.h"
-#include "nvjpeg_engine.h"
 
 #define HR_OK 1
 
@@ -32,10 +31,6 @@ typedef struct {
     int capacity;
     nvimgcodecCodeStream_t* streams;
     int32_t* encodings; /* a JPEG's encoding (its SOF marker, nvimgcodecJpegEncoding_t); 0 for other formats */
-    const unsigned char** data; /* the caller's bytes and their sizes, for nvJPEG's own engine path */
-    size_t* sizes;
-    int32_t* plain; /* 1: three channels, and no EXIF rotation or mirror to apply (or exif off): what
-                       nvJPEG's own engine path takes (it outputs RGB in stored orientation) */
 } hr_parsed;
 
 /* One image of a decode call, set up: where it comes from (the whole stream or a region view of
@@ -45,7 +40,6 @@ typedef struct {
     nvimgcodecImage_t image;
     int j;         /* its index in the call's pick, region, out and status */
     int hw;        /* 1: offered to the hardware engine (a baseline JPEG), 2: given to it */
-    int whole;     /* its window is the whole image */
     int64_t area;  /* of its window: the engine takes the largest */
     nvimgcodecProcessingStatus_t status;
 } hr_item;
@@ -63,7 +57,6 @@ typedef struct {
 typedef struct {
     nvimgcodecInstance_t instance;
     nvimgcodecDecoder_t hw;   /* NULL: no engine (hw_load 0, the CPU-only decoder, or none on this GPU) */
-    hr_engine* engine;        /* nvJPEG's hardware decode called directly, in place of hw (nvjpeg_engine.h) */
     nvimgcodecDecoder_t cuda; /* the CPU backend alone for the CPU-only decoder */
     int cpu_only;
     float hw_share;
@@ -147,22 +140,8 @@ static nvimgcodecDecoder_t make_decoder(nvimgcodecInstance_t instance, int devic
    fail on comes back as failed and the caller decodes it another way: with nvImageCodec's CPU
    backend in the chain, fuzzed JPEGs hung a decode now and then on the H100 (2 of 40 slices of
    1,000; none without it). adaptive: hw_load is where the share starts. */
-/* nvJPEG from path, for decoders made with nvjpeg_engine set: 1 when it loaded (once per process;
-   the caller serialises the calls). */
-int hr_engine_load(const char* path, char* err, size_t errlen)
-{
-    return nvj_load(path, err, errlen);
-}
-
-/* 1 when d drives the engines through nvJPEG itself, 2 through nvImageCodec, 0 when it has none. */
-int hr_decoder_engine(const hr_decoder* d)
-{
-    return d->engine ? 1 : d->hw ? 2 : 0;
-}
-
 hr_decoder* hr_decoder_create(nvimgcodecInstance_t instance, int device_id, int cpu_only, int threads,
-                              float hw_load, float cuda_load, int adaptive, const char* options, int nvjpeg_engine,
-                              char* err, size_t errlen)
+                              float hw_load, float cuda_load, int adaptive, const char* options, char* err, size_t errlen)
 {
     hr_decoder* d = (hr_decoder*)calloc(1, sizeof(hr_decoder));
     if (!d) {
@@ -181,11 +160,7 @@ hr_decoder* hr_decoder_create(nvimgcodecInstance_t instance, int device_id, int 
         const nvimgcodecBackendKind_t kinds[2] = {NVIMGCODEC_BACKEND_KIND_HYBRID_CPU_GPU, NVIMGCODEC_BACKEND_KIND_GPU_ONLY};
         const float loads[2] = {cuda_load, 1.0f};
         d->cuda = make_decoder(instance, device_id, 2, kinds, loads, threads, options, err, errlen);
-        /* nvjpeg_engine: the engines through nvJPEG itself (hr_engine_load first); where it cannot
-           (no engine on this GPU), through nvImageCodec's hardware decoder as without it. */
-        if (d->cuda && (hw_load > 0.0f || adaptive) && nvjpeg_engine)
-            d->engine = engine_create(NULL, 0);
-        if (d->cuda && (hw_load > 0.0f || adaptive) && !d->engine) {
+        if (d->cuda && (hw_load > 0.0f || adaptive)) {
             const nvimgcodecBackendKind_t hw_kind[1] = {NVIMGCODEC_BACKEND_KIND_HW_GPU_ONLY};
             const float hw_loads[1] = {1.0f};
             /* One thread: the engine's batch is decoded in the calling thread anyway. */
@@ -244,9 +219,9 @@ static int reserve(hr_decoder* d, int n)
 
 static int reserve_parsed(hr_parsed* p, int n)
 {
-    void** ptrs[5] = {(void**)&p->streams, (void**)&p->encodings, (void**)&p->data, (void**)&p->sizes, (void**)&p->plain};
-    size_t sizes[5] = {sizeof(nvimgcodecCodeStream_t), sizeof(int32_t), sizeof(const unsigned char*), sizeof(size_t), sizeof(int32_t)};
-    return grow(ptrs, sizes, 5, &p->capacity, n);
+    void** ptrs[2] = {(void**)&p->streams, (void**)&p->encodings};
+    size_t sizes[2] = {sizeof(nvimgcodecCodeStream_t), sizeof(int32_t)};
+    return grow(ptrs, sizes, 2, &p->capacity, n);
 }
 
 /* The stream's image info, and its height and width as displayed (EXIF rotations by 90 or 270
@@ -292,9 +267,6 @@ void hr_parsed_destroy(hr_parsed* p)
     hr_parsed_release(p);
     free(p->streams);
     free(p->encodings);
-    free((void*)p->data);
-    free(p->sizes);
-    free(p->plain);
     free(p);
 }
 
@@ -325,9 +297,6 @@ int hr_parse(nvimgcodecInstance_t instance, hr_parsed* p, int n, const unsigned 
         int32_t* row = info + 4 * i;
         row[0] = row[1] = row[2] = row[3] = 0;
         p->encodings[i] = 0;
-        p->data[i] = data[i];
-        p->sizes[i] = sizes[i];
-        p->plain[i] = 0;
         /* The handle of the previous batch is reused in place (no allocation per image). */
         if (nvimgcodecCodeStreamCreateFromHostMem(instance, &p->streams[i], data[i], sizes[i], NULL) !=
             NVIMGCODEC_STATUS_SUCCESS) {
@@ -345,8 +314,6 @@ int hr_parse(nvimgcodecInstance_t instance, hr_parsed* p, int n, const unsigned 
         row[1] = w;
         row[2] = (int32_t)(ii.num_planes > 1 ? ii.num_planes : ii.plane_info[0].num_channels);
         p->encodings[i] = encoding;
-        p->plain[i] = row[2] == 3 &&
-                      (!exif || (ii.orientation.rotated % 360 == 0 && !ii.orientation.flip_x && !ii.orientation.flip_y));
         if (strcmp(ii.codec_name, "jpeg") == 0 && !decodable_jpeg(encoding)) {
             release_handles(&p->streams[i], 1); /* the size stands; the caller decodes it */
             continue;
@@ -425,9 +392,7 @@ static int setup_item(hr_decoder* d, const hr_parsed* p, int j, int k, const int
     }
     it->j = j;
     it->area = (int64_t)(r[2] - r[0]) * (int64_t)(r[3] - r[1]);
-    it->hw = (d->hw || (d->engine && channels == 3 && p->plain[pick[j]])) && !d->cpu_only &&
-             p->encodings[pick[j]] == NVIMGCODEC_JPEG_ENCODING_BASELINE_DCT;
-    it->whole = it->source == whole;
+    it->hw = d->hw && !d->cpu_only && pick[j] < p->capacity && p->encodings[pick[j]] == NVIMGCODEC_JPEG_ENCODING_BASELINE_DCT;
     it->status = NVIMGCODEC_PROCESSING_STATUS_UNKNOWN;
     return make_image(d, it, r, out[j], channels, exif, cuda_stream);
 }
@@ -476,33 +441,6 @@ static void finish(hr_decoder* d, nvimgcodecFuture_t future, hr_item* items, int
 
 static double now(void);
 
-/* The engine's share items[0..n) through nvJPEG's own batched hardware decode: each item's status
-   success when nvJPEG took the batch; failed (so the CUDA decoder tries it) when it refused the
-   batch or the image. 1 when the call was made. */
-static int engine_batch(hr_decoder* d, const hr_parsed* p, hr_item* items, int n, const int32_t* pick, const int32_t* region,
-                        void* const* out, void* cuda_stream)
-{
-    if (!engine_reserve(d->engine, n))
-        return 0;
-    int taken = 0;
-    for (int i = 0; i < n; ++i) {
-        hr_item* it = &items[i];
-        int src = pick[it->j];
-        it->status = NVIMGCODEC_PROCESSING_STATUS_FAIL;
-        /* Refused images go after the taken ones: the slots must be the call's first `taken`. */
-        if (engine_add(d->engine, taken, p->data[src], p->sizes[src], region + 4 * it->j, it->whole, out[it->j])) {
-            hr_item moved = *it;
-            *it = items[taken];
-            items[taken++] = moved;
-        }
-    }
-    if (!engine_decode(d->engine, taken, cuda_stream))
-        return 1;
-    for (int i = 0; i < taken; ++i)
-        items[i].status = NVIMGCODEC_PROCESSING_STATUS_SUCCESS;
-    return 1;
-}
-
 /* Decode m of the images parsed into p: pick[j] is the index given to hr_parse, region[4j..4j+3] the
  * window y0, x0, y1, x1 to decode (in displayed coordinates when exif; the whole image is just the
  * full window), out[j] the buffer for its (y1-y0) x (x1-x0) x channels uint8 pixels, rows packed.
@@ -544,9 +482,7 @@ static int decode_batch(hr_decoder* d, const hr_parsed* p, int m, const int32_t*
     /* The CUDA decoder's share runs in its threads while the engine decodes its share here. */
     nvimgcodecFuture_t rest = start(d, d->cuda, d->items + n_hw, k - n_hw, &params);
     int ok = rest != NULL || k - n_hw == 0;
-    if (n_hw && d->engine)
-        ok |= engine_batch(d, p, d->items, n_hw, pick, region, out, cuda_stream);
-    else if (n_hw) {
+    if (n_hw) {
         nvimgcodecFuture_t engine = start(d, d->hw, d->items, n_hw, &params);
         finish(d, engine, d->items, n_hw);
         ok |= engine != NULL;
@@ -736,7 +672,6 @@ void hr_decoder_destroy(hr_decoder* d)
     release_handles(d->views, d->capacity);
     if (d->hw)
         nvimgcodecDecoderDestroy(d->hw);
-    engine_destroy(d->engine);
     nvimgcodecDecoderDestroy(d->cuda);
     free(d->views);
     free(d->items);
