@@ -105,6 +105,26 @@ async def test_a_corrupt_npy_is_a_decode_error_naming_its_sample(tmp_path, leaks
     await leaks.check()
 
 
+async def test_a_folder_of_npy_files_reads_as_dalis_numpy_reader_does(tmp_path, leaks):
+    # DALI's fn.readers.numpy(file_root=, file_filter="*.npy"): one array a file; here with the
+    # files reader's folder convention (a sub-folder a class) and a bad file named by its path.
+    for c, name in enumerate(("a", "b")):
+        (tmp_path / name).mkdir()
+        for i in range(3):
+            np.save(tmp_path / name / f"{i}.npy", np.full((2, 5), 10 * c + i, np.int16))
+    reader = readers.files(tmp_path, extensions=("npy",))
+    batches = await _all(Loader(reader, batch_size=4, pipeline=ops.Pipeline(image=None), device="cpu"))
+    assert [b["npy"].shape for b in batches] == [(4, 2, 5), (2, 2, 5)] and batches[0]["npy"].dtype == torch.int16
+    assert [row[0, 0].item() for b in batches for row in b["npy"]] == [0, 1, 2, 10, 11, 12]
+    assert [v for b in batches for v in b["label"].tolist()] == [0, 0, 0, 1, 1, 1]
+    (tmp_path / "b" / "1.npy").write_bytes(b"\x93NUMPY cut")
+    with pytest.raises(DecodeError) as info:
+        await _all(Loader(readers.files(tmp_path, extensions=("npy",)), batch_size=4, pipeline=ops.Pipeline(image=None),
+                          device="cpu"))
+    assert info.value.key == "b/1" and info.value.source.endswith("b/1.npy")
+    await leaks.check()
+
+
 async def test_images_and_arrays_in_one_pipeline(tmp_path, leaks):
     reader = readers.webdataset([_shard(tmp_path, with_images=True)], shuffle=False)
     pipe = ops.Pipeline([ops.Decode(), ops.Resize((20, 20))], fields=["emb.npy"])
