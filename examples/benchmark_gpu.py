@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import gc
 import itertools
@@ -160,17 +161,16 @@ def bench_headrace(root: Path, pipeline, batch: int, epochs: int, lanes: int, hw
 
 def _headrace_epochs(root: Path, row: Any, batch: int, lanes: int) -> tuple[Any, Any]:
     """A loader for ``row`` (a pipeline, or (pipeline, {lanes, hw_load, threads, tuning})): its
-    (run one epoch, close) pair, on a loop of its own."""
+    (run one epoch, close) pair, through ``with loader.sync()`` as a plain ``for`` loop uses it.
+    Its loop thread goes on between its epochs, so it runs ahead into the next one while the other
+    rows take their turns, as DALI's pipelines prefetch in their own threads (a loop stopped
+    between turns, as ``run_until_complete`` per epoch left it, started every epoch cold)."""
     pipeline, setup = row if isinstance(row, tuple) else (row, {})
-    loop = new_event_loop()
     loader = _gpu_loader(root, pipeline, batch, setup.get("lanes", lanes), setup.get("hw_load", 0.65),
                          setup.get("threads"), tuning=setup.get("tuning"))
-
-    def close() -> None:
-        loop.run_until_complete(loader.aclose())
-        loop.close()
-
-    return (lambda: loop.run_until_complete(_count_epoch(loader))), close
+    owner = contextlib.ExitStack()
+    epochs = owner.enter_context(loader.sync())
+    return (lambda: sum(b.size for b in epochs)), owner.close
 
 
 def bench_interleaved(rows: dict[str, Any], epochs: int) -> dict:
@@ -179,7 +179,7 @@ def bench_interleaved(rows: dict[str, Any], epochs: int) -> dict:
     row alike, and each round gives a paired ratio to the first row. A row is a callable making its
     (run one epoch, close) pair: a headrace loader (``_headrace_epochs``) or a DALI pipeline
     (``_dali_epochs``). Cores busy are the process's CPU time over an epoch's wall time (the rows
-    waiting their turn are idle, but for what they had queued)."""
+    waiting their turn work only on what they prefetch: DALI's queue, headrace's run ahead)."""
     made: dict[str, tuple[Any, Any]] = {}
     try:
         for name, make in rows.items():

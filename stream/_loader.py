@@ -96,8 +96,9 @@ class Loader:
             object storage, the next epoch's first GETs overlap this epoch's last batches). The
             next ``async for`` takes that work over;
             a ``load_state_dict``, a ``break`` or ``aclose()`` throws it away (``state_dict()`` never
-            counts it). The ``sync()`` facade does not run ahead (each of its epochs has its own
-            event loop, which the work would not outlive). Default: on for the GPU path (its executor is shared
+            counts it). The ``sync()`` facade runs ahead inside ``with loader.sync() as epochs:``
+            (one loop thread serves all its epochs); a bare ``for batch in loader.sync():`` does not
+            (each of its epochs has its own event loop, which the work would not outlive). Default: on for the GPU path (its executor is shared
             by the epochs), off on the CPU (each epoch's run has its own threads).
         max_bytes: bound on encoded bytes buffered between the reader and the batcher.
         on_error: what a sample that cannot be read, decoded or transformed does to the run.
@@ -240,6 +241,8 @@ class Loader:
     def sync(self, *, progress: bool | None = None):
         """A blocking facade for plain ``for`` loops; it runs this loader's loop in a thread.
 
+        ``with loader.sync() as epochs:`` keeps that thread for every epoch of the block, so the
+        loader runs ahead between epochs (``run_ahead``), and closes the loader at its end.
         ``progress``: a tqdm bar per epoch, as ``Loader(progress=...)`` (None: the loader's setting).
         """
         from ._sync import SyncLoader

@@ -1,12 +1,15 @@
 """The blocking facade: the same async loader, driven from a plain ``for`` loop.
 
 Each ``for`` runs one epoch on an event loop in a background thread (uvloop when installed) and
-hands batches over with ``run_coroutine_threadsafe``; nothing is implemented twice. So it does not
-run ahead into the next epoch (``Loader(run_ahead=...)``): that work would be bound to a loop that
-ends with the epoch. Leaving the loop early, or an exception (KeyboardInterrupt included) in the
-consumer, closes the async iterator on its loop, which stops the pipeline, before the thread is
-joined. An epoch's iterator still held when the next ``iter()`` starts, or at ``close()``, is closed
-first the same way: trainers (Lightning's fetcher) may keep the last one after leaving it early.
+hands batches over with ``run_coroutine_threadsafe``; nothing is implemented twice. Inside
+``with loader.sync() as epochs:`` one loop thread serves every epoch until the block ends, so the
+loader runs ahead into the next epoch (``Loader(run_ahead=...)``) while your code works between
+epochs, as DALI's pipeline does. A bare ``for batch in loader.sync():`` has no owner to end such a
+thread, so each of its epochs has a loop of its own and does not run ahead: work started on that
+loop could not outlive it. Leaving the loop early, or an exception (KeyboardInterrupt included) in
+the consumer, closes the async iterator on its loop, which stops the pipeline (and the work ahead).
+An epoch's iterator still held when the next ``iter()`` starts, or at ``close()``, is closed first
+the same way: trainers (Lightning's fetcher) may keep the last one after leaving it early.
 """
 
 from __future__ import annotations
@@ -26,10 +29,29 @@ if TYPE_CHECKING:
 __all__ = ["SyncLoader"]
 
 
+class _LoopThread:
+    """An event loop running in a thread of its own until ``stop()``."""
+
+    def __init__(self) -> None:
+        self.loop = new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="headrace-sync-loop", daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+        self.loop.close()
+
+
 class SyncLoader:
     """``for batch in loader.sync():`` yields one epoch per loop; ``len()`` and state pass through.
 
     ``progress``: a tqdm bar per epoch (``Loader(progress=...)``); ``stats()`` is the loader's.
+    Used as a context manager, it keeps one loop thread for all its epochs (the loader runs ahead
+    between them, where its ``run_ahead`` is on) and closes the loader at the end of the block.
     """
 
     def __init__(self, loader: Loader, *, progress: bool = False) -> None:
@@ -37,6 +59,8 @@ class SyncLoader:
         self.progress = progress
         # Weak: a dropped iterator is still closed at once by its finaliser, as before.
         self._live: weakref.ref[Generator[Batch, None, None]] | None = None
+        self._held = False  # inside ``with``: the block owns a loop thread, ``_driver``, for every epoch
+        self._driver: _LoopThread | None = None
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -54,6 +78,14 @@ class SyncLoader:
         """Close the epoch in progress if its iterator is still held, then release what outlives
         an epoch (threads, the GPU lanes). Safe to call twice."""
         self._close_live()
+        self._held = False
+        driver, self._driver = self._driver, None
+        if driver is not None:  # the loader's work (ahead) lives on that loop: close it there
+            try:
+                driver.run(self.loader.aclose())
+            finally:
+                driver.stop()
+            return
         loop = new_event_loop()
         try:
             loop.run_until_complete(self.loader.aclose())
@@ -61,6 +93,7 @@ class SyncLoader:
             loop.close()
 
     def __enter__(self) -> SyncLoader:
+        self._held = True
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -79,11 +112,13 @@ class SyncLoader:
             batches.close()  # runs its ``finally``: the pipeline stops and the loop thread is joined
 
     def _epoch(self) -> Generator[Batch, None, None]:
-        loop = new_event_loop()
-        thread = threading.Thread(target=loop.run_forever, name="headrace-sync-loop", daemon=True)
-        thread.start()
+        if self._held and self._driver is None:
+            self._driver = _LoopThread()
+        driver = self._driver if self._held else _LoopThread()
+        loop = driver.loop
         try:
-            agen = asyncio.run_coroutine_threadsafe(_start(self.loader, self.progress), loop).result()
+            run_ahead = driver is self._driver and self.loader.run_ahead
+            agen = driver.run(_start(self.loader, self.progress, run_ahead))
             try:
                 while True:
                     future = asyncio.run_coroutine_threadsafe(agen.__anext__(), loop)
@@ -97,14 +132,13 @@ class SyncLoader:
                     batch.handoff()  # order this thread's CUDA stream after the lane (no-op on the CPU)
                     yield batch
             finally:
-                asyncio.run_coroutine_threadsafe(agen.aclose(), loop).result()
+                driver.run(agen.aclose())
         finally:
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join()
-            loop.close()
+            if driver is not self._driver:  # an epoch's own loop ends with it
+                driver.stop()
 
 
-async def _start(loader: Loader, progress: bool):
-    # On the loop's thread, so the async generator is bound to that loop; no running ahead: the
-    # next ``for`` has a loop of its own, where work started on this one could not go on.
-    return loader._aiter(run_ahead=False, progress=progress)
+async def _start(loader: Loader, progress: bool, run_ahead: bool):
+    # On the loop's thread, so the async generator is bound to that loop. Running ahead only on a
+    # loop that serves the next ``for`` too (inside ``with``), where the work can go on.
+    return loader._aiter(run_ahead=run_ahead, progress=progress)

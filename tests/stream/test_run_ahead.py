@@ -87,18 +87,70 @@ async def test_aclose_and_break_throw_the_work_ahead_away(image_folder, leaks):
     await leaks.check()
 
 
-async def test_the_sync_facade_does_not_run_ahead(image_folder, leaks):
+def _sync_loop_threads() -> list:
+    import threading
+
+    return [t for t in threading.enumerate() if t.name == "headrace-sync-loop"]
+
+
+async def test_the_sync_facade_runs_ahead_inside_with(image_folder, leaks):
+    plain = _loader(image_folder, run_ahead=False)
+    expected = [await _collect(plain) for _ in range(3)]
+    await plain.aclose()
+
+    def three_epochs():
+        with _loader(image_folder, run_ahead=True).sync() as loader:
+            epochs = []
+            for epoch in range(3):
+                epochs.append(list(loader))
+                # The block's one loop thread goes on: the next epoch's run has started on it.
+                assert loader.loader._epochs.ahead is not None and loader.loader._epochs.ahead.epoch == epoch + 1
+                assert len(_sync_loop_threads()) == 1
+            return epochs
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        got = await asyncio.get_running_loop().run_in_executor(pool, three_epochs)
+    for want, have in zip(expected, got, strict=True):
+        for x, y in zip(want, have, strict=True):
+            _same(x, y)
+    await leaks.check()  # the block's end closed the loader, the work ahead and the loop thread
+
+
+async def test_a_break_inside_with_throws_the_work_ahead_away(image_folder, leaks):
+    plain = _loader(image_folder, run_ahead=False)
+    expected = [await _collect(plain) for _ in range(3)]
+    await plain.aclose()
+
+    def epochs_with_a_break():
+        with _loader(image_folder, run_ahead=True).sync() as loader:
+            first = list(loader)
+            for batch in loader:  # epoch 1, taken over from the run ahead, then left
+                if batch.index == 2:
+                    break
+            assert loader.loader._epochs.ahead is None and loader.loader._epochs.active is None
+            return first, list(loader)  # epoch 2, in full
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        first, last = await asyncio.get_running_loop().run_in_executor(pool, epochs_with_a_break)
+    for want, have in ((expected[0], first), (expected[2], last)):
+        for x, y in zip(want, have, strict=True):
+            _same(x, y)
+    await leaks.check()
+
+
+async def test_a_bare_sync_loop_does_not_run_ahead(image_folder, leaks):
     plain = _loader(image_folder, run_ahead=False)
     expected = [await _collect(plain), await _collect(plain)]
     await plain.aclose()
 
     def two_epochs():
-        with _loader(image_folder, run_ahead=True).sync() as loader:
-            epochs = []
-            for _ in range(2):
-                epochs.append(list(loader))
-                assert loader.loader._epochs.ahead is None  # each epoch's loop ends with it
-            return epochs
+        loader = _loader(image_folder, run_ahead=True).sync()  # no ``with``: nothing would end a thread kept
+        epochs = []
+        for _ in range(2):
+            epochs.append(list(loader))
+            assert loader.loader._epochs.ahead is None and _sync_loop_threads() == []  # each epoch's loop ended
+        loader.close()
+        return epochs
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         got = await asyncio.get_running_loop().run_in_executor(pool, two_epochs)
