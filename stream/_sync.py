@@ -109,7 +109,7 @@ class SyncLoader:
         batches = self._live() if self._live is not None else None
         self._live = None
         if batches is not None:
-            batches.close()  # runs its ``finally``: the pipeline stops and the loop thread is joined
+            batches.close()  # runs its ``finally``: the pipeline stops (and an epoch's own loop thread is joined)
 
     def _epoch(self) -> Generator[Batch, None, None]:
         if self._held and self._driver is None:
