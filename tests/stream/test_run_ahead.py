@@ -93,10 +93,27 @@ def _sync_loop_threads() -> list:
     return [t for t in threading.enumerate() if t.name == "headrace-sync-loop"]
 
 
-async def test_the_sync_facade_runs_ahead_inside_with(image_folder, leaks):
-    plain = _loader(image_folder, run_ahead=False)
-    expected = [await _collect(plain) for _ in range(3)]
+async def _plain_epochs(folder, n: int) -> list:
+    plain = _loader(folder, run_ahead=False)
+    epochs = [await _collect(plain) for _ in range(n)]
     await plain.aclose()
+    return epochs
+
+
+async def _in_a_thread(fn):
+    """``fn`` (plain ``for`` loops over ``sync()``) in a thread of its own, off this test's loop."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return await asyncio.get_running_loop().run_in_executor(pool, fn)
+
+
+def _same_epochs(want: list, have: list) -> None:
+    for x_epoch, y_epoch in zip(want, have, strict=True):
+        for x, y in zip(x_epoch, y_epoch, strict=True):
+            _same(x, y)
+
+
+async def test_the_sync_facade_runs_ahead_inside_with(image_folder, leaks):
+    expected = await _plain_epochs(image_folder, 3)
 
     def three_epochs():
         with _loader(image_folder, run_ahead=True).sync() as loader:
@@ -108,18 +125,12 @@ async def test_the_sync_facade_runs_ahead_inside_with(image_folder, leaks):
                 assert len(_sync_loop_threads()) == 1
             return epochs
 
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        got = await asyncio.get_running_loop().run_in_executor(pool, three_epochs)
-    for want, have in zip(expected, got, strict=True):
-        for x, y in zip(want, have, strict=True):
-            _same(x, y)
+    _same_epochs(expected, await _in_a_thread(three_epochs))
     await leaks.check()  # the block's end closed the loader, the work ahead and the loop thread
 
 
 async def test_a_break_inside_with_throws_the_work_ahead_away(image_folder, leaks):
-    plain = _loader(image_folder, run_ahead=False)
-    expected = [await _collect(plain) for _ in range(3)]
-    await plain.aclose()
+    expected = await _plain_epochs(image_folder, 3)
 
     def epochs_with_a_break():
         with _loader(image_folder, run_ahead=True).sync() as loader:
@@ -128,20 +139,14 @@ async def test_a_break_inside_with_throws_the_work_ahead_away(image_folder, leak
                 if batch.index == 2:
                     break
             assert loader.loader._epochs.ahead is None and loader.loader._epochs.active is None
-            return first, list(loader)  # epoch 2, in full
+            return [first, list(loader)]  # epoch 2, in full
 
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        first, last = await asyncio.get_running_loop().run_in_executor(pool, epochs_with_a_break)
-    for want, have in ((expected[0], first), (expected[2], last)):
-        for x, y in zip(want, have, strict=True):
-            _same(x, y)
+    _same_epochs([expected[0], expected[2]], await _in_a_thread(epochs_with_a_break))
     await leaks.check()
 
 
 async def test_a_bare_sync_loop_does_not_run_ahead(image_folder, leaks):
-    plain = _loader(image_folder, run_ahead=False)
-    expected = [await _collect(plain), await _collect(plain)]
-    await plain.aclose()
+    expected = await _plain_epochs(image_folder, 2)
 
     def two_epochs():
         loader = _loader(image_folder, run_ahead=True).sync()  # no ``with``: nothing would end a thread kept
@@ -152,11 +157,7 @@ async def test_a_bare_sync_loop_does_not_run_ahead(image_folder, leaks):
         loader.close()
         return epochs
 
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        got = await asyncio.get_running_loop().run_in_executor(pool, two_epochs)
-    for want, have in zip(expected, got, strict=True):
-        for x, y in zip(want, have, strict=True):
-            _same(x, y)
+    _same_epochs(expected, await _in_a_thread(two_epochs))
     await leaks.check()
 
 
