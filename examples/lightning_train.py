@@ -21,7 +21,9 @@ steps Lightning had left in it.
 
 The loader is made in the DataModule's ``train_dataloader()``, which Lightning calls in each
 process once it has set up the device and, under DDP, the process group: the loader then finds its
-rank, world size and GPU itself and reads its own shard. ``teardown()`` closes it. With
+rank, world size and GPU itself and reads its own shard. ``loader.sync()`` is entered there, as
+its ``with`` block would be, and ``teardown()`` ends it: one loop thread serves every epoch, so the
+loader runs ahead into the next epoch between them (the GPU default), as under ``async for``. With
 ``--device cuda`` batches are already CUDA tensors on this process's GPU, ready on the current
 stream, so Lightning's move to the device is a no-op.
 """
@@ -94,7 +96,9 @@ def build(L, args: argparse.Namespace):
                 view = headrace.torch_dataset(loader)
                 self.closer = view
                 return torch.utils.data.DataLoader(view, batch_size=None, num_workers=0)
-            self.closer = loader.sync()
+            # Entered as its ``with`` block would (teardown() ends it): one loop thread serves every
+            # epoch, so the loader runs ahead between them; a bare loader.sync() starts each cold.
+            self.closer = loader.sync().__enter__()
             return self.closer
 
         def teardown(self, stage: str) -> None:
