@@ -60,6 +60,7 @@ class _View:
         self._sync.close()
 
     def __enter__(self) -> _View:
+        self._sync.__enter__()  # one loop thread for every epoch of the block: the loader runs ahead
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -82,7 +83,8 @@ def _view_class() -> type[_View]:
 def torch_dataset(loader: Loader, *, keys: str | None = None) -> Any:
     """``loader`` as a ``torch.utils.data.IterableDataset`` whose items are headrace's batches.
 
-    The view also has ``close()`` and works as a context manager (``with torch_dataset(loader) as view``).
+    The view also has ``close()`` and works as a context manager (``with torch_dataset(loader) as view``),
+    inside which one loop thread serves every epoch, so the loader runs ahead between them.
 
     ::
 

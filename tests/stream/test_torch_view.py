@@ -16,10 +16,10 @@ from headrace import ConfigError, Loader, ops, readers
 ALL_KEYS = sorted(f"c{c}/{i:04d}" for c in range(3) for i in range(25))
 
 
-def _loader(folder):
+def _loader(folder, run_ahead=None):
     pipeline = ops.Pipeline([ops.Decode(), ops.RandomResizedCrop(32), ops.Normalize()])
     return Loader(readers.files(folder, shuffle=True), batch_size=8, pipeline=pipeline, device="cpu",
-                  num_threads=2)
+                  num_threads=2, run_ahead=run_ahead)
 
 
 def _fit(data, keys_of, epochs=3, stop_at=None):
@@ -58,6 +58,24 @@ def test_sync_facade_in_a_trainer_loop(image_folder, leaks):
     per_epoch = _fit(data, lambda b: b.sample_keys, stop_at={1: 2})
     _check_epochs(per_epoch, len(data), stopped=1)
     data.close()
+    asyncio.run(leaks.check())
+
+
+def test_an_entered_sync_facade_runs_ahead_through_a_trainer_loop(image_folder, leaks):
+    # As Lightning's DataModule holds it (entered, ended at teardown): epoch 1 takes over the run
+    # started ahead, is left at a step limit with its iterator still held, and epoch 2 is whole.
+    with _loader(image_folder, run_ahead=True).sync() as data:
+        per_epoch = _fit(data, lambda b: b.sample_keys, stop_at={1: 2})
+        assert data.loader._epochs.ahead is not None  # epoch 3's run, started during epoch 2
+    _check_epochs(per_epoch, 10, stopped=1)
+    asyncio.run(leaks.check())
+
+
+def test_a_view_used_with_with_runs_ahead_too(image_folder, leaks):
+    with headrace.torch_dataset(_loader(image_folder, run_ahead=True), keys="key") as view:
+        per_epoch = _fit(DataLoader(view, batch_size=None, num_workers=0), lambda b: b["key"], stop_at={1: 2})
+        assert view.loader._epochs.ahead is not None
+    _check_epochs(per_epoch, 10, stopped=1)
     asyncio.run(leaks.check())
 
 
