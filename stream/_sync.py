@@ -59,8 +59,7 @@ class SyncLoader:
         self.progress = progress
         # Weak: a dropped iterator is still closed at once by its finaliser, as before.
         self._live: weakref.ref[Generator[Batch, None, None]] | None = None
-        self._held = False  # inside ``with``: the block owns a loop thread, ``_driver``, for every epoch
-        self._driver: _LoopThread | None = None
+        self._driver: _LoopThread | None = None  # inside ``with``: the block's loop thread, for every epoch
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -78,22 +77,17 @@ class SyncLoader:
         """Close the epoch in progress if its iterator is still held, then release what outlives
         an epoch (threads, the GPU lanes). Safe to call twice."""
         self._close_live()
-        self._held = False
+        # The work ahead, if any, lives on the block's loop: the loader is closed there.
         driver, self._driver = self._driver, None
-        if driver is not None:  # the loader's work (ahead) lives on that loop: close it there
-            try:
-                driver.run(self.loader.aclose())
-            finally:
-                driver.stop()
-            return
-        loop = new_event_loop()
+        driver = driver or _LoopThread()
         try:
-            loop.run_until_complete(self.loader.aclose())
+            driver.run(self.loader.aclose())
         finally:
-            loop.close()
+            driver.stop()
 
     def __enter__(self) -> SyncLoader:
-        self._held = True
+        if self._driver is None:
+            self._driver = _LoopThread()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -112,9 +106,7 @@ class SyncLoader:
             batches.close()  # runs its ``finally``: the pipeline stops (and an epoch's own loop thread is joined)
 
     def _epoch(self) -> Generator[Batch, None, None]:
-        if self._held and self._driver is None:
-            self._driver = _LoopThread()
-        driver = self._driver if self._held else _LoopThread()
+        driver = self._driver or _LoopThread()
         loop = driver.loop
         try:
             run_ahead = driver is self._driver and self.loader.run_ahead
