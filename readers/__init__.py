@@ -3,6 +3,7 @@
 from ._base import IndexedReader, Reader, epoch_order
 from ._pack import PackResult, pack
 from ._storage import HttpStore, LocalStore, MemoryStore, ObjectInfo, Retry, S3Store, Store
+from .coco import CocoReader, coco
 from .files import FileReader, file_list, files
 from .lmdb import LmdbReader, decode_default, decode_record, encode_record, lmdb
 from .mix import MixReader, mix
@@ -13,6 +14,7 @@ from .video import VideoReader, video
 from .webdataset import WebDatasetReader, webdataset
 
 __all__ = [
+    "CocoReader",
     "FileReader",
     "HttpStore",
     "IndexedReader",
@@ -32,6 +34,7 @@ __all__ = [
     "TFRecordReader",
     "VideoReader",
     "WebDatasetReader",
+    "coco",
     "decode_default",
     "decode_record",
     "encode_record",

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Self, TypeVar
 
 from headrace._errors import ConfigError, ReadError, StorageError, require_int
-from headrace._sample import Sample, SampleList, samples_nbytes
+from headrace._sample import Sample, SampleList, samples_nbytes, value_nbytes
 from headrace._threads import join_threads
 
 from ._base import Equal, IndexedReader
@@ -52,6 +52,7 @@ class FileReader(IndexedReader):
         native_read: bool = True,
         buffer_bytes: int = 64 << 20,
         cache: ObjectCache | None = None,
+        extra: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         super().__init__(shuffle=shuffle, seed=seed, chunk_size=chunk_size, io_threads=io_threads)
         require_int("files: requests", requests)
@@ -62,6 +63,12 @@ class FileReader(IndexedReader):
             if len(labels) != len(self.paths):
                 raise ConfigError(f"files: {len(self.paths)} paths but {len(labels)} labels")
         self.labels = labels
+        if extra is not None and len(extra) != len(self.paths):
+            raise ConfigError(f"files: {len(self.paths)} paths but {len(extra)} sets of extra fields")
+        # Fields a file's sample carries besides its bytes (``coco()``: boxes, labels, image id),
+        # merged into the sample's fields as they are: one dict per file, never copied per epoch.
+        self._extra = None if extra is None else [dict(e) for e in extra]
+        self._extra_bytes = None if extra is None else [sum(value_nbytes(v) for v in e.values()) for e in self._extra]
         self.root = root
         self.classes = tuple(classes)
         self.storage = storage
@@ -105,6 +112,10 @@ class FileReader(IndexedReader):
             blobs, failed = self._chunks.read([os.fsencode(paths[i]) for i in indices]), -1
         if failed == 0:  # the common case, in one comprehension; its size counted from the blobs
             nbytes = sum(map(len, blobs))
+            if self._extra is not None:
+                nbytes += sum(self._extra_bytes[i] for i in indices)
+                nbytes += 0 if cls is None else sum(len(cls[i]) for i in indices)
+                return SampleList([self._sample(i, blob) for i, blob in zip(indices, blobs)], nbytes)
             if cls is None:
                 return SampleList([Sample(keys[i], {exts[i]: blob}, paths[i], i) for i, blob in zip(indices, blobs)],
                                   nbytes)
@@ -121,6 +132,8 @@ class FileReader(IndexedReader):
                 fields[exts[i]] = blob
             if cls is not None:
                 fields["cls"] = cls[i]
+            if self._extra is not None:
+                fields.update(self._extra[i])
             out.append(Sample(keys[i], fields, paths[i], i, error=error))
         return out
 
@@ -181,6 +194,8 @@ class FileReader(IndexedReader):
                     error = exc
             if self._cls is not None:
                 fields["cls"] = self._cls[i]
+            if self._extra is not None:
+                fields.update(self._extra[i])
             return Sample(self._keys[i], fields, self._sources[i], i, error=error)
 
         async with asyncio.TaskGroup() as group:  # no yield inside: the group ends with the chunk
@@ -204,7 +219,15 @@ class FileReader(IndexedReader):
             self._on_cache_thread(cache.keep, fetched).add_done_callback(lambda _: cache.release(nbytes))
 
     def _kept_sample(self, i: int, blob: bytes) -> Sample:
-        fields = {self._exts[i]: blob} if self._cls is None else {self._exts[i]: blob, "cls": self._cls[i]}
+        return self._sample(i, blob)
+
+    def _sample(self, i: int, blob: bytes) -> Sample:
+        """File ``i``'s sample: its bytes, its label, its extra fields."""
+        fields = {self._exts[i]: blob}
+        if self._cls is not None:
+            fields["cls"] = self._cls[i]
+        if self._extra is not None:
+            fields.update(self._extra[i])
         return Sample(self._keys[i], fields, self._sources[i], i)
 
     def _ahead(self) -> int:

@@ -37,6 +37,7 @@ PUBLIC = {
         "torch_dataset",
     ],
     "headrace.readers": [
+        "CocoReader",
         "FileReader",
         "HttpStore",
         "IndexedReader",
@@ -56,6 +57,7 @@ PUBLIC = {
         "TFRecordReader",
         "VideoReader",
         "WebDatasetReader",
+        "coco",
         "decode_default",
         "decode_record",
         "encode_record",
