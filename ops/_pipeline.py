@@ -47,6 +47,12 @@ class Pipeline:
     tensors of one shape stack; ``.npy`` fields are loaded first). ``layout`` applies to uint8
     output (no Normalize); Normalize carries its own.
 
+    ``boxes`` names a field holding each sample's boxes (``[N, 4]``: x0, y0, x1, y1 in pixels of
+    the decoded image) that move with the image: through the crops, resizes and flips, clipped to
+    the output image, a box left with no area dropped with the same rows of the ``per_box`` fields
+    (its labels). Both come out as lists, a tensor per row (``_boxes``). They need the flips after
+    the crops and resizes, and no ``Rotate`` or ``WarpAffine``.
+
     User stages (``Map``, ``Filter``, ``MapBatch``, see ``_stages``) go before ``Decode`` (on the
     samples' fields) or after the last built-in op (on output rows or whole batches), never between
     two built-in ops. ``image=None`` is a pipeline for data that is not images (arrays, token ids,
@@ -65,6 +71,8 @@ class Pipeline:
         label: str | None = "cls",
         fields: Sequence[str] = (),
         layout: Literal["CHW", "HWC"] = "CHW",
+        boxes: str | None = None,
+        per_box: Sequence[str] = (),
     ) -> None:
         listed = list(ops)
         for op in listed:
@@ -113,6 +121,7 @@ class Pipeline:
         if {"image", "label"} & set(fields):
             raise ConfigError("Pipeline: fields cannot be named 'image' or 'label' (the batch's own keys)")
         self.fields: tuple[str, ...] = tuple(dict.fromkeys(fields))
+        self.boxes, self.per_box = _box_fields(boxes, per_box, self)
         self.layout = self.normalize.layout if self.normalize else layout
         if self.normalize and len(self.normalize.mean) not in (1, self.decode.channels):
             raise ConfigError(
@@ -140,7 +149,7 @@ class Pipeline:
     @property
     def needs_staging(self) -> bool:
         """Whether batches go through ``_staged`` (stages, fields, or no image), not only an executor."""
-        return bool(self.stages or self.fields or not self.has_image)
+        return bool(self.stages or self.fields or self.boxes or not self.has_image)
 
     def core(self) -> Pipeline:
         """This pipeline's built-in part (its ops, image and label; no stages, no fields): what an
@@ -171,9 +180,42 @@ class Pipeline:
 
     def __repr__(self) -> str:
         fields = f", fields={self.fields!r}" if self.fields else ""
+        if self.boxes:
+            fields += f", boxes={self.boxes!r}" + (f", per_box={self.per_box!r}" if self.per_box else "")
         image = self.image_fields if self.has_image else None
         ops = list(self.before + self.ops + self.after)
         return f"Pipeline({ops!r}, image={image!r}, label={self.label_field!r}{fields})"
+
+
+def _box_fields(boxes: str | None, per_box: Sequence[str], pipe: Pipeline) -> tuple[str | None, tuple[str, ...]]:
+    """``boxes`` and ``per_box`` checked against the rest of ``pipe``. Raises ConfigError."""
+    if isinstance(per_box, str) or not isinstance(per_box, (list, tuple)) or not all(
+            isinstance(name, str) and name for name in per_box):
+        raise ConfigError(f"Pipeline: per_box must be a sequence of field names, got {per_box!r}")
+    if boxes is None:
+        if per_box:
+            raise ConfigError("Pipeline: per_box names fields that move with boxes; name the boxes too (boxes=...)")
+        return None, ()
+    if not isinstance(boxes, str) or not boxes:
+        raise ConfigError(f"Pipeline: boxes must be a field name or None, got {boxes!r}")
+    if not pipe.has_image:
+        raise ConfigError("Pipeline: boxes move with an image; image=None has none")
+    names = (boxes, *per_box)
+    if len(set(names)) != len(names):
+        raise ConfigError(f"Pipeline: boxes and per_box name a field twice: {names!r}")
+    taken = {"image", "label", *pipe.fields, *pipe.image_fields}
+    if clash := [name for name in names if name in taken]:
+        raise ConfigError(f"Pipeline: {clash[0]!r} is named as boxes or per_box and elsewhere (image, label or fields)")
+    seen_flip = False
+    for op in pipe.image_ops:
+        if isinstance(op, Flip):
+            seen_flip = True
+        elif seen_flip:
+            raise ConfigError(f"Pipeline: boxes follow Flip only after the crops and resizes; move {op!r} before Flip")
+    if moving := [op for op in pipe.post_ops if op.moves_pixels]:
+        raise ConfigError(f"Pipeline: boxes cannot follow {moving[0]!r} (it moves pixels); leave it out, or "
+                          "apply it to boxes and images yourself in a MapBatch")
+    return boxes, tuple(per_box)
 
 
 def _split_stages(listed: list[Op | Stage]) -> tuple[tuple[Stage, ...], list[Op], tuple[Stage, ...]]:

@@ -13,6 +13,7 @@ import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 
@@ -31,6 +32,9 @@ class PostOp(Op):
     and ``w`` are the images' sizes, int arrays of length n): one computation, so the CPU path and
     the GPU kernels use the same numbers for a sample.
     """
+
+    # Whether the op moves pixels to other places (a warp), which boxes (``Pipeline(boxes=)``) would have to follow.
+    moves_pixels: ClassVar[bool] = False
 
     def tables(self, u: np.ndarray | None, h: np.ndarray, w: np.ndarray, channels: int) -> tuple[np.ndarray, ...]:
         raise NotImplementedError
@@ -150,6 +154,7 @@ class _Warp(PostOp):
     clamps the neighbours to the edge inside. The result rounds once, half up.
     """
 
+    moves_pixels: ClassVar[bool] = True
     fill: tuple[float, ...]
 
     def fill_values(self, channels: int) -> np.ndarray:

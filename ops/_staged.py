@@ -27,8 +27,9 @@ from headrace._errors import ClosedError, DecodeError, LoaderError, TransformErr
 from headrace._sample import Sample, SampleBatch
 
 from ._batch_stages import batch_extras, checked_batch, stage_rng
+from ._boxes import SampleBoxes, follow, read_boxes, rows_on_device
 from ._collate import collate, is_npy_field, load_npy
-from ._results import Processed, read_failure, sample_label
+from ._results import Processed, image_field, read_failure, sample_label
 from ._pipeline import Pipeline
 from ._row_stages import filter_rows, keep_when_true, map_rows, row_arguments
 from ._stage_calls import StageCalls, stage_failure
@@ -76,6 +77,11 @@ class StagedExecutor:
                 failures[i] = read_failure(sample)
         dropped: set[int] = set()  # rows a Filter dropped: they leave the batch without failing
         alive = await self._before(batch, samples, failures, dropped)
+        found: dict[int, SampleBoxes] = {}
+        if pipe.boxes is not None and alive:  # read and checked before decoding: a bad one fails its sample here
+            await self._calls.in_threads(alive, lambda i: found.__setitem__(
+                i, read_boxes(samples[i], pipe, image_field(samples[i], pipe.image_fields))), None, samples, failures)
+            alive = [i for i in alive if i not in failures]
         ready = None
         if not alive:
             data: dict[str, Any] = {}
@@ -92,6 +98,12 @@ class StagedExecutor:
                 if self._cuda:  # copied on the stage stream, after the lane: one event covers both
                     columns, ready = await self._calls.call_on_stream(data, ready, lambda: _on_device(columns, self.device))
                 data.update(columns)
+            if pipe.boxes is not None and kept:
+                indices = [samples[i].index for i in kept]
+                boxes = await self._calls.call(follow, pipe, self.seed, batch.epoch, indices, [found[i] for i in kept])
+                if self._cuda:
+                    boxes, ready = await self._calls.call_on_stream(data, ready, lambda: rows_on_device(boxes, self.device))
+                data.update(boxes)
         else:
             data, kept, ready = await self._calls.call(self._collate_fields, samples, alive, failures)
         for stage in self.after:

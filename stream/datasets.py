@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-__all__ = ["MARKER", "count_images", "ensure_image_folder", "make_image_folder", "photographs"]
+__all__ = ["COCO_CATEGORIES", "MARKER", "count_images", "ensure_image_folder", "make_coco", "make_image_folder", "photographs"]
 
 _COLOR_PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "immunohistochemistry", "hubble_deep_field",
                  "retina", "stereo_motorcycle")
@@ -133,6 +133,47 @@ def make_image_folder(
             if progress is not None:
                 progress(1)
     return root
+
+
+# The categories of ``make_coco``: ids with gaps, as COCO's own (1..90 for 80 categories).
+COCO_CATEGORIES = {1: "red", 3: "green", 7: "blue"}
+_COCO_COLORS = {1: (230, 20, 20), 3: (20, 200, 40), 7: (30, 40, 230)}
+
+
+def make_coco(root: str | os.PathLike, *, count: int = 32, seed: int = 0) -> tuple[Path, Path]:
+    """Write a small COCO-style detection set: ``count`` JPEGs in ``root/images/`` and their
+    ``root/annotations.json`` (COCO's ``instances`` format), and return the two paths.
+
+    Each image (160-320 px a side) is a smooth background with one to four solid rectangles in
+    the colours of ``COCO_CATEGORIES``, each annotated with its exact box (x, y, width, height)
+    and category; every fifth image has none. Deterministic for a seed.
+    """
+    import json
+
+    root = Path(root)
+    images = root / "images"
+    images.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    doc: dict = {"images": [], "annotations": [],
+                 "categories": [{"id": cid, "name": name} for cid, name in COCO_CATEGORIES.items()]}
+    for i in range(count):
+        h, w = int(rng.integers(160, 321)), int(rng.integers(160, 321))
+        arr = np.asarray(Image.fromarray(rng.integers(60, 200, size=(4, 4, 3), dtype=np.uint8))
+                         .resize((w, h), Image.Resampling.BICUBIC)).copy()
+        image_id = 1000 + i
+        for _ in range(0 if i % 5 == 4 else int(rng.integers(1, 5))):
+            bw, bh = int(rng.integers(w // 8, w // 2)), int(rng.integers(h // 8, h // 2))
+            x, y = int(rng.integers(0, w - bw)), int(rng.integers(0, h - bh))
+            cid = int(rng.choice(list(COCO_CATEGORIES)))
+            arr[y : y + bh, x : x + bw] = _COCO_COLORS[cid]
+            doc["annotations"].append({"id": len(doc["annotations"]) + 1, "image_id": image_id, "category_id": cid,
+                                       "bbox": [x, y, bw, bh], "area": bw * bh, "iscrowd": 0})
+        name = f"{i:06d}.jpg"
+        Image.fromarray(arr).save(images / name, quality=90)
+        doc["images"].append({"id": image_id, "file_name": name, "width": w, "height": h})
+    annotations = root / "annotations.json"
+    annotations.write_text(json.dumps(doc))
+    return images, annotations
 
 
 def count_images(root: str | os.PathLike) -> int:
