@@ -1,0 +1,190 @@
+"""Pipeline(boxes=): boxes move with the pixels. Real images (white rectangles on black, PNG and
+JPEG) through the CPU path; each output box is checked against where the rectangle's pixels are."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import headrace
+from headrace import ConfigError, LoaderError, TransformError, ops, readers
+
+SIZES = [(120, 90), (64, 200), (150, 150), (81, 47), (200, 130), (96, 96), (140, 60), (70, 180)]
+
+
+def _rectangles(tmp_path, sizes=SIZES, fmt="png"):
+    """One image per size, black with one white rectangle; the reader's samples carry its box."""
+    rng = np.random.default_rng(1)
+    paths, extra = [], []
+    for i, (h, w) in enumerate(sizes):
+        x0, y0 = int(rng.integers(0, w // 2)), int(rng.integers(0, h // 2))
+        x1, y1 = int(rng.integers(x0 + 12, w + 1)), int(rng.integers(y0 + 12, h + 1))
+        pixels = np.zeros((h, w, 3), np.uint8)
+        pixels[y0:y1, x0:x1] = 255
+        path = tmp_path / f"{i}.{fmt}"
+        Image.fromarray(pixels).save(path, quality=95)
+        paths.append(str(path))
+        extra.append({"boxes": np.array([[x0, y0, x1, y1]], np.float32), "labels": np.array([i])})
+    return readers.FileReader(paths, None, extra=extra)
+
+
+def _batches(reader, pipe_ops, batch_size=3, seed=5, **kwargs):
+    pipe = ops.Pipeline(pipe_ops, label=None, boxes="boxes", per_box=("labels",), layout="HWC", **kwargs)
+    with headrace.Loader(reader, batch_size=batch_size, pipeline=pipe, device="cpu", seed=seed).sync() as epochs:
+        return list(epochs)
+
+
+def _white(image: torch.Tensor) -> np.ndarray | None:
+    """(x0, y0, x1, y1) around the pixels over half white, or None when there are none."""
+    ys, xs = np.nonzero(image[..., 0].numpy() > 127)
+    return None if len(xs) == 0 else np.array([xs.min(), ys.min(), xs.max() + 1, ys.max() + 1], np.float64)
+
+
+PIPELINES = {
+    "crop, flips": [ops.RandomResizedCrop(64, scale=(0.2, 1.0)), ops.Flip(0.5), ops.Flip(0.5, vertical=True)],
+    "resize, centre crop": [ops.Resize(72), ops.CenterCrop(64)],
+    "resize only": [ops.Resize(50)],  # outputs of different sizes: a list of images
+    "fixed size": [ops.Resize((40, 90)), ops.Flip(1.0)],
+    "crop past the edge": [ops.CenterCrop(160)],  # zero padding around the image: boxes stay on real pixels
+    "crop, resize": [ops.CenterCrop(60), ops.Resize(120)],
+}
+
+
+@pytest.mark.parametrize("fmt", ["png", "jpg"])
+@pytest.mark.parametrize("name", PIPELINES)
+def test_boxes_follow_the_pixels(tmp_path, name, fmt):
+    batches = _batches(_rectangles(tmp_path, fmt=fmt), PIPELINES[name])
+    seen = 0
+    for batch in batches:
+        assert isinstance(batch["boxes"], list) and isinstance(batch["labels"], list)
+        for image, boxes, labels in zip(batch["image"], batch["boxes"], batch["labels"]):
+            assert boxes.dtype == torch.float32 and labels.dtype == torch.int64 and len(boxes) == len(labels)
+            white = _white(image)
+            if white is None:  # the crop missed the rectangle: so did its box
+                assert boxes.shape == (0, 4)
+                continue
+            assert boxes.shape == (1, 4)
+            # Within a pixel: the mask is thresholded, the box is exact.
+            np.testing.assert_allclose(boxes[0].numpy(), white, atol=1.0)
+            seen += 1
+    assert seen >= len(SIZES) // 2
+
+
+def test_a_box_cut_away_is_dropped_with_its_labels(tmp_path):
+    pixels = np.zeros((100, 100, 3), np.uint8)
+    pixels[0:20, 0:20] = pixels[40:60, 40:60] = 255
+    Image.fromarray(pixels).save(tmp_path / "two.png")
+    reader = readers.FileReader([str(tmp_path / "two.png")], None, extra=[
+        {"boxes": np.array([[0, 0, 20, 20], [40, 40, 60, 60], [30, 70, 90, 95]], np.float32),
+         "labels": np.array([1, 2, 3]), "kind": np.array([[1.0], [2.0], [3.0]])}])
+    pipe = ops.Pipeline([ops.CenterCrop(30)], label=None, boxes="boxes", per_box=("labels", "kind"))
+    (batch,) = headrace.Loader(reader, batch_size=1, pipeline=pipe, device="cpu").sync()
+    # The window is 35..65: the first and third boxes are outside it, the second is clipped to it.
+    np.testing.assert_array_equal(batch["boxes"][0].numpy(), [[5, 5, 25, 25]])
+    assert batch["labels"][0].tolist() == [2] and batch["kind"][0].tolist() == [[2.0]]
+
+
+def test_a_box_past_the_image_is_clipped_to_its_real_pixels(tmp_path):
+    Image.fromarray(np.full((100, 100, 3), 255, np.uint8)).save(tmp_path / "white.png")
+    reader = readers.FileReader([str(tmp_path / "white.png")], None,
+                                extra=[{"boxes": np.array([[-10, -10, 30, 30]], np.float32)}])
+    pipe = ops.Pipeline([ops.CenterCrop(160)], label=None, boxes="boxes", layout="HWC")
+    (batch,) = headrace.Loader(reader, batch_size=1, pipeline=pipe, device="cpu").sync()
+    # The image sits at 30..130 of the output, zero padding around it: the box stops where it starts.
+    np.testing.assert_array_equal(batch["boxes"][0].numpy(), [[30, 30, 60, 60]])
+    np.testing.assert_array_equal(_white(batch["image"][0]), [30, 30, 130, 130])
+
+
+def test_boxes_depend_on_the_seed_not_on_the_batch_size(tmp_path):
+    reader = _rectangles(tmp_path)
+    crop = [ops.RandomResizedCrop(48), ops.Flip(0.5)]
+
+    def by_key(batches):
+        return {key: b.numpy().tolist() for batch in batches for key, b in zip(batch.sample_keys, batch["boxes"])}
+
+    assert by_key(_batches(reader, crop, batch_size=3)) == by_key(_batches(reader, crop, batch_size=8))
+    assert by_key(_batches(reader, crop, seed=5)) != by_key(_batches(reader, crop, seed=6))
+
+
+def test_boxes_of_an_upright_image_follow_its_exif_rotation(tmp_path):
+    upright = np.zeros((60, 100, 3), np.uint8)
+    upright[10:30, 55:95] = 255
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored turned a quarter left: shown turned back, 60 x 100
+    Image.fromarray(upright).transpose(Image.Transpose.ROTATE_90).save(tmp_path / "turned.jpg", quality=95, exif=exif)
+    reader = readers.FileReader([str(tmp_path / "turned.jpg")], None,
+                                extra=[{"boxes": np.array([[55, 10, 95, 30]], np.float32), "labels": np.array([0])}])
+    (batch,) = _batches(reader, [ops.Resize((30, 50)), ops.Flip(1.0)], batch_size=1)
+    assert tuple(batch["image"].shape) == (1, 30, 50, 3)
+    np.testing.assert_allclose(batch["boxes"][0].numpy(), [[2.5, 5, 22.5, 15]])
+    np.testing.assert_allclose(batch["boxes"][0].numpy()[0], _white(batch["image"][0]), atol=1.0)
+
+
+def test_a_boxes_field_may_be_an_npy_file(tmp_path):
+    Image.fromarray(np.zeros((40, 40, 3), np.uint8)).save(tmp_path / "a.png")
+    buffer = io.BytesIO()
+    np.save(buffer, np.array([[4, 8, 20, 24]], np.float64))
+    reader = readers.FileReader([str(tmp_path / "a.png")], None, extra=[{"boxes.npy": buffer.getvalue()}])
+    pipe = ops.Pipeline([ops.Resize(20)], label=None, boxes="boxes.npy")
+    (batch,) = headrace.Loader(reader, batch_size=1, pipeline=pipe, device="cpu").sync()
+    np.testing.assert_array_equal(batch["boxes.npy"][0].numpy(), [[2, 4, 10, 12]])
+
+
+BAD = {
+    "no boxes": ({"labels": np.array([1])}, "sample has no 'boxes' field"),
+    "not [N, 4]": ({"boxes": np.zeros((2, 3)), "labels": np.array([1, 2])}, r"shape \[2, 3\], not \[N, 4\]"),
+    "not numbers": ({"boxes": "a box", "labels": np.array([1])}, "not an array of numbers"),
+    "not finite": ({"boxes": np.array([[0, 0, np.inf, 4]]), "labels": np.array([1])}, "not finite"),
+    "labels short": ({"boxes": np.zeros((2, 4)), "labels": np.array([1])}, "has 1 rows for 2 boxes"),
+    "labels text": ({"boxes": np.zeros((1, 4)), "labels": np.array(["cat"])}, "not an array of numbers"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_boxes_fail_their_sample_named(tmp_path, case, leaks):
+    for name in ("good", "bad"):
+        Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(tmp_path / f"{name}.png")
+    fields, message = BAD[case]
+    good = {"boxes": np.array([[1, 1, 9, 9]], np.float32), "labels": np.array([7])}
+    reader = readers.FileReader([str(tmp_path / "good.png"), str(tmp_path / "bad.png")], None, extra=[good, fields])
+    pipe = ops.Pipeline([ops.Resize(16)], label=None, boxes="boxes", per_box=("labels",))
+    with pytest.raises(TransformError, match=message) as info:
+        list(headrace.Loader(reader, batch_size=2, pipeline=pipe, device="cpu").sync())
+    assert isinstance(info.value, LoaderError) and info.value.key == str(tmp_path / "bad")
+    assert info.value.source == str(tmp_path / "bad.png")
+    # Under a skip policy the other sample goes on, its box with it, and the bad one is counted.
+    loader = headrace.Loader(reader, batch_size=2, pipeline=pipe, device="cpu", on_error="skip")
+    (batch,) = loader.sync()
+    assert batch.sample_keys == [str(tmp_path / "good")] and batch["boxes"][0].tolist() == [[0.5, 0.5, 4.5, 4.5]]
+    assert loader.stats().dropped == 1 and loader.stats().errors == {"TransformError": 1}
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"ops": [ops.Flip(), ops.RandomResizedCrop(32)], "boxes": "boxes"}, "boxes follow Flip only after"),
+    ({"ops": [ops.Resize(32), ops.Rotate(10)], "boxes": "boxes"}, "cannot follow Rotate"),
+    ({"ops": [ops.WarpAffine([[1, 0, 2], [0, 1, 0]])], "boxes": "boxes"}, "cannot follow WarpAffine"),
+    ({"per_box": ("labels",)}, "name the boxes too"),
+    ({"boxes": "boxes", "per_box": "labels"}, "per_box must be a sequence"),
+    ({"boxes": "boxes", "fields": ("boxes",)}, "named as boxes or per_box and elsewhere"),
+    ({"boxes": "boxes", "per_box": ("boxes",)}, "name a field twice"),
+    ({"boxes": "label"}, "named as boxes or per_box and elsewhere"),
+    ({"boxes": 3}, "boxes must be a field name"),
+    ({"image": None, "boxes": "boxes"}, "image=None has none"),
+])
+def test_wrong_box_arguments_are_config_errors(kwargs, message):
+    kwargs = dict(kwargs)
+    with pytest.raises(ConfigError, match=message):
+        ops.Pipeline(kwargs.pop("ops", []), **kwargs)
+
+
+def test_colour_and_blur_ops_leave_boxes_alone(tmp_path):
+    reader = _rectangles(tmp_path, sizes=SIZES[:2])
+    plain = _batches(reader, [ops.Resize(40)])
+    coloured = _batches(reader, [ops.Resize(40), ops.ColorTwist(brightness=0.3), ops.GaussianBlur(3)])
+    for a, b in zip(plain, coloured):
+        for x, y in zip(a["boxes"], b["boxes"]):
+            assert torch.equal(x, y)
