@@ -170,7 +170,7 @@ class StagedExecutor:
         pipe = self.pipeline
         made = [name for name in samples[rows[0]].fields if name not in batch.samples[rows[0]].fields]
         unused = [name for name in made if name not in pipe.fields and name not in pipe.image_fields
-                  and name != pipe.label_field]
+                  and name != pipe.label_field and name != pipe.boxes and name not in pipe.per_box]
         self._warned_unused = True
         if unused:
             logger.warning("headrace: the stages before Decode add fields %s that no batch carries; name them in "
