@@ -165,12 +165,20 @@ def roi_batch(p: PlanBatch, h: np.ndarray, w: np.ndarray, dtype: type = np.int64
 
 
 def _resize_targets(op: Resize, h: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``Resize.target`` over arrays: the same truncations, in the same order."""
     if isinstance(op.size, tuple):
         return np.full(len(h), op.size[0]), np.full(len(h), op.size[1])
     short, long_ = np.minimum(h, w), np.maximum(h, w)
-    new_long = (op.size * long_ / short).astype(np.int64)  # torchvision truncates
+    if op.size is None:
+        new_short, new_long = (op.max_size * short / long_).astype(np.int64), np.full(len(h), op.max_size)
+    else:
+        new_short, new_long = np.full(len(h), op.size), (op.size * long_ / short).astype(np.int64)  # torchvision truncates
+        if op.max_size is not None:
+            over = new_long > op.max_size
+            new_short = np.where(over, (op.max_size * new_short / np.maximum(new_long, 1)).astype(np.int64), new_short)
+            new_long = np.where(over, op.max_size, new_long)
     portrait_or_square = h <= w
-    return np.where(portrait_or_square, op.size, new_long), np.where(portrait_or_square, new_long, op.size)
+    return np.where(portrait_or_square, new_short, new_long), np.where(portrait_or_square, new_long, new_short)
 
 
 def _centre_offsets(size: np.ndarray, crop: int) -> np.ndarray:

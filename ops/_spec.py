@@ -108,24 +108,46 @@ class Resize(Op):
     """Resize with bilinear interpolation (antialiased when shrinking, as Pillow and torchvision do).
 
     ``size`` as an int scales the shorter side to it and keeps the aspect ratio (torchvision's
-    convention); as ``(height, width)`` it gives the exact output size.
+    convention); as ``(height, width)`` it gives the exact output size. ``max_size`` caps the
+    longer side: with an int ``size`` (larger than it), an image whose longer side would pass
+    ``max_size`` is scaled to ``max_size`` on that side instead (``Resize(800, max_size=1333)``, the
+    detection models' rule); with ``size=None``, the longer side is scaled to ``max_size``
+    (DALI's ``resize_longer``; with a ``CenterCrop`` of that size after it, a letterbox). The
+    rounding is torchvision's: the side computed is truncated.
     """
 
-    size: int | tuple[int, int]
+    size: int | tuple[int, int] | None
+    max_size: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.size, int) and not isinstance(self.size, bool):
+        if self.max_size is not None and (not isinstance(self.max_size, int) or isinstance(self.max_size, bool)
+                                          or self.max_size < 1):
+            raise ConfigError(f"Resize: max_size must be a positive int or None, got {self.max_size!r}")
+        if self.size is None:
+            if self.max_size is None:
+                raise ConfigError("Resize: give a size, a max_size, or both")
+        elif isinstance(self.size, int) and not isinstance(self.size, bool):
             if self.size < 1:
                 raise ConfigError(f"Resize: size must be positive, got {self.size!r}")
+            if self.max_size is not None and self.max_size <= self.size:
+                raise ConfigError(f"Resize: max_size ({self.max_size}) must be larger than size ({self.size})")
         else:
+            if self.max_size is not None:
+                raise ConfigError("Resize: max_size goes with an int size (the shorter side) or none, not (height, width)")
             object.__setattr__(self, "size", _size2(self.size, "Resize"))
 
     def target(self, h: int, w: int) -> tuple[int, int]:
         if isinstance(self.size, tuple):
             return self.size
         short, long_ = (h, w) if h <= w else (w, h)
-        new_long = int(self.size * long_ / short)  # torchvision truncates
-        return (self.size, new_long) if h <= w else (new_long, self.size)
+        if self.size is None:
+            assert self.max_size is not None
+            new_short, new_long = int(self.max_size * short / long_), self.max_size
+        else:
+            new_short, new_long = self.size, int(self.size * long_ / short)  # torchvision truncates
+            if self.max_size is not None and new_long > self.max_size:
+                new_short, new_long = int(self.max_size * new_short / new_long), self.max_size
+        return (new_short, new_long) if h <= w else (new_long, new_short)
 
     def output_size(self, size):
         if isinstance(self.size, tuple):

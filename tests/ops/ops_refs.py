@@ -86,10 +86,16 @@ UPRIGHT = {
 # --- torchvision's geometry rules -----------------------------------------------------------------
 
 
-def tv_resize_size(h: int, w: int, size: int) -> tuple[int, int]:
-    """torchvision ``_compute_resized_output_size`` for an int size (no max_size): short side = size."""
+def tv_resize_size(h: int, w: int, size: int | None, max_size: int | None = None) -> tuple[int, int]:
+    """torchvision ``_compute_resized_output_size`` (v2) for an int size or None: short side = size,
+    the long side capped at ``max_size``; with size None the long side = ``max_size``."""
     short, long_ = (w, h) if w <= h else (h, w)
-    new_short, new_long = size, int(size * long_ / short)
+    if size is None:
+        new_short, new_long = int(max_size * short / long_), max_size
+    else:
+        new_short, new_long = size, int(size * long_ / short)
+        if max_size is not None and new_long > max_size:
+            new_short, new_long = int(max_size * new_short / new_long), max_size
     new_w, new_h = (new_short, new_long) if w <= h else (new_long, new_short)
     return new_h, new_w
 

@@ -49,7 +49,9 @@ PIPELINES = {
     "resize, centre crop": [ops.Resize(72), ops.CenterCrop(64)],
     "resize only": [ops.Resize(50)],  # outputs of different sizes: a list of images
     "fixed size": [ops.Resize((40, 90)), ops.Flip(1.0)],
-    "crop past the edge": [ops.CenterCrop(160)],  # zero padding around the image: boxes stay on real pixels
+    "crop past the edge": [ops.CenterCrop(160)],
+    "letterbox": [ops.Resize(None, max_size=90), ops.CenterCrop(90), ops.Flip(0.5)],
+    "longer side capped": [ops.Resize(60, max_size=80)],  # zero padding around the image: boxes stay on real pixels
     "crop, resize": [ops.CenterCrop(60), ops.Resize(120)],
 }
 

@@ -35,7 +35,9 @@ from ops_refs import (
 )
 from PIL import Image
 
+from headrace import ConfigError
 from headrace.ops import CenterCrop, Decode, Flip, Pipeline, RandomResizedCrop, Resize, uniforms
+from headrace.ops._geometry import _resize_targets
 
 TORCH_ROUNDING = 1 + 1 / 64  # torch's two rounded passes vs the exact resize (fixed-point weights: the 1/64)
 PIL_DIFF = 1  # torch's resize vs Pillow's, uint8 levels
@@ -70,6 +72,36 @@ def test_resize_shorter_side_rule():
         for w in range(1, 400, 13):
             for size in (1, 7, 64, 224, 256):
                 assert Resize(size).target(h, w) == tv_resize_size(h, w, size), (h, w, size)
+
+
+@pytest.mark.parametrize(("size", "max_size"), [(800, 1333), (None, 640), (7, 8), (64, 100), (None, 1)])
+def test_resize_max_size_rule(size, max_size):
+    """torchvision's rule, both ways geometry is computed here: one image at a time (the CPU path)
+    and a batch at once (the GPU path's planning)."""
+    h, w = np.meshgrid(np.arange(1, 3000, 37), np.arange(1, 3000, 41))
+    h, w = h.ravel(), w.ravel()
+    op = Resize(size, max_size=max_size)
+    batch_h, batch_w = _resize_targets(op, h, w)
+    for i in range(len(h)):
+        want = tv_resize_size(int(h[i]), int(w[i]), size, max_size)
+        assert op.target(int(h[i]), int(w[i])) == want == (batch_h[i], batch_w[i]), (h[i], w[i])
+
+
+@pytest.mark.parametrize("kwargs", [{"size": None}, {"size": 800, "max_size": 800}, {"size": 10, "max_size": 0},
+                                    {"size": (20, 30), "max_size": 40}, {"size": 10, "max_size": 20.5},
+                                    {"size": 10, "max_size": True}])
+def test_resize_max_size_arguments(kwargs):
+    with pytest.raises(ConfigError, match="Resize"):
+        Resize(**kwargs)
+
+
+async def test_resize_with_max_size(make_executor, rng):
+    arrays = [random_image(rng, h, w) for h, w in sizes(rng, 16, 10, 200)]
+    outs = await run_hwc(make_executor, [Resize(40, max_size=60)], arrays)
+    for out, a in zip(outs, arrays):
+        th, tw = tv_resize_size(*a.shape[:2], 40, 60)
+        assert out.shape == (th, tw, 3) and max(th, tw) <= 60
+        np.testing.assert_array_equal(out, tv_resize(a, th, tw))
 
 
 async def test_resize_shorter_side(make_executor, rng):
