@@ -103,7 +103,7 @@ class Decode(Op):
         return None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Resize(Op):
     """Resize with bilinear interpolation (antialiased when shrinking, as Pillow and torchvision do).
 
@@ -153,6 +153,10 @@ class Resize(Op):
         if isinstance(self.size, tuple):
             return self.size
         return None if size is None else self.target(*size)
+
+    def __repr__(self) -> str:  # max_size only where given: error messages name the op as it was written
+        cap = "" if self.max_size is None else f", max_size={self.max_size}"
+        return f"Resize(size={self.size!r}{cap})"
 
 
 def _centre_offset(size: int, crop: int) -> int:
