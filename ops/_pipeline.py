@@ -50,8 +50,11 @@ class Pipeline:
     ``boxes`` names a field holding each sample's boxes (``[N, 4]``: x0, y0, x1, y1 in pixels of
     the decoded image) that move with the image: through the crops, resizes and flips, clipped to
     the output image, a box left with no area dropped with the same rows of the ``per_box`` fields
-    (its labels). Both come out as lists, a tensor per row (``_boxes``). They need the flips after
-    the crops and resizes, and no ``Rotate`` or ``WarpAffine``.
+    (its labels). Both come out as lists, a tensor per row (``_boxes``). ``mask`` names a field
+    holding a single-channel image of the decoded image's size (a segmentation map: encoded, a PNG,
+    or an array ``[H, W]``) that goes through the same geometry, nearest-neighbour, its padding
+    ``mask_fill`` (``_masks``). Boxes and masks need the flips after the crops and resizes, and no
+    ``Rotate`` or ``WarpAffine``.
 
     User stages (``Map``, ``Filter``, ``MapBatch``, see ``_stages``) go before ``Decode`` (on the
     samples' fields) or after the last built-in op (on output rows or whole batches), never between
@@ -73,6 +76,8 @@ class Pipeline:
         layout: Literal["CHW", "HWC"] = "CHW",
         boxes: str | None = None,
         per_box: Sequence[str] = (),
+        mask: str | None = None,
+        mask_fill: int = 0,
     ) -> None:
         listed = list(ops)
         for op in listed:
@@ -121,7 +126,7 @@ class Pipeline:
         if {"image", "label"} & set(fields):
             raise ConfigError("Pipeline: fields cannot be named 'image' or 'label' (the batch's own keys)")
         self.fields: tuple[str, ...] = tuple(dict.fromkeys(fields))
-        self.boxes, self.per_box = _box_fields(boxes, per_box, self)
+        self.boxes, self.per_box, self.mask, self.mask_fill = _carried_fields(boxes, per_box, mask, mask_fill, self)
         self.layout = self.normalize.layout if self.normalize else layout
         if self.normalize and len(self.normalize.mean) not in (1, self.decode.channels):
             raise ConfigError(
@@ -149,7 +154,12 @@ class Pipeline:
     @property
     def needs_staging(self) -> bool:
         """Whether batches go through ``_staged`` (stages, fields, or no image), not only an executor."""
-        return bool(self.stages or self.fields or self.boxes or not self.has_image)
+        return bool(self.stages or self.fields or self.carries or not self.has_image)
+
+    @property
+    def carries(self) -> bool:
+        """Whether fields move with the image (``boxes``, ``mask``): ``_follow`` maps them."""
+        return self.boxes is not None or self.mask is not None
 
     def core(self) -> Pipeline:
         """This pipeline's built-in part (its ops, image and label; no stages, no fields): what an
@@ -182,40 +192,49 @@ class Pipeline:
         fields = f", fields={self.fields!r}" if self.fields else ""
         if self.boxes:
             fields += f", boxes={self.boxes!r}" + (f", per_box={self.per_box!r}" if self.per_box else "")
+        if self.mask:
+            fields += f", mask={self.mask!r}" + (f", mask_fill={self.mask_fill}" if self.mask_fill else "")
         image = self.image_fields if self.has_image else None
         ops = list(self.before + self.ops + self.after)
         return f"Pipeline({ops!r}, image={image!r}, label={self.label_field!r}{fields})"
 
 
-def _box_fields(boxes: str | None, per_box: Sequence[str], pipe: Pipeline) -> tuple[str | None, tuple[str, ...]]:
-    """``boxes`` and ``per_box`` checked against the rest of ``pipe``. Raises ConfigError."""
+def _carried_fields(boxes: str | None, per_box: Sequence[str], mask: str | None, mask_fill: int,
+                    pipe: Pipeline) -> tuple[str | None, tuple[str, ...], str | None, int]:
+    """``boxes``, ``per_box``, ``mask`` and ``mask_fill`` checked against the rest of ``pipe``:
+    the fields that move with the image. Raises ConfigError."""
     if isinstance(per_box, str) or not isinstance(per_box, (list, tuple)) or not all(
             isinstance(name, str) and name for name in per_box):
         raise ConfigError(f"Pipeline: per_box must be a sequence of field names, got {per_box!r}")
-    if boxes is None:
-        if per_box:
-            raise ConfigError("Pipeline: per_box names fields that move with boxes; name the boxes too (boxes=...)")
-        return None, ()
-    if not isinstance(boxes, str) or not boxes:
-        raise ConfigError(f"Pipeline: boxes must be a field name or None, got {boxes!r}")
+    if boxes is None and per_box:
+        raise ConfigError("Pipeline: per_box names fields that move with boxes; name the boxes too (boxes=...)")
+    for what, name in (("boxes", boxes), ("mask", mask)):
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ConfigError(f"Pipeline: {what} must be a field name or None, got {name!r}")
+    if isinstance(mask_fill, bool) or not isinstance(mask_fill, int) or not 0 <= mask_fill < 2**31:
+        raise ConfigError(f"Pipeline: mask_fill must be an int >= 0, got {mask_fill!r}")
+    names = tuple(n for n in (boxes, *per_box, mask) if n is not None)
+    if not names:
+        return None, (), None, mask_fill
     if not pipe.has_image:
-        raise ConfigError("Pipeline: boxes move with an image; image=None has none")
-    names = (boxes, *per_box)
+        raise ConfigError("Pipeline: boxes and masks move with an image; image=None has none")
     if len(set(names)) != len(names):
-        raise ConfigError(f"Pipeline: boxes and per_box name a field twice: {names!r}")
+        raise ConfigError(f"Pipeline: boxes, per_box and mask name a field twice: {names!r}")
     taken = {"image", "label", *pipe.fields, *pipe.image_fields}
     if clash := [name for name in names if name in taken]:
-        raise ConfigError(f"Pipeline: {clash[0]!r} is named as boxes or per_box and elsewhere (image, label or fields)")
+        raise ConfigError(f"Pipeline: {clash[0]!r} is named as boxes, per_box or mask and elsewhere "
+                          "(image, label or fields)")
     seen_flip = False
     for op in pipe.image_ops:
         if isinstance(op, Flip):
             seen_flip = True
         elif seen_flip:
-            raise ConfigError(f"Pipeline: boxes follow Flip only after the crops and resizes; move {op!r} before Flip")
+            raise ConfigError(f"Pipeline: boxes and masks follow Flip only after the crops and resizes; "
+                              f"move {op!r} before Flip")
     if moving := [op for op in pipe.post_ops if op.moves_pixels]:
-        raise ConfigError(f"Pipeline: boxes cannot follow {moving[0]!r} (it moves pixels); leave it out, or "
-                          "apply it to boxes and images yourself in a MapBatch")
-    return boxes, tuple(per_box)
+        raise ConfigError(f"Pipeline: boxes and masks cannot follow {moving[0]!r} (it moves pixels); leave it "
+                          "out, or apply it to the image and what moves with it yourself in a MapBatch")
+    return boxes, tuple(per_box), mask, mask_fill
 
 
 def _split_stages(listed: list[Op | Stage]) -> tuple[tuple[Stage, ...], list[Op], tuple[Stage, ...]]:

@@ -27,8 +27,8 @@ from headrace._errors import ClosedError, DecodeError, LoaderError, TransformErr
 from headrace._sample import Sample, SampleBatch
 
 from ._batch_stages import batch_extras, checked_batch, stage_rng
-from ._boxes import SampleBoxes, follow, read_boxes, rows_on_device
 from ._collate import collate, is_npy_field, load_npy
+from ._follow import Carried, carried_columns, read_carried, rows_on_device
 from ._results import Processed, image_field, read_failure, sample_label
 from ._pipeline import Pipeline
 from ._row_stages import filter_rows, keep_when_true, map_rows, row_arguments
@@ -77,10 +77,10 @@ class StagedExecutor:
                 failures[i] = read_failure(sample)
         dropped: set[int] = set()  # rows a Filter dropped: they leave the batch without failing
         alive = await self._before(batch, samples, failures, dropped)
-        found: dict[int, SampleBoxes] = {}
-        if pipe.boxes is not None and alive:  # read and checked before decoding: a bad one fails its sample here
-            await self._calls.in_threads(alive, lambda i: found.__setitem__(
-                i, read_boxes(samples[i], pipe, image_field(samples[i], pipe.image_fields))), None, samples, failures)
+        carried: dict[int, Carried] = {}
+        if pipe.carries and alive:  # read and checked before decoding: a bad one fails its sample here
+            await self._calls.in_threads(alive, lambda i: carried.__setitem__(
+                i, read_carried(samples[i], pipe, image_field(samples[i], pipe.image_fields))), None, samples, failures)
             alive = [i for i in alive if i not in failures]
         ready = None
         if not alive:
@@ -98,12 +98,13 @@ class StagedExecutor:
                 if self._cuda:  # copied on the stage stream, after the lane: one event covers both
                     columns, ready = await self._calls.call_on_stream(data, ready, lambda: _on_device(columns, self.device))
                 data.update(columns)
-            if pipe.boxes is not None and kept:
+            if pipe.carries and kept:
                 indices = [samples[i].index for i in kept]
-                boxes = await self._calls.call(follow, pipe, self.seed, batch.epoch, indices, [found[i] for i in kept])
+                moved = await self._calls.call(carried_columns, pipe, self.seed, batch.epoch, indices,
+                                               [carried[i] for i in kept])
                 if self._cuda:
-                    boxes, ready = await self._calls.call_on_stream(data, ready, lambda: rows_on_device(boxes, self.device))
-                data.update(boxes)
+                    moved, ready = await self._calls.call_on_stream(data, ready, lambda: rows_on_device(moved, self.device))
+                data.update(moved)
         else:
             data, kept, ready = await self._calls.call(self._collate_fields, samples, alive, failures)
         for stage in self.after:
@@ -170,7 +171,7 @@ class StagedExecutor:
         pipe = self.pipeline
         made = [name for name in samples[rows[0]].fields if name not in batch.samples[rows[0]].fields]
         unused = [name for name in made if name not in pipe.fields and name not in pipe.image_fields
-                  and name != pipe.label_field and name != pipe.boxes and name not in pipe.per_box]
+                  and name != pipe.label_field and name not in (pipe.boxes, pipe.mask, *pipe.per_box)]
         self._warned_unused = True
         if unused:
             logger.warning("headrace: the stages before Decode add fields %s that no batch carries; name them in "

@@ -166,14 +166,17 @@ def test_bad_boxes_fail_their_sample_named(tmp_path, case, leaks):
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"ops": [ops.Flip(), ops.RandomResizedCrop(32)], "boxes": "boxes"}, "boxes follow Flip only after"),
+    ({"ops": [ops.Flip(), ops.RandomResizedCrop(32)], "boxes": "boxes"}, "boxes and masks follow Flip only after"),
     ({"ops": [ops.Resize(32), ops.Rotate(10)], "boxes": "boxes"}, "cannot follow Rotate"),
     ({"ops": [ops.WarpAffine([[1, 0, 2], [0, 1, 0]])], "boxes": "boxes"}, "cannot follow WarpAffine"),
     ({"per_box": ("labels",)}, "name the boxes too"),
     ({"boxes": "boxes", "per_box": "labels"}, "per_box must be a sequence"),
-    ({"boxes": "boxes", "fields": ("boxes",)}, "named as boxes or per_box and elsewhere"),
+    ({"boxes": "boxes", "fields": ("boxes",)}, "named as boxes, per_box or mask and elsewhere"),
     ({"boxes": "boxes", "per_box": ("boxes",)}, "name a field twice"),
-    ({"boxes": "label"}, "named as boxes or per_box and elsewhere"),
+    ({"boxes": "boxes", "mask": "boxes"}, "name a field twice"),
+    ({"mask": "mask", "mask_fill": -1}, "mask_fill must be an int"),
+    ({"mask": ""}, "mask must be a field name"),
+    ({"boxes": "label"}, "named as boxes, per_box or mask and elsewhere"),
     ({"boxes": 3}, "boxes must be a field name"),
     ({"image": None, "boxes": "boxes"}, "image=None has none"),
 ])

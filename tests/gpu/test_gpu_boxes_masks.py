@@ -1,5 +1,6 @@
-"""Pipeline(boxes=) on the GPU path: the boxes follow the pixels the lanes make (white rectangles on
-black, found in the output), equal the CPU path's for the same seed, and come out on the device."""
+"""Pipeline(boxes=, mask=) on the GPU path: the boxes follow the pixels the lanes make (white
+rectangles on black, found in the output); boxes and masks equal the CPU path's for the same seed
+and come out on the device."""
 
 from __future__ import annotations
 
@@ -77,3 +78,28 @@ def test_a_coco_set_on_the_gpu(tmp_path):
                 assert set(labels.tolist()) <= {1, 2, 3}
             ids += batch["image_id"].tolist()
     assert sorted(ids) == list(range(1000, 1012))
+
+
+def test_masks_on_the_gpu_equal_the_cpu_paths(tmp_path):
+    rng = np.random.default_rng(2)
+    paths, extra = [], []
+    for i, (h, w) in enumerate(SIZES):
+        classes = np.zeros((h, w), np.uint8)
+        classes[h // 4 : h // 2, w // 3 : w - 2] = 1 + i % 3
+        pixels = (rng.integers(0, 255, size=(h, w, 3)) // 2).astype(np.uint8) + classes[..., None] * 40
+        Image.fromarray(pixels).save(tmp_path / f"{i}.jpg", quality=95)
+        paths.append(str(tmp_path / f"{i}.jpg"))
+        extra.append({"mask": classes})
+    reader = readers.FileReader(paths, None, extra=extra)
+    for pipe_ops in (PIPELINES["crop, flips"], PIPELINES["letterbox"], PIPELINES["resize only"]):
+        pipe = ops.Pipeline(pipe_ops, label=None, mask="mask", mask_fill=255)
+        masks = {}
+        for device in ("cuda", "cpu"):
+            with headrace.Loader(reader, batch_size=3, pipeline=pipe, device=device, seed=9).sync() as epochs:
+                for batch in epochs:
+                    for key, mask in zip(batch.sample_keys, batch["mask"]):
+                        assert mask.device.type == device.split(":")[0]
+                        masks.setdefault(key, []).append(mask.cpu())
+        assert len(masks) == len(SIZES)
+        for gpu, cpu in masks.values():
+            assert torch.equal(gpu, cpu)

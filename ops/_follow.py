@@ -1,0 +1,96 @@
+"""What moves with the image: boxes and masks through the geometry its pixels go through.
+
+Both executors fold the geometry ops into one source box, output size and flips per sample
+(``_geometry.plan_batch``), from random numbers keyed on (seed, epoch, op, sample index). The same
+fold, computed here from the image's header and the same keys, maps the fields that move with the
+image without the executor's help, so they follow the pixels on the CPU and the GPU path alike:
+boxes (``_boxes``) and a segmentation mask (``_masks``).
+
+Each sample's fields are read and checked before its image is decoded (a bad one fails the sample
+there, named, and the executor never sees it); after decoding, the kept rows are mapped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from headrace._sample import Sample
+
+from . import _pillow
+from ._boxes import BoxFields, follow_boxes, read_boxes
+from ._geometry import PlanBatch, plan_batch
+from ._masks import follow_masks, read_mask
+from ._pipeline import Pipeline
+from ._random import uniforms
+
+__all__ = ["Carried", "carried_columns", "read_carried", "rows_on_device"]
+
+
+@dataclass(slots=True)
+class Carried:
+    """One sample's fields that move with its image, as read before decoding, and the size the
+    image decodes to (upright)."""
+
+    height: int
+    width: int
+    boxes: BoxFields | None = None
+    mask: np.ndarray | None = None  # (height, width), integers
+
+
+def read_carried(sample: Sample, pipe: Pipeline, image: Any) -> Carried:
+    """``sample``'s boxes and mask, checked, and the upright size of ``image`` (its encoded bytes)
+    from the header. Raises TransformError naming the sample for fields that cannot follow the
+    image, DecodeError for an unreadable header."""
+    boxes = read_boxes(sample, pipe) if pipe.boxes is not None else None  # before the header: cheaper checks first
+    opened = _pillow.open_image(image, pipe.decode, sample.key, sample.source)
+    try:
+        height, width = opened.height, opened.width
+    finally:
+        opened.img.close()
+    mask = read_mask(sample, pipe, height, width) if pipe.mask is not None else None
+    return Carried(height, width, boxes, mask)
+
+
+def plan_rows(pipe: Pipeline, seed: int, epoch: int, indices: Any, carried: list[Carried]) -> PlanBatch:
+    """The geometry both executors fold for these samples (sample indices ``indices``)."""
+    indices = np.asarray(indices, dtype=np.int64)
+    randoms = [
+        uniforms(seed, epoch, pos, indices, op.randoms) if op.randoms else None
+        for pos, op in enumerate(pipe.image_ops, start=1)
+    ]
+    heights = np.array([c.height for c in carried], dtype=np.int64)
+    widths = np.array([c.width for c in carried], dtype=np.int64)
+    return plan_batch(heights, widths, pipe.image_ops, randoms)
+
+
+def carried_columns(pipe: Pipeline, seed: int, epoch: int, indices: Any, carried: list[Carried]) -> dict[str, Any]:
+    """The batch's columns of what moved with its images: ``boxes`` and the ``per_box`` fields (a
+    tensor a row), ``mask`` (one tensor when the output size is fixed, else a tensor a row)."""
+    plan = plan_rows(pipe, seed, epoch, indices, carried)
+    out: dict[str, Any] = {}
+    if pipe.boxes is not None:
+        out.update(follow_boxes(pipe, plan, [c.boxes for c in carried]))
+    if pipe.mask is not None:
+        out[pipe.mask] = follow_masks(plan, [c.mask for c in carried], pipe.mask_fill)
+    return out
+
+
+def rows_on_device(columns: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """Each column copied to ``device`` in one transfer: a tensor as it is, a list of tensors (a row
+    each) as one flat copy handed out as views of it, since a copy a row would cost a pinned buffer
+    and a transfer for each few dozen bytes."""
+    out = {}
+    for name, column in columns.items():
+        if isinstance(column, torch.Tensor):
+            out[name] = column.pin_memory().to(device, non_blocking=True)
+        elif not column:
+            out[name] = column
+        else:
+            flat = torch.cat([row.reshape(-1) for row in column]).pin_memory().to(device, non_blocking=True)
+            parts = flat.split([row.numel() for row in column])
+            out[name] = [part.view(row.shape) for part, row in zip(parts, column)]
+    return out
