@@ -178,6 +178,9 @@ def _shards_reader(serve: Path, url: str, where: str, args: argparse.Namespace, 
     kw = {} if where == "local" else {"buffer_bytes": args.buffer_mb << 20}
     if args.read_ahead is not None:
         kw["read_ahead"] = args.read_ahead
+    if args.shuffle_buffer is not None:  # every shard row shuffles, through a buffer of this size
+        kw.update(shuffle=True, shuffle_buffer=args.shuffle_buffer)
+        options.pop("shuffle", None)
     return readers.webdataset(sources, **kw, **options)
 
 
@@ -554,7 +557,7 @@ def run_row(args: argparse.Namespace) -> None:
     result = {"samples": samples, "payload_bytes": nbytes, "seconds": seconds, "cpu_seconds": cpu() - began,
               "samples_per_s": samples / seconds, "mb_per_s": nbytes / seconds / 1e6, "peak_rss_mb": own,
               "peak_rss_children_mb": children, "setup_seconds": setup, "config_buffer_mb": args.buffer_mb,
-              "config_read_ahead": _read_ahead(args), **_extra}
+              "config_read_ahead": _read_ahead(args), "config_shuffle_buffer": args.shuffle_buffer, **_extra}
     if pipeline_row:
         # The cores each kind of thread kept busy over the timed epochs, and the loop's lag in each.
         result.update(warmup_seconds=warmup, epoch_samples_per_s=epoch_rates, cores_by_thread=cores_by_thread,
@@ -695,6 +698,8 @@ def measure(key: tuple[str, str, str], url: str, serve: Path, args: argparse.Nam
            "--buffer-mb", str(args.buffer_mb), "--workers", str(args.workers)]
     if args.read_ahead is not None:
         cmd += ["--read-ahead", str(args.read_ahead)]
+    if args.shuffle_buffer is not None:
+        cmd += ["--shuffle-buffer", str(args.shuffle_buffer)]
     if args.pipeline:
         cmd += ["--pipeline", args.pipeline, "--epochs", str(args.epochs), "--batch", str(args.batch)]
     started = time.perf_counter()
@@ -737,6 +742,9 @@ def main() -> None:
     parser.add_argument("--buffer-mb", type=int, default=64, help="headrace webdataset(buffer_bytes=) for remote shards")
     parser.add_argument("--read-ahead", type=int, default=None, help="headrace webdataset(read_ahead=), every shard row "
                         "(default: the reader's)")
+    parser.add_argument("--shuffle-buffer", type=int, default=None, help="headrace webdataset(shuffle=True, "
+                        "shuffle_buffer=), every shard row (default: the reader rows do not shuffle, the pipeline "
+                        "rows shuffle with the reader's default buffer)")
     parser.add_argument("--workers", type=int, default=16, help="DataLoader worker processes")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rows", default="all", help="all, or a comma list of: headrace,webdataset,litdata,streaming,"
