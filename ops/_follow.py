@@ -69,13 +69,13 @@ def plan_rows(pipe: Pipeline, seed: int, epoch: int, indices: Any, carried: list
 
 def carried_columns(pipe: Pipeline, seed: int, epoch: int, indices: Any, carried: list[Carried]) -> dict[str, Any]:
     """The batch's columns of what moved with its images: ``boxes`` and the ``per_box`` fields (a
-    tensor a row), ``mask`` (one tensor when the output size is fixed, else a tensor a row)."""
+    tensor a row), ``mask`` (one tensor when the ops fix the output size, as the images, else a tensor a row)."""
     plan = plan_rows(pipe, seed, epoch, indices, carried)
     out: dict[str, Any] = {}
     if pipe.boxes is not None:
         out.update(follow_boxes(pipe, plan, [c.boxes for c in carried]))
     if pipe.mask is not None:
-        out[pipe.mask] = follow_masks(plan, [c.mask for c in carried], pipe.mask_fill)
+        out[pipe.mask] = follow_masks(plan, [c.mask for c in carried], pipe.mask_fill, pipe.output_size() is not None)
     return out
 
 

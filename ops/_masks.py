@@ -65,9 +65,10 @@ def read_mask(sample: Sample, pipe: Pipeline, height: int, width: int) -> np.nda
     return mask if mask.dtype == np.uint8 else mask.astype(np.int64)
 
 
-def follow_masks(plan: PlanBatch, masks: list[np.ndarray], fill: int) -> torch.Tensor | list[torch.Tensor]:
-    """Each mask through its row of ``plan``: one tensor ``[B, H, W]`` when the rows share an output
-    size, else a tensor a row. uint8 when every mask is, else int64."""
+def follow_masks(plan: PlanBatch, masks: list[np.ndarray], fill: int, stack: bool) -> torch.Tensor | list[torch.Tensor]:
+    """Each mask through its row of ``plan``: one tensor ``[B, H, W]`` with ``stack`` (the ops fix
+    the output size, and the images are one tensor too), else a tensor a row. uint8 when every mask
+    is, else int64."""
     uint8 = all(m.dtype == np.uint8 for m in masks) and fill <= 255
     rows = []
     for r, mask in enumerate(masks):
@@ -89,6 +90,4 @@ def follow_masks(plan: PlanBatch, masks: list[np.ndarray], fill: int) -> torch.T
         if plan.flip_v[r]:
             out = out[::-1, :]
         rows.append(torch.from_numpy(np.ascontiguousarray(out)))
-    if rows and all(row.shape == rows[0].shape for row in rows):
-        return torch.stack(rows)
-    return rows
+    return torch.stack(rows) if stack and rows else rows

@@ -79,8 +79,9 @@ def test_the_mask_follows_the_pixels(tmp_path, name, as_):
     rows = 0
     for batch in batches:
         images, masks = batch["image"], batch["mask"]
-        if isinstance(images, torch.Tensor):  # one output size: one tensor
-            assert isinstance(masks, torch.Tensor) and masks.shape == images.shape[:3] and masks.dtype == torch.uint8
+        assert isinstance(masks, torch.Tensor) == isinstance(images, torch.Tensor)  # one tensor, or a list, as the images
+        if isinstance(images, torch.Tensor):
+            assert masks.shape == images.shape[:3] and masks.dtype == torch.uint8
         for image, mask in zip(images, masks):
             assert mask.shape == image.shape[:2]
             assert _agreement(image, mask) > 0.99
@@ -102,12 +103,22 @@ def test_padding_is_mask_fill(tmp_path):
             np.testing.assert_array_equal(mask.numpy()[real].reshape(h, w), classes)
 
 
+def test_masks_of_one_size_stay_a_list_when_the_images_are(tmp_path):
+    for i in range(3):
+        Image.fromarray(np.zeros((20, 30, 3), np.uint8)).save(tmp_path / f"{i}.png")
+    reader = readers.FileReader([str(tmp_path / f"{i}.png") for i in range(3)], None,
+                                extra=[{"mask": np.full((20, 30), i, np.uint8)} for i in range(3)])
+    (batch,) = _epoch(reader, [ops.Resize(10)])  # no fixed output size, though these come out one size
+    assert isinstance(batch["image"], list) and isinstance(batch["mask"], list)
+    assert [m.unique().tolist() for m in batch["mask"]] == [[0], [1], [2]]
+
+
 def test_classes_past_255_come_out_as_int64(tmp_path):
     Image.fromarray(np.zeros((20, 30, 3), np.uint8)).save(tmp_path / "a.png")
     classes = np.arange(600, dtype=np.int64).reshape(20, 30)
     reader = readers.FileReader([str(tmp_path / "a.png")], None, extra=[{"mask": classes}])
     (batch,) = _epoch(reader, [ops.Flip(1.0)])
-    assert batch["mask"].dtype == torch.int64
+    assert batch["mask"][0].dtype == torch.int64
     np.testing.assert_array_equal(batch["mask"][0].numpy(), classes[:, ::-1])
 
 
@@ -140,7 +151,7 @@ def test_a_bad_mask_fails_its_sample_named(tmp_path, case, leaks):
     assert info.value.key == str(tmp_path / "bad") and info.value.source == str(tmp_path / "bad.png")
     loader = headrace.Loader(reader, batch_size=2, pipeline=pipe, device="cpu", on_error="skip")
     (batch,) = loader.sync()
-    assert batch.sample_keys == [str(tmp_path / "good")] and batch["mask"].tolist() == [[[1] * 16] * 12]
+    assert batch.sample_keys == [str(tmp_path / "good")] and [m.tolist() for m in batch["mask"]] == [[[1] * 16] * 12]
     assert loader.stats().dropped == 1
 
 
