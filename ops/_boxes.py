@@ -72,28 +72,32 @@ def read_boxes(sample: Sample, pipe: Pipeline) -> BoxFields:
 
 def follow_boxes(pipe: Pipeline, plan: PlanBatch, found: list[BoxFields]) -> dict[str, list[torch.Tensor]]:
     """The boxes of ``found`` (row r planned by ``plan``'s row r) in their output images, and their
-    per-box fields, as columns of one tensor a row: ``{boxes: [float32 (M, 4)], name: [...]}``."""
+    per-box fields, as columns of one tensor a row: ``{boxes: [float32 (M, 4)], name: [...]}``.
+    Computed for the batch's boxes at once (a box's row picks its plan), then split by row."""
     assert pipe.boxes is not None
+    counts = [len(f.boxes) for f in found]
+    row = np.repeat(np.arange(len(found)), counts)
+    b = np.concatenate([f.boxes for f in found]) if found else np.zeros((0, 4))
+    bx0, by0, bx1, by1 = plan.box[row].T
+    out_w, out_h = plan.out_w[row].astype(np.float64), plan.out_h[row].astype(np.float64)
+    sx, sy = out_w / (bx1 - bx0), out_h / (by1 - by0)
+    # The real pixels in output coordinates: outside them the output is padding.
+    cx0, cy0, cx1, cy1 = plan.clip[row].T
+    lo_x, hi_x = np.maximum((cx0 - bx0) * sx, 0.0), np.minimum((cx1 - bx0) * sx, out_w)
+    lo_y, hi_y = np.maximum((cy0 - by0) * sy, 0.0), np.minimum((cy1 - by0) * sy, out_h)
+    x0 = np.clip((b[:, 0] - bx0) * sx, lo_x, hi_x)
+    x1 = np.clip((b[:, 2] - bx0) * sx, lo_x, hi_x)
+    y0 = np.clip((b[:, 1] - by0) * sy, lo_y, hi_y)
+    y1 = np.clip((b[:, 3] - by0) * sy, lo_y, hi_y)
+    fh, fv = plan.flip_h[row], plan.flip_v[row]
+    x0, x1 = np.where(fh, out_w - x1, x0), np.where(fh, out_w - x0, x1)
+    y0, y1 = np.where(fv, out_h - y1, y0), np.where(fv, out_h - y0, y1)
+    keep = (x1 > x0) & (y1 > y0)
+    moved = np.stack([x0, y0, x1, y1], axis=1).astype(np.float32)
+    cuts = np.cumsum(counts)[:-1]
     out: dict[str, list[torch.Tensor]] = {pipe.boxes: [], **{name: [] for name in pipe.per_box}}
-    for r, sample in enumerate(found):
-        bx0, by0, bx1, by1 = plan.box[r]
-        out_w, out_h = float(plan.out_w[r]), float(plan.out_h[r])
-        sx, sy = out_w / (bx1 - bx0), out_h / (by1 - by0)
-        # The real pixels in output coordinates: outside them the output is padding.
-        cx0, cy0, cx1, cy1 = plan.clip[r]
-        lo_x, hi_x = max((cx0 - bx0) * sx, 0.0), min((cx1 - bx0) * sx, out_w)
-        lo_y, hi_y = max((cy0 - by0) * sy, 0.0), min((cy1 - by0) * sy, out_h)
-        b = sample.boxes
-        x0 = np.clip((b[:, 0] - bx0) * sx, lo_x, hi_x)
-        x1 = np.clip((b[:, 2] - bx0) * sx, lo_x, hi_x)
-        y0 = np.clip((b[:, 1] - by0) * sy, lo_y, hi_y)
-        y1 = np.clip((b[:, 3] - by0) * sy, lo_y, hi_y)
-        if plan.flip_h[r]:
-            x0, x1 = out_w - x1, out_w - x0
-        if plan.flip_v[r]:
-            y0, y1 = out_h - y1, out_h - y0
-        keep = (x1 > x0) & (y1 > y0)
-        out[pipe.boxes].append(torch.from_numpy(np.stack([x0, y0, x1, y1], axis=1)[keep].astype(np.float32)))
+    for sample, boxes, kept in zip(found, np.split(moved, cuts), np.split(keep, cuts)):
+        out[pipe.boxes].append(torch.from_numpy(boxes[kept]))
         for name, rows in sample.per_box.items():
-            out[name].append(torch.from_numpy(np.ascontiguousarray(rows[keep])))
+            out[name].append(torch.from_numpy(np.ascontiguousarray(rows[kept])))
     return out

@@ -70,6 +70,9 @@ def follow_masks(plan: PlanBatch, masks: list[np.ndarray], fill: int, stack: boo
     the output size, and the images are one tensor too), else a tensor a row. uint8 when every mask
     is, else int64."""
     uint8 = all(m.dtype == np.uint8 for m in masks) and fill <= 255
+    dtype = np.uint8 if uint8 else np.int64
+    # One allocation for a stacked batch, each row gathered into its place: no copy to stack them.
+    batch = np.empty((len(masks), int(plan.out_h[0]), int(plan.out_w[0])), dtype) if stack and masks else None
     rows = []
     for r, mask in enumerate(masks):
         out_w, out_h = int(plan.out_w[r]), int(plan.out_h[r])
@@ -82,12 +85,16 @@ def follow_masks(plan: PlanBatch, masks: list[np.ndarray], fill: int, stack: boo
         inside_y = (py >= max(cy0, 0.0)) & (py < min(cy1, mask.shape[0]))
         xs = np.clip(np.floor(px).astype(np.int64), 0, mask.shape[1] - 1)
         ys = np.clip(np.floor(py).astype(np.int64), 0, mask.shape[0] - 1)
-        out = mask[np.ix_(ys, xs)].astype(np.uint8 if uint8 else np.int64)
-        out[~inside_y, :] = fill
-        out[:, ~inside_x] = fill
-        if plan.flip_h[r]:
-            out = out[:, ::-1]
+        if plan.flip_h[r]:  # flipped by the indices, not by a copy
+            xs, inside_x = xs[::-1], inside_x[::-1]
         if plan.flip_v[r]:
-            out = out[::-1, :]
-        rows.append(torch.from_numpy(np.ascontiguousarray(out)))
-    return torch.stack(rows) if stack and rows else rows
+            ys, inside_y = ys[::-1], inside_y[::-1]
+        out = batch[r] if batch is not None else np.empty((out_h, out_w), dtype)
+        rows_taken = mask[ys] if mask.dtype == dtype else mask[ys].astype(dtype)  # a uint8 mask among int64 ones
+        np.take(rows_taken, xs, axis=1, out=out)  # the rows, then their columns: faster than one 2-D gather
+        if not inside_y.all():
+            out[~inside_y, :] = fill
+        if not inside_x.all():
+            out[:, ~inside_x] = fill
+        rows.append(torch.from_numpy(out))
+    return torch.from_numpy(batch) if batch is not None else rows

@@ -114,12 +114,16 @@ def test_masks_of_one_size_stay_a_list_when_the_images_are(tmp_path):
 
 
 def test_classes_past_255_come_out_as_int64(tmp_path):
-    Image.fromarray(np.zeros((20, 30, 3), np.uint8)).save(tmp_path / "a.png")
-    classes = np.arange(600, dtype=np.int64).reshape(20, 30)
-    reader = readers.FileReader([str(tmp_path / "a.png")], None, extra=[{"mask": classes}])
-    (batch,) = _epoch(reader, [ops.Flip(1.0)])
-    assert batch["mask"][0].dtype == torch.int64
-    np.testing.assert_array_equal(batch["mask"][0].numpy(), classes[:, ::-1])
+    for name in ("a", "b"):
+        Image.fromarray(np.zeros((20, 30, 3), np.uint8)).save(tmp_path / f"{name}.png")
+    wide = np.arange(600, dtype=np.int32).reshape(20, 30)
+    narrow = (np.arange(600) % 7).astype(np.uint8).reshape(20, 30)
+    reader = readers.FileReader([str(tmp_path / "a.png"), str(tmp_path / "b.png")], None,
+                                extra=[{"mask": wide}, {"mask": narrow}])
+    (batch,) = _epoch(reader, [ops.CenterCrop((20, 30)), ops.Flip(1.0)])  # one size: one tensor, int64 for both
+    assert batch["mask"].dtype == torch.int64
+    np.testing.assert_array_equal(batch["mask"][0].numpy(), wide[:, ::-1])
+    np.testing.assert_array_equal(batch["mask"][1].numpy(), narrow[:, ::-1])
 
 
 BAD = {
