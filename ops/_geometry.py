@@ -17,7 +17,7 @@ import numpy as np
 from headrace._errors import ConfigError
 
 from ._gil import columns, zeros
-from ._spec import CenterCrop, Flip, Op, RandomResizedCrop, Resize
+from ._spec import CenterCrop, Flip, Op, RandomCrop, RandomResize, RandomResizedCrop, Resize
 
 __all__ = ["PlanBatch", "check_foldable", "index_affine", "output_error", "output_pixels", "plan_batch", "roi_batch"]
 
@@ -32,7 +32,7 @@ def check_foldable(ops: tuple[Op, ...]) -> None:
             continue
         if seen_flip:
             raise ConfigError(f"the GPU path applies Flip after all crops and resizes; move {op!r} before Flip")
-        resizes += isinstance(op, (Resize, RandomResizedCrop))
+        resizes += isinstance(op, (Resize, RandomResize, RandomResizedCrop))
         if resizes > 1:
             raise ConfigError(f"the GPU path fuses one resize per pipeline; {op!r} is a second one")
 
@@ -50,7 +50,9 @@ def output_error(h: int, w: int, ops: tuple[Op, ...], max_pixels: int | None) ->
     for op in ops:
         if isinstance(op, Resize):
             h, w = op.target(h, w)
-        elif isinstance(op, (RandomResizedCrop, CenterCrop)):
+        elif isinstance(op, RandomResize):  # the largest it may draw: one verdict for every epoch
+            h, w = op.largest(h, w)
+        elif isinstance(op, (RandomResizedCrop, CenterCrop, RandomCrop)):
             h, w = op.size
         else:
             continue
@@ -68,7 +70,9 @@ def output_pixels(h: np.ndarray, w: np.ndarray, ops: tuple[Op, ...]) -> np.ndarr
     for op in ops:
         if isinstance(op, Resize):
             h, w = _resize_targets(op, h, w)
-        elif isinstance(op, (RandomResizedCrop, CenterCrop)):
+        elif isinstance(op, RandomResize):
+            h, w = _resize_targets(Resize(op.max_size - 1, max_size=op.max_side), h, w)
+        elif isinstance(op, (RandomResizedCrop, CenterCrop, RandomCrop)):
             h, w = np.full(len(h), op.size[0]), np.full(len(h), op.size[1])
         else:
             continue
@@ -118,9 +122,14 @@ def plan_batch(h: np.ndarray, w: np.ndarray, ops: tuple[Op, ...], randoms: list[
         if isinstance(op, Resize):
             ch, cw = _resize_targets(op, ch, cw)
             resized = True
-        elif isinstance(op, (RandomResizedCrop, CenterCrop)):
+        elif isinstance(op, RandomResize):
+            ch, cw = _random_resize_targets(op, ch, cw, u)
+            resized = True
+        elif isinstance(op, (RandomResizedCrop, CenterCrop, RandomCrop)):
             if isinstance(op, RandomResizedCrop):
                 top, left, wh, ww = _rrc_windows(op, ch, cw, u)
+            elif isinstance(op, RandomCrop):
+                top, left, wh, ww = _random_windows(op, ch, cw, u)
             else:
                 top, left, wh, ww = _centre_windows(op, ch, cw)
             sx, sy = (x1 - x0) / cw, (y1 - y0) / ch
@@ -170,15 +179,43 @@ def _resize_targets(op: Resize, h: np.ndarray, w: np.ndarray) -> tuple[np.ndarra
         return np.full(len(h), op.size[0]), np.full(len(h), op.size[1])
     short, long_ = np.minimum(h, w), np.maximum(h, w)
     if op.size is None:
-        new_short, new_long = (op.max_size * short / long_).astype(np.int64), np.full(len(h), op.max_size)
+        new_short, new_long = np.maximum((op.max_size * short / long_).astype(np.int64), 1), np.full(len(h), op.max_size)
     else:
         new_short, new_long = np.full(len(h), op.size), (op.size * long_ / short).astype(np.int64)  # torchvision truncates
         if op.max_size is not None:
             over = new_long > op.max_size
-            new_short = np.where(over, (op.max_size * new_short / np.maximum(new_long, 1)).astype(np.int64), new_short)
+            new_short = np.where(over, np.maximum((op.max_size * new_short / np.maximum(new_long, 1)).astype(np.int64), 1),
+                                 new_short)
             new_long = np.where(over, op.max_size, new_long)
     portrait_or_square = h <= w
     return np.where(portrait_or_square, new_short, new_long), np.where(portrait_or_square, new_long, new_short)
+
+
+def _random_resize_targets(op: RandomResize, h: np.ndarray, w: np.ndarray, u: np.ndarray
+                           ) -> tuple[np.ndarray, np.ndarray]:
+    """``RandomResize.target`` over arrays, each row its own shorter side."""
+    shorter = np.minimum(op.min_size + (u[:, 0] * (op.max_size - op.min_size)).astype(np.int64), op.max_size - 1)
+    short, long_ = np.minimum(h, w), np.maximum(h, w)
+    new_short, new_long = shorter, (shorter * long_ / short).astype(np.int64)  # torchvision truncates
+    if op.max_side is not None:
+        over = new_long > op.max_side
+        new_short = np.where(over, np.maximum((op.max_side * new_short / np.maximum(new_long, 1)).astype(np.int64), 1),
+                             new_short)
+        new_long = np.where(over, op.max_side, new_long)
+    portrait_or_square = h <= w
+    return np.where(portrait_or_square, new_short, new_long), np.where(portrait_or_square, new_long, new_short)
+
+
+def _random_offsets(size: np.ndarray, crop: int, u: np.ndarray) -> np.ndarray:
+    """``_spec.random_offset`` over arrays."""
+    inside = np.minimum((u * (size - crop + 1)).astype(np.int64), size - crop)
+    padded = -np.minimum((u * (crop - size + 1)).astype(np.int64), crop - size)
+    return np.where(crop <= size, inside, padded)
+
+
+def _random_windows(op: RandomCrop, h: np.ndarray, w: np.ndarray, u: np.ndarray):
+    ch, cw = op.size
+    return _random_offsets(h, ch, u[:, 0]), _random_offsets(w, cw, u[:, 1]), np.full(len(h), ch), np.full(len(h), cw)
 
 
 def _centre_offsets(size: np.ndarray, crop: int) -> np.ndarray:

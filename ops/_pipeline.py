@@ -21,6 +21,8 @@ from ._spec import (
     Flip,
     Normalize,
     Op,
+    RandomCrop,
+    RandomResize,
     RandomResizedCrop,
     Resize,
 )
@@ -28,15 +30,15 @@ from ._spec import (
 __all__ = ["IMAGE_EXTENSIONS", "Pipeline", "training", "validation"]
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "ppm", "pgm", "gif")
-_IMAGE_OPS = (Resize, CenterCrop, RandomResizedCrop, Flip)
+_IMAGE_OPS = (Resize, RandomResize, CenterCrop, RandomCrop, RandomResizedCrop, Flip)
 
 
 class Pipeline:
     """Decode → image ops → post ops → optional Normalize, applied to each sample of a batch.
 
     ``ops`` must start with ``Decode`` (one is added if missing) and may end with one ``Normalize``;
-    between them go first the geometry ops (``image_ops``: ``Resize``, ``CenterCrop``,
-    ``RandomResizedCrop`` and ``Flip``, in any order), then the post ops (``post_ops``:
+    between them go first the geometry ops (``image_ops``: ``Resize``, ``RandomResize``,
+    ``CenterCrop``, ``RandomCrop``, ``RandomResizedCrop`` and ``Flip``, in any order), then the post ops (``post_ops``:
     ``ColorTwist``, ``Rotate``, ``WarpAffine`` and ``GaussianBlur``, in any order), which work on
     the uint8 image the geometry made. An op's random numbers are keyed by its index in ``ops``.
     ``image`` names the field(s) holding the encoded image (default: the first field whose name is

@@ -24,6 +24,8 @@ __all__ = [
     "Flip",
     "Normalize",
     "Op",
+    "RandomCrop",
+    "RandomResize",
     "RandomResizedCrop",
     "Resize",
     "crop_mirror_normalize",
@@ -113,7 +115,8 @@ class Resize(Op):
     ``max_size`` is scaled to ``max_size`` on that side instead (``Resize(800, max_size=1333)``, the
     detection models' rule); with ``size=None``, the longer side is scaled to ``max_size``
     (DALI's ``resize_longer``; with a ``CenterCrop`` of that size after it, a letterbox). The
-    rounding is torchvision's: the side computed is truncated.
+    rounding is torchvision's: the side computed is truncated, though never below one pixel
+    (where torchvision's would make an empty image of a very long, thin one).
     """
 
     size: int | tuple[int, int] | None
@@ -142,11 +145,11 @@ class Resize(Op):
         short, long_ = (h, w) if h <= w else (w, h)
         if self.size is None:
             assert self.max_size is not None
-            new_short, new_long = int(self.max_size * short / long_), self.max_size
+            new_short, new_long = max(1, int(self.max_size * short / long_)), self.max_size
         else:
             new_short, new_long = self.size, int(self.size * long_ / short)  # torchvision truncates
             if self.max_size is not None and new_long > self.max_size:
-                new_short, new_long = int(self.max_size * new_short / new_long), self.max_size
+                new_short, new_long = max(1, int(self.max_size * new_short / new_long)), self.max_size
         return (new_short, new_long) if h <= w else (new_long, new_short)
 
     def output_size(self, size):
@@ -186,6 +189,78 @@ class CenterCrop(Op):
 
     def output_size(self, size):
         return self.size
+
+
+def random_offset(size: int, crop: int, u: float) -> int:
+    """Where a random crop starts: any place inside the image with equal chance, or, for a crop
+    larger than the image, a negative offset that puts the whole image anywhere inside the crop."""
+    if crop <= size:
+        return min(int(u * (size - crop + 1)), size - crop)
+    return -min(int(u * (crop - size + 1)), crop - size)
+
+
+@dataclass(frozen=True)
+class RandomCrop(Op):
+    """Crop a ``size`` window at a random place (torchvision's ``RandomCrop``), without resizing.
+
+    Every place where the window lies inside the image is equally likely. Where the image is
+    smaller than the window, the whole image goes to a random place inside it and the rest is
+    zeros (torchvision's ``pad_if_needed`` pads both sides and may cut the image; here none of it
+    is lost).
+    """
+
+    size: int | tuple[int, int]
+    randoms: int = field(default=2, init=False)  # (top, left)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "size", _size2(self.size, "RandomCrop"))
+
+    def window(self, h: int, w: int, u: Sequence[float]) -> tuple[int, int, int, int]:
+        """(top, left, height, width); top/left are negative where the image is padded."""
+        ch, cw = self.size
+        return random_offset(h, ch, u[0]), random_offset(w, cw, u[1]), ch, cw
+
+    def output_size(self, size):
+        return self.size
+
+
+@dataclass(frozen=True)
+class RandomResize(Op):
+    """Resize the shorter side to a random size in ``[min_size, max_size)`` and keep the aspect
+    ratio (torchvision's ``RandomResize``: multi-scale training), each sample its own.
+
+    ``max_side`` caps the longer side as ``Resize(max_size=)`` does (the detection models' rule).
+    """
+
+    min_size: int
+    max_size: int
+    max_side: int | None = None
+    randoms: int = field(default=1, init=False)
+
+    def __post_init__(self) -> None:
+        for name in ("min_size", "max_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"RandomResize: {name} must be a positive int, got {value!r}")
+        if self.max_size <= self.min_size:
+            raise ConfigError(f"RandomResize: max_size ({self.max_size}) must be larger than min_size "
+                              f"({self.min_size}); the size is drawn from [min_size, max_size)")
+        if self.max_side is not None:
+            Resize(self.max_size - 1, max_size=self.max_side)  # the same checks as Resize's
+
+    def shorter(self, u: Sequence[float]) -> int:
+        """This sample's shorter side."""
+        return min(self.min_size + int(u[0] * (self.max_size - self.min_size)), self.max_size - 1)
+
+    def target(self, h: int, w: int, u: Sequence[float]) -> tuple[int, int]:
+        return Resize(self.shorter(u), max_size=self.max_side).target(h, w)
+
+    def largest(self, h: int, w: int) -> tuple[int, int]:
+        """The largest output this op can make of an h x w image (for the pixel limits)."""
+        return Resize(self.max_size - 1, max_size=self.max_side).target(h, w)
+
+    def output_size(self, size):
+        return None
 
 
 @dataclass(frozen=True)

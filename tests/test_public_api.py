@@ -96,6 +96,8 @@ PUBLIC = {
         "Pipeline",
         "PostOp",
         "Processed",
+        "RandomCrop",
+        "RandomResize",
         "RandomResizedCrop",
         "Resize",
         "Rotate",

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .._spec import CenterCrop, Flip, Op, RandomResizedCrop, Resize
+from .._spec import CenterCrop, Flip, Op, RandomCrop, RandomResize, RandomResizedCrop, Resize
 
 __all__ = ["after_leading_window", "apply_image_ops", "center_crop", "leading_window", "resize"]
 
@@ -54,20 +54,20 @@ def leading_window(ops: tuple[Op, ...], h: int, w: int, u: np.ndarray | None) ->
     op = ops[0]
     if isinstance(op, RandomResizedCrop):
         return op.window(h, w, u)
-    if isinstance(op, CenterCrop):
-        top, left, ch, cw = op.window(h, w)
+    if isinstance(op, (CenterCrop, RandomCrop)):
+        top, left, ch, cw = op.window(h, w) if isinstance(op, CenterCrop) else op.window(h, w, u)
         if top >= 0 and left >= 0 and top + ch <= h and left + cw <= w:
             return top, left, ch, cw
     return None
 
 
 def after_leading_window(x: torch.Tensor, op: Op) -> torch.Tensor:
-    """What the first op does to its own window: RandomResizedCrop resizes it; CenterCrop is done."""
+    """What the first op does to its own window: RandomResizedCrop resizes it; CenterCrop and RandomCrop are done."""
     return resize(x, *op.size) if isinstance(op, RandomResizedCrop) else x
 
 
 def apply_image_ops(x: torch.Tensor, ops: tuple[Op, ...], randoms: list[np.ndarray | None]) -> torch.Tensor:
-    """Apply Resize/CenterCrop/RandomResizedCrop/Flip in order to HWC uint8 ``x``.
+    """Apply the geometry ops (Resize, RandomResize, CenterCrop, RandomCrop, RandomResizedCrop, Flip) in order to HWC uint8 ``x``.
 
     ``randoms[i]`` are op i's uniforms. Returns a tensor that may view ``x``.
     """
@@ -75,6 +75,10 @@ def apply_image_ops(x: torch.Tensor, ops: tuple[Op, ...], randoms: list[np.ndarr
         h, w = x.shape[0], x.shape[1]
         if isinstance(op, Resize):
             x = resize(x, *op.target(h, w))
+        elif isinstance(op, RandomResize):
+            x = resize(x, *op.target(h, w, u))
+        elif isinstance(op, RandomCrop):
+            x = center_crop(x, *op.window(h, w, u))
         elif isinstance(op, RandomResizedCrop):
             top, left, ch, cw = op.window(h, w, u)
             x = resize(x[top : top + ch, left : left + cw], *op.size)

@@ -18,6 +18,7 @@ PIPELINES = {
     "resize, centre crop": [ops.Resize(72), ops.CenterCrop(64)],
     "resize only": [ops.Resize(50)],
     "crop past the edge": [ops.CenterCrop(160)],
+    "scale, random crop": [ops.RandomResize(60, 120), ops.RandomCrop(64), ops.Flip(0.5)],
     "letterbox": [ops.Resize(None, max_size=90), ops.CenterCrop(90), ops.Flip(0.5)],
     "longer side capped": [ops.Resize(60, max_size=80)],
 }

@@ -70,6 +70,10 @@ PIPELINES = {
     "train-f16": ([ops.RandomResizedCrop(32), ops.Flip(), ops.Normalize(dtype="float16")], "norm"),
     "val-hwc-bf16": ([ops.Resize(36), ops.CenterCrop(32), ops.Normalize(dtype="bfloat16", layout="HWC")], "norm"),
     "vflip": ([ops.CenterCrop(20), ops.Flip(1.0, vertical=True)], "uint8"),
+    "random-crop": ([ops.RandomCrop(24), ops.Flip()], "uint8"),
+    "random-crop-pad": ([ops.RandomCrop(150)], "uint8"),
+    "random-resize+crop": ([ops.RandomResize(32, 64), ops.RandomCrop(28), ops.Flip()], "uint8"),
+    "letterbox": ([ops.Resize(None, max_size=40), ops.CenterCrop(40)], "uint8"),
 }
 
 
@@ -102,6 +106,8 @@ RAGGED = {
     "flip-f32": ([ops.Flip(), ops.Normalize()], "norm"),
     "vflip-bf16": ([ops.Resize(50), ops.Flip(1.0, vertical=True), ops.Normalize(dtype="bfloat16")], "norm"),
     "resize-short+color": ([ops.Resize(40), ops.ColorTwist(0.3, 0.3, 0.3, 0.05)], "post"),
+    "random-resize": ([ops.RandomResize(24, 48)], "uint8"),
+    "resize-capped": ([ops.Resize(40, max_size=60), ops.Flip()], "uint8"),
 }
 
 

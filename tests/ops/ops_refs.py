@@ -96,6 +96,7 @@ def tv_resize_size(h: int, w: int, size: int | None, max_size: int | None = None
         new_short, new_long = size, int(size * long_ / short)
         if max_size is not None and new_long > max_size:
             new_short, new_long = int(max_size * new_short / new_long), max_size
+    new_short = max(new_short, 1)  # torchvision's would be 0 (an error there); headrace keeps one pixel
     new_w, new_h = (new_short, new_long) if w <= h else (new_long, new_short)
     return new_h, new_w
 

@@ -50,6 +50,7 @@ PIPELINES = {
     "resize only": [ops.Resize(50)],  # outputs of different sizes: a list of images
     "fixed size": [ops.Resize((40, 90)), ops.Flip(1.0)],
     "crop past the edge": [ops.CenterCrop(160)],
+    "scale, random crop": [ops.RandomResize(60, 120), ops.RandomCrop(64), ops.Flip(0.5)],
     "letterbox": [ops.Resize(None, max_size=90), ops.CenterCrop(90), ops.Flip(0.5)],
     "longer side capped": [ops.Resize(60, max_size=80)],  # zero padding around the image: boxes stay on real pixels
     "crop, resize": [ops.CenterCrop(60), ops.Resize(120)],

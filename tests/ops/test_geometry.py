@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from headrace import ConfigError
-from headrace.ops import CenterCrop, Flip, Op, RandomResizedCrop, Resize, uniforms
+from headrace.ops import CenterCrop, Flip, Op, RandomCrop, RandomResize, RandomResizedCrop, Resize, uniforms
 from headrace.ops._geometry import check_foldable, plan_batch, roi_batch
 
 # Pillow's rendering of the fused geometry that the GPU kernel reproduces (tests/ops/test_geometry.py
@@ -58,16 +58,16 @@ def pillow_image_ops(img: Image.Image, ops: tuple[Op, ...], randoms: list[np.nda
     win = _Window(img.width, img.height)
     for op, u in zip(ops, randoms):
         w, h = win.size
-        if isinstance(op, Resize):
+        if isinstance(op, (Resize, RandomResize)):
             img, win = _settle(img, win)
-            th, tw = op.target(h, w)
+            th, tw = op.target(h, w) if isinstance(op, Resize) else op.target(h, w, u)
             win.size = (tw, th)
         elif isinstance(op, RandomResizedCrop):
             win.crop(*op.window(h, w, u))
             img, win = _settle(img, win)  # torchvision crops, then resizes only the crop
             win.size = (op.size[1], op.size[0])
-        elif isinstance(op, CenterCrop):
-            top, left, ch, cw = op.window(h, w)
+        elif isinstance(op, (CenterCrop, RandomCrop)):
+            top, left, ch, cw = op.window(h, w) if isinstance(op, CenterCrop) else op.window(h, w, u)
             if top >= 0 and left >= 0 and top + ch <= h and left + cw <= w:
                 win.crop(top, left, ch, cw)
             else:  # padding: Pillow's crop fills outside the image with zeros
@@ -93,6 +93,13 @@ PIPELINES = [
     (Resize(40),),
     (Resize(33), Flip(1.0)),
     (Flip(1.0, vertical=True),),
+    (RandomCrop(24), Flip()),
+    (RandomCrop((12, 200)),),  # inside one way, padded the other
+    (Resize(30), RandomCrop(16)),
+    (RandomResize(20, 40),),
+    (RandomResize(24, 60, max_side=70), RandomCrop(20), Flip()),
+    (Resize(30, max_size=45),),
+    (Resize(None, max_size=50), CenterCrop(50)),
 ]
 
 

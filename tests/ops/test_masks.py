@@ -67,6 +67,7 @@ PIPELINES = {
     "crop, flips": [ops.RandomResizedCrop(64, scale=(0.2, 1.0)), ops.Flip(0.5), ops.Flip(0.5, vertical=True)],
     "resize, centre crop": [ops.Resize(72), ops.CenterCrop(64)],
     "resize only": [ops.Resize(50)],
+    "scale, random crop": [ops.RandomResize(60, 120), ops.RandomCrop(64), ops.Flip(0.5)],
     "letterbox": [ops.Resize(None, max_size=90), ops.CenterCrop(90), ops.Flip(1.0)],
     "upscale": [ops.Resize(300)],
 }

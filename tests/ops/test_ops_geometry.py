@@ -36,7 +36,7 @@ from ops_refs import (
 from PIL import Image
 
 from headrace import ConfigError
-from headrace.ops import CenterCrop, Decode, Flip, Pipeline, RandomResizedCrop, Resize, uniforms
+from headrace.ops import CenterCrop, Decode, Flip, Pipeline, RandomCrop, RandomResize, RandomResizedCrop, Resize, uniforms
 from headrace.ops._geometry import _resize_targets
 
 TORCH_ROUNDING = 1 + 1 / 64  # torch's two rounded passes vs the exact resize (fixed-point weights: the 1/64)
@@ -248,6 +248,69 @@ async def test_resize_then_rrc(make_executor, rng):
         th, tw = tv_resize_size(*a.shape[:2], 48)
         top, left, ch, cw = tv_rrc_params(th, tw, rrc.scale, rrc.ratio, u[i])
         np.testing.assert_array_equal(out, tv_resize(tv_resize(a, th, tw)[top : top + ch, left : left + cw], 16, 16))
+
+
+# --- RandomCrop, RandomResize -------------------------------------------------------------------
+
+
+def _where(out: np.ndarray, a: np.ndarray) -> set[tuple[int, int]]:
+    """Every (top, left) at which ``out`` is a window of ``a``."""
+    ch, cw = out.shape[:2]
+    return {(t, l) for t in range(a.shape[0] - ch + 1) for l in range(a.shape[1] - cw + 1)
+            if np.array_equal(a[t : t + ch, l : l + cw], out)}
+
+
+async def test_random_crop_takes_a_window_at_its_drawn_place(make_executor, rng):
+    crop = RandomCrop((12, 16))
+    arrays = [random_image(rng, h, w) for h, w in sizes(rng, 24, 16, 40)]
+    outs = await run_hwc(make_executor, [crop], arrays)
+    u = uniforms(0, 0, 1, np.arange(24), crop.randoms)
+    places = set()
+    for i, (out, a) in enumerate(zip(outs, arrays)):
+        h, w = a.shape[:2]
+        top, left = min(int(u[i, 0] * (h - 12 + 1)), h - 12), min(int(u[i, 1] * (w - 16 + 1)), w - 16)
+        assert out.shape == (12, 16, 3) and (top, left) in _where(out, a)
+        places.add((top, left))
+    assert len(places) > 12  # not one place for all
+
+
+async def test_random_crop_past_the_edge_keeps_the_whole_image(make_executor, rng):
+    arrays = [random_image(rng, h, w) for h, w in sizes(rng, 24, 4, 30)]
+    outs = await run_hwc(make_executor, [RandomCrop(32)], arrays)
+    offsets = set()
+    for out, a in zip(outs, arrays):
+        h, w = a.shape[:2]
+        found = [(t, l) for t in range(33 - h) for l in range(33 - w) if np.array_equal(out[t : t + h, l : l + w], a)]
+        assert found, "the image is whole somewhere inside the crop"
+        t, l = found[0]
+        rest = out.copy()
+        rest[t : t + h, l : l + w] = 0
+        assert not rest.any()  # and zeros around it
+        offsets.add(found[0])
+    assert len(offsets) > 12
+
+
+async def test_random_resize_draws_each_samples_shorter_side(make_executor, rng):
+    op = RandomResize(20, 36)
+    arrays = [random_image(rng, h, w) for h, w in sizes(rng, 32, 24, 120)]
+    outs = await run_hwc(make_executor, [op], arrays)
+    u = uniforms(0, 0, 1, np.arange(32), op.randoms)
+    shorter = set()
+    for i, (out, a) in enumerate(zip(outs, arrays)):
+        size = min(20 + int(u[i, 0] * 16), 35)  # torchvision: randint(min_size, max_size)
+        th, tw = tv_resize_size(*a.shape[:2], size)
+        np.testing.assert_array_equal(out, tv_resize(a, th, tw))
+        shorter.add(min(out.shape[:2]))
+    assert shorter <= set(range(20, 36)) and len(shorter) > 8
+
+
+def test_random_resize_and_crop_arguments():
+    for kwargs in ({"min_size": 0, "max_size": 4}, {"min_size": 8, "max_size": 8}, {"min_size": 8, "max_size": 4.5},
+                   {"min_size": 8, "max_size": 16, "max_side": 10}):
+        with pytest.raises(ConfigError, match="RandomResize|Resize"):
+            RandomResize(**kwargs)
+    with pytest.raises(ConfigError, match="RandomCrop"):
+        RandomCrop(0)
 
 
 # --- Flip -----------------------------------------------------------------------------------------
