@@ -32,8 +32,10 @@ DEFAULT_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "ppm",
 class FileReader(IndexedReader):
     """Reads whole files in chunks from I/O threads; one Sample per file.
 
-    A sample's fields are ``{ext: bytes, "cls": b"<label>"}`` (WebDataset's convention) and its key
-    is the path relative to the root without extension (or the path itself for a path list).
+    A sample's fields are ``{ext: bytes, "cls": b"<label>"}`` (WebDataset's convention), and with
+    ``extra`` that file's own fields besides (``coco()``'s boxes, labels and image id; the values
+    are shared by every epoch's samples, so treat them as read-only). Its key is the path relative
+    to the root without extension (or the path itself for a path list).
     """
 
     def __init__(
@@ -200,7 +202,7 @@ class FileReader(IndexedReader):
 
         async with asyncio.TaskGroup() as group:  # no yield inside: the group ends with the chunk
             tasks = [group.create_task(one(i)) if i not in kept else None for i in indices]
-        samples = [t.result() if t is not None else self._kept_sample(i, kept[i]) for i, t in zip(indices, tasks)]
+        samples = [t.result() if t is not None else self._sample(i, kept[i]) for i, t in zip(indices, tasks)]
         if self.cache is not None:
             fetched = [(s.source, s.fields[self._exts[i]]) for i, s, t in zip(indices, samples, tasks)
                        if t is not None and s.error is None]
@@ -217,9 +219,6 @@ class FileReader(IndexedReader):
         cache, nbytes = self.cache, sum(len(data) for _, data in fetched)
         if cache.reserve(nbytes, len(fetched), self.buffer_bytes):
             self._on_cache_thread(cache.keep, fetched).add_done_callback(lambda _: cache.release(nbytes))
-
-    def _kept_sample(self, i: int, blob: bytes) -> Sample:
-        return self._sample(i, blob)
 
     def _sample(self, i: int, blob: bytes) -> Sample:
         """File ``i``'s sample: its bytes, its label, its extra fields."""
