@@ -177,31 +177,33 @@ def _resize_targets(op: Resize, h: np.ndarray, w: np.ndarray) -> tuple[np.ndarra
     """``Resize.target`` over arrays: the same truncations, in the same order."""
     if isinstance(op.size, tuple):
         return np.full(len(h), op.size[0]), np.full(len(h), op.size[1])
-    short, long_ = np.minimum(h, w), np.maximum(h, w)
     if op.size is None:
-        new_short, new_long = np.maximum((op.max_size * short / long_).astype(np.int64), 1), np.full(len(h), op.max_size)
-    else:
-        new_short, new_long = np.full(len(h), op.size), (op.size * long_ / short).astype(np.int64)  # torchvision truncates
-        if op.max_size is not None:
-            over = new_long > op.max_size
-            new_short = np.where(over, np.maximum((op.max_size * new_short / np.maximum(new_long, 1)).astype(np.int64), 1),
-                                 new_short)
-            new_long = np.where(over, op.max_size, new_long)
-    portrait_or_square = h <= w
-    return np.where(portrait_or_square, new_short, new_long), np.where(portrait_or_square, new_long, new_short)
+        short, long_ = np.minimum(h, w), np.maximum(h, w)
+        new_short = np.maximum((op.max_size * short / long_).astype(np.int64), 1)
+        return _oriented(h, w, new_short, np.full(len(h), op.max_size))
+    return _shorter_side(np.full(len(h), op.size), op.max_size, h, w)
 
 
 def _random_resize_targets(op: RandomResize, h: np.ndarray, w: np.ndarray, u: np.ndarray
                            ) -> tuple[np.ndarray, np.ndarray]:
     """``RandomResize.target`` over arrays, each row its own shorter side."""
     shorter = np.minimum(op.min_size + (u[:, 0] * (op.max_size - op.min_size)).astype(np.int64), op.max_size - 1)
+    return _shorter_side(shorter, op.max_side, h, w)
+
+
+def _shorter_side(shorter: np.ndarray, cap: int | None, h: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(height, width) with the shorter side ``shorter`` and the longer truncated (torchvision), or,
+    where that passes ``cap``, the longer side ``cap`` and the shorter scaled with it (at least 1)."""
     short, long_ = np.minimum(h, w), np.maximum(h, w)
-    new_short, new_long = shorter, (shorter * long_ / short).astype(np.int64)  # torchvision truncates
-    if op.max_side is not None:
-        over = new_long > op.max_side
-        new_short = np.where(over, np.maximum((op.max_side * new_short / np.maximum(new_long, 1)).astype(np.int64), 1),
-                             new_short)
-        new_long = np.where(over, op.max_side, new_long)
+    new_short, new_long = shorter, (shorter * long_ / short).astype(np.int64)
+    if cap is not None:
+        over = new_long > cap
+        new_short = np.where(over, np.maximum((cap * new_short / np.maximum(new_long, 1)).astype(np.int64), 1), new_short)
+        new_long = np.where(over, cap, new_long)
+    return _oriented(h, w, new_short, new_long)
+
+
+def _oriented(h: np.ndarray, w: np.ndarray, new_short: np.ndarray, new_long: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     portrait_or_square = h <= w
     return np.where(portrait_or_square, new_short, new_long), np.where(portrait_or_square, new_long, new_short)
 
