@@ -4,6 +4,7 @@
 from .cpu._executor import CpuExecutor
 from ._results import Processed
 from .cuda._executor import CudaExecutor, GpuTuning, cuda_available, gpu_unsupported
+from ._boxes import source_boxes
 from ._pipeline import IMAGE_EXTENSIONS, Pipeline, training, validation
 from ._random import uniforms
 from ._stages import Filter, Map, MapBatch
@@ -54,6 +55,7 @@ __all__ = [
     "crop_mirror_normalize",
     "cuda_available",
     "gpu_unsupported",
+    "source_boxes",
     "decode_frames",
     "training",
     "uniforms",

@@ -9,17 +9,19 @@ padding beyond the image); a box left with no area is dropped, and with it the s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-from headrace._errors import TransformError
+from headrace._errors import ConfigError, TransformError
 from headrace._sample import Sample
 
-from ._geometry import PlanBatch
+from ._geometry import PlanBatch, plan_batch
 from ._pipeline import Pipeline
+from ._spec import Flip
 
-__all__ = ["BoxFields", "follow_boxes", "read_boxes"]
+__all__ = ["BoxFields", "follow_boxes", "read_boxes", "source_boxes"]
 
 
 @dataclass(slots=True)
@@ -101,3 +103,37 @@ def follow_boxes(pipe: Pipeline, plan: PlanBatch, found: list[BoxFields]) -> dic
         for name, rows in sample.per_box.items():
             out[name].append(torch.from_numpy(np.ascontiguousarray(rows[kept])))
     return out
+
+
+def source_boxes(pipeline: Pipeline, boxes: Any, image_size: tuple[int, int]) -> torch.Tensor:
+    """Boxes found in a pipeline's output image, in pixels of the image it was made from.
+
+    For inference: a detector's boxes on a letterboxed or resized image (``(x0, y0, x1, y1)`` in
+    the output's pixels), mapped back through ``pipeline``'s geometry to the decoded image of
+    ``image_size`` ``(height, width)`` (upright, as ``Decode`` made it), and clipped to it. Only
+    for pipelines whose geometry draws nothing: ``Resize``, ``CenterCrop`` and ``Flip(p=0 or 1)``.
+    Returns float32 ``[N, 4]`` on ``boxes``' device. Raises ConfigError for a pipeline with random
+    geometry, ValueError for boxes that are not ``[N, 4]``.
+    """
+    random = [op for op in pipeline.image_ops if op.randoms and not (isinstance(op, Flip) and op.p in (0.0, 1.0))]
+    if random:
+        raise ConfigError(f"source_boxes: {random[0]!r} draws its geometry per sample; only a pipeline without "
+                          "random geometry maps back (Resize, CenterCrop, Flip(p=0 or 1))")
+    height, width = (int(v) for v in image_size)
+    flips = [np.full((1, 1), 0.5) if op.randoms else None for op in pipeline.image_ops]  # u = 0.5: Flip(1) flips
+    plan = plan_batch(np.array([height]), np.array([width]), pipeline.image_ops, flips)
+    given = boxes if isinstance(boxes, torch.Tensor) else torch.as_tensor(np.asarray(boxes, dtype=np.float32))
+    if given.ndim != 2 or given.shape[-1] != 4:
+        raise ValueError(f"source_boxes: boxes must be [N, 4], got {list(given.shape)}")
+    b = given.detach().to("cpu", torch.float64).numpy()
+    out_w, out_h = float(plan.out_w[0]), float(plan.out_h[0])
+    x0, y0, x1, y1 = b[:, 0], b[:, 1], b[:, 2], b[:, 3]
+    if plan.flip_h[0]:
+        x0, x1 = out_w - x1, out_w - x0
+    if plan.flip_v[0]:
+        y0, y1 = out_h - y1, out_h - y0
+    bx0, by0, bx1, by1 = plan.box[0]
+    sx, sy = (bx1 - bx0) / out_w, (by1 - by0) / out_h
+    mapped = np.stack([np.clip(bx0 + x0 * sx, 0, width), np.clip(by0 + y0 * sy, 0, height),
+                       np.clip(bx0 + x1 * sx, 0, width), np.clip(by0 + y1 * sy, 0, height)], axis=1)
+    return torch.from_numpy(mapped.astype(np.float32)).to(given.device)

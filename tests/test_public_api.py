@@ -106,6 +106,7 @@ PUBLIC = {
         "cuda_available",
         "decode_frames",
         "gpu_unsupported",
+        "source_boxes",
         "training",
         "uniforms",
         "validation",

@@ -194,3 +194,32 @@ def test_colour_and_blur_ops_leave_boxes_alone(tmp_path):
     for a, b in zip(plain, coloured):
         for x, y in zip(a["boxes"], b["boxes"]):
             assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("pipe_ops", [
+    [ops.Resize(None, max_size=90), ops.CenterCrop(90)],  # a letterbox
+    [ops.Resize((40, 70)), ops.Flip(1.0, vertical=True)],
+    [ops.Resize(50, max_size=60), ops.Flip(1.0)],
+], ids=["letterbox", "exact size, flipped", "capped, mirrored"])
+def test_source_boxes_map_output_boxes_back(tmp_path, pipe_ops):
+    """Boxes through the pipeline, then back with source_boxes: where they started."""
+    reader = _rectangles(tmp_path)
+    by_key = {}
+    for batch in _batches(reader, pipe_ops):
+        by_key.update(zip(batch.sample_keys, batch["boxes"]))
+    pipe = ops.Pipeline(pipe_ops, label=None)
+    for i, (h, w) in enumerate(SIZES):
+        key = str(tmp_path / str(i))
+        back = ops.source_boxes(pipe, by_key[key], (h, w))
+        np.testing.assert_allclose(back.numpy(), reader._extra[i]["boxes"], atol=1e-3)
+
+
+def test_source_boxes_needs_a_pipeline_without_random_geometry():
+    with pytest.raises(ConfigError, match="draws its geometry per sample"):
+        ops.source_boxes(ops.Pipeline([ops.RandomResizedCrop(32)]), [[0, 0, 1, 1]], (10, 10))
+    with pytest.raises(ConfigError, match="Flip"):
+        ops.source_boxes(ops.Pipeline([ops.Resize(32), ops.Flip(0.5)]), [[0, 0, 1, 1]], (10, 10))
+    with pytest.raises(ValueError, match=r"\[N, 4\]"):
+        ops.source_boxes(ops.Pipeline([ops.Resize(32)]), [0, 0, 1, 1], (10, 10))
+    clipped = ops.source_boxes(ops.Pipeline([ops.CenterCrop(20)]), torch.tensor([[0.0, 0.0, 20.0, 20.0]]), (10, 10))
+    assert clipped.tolist() == [[0.0, 0.0, 10.0, 10.0]]  # the padding is not the image
