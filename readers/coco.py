@@ -21,6 +21,7 @@ import numpy as np
 from headrace._errors import ConfigError, ReadError, require_int
 
 from ._cache_folder import from_arguments
+from ._coco_masks import CocoMask, check_segmentation
 from ._object_cache import ObjectCache
 from ._storage import Storage, Store, is_url, run_sync, with_retries
 from .files import FileReader
@@ -53,6 +54,7 @@ def coco(
     skip_empty: bool = False,
     include_crowd: bool = True,
     min_box_size: float = 0.0,
+    masks: bool = False,
     shuffle: bool = False,
     seed: int | None = None,
     chunk_size: int = 64,
@@ -83,7 +85,11 @@ def coco(
 
     Boxes whose width or height is not more than ``min_box_size`` pixels are left out (so by default
     the degenerate ones some COCO files hold), and so are crowd regions with ``include_crowd=False``
-    (DALI's ``include_iscrowd``). ``skip_empty=True`` leaves out images with no box left. Decode
+    (DALI's ``include_iscrowd``). ``skip_empty=True`` leaves out images with no box left.
+
+    ``masks=True`` adds ``mask``: the image's class map (DALI's ``pixelwise_masks``), each kept
+    annotation's segmentation (polygons or RLE) filled with its label over 0, later ones over
+    earlier ones; drawn when the pipeline reads it, ``Pipeline(mask="mask")`` (``_coco_masks``). Decode
     with ``Pipeline(label=None, boxes="boxes", per_box=("labels",))`` to have the boxes follow
     the crops, resizes and flips.
 
@@ -94,7 +100,7 @@ def coco(
     if box_format not in ("xyxy", "xywh"):
         raise ConfigError(f"coco: box_format must be 'xyxy' or 'xywh', got {box_format!r}")
     for name, flag in (("relative", relative), ("contiguous_labels", contiguous_labels), ("skip_empty", skip_empty),
-                       ("include_crowd", include_crowd)):
+                       ("include_crowd", include_crowd), ("masks", masks)):
         if not isinstance(flag, bool):
             raise ConfigError(f"coco: {name} must be True or False, got {flag!r}")
     if (isinstance(min_box_size, bool) or not isinstance(min_box_size, (int, float)) or not math.isfinite(min_box_size)
@@ -105,7 +111,7 @@ def coco(
     source = os.fspath(annotations)
     doc = _load(source, storage)
     table = _Annotations(doc, source)
-    rows = table.images(box_format, relative, contiguous_labels, include_crowd, float(min_box_size), skip_empty)
+    rows = table.images(box_format, relative, contiguous_labels, include_crowd, float(min_box_size), skip_empty, masks)
     if not rows:
         raise ReadError("no images left to read (every image has no box and skip_empty=True)"
                         if skip_empty and table.image_count else "the annotation file lists no images", source=source)
@@ -114,7 +120,8 @@ def coco(
     if not remote and not Path(root).is_dir():
         raise ReadError("no such folder", source=root)
     paths = [_join(root, row.file_name, remote) for row in rows]
-    extra = [{"boxes": row.boxes, "labels": row.labels, "image_id": row.image_id} for row in rows]
+    extra = [{"boxes": row.boxes, "labels": row.labels, "image_id": row.image_id,
+              **({"mask": row.mask} if masks else {})} for row in rows]
     cache = from_arguments("coco", cache_dir, cache_bytes, partial(ObjectCache, native=True))
     reader = CocoReader(paths, None, root=root.rstrip("/") + "/" if remote else Path(root), shuffle=shuffle,
                         seed=seed, chunk_size=chunk_size, io_threads=io_threads, storage=storage, requests=requests,
@@ -149,10 +156,11 @@ def _load(source: str, storage: Storage) -> Any:
 
 
 class _Image:
-    __slots__ = ("boxes", "file_name", "image_id", "labels")
+    __slots__ = ("boxes", "file_name", "image_id", "labels", "mask")
 
-    def __init__(self, image_id: int, file_name: str, boxes: np.ndarray, labels: np.ndarray) -> None:
-        self.image_id, self.file_name, self.boxes, self.labels = image_id, file_name, boxes, labels
+    def __init__(self, image_id: int, file_name: str, boxes: np.ndarray, labels: np.ndarray,
+                 mask: CocoMask | None) -> None:
+        self.image_id, self.file_name, self.boxes, self.labels, self.mask = image_id, file_name, boxes, labels, mask
 
 
 class _Annotations:
@@ -207,11 +215,12 @@ class _Annotations:
         return {(i + 1 if contiguous else cid): self._categories[cid] for i, cid in enumerate(ids)}
 
     def images(self, box_format: BoxFormat, relative: bool, contiguous: bool, include_crowd: bool,
-               min_size: float, skip_empty: bool) -> list[_Image]:
+               min_size: float, skip_empty: bool, masks: bool) -> list[_Image]:
         sizes = {image_id: (w, h) for image_id, _, w, h in self._images}
         label_of = {cid: i + 1 for i, cid in enumerate(sorted(self._categories))} if contiguous else None
         boxes: dict[int, list[list[float]]] = {image_id: [] for image_id in sizes}
         labels: dict[int, list[int]] = {image_id: [] for image_id in sizes}
+        segmentations: dict[int, list[Any]] = {image_id: [] for image_id in sizes}
         for i, ann in enumerate(self._annotations):
             where = f"annotations[{i}]"
             image_id = self._int(ann, "image_id", where)
@@ -234,6 +243,11 @@ class _Annotations:
             x, y, w, h = (float(v) for v in box)
             if w <= min_size or h <= min_size:
                 continue
+            if masks:
+                width, height = sizes[image_id]
+                if why := check_segmentation(ann.get("segmentation"), height, width):
+                    raise ReadError(f"{where}: {why}", source=self.source)
+                segmentations[image_id].append(ann["segmentation"])
             boxes[image_id].append([x, y, w, h])
             labels[image_id].append(label_of[category] if label_of is not None else category)
         out = []
@@ -248,5 +262,6 @@ class _Annotations:
             b = b.astype(np.float32)
             lab = np.array(labels[image_id], dtype=np.int64)
             b.flags.writeable = lab.flags.writeable = False  # shared by every epoch's samples
-            out.append(_Image(image_id, name, b, lab))
+            mask = CocoMask(height, width, lab.tolist(), segmentations[image_id]) if masks else None
+            out.append(_Image(image_id, name, b, lab, mask))
         return out

@@ -145,8 +145,8 @@ def make_coco(root: str | os.PathLike, *, count: int = 32, seed: int = 0) -> tup
     ``root/annotations.json`` (COCO's ``instances`` format), and return the two paths.
 
     Each image (160-320 px a side) is a smooth background with one to four solid rectangles in
-    the colours of ``COCO_CATEGORIES``, each annotated with its exact box (x, y, width, height)
-    and category; every fifth image has none. Deterministic for a seed.
+    the colours of ``COCO_CATEGORIES``, each annotated with its exact box (x, y, width, height),
+    its outline as a polygon and its category; every fifth image has none. Deterministic for a seed.
     """
     import json
 
@@ -167,7 +167,8 @@ def make_coco(root: str | os.PathLike, *, count: int = 32, seed: int = 0) -> tup
             cid = int(rng.choice(list(COCO_CATEGORIES)))
             arr[y : y + bh, x : x + bw] = _COCO_COLORS[cid]
             doc["annotations"].append({"id": len(doc["annotations"]) + 1, "image_id": image_id, "category_id": cid,
-                                       "bbox": [x, y, bw, bh], "area": bw * bh, "iscrowd": 0})
+                                       "bbox": [x, y, bw, bh], "area": bw * bh, "iscrowd": 0,
+                                       "segmentation": [[x, y, x + bw, y, x + bw, y + bh, x, y + bh]]})
         name = f"{i:06d}.jpg"
         Image.fromarray(arr).save(images / name, quality=90)
         doc["images"].append({"id": image_id, "file_name": name, "width": w, "height": h})

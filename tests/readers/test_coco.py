@@ -320,3 +320,109 @@ async def test_reading_closes_its_threads_when_stopped_early(many, leaks):
     assert [s.fields["image_id"] for s in chunk] == [1000, 1001]
     await stream.aclose()
     await leaks.check()
+
+
+# --- masks=True: the class map, polygons and RLE ------------------------------------------------
+
+
+def _rle_string(runs):
+    """pycocotools' ``rleToString``: the inverse of the reader's decoding, written from its C."""
+    out = []
+    for i, run in enumerate(runs):
+        x = run - runs[i - 2] if i > 2 else run
+        more = True
+        while more:
+            c = x & 0x1F
+            x >>= 5
+            more = x != -1 if c & 0x10 else x != 0
+            out.append(chr((c | 0x20 if more else c) + 48))
+    return "".join(out)
+
+
+def _runs(mask):
+    """COCO's runs of a bool mask: down the columns, from a run of 0s."""
+    flat = mask.T.ravel()
+    runs, value, n = [], False, 0
+    for v in flat:
+        if v != value:
+            runs.append(n)
+            value, n = v, 0
+        n += 1
+    return runs + [n]
+
+
+@pytest.fixture(scope="module")
+def masked_set(tmp_path_factory):
+    """One 40 x 30 image: a polygon (category 1), a crowd region as RLE runs (category 3), a
+    triangle in compressed RLE (category 90) drawn last, over the polygon."""
+    root = tmp_path_factory.mktemp("coco-masks")
+    crowd = np.zeros((30, 40), bool)
+    crowd[20:28, 2:12] = True
+    triangle = np.tril(np.ones((10, 10), bool))
+    tri = np.zeros((30, 40), bool)
+    tri[5:15, 25:35] = triangle
+    doc = {"images": [{"id": 1, "file_name": "m.jpg", "width": 40, "height": 30}], "categories": CATEGORIES,
+           "annotations": [
+               {"id": 1, "image_id": 1, "category_id": 1, "bbox": [20, 2, 16, 10], "iscrowd": 0,
+                "segmentation": [[20, 2, 36, 2, 36, 12, 20, 12]]},
+               {"id": 2, "image_id": 1, "category_id": 3, "bbox": [2, 20, 10, 8], "iscrowd": 1,
+                "segmentation": {"counts": _runs(crowd), "size": [30, 40]}},
+               {"id": 3, "image_id": 1, "category_id": 90, "bbox": [25, 5, 10, 10], "iscrowd": 0,
+                "segmentation": {"counts": _rle_string(_runs(tri)), "size": [30, 40]}}]}
+    images, annotations = _write(root, doc, [("m.jpg", 1, (40, 30))])
+    return images, annotations, crowd, tri
+
+
+async def test_masks_draw_polygons_and_rle_in_the_files_order(masked_set):
+    images, annotations, crowd, tri = masked_set
+    (sample,) = await _read_all(readers.coco(images, annotations, masks=True))
+    mask = np.asarray(sample.fields["mask"])
+    assert mask.shape == (30, 40) and mask.dtype == np.uint8
+    np.testing.assert_array_equal(mask[crowd], 2)  # car: label 2 of 1..3
+    np.testing.assert_array_equal(mask[tri], 3)  # toothbrush, drawn over the person's polygon
+    person = mask == 1
+    assert (person | tri)[4:11, 22:35].all() and not person[tri].any()  # the polygon's inside, less the triangle
+    assert not person[:, :19].any() and not person[14:].any()  # nothing a pixel past its edges
+    assert ((mask == 0) | person | crowd | tri).all()
+    no_crowd = np.asarray((await _read_all(readers.coco(images, annotations, masks=True, include_crowd=False)))[0]
+                          .fields["mask"])
+    assert (no_crowd[crowd] == 0).all()
+
+
+async def test_masks_follow_the_image_through_a_pipeline(tmp_path):
+    from headrace import datasets
+
+    images, annotations = datasets.make_coco(tmp_path / "set", count=10)
+    reader = readers.coco(images, annotations, masks=True)
+    colours = {1: (230, 20, 20), 2: (20, 200, 40), 3: (30, 40, 230)}  # make_coco's, by label 1..3
+    pipe = ops.Pipeline([ops.RandomResizedCrop(96, scale=(0.3, 1.0)), ops.Flip()], label=None, mask="mask",
+                        layout="HWC")
+    checked = 0
+    async for batch in Loader(reader, batch_size=5, pipeline=pipe, device="cpu"):
+        for image, mask in zip(batch["image"], batch["mask"]):
+            for label, colour in colours.items():
+                inside = mask.numpy() == label
+                if inside.sum() > 50:
+                    away = np.abs(image.numpy()[inside].astype(int) - colour).sum(-1)
+                    assert np.median(away) < 40  # the class's pixels are its colour
+                    checked += 1
+    assert checked > 0
+
+
+@pytest.mark.parametrize(("segmentation", "message"), [
+    (None, "neither polygons nor an RLE"),
+    ([[1, 2, 3, 4]], "at least three points"),
+    ([], "empty list"),
+    ({"counts": [5, 5], "size": [3, 3]}, r"size \[3, 3\] is not the image's \[48, 64\]"),
+    ({"counts": [5, 5], "size": [48, 64]}, "cover 10 pixels"),
+    ({"counts": 7, "size": [48, 64]}, "neither a list of runs nor a string"),
+])
+def test_a_bad_segmentation_is_a_read_error_naming_it(coco_set, tmp_path, segmentation, message):
+    doc = _doc()
+    doc["annotations"][0]["segmentation"] = segmentation
+    for ann in doc["annotations"][1:]:
+        ann["segmentation"] = [[0, 0, 1, 0, 1, 1]]
+    (tmp_path / "bad.json").write_text(json.dumps(doc))
+    with pytest.raises(ReadError, match=f"annotation 101 .*{message}"):
+        readers.coco(coco_set[0], tmp_path / "bad.json", masks=True)
+    readers.coco(coco_set[0], tmp_path / "bad.json")  # without masks the segmentations are not read

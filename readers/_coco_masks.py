@@ -1,0 +1,107 @@
+"""COCO's segmentations as one class map an image: polygons filled, RLE runs decoded.
+
+``readers.coco(masks=True)`` gives each sample a ``mask`` field holding a ``CocoMask``: the image's
+kept annotations (label and segmentation), drawn only when the pipeline reads it (``np.asarray``
+calls ``__array__``, in the loader's threads before decoding), since a data set's maps drawn at
+once would not fit in memory. Later annotations are drawn over earlier ones, in the file's order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+__all__ = ["CocoMask", "check_segmentation", "decode_rle"]
+
+
+def check_segmentation(seg: Any, height: int, width: int) -> str | None:
+    """Why ``seg`` is not a COCO segmentation of an image of this size, or None."""
+    if isinstance(seg, list):
+        if not seg:
+            return "segmentation is an empty list"
+        for polygon in seg:
+            if (not isinstance(polygon, list) or len(polygon) < 6 or len(polygon) % 2
+                    or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in polygon)):
+                return "segmentation is not a list of polygons (x, y pairs, at least three points)"
+        return None
+    if isinstance(seg, dict):
+        counts, size = seg.get("counts"), seg.get("size")
+        if size != [height, width]:
+            return f"segmentation's RLE size {size!r} is not the image's [{height}, {width}]"
+        if isinstance(counts, str):
+            return None if counts.isascii() else "segmentation's RLE counts are not ASCII"
+        if isinstance(counts, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in counts):
+            return None if sum(counts) == height * width else (
+                f"segmentation's RLE counts cover {sum(counts)} pixels, not {height} x {width}")
+        return "segmentation's RLE counts are neither a list of runs nor a string"
+    return "segmentation is neither polygons nor an RLE"
+
+
+def decode_rle(counts: list[int] | str, height: int, width: int) -> np.ndarray:
+    """A COCO RLE as a bool ``[height, width]`` mask: runs of 0s and 1s alternating from 0s, down
+    the columns (Fortran order); a string is pycocotools' compressed form of the runs. Raises
+    ValueError for runs that do not cover the image."""
+    runs = _runs_from_string(counts) if isinstance(counts, str) else counts
+    if sum(runs) != height * width:
+        raise ValueError(f"RLE runs cover {sum(runs)} pixels, not {height} x {width}")
+    values = np.zeros(len(runs), dtype=bool)
+    values[1::2] = True
+    flat = np.repeat(values, runs)
+    return flat.reshape(width, height).T
+
+
+def _runs_from_string(s: str) -> list[int]:
+    """pycocotools' ``rleFrString``: each run in 5-bit groups (offset by 48, bit 0x20 = more
+    follows, 0x10 of the last group = negative), from the third run on a difference from the run two
+    before."""
+    runs: list[int] = []
+    p = 0
+    while p < len(s):
+        x = k = 0
+        more = True
+        while more:
+            c = ord(s[p]) - 48
+            x |= (c & 0x1F) << (5 * k)
+            more = bool(c & 0x20)
+            p += 1
+            k += 1
+            if not more and c & 0x10:
+                x |= -1 << (5 * k)
+        if len(runs) > 2:
+            x += runs[-2]
+        runs.append(x)
+    return runs
+
+
+class CocoMask:
+    """One image's class map, drawn on request: ``np.asarray(mask)`` is ``[height, width]``, 0 where
+    no annotation is, each annotation's label inside it (uint8, int64 for labels past 255).
+    Polygons are filled by Pillow (within a pixel of pycocotools' at their edges)."""
+
+    __slots__ = ("height", "labels", "segmentations", "width")
+
+    def __init__(self, height: int, width: int, labels: list[int], segmentations: list[Any]) -> None:
+        self.height, self.width = height, width
+        self.labels, self.segmentations = labels, segmentations
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        wide = any(label > 255 for label in self.labels)
+        out = np.zeros((self.height, self.width), np.int64 if wide else np.uint8)
+        for label, seg in zip(self.labels, self.segmentations):
+            out[self._region(seg)] = label
+        return out if dtype is None else out.astype(dtype)
+
+    def _region(self, seg: Any) -> np.ndarray:
+        """One annotation's pixels, a bool ``[height, width]``."""
+        if isinstance(seg, dict):
+            return decode_rle(seg["counts"], self.height, self.width)
+        canvas = Image.new("1", (self.width, self.height), 0)
+        draw = ImageDraw.Draw(canvas)
+        for polygon in seg:
+            draw.polygon(list(zip(polygon[0::2], polygon[1::2])), fill=1)
+        return np.asarray(canvas)
+
+    def __repr__(self) -> str:
+        return f"CocoMask({self.width}x{self.height}, {len(self.labels)} annotations)"
