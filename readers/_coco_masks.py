@@ -87,21 +87,24 @@ class CocoMask:
         self.labels, self.segmentations = labels, segmentations
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        # Polygons are drawn with their labels straight onto one canvas (a map a pass); an RLE,
+        # rare (crowds), goes through an array at its place in the order.
         wide = any(label > 255 for label in self.labels)
-        out = np.zeros((self.height, self.width), np.int64 if wide else np.uint8)
-        for label, seg in zip(self.labels, self.segmentations):
-            out[self._region(seg)] = label
-        return out if dtype is None else out.astype(dtype)
-
-    def _region(self, seg: Any) -> np.ndarray:
-        """One annotation's pixels, a bool ``[height, width]``."""
-        if isinstance(seg, dict):
-            return decode_rle(seg["counts"], self.height, self.width)
-        canvas = Image.new("1", (self.width, self.height), 0)
+        mode = "I" if wide else "L"
+        canvas = Image.new(mode, (self.width, self.height), 0)
         draw = ImageDraw.Draw(canvas)
-        for polygon in seg:
-            draw.polygon(list(zip(polygon[0::2], polygon[1::2])), fill=1)
-        return np.asarray(canvas)
+        for label, seg in zip(self.labels, self.segmentations):
+            if isinstance(seg, dict):
+                pixels = np.array(canvas)
+                pixels[decode_rle(seg["counts"], self.height, self.width)] = label
+                canvas = Image.fromarray(pixels, mode)
+                draw = ImageDraw.Draw(canvas)
+                continue
+            for polygon in seg:
+                draw.polygon(list(zip(polygon[0::2], polygon[1::2])), fill=label)
+        out = np.asarray(canvas)
+        out = out.astype(np.int64) if wide else out
+        return out if dtype is None else out.astype(dtype)
 
     def __repr__(self) -> str:
         return f"CocoMask({self.width}x{self.height}, {len(self.labels)} annotations)"
