@@ -16,7 +16,7 @@ from headrace import ConfigError, LoaderError, TransformError, ops, readers
 SIZES = [(120, 90), (64, 200), (150, 150), (81, 47), (200, 130), (96, 96), (140, 60), (70, 180)]
 
 
-def _rectangles(tmp_path, sizes=SIZES, fmt="png"):
+def _rectangles(tmp_path, sizes=SIZES, fmt="png", **reader_options):
     """One image per size, black with one white rectangle; the reader's samples carry its box."""
     rng = np.random.default_rng(1)
     paths, extra = [], []
@@ -29,7 +29,7 @@ def _rectangles(tmp_path, sizes=SIZES, fmt="png"):
         Image.fromarray(pixels).save(path, quality=95)
         paths.append(str(path))
         extra.append({"boxes": np.array([[x0, y0, x1, y1]], np.float32), "labels": np.array([i])})
-    return readers.FileReader(paths, None, extra=extra)
+    return readers.FileReader(paths, None, extra=extra, **reader_options)
 
 
 def _batches(reader, pipe_ops, batch_size=3, seed=5, **kwargs):
@@ -223,3 +223,38 @@ def test_source_boxes_needs_a_pipeline_without_random_geometry():
         ops.source_boxes(ops.Pipeline([ops.Resize(32)]), [0, 0, 1, 1], (10, 10))
     clipped = ops.source_boxes(ops.Pipeline([ops.CenterCrop(20)]), torch.tensor([[0.0, 0.0, 20.0, 20.0]]), (10, 10))
     assert clipped.tolist() == [[0.0, 0.0, 10.0, 10.0]]  # the padding is not the image
+
+
+def test_a_replaced_row_carries_its_substitutes_boxes(tmp_path):
+    Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(tmp_path / "good.png")
+    (tmp_path / "bad.png").write_bytes(b"\x89PNG\r\n\x1a\n not a png")
+    extra = [{"boxes": np.array([[2, 2, 10, 10]], np.float32), "labels": np.array([5])},
+             {"boxes": np.array([[0, 0, 4, 4], [4, 4, 8, 8]], np.float32), "labels": np.array([6, 7])}]
+    reader = readers.FileReader([str(tmp_path / "good.png"), str(tmp_path / "bad.png")], None, extra=extra)
+    pipe = ops.Pipeline([ops.Resize(16)], label=None, boxes="boxes", per_box=("labels",), mask=None)
+    (batch,) = headrace.Loader(reader, batch_size=2, pipeline=pipe, device="cpu", on_error="replace").sync()
+    assert batch.replaced == 1 and batch.sample_keys == [str(tmp_path / "good")] * 2
+    assert [b.tolist() for b in batch["boxes"]] == [[[1, 1, 5, 5]]] * 2
+    assert [lab.tolist() for lab in batch["labels"]] == [[5], [5]]
+
+
+def test_a_resumed_epoch_gives_the_same_boxes(tmp_path):
+    reader = _rectangles(tmp_path, shuffle=True)
+    pipe = ops.Pipeline([ops.RandomResizedCrop(48), ops.Flip()], label=None, boxes="boxes", per_box=("labels",))
+
+    def loader():
+        return headrace.Loader(reader, batch_size=2, pipeline=pipe, device="cpu", seed=11)
+
+    with loader().sync() as epochs:
+        whole = [(b.sample_keys, [x.tolist() for x in b["boxes"]]) for b in epochs]
+    first = loader()
+    with first.sync() as epochs:
+        for batch in epochs:
+            if batch.index == 1:
+                break
+        state = first.state_dict()
+    second = loader()
+    second.load_state_dict(state)
+    with second.sync() as epochs:
+        rest = [(b.sample_keys, [x.tolist() for x in b["boxes"]]) for b in epochs]
+    assert rest == whole[2:]
