@@ -27,9 +27,10 @@ from ._geometry import PlanBatch, plan_batch
 from ._limits import claimed_size
 from ._masks import follow_masks, read_mask
 from ._pipeline import Pipeline
-from ._random import uniforms
+from ._iou_crop import WINDOW_FIELD, choose_window, op_randoms
+from ._spec import RandomIoUCrop
 
-__all__ = ["Carried", "carried_columns", "read_carried", "rows_on_device"]
+__all__ = ["Carried", "carried_columns", "read_carried", "rows_on_device", "with_iou_window"]
 
 
 @dataclass(slots=True)
@@ -72,22 +73,33 @@ def _upright_size(sample: Sample, pipe: Pipeline, image: Any) -> tuple[int, int]
         opened.img.close()
 
 
-def plan_rows(pipe: Pipeline, seed: int, epoch: int, indices: Any, carried: list[Carried]) -> PlanBatch:
-    """The geometry both executors fold for these samples (sample indices ``indices``)."""
-    indices = np.asarray(indices, dtype=np.int64)
-    randoms = [
-        uniforms(seed, epoch, pos, indices, op.randoms) if op.randoms else None
-        for pos, op in enumerate(pipe.image_ops, start=1)
-    ]
+def with_iou_window(sample: Sample, pipe: Pipeline, carried: Carried, seed: int, epoch: int) -> Sample:
+    """For a pipeline that starts with ``RandomIoUCrop``: ``sample`` with its window chosen on its
+    boxes (a new Sample: the reader's stays as it was), and ``carried`` left with the boxes whose
+    centres the window holds."""
+    op = pipe.image_ops[0]
+    assert isinstance(op, RandomIoUCrop) and carried.boxes is not None
+    window, inside = choose_window(op, carried.height, carried.width, carried.boxes.boxes, seed, epoch, 1, sample.index)
+    if not inside.all():
+        carried.boxes = BoxFields(carried.boxes.boxes[inside],
+                                  {name: rows[inside] for name, rows in carried.boxes.per_box.items()})
+    return Sample(sample.key, {**sample.fields, WINDOW_FIELD: window}, sample.source, sample.index, sample.position)
+
+
+def plan_rows(pipe: Pipeline, seed: int, epoch: int, samples: list[Sample], carried: list[Carried]) -> PlanBatch:
+    """The geometry both executors fold for these samples."""
+    indices = np.fromiter((s.index for s in samples), dtype=np.int64, count=len(samples))
+    randoms = op_randoms(pipe.image_ops, seed, epoch, indices, samples)
     heights = np.array([c.height for c in carried], dtype=np.int64)
     widths = np.array([c.width for c in carried], dtype=np.int64)
     return plan_batch(heights, widths, pipe.image_ops, randoms)
 
 
-def carried_columns(pipe: Pipeline, seed: int, epoch: int, indices: Any, carried: list[Carried]) -> dict[str, Any]:
+def carried_columns(pipe: Pipeline, seed: int, epoch: int, samples: list[Sample], carried: list[Carried]
+                    ) -> dict[str, Any]:
     """The batch's columns of what moved with its images: ``boxes`` and the ``per_box`` fields (a
     tensor a row), ``mask`` (one tensor when the ops fix the output size, as the images, else a tensor a row)."""
-    plan = plan_rows(pipe, seed, epoch, indices, carried)
+    plan = plan_rows(pipe, seed, epoch, samples, carried)
     out: dict[str, Any] = {}
     if pipe.boxes is not None:
         out.update(follow_boxes(pipe, plan, [c.boxes for c in carried]))

@@ -17,7 +17,7 @@ import numpy as np
 from headrace._errors import ConfigError
 
 from ._gil import columns, zeros
-from ._spec import CenterCrop, Flip, Op, RandomCrop, RandomResize, RandomResizedCrop, Resize
+from ._spec import CenterCrop, Flip, Op, RandomCrop, RandomIoUCrop, RandomResize, RandomResizedCrop, Resize
 
 __all__ = ["PlanBatch", "check_foldable", "index_affine", "output_error", "output_pixels", "plan_batch", "roi_batch"]
 
@@ -125,9 +125,11 @@ def plan_batch(h: np.ndarray, w: np.ndarray, ops: tuple[Op, ...], randoms: list[
         elif isinstance(op, RandomResize):
             ch, cw = _random_resize_targets(op, ch, cw, u)
             resized = True
-        elif isinstance(op, (RandomResizedCrop, CenterCrop, RandomCrop)):
+        elif isinstance(op, (RandomResizedCrop, CenterCrop, RandomCrop, RandomIoUCrop)):
             if isinstance(op, RandomResizedCrop):
                 top, left, wh, ww = _rrc_windows(op, ch, cw, u)
+            elif isinstance(op, RandomIoUCrop):  # the window chosen on the boxes (``_iou_crop``)
+                top, left, wh, ww = (u[:, k].astype(np.int64) for k in range(4))
             elif isinstance(op, RandomCrop):
                 top, left, wh, ww = _random_windows(op, ch, cw, u)
             else:

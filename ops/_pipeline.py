@@ -22,6 +22,7 @@ from ._spec import (
     Normalize,
     Op,
     RandomCrop,
+    RandomIoUCrop,
     RandomResize,
     RandomResizedCrop,
     Resize,
@@ -30,7 +31,7 @@ from ._spec import (
 __all__ = ["IMAGE_EXTENSIONS", "Pipeline", "training", "validation"]
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "ppm", "pgm", "gif")
-_IMAGE_OPS = (Resize, RandomResize, CenterCrop, RandomCrop, RandomResizedCrop, Flip)
+_IMAGE_OPS = (Resize, RandomResize, CenterCrop, RandomCrop, RandomResizedCrop, RandomIoUCrop, Flip)
 
 
 class Pipeline:
@@ -166,7 +167,8 @@ class Pipeline:
     def core(self) -> Pipeline:
         """This pipeline's built-in part (its ops, image and label; no stages, no fields): what an
         image executor runs when ``_staged`` does the rest."""
-        return Pipeline(self.ops, image=self.image_fields, label=self.label_field, layout=self.layout)
+        # The boxes' name goes along: a RandomIoUCrop needs one, though only ``_staged`` reads them.
+        return Pipeline(self.ops, image=self.image_fields, label=self.label_field, layout=self.layout, boxes=self.boxes)
 
     @property
     def channels(self) -> int:
@@ -215,6 +217,12 @@ def _carried_fields(boxes: str | None, per_box: Sequence[str], mask: str | None,
             raise ConfigError(f"Pipeline: {what} must be a field name or None, got {name!r}")
     if isinstance(mask_fill, bool) or not isinstance(mask_fill, int) or not 0 <= mask_fill < 2**31:
         raise ConfigError(f"Pipeline: mask_fill must be an int >= 0, got {mask_fill!r}")
+    iou_crops = [i for i, op in enumerate(pipe.image_ops) if isinstance(op, RandomIoUCrop)]
+    if iou_crops and boxes is None:
+        raise ConfigError("Pipeline: RandomIoUCrop chooses its window by the boxes; name them (boxes=...)")
+    if iou_crops and iou_crops != [0]:
+        raise ConfigError("Pipeline: RandomIoUCrop comes first among the geometry ops, once (its window is "
+                          "chosen on the decoded image's boxes)")
     names = tuple(n for n in (boxes, *per_box, mask) if n is not None)
     if not names:
         return None, (), None, mask_fill

@@ -25,6 +25,7 @@ __all__ = [
     "Normalize",
     "Op",
     "RandomCrop",
+    "RandomIoUCrop",
     "RandomResize",
     "RandomResizedCrop",
     "Resize",
@@ -258,6 +259,54 @@ class RandomResize(Op):
     def largest(self, h: int, w: int) -> tuple[int, int]:
         """The largest output this op can make of an h x w image (for the pixel limits)."""
         return Resize(self.max_size - 1, max_size=self.max_side).target(h, w)
+
+    def output_size(self, size):
+        return None
+
+
+@dataclass(frozen=True)
+class RandomIoUCrop(Op):
+    """Crop a window chosen against the sample's boxes: SSD's crop (torchvision's ``RandomIoUCrop``,
+    DALI's ``fn.random_bbox_crop``). Needs ``Pipeline(boxes=)`` and comes first among the geometry ops.
+
+    Each sample draws an overlap from ``sampler_options`` (a value of 1 or more: the image as it
+    is), then tries up to ``trials`` windows whose sides are ``min_scale``..``max_scale`` of the
+    image's and whose aspect ratio is ``min_aspect_ratio``..``max_aspect_ratio``; a window is
+    taken when the centre of at least one box lies inside it and one of those boxes overlaps it
+    by at least that much (IoU). Boxes whose centres lie outside the window are dropped with their
+    ``per_box`` rows. Where no window passes, another overlap is drawn, at most ``draws`` times,
+    then the image stays whole (torchvision draws until one passes). The choice is the sample's
+    own, from (seed, epoch, op, sample index), the same on every path.
+    """
+
+    min_scale: float = 0.3
+    max_scale: float = 1.0
+    min_aspect_ratio: float = 0.5
+    max_aspect_ratio: float = 2.0
+    sampler_options: tuple[float, ...] = (0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 2.0)
+    trials: int = 40
+    draws: int = 50
+
+    def __post_init__(self) -> None:
+        lo, hi = _float2((self.min_scale, self.max_scale), "RandomIoUCrop: min_scale, max_scale")
+        if not 0 < lo <= hi <= 1:
+            raise ConfigError(f"RandomIoUCrop: scales must satisfy 0 < min_scale <= max_scale <= 1, got {lo}, {hi}")
+        alo, ahi = _float2((self.min_aspect_ratio, self.max_aspect_ratio), "RandomIoUCrop: aspect ratios")
+        if not 0 < alo <= ahi < math.inf:
+            raise ConfigError(f"RandomIoUCrop: aspect ratios must satisfy 0 < min <= max, got {alo}, {ahi}")
+        try:
+            options = tuple(float(v) for v in self.sampler_options)
+        except (TypeError, ValueError):
+            options = ()
+        if not options or not all(math.isfinite(v) and v >= 0 for v in options):
+            raise ConfigError(f"RandomIoUCrop: sampler_options must be numbers >= 0, got {self.sampler_options!r}")
+        for name in ("trials", "draws"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"RandomIoUCrop: {name} must be a positive int, got {value!r}")
+        object.__setattr__(self, "sampler_options", options)
+        for name, value in (("min_scale", lo), ("max_scale", hi), ("min_aspect_ratio", alo), ("max_aspect_ratio", ahi)):
+            object.__setattr__(self, name, value)
 
     def output_size(self, size):
         return None

@@ -28,11 +28,12 @@ from headrace._sample import Sample, SampleBatch
 
 from ._batch_stages import batch_extras, checked_batch, stage_rng
 from ._collate import collate, is_npy_field, load_npy
-from ._follow import Carried, carried_columns, read_carried, rows_on_device
+from ._follow import Carried, carried_columns, read_carried, rows_on_device, with_iou_window
 from ._results import Processed, image_field, read_failure, sample_label
 from ._pipeline import Pipeline
 from ._row_stages import filter_rows, keep_when_true, map_rows, row_arguments
 from ._stage_calls import StageCalls, stage_failure
+from ._spec import RandomIoUCrop
 from ._stages import Filter, MapBatch, SampleStage
 
 __all__ = ["StagedExecutor"]
@@ -79,8 +80,8 @@ class StagedExecutor:
         alive = await self._before(batch, samples, failures, dropped)
         carried: dict[int, Carried] = {}
         if pipe.carries and alive:  # read and checked before decoding: a bad one fails its sample here
-            await self._calls.in_threads(alive, lambda i: carried.__setitem__(
-                i, read_carried(samples[i], pipe, image_field(samples[i], pipe.image_fields))), None, samples, failures)
+            await self._calls.in_threads(alive, lambda i: self._carry(samples, i, carried, batch.epoch), None,
+                                         samples, failures)
             alive = [i for i in alive if i not in failures]
         ready = None
         if not alive:
@@ -99,8 +100,7 @@ class StagedExecutor:
                     columns, ready = await self._calls.call_on_stream(data, ready, lambda: _on_device(columns, self.device))
                 data.update(columns)
             if pipe.carries and kept:
-                indices = [samples[i].index for i in kept]
-                moved = await self._calls.call(carried_columns, pipe, self.seed, batch.epoch, indices,
+                moved = await self._calls.call(carried_columns, pipe, self.seed, batch.epoch, [samples[i] for i in kept],
                                                [carried[i] for i in kept])
                 if self._cuda:
                     moved, ready = await self._calls.call_on_stream(data, ready, lambda: rows_on_device(moved, self.device))
@@ -151,6 +151,14 @@ class StagedExecutor:
                     failures[i] = _sample_error(TransformError, samples[i], f"sample has no {missing[0]!r} field (Pipeline "
                                                 f"fields={pipe.fields!r}; it has {', '.join(samples[i].fields) or 'none'})")
         return [i for i in rows if i not in failures]
+
+    def _carry(self, samples: list[Sample], i: int, carried: dict[int, Carried], epoch: int) -> None:
+        """Sample ``i``'s boxes and mask read before decoding (``_follow``); with a ``RandomIoUCrop``,
+        its window chosen on them and put in the sample for the image executor."""
+        pipe = self.pipeline
+        carried[i] = read_carried(samples[i], pipe, image_field(samples[i], pipe.image_fields))
+        if pipe.image_ops and isinstance(pipe.image_ops[0], RandomIoUCrop):
+            samples[i] = with_iou_window(samples[i], pipe, carried[i], self.seed, epoch)
 
     def _extras(self, stage: SampleStage, batch: SampleBatch, position: int, sample: Sample) -> dict[str, Any]:
         """The keyword arguments a Map's or Filter's function asked for by name: ``rng``, ``key``, ``index``."""

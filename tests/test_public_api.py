@@ -97,6 +97,7 @@ PUBLIC = {
         "PostOp",
         "Processed",
         "RandomCrop",
+        "RandomIoUCrop",
         "RandomResize",
         "RandomResizedCrop",
         "Resize",

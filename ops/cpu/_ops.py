@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .._spec import CenterCrop, Flip, Op, RandomCrop, RandomResize, RandomResizedCrop, Resize
+from .._spec import CenterCrop, Flip, Op, RandomCrop, RandomIoUCrop, RandomResize, RandomResizedCrop, Resize
 
 __all__ = ["after_leading_window", "apply_image_ops", "center_crop", "leading_window", "resize"]
 
@@ -54,6 +54,8 @@ def leading_window(ops: tuple[Op, ...], h: int, w: int, u: np.ndarray | None) ->
     op = ops[0]
     if isinstance(op, RandomResizedCrop):
         return op.window(h, w, u)
+    if isinstance(op, RandomIoUCrop):
+        return _given_window(u)
     if isinstance(op, (CenterCrop, RandomCrop)):
         top, left, ch, cw = op.window(h, w) if isinstance(op, CenterCrop) else op.window(h, w, u)
         if top >= 0 and left >= 0 and top + ch <= h and left + cw <= w:
@@ -61,8 +63,14 @@ def leading_window(ops: tuple[Op, ...], h: int, w: int, u: np.ndarray | None) ->
     return None
 
 
+def _given_window(u: np.ndarray) -> tuple[int, int, int, int]:
+    """A RandomIoUCrop's window, chosen before decoding and handed over as its numbers."""
+    top, left, ch, cw = (int(v) for v in u[:4])
+    return top, left, ch, cw
+
+
 def after_leading_window(x: torch.Tensor, op: Op) -> torch.Tensor:
-    """What the first op does to its own window: RandomResizedCrop resizes it; CenterCrop and RandomCrop are done."""
+    """What the first op does to its own window: RandomResizedCrop resizes it; the other crops are done."""
     return resize(x, *op.size) if isinstance(op, RandomResizedCrop) else x
 
 
@@ -79,6 +87,8 @@ def apply_image_ops(x: torch.Tensor, ops: tuple[Op, ...], randoms: list[np.ndarr
             x = resize(x, *op.target(h, w, u))
         elif isinstance(op, RandomCrop):
             x = center_crop(x, *op.window(h, w, u))
+        elif isinstance(op, RandomIoUCrop):
+            x = center_crop(x, *_given_window(u))
         elif isinstance(op, RandomResizedCrop):
             top, left, ch, cw = op.window(h, w, u)
             x = resize(x[top : top + ch, left : left + cw], *op.size)

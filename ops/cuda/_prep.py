@@ -40,7 +40,7 @@ from .._geometry import output_error, output_pixels, plan_batch, roi_batch
 from .._gil import columns, zeros
 from .._limits import MAX_SIDE, ByteBudget, pixel_error, too_few_bits
 from .._pipeline import Pipeline
-from .._random import uniforms
+from .._iou_crop import op_randoms
 from .._results import check_fields, image_field, read_failure, sample_label
 
 __all__ = ["PillowThreads", "Prepared", "cut_short", "kernel_tables", "lane_budget", "parts", "prepare", "too_short"]
@@ -212,10 +212,7 @@ def _plan(batch, pipe, seed, rows, data, labels, failures, token, info, recycle,
     kept = np.flatnonzero(alive)
     # Geometry for the whole batch at once, keyed on each sample's index.
     indices = np.fromiter((samples[rows[i]].index for i in kept.tolist()), dtype=np.int64, count=len(kept))
-    randoms = [
-        uniforms(seed, batch.epoch, pos, indices, op.randoms) if op.randoms else None
-        for pos, op in enumerate(pipe.image_ops, start=1)
-    ]
+    randoms = op_randoms(pipe.image_ops, seed, batch.epoch, indices, [samples[rows[i]] for i in kept.tolist()])
     heights, widths = heights[kept], widths[kept]
     plans = plan_batch(heights, widths, pipe.image_ops, randoms)
     regions = roi_batch(plans, heights, widths, np.int32)

@@ -104,3 +104,14 @@ def test_masks_on_the_gpu_equal_the_cpu_paths(tmp_path):
         assert len(masks) == len(SIZES)
         for gpu, cpu in masks.values():
             assert torch.equal(gpu, cpu)
+
+
+def test_an_iou_crop_on_the_gpu_equals_the_cpu_paths(rectangles):
+    pipe_ops = [ops.RandomIoUCrop(sampler_options=(0.1, 0.3, 0.5)), ops.Resize((64, 64)), ops.Flip(0.5)]
+    gpu = _epoch(rectangles, pipe_ops, "cuda")
+    cpu = _epoch(rectangles, pipe_ops, "cpu")
+    for (keys, images, boxes, _), (cpu_keys, cpu_images, cpu_boxes, _) in zip(gpu, cpu):
+        assert keys == cpu_keys
+        for image, cpu_image, b, c in zip(images, cpu_images, boxes, cpu_boxes):
+            assert torch.equal(b, c)  # the window chosen once, on the host, for both
+            assert (image.float() - cpu_image.float()).abs().mean() < 2  # the same crop (JPEG decoders differ a little)

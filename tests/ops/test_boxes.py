@@ -258,3 +258,74 @@ def test_a_resumed_epoch_gives_the_same_boxes(tmp_path):
     with second.sync() as epochs:
         rest = [(b.sample_keys, [x.tolist() for x in b["boxes"]]) for b in epochs]
     assert rest == whole[2:]
+
+
+# --- RandomIoUCrop ----------------------------------------------------------------------------------
+
+
+def _iou(box, window):
+    x0, y0, x1, y1 = box
+    top, left, h, w = window
+    iw = max(0.0, min(x1, left + w) - max(x0, left))
+    ih = max(0.0, min(y1, top + h) - max(y0, top))
+    inter = iw * ih
+    return inter / ((x1 - x0) * (y1 - y0) + w * h - inter)
+
+
+def test_an_iou_window_holds_a_box_centre_and_overlaps_it_enough():
+    from headrace.ops._iou_crop import choose_window
+
+    rng = np.random.default_rng(4)
+    op = ops.RandomIoUCrop(sampler_options=(0.5,), trials=50)  # no "as it is": every window must pass
+    taken = 0
+    for index in range(60):
+        h, w = int(rng.integers(60, 300)), int(rng.integers(60, 300))
+        x0, y0 = rng.uniform(0, w - 20, 3), rng.uniform(0, h - 20, 3)
+        boxes = np.stack([x0, y0, np.minimum(x0 + rng.uniform(10, 120, 3), w), np.minimum(y0 + rng.uniform(10, 120, 3), h)], 1)
+        window, inside = choose_window(op, h, w, boxes, 7, 0, 1, index)
+        top, left, wh, ww = window
+        assert 0 <= top and 0 <= left and top + wh <= h and left + ww <= w
+        again = choose_window(op, h, w, boxes, 7, 0, 1, index)  # the sample's own: the same every time
+        assert again[0] == window and again[1].tolist() == inside.tolist()
+        if window == (0, 0, h, w) and inside.all():
+            continue  # none passed within the draws: the image as it is
+        taken += 1
+        cx, cy = (boxes[:, 0] + boxes[:, 2]) / 2, (boxes[:, 1] + boxes[:, 3]) / 2
+        assert inside.tolist() == ((left < cx) & (cx < left + ww) & (top < cy) & (cy < top + wh)).tolist()
+        assert max(_iou(b, window) for b in boxes[inside]) >= 0.5
+        assert 0.5 <= ww / wh <= 2.0 and 0.3 * w - 1 <= ww <= w and 0.3 * h - 1 <= wh <= h
+    assert taken > 40
+
+
+def test_an_iou_crop_without_a_pass_keeps_the_image():
+    from headrace.ops._iou_crop import choose_window
+
+    whole = choose_window(ops.RandomIoUCrop(sampler_options=(2.0,)), 50, 80, np.zeros((1, 4)) + [1, 1, 9, 9], 0, 0, 1, 0)
+    assert whole[0] == (0, 0, 50, 80) and whole[1].tolist() == [True]
+    none = choose_window(ops.RandomIoUCrop(sampler_options=(0.9,), draws=3), 50, 80, np.zeros((0, 4)), 0, 0, 1, 0)
+    assert none[0] == (0, 0, 50, 80)
+
+
+def test_boxes_follow_the_pixels_through_an_iou_crop(tmp_path):
+    reader = _rectangles(tmp_path)
+    pipe_ops = [ops.RandomIoUCrop(sampler_options=(0.1, 0.3, 0.5)), ops.Resize((64, 64)), ops.Flip(0.5)]
+    rows = 0
+    for seed in (1, 2, 3):
+        for batch in _batches(reader, pipe_ops, seed=seed):
+            assert tuple(batch["image"].shape[1:]) == (64, 64, 3)
+            for image, boxes in zip(batch["image"], batch["boxes"]):
+                if len(boxes):  # a box whose centre the window holds: it frames the white pixels
+                    np.testing.assert_allclose(boxes[0].numpy(), _white(image), atol=1.0)
+                    rows += 1
+    assert rows >= len(SIZES)
+
+
+def test_an_iou_crop_needs_boxes_and_comes_first():
+    with pytest.raises(ConfigError, match="name them"):
+        ops.Pipeline([ops.RandomIoUCrop()])
+    with pytest.raises(ConfigError, match="comes first"):
+        ops.Pipeline([ops.Resize(30), ops.RandomIoUCrop()], boxes="boxes")
+    for kwargs in ({"min_scale": 0}, {"min_aspect_ratio": 3, "max_aspect_ratio": 2}, {"sampler_options": ()},
+                   {"sampler_options": (-1,)}, {"trials": 0}, {"draws": 1.5}):
+        with pytest.raises(ConfigError, match="RandomIoUCrop"):
+            ops.RandomIoUCrop(**kwargs)
