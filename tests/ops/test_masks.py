@@ -69,7 +69,7 @@ PIPELINES = {
     "resize only": [ops.Resize(50)],
     "scale, random crop": [ops.RandomResize(60, 120), ops.RandomCrop(64), ops.Flip(0.5)],
     "letterbox": [ops.Resize(None, max_size=90), ops.CenterCrop(90), ops.Flip(1.0)],
-    "upscale": [ops.Resize(300)],
+    "upscale": [ops.Resize(120)],
 }
 
 
