@@ -15,7 +15,23 @@ import numpy as np
 from PIL import Image
 
 __all__ = ["frame_index", "jpeg_bytes", "make_folder", "make_video", "recordio_record", "tar_bytes", "video_batches",
-           "write_recordio"]
+           "white_rectangles", "write_recordio"]
+
+
+def white_rectangles(folder: Path, sizes: list[tuple[int, int]], fmt: str = "png") -> tuple[list[str], list[dict]]:
+    """One image per (height, width), black with one white rectangle at a random place, written to
+    ``folder/<i>.<fmt>``; and each one's fields: its box (x0, y0, x1, y1) and a label, ``i``."""
+    rng = np.random.default_rng(1)
+    paths, extra = [], []
+    for i, (h, w) in enumerate(sizes):
+        x0, y0 = int(rng.integers(0, w // 2)), int(rng.integers(0, h // 2))
+        x1, y1 = int(rng.integers(x0 + 12, w + 1)), int(rng.integers(y0 + 12, h + 1))
+        pixels = np.zeros((h, w, 3), np.uint8)
+        pixels[y0:y1, x0:x1] = 255
+        Image.fromarray(pixels).save(folder / f"{i}.{fmt}", quality=95)
+        paths.append(str(folder / f"{i}.{fmt}"))
+        extra.append({"boxes": np.array([[x0, y0, x1, y1]], np.float32), "labels": np.array([i])})
+    return paths, extra
 
 
 def jpeg_bytes(rng: np.random.Generator, h: int, w: int, quality: int = 90) -> bytes:

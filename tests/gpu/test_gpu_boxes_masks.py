@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from sample_data import white_rectangles
 
 import headrace
 from headrace import datasets, ops, readers
@@ -26,16 +27,7 @@ PIPELINES = {
 
 @pytest.fixture
 def rectangles(tmp_path):
-    rng = np.random.default_rng(1)
-    paths, extra = [], []
-    for i, (h, w) in enumerate(SIZES):
-        x0, y0 = int(rng.integers(0, w // 2)), int(rng.integers(0, h // 2))
-        x1, y1 = int(rng.integers(x0 + 12, w + 1)), int(rng.integers(y0 + 12, h + 1))
-        pixels = np.zeros((h, w, 3), np.uint8)
-        pixels[y0:y1, x0:x1] = 255
-        Image.fromarray(pixels).save(tmp_path / f"{i}.jpg", quality=95)  # JPEGs: the GPU's own decoders
-        paths.append(str(tmp_path / f"{i}.jpg"))
-        extra.append({"boxes": np.array([[x0, y0, x1, y1]], np.float32), "labels": np.array([i])})
+    paths, extra = white_rectangles(tmp_path, SIZES, "jpg")  # JPEGs: the GPU's own decoders
     return readers.FileReader(paths, None, extra=extra)
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from sample_data import white_rectangles
 
 import headrace
 from headrace import ConfigError, LoaderError, TransformError, ops, readers
@@ -18,17 +19,7 @@ SIZES = [(120, 90), (64, 200), (150, 150), (81, 47), (200, 130), (96, 96), (140,
 
 def _rectangles(tmp_path, sizes=SIZES, fmt="png", **reader_options):
     """One image per size, black with one white rectangle; the reader's samples carry its box."""
-    rng = np.random.default_rng(1)
-    paths, extra = [], []
-    for i, (h, w) in enumerate(sizes):
-        x0, y0 = int(rng.integers(0, w // 2)), int(rng.integers(0, h // 2))
-        x1, y1 = int(rng.integers(x0 + 12, w + 1)), int(rng.integers(y0 + 12, h + 1))
-        pixels = np.zeros((h, w, 3), np.uint8)
-        pixels[y0:y1, x0:x1] = 255
-        path = tmp_path / f"{i}.{fmt}"
-        Image.fromarray(pixels).save(path, quality=95)
-        paths.append(str(path))
-        extra.append({"boxes": np.array([[x0, y0, x1, y1]], np.float32), "labels": np.array([i])})
+    paths, extra = white_rectangles(tmp_path, sizes, fmt)
     return readers.FileReader(paths, None, extra=extra, **reader_options)
 
 
