@@ -38,35 +38,35 @@ def op_randoms(ops: tuple[Op, ...], seed: int, epoch: int, indices: np.ndarray, 
 def choose_window(op: RandomIoUCrop, height: int, width: int, boxes: np.ndarray, seed: int, epoch: int,
                   position: int, index: int) -> tuple[tuple[int, int, int, int], np.ndarray]:
     """The sample's window ``(top, left, height, width)`` (the whole image when none is taken) and
-    which of its boxes (x0, y0, x1, y1) stay: those whose centres lie inside it."""
+    which of its boxes (x0, y0, x1, y1) stay: those whose centres lie inside it.
+
+    torchvision's search, its trials for one drawn overlap tried all at once (the first that passes
+    is taken): one array pass a draw rather than a Python loop a trial, which cost ~580 µs a sample
+    on the VM (1-6 boxes, ImageNet-sized images)."""
     rng = stage_rng(seed, epoch, position, index)
     whole = ((0, 0, height, width), np.ones(len(boxes), dtype=bool))
-    cx, cy = (boxes[:, 0] + boxes[:, 2]) / 2, (boxes[:, 1] + boxes[:, 3]) / 2
-    area = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
+    x0, y0, x1, y1 = (boxes[:, k][None, :] for k in range(4))  # (1, N): against every trial at once
+    cx, cy = (x0 + x1) / 2, (y0 + y1) / 2
+    area = (x1 - x0) * (y1 - y0)
     options = op.sampler_options
     for _ in range(op.draws):
         overlap = options[int(rng.integers(len(options)))]
         if overlap >= 1.0:
             return whole
-        for _ in range(op.trials):
-            r = op.min_scale + (op.max_scale - op.min_scale) * rng.random(2)
-            new_w, new_h = int(width * r[0]), int(height * r[1])
-            if new_h == 0 or not op.min_aspect_ratio <= new_w / new_h <= op.max_aspect_ratio:
-                continue
-            r = rng.random(2)
-            left, top = int((width - new_w) * r[0]), int((height - new_h) * r[1])
-            right, bottom = left + new_w, top + new_h
-            if left == right or top == bottom:
-                continue
-            inside = (left < cx) & (cx < right) & (top < cy) & (cy < bottom)
-            if not inside.any():
-                continue
-            b = boxes[inside]
-            iw = np.clip(np.minimum(b[:, 2], right) - np.maximum(b[:, 0], left), 0, None)
-            ih = np.clip(np.minimum(b[:, 3], bottom) - np.maximum(b[:, 1], top), 0, None)
-            inter = iw * ih
-            iou = inter / (area[inside] + new_w * new_h - inter)
-            if iou.max() < overlap:
-                continue
-            return (top, left, new_h, new_w), inside
+        scale = op.min_scale + (op.max_scale - op.min_scale) * rng.random((op.trials, 2))
+        new_w, new_h = (width * scale[:, 0]).astype(np.int64), (height * scale[:, 1]).astype(np.int64)
+        aspect = new_w / np.maximum(new_h, 1)
+        ok = (new_h > 0) & (op.min_aspect_ratio <= aspect) & (aspect <= op.max_aspect_ratio)
+        place = rng.random((op.trials, 2))
+        left, top = ((width - new_w) * place[:, 0]).astype(np.int64), ((height - new_h) * place[:, 1]).astype(np.int64)
+        right, bottom = left + new_w, top + new_h
+        ok &= (left != right) & (top != bottom)
+        l, t, r, b = left[:, None], top[:, None], right[:, None], bottom[:, None]
+        inside = (l < cx) & (cx < r) & (t < cy) & (cy < b)  # (trials, N)
+        inter = np.clip(np.minimum(x1, r) - np.maximum(x0, l), 0, None) * np.clip(np.minimum(y1, b) - np.maximum(y0, t), 0, None)
+        iou = np.where(inside, inter / (area + (new_w * new_h)[:, None] - inter), -1.0)
+        ok &= inside.any(axis=1) & (iou.max(axis=1, initial=-1.0) >= overlap)
+        if ok.any():
+            k = int(np.argmax(ok))
+            return (int(top[k]), int(left[k]), int(new_h[k]), int(new_w[k])), inside[k]
     return whole
