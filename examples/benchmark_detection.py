@@ -159,7 +159,12 @@ def main() -> None:
     ap.add_argument("--device", default="auto", help="the headrace rows' Loader(device=)")
     ap.add_argument("--dali-threads", default="", help="also run DALI's SSD pipeline with these thread counts")
     ap.add_argument("--out", default=None, help="JSON results (default examples/results/detection-DATE.json)")
+    ap.add_argument("--photos", default=None, help="an .npz of photographs (for machines without scikit-image)")
     args = ap.parse_args()
+    if args.photos:  # as benchmark_gpu.py: the GPU machine has no scikit-image
+        with np.load(args.photos) as z:
+            photos = [z[k] for k in z.files]
+        datasets.photographs = lambda: photos
 
     images, annotations = make_set(ROOT / ".data" / f"bench-detection-{args.images}", args.images)
     cuda = args.device != "cpu" and torch.cuda.is_available()
