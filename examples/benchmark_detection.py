@@ -101,12 +101,13 @@ def dali_epochs(images: Path, annotations: Path, batch: int, threads: int):
         decoded = fn.resize(decoded, resize_x=300, resize_y=300)
         decoded = fn.crop_mirror_normalize(decoded, dtype=types.FLOAT16, output_layout="CHW", mean=mean, std=std,
                                            mirror=flip)
-        return decoded, bboxes.gpu(), labels.gpu()
+        # Padded to the batch's most boxes (-1 rows), as DALI's iterator hands out dense tensors only.
+        return decoded, fn.pad(bboxes, fill_value=-1).gpu(), fn.pad(labels, fill_value=-1).gpu()
 
     p = pipe(batch_size=batch, num_threads=threads, device_id=torch.cuda.current_device(), seed=0)
     p.build()
     it = DALIGenericIterator(p, ["image", "boxes", "labels"], reader_name="Reader",
-                             last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True, dynamic_shape=True)
+                             last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True)
 
     def epoch() -> int:
         return sum(out[0]["image"].shape[0] for out in it)
