@@ -110,16 +110,17 @@ def carried_columns(pipe: Pipeline, seed: int, epoch: int, samples: list[Sample]
 
 def rows_on_device(columns: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """Each column copied to ``device`` in one transfer: a tensor as it is, a list of tensors (a row
-    each) as one flat copy handed out as views of it, since a copy a row would cost a pinned buffer
-    and a transfer for each few dozen bytes."""
+    each) as one flat copy handed out as views of it, since a copy a row would cost a transfer for
+    each few dozen bytes. From pageable memory: pinning a fresh buffer each batch costs more than
+    these copies (``StageCalls.copied_beside`` issues them where nothing makes them wait)."""
     out = {}
     for name, column in columns.items():
         if isinstance(column, torch.Tensor):
-            out[name] = column.pin_memory().to(device, non_blocking=True)
+            out[name] = column.to(device, non_blocking=True)
         elif not column:
             out[name] = column
         else:
-            flat = torch.cat([row.reshape(-1) for row in column]).pin_memory().to(device, non_blocking=True)
+            flat = torch.cat([row.reshape(-1) for row in column]).to(device, non_blocking=True)
             parts = flat.split([row.numel() for row in column])
             out[name] = [part.view(row.shape) for part, row in zip(parts, column)]
     return out

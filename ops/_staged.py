@@ -96,14 +96,16 @@ class StagedExecutor:
             if pipe.fields and kept:  # batched in a thread: arrays may be large, the loop's time is not
                 columns = await self._calls.call(
                     lambda: {n: collate([samples[i].fields[n] for i in kept]) for n in pipe.fields})
-                if self._cuda:  # copied on the stage stream, after the lane: one event covers both
-                    columns, ready = await self._calls.call_on_stream(data, ready, lambda: _on_device(columns, self.device))
+                if self._cuda:  # copied beside the lane (the host's data): one event covers both
+                    columns, ready = await self._calls.call(self._calls.copied_beside, data, ready,
+                                                            lambda: _on_device(columns, self.device))
                 data.update(columns)
             if pipe.carries and kept:
                 moved = await self._calls.call(carried_columns, pipe, self.seed, batch.epoch, [samples[i] for i in kept],
                                                [carried[i] for i in kept])
-                if self._cuda:
-                    moved, ready = await self._calls.call_on_stream(data, ready, lambda: rows_on_device(moved, self.device))
+                if self._cuda:  # the copy does not wait for the lane's kernels: it is the host's data
+                    moved, ready = await self._calls.call(self._calls.copied_beside, data, ready,
+                                                          lambda: rows_on_device(moved, self.device))
                 data.update(moved)
         else:
             data, kept, ready = await self._calls.call(self._collate_fields, samples, alive, failures)
@@ -286,7 +288,7 @@ def _on_device(columns: dict[str, Any], device: torch.device) -> dict[str, Any]:
 
 def _copied(value: Any, device: torch.device) -> Any:
     if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True) if value.is_cuda else value.pin_memory().to(device, non_blocking=True)
+        return value.to(device, non_blocking=True)  # pageable: pinning a fresh buffer a batch costs more
     if isinstance(value, list) and value and all(isinstance(v, torch.Tensor) for v in value):
         return [_copied(v, device) for v in value]
     return value
