@@ -26,8 +26,7 @@ import contextlib
 import datetime
 import gc
 import json
-import statistics
-import time
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,9 @@ import torch
 
 import headrace
 from headrace import datasets, ops, readers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmark_gpu import bench_interleaved  # noqa: E402 - the rows side by side, one epoch each in turn
 
 ROOT = Path(__file__).resolve().parents[1]
 CATEGORIES = 5
@@ -120,38 +122,6 @@ def dali_epochs(images: Path, annotations: Path, batch: int, threads: int):
     return epoch, close
 
 
-def interleaved(rows: dict[str, Any], rounds: int, cuda: bool) -> dict[str, dict]:
-    """Each row's (run one epoch, close) pair made, one warm-up epoch each, then ``rounds`` rounds
-    of one epoch each, the order rotated every round."""
-    made: dict[str, tuple[Any, Any]] = {}
-    try:
-        for name, make in rows.items():
-            made[name] = make()
-        names = list(made)
-        for name in names:
-            made[name][0]()
-        rates: dict[str, list[float]] = {name: [] for name in names}
-        cores: dict[str, list[float]] = {name: [] for name in names}
-        for turn in range(rounds):
-            for name in names[turn % len(names):] + names[:turn % len(names)]:
-                if cuda:
-                    torch.cuda.synchronize()
-                start, cpu = time.perf_counter(), time.process_time()
-                n = made[name][0]()
-                if cuda:
-                    torch.cuda.synchronize()
-                wall = time.perf_counter() - start
-                rates[name].append(n / wall)
-                cores[name].append((time.process_time() - cpu) / wall)
-    finally:
-        for _, close in made.values():
-            close()
-    first = rates[names[0]]
-    return {name: {"images_per_s": statistics.median(v), "runs": [round(x) for x in v],
-                   "cores_busy": statistics.median(cores[name]),
-                   "paired_ratio": statistics.median(a / b for a, b in zip(v, first))} for name, v in rates.items()}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--images", type=int, default=8192)
@@ -175,7 +145,7 @@ def main() -> None:
     }
     for threads in filter(None, args.dali_threads.split(",")):
         rows[f"DALI (SSD, {threads} threads)"] = lambda t=int(threads): dali_epochs(images, annotations, args.batch, t)
-    results = interleaved(rows, args.epochs, cuda)
+    results = bench_interleaved(rows, args.epochs)
 
     device = torch.cuda.get_device_name() if cuda else "CPU"
     print(f"\n{args.images} images, batch {args.batch}, {args.epochs} rounds, {device}\n")

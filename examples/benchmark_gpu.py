@@ -180,6 +180,7 @@ def bench_interleaved(rows: dict[str, Any], epochs: int) -> dict:
     (run one epoch, close) pair: a headrace loader (``_headrace_epochs``) or a DALI pipeline
     (``_dali_epochs``). Cores busy are the process's CPU time over an epoch's wall time (the rows
     waiting their turn work only on what they prefetch: DALI's queue, headrace's run ahead)."""
+    cuda = torch.cuda.is_available()  # rows on the CPU path time without it (benchmark_detection.py --device cpu)
     made: dict[str, tuple[Any, Any]] = {}
     try:
         for name, make in rows.items():
@@ -193,11 +194,13 @@ def bench_interleaved(rows: dict[str, Any], epochs: int) -> dict:
         for turn in range(epochs):
             for name in names[turn % len(names):] + names[:turn % len(names)]:
                 threads = ThreadCpu()
-                torch.cuda.synchronize()
+                if cuda:
+                    torch.cuda.synchronize()
                 threads.start()
                 start, cpu = time.perf_counter(), time.process_time()
                 n = made[name][0]()
-                torch.cuda.synchronize()
+                if cuda:
+                    torch.cuda.synchronize()
                 wall = time.perf_counter() - start
                 rates[name].append(n / wall)
                 cores[name].append((time.process_time() - cpu) / wall)

@@ -28,7 +28,6 @@ from ._limits import claimed_size
 from ._masks import follow_masks, read_mask
 from ._pipeline import Pipeline
 from ._iou_crop import WINDOW_FIELD, choose_window, op_randoms
-from ._spec import RandomIoUCrop
 
 __all__ = ["Carried", "carried_columns", "read_carried", "rows_on_device", "with_iou_window"]
 
@@ -77,8 +76,8 @@ def with_iou_window(sample: Sample, pipe: Pipeline, carried: Carried, seed: int,
     """For a pipeline that starts with ``RandomIoUCrop``: ``sample`` with its window chosen on its
     boxes (a new Sample: the reader's stays as it was), and ``carried`` left with the boxes whose
     centres the window holds."""
-    op = pipe.image_ops[0]
-    assert isinstance(op, RandomIoUCrop) and carried.boxes is not None
+    op = pipe.iou_crop
+    assert op is not None and carried.boxes is not None
     window, inside = choose_window(op, carried.height, carried.width, carried.boxes.boxes, seed, epoch, 1, sample.index)
     if not inside.all():
         carried.boxes = BoxFields(carried.boxes.boxes[inside],

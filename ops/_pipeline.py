@@ -160,6 +160,12 @@ class Pipeline:
         return bool(self.stages or self.fields or self.carries or not self.has_image)
 
     @property
+    def iou_crop(self) -> RandomIoUCrop | None:
+        """The pipeline's ``RandomIoUCrop`` (first among the geometry ops when there is one), or None."""
+        first = self.image_ops[0] if self.image_ops else None
+        return first if isinstance(first, RandomIoUCrop) else None
+
+    @property
     def carries(self) -> bool:
         """Whether fields move with the image (``boxes``, ``mask``): ``_follow`` maps them."""
         return self.boxes is not None or self.mask is not None

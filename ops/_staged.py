@@ -33,7 +33,6 @@ from ._results import Processed, image_field, read_failure, sample_label
 from ._pipeline import Pipeline
 from ._row_stages import filter_rows, keep_when_true, map_rows, row_arguments
 from ._stage_calls import StageCalls, stage_failure
-from ._spec import RandomIoUCrop
 from ._stages import Filter, MapBatch, SampleStage
 
 __all__ = ["StagedExecutor"]
@@ -159,7 +158,7 @@ class StagedExecutor:
         its window chosen on them and put in the sample for the image executor."""
         pipe = self.pipeline
         carried[i] = read_carried(samples[i], pipe, image_field(samples[i], pipe.image_fields))
-        if pipe.image_ops and isinstance(pipe.image_ops[0], RandomIoUCrop):
+        if pipe.iou_crop is not None:
             samples[i] = with_iou_window(samples[i], pipe, carried[i], self.seed, epoch)
 
     def _extras(self, stage: SampleStage, batch: SampleBatch, position: int, sample: Sample) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import json
 import math
 import os
 import posixpath
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
