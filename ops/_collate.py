@@ -65,13 +65,24 @@ def collate(values: list[Any]) -> Any:
     if isinstance(first, np.ndarray):
         if first.dtype.kind not in "biufc":  # strings, objects: not a tensor
             return list(values)
-        tensors = [torch.from_numpy(np.ascontiguousarray(v)) for v in values]
+        tensors = [_tensor_of(v) for v in values]
         return _stack_or_list(tensors)
     if isinstance(first, np.generic) and first.dtype.kind in "biufc":
         return torch.from_numpy(np.asarray(values))
     if isinstance(first, torch.Tensor):
         return _stack_or_list(list(values))
     return list(values)
+
+
+def _tensor_of(array: np.ndarray) -> torch.Tensor:
+    """``array`` as a tensor, over its memory when it is writable, else over a copy."""
+    if not array.flags.writeable:
+        # A read-only array is memory its reader owns (COCO's boxes and labels, shared by every
+        # epoch's samples; np.frombuffer over a record): a tensor over it would let the batch write
+        # there (torch has no read-only tensors), and torch.from_numpy warns the user about it,
+        # noise about memory they never chose. The copy is the batch's own.
+        return torch.from_numpy(np.array(array, order="C"))
+    return torch.from_numpy(np.ascontiguousarray(array))
 
 
 def _stack_or_list(tensors: list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:

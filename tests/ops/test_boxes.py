@@ -157,6 +157,43 @@ def test_bad_boxes_fail_their_sample_named(tmp_path, case, leaks):
     assert loader.stats().dropped == 1 and loader.stats().errors == {"TransformError": 1}
 
 
+@pytest.mark.parametrize("pipe_ops", [[ops.Resize(16)], [ops.RandomIoUCrop(), ops.Resize((16, 16))]],
+                         ids=["resize", "iou crop"])
+def test_bad_boxes_among_good_ones_fail_alone(tmp_path, pipe_ops, leaks):
+    # A batch's boxes are read in one thread, a sample after another: each failure is its sample's
+    # alone, and the samples after it are read on.
+    names = ["bad0", "good1", "bad2", "good3", "good4"]
+    for name in names:
+        Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(tmp_path / f"{name}.png")
+    good = {"boxes": np.array([[8, 8, 24, 24]], np.float32), "labels": np.array([7])}
+    bad = {"boxes": np.zeros((1, 3)), "labels": np.array([7])}
+    extra = [bad if name.startswith("bad") else good for name in names]
+    reader = readers.FileReader([str(tmp_path / f"{name}.png") for name in names], None, extra=extra)
+    pipe = ops.Pipeline(pipe_ops, label=None, boxes="boxes", per_box=("labels",))
+    loader = headrace.Loader(reader, batch_size=5, pipeline=pipe, device="cpu", on_error="skip")
+    (batch,) = loader.sync()
+    assert batch.sample_keys == [str(tmp_path / name) for name in ("good1", "good3", "good4")]
+    assert [labels.tolist() for labels in batch["labels"]] == [[7], [7], [7]]
+    assert [boxes.shape for boxes in batch["boxes"]] == [(1, 4)] * 3
+    assert loader.stats().dropped == 2 and loader.stats().errors == {"TransformError": 2}
+
+
+def test_read_only_fields_batch_without_a_warning(tmp_path, recwarn):
+    # COCO's reader shares its arrays, read-only, between epochs: the batch copies them, and torch
+    # has nothing to warn the user about.
+    paths, extra = white_rectangles(tmp_path, SIZES[:4], "png")
+    for fields in extra:
+        fields["ids"] = fields["labels"].copy()
+        for value in fields.values():
+            value.flags.writeable = False
+    reader = readers.FileReader(paths, None, extra=extra)
+    pipe = ops.Pipeline([ops.Resize((40, 40))], label=None, boxes="boxes", per_box=("labels",), fields=("ids",))
+    batches = list(headrace.Loader(reader, batch_size=4, pipeline=pipe, device="cpu").sync())
+    assert [str(w.message) for w in recwarn] == []
+    assert [batch["ids"].tolist() for batch in batches] == [[[0], [1], [2], [3]]]
+    assert [labels.tolist() for labels in batches[0]["labels"]] == [[0], [1], [2], [3]]
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"ops": [ops.Flip(), ops.RandomResizedCrop(32)], "boxes": "boxes"}, "boxes and masks follow Flip only after"),
     ({"ops": [ops.Resize(32), ops.Rotate(10)], "boxes": "boxes"}, "cannot follow Rotate"),
