@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -199,9 +197,6 @@ class Loader:
         self.num_threads = args.num_threads
         self.progress = progress
         self._cursor = Cursor()  # where the next batch comes from
-        # ``state_dict()`` while the sync facade's consumer holds a batch and the next one is
-        # already taken from the epoch (``_sync``): the state after the consumer's batch.
-        self._handed_state: dict[str, Any] | None = None
         self._epochs = Epochs(self._cursor, LoaderStats(), self._make_executor, self._epoch_length,
                               reader=args.reader, batch_size=batch_size, last_batch=args.last_batch, seed=seed,
                               prefetch=args.prefetch, max_bytes=max_bytes, on_error=on_error,
@@ -229,7 +224,6 @@ class Loader:
         return self._aiter(run_ahead=self.run_ahead, progress=self.progress)
 
     def _aiter(self, *, run_ahead: bool, progress: bool) -> AsyncIterator[Batch]:
-        self._handed_state = None
         return self._epochs.iterate(run_ahead=run_ahead, progress=progress and self.rank == 0)
 
     async def aclose(self) -> None:
@@ -272,12 +266,6 @@ class Loader:
         spans in ``history``, if it resumed on another world size); in a job whose ranks step
         together they are the same on every rank.
         """
-        if self._handed_state is not None:  # the sync facade holds the next batch ready: not handed out yet
-            return copy.deepcopy(self._handed_state)
-        return self._cursor_state()
-
-    def _cursor_state(self) -> dict[str, Any]:
-        """The state after the last batch the epoch's iterator yielded."""
         cursor = self._cursor
         return {
             "version": STATE_VERSION,
@@ -304,7 +292,6 @@ class Loader:
         """
         if self._epochs.active is not None:
             raise LoaderError("cannot load state while an epoch is being iterated")
-        self._handed_state = None
         self._cursor.resume(resume_point(state, batch_size=self.batch_size, seed=self.seed, reader=self.reader,
                                          world=self.world))
 

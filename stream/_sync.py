@@ -1,35 +1,25 @@
 """The blocking facade: the same async loader, driven from a plain ``for`` loop.
 
-Each ``for`` runs one epoch on an event loop in a background thread (uvloop when installed);
-nothing is implemented twice. A task on that loop takes each batch from the epoch's async
-iterator one batch ahead of the consumer and leaves it where the consumer's thread picks it up
-without waiting on the loop (``_OneAhead``). Asking the loop for every batch
-(``run_coroutine_threadsafe``, as before) cost two thread wake-ups a batch, each of which waits
-for the GIL, up to the switch interval (5 ms) while the decode threads run Python: at batch 64
-that capped the H200's consumer at ~13k images/s. The loader's ``state_dict()`` still says where
-the consumer is (after the batch it holds), not where the iterator is.
-
-Inside ``with loader.sync() as epochs:`` one loop thread serves every epoch until the block
-ends, so the loader runs ahead into the next epoch (``Loader(run_ahead=...)``) while your code
-works between epochs, as DALI's pipeline does. A bare ``for batch in loader.sync():`` has no owner
-to end such a thread, so each of its epochs has a loop of its own and does not run ahead: work
-started on that loop could not outlive it. Leaving the loop early, or an exception
-(KeyboardInterrupt included) in the consumer, stops the task and closes the async iterator on its
-loop, which stops the pipeline (and the work ahead); the batch taken ahead is dropped. An epoch's
-iterator still held when the next ``iter()`` starts, or at ``close()``, is closed first the same
-way: trainers (Lightning's fetcher) may keep the last one after leaving it early.
+Each ``for`` runs one epoch on an event loop in a background thread (uvloop when installed) and
+hands batches over with ``run_coroutine_threadsafe``; nothing is implemented twice. Inside
+``with loader.sync() as epochs:`` one loop thread serves every epoch until the block ends, so the
+loader runs ahead into the next epoch (``Loader(run_ahead=...)``) while your code works between
+epochs, as DALI's pipeline does. A bare ``for batch in loader.sync():`` has no owner to end such a
+thread, so each of its epochs has a loop of its own and does not run ahead: work started on that
+loop could not outlive it. Leaving the loop early, or an exception (KeyboardInterrupt included) in
+the consumer, closes the async iterator on its loop, which stops the pipeline (and the work ahead).
+An epoch's iterator still held when the next ``iter()`` starts, or at ``close()``, is closed first
+the same way: trainers (Lightning's fetcher) may keep the last one after leaving it early.
 """
 
 from __future__ import annotations
 
 import asyncio
-import queue
 import threading
 import weakref
 from collections.abc import Generator, Iterator
 from typing import TYPE_CHECKING, Any
 
-from ._errors import ClosedError
 from ._loop import new_event_loop
 
 if TYPE_CHECKING:
@@ -118,95 +108,26 @@ class SyncLoader:
     def _epoch(self) -> Generator[Batch, None, None]:
         driver = self._driver or _LoopThread()
         loop = driver.loop
-        loader = self.loader
         try:
-            run_ahead = driver is self._driver and loader.run_ahead
-            agen = driver.run(_start(loader, self.progress, run_ahead))
-            ahead = _OneAhead(loader, agen, loop)
-            driver.run(ahead.start())
+            run_ahead = driver is self._driver and self.loader.run_ahead
+            agen = driver.run(_start(self.loader, self.progress, run_ahead))
             try:
                 while True:
-                    batch, state = ahead.take()
-                    if batch is None:  # the epoch's end
-                        loader._handed_state = None
+                    future = asyncio.run_coroutine_threadsafe(agen.__anext__(), loop)
+                    try:
+                        batch = future.result()
+                    except StopAsyncIteration:
                         return
-                    loader._handed_state = state
+                    except BaseException:
+                        future.cancel()
+                        raise
                     batch.handoff()  # order this thread's CUDA stream after the lane (no-op on the CPU)
                     yield batch
             finally:
-                driver.run(ahead.aclose())
+                driver.run(agen.aclose())
         finally:
             if driver is not self._driver:  # an epoch's own loop ends with it
                 driver.stop()
-
-
-class _OneAhead:
-    """Takes an epoch's batches from its async iterator on ``loop``, each once the consumer has
-    taken the one before, so the next batch is usually waiting when the consumer's thread asks.
-
-    Each batch goes with the loader's state right after the iterator yielded it: the state the
-    consumer holds with that batch (``Loader.state_dict``). An error from the iterator reaches the
-    consumer after the batches before it, as it would have without running ahead.
-    """
-
-    def __init__(self, loader: Loader, agen: Any, loop: asyncio.AbstractEventLoop) -> None:
-        self.loader, self.agen, self.loop = loader, agen, loop
-        # (batch or None at the end, state) or (exception, None). A C queue: its ``get`` waits with
-        # the GIL let go and wakes once, where a ``threading.Condition`` wakes on its lock too.
-        self._ready: queue.SimpleQueue[tuple[Any, Any]] = queue.SimpleQueue()
-        self._space: asyncio.Event | None = None  # set on the loop when the consumer took the batch
-        self._task: asyncio.Task[None] | None = None
-
-    async def start(self) -> None:
-        self._space = asyncio.Event()
-        self._space.set()
-        self._task = asyncio.get_running_loop().create_task(self._run())
-
-    async def _run(self) -> None:
-        assert self._space is not None
-        while True:
-            await self._space.wait()  # at most one batch ahead: its memory is the only extra
-            self._space.clear()
-            try:
-                batch = await self.agen.__anext__()
-            except StopAsyncIteration:
-                self._put((None, None))
-                return
-            except asyncio.CancelledError:  # ``aclose`` (nobody waits then) or the loop going away
-                self._put((ClosedError("the loader's loop stopped before the epoch ended"), None))
-                raise
-            except BaseException as exc:  # the consumer's to raise, in order
-                self._put((exc, None))
-                return
-            self._put((batch, self.loader._cursor_state()))
-
-    def _put(self, item: tuple[Any, Any]) -> None:
-        self._ready.put(item)
-
-    def take(self) -> tuple[Any, Any]:
-        """Consumer's thread: the next (batch, state), (None, None) at the end; raises the
-        iterator's error."""
-        item, state = self._ready.get()
-        if isinstance(item, BaseException):
-            self.loader._handed_state = None  # the loader's own state, as the error left it
-            raise item
-        if item is not None:
-            assert self._space is not None
-            self.loop.call_soon_threadsafe(self._space.set)  # no wait: the loop fetches the next meanwhile
-        return item, state
-
-    async def aclose(self) -> None:
-        """Stop taking batches (one taken ahead is dropped) and close the iterator."""
-        task = self._task
-        if task is not None and not task.done():
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                current = asyncio.current_task()
-                if current is not None and current.cancelling():
-                    raise
-        await self.agen.aclose()
 
 
 async def _start(loader: Loader, progress: bool, run_ahead: bool):
