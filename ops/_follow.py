@@ -27,9 +27,9 @@ from ._geometry import PlanBatch, plan_batch
 from ._limits import claimed_size
 from ._masks import follow_masks, read_mask
 from ._pipeline import Pipeline
-from ._iou_crop import WINDOW_FIELD, choose_window, op_randoms
+from ._iou_crop import WINDOW_FIELD, choose_windows, op_randoms
 
-__all__ = ["Carried", "carried_columns", "read_carried", "rows_on_device", "with_iou_window"]
+__all__ = ["Carried", "carried_columns", "read_carried", "rows_on_device", "with_iou_windows"]
 
 
 @dataclass(slots=True)
@@ -72,17 +72,28 @@ def _upright_size(sample: Sample, pipe: Pipeline, image: Any) -> tuple[int, int]
         opened.img.close()
 
 
-def with_iou_window(sample: Sample, pipe: Pipeline, carried: Carried, seed: int, epoch: int) -> Sample:
-    """For a pipeline that starts with ``RandomIoUCrop``: ``sample`` with its window chosen on its
-    boxes (a new Sample: the reader's stays as it was), and ``carried`` left with the boxes whose
-    centres the window holds."""
+def with_iou_windows(samples: list[Sample], rows: list[int], pipe: Pipeline, carried: dict[int, Carried],
+                     seed: int, epoch: int) -> None:
+    """For a pipeline that starts with ``RandomIoUCrop``: the windows of ``samples[i]`` for the
+    ``rows``, chosen on their boxes for the batch at once (``choose_windows``). Each of those
+    samples is replaced by one carrying its window (the reader's stays as it was) and its
+    ``carried`` boxes by those whose centres the window holds."""
     op = pipe.iou_crop
-    assert op is not None and carried.boxes is not None
-    window, inside = choose_window(op, carried.height, carried.width, carried.boxes.boxes, seed, epoch, 1, sample.index)
-    if not inside.all():
-        carried.boxes = BoxFields(carried.boxes.boxes[inside],
-                                  {name: rows[inside] for name, rows in carried.boxes.per_box.items()})
-    return Sample(sample.key, {**sample.fields, WINDOW_FIELD: window}, sample.source, sample.index, sample.position)
+    assert op is not None
+    if not rows:
+        return
+    found = [carried[i] for i in rows]
+    assert all(c.boxes is not None for c in found)
+    chosen = choose_windows(op, [c.height for c in found], [c.width for c in found],
+                            [c.boxes.boxes for c in found], seed, epoch, 1,  # type: ignore[union-attr]
+                            np.fromiter((samples[i].index for i in rows), dtype=np.int64, count=len(rows)))
+    for i, c, (window, inside) in zip(rows, found, chosen):
+        boxes = c.boxes
+        assert boxes is not None
+        if not inside.all():
+            c.boxes = BoxFields(boxes.boxes[inside], {name: values[inside] for name, values in boxes.per_box.items()})
+        s = samples[i]
+        samples[i] = Sample(s.key, {**s.fields, WINDOW_FIELD: window}, s.source, s.index, s.position)
 
 
 def plan_rows(pipe: Pipeline, seed: int, epoch: int, samples: list[Sample], carried: list[Carried]) -> PlanBatch:

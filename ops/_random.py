@@ -37,15 +37,17 @@ def _key(*parts: int) -> np.uint64:
     return acc[0]
 
 
-def uniforms(seed: int, epoch: int, op: int, indices: np.ndarray, count: int) -> np.ndarray:
+def uniforms(seed: int, epoch: int, op: int, indices: np.ndarray, count: int, *, first: int = 0) -> np.ndarray:
     """``count`` uniform floats in [0, 1) for each sample index: an array of shape (len(indices), count).
 
-    Row ``r`` depends only on ``(seed, epoch, op, indices[r])``. Computed in blocks of rows small
-    enough that NumPy keeps the GIL (``_gil``): the GPU path's prep thread calls this per batch.
+    Row ``r`` depends only on ``(seed, epoch, op, indices[r])``. ``first`` skips that many of the
+    row's numbers (an op that draws again and again, ``RandomIoUCrop``, takes them in turns).
+    Computed in blocks of rows small enough that NumPy keeps the GIL (``_gil``): the GPU path's
+    prep thread calls this per batch.
     """
     key = _key(seed, epoch, op)
     idx = np.asarray(indices, dtype=np.int64).astype(np.uint64).reshape(-1, 1)
-    counters = np.arange(1, count + 1, dtype=np.uint64).reshape(1, -1)
+    counters = np.arange(first + 1, first + count + 1, dtype=np.uint64).reshape(1, -1)
     out = np.empty((len(idx), count), dtype=np.float64)
     rows = max(1, KEPT // max(count, 1))
     with np.errstate(over="ignore"):

@@ -28,7 +28,7 @@ from headrace._sample import Sample, SampleBatch
 
 from ._batch_stages import batch_extras, checked_batch, stage_rng
 from ._collate import collate, is_npy_field, load_npy
-from ._follow import Carried, carried_columns, read_carried, rows_on_device, with_iou_window
+from ._follow import Carried, carried_columns, read_carried, rows_on_device, with_iou_windows
 from ._results import Processed, image_field, read_failure, sample_label
 from ._pipeline import Pipeline
 from ._row_stages import filter_rows, keep_when_true, map_rows, row_arguments
@@ -154,25 +154,24 @@ class StagedExecutor:
 
     async def _carry_rows(self, samples: list[Sample], rows: list[int], carried: dict[int, Carried], epoch: int,
                           failures: dict[int, LoaderError]) -> None:
-        """``_carry`` for each of ``rows``; a row that raises fails, named."""
-        def work(i: int) -> None:
-            self._carry(samples, i, carried, epoch)
-
-        if self.pipeline.mask is not None:  # Pillow lets the GIL go while it decodes a PNG mask: threads help
-            await self._calls.in_threads(rows, work, None, samples, failures)
-            return
-        # Boxes alone are Python and NumPy work that holds the GIL (read_boxes, the JPEG header,
-        # RandomIoUCrop's window): spread over the threads, each sample cost 0.66 ms against 0.1
-        # alone on the H200, in GIL hand-offs. One thread a batch; batches in flight still overlap.
-        await self._calls.call(each_row, rows, work, None, samples, failures)
-
-    def _carry(self, samples: list[Sample], i: int, carried: dict[int, Carried], epoch: int) -> None:
-        """Sample ``i``'s boxes and mask read before decoding (``_follow``); with a ``RandomIoUCrop``,
-        its window chosen on them and put in the sample for the image executor."""
+        """Each row's boxes and mask read before decoding (``_follow``; a row that raises fails,
+        named); with a ``RandomIoUCrop``, the windows then chosen on them for the rows left and put
+        in their samples for the image executor."""
         pipe = self.pipeline
-        carried[i] = read_carried(samples[i], pipe, image_field(samples[i], pipe.image_fields))
+
+        def read(i: int) -> None:
+            carried[i] = read_carried(samples[i], pipe, image_field(samples[i], pipe.image_fields))
+
+        if pipe.mask is not None:  # Pillow lets the GIL go while it decodes a PNG mask: threads help
+            await self._calls.in_threads(rows, read, None, samples, failures)
+        else:
+            # Boxes alone are Python and NumPy work that holds the GIL (read_boxes, the JPEG
+            # header): spread over the threads, each sample cost 0.66 ms against 0.1 alone on the
+            # H200, in GIL hand-offs. One thread a batch; batches in flight still overlap.
+            await self._calls.call(each_row, rows, read, None, samples, failures)
         if pipe.iou_crop is not None:
-            samples[i] = with_iou_window(samples[i], pipe, carried[i], self.seed, epoch)
+            left = [i for i in rows if i not in failures]
+            await self._calls.call(with_iou_windows, samples, left, pipe, carried, self.seed, epoch)
 
     def _extras(self, stage: SampleStage, batch: SampleBatch, position: int, sample: Sample) -> dict[str, Any]:
         """The keyword arguments a Map's or Filter's function asked for by name: ``rng``, ``key``, ``index``."""
