@@ -325,6 +325,25 @@ def test_an_iou_window_holds_a_box_centre_and_overlaps_it_enough():
     assert taken > 40
 
 
+def test_a_sample_s_iou_window_does_not_depend_on_its_batch():
+    from headrace.ops._iou_crop import choose_window, choose_windows
+
+    rng = np.random.default_rng(9)
+    op = ops.RandomIoUCrop()
+    heights, widths = rng.integers(40, 400, 30), rng.integers(40, 400, 30)
+    boxes = []
+    for h, w in zip(heights, widths):  # 0 to 7 boxes: a batch pads them to its most
+        k = int(rng.integers(0, 8))
+        x0, y0 = rng.uniform(0, w * 0.7, k), rng.uniform(0, h * 0.7, k)
+        boxes.append(np.stack([x0, y0, x0 + rng.uniform(0.05, 0.3, k) * w, y0 + rng.uniform(0.05, 0.3, k) * h], 1))
+    indices = rng.permutation(1000)[:30]
+    together = choose_windows(op, heights, widths, boxes, 3, 1, 1, indices)
+    for i, (window, inside) in enumerate(together):
+        alone = choose_window(op, int(heights[i]), int(widths[i]), boxes[i], 3, 1, 1, int(indices[i]))
+        assert alone[0] == window and alone[1].tolist() == inside.tolist() and len(inside) == len(boxes[i])
+    assert sum(window != (0, 0, int(h), int(w)) for (window, _), h, w in zip(together, heights, widths)) > 10
+
+
 def test_an_iou_crop_without_a_pass_keeps_the_image():
     from headrace.ops._iou_crop import choose_window
 
