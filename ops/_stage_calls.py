@@ -73,9 +73,10 @@ class StageCalls:
             for _ in range(min(len(rows), stage.concurrency)):
                 tg.create_task(worker())
 
-    async def in_threads(self, rows: list[int], work: Callable[[int], None], stage: Stage | None,
+    async def in_threads(self, rows: list[int], work: Callable[[int], None], stage: Stage | str,
                          samples: list[Sample], failures: dict[int, LoaderError]) -> None:
-        """``work(i)`` for each row, the rows spread over the threads (one call per thread)."""
+        """``work(i)`` for each row, the rows spread over the threads (one call per thread);
+        ``stage``: the user's stage, or what a built-in step does (named in a failure's message)."""
         parts = [rows[lo:hi] for lo, hi in split_evenly(len(rows), max(1, min(len(rows), self.num_threads)))]
         await gather_jobs([self._submit(each_row, part, work, stage, samples, failures) for part in parts if part])
 
@@ -153,7 +154,7 @@ class StageCalls:
                 stream.synchronize()
 
 
-def each_row(rows: list[int], work: Callable[[int], None], stage: Stage | None, samples: list[Sample],
+def each_row(rows: list[int], work: Callable[[int], None], stage: Stage | str, samples: list[Sample],
              failures: dict[int, LoaderError]) -> None:
     """``work(i)`` for each row in turn; a row that raises fails, named (in a thread, or on the
     stage stream's thread for row stages on the GPU)."""
@@ -164,15 +165,19 @@ def each_row(rows: list[int], work: Callable[[int], None], stage: Stage | None, 
             failures[i] = stage_failure(stage, samples[i], exc)
 
 
-def stage_failure(stage: Stage | None, sample: Sample, exc: Exception) -> LoaderError:
+def stage_failure(stage: Stage | str, sample: Sample, exc: Exception) -> LoaderError:
     """The sample's failure: a LoaderError as it is (named), anything else as the stage's TransformError."""
     return named(exc, sample) if isinstance(exc, LoaderError) else _stage_error(stage, sample, exc)
 
 
-def _stage_error(stage: Stage | None, sample: Sample, exc: Exception) -> LoaderError:
-    where = f"stage {stage.name!r}" if stage is not None else "loading a .npy field"
+def _stage_error(stage: Stage | str, sample: Sample, exc: Exception) -> LoaderError:
+    """``exc`` as the sample's TransformError: in the user's stage, or in the built-in step ``stage`` names."""
+    if isinstance(stage, str):
+        where, tag = stage, None
+    else:
+        where, tag = f"stage {stage.name!r}", f"stage {stage.name}"
     err = TransformError(f"{where} failed: {type(exc).__name__}: {exc}", key=sample.key, source=sample.source,
-                         stage=f"stage {stage.name}" if stage is not None else None)
+                         stage=tag)
     err.__cause__ = exc
     return err
 

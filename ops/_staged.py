@@ -39,6 +39,9 @@ __all__ = ["StagedExecutor"]
 
 logger = logging.getLogger("headrace")
 
+# A failure there that is not already a typed, named LoaderError says this (``stage_failure``).
+_READING_CARRIED = "reading the boxes or mask that move with the image"
+
 class StagedExecutor:
     """Runs ``pipeline``'s stages and field batching; ``inner`` (an executor over
     ``pipeline.core()``, or None when the pipeline has no image) decodes and transforms the images.
@@ -132,7 +135,8 @@ class StagedExecutor:
         pipe = self.pipeline
         rows = [i for i in range(len(samples)) if i not in failures]
         if any(is_npy_field(n) for i in rows[:1] for n in samples[i].fields):
-            await self._calls.in_threads(rows, lambda i: _load_npy_fields(samples, i), None, samples, failures)
+            await self._calls.in_threads(rows, lambda i: _load_npy_fields(samples, i), "loading a .npy field", samples,
+                                         failures)
         for stage in pipe.before:
             rows = [i for i in rows if i not in failures and i not in dropped]
             position = pipe.stage_position(stage)
@@ -163,12 +167,12 @@ class StagedExecutor:
             carried[i] = read_carried(samples[i], pipe, image_field(samples[i], pipe.image_fields))
 
         if pipe.mask is not None:  # Pillow lets the GIL go while it decodes a PNG mask: threads help
-            await self._calls.in_threads(rows, read, None, samples, failures)
+            await self._calls.in_threads(rows, read, _READING_CARRIED, samples, failures)
         else:
             # Boxes alone are Python and NumPy work that holds the GIL (read_boxes, the JPEG
             # header): spread over the threads, each sample cost 0.66 ms against 0.1 alone on the
             # H200, in GIL hand-offs. One thread a batch; batches in flight still overlap.
-            await self._calls.call(each_row, rows, read, None, samples, failures)
+            await self._calls.call(each_row, rows, read, _READING_CARRIED, samples, failures)
         if pipe.iou_crop is not None:
             left = [i for i in rows if i not in failures]
             await self._calls.call(with_iou_windows, samples, left, pipe, carried, self.seed, epoch)
