@@ -3,6 +3,7 @@ and beside images; ``.npy`` members of real tar shards; batching rules as torch'
 
 from __future__ import annotations
 
+import asyncio
 import io
 
 import numpy as np
@@ -139,3 +140,30 @@ def test_a_pipeline_without_images_takes_no_image_ops():
         ops.Pipeline([ops.Decode(), ops.Resize(8)], image=None)
     with pytest.raises(ConfigError, match="image=None"):
         Preprocessor(ops.Pipeline(image=None, label=None), device="cpu")
+
+
+def test_arrays_and_tensors_count_their_bytes_against_the_bound():
+    from headrace._sample import Sample, samples_nbytes
+
+    fields = {"x": np.zeros((3, 224, 224), np.float32), "t": torch.zeros(5, 10, dtype=torch.float64),
+              "raw": b"abcd", "y": 7}
+    assert samples_nbytes([Sample("k", fields, "src", 0, 0)]) == 602_112 + 400 + 4 + 64
+
+
+async def test_the_reader_stays_within_max_bytes_of_array_samples(leaks):
+    # Samples of 1 MB whose len() is 1, one a chunk, a bound of 4 MB: while the consumer waits, the
+    # channel from the reader holds at most the 4 that fit and the one it always admits.
+    items = [{"x": np.full((1, 250_000), i, np.float32)} for i in range(40)]
+    loader = Loader(readers.sequence(items, shuffle=False, chunk_size=1), batch_size=2, device="cpu",
+                    pipeline=ops.Pipeline(image=None, label=None), max_bytes=4_000_000)
+    async with loader:
+        seen = 0
+        async for batch in loader:
+            seen += len(batch["x"])
+            if seen == 2:
+                await asyncio.sleep(0.5)  # the pipeline fills up to its bounds meanwhile
+                bounded = [c for c in loader.stats().channels if c.max_bytes == 4_000_000]
+                assert len(bounded) == 1 and bounded[0].peak_items <= 5, bounded
+                assert bounded[0].peak_bytes <= 5_000_000
+        assert seen == 40
+    await leaks.check()
