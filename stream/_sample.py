@@ -64,8 +64,10 @@ def samples_nbytes(samples: list[Sample]) -> int:
 def value_nbytes(value: object) -> int:
     """Bytes a field's value holds: its length for bytes, its buffer for an array or a tensor, a
     nominal 64 for anything else (an int, a list of token ids: small next to an image)."""
-    if isinstance(value, (bytes, bytearray, memoryview)):
+    if isinstance(value, (bytes, bytearray)):
         return len(value)
+    if isinstance(value, memoryview):
+        return value.nbytes  # its len() counts items of its format, rows of a 2-D view
     nbytes = getattr(value, "nbytes", None)  # NumPy arrays; torch tensors since 2.1
     return nbytes if isinstance(nbytes, int) else 64
 

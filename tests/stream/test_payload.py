@@ -148,6 +148,8 @@ def test_arrays_and_tensors_count_their_bytes_against_the_bound():
     fields = {"x": np.zeros((3, 224, 224), np.float32), "t": torch.zeros(5, 10, dtype=torch.float64),
               "raw": b"abcd", "y": 7}
     assert samples_nbytes([Sample("k", fields, "src", 0, 0)]) == 602_112 + 400 + 4 + 64
+    rows = memoryview(np.zeros((4, 100), np.uint16))  # len() 4, 800 bytes
+    assert samples_nbytes([Sample("k", {"v": rows, "b": bytearray(5)}, "src", 0, 0)]) == 805
 
 
 async def test_the_reader_stays_within_max_bytes_of_array_samples(leaks):
