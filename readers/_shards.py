@@ -22,6 +22,11 @@ _SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 
 
+def _zero_padded(end: str) -> bool:
+    digits = end.lstrip("-")
+    return len(digits) > 1 and digits.startswith("0")
+
+
 def expand_braces(pattern: str) -> list[str]:
     """Expand ``{0000..0127}`` (zero-padded like its ends) and ``{a,b,c}`` groups, nested or several.
 
@@ -43,7 +48,9 @@ def expand_braces(pattern: str) -> list[str]:
     match = _RANGE.match(body)
     if match:
         lo, hi = match.group(1), match.group(2)
-        width = max(len(lo), len(hi)) if lo.startswith("0") or hi.startswith("0") else 0
+        # Padded when an end is written with a leading zero ({00..10}), as bash and braceexpand
+        # do; a bare 0 is no padding ({0..10} is 0, 1, ..., 10).
+        width = max(len(lo), len(hi)) if _zero_padded(lo) or _zero_padded(hi) else 0
         step = 1 if int(hi) >= int(lo) else -1
         options = [str(i).zfill(width) for i in range(int(lo), int(hi) + step, step)]
     else:

@@ -99,6 +99,8 @@ class MixReader(Reader):
     async def read(self, epoch: int, *, start: int = 0, seed: int = 0) -> AsyncIterator[list[Sample]]:
         require_int("start", start, 0)
         order = self.order(epoch, seed)
+        if start > len(order):  # as every reader: a position past the end is a wrong state, not an empty epoch
+            raise ConfigError(f"start must be in [0, {len(order)}], got {start}")
         given = np.bincount(order[:start], minlength=len(self.sources))  # each source's position at ``start``
         lanes = [_Lane(self, i, epoch, int(given[i]), seed) for i in range(len(self.sources))]
         async with contextlib.AsyncExitStack() as stack:

@@ -74,12 +74,14 @@ def _join_parts(raw: bytes) -> bytes:
     parts, pos = [], 0
     while True:
         if pos + _HEAD.size > len(raw):
-            raise ValueError("a part's header is cut off")
+            raise ValueError(f"the header of its part {len(parts)} is cut off (cut short)")
         magic, word = _HEAD.unpack_from(raw, pos)
         if magic != MAGIC:
             raise ValueError(f"no RecordIO magic at its part {len(parts)} (found {magic:#010x})")
         flag, length = word >> 29, word & _LENGTH_BITS
         start = pos + _HEAD.size
+        if start + length > len(raw):  # read by an .idx, the last record runs to the file's end, cut or not
+            raise ValueError(f"its part {len(parts)} needs {length} bytes, {len(raw) - start} are left (cut short)")
         parts.append(raw[start : start + length])
         if flag in (0, 3):
             return _MAGIC_BYTES.join(parts) if len(parts) > 1 else parts[0]
@@ -111,6 +113,8 @@ def _scan(path: str, file: int) -> list[tuple[int, int, int]]:
             if flag in (0, 3):  # the record's last part: it spans [start, pos)
                 records.append((file, start, pos - start))
                 start = pos
+        if start < pos and (not records or records[-1][1] != start):  # whole parts, then the file ended
+            records.append((file, start, CUT))
     return records
 
 

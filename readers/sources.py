@@ -276,7 +276,9 @@ class _Picker:
         n, world, rank = reader.length, reader.world, reader.rank
         extra = n % world if n is not None else 0
         self.limit = n
-        self.pad_index = rank - extra if reader.equal == "pad" and extra and rank >= extra else None
+        # ``epoch_order`` pads by repeating the stream from its head, around again when the ranks
+        # outnumber the items: rank r past the last full row repeats item (r - extra) mod n.
+        self.pad_index = (rank - extra) % n if reader.equal == "pad" and extra and rank >= extra else None
         self.pad_item: Any = None
         self.stop_at = len(reader) if reader.equal == "drop" else None  # this rank's count
 

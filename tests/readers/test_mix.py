@@ -114,6 +114,8 @@ async def test_reading_from_any_position_gives_the_rest_of_the_stream_exactly(im
     rest = await _read(mixed, epoch=2, start=start)
     assert [(s.source, s.key, s.index, s.position, s.fields) for s in rest] == \
         [(s.source, s.key, s.index, s.position, s.fields) for s in whole[start:]]
+    with pytest.raises(ConfigError, match="start must be in"):  # past the end: a wrong state, as every reader says
+        await _read(mixed, epoch=2, start=76)
 
 
 async def test_the_loader_resumes_a_mix_mid_epoch_to_the_same_batches(image_folder, shards):

@@ -106,6 +106,29 @@ async def test_bad_records_are_errors_naming_their_file_and_byte_and_the_rest_re
     assert ["is not a whole number" in str(s.error) for s in await _read(readers.recordio(path))] == [True, True]
 
 
+async def test_a_record_cut_short_is_an_error_by_index_or_scan_whole_parts_or_not(imagenet, tmp_path):
+    _, items = imagenet
+    path = tmp_path / "cut.rec"
+    split = recordio_record(1, items[1][0])
+    split = split[:28] + struct.pack("<I", MAGIC) + split[32:]  # the magic at a 4-byte boundary: two parts
+    offsets = write_recordio(path, [recordio_record(0, items[0][0]), split])
+    raw = path.read_bytes()
+    second_part = offsets[1] + 8 + 28  # the first part's header and its 28 bytes (a multiple of 4)
+    assert struct.unpack_from("<I", raw, second_part)[0] == MAGIC
+    for end, idx in ((len(raw) - 50, True), (len(raw) - 50, False), (second_part, True), (second_part, False)):
+        path.write_bytes(raw[:end])  # the last record cut inside its last part, or after a whole first part
+        if not idx:
+            path.with_suffix(".idx").unlink(missing_ok=True)
+        else:
+            path.with_suffix(".idx").write_text(f"0\t{offsets[0]}\n1\t{offsets[1]}\n")
+        reader = readers.recordio(path)
+        samples = await _read(reader)
+        assert len(reader) == len(samples) == 2, (end, idx)
+        assert samples[0].error is None and samples[0].fields["jpg"] == items[0][0]
+        assert isinstance(samples[1].error, ReadError) and "cut short" in str(samples[1].error), (end, idx)
+        assert samples[1].key == "cut/1" and f"byte {offsets[1]}" in str(samples[1].error)
+
+
 def test_wrong_arguments_and_missing_files_are_refused(imagenet, tmp_path):
     root, _ = imagenet
     one = root / "train-0.rec"

@@ -251,7 +251,7 @@ async def test_a_sync_sources_thread_is_gone_when_its_read_ends_or_is_closed(lea
         await leaks.check()
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 13, 25])  # 25 ranks for 10 items: the padding wraps around
 @pytest.mark.parametrize("equal", [None, "pad", "drop"])
 async def test_iterable_shards_match_the_files_readers(world, equal):
     items = [{"cls": i} for i in range(10)]

@@ -103,6 +103,11 @@ def test_brace_patterns_and_shard_lists(packed):
     assert expand_braces("t-{0000..0002}.tar") == ["t-0000.tar", "t-0001.tar", "t-0002.tar"]
     assert expand_braces("{a,b}-{1..2}") == ["a-1", "a-2", "b-1", "b-2"]
     assert expand_braces("x{a,{b,c}d}") == ["xa", "xbd", "xcd"]
+    # A bare 0 pads nothing (bash and braceexpand alike); a written leading zero pads both ends.
+    assert expand_braces("t-{0..10}") == [f"t-{i}" for i in range(11)]
+    assert expand_braces("t-{00..10}") == [f"t-{i:02d}" for i in range(11)]
+    assert expand_braces("t-{8..012}") == ["t-008", "t-009", "t-010", "t-011", "t-012"]
+    assert expand_braces("{-1..1}") == ["-1", "0", "1"]
     with pytest.raises(ConfigError):
         expand_braces("t-{0..3.tar")
     by_pattern = readers.webdataset(str(packed / "shard-{000000..000009}.tar"))
