@@ -18,7 +18,7 @@ class ErrorBudget:
     def __init__(self, max_errors: int | float, *, min_samples: int = 100) -> None:
         if isinstance(max_errors, bool) or not isinstance(max_errors, (int, float)) or max_errors < 0:
             raise ConfigError(f"max_errors must be a non-negative int or a fraction, got {max_errors!r}")
-        if isinstance(max_errors, float) and max_errors > 1:
+        if isinstance(max_errors, float) and not 0 <= max_errors <= 1:  # NaN too: it would pass every check
             raise ConfigError(f"max_errors as a fraction must be in [0, 1], got {max_errors!r}")
         self.max_errors = max_errors
         self.min_samples = min_samples

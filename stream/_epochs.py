@@ -62,6 +62,18 @@ class Epochs:
             self._executor = self._make_executor()
         return self._executor
 
+    def let_go_of_a_left_run(self) -> None:
+        """Before loading a state: a run left without closing its iterator (a bare ``break``) is
+        taken as abandoned, as a new ``async for`` takes it (the next one tears it down first).
+        Raises LoaderError while a loop is inside the run, waiting for its next batch."""
+        run = self.active
+        if run is None:
+            return
+        if run.consumer_inside:
+            raise LoaderError("cannot load state while an epoch is being iterated")
+        run.superseded = True
+        self._abandoned, self.active = run, None
+
     def iterate(self, *, run_ahead: bool, progress: bool) -> AsyncIterator[Batch]:
         """The next ``async for``'s iterator: the epoch the cursor points at."""
         if self.closed:

@@ -290,8 +290,7 @@ class Loader:
         Raises ConfigError if the state came from a loader with another batch size, seed or reader,
         or from another world size with a reader that cannot resume across world sizes.
         """
-        if self._epochs.active is not None:
-            raise LoaderError("cannot load state while an epoch is being iterated")
+        self._epochs.let_go_of_a_left_run()  # raises while a loop is inside an epoch
         self._cursor.resume(resume_point(state, batch_size=self.batch_size, seed=self.seed, reader=self.reader,
                                          world=self.world))
 

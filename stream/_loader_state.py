@@ -45,6 +45,8 @@ def resume_point(state: dict[str, Any], *, batch_size: int, seed: int, reader: A
     position = int(state["position"])
     if saved_world == world:
         ignored: set[str] = {"rank"}
+        if world > 1 and saved.get("equal") is None:  # unequal parts: each rank counts its own samples
+            ignored.add("samples")
     else:  # the split of the earlier spans follows from their world sizes alone
         ignored = {"rank", "world", "samples", "equal"}
     if _without(saved, ignored) != _without(current, ignored):

@@ -232,6 +232,13 @@ async def test_readers_that_cannot_reshard_say_so(data, tmp_path):
     loaders = [Loader(reader, batch_size=4, rank=r, world=2, equal=None, device="cpu", seed=1) for r in range(2)]
     await _keys(loaders[0], 2)
     state = loaders[0].state_dict()
+    # Any rank's state loads on every rank of the same world size, though with equal=None the
+    # ranks' parts (and so their sample counts) differ.
+    files = [Loader(readers.files(data["folder"]), batch_size=4, rank=r, world=4, equal=None, device="cpu")
+             for r in range(4)]
+    assert len({len(f.reader) for f in files}) > 1
+    for f in files[1:]:
+        f.load_state_dict(files[0].state_dict())
     other = Loader(reader, batch_size=4, rank=0, world=4, equal=None, device="cpu", seed=1)
     with pytest.raises(ConfigError, match="another world size"):
         other.load_state_dict(state)

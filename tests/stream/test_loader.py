@@ -288,6 +288,8 @@ async def test_a_new_loop_replaces_one_left_without_closing(image_folder, leaks)
         {"num_threads": -1},
         {"prefetch": 0},
         {"on_error": "skip", "max_errors": -1},
+        {"on_error": "skip", "max_errors": float("nan")},  # would pass every comparison: no budget at all
+        {"on_error": "skip", "max_errors": 1.5},
         {"pipeline": [ops.Decode()]},
     ],
 )
@@ -300,3 +302,35 @@ def test_wrong_arguments_raise_config_error(image_folder, kwargs):
 def test_reader_must_be_a_reader():
     with pytest.raises(ConfigError):
         Loader(["a.jpg"], batch_size=2)
+
+
+async def test_a_state_loads_right_after_a_bare_break_and_resumes_exactly(image_folder, leaks):
+    loader = _loader(image_folder, seed=2)
+    whole = await _collect(loader)  # epoch 0
+    second = await _collect(loader)  # epoch 1, for comparison
+    again = _loader(image_folder, seed=2)
+    await _collect(again)
+    state = again.state_dict()  # at epoch 1's start
+    async for _ in again:  # epoch 1: one batch, then a bare break (the iterator is left to the finaliser)
+        break
+    again.load_state_dict(state)  # at once: the run left behind is let go, torn down by the next loop
+    resumed = await _collect(again)
+    for want, got in zip(second, resumed, strict=True):
+        _same(want, got)
+    assert len(whole) == len(second)
+    await loader.aclose()
+    await again.aclose()
+    await leaks.check(settle=1.0)
+
+
+async def test_a_state_is_refused_while_a_loop_waits_inside_the_epoch(image_folder):
+    loader = _loader(image_folder)
+    state = loader.state_dict()
+    epoch = loader.__aiter__()
+    waiting = asyncio.create_task(epoch.__anext__())
+    await asyncio.sleep(0.01)
+    with pytest.raises(headrace.LoaderError, match="being iterated"):
+        loader.load_state_dict(state)
+    await waiting
+    await epoch.aclose()
+    await loader.aclose()
