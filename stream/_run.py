@@ -357,14 +357,21 @@ class _Run:
         samples, kept = batch.samples, processed.kept
         real = len(samples) - batch.padded
         replaced: dict[int, int] = {}  # failed row -> position in ``kept`` of its substitute
+        # A row of ``last_batch="fill"``'s padding repeats row (row - real) % real, and fails with
+        # it: the sample's failure is decided, counted and spent from the budget once.
+        decided: dict[int, str] = {}  # failed sample's row in the data -> "skip" or "replace"
         for row, err in processed.failures:
-            action = decide(self.cfg.on_error, err)
-            if action == "raise":
-                outcomes.append((err, "raise"))
-                return err
-            if action == "replace" and kept:
+            original = row if row < real else (row - real) % real
+            action = decided.get(original)
+            if action is None:
+                action = decide(self.cfg.on_error, err)
+                if action == "raise":
+                    outcomes.append((err, "raise"))
+                    return err
+                action = decided[original] = "replace" if action == "replace" and kept else "skip"
+                outcomes.append((err, action))
+            if action == "replace":
                 replaced[row] = hash((self.cfg.seed, batch.epoch, samples[row].index)) % len(kept)
-            outcomes.append((err, "replace" if row in replaced else "skip"))
         self.budget.record(real, [err for err, _ in outcomes])  # ErrorBudgetExceeded when spent
         if len(kept) == len(samples):  # none failed (kept rows ascend without repeats: all of them)
             slots, rows, take = kept, kept, None
@@ -383,8 +390,8 @@ class _Run:
             epoch=batch.epoch,
             index=batch.index,
             padded=sum(1 for slot in slots if slot >= real) if batch.padded else 0,
-            dropped=len(outcomes) - len(replaced),
-            replaced=len(replaced),
+            dropped=sum(1 for action in decided.values() if action == "skip"),
+            replaced=sum(1 for action in decided.values() if action == "replace"),
             filtered=sum(1 for row in processed.filtered if row < real),  # padded rows are not the data's
             extra={"end_position": batch.end_position, "ready": processed.ready, "take": take},
         )

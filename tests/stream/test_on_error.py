@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -181,3 +182,38 @@ async def test_a_read_error_keeps_its_type_under_skip(tmp_path, image_folder):
     record = loader.stats().recent_errors[-1]
     assert record.kind == ReadError.__name__ and record.source == str(tmp_path / "gone.jpg")
     await loader.aclose()
+
+
+class _FailingAt:
+    """A sequence of small array samples whose item ``bad`` raises when read."""
+
+    def __init__(self, n: int, bad: int) -> None:
+        self.n, self.bad = n, bad
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        if i == self.bad:
+            raise ValueError(f"item {i} is unreadable")
+        return {"__key__": f"k{i}", "x": np.full(4, i, dtype=np.int64)}
+
+
+@pytest.mark.parametrize("policy", ["skip", "replace"])
+async def test_a_failed_sample_repeated_by_fill_counts_once(policy, leaks):
+    # 10 samples in batches of 8: the last batch is samples 8 and 9, then 6 rows repeating them.
+    loader = Loader(readers.sequence(_FailingAt(10, bad=8), shuffle=False), batch_size=8, device="cpu",
+                    pipeline=ops.Pipeline(image=None, label=None), last_batch="fill", on_error=policy,
+                    max_errors=1)  # one failure is within the budget, however often the padding repeats it
+    batches = [b async for b in loader]
+    last = batches[-1]
+    stats = loader.stats()
+    assert stats.errors == {"ReadError": 1} and [e.key for e in stats.recent_errors] == ["8"]
+    if policy == "skip":
+        assert (stats.dropped, stats.replaced, last.dropped) == (1, 0, 1)
+        assert last.sample_keys == ["k9"] * 4  # sample 8's four rows left the batch
+    else:
+        assert (stats.dropped, stats.replaced, last.replaced) == (0, 1, 1)
+        assert last.sample_keys == ["k9"] * 8 and last.size == 8
+    await loader.aclose()
+    await leaks.check()
