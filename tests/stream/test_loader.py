@@ -323,14 +323,24 @@ async def test_a_state_loads_right_after_a_bare_break_and_resumes_exactly(image_
     await leaks.check(settle=1.0)
 
 
-async def test_a_state_is_refused_while_a_loop_waits_inside_the_epoch(image_folder):
-    loader = _loader(image_folder)
+async def test_a_state_is_refused_while_a_loop_waits_inside_the_epoch():
+    release = asyncio.Event()
+
+    async def items():  # holds the first batch back until released: the loop waits inside the epoch
+        await release.wait()
+        for i in range(4):
+            yield {"__key__": f"k{i}", "x": torch.zeros(2)}
+
+    loader = Loader(readers.iterable(items, length=4), batch_size=2, device="cpu",
+                    pipeline=ops.Pipeline(image=None, label=None))
     state = loader.state_dict()
     epoch = loader.__aiter__()
     waiting = asyncio.create_task(epoch.__anext__())
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
     with pytest.raises(headrace.LoaderError, match="being iterated"):
         loader.load_state_dict(state)
-    await waiting
+    release.set()
+    assert (await waiting).sample_keys == ["k0", "k1"]
     await epoch.aclose()
     await loader.aclose()
