@@ -111,7 +111,9 @@ class Loader:
             skips and replacements are logged on the ``headrace`` logger, at most a line a second.
         max_errors: the budget of skipped and replaced samples per epoch, past which the loader
             raises ``ErrorBudgetExceeded``: an int count, or a float fraction of the samples seen
-            (checked once 100 were seen). Default: 1% (``0.01``).
+            (checked once 100 were seen). Default: 1% (``0.01``). Each rank counts its own
+            samples. A run resumed mid-epoch (``load_state_dict``) counts from the resume point:
+            the state is the same on every rank, and the failures before it are each rank's own.
         distributed: take this process's rank and world size from ``torch.distributed`` (when its
             default process group is initialised) or from torchrun's ``RANK``/``WORLD_SIZE``
             (``headrace._distributed``); False: this process reads the whole data set.
