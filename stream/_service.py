@@ -134,7 +134,8 @@ class Preprocessor:
         self.device = resolve_device(pipeline, device, local_rank=detect_distributed().local_rank)
         self.pipeline = pipeline
         self.when_full = when_full
-        self.num_threads = require_int("num_threads", num_threads or os.cpu_count() or 1)
+        # ``is None``, not ``or``: a 0 is a wrong argument, not a request for the default.
+        self.num_threads = require_int("num_threads", num_threads if num_threads is not None else os.cpu_count() or 1)
         self.lanes = require_int("lanes", lanes)
         self.hw_load = hw_load
         if gpu_tuning is not None and not isinstance(gpu_tuning, ops.GpuTuning):
@@ -143,7 +144,8 @@ class Preprocessor:
         self.seed = seed
         on_gpu = self.device.startswith("cuda")
         default_slots = self.lanes + 1 if on_gpu else self.num_threads
-        self.batches_in_flight = require_int("batches_in_flight", batches_in_flight or default_slots)
+        self.batches_in_flight = require_int("batches_in_flight",
+                                             batches_in_flight if batches_in_flight is not None else default_slots)
         self.postprocess = postprocess
         self.wait_ready = bool(wait_ready) and on_gpu
         self._stats = PreprocessorStats()

@@ -321,7 +321,8 @@ async def test_postprocess_runs_once_per_batch_and_fails_per_request(jpegs, leak
 @pytest.mark.parametrize(
     "kwargs",
     [{"max_batch": 0}, {"max_delay": -1}, {"max_delay": float("inf")}, {"max_pending": 0},
-     {"when_full": "drop"}, {"device": "tpu"}, {"postprocess": 3}, {"pipeline": "validation"}],
+     {"when_full": "drop"}, {"device": "tpu"}, {"postprocess": 3}, {"pipeline": "validation"},
+     {"num_threads": 0}, {"batches_in_flight": 0}],
 )
 def test_bad_arguments_are_config_errors(kwargs):
     with pytest.raises(ConfigError):
