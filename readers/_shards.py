@@ -123,6 +123,13 @@ def _is_glob(store: Store, key: str) -> bool:
     return store.scheme != "http" and any(ch in key for ch in "*?[")  # in a URL, "?" starts the query
 
 
+def _glob_match(key: str, pattern: str) -> bool:
+    """``key`` matches ``pattern`` as a local path matches ``glob``: part by part between the
+    slashes, so ``train/*.tar`` is not ``train/val/0.tar`` (``fnmatch``'s ``*`` crosses slashes)."""
+    parts, wanted = key.split("/"), pattern.split("/")
+    return len(parts) == len(wanted) and all(fnmatch.fnmatchcase(p, w) for p, w in zip(parts, wanted))
+
+
 async def _list_all(patterns: list[str], storage: Storage) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     async with storage.session():
@@ -134,7 +141,7 @@ async def _list_all(patterns: list[str], storage: Storage) -> dict[str, list[str
             if cut == len(key):  # a folder
                 keys = [o.key for o in objects or [] if o.key.endswith(_SHARD_SUFFIXES) and "/" not in o.key[cut:]]
             else:
-                keys = [o.key for o in objects or [] if fnmatch.fnmatchcase(o.key, key)]
+                keys = [o.key for o in objects or [] if _glob_match(o.key, key)]
             if not keys:
                 raise ReadError("no *.tar shards here" if cut == len(key) else "no shards match the pattern",
                                 source=store.url(key))

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import os
 import threading
-import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
@@ -63,17 +62,17 @@ class Storage:
         """The store serving ``source`` and its key there. Raises ConfigError for a URL it cannot read."""
         if self.store is not None:
             return self.store, self._key_in(self.store, source)
-        parts = urllib.parse.urlsplit(source)
-        if parts.scheme == "s3":
-            if not parts.netloc:
+        scheme, bucket, key = _object_url(source)
+        if scheme == "s3":
+            if not bucket:
                 raise ConfigError(f"an s3:// URL needs a bucket: {source!r}")
-            root = f"s3://{parts.netloc}"
+            root = f"s3://{bucket}"
             with self._lock:
                 if root not in self._stores:
                     s3 = {k: v for k, v in self._options.items() if k not in _HTTP_ONLY}
-                    self._stores[root] = S3Store(parts.netloc, **s3)
-            return self._stores[root], urllib.parse.unquote(parts.path.lstrip("/"))
-        if parts.scheme in ("http", "https"):
+                    self._stores[root] = S3Store(bucket, **s3)
+            return self._stores[root], key
+        if scheme in ("http", "https"):
             with self._lock:
                 if "http" not in self._stores:
                     http = {k: v for k, v in self._options.items() if k in _HTTP_ONLY or k == "connect_timeout"}
@@ -85,11 +84,11 @@ class Storage:
     def _key_in(store: Store, source: str) -> str:
         if store.scheme == "http" or "://" not in source:
             return source
-        parts = urllib.parse.urlsplit(source)
+        scheme, netloc, key = _object_url(source)
         bucket = getattr(store, "bucket", None)
-        if parts.scheme != store.scheme or (bucket is not None and parts.netloc != bucket):
+        if scheme != store.scheme or (bucket is not None and netloc != bucket):
             raise ConfigError(f"{source!r} is not in the store given ({store!r})")
-        return urllib.parse.unquote((parts.netloc if bucket is None else "") + parts.path).lstrip("/")
+        return key if bucket is not None else source.partition("://")[2].lstrip("/")
 
     @contextlib.asynccontextmanager
     async def session(self) -> AsyncIterator[None]:
@@ -133,3 +132,13 @@ def run_sync(call: Callable[[], Awaitable[T]]) -> T:
     if not ok:
         raise value
     return value
+
+
+def _object_url(source: str) -> tuple[str, str, str]:
+    """(scheme, bucket, key) of ``scheme://bucket/key``, the key as written: an object store's URL
+    names its key literally (as the AWS CLI, s3fs and obstore read one), so "%20", "?" and "#" are
+    part of the key. Decoding escapes, as a web URL's, read a listed key "a%20b.jpg" as "a b.jpg":
+    another object, or none."""
+    scheme, _, rest = source.partition("://")
+    bucket, _, key = rest.partition("/")
+    return scheme.lower(), bucket, key.lstrip("/")

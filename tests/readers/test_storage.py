@@ -688,3 +688,36 @@ def test_the_link_is_observed_before_the_reads_own_gets():
     link.pieces = 2  # a download grew: what the read's own GETs do to the link is not observed
     link.answered(0.5)
     assert link.latency == 0.05
+
+
+async def test_listed_keys_are_read_as_they_are_named_and_globs_stop_at_slashes(tmp_path, monkeypatch, leaks):
+    """An s3:// URL names its key literally (as the AWS CLI, s3fs and obstore read one): a listed
+    key holding "%20" is that object, not one with a space. A glob's "*" stays inside one folder."""
+    from storage_servers import serving
+
+    names = ["plain.jpg", "sp ace.jpg", "plus+1.jpg", "ünï.jpg", "lit%20eral.jpg", "a%2Bb.jpg", "pct%.jpg",
+             "lit eral.jpg"]  # "lit%20eral" and "lit eral" both: each must be itself
+    for name in names:
+        (tmp_path / "odd" / "c0").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "odd" / "c0" / name).write_bytes(b"\xff\xd8\xff" + name.encode())
+    for folder in ("train", "train/val"):
+        (tmp_path / folder).mkdir(parents=True, exist_ok=True)
+        for i in range(2):
+            (tmp_path / folder / f"{i}.tar").write_bytes(tar_bytes([(f"{folder.replace('/', '_')}{i}.cls", b"1")]))
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    with serving(tmp_path) as urls:
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+        monkeypatch.setenv("AWS_REGION", "us-east-1")
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", urls["s3_direct"])
+        samples = await _read_all(readers.files(f"s3://{BUCKET}/odd/", shuffle=False))
+        assert sorted(s.key for s in samples) == sorted(f"c0/{n[:-4]}" for n in names)
+        assert all(s.error is None and s.fields["jpg"] == b"\xff\xd8\xff" + s.key[3:].encode() + b".jpg"
+                   for s in samples)
+        assert {s.source for s in samples} == {f"s3://{BUCKET}/odd/c0/{n}" for n in names}
+        shards = readers.webdataset(f"s3://{BUCKET}/train/*.tar").shards
+        assert shards == [f"s3://{BUCKET}/train/{i}.tar" for i in range(2)]  # not train/val/
+        assert len(readers.webdataset(f"s3://{BUCKET}/train/*/*.tar").shards) == 2
+    await leaks.check()
