@@ -79,9 +79,11 @@ class CacheFolder:
         self._lock = threading.Lock()  # counters and byte counts, from several threads
 
     @staticmethod
-    def _name(url: str, fallback: str) -> tuple[str, str]:
-        """(the URL's hash, the file name of its copy)."""
-        digest = hashlib.sha256(url.encode()).hexdigest()[:16]
+    def _name(url: str, fallback: str, identity: str | None = None) -> tuple[str, str]:
+        """(the hash of ``identity``, the file name of its copy). ``identity`` is the source as
+        given, query string and all (two URLs that differ there are two objects: ``?id=0`` and
+        ``?id=1``); ``url``, without credentials or query, gives the name its readable end."""
+        digest = hashlib.sha256((url if identity is None else identity).encode()).hexdigest()[:16]
         return digest, f"{digest}-{_UNSAFE.sub('_', url.rstrip('/').rsplit('/', 1)[-1])[-80:] or fallback}"
 
     @staticmethod

@@ -42,13 +42,15 @@ class ObjectCache(CacheFolder):
         return (f"ObjectCache({str(self.folder)!r}, max_bytes={self.max_bytes}, hits={self.hits}, kept={self.kept}, "
                 f"skipped={self.skipped}, failed={self.failed})")
 
-    def path(self, url: str) -> str:
-        digest, name = self._name(url, "object")
+    def path(self, url: str, identity: str | None = None) -> str:
+        """Where the object is kept: named by ``identity`` (its source as given), else ``url``."""
+        digest, name = self._name(url, "object", identity)
         return os.path.join(self.folder, digest[:2], name)
 
-    def read(self, urls: Sequence[str]) -> list[bytes | None]:
+    def read(self, urls: Sequence[str], identities: Sequence[str] | None = None) -> list[bytes | None]:
         """I/O thread: each URL's kept copy, or None where there is none."""
-        blobs = self._files.read([os.fsencode(self.path(u)) for u in urls])
+        ids = identities if identities is not None else [None] * len(urls)
+        blobs = self._files.read([os.fsencode(self.path(u, i)) for u, i in zip(urls, ids)])
         out = [None if isinstance(b, OSError) else b for b in blobs]
         with self._lock:
             self.hits += sum(b is not None for b in out)
@@ -68,8 +70,9 @@ class ObjectCache(CacheFolder):
         with self._lock:
             self._queued -= nbytes
 
-    def keep(self, objects: Sequence[tuple[str, bytes]]) -> None:
-        """I/O thread: write each ``(url, bytes)``, while they fit within ``max_bytes``."""
+    def keep(self, objects: Sequence[tuple[str, bytes]], identities: Sequence[str] | None = None) -> None:
+        """I/O thread: write each ``(url, bytes)`` (named by ``identities``, as ``read`` looks them
+        up), while they fit within ``max_bytes``."""
         if not disk_has_room(self.folder, sum(len(data) for _, data in objects)):
             self._give_up(objects[0][0] if objects else "", nearly_full())
             return
@@ -78,17 +81,17 @@ class ObjectCache(CacheFolder):
             with self._lock:
                 if self.used is None:
                     self.used = found
-        for url, data in objects:
+        ids = identities if identities is not None else [None] * len(objects)
+        for (url, data), identity in zip(objects, ids):
             with self._lock:  # counted before the write: two threads must not both take the last room
                 if self.max_bytes is not None and (self.used or 0) + len(data) > self.max_bytes:
                     return  # full: what is there stays
                 self.used = (self.used or 0) + len(data)
-            final = self.path(url)
+            final = self.path(url, identity)
             part = self._part(final)
             try:
                 os.makedirs(os.path.dirname(final), exist_ok=True)
-                with open(part, "wb", buffering=0) as f:
-                    f.write(data)
+                _write_whole(part, data)
                 os.replace(part, final)
             except OSError as exc:
                 unlink(part)
@@ -112,3 +115,16 @@ class ObjectCache(CacheFolder):
                     except OSError:  # removed meanwhile
                         pass
         return total
+
+
+def _write_whole(path: str, data: bytes) -> None:
+    """``data`` to a new file at ``path``, all of it: one ``write`` may write less (a disk filling
+    up, or 2 GiB at most a call on Linux), and a copy cut short would be served as whole later.
+    Raises OSError if the file ends up shorter."""
+    view = memoryview(data)
+    with open(path, "wb", buffering=0) as f:
+        while view:
+            written = f.write(view)
+            if not written:
+                raise OSError(f"wrote {len(data) - len(view)} of {len(data)} bytes")
+            view = view[written:]

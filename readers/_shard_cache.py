@@ -49,14 +49,14 @@ class ShardCache(CacheFolder):
         return (f"ShardCache({str(self.folder)!r}, max_bytes={self.max_bytes}, hits={self.hits}, kept={self.kept}, "
                 f"evicted={self.evicted}, failed={self.failed})")
 
-    def path(self, url: str) -> Path:
-        """Where the shard at ``url`` is kept."""
-        return self.folder / self._name(url, "shard")[1]
+    def path(self, url: str, identity: str | None = None) -> Path:
+        """Where the shard at ``url`` is kept: named by ``identity`` (its source as given), else ``url``."""
+        return self.folder / self._name(url, "shard", identity)[1]
 
-    def open(self, url: str) -> BinaryIO | None:
+    def open(self, url: str, identity: str | None = None) -> BinaryIO | None:
         """The cached copy of ``url``, open for reading, or None. Opened here, not by path later: a
         copy another process evicts meanwhile stays readable once open."""
-        path = self.path(url)
+        path = self.path(url, identity)
         try:
             f = open(path, "rb", buffering=1 << 20)  # noqa: SIM115 - the parser closes it
         except OSError:
@@ -69,10 +69,10 @@ class ShardCache(CacheFolder):
             self.hits += 1
         return f
 
-    def writer(self, url: str, writes: CacheWrites) -> CacheWriter | None:
+    def writer(self, url: str, writes: CacheWrites, identity: str | None = None) -> CacheWriter | None:
         """A ``.part`` file for ``url``'s bytes, written by ``writes``, or None where it cannot be
         made (counted)."""
-        final = self.path(url)
+        final = self.path(url, identity)
         part = Path(self._part(final))
         try:
             fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)

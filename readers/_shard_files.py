@@ -87,10 +87,12 @@ class ShardFiles:
         if not self.remote[shard]:
             return path
         if writes is not None and self.cache is not None:
-            local = self.cache.open(self.names[shard])
+            # Named by the URL as given, query string and all; a key of an explicit store, by its URL.
+            identity = path if is_url(path) else self.names[shard]
+            local = self.cache.open(self.names[shard], identity)
             if local is not None:
                 return local
-            return downloads.open(path, shard, tee=self.cache.writer(self.names[shard], writes))
+            return downloads.open(path, shard, tee=self.cache.writer(self.names[shard], writes, identity))
         return downloads.open(path, shard)
 
     async def count(self) -> list[int]:

@@ -91,6 +91,9 @@ class FileReader(IndexedReader):
         # Remote objects kept on local disk (``cache_dir=``): looked up and written on I/O threads
         # of the reader's own, shared by its reads at the time (a Loader running ahead has two).
         self.cache = cache if self._fetch_on_loop else None
+        # What names a kept copy: a URL as given, query string and all (``?id=0`` and ``?id=1`` are
+        # two objects, one name without it); a key of an explicit store, the store's URL of it.
+        self._cache_ids = [p if is_url(p) else source for p, source in zip(self.paths, self._sources)]
         self._cache_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._cache_jobs: set[concurrent.futures.Future[Any]] = set()
         self._cache_reads = 0
@@ -180,7 +183,8 @@ class FileReader(IndexedReader):
         kept: dict[int, bytes] = {}
         if self.cache is not None:
             urls = [self._sources[i] for i in indices]
-            copies = await asyncio.wrap_future(self._on_cache_thread(self.cache.read, urls))
+            ids = [self._cache_ids[i] for i in indices]
+            copies = await asyncio.wrap_future(self._on_cache_thread(self.cache.read, urls, ids))
             kept = {i: b for i, b in zip(indices, copies) if b is not None}
 
         async def one(i: int) -> Sample:
@@ -204,13 +208,12 @@ class FileReader(IndexedReader):
             tasks = [group.create_task(one(i)) if i not in kept else None for i in indices]
         samples = [t.result() if t is not None else self._sample(i, kept[i]) for i, t in zip(indices, tasks)]
         if self.cache is not None:
-            fetched = [(s.source, s.fields[self._exts[i]]) for i, s, t in zip(indices, samples, tasks)
-                       if t is not None and s.error is None]
-            if fetched:
-                self._keep_later(fetched)
+            new = [(i, s) for i, s, t in zip(indices, samples, tasks) if t is not None and s.error is None]
+            if new:
+                self._keep_later([(s.source, s.fields[self._exts[i]]) for i, s in new], [self._cache_ids[i] for i, _ in new])
         return samples
 
-    def _keep_later(self, fetched: list[tuple[str, bytes]]) -> None:
+    def _keep_later(self, fetched: list[tuple[str, bytes]], ids: list[str]) -> None:
         """Write the chunk's fetched objects on the cache's threads while the chunk goes on (the
         read's end waits for them). Past ``buffer_bytes`` waiting to be written the chunk is not
         kept (counted in ``cache.skipped``; a later epoch keeps it): the disk never holds the read
@@ -218,7 +221,7 @@ class FileReader(IndexedReader):
         assert self.cache is not None
         cache, nbytes = self.cache, sum(len(data) for _, data in fetched)
         if cache.reserve(nbytes, len(fetched), self.buffer_bytes):
-            self._on_cache_thread(cache.keep, fetched).add_done_callback(lambda _: cache.release(nbytes))
+            self._on_cache_thread(cache.keep, fetched, ids).add_done_callback(lambda _: cache.release(nbytes))
 
     def _sample(self, i: int, blob: bytes) -> Sample:
         """File ``i``'s sample: its bytes, its label, its extra fields."""

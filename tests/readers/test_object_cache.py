@@ -202,3 +202,48 @@ def test_writes_waiting_past_the_bound_are_skipped_and_counted(tmp_path):
     assert cache.reserve(1, 1, bound=101) and cache.skipped == 1
     cache.release(101)
     assert cache.reserve(5, 3, bound=10) and not cache.reserve(6, 4, bound=10) and cache.skipped == 5
+
+
+async def test_urls_that_differ_in_their_query_are_kept_apart(tmp_path, leaks):
+    """An image API or presigned URLs: /img.jpg?id=0 and ?id=1 are two objects, and their copies
+    two files (named by the whole URL; the query never shows in a file name)."""
+    from test_storage import _http_server
+
+    async def by_id(request):
+        from aiohttp import web
+
+        return web.Response(body=b"\xff\xd8\xff image " + request.query["id"].encode())
+
+    async with _http_server(by_id) as base:
+        urls = [f"{base}/img.jpg?id={i}&sig=SECRET" for i in range(3)]
+        reader = readers.files(urls, labels=[0, 1, 2], cache_dir=tmp_path)
+        for epoch in (0, 1):  # the second from the kept copies
+            samples = await _read_all(reader, epoch=epoch)
+            assert sorted(s.fields["jpg"] for s in samples) == [b"\xff\xd8\xff image " + str(i).encode() for i in range(3)]
+            assert all(s.fields["jpg"].endswith(s.fields["cls"]) for s in samples)
+    assert reader.cache.hits == 3 and reader.cache.kept == 3
+    assert not any("SECRET" in name for name in _copies(tmp_path))
+    await leaks.check()
+
+
+def test_a_copy_cut_short_by_the_file_system_is_not_kept(tmp_path):
+    """A write the file system cuts short (here a file size limit, as a disk filling up does): the
+    copy is given up and counted, never kept short to be served as whole later. In a child process:
+    the limit is the process's."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import os, resource, signal
+        from headrace.readers._object_cache import ObjectCache
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        cache = ObjectCache({str(tmp_path)!r})
+        cache.keep([("s3://b/big.jpg", os.urandom(512_003)), ("s3://b/small.jpg", b"small")])
+        print(cache.kept, cache.failed, cache.read(["s3://b/big.jpg"]) == [None])
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", "1", "True"]  # given up at the first failure, nothing kept
+    assert _copies(tmp_path) == {}
