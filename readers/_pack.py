@@ -42,6 +42,7 @@ import numpy as np
 from headrace._errors import ConfigError, DecodeError, ReadError, require_int
 
 from ._shards import INDEX_NAME, write_index
+from ._tar import WEBDATASET_META
 from .files import files
 from .video import VIDEO_EXTENSIONS, probe
 
@@ -132,6 +133,10 @@ def pack(
     keys = [_key(k) for k in listing._keys]
     seen: dict[str, str] = {}
     for key, path in zip(keys, listing.paths):
+        if format == "webdataset" and WEBDATASET_META.match(key):
+            raise ConfigError(f"pack: {path!r} would be stored under key {key!r}: a WebDataset reader (this one and "
+                              "the webdataset library) skips members under a folder named __x__ as the format's "
+                              "own; rename that folder")
         if key in seen:
             raise ConfigError(f"pack: {seen[key]!r} and {path!r} would both be stored under key {key!r}")
         seen[key] = path

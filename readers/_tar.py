@@ -30,7 +30,7 @@ from headrace._errors import ReadError
 from ._read_files import tar_scanner
 from ._storage._remote import SPAN_MIN, Span
 
-__all__ = ["TarGroup", "count_samples", "iter_groups", "open_shard", "split_name"]
+__all__ = ["WEBDATASET_META", "TarGroup", "count_samples", "iter_groups", "open_shard", "split_name"]
 
 BLOCK = 512
 _ZERO = bytes(BLOCK)
@@ -38,7 +38,7 @@ _SCAN_BATCH = 64  # headers the C helper reads per call
 _KINDS = [bytes([k]) for k in range(256)]
 _MAPPED_BEHIND = 4 << 20  # a mapped shard keeps this much behind the parser mapped (``_release_behind``)
 _REGULAR = (b"0", b"\0", b"7")
-_META = re.compile(r"__[^/]*__($|/)")  # WebDataset skips these members ("__index__" and such)
+WEBDATASET_META = re.compile(r"__[^/]*__($|/)")  # WebDataset skips these members ("__index__" and such)
 
 # (ordinal of the sample in its shard, key, fields or None when skipped, error or None)
 TarGroup = tuple[int, str, "dict[str, bytes] | None", "ReadError | None"]
@@ -396,7 +396,7 @@ def _field_name(name: str, kind: bytes) -> tuple[str, str] | None:
     WebDataset's ``__meta__`` members, no extension)."""
     if kind not in _REGULAR:
         return None
-    split = None if _META.match(name) else split_name(name)
+    split = None if WEBDATASET_META.match(name) else split_name(name)
     if split is None and unsafe(name):
         split = (name, "")  # no extension, but a hostile path is reported, not passed over
     return split

@@ -102,6 +102,18 @@ def test_names_with_dots_and_colliding_keys(tmp_path, image_folder):
     assert not (tmp_path / "clash").exists()
 
 
+def test_a_class_folder_webdataset_would_skip_is_refused_for_shards(tmp_path, image_folder):
+    src = tmp_path / "src"
+    for name in ("__background__", "cat"):
+        (src / name).mkdir(parents=True)
+        (src / name / "0.jpg").write_bytes(next(image_folder.rglob("*.jpg")).read_bytes())
+    with pytest.raises(ConfigError, match="__background__/0.*rename that folder"):
+        readers.pack(src, tmp_path / "wds", format="webdataset")  # its samples would be read as the format's own
+    assert not (tmp_path / "wds").exists()
+    readers.pack(src, tmp_path / "db", format="lmdb")  # LMDB keeps every key
+    assert len(readers.lmdb(tmp_path / "db")) == 2
+
+
 def test_nothing_is_written_outside_dest(tmp_path, image_folder):
     pytest.importorskip("lmdb")
     before = _tree(tmp_path)
