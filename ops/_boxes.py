@@ -19,7 +19,7 @@ from headrace._sample import Sample
 
 from ._geometry import PlanBatch, plan_batch
 from ._pipeline import Pipeline
-from ._spec import Flip
+from ._spec import Flip, RandomIoUCrop
 
 __all__ = ["BoxFields", "follow_boxes", "read_boxes", "source_boxes"]
 
@@ -115,7 +115,8 @@ def source_boxes(pipeline: Pipeline, boxes: Any, image_size: tuple[int, int]) ->
     Returns float32 ``[N, 4]`` on ``boxes``' device. Raises ConfigError for a pipeline with random
     geometry, ValueError for boxes that are not ``[N, 4]``.
     """
-    random = [op for op in pipeline.image_ops if op.randoms and not (isinstance(op, Flip) and op.p in (0.0, 1.0))]
+    random = [op for op in pipeline.image_ops if isinstance(op, RandomIoUCrop)  # its window, drawn on the boxes
+              or op.randoms and not (isinstance(op, Flip) and op.p in (0.0, 1.0))]
     if random:
         raise ConfigError(f"source_boxes: {random[0]!r} draws its geometry per sample; only a pipeline without "
                           "random geometry maps back (Resize, CenterCrop, Flip(p=0 or 1))")

@@ -39,7 +39,8 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 def _size2(size: int | Sequence[int], what: str) -> tuple[int, int]:
     if isinstance(size, int) and not isinstance(size, bool):
         pair = (size, size)
-    elif isinstance(size, Sequence) and len(size) == 2 and all(isinstance(v, int) for v in size):
+    elif isinstance(size, Sequence) and len(size) == 2 and all(isinstance(v, int) and not isinstance(v, bool)
+                                                                 for v in size):  # True would be a side of 1
         pair = (int(size[0]), int(size[1]))
     else:
         raise ConfigError(f"{what}: size must be an int or (height, width), got {size!r}")
@@ -371,8 +372,10 @@ class Flip(Op):
     randoms: int = field(default=1, init=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.p, (int, float)) or not 0.0 <= self.p <= 1.0:
+        if isinstance(self.p, bool) or not isinstance(self.p, (int, float)) or not 0.0 <= self.p <= 1.0:
             raise ConfigError(f"Flip: p must be a number in [0, 1], got {self.p!r}")
+        if not isinstance(self.vertical, bool):  # "no" would be true, and flip vertically
+            raise ConfigError(f"Flip: vertical must be True or False, got {self.vertical!r}")
 
     def flips(self, u: Sequence[float]) -> bool:
         return u[0] < self.p
@@ -419,6 +422,8 @@ class Normalize(Op):
             raise ConfigError("Normalize: dtype must be a float type")
         if not self.mean or len(self.mean) != len(self.std) or any(s == 0 for s in self.std):
             raise ConfigError(f"Normalize: mean and std must have equal lengths and no zero std, got {self.mean!r}, {self.std!r}")
+        if not all(math.isfinite(v) for v in (*self.mean, *self.std)):  # a NaN or inf makes every pixel one
+            raise ConfigError(f"Normalize: mean and std must be finite, got {self.mean!r}, {self.std!r}")
         if self.layout not in ("CHW", "HWC"):
             raise ConfigError(f"Normalize: layout must be 'CHW' or 'HWC', got {self.layout!r}")
 

@@ -22,7 +22,7 @@ from headrace.ops import (
     validation,
 )
 
-BAD_SIZES = [0, -3, (0, 4), (4, -1), (1, 2, 3), (4,), 2.5, "224", True, None, (4.0, 4)]
+BAD_SIZES = [0, -3, (0, 4), (4, -1), (1, 2, 3), (4,), 2.5, "224", True, None, (4.0, 4), (16, True), (True, 16)]
 
 
 @pytest.mark.parametrize("size", BAD_SIZES)
@@ -48,6 +48,11 @@ def test_bad_sizes(op, size):
         lambda: Flip(1.5),
         lambda: Flip("0.5"),
         lambda: Flip(float("nan")),
+        lambda: Flip(True),
+        lambda: Flip(vertical="no"),  # a truthy string would flip vertically
+        lambda: Normalize(mean=(0.5,), std=(float("nan"),)),
+        lambda: Normalize(mean=(float("inf"),), std=(0.5,)),
+        lambda: Normalize(mean=(0.5,), std=(float("inf"),)),
         lambda: Normalize(dtype="int8"),
         lambda: Normalize(dtype="uint8"),
         lambda: Normalize(dtype=torch.float64),
