@@ -84,7 +84,7 @@ def follow_boxes(pipe: Pipeline, plan: PlanBatch, found: list[BoxFields]) -> dic
     out_w, out_h = plan.out_w[row].astype(np.float64), plan.out_h[row].astype(np.float64)
     sx, sy = out_w / (bx1 - bx0), out_h / (by1 - by0)
     # The real pixels in output coordinates: outside them the output is padding.
-    cx0, cy0, cx1, cy1 = plan.clip[row].T
+    cx0, cy0, cx1, cy1 = plan.real[row].T
     lo_x, hi_x = np.maximum((cx0 - bx0) * sx, 0.0), np.minimum((cx1 - bx0) * sx, out_w)
     lo_y, hi_y = np.maximum((cy0 - by0) * sy, 0.0), np.minimum((cy1 - by0) * sy, out_h)
     x0 = np.clip((b[:, 0] - bx0) * sx, lo_x, hi_x)

@@ -23,9 +23,11 @@ __all__ = ["PlanBatch", "check_foldable", "index_affine", "output_error", "outpu
 
 
 def check_foldable(ops: tuple[Op, ...]) -> None:
-    """Refuse what one fused resample cannot do exactly: a geometric op after a Flip, or two resizes."""
+    """Refuse what one fused resample cannot do exactly: a geometric op after a Flip, two resizes,
+    or after a resize a crop larger than a crop before it (its padding: see below)."""
     seen_flip = False
     resizes = 0
+    cropped: tuple[int, int] | None = None  # the last crop's size since the resize
     for op in ops:
         if isinstance(op, Flip):
             seen_flip = True
@@ -35,6 +37,16 @@ def check_foldable(ops: tuple[Op, ...]) -> None:
         resizes += isinstance(op, (Resize, RandomResize, RandomResizedCrop))
         if resizes > 1:
             raise ConfigError(f"the GPU path fuses one resize per pipeline; {op!r} is a second one")
+        if isinstance(op, (CenterCrop, RandomCrop)) and resizes:
+            # The kernel's filter may read past a crop made after the resize (``clip`` is not
+            # narrowed there), so it cannot also tell that crop's edge from padding: a larger crop
+            # after it would show the pixels the first one cut away, where the CPU path pads.
+            if cropped is not None and (op.size[0] > cropped[0] or op.size[1] > cropped[1]):
+                raise ConfigError(f"the GPU path cannot pad {op!r} around the crop before it, after a resize; "
+                                  "crop once, or crop before the resize")
+            cropped = op.size
+        elif isinstance(op, RandomResizedCrop):
+            cropped = None  # its window is real pixels, and its output the new frame
 
 
 def output_error(h: int, w: int, ops: tuple[Op, ...], max_pixels: int | None) -> str | None:
@@ -100,6 +112,9 @@ class PlanBatch:
     out_h: np.ndarray  # (B,) int64
     flip_h: np.ndarray  # (B,) bool
     flip_v: np.ndarray  # (B,) bool
+    # (B, 4) float64: the source's real pixels in the output, narrowed by every crop (``clip`` is
+    # not by a crop after a resize, whose filter reads past it). Boxes and masks clip to it.
+    real: np.ndarray
 
 
 def plan_batch(h: np.ndarray, w: np.ndarray, ops: tuple[Op, ...], randoms: list[np.ndarray | None]) -> PlanBatch:
@@ -114,6 +129,7 @@ def plan_batch(h: np.ndarray, w: np.ndarray, ops: tuple[Op, ...], randoms: list[
     x0, y0 = zeros(n), zeros(n)
     x1, y1 = w.astype(np.float64), h.astype(np.float64)
     clip = [x0.copy(), y0.copy(), x1.copy(), y1.copy()]
+    real = [x0.copy(), y0.copy(), x1.copy(), y1.copy()]
     cw, ch = w.copy(), h.copy()
     resized = False
     flip_h = np.zeros(n, dtype=bool)
@@ -137,6 +153,7 @@ def plan_batch(h: np.ndarray, w: np.ndarray, ops: tuple[Op, ...], randoms: list[
             sx, sy = (x1 - x0) / cw, (y1 - y0) / ch
             x0, y0, x1, y1 = x0 + left * sx, y0 + top * sy, x0 + (left + ww) * sx, y0 + (top + wh) * sy
             ch, cw = wh, ww
+            real = [np.maximum(x0, real[0]), np.maximum(y0, real[1]), np.minimum(x1, real[2]), np.minimum(y1, real[3])]
             if not resized:  # a crop before any resize is carried out: later filters stay inside it
                 clip = [np.maximum(x0, clip[0]), np.maximum(y0, clip[1]), np.minimum(x1, clip[2]), np.minimum(y1, clip[3])]
             if isinstance(op, RandomResizedCrop):
@@ -149,7 +166,8 @@ def plan_batch(h: np.ndarray, w: np.ndarray, ops: tuple[Op, ...], randoms: list[
             else:
                 flip_h ^= flips
     out_h, out_w = np.broadcast_to(ch, (n,)).astype(np.int64), np.broadcast_to(cw, (n,)).astype(np.int64)
-    return PlanBatch(columns([x0, y0, x1, y1], np.float64), columns(clip, np.float64), out_w, out_h, flip_h, flip_v)
+    return PlanBatch(columns([x0, y0, x1, y1], np.float64), columns(clip, np.float64), out_w, out_h, flip_h, flip_v,
+                     columns(real, np.float64))
 
 
 def roi_batch(p: PlanBatch, h: np.ndarray, w: np.ndarray, dtype: type = np.int64) -> np.ndarray:

@@ -77,7 +77,7 @@ def follow_masks(plan: PlanBatch, masks: list[np.ndarray], fill: int, stack: boo
     for r, mask in enumerate(masks):
         out_w, out_h = int(plan.out_w[r]), int(plan.out_h[r])
         bx0, by0, bx1, by1 = plan.box[r]
-        cx0, cy0, cx1, cy1 = plan.clip[r]
+        cx0, cy0, cx1, cy1 = plan.real[r]
         # The source point each output pixel's centre maps to, and the pixel it falls in.
         px = bx0 + (np.arange(out_w) + 0.5) * ((bx1 - bx0) / out_w)
         py = by0 + (np.arange(out_h) + 0.5) * ((by1 - by0) / out_h)

@@ -148,3 +148,19 @@ def test_flip_before_a_crop_is_refused_on_the_gpu_path():
     check_foldable((RandomResizedCrop(8), Flip()))
     with pytest.raises(ConfigError):
         check_foldable((Flip(), CenterCrop(8)))
+
+
+def test_a_crop_padding_around_a_crop_after_a_resize_is_refused_on_the_gpu_path():
+    # The kernel's filter reads past a crop made after the resize, so it cannot pad around it.
+    with pytest.raises(ConfigError, match="crop once, or crop before the resize"):
+        check_foldable((Resize(40), CenterCrop(20), CenterCrop(30)))
+    check_foldable((Resize(40), CenterCrop(30), CenterCrop(20)))  # inside the first crop: no padding
+    check_foldable((CenterCrop(20), CenterCrop(30), Resize(40)))  # before the resize the edge is kept
+    check_foldable((Resize(40), CenterCrop(50)))  # one crop pads around the image itself
+    check_foldable((RandomResizedCrop(16), CenterCrop(20)))  # the window is real pixels
+
+
+def test_real_pixels_narrow_at_every_crop_the_filter_clip_before_the_resize_only():
+    plan = plan_batch(np.array([40]), np.array([40]), (Resize(40), CenterCrop(20), CenterCrop(30)), [None, None, None])
+    assert plan.real[0].tolist() == [10.0, 10.0, 30.0, 30.0]
+    assert plan.clip[0].tolist() == [0.0, 0.0, 40.0, 40.0]

@@ -185,3 +185,23 @@ def test_each_output_pixel_takes_the_class_under_its_centre(tmp_path):
     assert (half["mask"].numpy() == 1).all()
     (double,) = _epoch(reader, [ops.Resize((16, 32))])
     np.testing.assert_array_equal(double["mask"][0].numpy(), np.tile(np.arange(32) // 2 % 2, (16, 1)))
+
+
+def test_boxes_and_masks_stop_at_a_crop_made_after_a_resize(tmp_path):
+    """Resize, a crop, then a larger crop (padding around the first): the first crop's edge is the
+    real pixels' edge, for the image, its boxes and its mask alike."""
+    path = tmp_path / "white.png"
+    Image.fromarray(np.full((40, 40, 3), 200, np.uint8)).save(path)
+    extra = [{"boxes": np.array([[0, 0, 40, 40]], np.float32), "labels": np.array([1]),
+              "mask": np.ones((40, 40), np.uint8)}]
+    pipe = ops.Pipeline([ops.Resize(40), ops.CenterCrop(20), ops.CenterCrop(30)], label=None, layout="HWC",
+                        boxes="boxes", per_box=("labels",), mask="mask", mask_fill=255)
+    reader = readers.FileReader([str(path)], None, extra=extra)
+    with headrace.Loader(reader, batch_size=1, pipeline=pipe, device="cpu").sync() as epochs:
+        (batch,) = list(epochs)
+    image, mask = batch["image"][0].numpy()[..., 0], batch["mask"][0].numpy()
+    real = np.zeros((30, 30), bool)
+    real[5:25, 5:25] = True  # the 20 x 20 crop, centred in the 30 x 30 output
+    assert ((image != 0) == real).all()
+    assert batch["boxes"][0].tolist() == [[5.0, 5.0, 25.0, 25.0]]
+    assert (mask[real] == 1).all() and (mask[~real] == 255).all()
