@@ -118,8 +118,8 @@ def pack(
         raise ConfigError("pack: videos pack into WebDataset shards only (format='webdataset'): readers.video reads those")
     if verify_threads is not None:
         require_int("pack: verify_threads", verify_threads)
-    if shard_size is not None and not shard_size > 0:
-        raise ConfigError(f"pack: shard_size must be positive (MB), got {shard_size!r}")
+    if shard_size is not None and not 0 < shard_size < float("inf"):
+        raise ConfigError(f"pack: shard_size must be a positive, finite number of MB, got {shard_size!r}")
     if shard_count is not None:
         require_int("pack: shard_count", shard_count)
     if not prefix or "/" in prefix or os.sep in prefix or prefix.startswith("."):

@@ -60,7 +60,7 @@ class BatchProcessor:
                 return
             failures = dict(processed.failures)
             row_of = {row: j for j, row in enumerate(processed.kept)}
-            for row, r in enumerate(reqs):
+            for row, r in enumerate(reqs):  # ``_finish`` checked a row per kept request: indexing cannot fail
                 if row in row_of:
                     answer(r, result=outputs[row_of[row]])
                 else:
@@ -75,6 +75,9 @@ class BatchProcessor:
             raise TransformError(f"the pipeline's batch has no 'image' to answer with (it has "
                                  f"{', '.join(map(repr, processed.data)) or 'nothing'}); a MapBatch must keep it",
                                  stage="postprocess")
+        if len(images) != len(processed.kept):  # a MapBatch changed the rows: no row is known to be whose
+            raise TransformError(f"the pipeline's batch has {len(images)} image rows for {len(processed.kept)} "
+                                 "requests; a MapBatch must keep a row per request", stage="postprocess")
         ready = processed.ready
         if self._finisher is None:
             hand_off([images], ready)  # the loop thread's current stream: the callers'
@@ -92,9 +95,7 @@ class BatchProcessor:
                 outputs = self.postprocess(images)
             except Exception as exc:
                 raise TransformError(f"postprocess failed: {type(exc).__name__}: {exc}", stage="postprocess") from exc
-            if len(outputs) != len(images):
-                raise TransformError(f"postprocess returned {len(outputs)} rows for {len(images)} images",
-                                     stage="postprocess")
+            _check_rows(outputs, len(images))
         if self.wait_ready and ready is not None:
             import torch
 
@@ -122,3 +123,22 @@ def _for_request(exc: Exception, sample: Sample) -> LoaderError:
         err = TransformError(f"{type(exc).__name__}: {exc}", key=sample.key, source=sample.source)
     err.__cause__ = exc
     return err
+
+
+def _check_rows(outputs: Any, rows: int) -> None:
+    """``postprocess``'s result must be rows, one a request: a tensor or an array whose first
+    dimension is the batch, or a list of that length. A tuple or a dict has a length too, which
+    matched a batch of that size by chance: ``(logits, features)`` for two requests gave each
+    caller the other's rows."""
+    import numpy as np
+    import torch
+
+    if isinstance(outputs, (torch.Tensor, np.ndarray)):
+        count = outputs.shape[0] if outputs.ndim else None
+    elif isinstance(outputs, list):
+        count = len(outputs)
+    else:
+        raise TransformError(f"postprocess must return a tensor, an array or a list with a row per image, got "
+                             f"{type(outputs).__name__}", stage="postprocess")
+    if count != rows:
+        raise TransformError(f"postprocess returned {count} rows for {rows} images", stage="postprocess")

@@ -69,8 +69,10 @@ class Preprocessor:
             CPU, so single requests use every core; ``lanes + 1`` on the GPU, so a lane never idles
             between batches).
         postprocess: optional ``fn(images) -> outputs`` run on each whole batch (a model's forward,
-            say) in one thread the service owns; each caller then gets its row of ``outputs``. On
-            the GPU the thread's current stream waits for the lane first.
+            say) in one thread the service owns; each caller then gets its row of ``outputs``: a
+            tensor or an array with a row per image, or a list of them (a tuple or a dict is a
+            TransformError: its length would not say whose row is whose). On the GPU the thread's
+            current stream waits for the lane first.
         wait_ready: GPU only: answer a batch only once the device has finished it (a thread waits;
             the event loop never does). Use it to time requests or before copying to the host.
 
@@ -141,6 +143,8 @@ class Preprocessor:
         if gpu_tuning is not None and not isinstance(gpu_tuning, ops.GpuTuning):
             raise ConfigError(f"gpu_tuning must be a headrace.ops.GpuTuning, got {type(gpu_tuning).__name__}")
         self.gpu_tuning = gpu_tuning
+        if isinstance(seed, bool) or not isinstance(seed, int):  # as the Loader: every request would fail on it
+            raise ConfigError(f"seed must be an int, got {seed!r}")
         self.seed = seed
         on_gpu = self.device.startswith("cuda")
         default_slots = self.lanes + 1 if on_gpu else self.num_threads

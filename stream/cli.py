@@ -20,6 +20,7 @@ with the consumer's starved and the pipeline's blocked shares; ``--json`` and ``
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -123,7 +124,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
 
 def _megabytes(text: str) -> float:
     value = float(text)
-    if not value >= 0:
+    if not (math.isfinite(value) and value >= 0):  # inf would overflow where the shards are sized
         raise argparse.ArgumentTypeError(f"must be a non-negative number of megabytes, got {text}")
     return value
 
@@ -155,7 +156,9 @@ def _bare_verify(argv: list[str]) -> list[str]:
     if next((a for a in argv if not a.startswith("-")), None) != "pack":
         return argv
     end = argv.index("--") if "--" in argv else len(argv)
-    return [("--verify=raise" if i < end and a == "--verify" else a) for i, a in enumerate(argv)]
+    # "--verify skip" and "--verify raise" keep their value; only a bare one becomes "=raise".
+    return [("--verify=raise" if i < end and a == "--verify" and (argv[i + 1:i + 2] not in (["raise"], ["skip"]))
+             else a) for i, a in enumerate(argv)]
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -125,7 +125,8 @@ def test_nothing_is_written_outside_dest(tmp_path, image_folder):
 
 
 @pytest.mark.parametrize(
-    "case", ["dest_not_empty", "dest_inside_src", "no_images", "bad_format", "bad_size", "bad_count", "bad_prefix"],
+    "case", ["dest_not_empty", "dest_inside_src", "no_images", "bad_format", "bad_size", "bad_count", "bad_prefix",
+             "infinite_size"],
 )
 def test_wrong_arguments(tmp_path, image_folder, case):
     dest, kw = tmp_path / "out", {"format": "webdataset"}
@@ -142,7 +143,7 @@ def test_wrong_arguments(tmp_path, image_folder, case):
         src = tmp_path / "empty"
     else:
         kw.update({"bad_format": {"format": "zip"}, "bad_size": {"shard_size": 0}, "bad_count": {"shard_count": 0},
-                   "bad_prefix": {"prefix": "../up"}}[case])
+                   "bad_prefix": {"prefix": "../up"}, "infinite_size": {"shard_size": float("inf")}}[case])
     with pytest.raises(ReadError if case == "no_images" else ConfigError):
         readers.pack(src, dest, **kw)
     if case == "dest_not_empty":
@@ -244,6 +245,10 @@ def test_verify_on_the_command_line(tmp_path, bad_folder):
     assert skipped.returncode == 0, skipped.stderr
     assert "packed 10 samples" in skipped.stdout and "skipped 2 file(s) that do not decode" in skipped.stdout
     assert str(bad_folder / "b" / "cut.jpg") in skipped.stdout
+    spaced = run(str(bad_folder), str(tmp_path / "s2"), "--format", "lmdb", "--verify", "skip")  # as the usage shows
+    assert spaced.returncode == 0 and "packed 10 samples" in spaced.stdout, spaced.stderr
+    infinite = run(str(bad_folder), str(tmp_path / "i"), "--format", "webdataset", "--shard-size", "inf")
+    assert infinite.returncode == 2 and "non-negative number of megabytes" in infinite.stderr  # an argument error
     plain = run(str(bad_folder), str(tmp_path / "p"), "--format", "webdataset")
     assert plain.returncode == 0 and "packed 12 samples" in plain.stdout
     assert "--verify" in run("--help").stdout and "decode every file" in run("--help").stdout

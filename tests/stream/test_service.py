@@ -318,11 +318,41 @@ async def test_postprocess_runs_once_per_batch_and_fails_per_request(jpegs, leak
     await leaks.check()
 
 
+@pytest.mark.parametrize("batch", [1, 2, 3])
+@pytest.mark.parametrize("shape", ["tuple", "dict", "too few rows"])
+async def test_postprocess_outputs_that_are_not_a_row_a_request_fail_every_request(jpegs, batch, shape, leaks):
+    # A tuple or a dict has a length too: (logits, features) for two requests once gave each caller
+    # the other's rows, and a dict for one request left it unanswered and the service dead.
+    def model(images: torch.Tensor):
+        if shape == "tuple":
+            return images.mean(dim=(1, 2, 3)), images.amax(dim=(1, 2, 3))
+        if shape == "dict":
+            return {"logits": images.mean(dim=(1, 2, 3))}
+        return images.mean(dim=(1, 2, 3))[:-1]
+
+    async with _service(max_batch=batch, max_delay=3600, postprocess=model) as pre:
+        errors = await asyncio.gather(*(pre(img) for img in jpegs[:batch]), return_exceptions=True)
+        assert all(isinstance(e, TransformError) and e.stage == "postprocess" for e in errors), errors
+        assert {e.key for e in errors} == {f"request-{i}" for i in range(batch)}
+        good = await asyncio.gather(*(pre(img) for img in jpegs[:batch]), return_exceptions=True)
+        assert all(isinstance(e, TransformError) for e in good)  # the service lives on, each call answered
+    await leaks.check()
+
+
+async def test_a_batch_stage_that_drops_rows_fails_every_request_and_the_service_lives(jpegs, leaks):
+    pipe = ops.Pipeline([ops.Decode(), ops.Resize((32, 32)), ops.MapBatch(lambda b: {**b, "image": b["image"][:1]})],
+                        label=None)
+    async with _service(pipeline=pipe, max_batch=3, max_delay=3600) as pre:
+        errors = await asyncio.gather(*(pre(img) for img in jpegs[:3]), return_exceptions=True)
+        assert all(isinstance(e, TransformError) and "a row per request" in str(e) for e in errors), errors
+    await leaks.check()
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [{"max_batch": 0}, {"max_delay": -1}, {"max_delay": float("inf")}, {"max_pending": 0},
      {"when_full": "drop"}, {"device": "tpu"}, {"postprocess": 3}, {"pipeline": "validation"},
-     {"num_threads": 0}, {"batches_in_flight": 0}],
+     {"num_threads": 0}, {"batches_in_flight": 0}, {"seed": "x"}, {"seed": 2.5}, {"seed": None}],
 )
 def test_bad_arguments_are_config_errors(kwargs):
     with pytest.raises(ConfigError):
