@@ -63,6 +63,9 @@ class RemoteFile:
     def __init__(self, store: Store, key: str, *, capacity: int = 8 << 20, retry: Retry | None = None,
                  jump: int = 4 << 20, link: Link | None = None, tee: CacheWriter | None = None) -> None:
         self.name = store.url(key)
+        # What the link remembers the object under: an HTTP URL as given, its query string too
+        # (``name`` drops it: URLs differing only there are distinct objects of distinct sizes).
+        self.identity = key if store.scheme == "http" else self.name
         # A local copy being written (``webdataset(cache_dir=)``): the blocks the thread is done
         # with, handed to the copy's writing thread once the lock is let go (the loop pushes under it).
         self.tee = tee

@@ -194,7 +194,7 @@ class Fetcher:
         self._loop = asyncio.get_running_loop()
         self._room = asyncio.Event()
         self.link.fetchers[self] = None
-        remembered = self.link.objects.get(self.file.name)
+        remembered = self.link.objects.get(self.file.identity)
         if remembered is not None:
             self.size, self._etag = remembered
             self.unconfirmed = True
@@ -315,12 +315,12 @@ class Fetcher:
             self.unconfirmed = False
             self._cond.notify_all()
         if self._etag is not None:
-            self.link.remember(self.file.name, size, self._etag)
+            self.link.remember(self.file.identity, size, self._etag)
 
     def _forget(self) -> _Jump:
         """The remembered size and ETag were refused: forgotten, and the download starts again
         where it started, with a plain GET (no byte reached the thread: nothing was answered)."""
-        self.link.objects.pop(self.file.name, None)
+        self.link.objects.pop(self.file.identity, None)
         with self._cond:
             self.size = self._etag = None
             self.unconfirmed = False

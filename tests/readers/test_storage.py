@@ -4,6 +4,7 @@ through a proxy that drops, fails and stalls requests; and the retry layer on th
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -720,4 +721,40 @@ async def test_listed_keys_are_read_as_they_are_named_and_globs_stop_at_slashes(
         shards = readers.webdataset(f"s3://{BUCKET}/train/*.tar").shards
         assert shards == [f"s3://{BUCKET}/train/{i}.tar" for i in range(2)]  # not train/val/
         assert len(readers.webdataset(f"s3://{BUCKET}/train/*/*.tar").shards) == 2
+    await leaks.check()
+
+
+async def test_shard_urls_that_differ_in_their_query_are_remembered_apart(leaks):
+    """The reader remembers each shard's size and ETag between epochs: by its URL as given, query
+    and all (?v=1 and ?v=2 are two objects of two sizes)."""
+    from aiohttp import web
+
+    shards = {str(v): tar_bytes([(f"v{v}_{i}.cls", str(i).encode() * (100 * v)) for i in range(3 * v)])
+              for v in (1, 2)}
+
+    gets = []
+
+    async def by_version(request):
+        if request.query.get("v") not in shards:  # the index beside the shards: none here
+            return web.Response(status=404)
+        gets.append(request.query["v"])
+        data = shards[request.query["v"]]
+        start, end = 0, len(data)
+        if "Range" in request.headers:
+            first, _, last = request.headers["Range"].removeprefix("bytes=").partition("-")
+            start, end = int(first), min(end, int(last) + 1 if last else end)
+            return web.Response(status=206, body=data[start:end], headers={
+                "Content-Range": f"bytes {start}-{end - 1}/{len(data)}", "ETag": f'"{request.query["v"]}"', **_DATED})
+        return web.Response(body=data, headers={"ETag": f'"{request.query["v"]}"', **_DATED})
+
+    async with _http_server(by_version) as base:
+        # Made off the loop: the reader looks for the shards' index (a blocking GET) and this loop serves it.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            reader = await asyncio.get_running_loop().run_in_executor(
+                pool, readers.webdataset, [f"{base}/shard.tar?v=1", f"{base}/shard.tar?v=2"])
+        for epoch in range(3):  # the later epochs with the sizes remembered
+            gets.clear()
+            keys = [s.key for s in await _read_all(reader, epoch=epoch)]
+            assert keys == [f"v1_{i}" for i in range(3)] + [f"v2_{i}" for i in range(6)], (epoch, keys)
+            assert sorted(gets) == ["1", "2"], (epoch, gets)  # one GET a shard: no remembered size refused
     await leaks.check()
