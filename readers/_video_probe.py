@@ -57,15 +57,19 @@ def probe(path: str | bytes, source: str | None = None) -> VideoInfo:
                 raise DecodeError("no video stream", source=source)
             stream = container.streams.video[0]
             stamps = []
+            packets = 0  # every frame the file holds, shown or not (the container's count includes them all)
             for packet in container.demux(stream):
                 if packet.size == 0:  # the demuxer's flush packet
+                    continue
+                packets += 1
+                if packet.is_discard:  # before an MP4 edit list's start (a cut by stream copy): decoded, never shown
                     continue
                 stamp = packet.pts if packet.pts is not None else packet.dts
                 if stamp is None:
                     raise DecodeError("a frame has no timestamp; cannot address frames in it", source=source)
                 stamps.append(stamp)
-            if stream.frames and len(stamps) < stream.frames:  # the container's index lists more than the file holds
-                raise DecodeError(f"truncated: the container lists {stream.frames} frames, {len(stamps)} could be read",
+            if stream.frames and packets < stream.frames:  # the container's index lists more than the file holds
+                raise DecodeError(f"truncated: the container lists {stream.frames} frames, {packets} could be read",
                                 source=source)
             rate = stream.average_rate
             info = VideoInfo(np.unique(np.asarray(stamps, np.int64)), float(stream.time_base or 0),

@@ -346,3 +346,35 @@ async def test_a_corrupt_header_mid_shard_is_an_error_after_the_members_before_i
     assert [s.key for s in samples] == ["x@0", "x#error@0"]
     bad = samples[1].error
     assert isinstance(bad, ReadError) and bad.source == str(tmp_path / "s.tar") and "'x.mp4'" in str(bad)
+
+
+async def test_frames_an_edit_list_hides_are_not_counted(tmp_path, leaks):
+    """An MP4 cut by stream copy keeps the packets before its edit list's start: the demuxer marks
+    them discarded and the decoder never shows them. Frame k is the k-th frame shown."""
+    import av
+
+    source = make_video(tmp_path / "src.mp4", 40, gop=40)
+    trimmed = tmp_path / "tree" / "a" / "cut.mp4"
+    trimmed.parent.mkdir(parents=True)
+    with av.open(str(source)) as src, av.open(str(trimmed), "w") as out:
+        stream_in = src.streams.video[0]
+        stream_out = out.add_stream_from_template(stream_in)
+        shift = 3 * round(1 / (stream_in.time_base * stream_in.average_rate))  # 3 frames before the start
+        for packet in src.demux(stream_in):
+            if packet.dts is None:
+                continue
+            packet.pts, packet.dts, packet.stream = packet.pts - shift, packet.dts - shift, stream_out
+            out.mux(packet)
+    with av.open(str(trimmed)) as check:
+        hidden = sum(p.is_discard for p in check.demux(check.streams.video[0]) if p.size)
+    assert hidden == 3  # the file is what the test means it to be
+    reader = readers.video(tmp_path / "tree", sequence_length=4)
+    assert len(reader) == 9  # 37 frames shown: 9 clips of 4
+    loader = Loader(reader, batch_size=3, device="cpu", num_threads=2, pipeline=ops.video_pipeline())
+    by_key = {key: [frame_index(f.numpy()) for f in clip]
+              async for b in loader for key, clip in zip(b.sample_keys, b["video"])}
+    await loader.aclose()
+    assert by_key["a/cut.mp4@0"] == [3, 4, 5, 6]  # the first frame shown is the source's frame 3
+    assert all(frames == list(range(int(k.split("@")[1]) + 3, int(k.split("@")[1]) + 7)) for k, frames in by_key.items())
+    assert len(by_key) == 9
+    await leaks.check()
