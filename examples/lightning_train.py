@@ -15,7 +15,10 @@ epoch's pipeline and the next pass starts the next epoch whole). ``--view`` hand
 
 ``loader.sync()`` has ``state_dict()`` and ``load_state_dict()``, so Lightning keeps the loader's
 position in its checkpoints and ``ckpt_path=`` resumes mid-epoch with exactly the batches the
-uninterrupted run would have had next (``--save-every``, ``--resume``). The DataLoader of
+uninterrupted run would have had next (``--save-every``, ``--resume``); a checkpoint at an epoch's
+last step resumes at the next epoch. Not with ``--limit-batches``: a checkpoint at the limit says
+"mid-epoch" (the loader cannot know Lightning is about to leave that epoch), so the resumed run
+finishes the loader's epoch where the uninterrupted one started the next. The DataLoader of
 ``--view`` has no such state: after a resume it reads the epoch from its start again, for the
 steps Lightning had left in it.
 

@@ -12,7 +12,7 @@ from ._cursor import Cursor
 from ._epochs import Epochs
 from ._errors import LoaderError
 from ._loader_args import resolve_loader_args
-from ._loader_state import STATE_VERSION, resume_point
+from ._loader_state import STATE_VERSION, ResumePoint, resume_point
 from ._policy import ErrorRecord
 from ._run import EpochMetrics
 from ._sample import Batch
@@ -293,8 +293,14 @@ class Loader:
         or from another world size with a reader that cannot resume across world sizes.
         """
         self._epochs.let_go_of_a_left_run()  # raises while a loop is inside an epoch
-        self._cursor.resume(resume_point(state, batch_size=self.batch_size, seed=self.seed, reader=self.reader,
-                                         world=self.world))
+        point = resume_point(state, batch_size=self.batch_size, seed=self.seed, reader=self.reader, world=self.world)
+        length = self._epoch_length()
+        if length is not None and not point.history and point.batches >= length:
+            # Saved after the epoch's last batch, before its loop ended (a trainer's checkpoint at its
+            # last step): the uninterrupted run's next batch is the next epoch's first, so start
+            # there, not in an empty rest of this epoch that a trainer would count as an epoch.
+            point = ResumePoint(point.epoch + 1, 0, 0, [])
+        self._cursor.resume(point)
 
     def __repr__(self) -> str:
         return (

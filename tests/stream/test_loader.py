@@ -214,6 +214,10 @@ async def test_resume_mid_epoch_yields_exactly_the_remaining_batches(image_folde
     assert state["epoch"] == 1 and state["batches"] == stop_after + 1
     second = _loader(image_folder, seed=7)
     second.load_state_dict(state)
+    if stop_after + 1 == len(expected):  # saved at the epoch's last batch: the next epoch comes next
+        assert second.epoch == 2 and second.state_dict()["position"] == 0
+        await second.aclose()
+        return
     rest = await _collect(second)
     for x, y in zip(expected[stop_after + 1 :], rest, strict=True):
         _same(x, y)
@@ -344,3 +348,30 @@ async def test_a_state_is_refused_while_a_loop_waits_inside_the_epoch():
     assert (await waiting).sample_keys == ["k0", "k1"]
     await epoch.aclose()
     await loader.aclose()
+
+
+async def test_a_state_saved_at_an_epochs_last_batch_resumes_at_the_next_epoch(image_folder, leaks):
+    """A trainer checkpoints after its step on the epoch's last batch, before the loop ends: the
+    resumed run's next batch is the next epoch's first, as the uninterrupted run's, with no empty
+    rest of the epoch in between (which a trainer would count as an epoch)."""
+    whole = _loader(image_folder, seed=6)
+    epochs = [await _collect(whole) for _ in range(2)]
+    await whole.aclose()
+
+    def save_at_the_last_batch():
+        with _loader(image_folder, seed=6).sync() as sync:
+            for batch in sync:
+                state = sync.state_dict()
+            return batch, state
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        last, state = await asyncio.get_running_loop().run_in_executor(pool, save_at_the_last_batch)
+    _same(last, epochs[0][-1])
+    assert (state["epoch"], state["batches"]) == (0, len(epochs[0]))
+    resumed = _loader(image_folder, seed=6)
+    resumed.load_state_dict(state)
+    assert resumed.epoch == 1
+    for want, got in zip(epochs[1], await _collect(resumed), strict=True):
+        _same(want, got)
+    await resumed.aclose()
+    await leaks.check()
