@@ -283,7 +283,8 @@ class Loader:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state``; the next ``async for`` resumes mid-epoch if the state was taken there.
+        """Continue from ``state``; the next ``async for`` resumes mid-epoch if the state was taken there
+        (and at the next epoch's start if it was taken after an epoch's last batch).
 
         The state may come from any rank of the same step. Saved on another world size, the epoch
         continues with what it has not read yet, split across this job's ranks (see the class
