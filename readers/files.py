@@ -286,7 +286,7 @@ def file_list(path: str | os.PathLike, root: str | os.PathLike | None = None) ->
     text_path = os.fspath(path)
     base = os.fspath(root) if root is not None else os.path.dirname(os.path.abspath(text_path))
     try:
-        with open(text_path, encoding="utf-8") as f:
+        with open(text_path, encoding="utf-8-sig") as f:  # a Windows editor's byte-order mark is no path
             lines = f.read().splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise ReadError(f"cannot read the list file: {exc}", source=text_path) from exc
@@ -316,11 +316,16 @@ def file_list(path: str | os.PathLike, root: str | os.PathLike | None = None) ->
 
 def class_folders(root: Path, exts: set[str]) -> tuple[list[str], list[Path], list[int]]:
     """A class-per-folder tree: its classes (sorted sub-folder names, hidden ones left out), and the
-    files with one of ``exts`` under each, sorted, with the class index as label."""
+    files with one of ``exts`` under each, sorted, with the class index as label. Hidden files and
+    folders inside a class are left out too (macOS's ``._x.jpg``, a viewer's ``.thumbs/``): they
+    are not the data set's images."""
     classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
     paths, labels = [], []
     for label, name in enumerate(classes):
-        for p in sorted((root / name).rglob("*")):
+        folder = root / name
+        for p in sorted(folder.rglob("*")):
+            if any(part.startswith(".") for part in p.relative_to(folder).parts):
+                continue
             if p.is_file() and p.suffix.lower().lstrip(".") in exts:
                 paths.append(p)
                 labels.append(label)
@@ -408,6 +413,8 @@ def files(
                               "buffer_bytes": buffer_bytes,
                               "cache": from_arguments("files", cache_dir, cache_bytes,
                                                       partial(ObjectCache, native=native_read))}
+    if isinstance(extensions, str):  # one extension: not its letters
+        extensions = (extensions,)
     exts = {e.lower().lstrip(".") for e in extensions}
     if isinstance(source, (str, os.PathLike)):
         if labels is not None:
@@ -458,7 +465,8 @@ def bucket_class_folders(prefix: str, storage: Storage, exts: set[str], what: st
     by_class: dict[str, list[str]] = {}
     for k in run_sync(listing):
         name, sep, rest = k[len(key) :].partition("/")
-        if sep and rest and not name.startswith(".") and os.path.splitext(rest)[1].lower().lstrip(".") in exts:
+        hidden = name.startswith(".") or any(part.startswith(".") for part in rest.split("/"))  # as class_folders
+        if sep and rest and not hidden and os.path.splitext(rest)[1].lower().lstrip(".") in exts:
             by_class.setdefault(name, []).append(k)
     if not by_class:
         raise ReadError(f"no {what} files ({', '.join(sorted(exts))}) in class sub-folders",

@@ -52,6 +52,8 @@ def decode_record(value: bytes) -> dict[str, bytes]:
     _, count = _HEAD.unpack_from(value)
     pos, sizes = _HEAD.size, []
     for _ in range(count):
+        if pos >= len(value) or pos + 1 + value[pos] + _LEN.size > len(value):
+            raise ValueError(f"record is cut short in its header (field {len(sizes)} of {count})")
         n = value[pos]
         name = value[pos + 1 : pos + 1 + n].decode()
         (size,) = _LEN.unpack_from(value, pos + 1 + n)

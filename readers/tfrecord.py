@@ -174,19 +174,23 @@ def _from_index(index: str, file: int, path: str) -> list[tuple[int, int, int]]:
     and CRCs."""
     records = []
     size = os.path.getsize(path)
-    with open(index) as f:
-        for number, line in enumerate(f, 1):
-            parts = line.split()
-            if not parts:
-                continue
-            try:
-                offset, total = int(parts[0]), int(parts[1])
-            except (ValueError, IndexError):
-                raise ReadError(f"line {number} is not 'offset size': {line.strip()!r}", source=index) from None
-            length = total - _HEADER.size - _FOOTER
-            if offset < 0 or length < 0:
-                raise ReadError(f"line {number}: a record of {total} bytes at {offset} cannot be", source=index)
-            records.append((file, offset + _HEADER.size, length if offset + total <= size else CUT))
+    try:
+        with open(index, encoding="utf-8") as f:
+            lines = f.readlines()
+    except (OSError, UnicodeDecodeError) as exc:  # as a bad line: a ReadError naming the index
+        raise ReadError(f"cannot read the index file: {exc}", source=index) from exc
+    for number, line in enumerate(lines, 1):
+        parts = line.split()
+        if not parts:
+            continue
+        try:
+            offset, total = int(parts[0]), int(parts[1])
+        except (ValueError, IndexError):
+            raise ReadError(f"line {number} is not 'offset size': {line.strip()!r}", source=index) from None
+        length = total - _HEADER.size - _FOOTER
+        if offset < 0 or length < 0:
+            raise ReadError(f"line {number}: a record of {total} bytes at {offset} cannot be", source=index)
+        records.append((file, offset + _HEADER.size, length if offset + total <= size else CUT))
     return records
 
 

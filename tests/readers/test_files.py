@@ -167,3 +167,21 @@ def test_a_bad_list_file_is_named_with_its_line(tmp_path):
             readers.file_list(tmp_path / "list.txt")
     with pytest.raises(ReadError, match="cannot read the list file"):
         readers.file_list(tmp_path / "missing.txt")
+
+
+def test_hidden_files_inside_a_class_are_left_out_a_bom_is_no_path_and_one_extension_is_one(tmp_path, image_folder):
+    jpg = next(image_folder.rglob("*.jpg")).read_bytes()
+    (tmp_path / "tree" / "cat" / ".thumbs").mkdir(parents=True)
+    for name in ("x.jpg", "._x.jpg", ".thumbs/t.jpg"):  # macOS's resource fork, a viewer's cache
+        (tmp_path / "tree" / "cat" / name).write_bytes(jpg)
+    reader = readers.files(tmp_path / "tree")
+    assert [os.path.relpath(p, tmp_path / "tree") for p in reader.paths] == [os.path.join("cat", "x.jpg")]
+    assert len(readers.files(tmp_path / "tree", extensions="jpg")) == 1  # not the letters j, p and g
+    (tmp_path / "img").mkdir()
+    for name in ("a.jpg", "b.jpg"):
+        (tmp_path / "img" / name).write_bytes(jpg)
+    listing = tmp_path / "list.txt"
+    listing.write_text("img/a.jpg 0\nimg/b.jpg 1\n", encoding="utf-8-sig")  # a Windows editor's byte-order mark
+    paths, labels = readers.file_list(listing)
+    assert [os.path.basename(p) for p in paths] == ["a.jpg", "b.jpg"] and all(map(os.path.exists, paths))
+    assert labels == [0, 1]

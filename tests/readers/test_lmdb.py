@@ -130,3 +130,14 @@ async def test_loader_trains_on_a_packed_lmdb(packed, leaks):
         assert b["label"].tolist() == [int(k[1]) for k in b.sample_keys]
     await loader.aclose()
     await leaks.check()
+
+
+def test_a_record_cut_in_its_header_is_a_value_error():
+    value = encode_record({"jpg": b"\xff\xd8 image", "cls": b"3"})
+    for cut in range(4, len(value)):
+        try:
+            decode_record(value[:cut])
+        except ValueError:
+            continue
+        raise AssertionError(f"a record cut to {cut} bytes decoded")
+    assert decode_record(value) == {"jpg": b"\xff\xd8 image", "cls": b"3"}

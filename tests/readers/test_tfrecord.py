@@ -84,6 +84,19 @@ async def test_dali_index_files_give_the_same_records_as_a_scan(imagenet):
     assert [s.fields for s in await _read(indexed, epoch=2)] == [s.fields for s in await _read(scanned, epoch=2)]
 
 
+def test_an_index_file_missing_or_not_text_is_a_read_error_naming_it(imagenet, tmp_path):
+    root, _ = imagenet
+    data = str(root / "train-00000-of-00003")
+    missing = str(tmp_path / "missing.idx")
+    with pytest.raises(ReadError) as info:
+        readers.tfrecord(data, index=[missing])
+    assert info.value.source == missing
+    binary = tmp_path / "binary.idx"
+    binary.write_bytes(b"\xff\xfe not text")
+    with pytest.raises(ReadError, match="cannot read the index file"):
+        readers.tfrecord(data, index=[str(binary)])
+
+
 @pytest.mark.parametrize("start", [1, 30, 74])
 async def test_shuffle_shard_and_resume_are_the_files_readers(imagenet, image_folder, start):
     root, _ = imagenet
