@@ -83,13 +83,12 @@ def with_iou_windows(samples: list[Sample], rows: list[int], pipe: Pipeline, car
     if not rows:
         return
     found = [carried[i] for i in rows]
-    assert all(c.boxes is not None for c in found)
+    boxes_of = [c.boxes for c in found]
+    assert all(b is not None for b in boxes_of)  # the op needs Pipeline(boxes=): read before this
     chosen = choose_windows(op, [c.height for c in found], [c.width for c in found],
-                            [c.boxes.boxes for c in found], seed, epoch, 1,  # type: ignore[union-attr]
+                            [b.boxes for b in boxes_of], seed, epoch, 1,  # type: ignore[union-attr]
                             np.fromiter((samples[i].index for i in rows), dtype=np.int64, count=len(rows)))
-    for i, c, (window, inside) in zip(rows, found, chosen):
-        boxes = c.boxes
-        assert boxes is not None
+    for i, c, boxes, (window, inside) in zip(rows, found, boxes_of, chosen):
         if not inside.all():
             c.boxes = BoxFields(boxes.boxes[inside], {name: values[inside] for name, values in boxes.per_box.items()})
         s = samples[i]

@@ -42,6 +42,7 @@ logger = logging.getLogger("headrace")
 # A failure there that is not already a typed, named LoaderError says this (``stage_failure``).
 _READING_CARRIED = "reading the boxes or mask that move with the image"
 
+
 class StagedExecutor:
     """Runs ``pipeline``'s stages and field batching; ``inner`` (an executor over
     ``pipeline.core()``, or None when the pipeline has no image) decodes and transforms the images.
@@ -94,20 +95,10 @@ class StagedExecutor:
                 failures[alive[row]] = err
             kept = [alive[row] for row in processed.kept]
             data, ready = processed.data, processed.ready
-            if pipe.fields and kept:  # batched in a thread: arrays may be large, the loop's time is not
-                columns = await self._calls.call(
-                    lambda: {n: collate([samples[i].fields[n] for i in kept]) for n in pipe.fields})
-                if self._cuda:  # copied beside the lane (the host's data): one event covers both
-                    columns, ready = await self._calls.call(self._calls.copied_beside, data, ready,
-                                                            lambda: rows_on_device(columns, self.device))
+            if (pipe.fields or pipe.carries) and kept:
+                columns, ready = await self._calls.call(self._host_columns, samples, kept, carried, batch.epoch,
+                                                        data, ready)
                 data.update(columns)
-            if pipe.carries and kept:
-                moved = await self._calls.call(carried_columns, pipe, self.seed, batch.epoch, [samples[i] for i in kept],
-                                               [carried[i] for i in kept])
-                if self._cuda:  # the copy does not wait for the lane's kernels: it is the host's data
-                    moved, ready = await self._calls.call(self._calls.copied_beside, data, ready,
-                                                          lambda: rows_on_device(moved, self.device))
-                data.update(moved)
         else:
             data, kept, ready = await self._calls.call(self._collate_fields, samples, alive, failures)
         for stage in self.after:
@@ -156,6 +147,20 @@ class StagedExecutor:
                                                 f"fields={pipe.fields!r}; it has {', '.join(samples[i].fields) or 'none'})")
         return [i for i in rows if i not in failures]
 
+    def _host_columns(self, samples: list[Sample], kept: list[int], carried: dict[int, Carried], epoch: int,
+                      data: dict[str, Any], ready: Any) -> tuple[dict[str, Any], Any]:
+        """Thread: the kept rows' ``fields`` batched (arrays may be large, the loop's time is not) and
+        the boxes and mask moved with their images; on the GPU copied there beside the lane (the
+        host's data: the copy does not wait for the lane's kernels), one event after both. One
+        thread call a batch: each hop between threads waits for the GIL."""
+        pipe = self.pipeline
+        columns = {n: collate([samples[i].fields[n] for i in kept]) for n in pipe.fields}
+        if pipe.carries:
+            columns.update(carried_columns(pipe, self.seed, epoch, [samples[i] for i in kept], [carried[i] for i in kept]))
+        if not self._cuda:
+            return columns, ready
+        return self._calls.copied_beside(data, ready, lambda: rows_on_device(columns, self.device))
+
     async def _carry_rows(self, samples: list[Sample], rows: list[int], carried: dict[int, Carried], epoch: int,
                           failures: dict[int, LoaderError]) -> None:
         """Each row's boxes and mask read before decoding (``_follow``; a row that raises fails,
@@ -166,16 +171,24 @@ class StagedExecutor:
         def read(i: int) -> None:
             carried[i] = read_carried(samples[i], pipe, image_field(samples[i], pipe.image_fields))
 
+        def choose_windows() -> None:
+            if pipe.iou_crop is not None:
+                with_iou_windows(samples, [i for i in rows if i not in failures], pipe, carried, self.seed, epoch)
+
         if pipe.mask is not None:  # Pillow lets the GIL go while it decodes a PNG mask: threads help
             await self._calls.in_threads(rows, read, _READING_CARRIED, samples, failures)
-        else:
-            # Boxes alone are Python and NumPy work that holds the GIL (read_boxes, the JPEG
-            # header): spread over the threads, each sample cost 0.66 ms against 0.1 alone on the
-            # H200, in GIL hand-offs. One thread a batch; batches in flight still overlap.
-            await self._calls.call(each_row, rows, read, _READING_CARRIED, samples, failures)
-        if pipe.iou_crop is not None:
-            left = [i for i in rows if i not in failures]
-            await self._calls.call(with_iou_windows, samples, left, pipe, carried, self.seed, epoch)
+            if pipe.iou_crop is not None:
+                await self._calls.call(choose_windows)
+            return
+
+        # Boxes alone are Python and NumPy work that holds the GIL (read_boxes, the JPEG header,
+        # the windows): spread over the threads, each sample cost 0.66 ms against 0.1 alone on
+        # the H200, in GIL hand-offs. One thread call a batch; batches in flight still overlap.
+        def read_then_choose() -> None:
+            each_row(rows, read, _READING_CARRIED, samples, failures)
+            choose_windows()
+
+        await self._calls.call(read_then_choose)
 
     def _extras(self, stage: SampleStage, batch: SampleBatch, position: int, sample: Sample) -> dict[str, Any]:
         """The keyword arguments a Map's or Filter's function asked for by name: ``rng``, ``key``, ``index``."""
