@@ -12,11 +12,12 @@ Entries named ``__...__`` are metadata: ``__keys__`` (a JSON list of keys, the s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Self
 
 from headrace._errors import ConfigError, ReadError
@@ -93,37 +94,126 @@ def lmdb_module() -> Any:
     return lmdb_lib
 
 
+class _SharedEnv:
+    """One open environment and its read transactions.
+
+    Another process may write the database while we read it. If it grows the data past the map we
+    opened with, LMDB refuses new transactions (MDB_MAP_RESIZED) until the map is resized, which is
+    allowed only while no transaction of this process is open (the memory is mapped again): the
+    transactions hold a shared gate, a resize waits for them and holds it alone."""
+
+    def __init__(self, env: Any, path: str) -> None:
+        self.env = env
+        self.path = path
+        self.users = 0
+        self._gate = threading.Condition()
+        self._open_txns = 0
+        self._resizing = False
+
+    @contextlib.contextmanager
+    def read(self) -> Iterator[Any]:
+        """A read transaction (values copied out, so nothing refers to the map once it ends)."""
+        txn = self._begin()
+        try:
+            yield txn
+        finally:
+            txn.abort()
+            self._leave()
+
+    def _begin(self) -> Any:
+        lmdb_lib = lmdb_module()
+        for _ in range(_RESIZE_ATTEMPTS):
+            self._enter()
+            try:
+                return self.env.begin(buffers=False)
+            except lmdb_lib.MapResizedError:
+                self._leave()
+                self._adopt_new_size()
+            except BaseException:
+                self._leave()
+                raise
+        raise ReadError(f"the LMDB kept growing past its map while {_RESIZE_ATTEMPTS} transactions began",
+                        source=self.path)
+
+    def _enter(self) -> None:
+        with self._gate:
+            self._gate.wait_for(lambda: not self._resizing)
+            self._open_txns += 1
+
+    def _leave(self) -> None:
+        with self._gate:
+            self._open_txns -= 1
+            self._gate.notify_all()
+
+    def _adopt_new_size(self) -> None:
+        with self._gate:
+            if self._resizing:  # another thread resizes: its new map will do for us too
+                self._gate.wait_for(lambda: not self._resizing)
+                return
+            self._resizing = True
+            self._gate.wait_for(lambda: self._open_txns == 0)
+        try:
+            self.env.set_mapsize(0)  # 0: the size the writer set, read from the database
+        finally:
+            with self._gate:
+                self._resizing = False
+                self._gate.notify_all()
+
+
+_RESIZE_ATTEMPTS = 8
+
+
+def _lock_file(path: str) -> str:
+    return os.path.join(path, "lock.mdb") if os.path.isdir(path) else path + "-lock"
+
+
+def _open_env(lmdb_lib: Any, path: str) -> Any:
+    """The environment at ``path``, read-only.
+
+    A reader that takes no lock is invisible to writers, which then reuse the pages of its snapshot
+    while it reads them (keys "not found", values of a later write). So where a writer left a lock
+    file we may write (it is only opened, never made), we register in its reader table; a database
+    without one (finished, or in a read-only folder) is read without locking and no file is made."""
+    kwargs = dict(subdir=os.path.isdir(path), readonly=True, readahead=False, max_readers=1024)
+    lock = _lock_file(path)
+    if os.path.exists(lock) and os.access(lock, os.W_OK):
+        try:
+            return lmdb_lib.open(path, lock=True, **kwargs)
+        except lmdb_lib.Error:
+            pass  # a lock file we cannot use (another LMDB version, no file locks here): read as before
+    return lmdb_lib.open(path, lock=False, **kwargs)
+
+
 class _Envs:
     """Open environments by real path, shared and reference-counted: LMDB (and py-lmdb) forbid opening
     one environment twice in a process, and several readers (ranks, epochs) may read one at once."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._open: dict[str, list[Any]] = {}
+        self._open: dict[str, _SharedEnv] = {}
 
-    def acquire(self, path: str) -> Any:
+    def acquire(self, path: str) -> _SharedEnv:
         lmdb_lib = lmdb_module()
         with self._lock:
-            entry = self._open.get(path)
-            if entry is None:
+            shared = self._open.get(path)
+            if shared is None:
                 if not os.path.exists(path):
                     raise ReadError("no LMDB at this path", source=path)
                 try:
-                    env = lmdb_lib.open(path, subdir=os.path.isdir(path), readonly=True, lock=False,
-                                        readahead=False, max_readers=1024)
+                    env = _open_env(lmdb_lib, path)
                 except lmdb_lib.Error as exc:
                     raise ReadError(f"cannot open LMDB: {exc}", source=path) from exc
-                entry = self._open[path] = [env, 0]
-            entry[1] += 1
-            return entry[0]
+                shared = self._open[path] = _SharedEnv(env, path)
+            shared.users += 1
+            return shared
 
     def release(self, path: str) -> None:
         with self._lock:
-            entry = self._open[path]
-            entry[1] -= 1
-            if entry[1] == 0:
+            shared = self._open[path]
+            shared.users -= 1
+            if shared.users == 0:
                 del self._open[path]
-                entry[0].close()
+                shared.env.close()
 
 
 _ENVS = _Envs()
@@ -183,24 +273,37 @@ class LmdbReader(IndexedReader):
                 _ENVS.release(self.path)
 
     def _fetch(self, indices: Sequence[int]) -> list[Sample]:
-        out = []
-        with self._env.begin(buffers=False) as txn:
-            for i in indices:
-                raw = self.keys[i]
-                key = raw.decode("utf-8", "backslashreplace")
-                fields: dict = {}
-                error = None
-                value = txn.get(raw)
-                if value is None:
-                    error = ReadError("key not found in the LMDB", key=key, source=self.path)
-                else:
-                    try:
-                        fields = dict(self.decode(raw, value))
-                    except Exception as exc:
-                        error = ReadError(f"cannot decode value: {type(exc).__name__}: {exc}", key=key, source=self.path)
-                        error.__cause__ = exc
-                out.append(Sample(key, fields, self.path, i, error=error))
-        return out
+        lmdb_lib = lmdb_module()
+        try:
+            with self._env.read() as txn:
+                return [self._sample(txn, i) for i in indices]
+        except (lmdb_lib.Error, ReadError) as exc:
+            # No transaction (the reader table full, the map beyond resizing): every sample of the
+            # chunk fails by name, and the epoch goes on with the next chunk.
+            return [self._failed(i, ReadError(f"cannot read the LMDB: {exc}", key=self._text_key(i), source=self.path),
+                                 exc) for i in indices]
+
+    def _sample(self, txn: Any, i: int) -> Sample:
+        raw, key = self.keys[i], self._text_key(i)
+        try:
+            value = txn.get(raw)
+        except lmdb_module().Error as exc:  # a key LMDB cannot hold (empty, too long) or a damaged page
+            return self._failed(i, ReadError(f"cannot read key: {exc}", key=key, source=self.path), exc)
+        if value is None:
+            return self._failed(i, ReadError("key not found in the LMDB", key=key, source=self.path))
+        try:
+            fields = dict(self.decode(raw, value))
+        except Exception as exc:
+            return self._failed(i, ReadError(f"cannot decode value: {type(exc).__name__}: {exc}", key=key,
+                                             source=self.path), exc)
+        return Sample(key, fields, self.path, i)
+
+    def _text_key(self, i: int) -> str:
+        return self.keys[i].decode("utf-8", "backslashreplace")
+
+    def _failed(self, i: int, error: ReadError, cause: BaseException | None = None) -> Sample:
+        error.__cause__ = cause
+        return Sample(self._text_key(i), {}, self.path, i, error=error)
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "path": self.path}
@@ -220,7 +323,9 @@ def lmdb(
     io_threads: int = 2,
 ) -> LmdbReader:
     """A reader over any LMDB (a folder with ``data.mdb``, or the file itself), opened read-only,
-    without locking or OS read-ahead.
+    without OS read-ahead, and without locking unless a writer left a lock file we may write (then
+    a writer in another process leaves our snapshot alone; no lock file is ever made). A database
+    another process grows while we read it is remapped to its new size.
 
     ``decode(key, value) -> {field: bytes}`` splits a value into fields (default: ``decode_default``,
     the record format ``pack`` writes, or one raw image). ``keys``: the samples, in dataset order
@@ -228,36 +333,66 @@ def lmdb(
     database's sorted order, enumerated once here). ``shuffle``/``seed``/``chunk_size``/``io_threads``
     as for ``readers.files``; shuffle, shard and resume work on the key list by index.
 
-    Raises ReadError (``source`` = the path) if there is no LMDB at ``path`` or it cannot be opened;
-    a key that is missing or whose value ``decode`` rejects becomes a sample whose ``error`` is a
-    ReadError naming the key.
+    Raises ReadError (``source`` = the path) if there is no LMDB at ``path`` or it cannot be opened,
+    ConfigError if ``keys`` is not a list of str or bytes; a key that is missing (or that LMDB cannot
+    hold, like ``""``) or whose value ``decode`` rejects becomes a sample whose ``error`` is a
+    ReadError naming the key and the path, and the other samples are read as usual.
     """
     if decode is not None and not callable(decode):
         raise ConfigError(f"lmdb: decode must be callable, got {type(decode).__name__}")
+    given = None if keys is None else _given_keys(keys)
     real = os.path.realpath(path)
-    env = _ENVS.acquire(real)
-    classes: list[str] = []
+    shared = _ENVS.acquire(real)
     try:
-        with env.begin(buffers=False) as txn:
-            meta = txn.get(b"__meta__")
-            if meta is not None:
-                try:
-                    classes = list(json.loads(meta).get("classes", []))
-                except (ValueError, AttributeError):
-                    classes = []
-            if keys is None:
-                listed = txn.get(b"__keys__")
-                if listed is not None:
-                    try:
-                        keys = [k.encode() for k in json.loads(listed)]
-                    except (ValueError, AttributeError) as exc:
-                        raise ReadError(f"unreadable __keys__ entry: {exc}", key="__keys__", source=real) from exc
-                else:
-                    keys = [k for k in txn.cursor().iternext(keys=True, values=False) if not _is_meta(k)]
+        with shared.read() as txn:
+            classes = _classes(txn.get(b"__meta__"))
+            found = given if given is not None else _stored_keys(txn, real)
+    except lmdb_module().Error as exc:
+        raise ReadError(f"cannot read LMDB: {exc}", source=real) from exc
     finally:
         _ENVS.release(real)
-    keys = [k.encode() if isinstance(k, str) else bytes(k) for k in keys]
-    if not keys:
+    if not found:
         raise ReadError("the LMDB holds no samples", source=real)
-    return LmdbReader(real, keys, decode=decode or decode_default, classes=classes, shuffle=shuffle, seed=seed,
+    return LmdbReader(real, found, decode=decode or decode_default, classes=classes, shuffle=shuffle, seed=seed,
                       chunk_size=chunk_size, io_threads=io_threads)
+
+
+def _given_keys(keys: Sequence[str | bytes]) -> list[bytes]:
+    """The caller's key list as bytes (text as UTF-8). One string is not a list of keys, and an int
+    is not a key (``bytes(3)`` would be three zero bytes)."""
+    if isinstance(keys, (str, bytes, bytearray, memoryview)):
+        raise ConfigError(f"lmdb: keys must be a list of keys, got one {type(keys).__name__}")
+    out = []
+    for k in keys:
+        if isinstance(k, str):
+            out.append(k.encode())
+        elif isinstance(k, (bytes, bytearray, memoryview)):
+            out.append(bytes(k))
+        else:
+            raise ConfigError(f"lmdb: every one of keys must be str or bytes, got {type(k).__name__} {k!r}")
+    return out
+
+
+def _stored_keys(txn: Any, path: str) -> list[bytes]:
+    """The ``__keys__`` entry (a JSON list of strings) if there is one, else every key but ``__...__``
+    ones, in the database's sorted order."""
+    listed = txn.get(b"__keys__")
+    if listed is None:
+        return [k for k in txn.cursor().iternext(keys=True, values=False) if not _is_meta(k)]
+    try:
+        keys = json.loads(listed)
+    except ValueError as exc:
+        raise ReadError(f"unreadable __keys__ entry: {exc}", key="__keys__", source=path) from exc
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise ReadError("unreadable __keys__ entry: not a JSON list of strings", key="__keys__", source=path)
+    return [k.encode() for k in keys]
+
+
+def _classes(meta: bytes | None) -> list[str]:
+    """The class names of a ``__meta__`` entry; none where there is no such entry or it is another
+    program's (any LMDB may hold one of its own)."""
+    try:
+        classes = json.loads(meta).get("classes", []) if meta is not None else []
+    except (ValueError, AttributeError):
+        return []
+    return classes if isinstance(classes, list) and all(isinstance(c, str) for c in classes) else []

@@ -39,7 +39,9 @@ def detect_distributed(*, distributed: bool = True, rank: int | None = None, wor
     else (with a process group or torchrun variables) the rank modulo the GPUs this process sees.
 
     Raises ConfigError when only one of ``rank``/``world`` is given, when they are out of range,
-    or when the environment holds a value that is not an integer.
+    when the environment holds a value that is not an integer, when it holds only one of ``RANK``
+    and ``WORLD_SIZE`` (but ``WORLD_SIZE=1`` or ``RANK=0``, a single process), or a ``LOCAL_RANK``
+    that is negative or not below ``LOCAL_WORLD_SIZE``.
     """
     if not isinstance(distributed, bool):
         raise ConfigError(f"distributed must be True or False, got {distributed!r}")
@@ -47,21 +49,33 @@ def detect_distributed(*, distributed: bool = True, rank: int | None = None, wor
         if rank is None or world is None:
             raise ConfigError("give both rank= and world=, or neither (to take them from torch.distributed)")
         _check(rank, world, "")
-        return Distributed(rank, world, _env_int("LOCAL_RANK"), "arguments", _local_world(world))
+        return Distributed(rank, world, _local_rank(world), "arguments", _local_world(world))
     if not distributed:
         return Distributed()
-    found = _from_process_group()
+    found = _from_process_group() or _from_environment()
     if found is None:
-        env_rank, env_world = _env_int("RANK"), _env_int("WORLD_SIZE")
-        if env_rank is None or env_world is None:
-            return Distributed()
-        _check(env_rank, env_world, " (from the RANK and WORLD_SIZE environment variables)")
-        found = (env_rank, env_world, "environment")
+        return Distributed()
     r, w, source = found
-    local = _env_int("LOCAL_RANK")
+    local = _local_rank(w)
     if local is None:
         local = r % max(1, _visible_gpus())
     return Distributed(r, w, local, source, _local_world(w))
+
+
+def _from_environment() -> tuple[int, int, str] | None:
+    """torchrun's ``RANK`` and ``WORLD_SIZE``; None when neither is set. One without the other is a
+    launch gone wrong: taken as one process, every rank would read the whole data set."""
+    env_rank, env_world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    if env_rank is None and env_world is None:
+        return None
+    if env_rank is None or env_world is None:
+        if (env_rank, env_world) in ((0, None), (None, 1)):  # a single process, said half-way
+            return None
+        given, missing = ("RANK", "WORLD_SIZE") if env_world is None else ("WORLD_SIZE", "RANK")
+        raise ConfigError(f"environment variable {given}={os.environ[given]} is set but {missing} is not: "
+                          "set both (torchrun does), or pass rank= and world=, or distributed=False")
+    _check(env_rank, env_world, " (from the RANK and WORLD_SIZE environment variables)")
+    return env_rank, env_world, "environment"
 
 
 def _local_world(world: int) -> int:
@@ -69,6 +83,20 @@ def _local_world(world: int) -> int:
     if local_world is not None and local_world < 1:
         raise ConfigError(f"environment variable LOCAL_WORLD_SIZE={local_world} is not a positive integer")
     return local_world or 1
+
+
+def _local_rank(world: int) -> int | None:
+    """``LOCAL_RANK``, checked: a negative one would pick a GPU counted from the end (-1: the last,
+    which another process uses), one not below ``LOCAL_WORLD_SIZE`` cannot come from a launcher."""
+    local = _env_int("LOCAL_RANK")
+    if local is None:
+        return None
+    if local < 0:
+        raise ConfigError(f"environment variable LOCAL_RANK={local} is negative")
+    local_world = _env_int("LOCAL_WORLD_SIZE") if world > 1 else None
+    if local_world is not None and local >= local_world:
+        raise ConfigError(f"environment variable LOCAL_RANK={local} must be below LOCAL_WORLD_SIZE={local_world}")
+    return local
 
 
 def _from_process_group() -> tuple[int, int, str] | None:
