@@ -40,7 +40,7 @@ class Stage:
             raise ConfigError(f"{type(self).__name__}: name must be a non-empty str, got {name!r}")
         self.fn = fn
         self.name = name or getattr(fn, "__qualname__", None) or type(fn).__name__
-        self.is_async = _is_async(fn)
+        self.is_async = is_async_callable(fn)
         params = _parameters(fn)
         self.wants_rng = "rng" in params
         self.wants_key = "key" in params
@@ -119,7 +119,8 @@ class MapBatch(Stage):
         super().__init__(fn, name=name)
 
 
-def _is_async(fn: Callable[..., Any]) -> bool:
+def is_async_callable(fn: Callable[..., Any]) -> bool:
+    """An ``async def``, or an object whose ``__call__`` is one (a partial of one counts too)."""
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 

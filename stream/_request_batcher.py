@@ -1,7 +1,8 @@
 """The Preprocessor's requests: admitted within ``max_pending``, queued, and gathered into batches
 under a latency bound.
 
-A batch closes when it holds ``max_batch`` requests or when its oldest request has waited
+A batch closes when it holds ``max_batch`` requests (or ``max_pending``, if that is fewer: then
+no other request can come until this batch goes) or when its oldest request has waited
 ``max_delay``, whichever comes first, and only once a batch slot is free: while the executor is
 busy, requests pile up, so batches grow with the load by themselves.
 """
@@ -71,8 +72,16 @@ class RequestBatcher:
             reqs.extend([self._enqueue(d, k) for d, k in zip(datas, keys)])
         else:
             for d, k in zip(datas, keys):
-                await self.admission.acquire()  # one at a time: a list longer than max_pending still fits
+                await self._acquire_place(k)  # one at a time: a list longer than max_pending still fits
                 reqs.append(self._enqueue(d, k))
+
+    async def _acquire_place(self, key: str | None) -> None:
+        """One place of ``admission``. If the service closes meanwhile, the ClosedError names the
+        request, as a queued request's does: a caller with several waiting learns which."""
+        try:
+            await self.admission.acquire()
+        except ClosedError as exc:
+            raise ClosedError(exc.message, key=key or f"request-{self._numbers}", source="request") from None
 
     def _enqueue(self, data: ImageBytes, key: str | None) -> Request:
         n = self._numbers
@@ -90,6 +99,11 @@ class RequestBatcher:
         """The caller left (cancelled, or failed part-way through a list): drop what is unanswered."""
         for r in reqs:
             if r.future.done():
+                # Answered before the caller left (a list's first images when the close stops the rest,
+                # or a close racing a cancel): read its error, or asyncio logs "Future exception was
+                # never retrieved" for it.
+                if not r.future.cancelled():
+                    r.future.exception()
                 continue
             r.future.cancel()
             self._stats.cancelled += 1
@@ -146,7 +160,7 @@ class RequestBatcher:
         while True:
             while self._queue and self._queue[0].future.done():  # withdrawn or failed at close
                 self._queue.popleft()
-            if self._queued >= self.max_batch:
+            if self._queued >= self._full_batch():
                 break
             timeout = None
             if self._queued:
@@ -167,6 +181,12 @@ class RequestBatcher:
                 reqs.append(r)
         self._queued -= len(reqs)
         return reqs
+
+    def _full_batch(self) -> int:
+        """Requests that make a batch full. With ``max_pending`` below ``max_batch``, once every place is
+        queued no other request can be admitted before this batch goes: waiting for company then
+        only costs ``max_delay`` (or, with a long one, hangs every caller)."""
+        return min(self.max_batch, self.admission.limit)
 
     def batch_done(self, reqs: list[Request]) -> None:
         """A batch ended, however: its requests' places and its slot are free again."""

@@ -1,10 +1,11 @@
 """Online inference preprocessing: concurrent requests gathered into batches under a latency bound.
 
 A call enqueues one request per image. The collector task closes a batch when it holds
-``max_batch`` requests or when its oldest request has waited ``max_delay``, whichever comes first,
-and only once a batch slot is free: while the executor is busy, requests pile up, so batches grow
-with the load by themselves. Each batch is a ``SampleBatch`` for the executor the Loader uses
-(CPU threads or GPU lanes); each caller gets its own row back, or its own error.
+``max_batch`` requests (or ``max_pending``, if fewer) or when its oldest request has waited
+``max_delay``, whichever comes first, and only once a batch slot is free: while the executor is
+busy, requests pile up, so batches grow with the load by themselves. Each batch is a
+``SampleBatch`` for the executor the Loader uses (CPU threads or GPU lanes); each caller gets its
+own row back, or its own error.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ class Preprocessor:
     Arguments:
         pipeline: a ``headrace.ops.Pipeline``; default ``ops.validation(label=None)`` (decode →
             resize shorter side 256 → centre crop 224 → normalize). Requests fill its first image field.
-        max_batch: at most this many images per batch.
+        max_batch: at most this many images per batch. A batch that holds ``max_pending`` images
+            goes at once too: no other request could join it.
         max_delay: seconds a request waits at most for company once a batch slot is free. The
             default, 0, sends whatever is queued at once: batches then form from the requests that
             arrive while the executor is busy, which is when they pay (on 2 CPU cores, 2 ms of delay
@@ -68,11 +70,11 @@ class Preprocessor:
         batches_in_flight: batches the executor works on at once (default: ``num_threads`` on the
             CPU, so single requests use every core; ``lanes + 1`` on the GPU, so a lane never idles
             between batches).
-        postprocess: optional ``fn(images) -> outputs`` run on each whole batch (a model's forward,
-            say) in one thread the service owns; each caller then gets its row of ``outputs``: a
-            tensor or an array with a row per image, or a list of them (a tuple or a dict is a
-            TransformError: its length would not say whose row is whose). On the GPU the thread's
-            current stream waits for the lane first.
+        postprocess: optional plain ``fn(images) -> outputs`` (an ``async def`` is a ConfigError)
+            run on each whole batch (a model's forward, say) in one thread the service owns; each
+            caller then gets its row of ``outputs``: a tensor or an array with a row per image, or a
+            list of them (a tuple or a dict is a TransformError: its length would not say whose row
+            is whose). On the GPU the thread's current stream waits for the lane first.
         wait_ready: GPU only: answer a batch only once the device has finished it (a thread waits;
             the event loop never does). Use it to time requests or before copying to the host.
 
@@ -132,6 +134,11 @@ class Preprocessor:
             raise ConfigError(f"when_full must be 'wait' or 'reject', got {when_full!r}")
         if postprocess is not None and not callable(postprocess):
             raise ConfigError(f"postprocess must be callable, got {postprocess!r}")
+        from headrace.ops._stages import is_async_callable
+
+        if postprocess is not None and is_async_callable(postprocess):  # its thread has no loop to await it on
+            raise ConfigError(f"postprocess runs in a thread of the service's own and must be a plain function, "
+                              f"got the async {postprocess!r}")
         # One process per GPU under torchrun: "auto"/"cuda" is this process's GPU, as for the Loader.
         self.device = resolve_device(pipeline, device, local_rank=detect_distributed().local_rank)
         self.pipeline = pipeline
@@ -272,3 +279,4 @@ class Preprocessor:
             f"Preprocessor({self.pipeline!r}, device={self.device!r}, max_batch={self.max_batch}, "
             f"max_delay={self.max_delay}, max_pending={self._requests.admission.limit}, when_full={self.when_full!r})"
         )
+

@@ -7,6 +7,8 @@ and the executor is held on a gate where a test needs requests to stay in flight
 from __future__ import annotations
 
 import asyncio
+import functools
+import gc
 
 import numpy as np
 import pytest
@@ -22,7 +24,7 @@ from headrace import (
     ops,
     readers,
 )
-from service_refs import jpeg
+from service_refs import Gate, hold_batches, jpeg
 from service_refs import jpegs as make_jpegs
 
 PIPE = ops.validation(32, resize=40, label=None)  # small output: the tests are about the service
@@ -39,27 +41,9 @@ def _service(**kw) -> Preprocessor:
     return Preprocessor(kw.pop("pipeline", PIPE), **kw)
 
 
-class _Gate:
-    """Wraps the service's executor: ``run`` waits until the test opens the gate."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.open = asyncio.Event()
-        self.entered = 0
-
-    async def run(self, batch):
-        self.entered += 1
-        await self.open.wait()
-        return await self.inner.run(batch)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-
-async def _gated(pre: Preprocessor) -> _Gate:
+async def _gated(pre: Preprocessor) -> Gate:
     await pre.__aenter__()
-    gate = pre._batches.executor = _Gate(pre._batches.executor)
-    return gate
+    return hold_batches(pre)
 
 
 async def _until(predicate, what: str, limit: float = 30.0) -> None:
@@ -139,6 +123,28 @@ async def test_a_full_batch_goes_at_once_under_a_long_delay(jpegs):
         fourth = asyncio.create_task(pre(jpegs[3]))
         await asyncio.wait_for(asyncio.gather(*first, fourth), 60)
         assert pre.stats().batch_sizes == {4: 1}
+
+
+@pytest.mark.parametrize("when_full", ["wait", "reject"])
+async def test_a_batch_holding_every_place_of_max_pending_goes_at_once(jpegs, when_full, leaks):
+    # max_pending below max_batch: once every place is queued, no other caller can join the batch;
+    # it used to wait out max_delay anyway, so under a long one every caller hung.
+    expected = await _reference(jpegs[:4])
+    async with _service(max_batch=8, max_delay=3600, max_pending=2, when_full=when_full) as pre:
+        got = await asyncio.wait_for(asyncio.gather(*(pre(img) for img in jpegs[:2])), 30)
+        got += await asyncio.wait_for(asyncio.gather(*(pre(img) for img in jpegs[2:4])), 30)
+        stats = pre.stats()
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert stats.batch_sizes == {2: 2} and stats.rejected == 0
+    await leaks.check()
+
+
+async def test_a_list_longer_than_max_pending_goes_in_batches_of_max_pending(jpegs):
+    expected = await _reference(jpegs[:4])
+    async with _service(max_batch=8, max_delay=3600, max_pending=2) as pre:
+        got = await asyncio.wait_for(pre(jpegs[:4]), 30)  # its places, two at a time: neither pair waits
+        assert pre.stats().batch_sizes == {2: 2}
+    assert all(torch.equal(got[i], expected[i]) for i in range(4))
 
 
 async def test_batches_never_exceed_max_batch(jpegs):
@@ -267,6 +273,58 @@ async def test_close_fails_queued_and_waiting_lets_running_finish(jpegs, leaks):
     await leaks.check()
 
 
+async def test_close_names_each_caller_waiting_for_room(jpegs, leaks):
+    pre = _service(max_batch=2, max_delay=0, max_pending=2, batches_in_flight=1)
+    gate = await _gated(pre)
+    running = asyncio.create_task(pre(jpegs[:2]))
+    await _until(lambda: gate.entered == 1, "the batch holds every place")
+    single = asyncio.create_task(pre(jpegs[2], key="late"))
+    listed = asyncio.create_task(pre(jpegs[3:5], key="upload"))
+    await _until(lambda: pre.stats().waiting == 2, "both waiting for room")
+    closing = asyncio.create_task(pre.aclose())
+    for task, key in [(single, "late"), (listed, "upload/0")]:
+        with pytest.raises(ClosedError) as info:
+            await task
+        assert info.value.key == key and info.value.source == "request"
+    gate.open.set()
+    await closing
+    assert (await running).shape == (2, 3, 32, 32)
+    await leaks.check()
+
+
+@pytest.mark.parametrize("leaves", ["a list, closed while waiting for room", "cancelled as the close answers it"])
+async def test_a_caller_who_left_leaves_no_unretrieved_error_behind(jpegs, leaves):
+    # Its requests were answered with ClosedError before the caller left, and nobody read the
+    # errors: asyncio logged "Future exception was never retrieved" for each, once collected.
+    loop = asyncio.get_running_loop()
+    reported = []
+    loop.set_exception_handler(lambda _, context: reported.append(context["message"]))
+    try:
+        pre = _service(max_batch=2, max_delay=0, max_pending=3, batches_in_flight=1)
+        gate = await _gated(pre)
+        running = asyncio.create_task(pre(jpegs[:2]))
+        await _until(lambda: gate.entered == 1, "the only batch slot taken")
+        if leaves.startswith("a list"):
+            caller = asyncio.create_task(pre(jpegs[2:4]))  # one image queued, one waiting for room
+            await _until(lambda: pre.stats().waiting == 1, "one waiting for room")
+            closing = asyncio.create_task(pre.aclose())
+        else:
+            caller = asyncio.create_task(pre(jpegs[2]))  # queued: no batch slot is free
+            await _until(lambda: pre.stats().in_flight == 3, "one queued")
+            closing = asyncio.create_task(pre.aclose())  # its first step answers the queued request,
+            caller.cancel()  # then the caller wakes up cancelled
+        with pytest.raises((ClosedError, asyncio.CancelledError)):
+            await caller
+        gate.open.set()
+        await closing
+        await running
+        del caller
+        gc.collect()  # the answered futures go now: an unread error would be reported here
+    finally:
+        loop.set_exception_handler(None)
+    assert reported == []
+
+
 async def test_cancelled_close_abandons_running_batches_and_joins_threads(jpegs, leaks):
     pre = _service(max_batch=2, max_delay=0)
     gate = await _gated(pre)
@@ -357,6 +415,24 @@ async def test_a_batch_stage_that_drops_rows_fails_every_request_and_the_service
 def test_bad_arguments_are_config_errors(kwargs):
     with pytest.raises(ConfigError):
         _service(**kwargs)
+
+
+async def _async_model(images):
+    return images
+
+
+class _AsyncModel:
+    async def __call__(self, images):
+        return images
+
+
+@pytest.mark.parametrize("postprocess", [_async_model, _AsyncModel(), functools.partial(_async_model)],
+                         ids=["async def", "async __call__", "partial"])
+def test_an_async_postprocess_is_a_config_error(postprocess):
+    # It runs in a thread with no loop: every request used to fail on the coroutine it returned,
+    # never awaited.
+    with pytest.raises(ConfigError, match="plain function"):
+        _service(postprocess=postprocess)
 
 
 @pytest.mark.gpu
