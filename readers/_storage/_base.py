@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import urllib.parse
 from abc import ABC, abstractmethod
@@ -9,7 +10,9 @@ from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-__all__ = ["Body", "ObjectInfo", "Store", "StoreFault", "redact_url", "scrub"]
+from headrace._errors import ConfigError
+
+__all__ = ["Body", "ObjectInfo", "Store", "StoreFault", "redact_url", "scrub", "seconds_option"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,3 +155,11 @@ def scrub(text: str, secrets: Iterable[str | None]) -> str:
             text = text.replace(secret, "***")
     text = re.sub(r"(https?://[^\s?\"'<>]*)\?[^\s\"'<>]*", r"\1?***", text)
     return _USERINFO.sub("//***@", text)
+
+
+def seconds_option(name: str, value: object) -> float:
+    """A storage option in seconds (``connect_timeout``): a positive, finite number, else a ConfigError
+    now, not a client that waits for ever, fails each request or panics in its own runtime later."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ConfigError(f"storage option {name} must be a positive number of seconds, got {value!r}")
+    return float(value)

@@ -6,13 +6,15 @@ from __future__ import annotations
 import asyncio
 import datetime
 import importlib.util
+import operator
 import re
 import urllib.parse
+from collections.abc import AsyncIterator
 from typing import Any
 
 from headrace._errors import ConfigError
 
-from ._base import Body, Store, StoreFault, redact_url, scrub
+from ._base import Body, Store, StoreFault, redact_url, scrub, seconds_option
 from ._obstore import BLOCK, HELD_PER_GET, ObstoreBody, fault, open_body
 
 __all__ = ["HttpStore"]
@@ -39,7 +41,10 @@ class HttpStore(Store):
     callback on the event loop (2-core VM). A download is resumed with ``Range: bytes=N-`` and
     ``If-Match`` (the first answer's ETag); a server that ignores Range (or leaves out the
     headers obstore needs) is read through aiohttp from then on, from the start and the first N
-    bytes dropped. HTTP has no listing.
+    bytes dropped. aiohttp asks for the object as stored (``Accept-Encoding: identity``, unless
+    ``headers`` say otherwise), as obstore does. A download needs the object's size (a
+    Content-Length or Content-Range); ``read`` of a whole object does not, so an object a server
+    streams chunked is read too. HTTP has no listing.
     """
 
     scheme = "http"
@@ -54,8 +59,9 @@ class HttpStore(Store):
         if importlib.util.find_spec("aiohttp") is None:
             raise ConfigError("reading http(s):// needs aiohttp: pip install 'headrace[http]'")
         self._headers = dict(options.get("headers") or {})
-        self._connect_timeout = float(options.get("connect_timeout", 10))
-        self._limit = int(options.get("limit", 256))
+        self._session_headers = _identity_encoding(self._headers)
+        self._connect_timeout = seconds_option("connect_timeout", options.get("connect_timeout", 10))
+        self._limit = _connection_limit(options.get("limit", 256))
         self._secrets = [str(v) for v in self._headers.values()]
         client = options.get("http_client", "auto")
         if client not in _CLIENTS:
@@ -85,7 +91,7 @@ class HttpStore(Store):
                 connector=aiohttp.TCPConnector(limit=self._limit),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout),
                 auto_decompress=False,  # shards are bytes; a .tar.gz stays gzip for the tar reader
-                headers=self._headers,
+                headers=self._session_headers,
             )
             self._loop = loop
         return self._session
@@ -98,7 +104,14 @@ class HttpStore(Store):
         """The whole object; through obstore in one call, off the GIL (a small object: one hand-off)."""
         body = await self._open_obstore(key, 0, None, None)
         if body is None:
-            return await super().read(key)
+            # The whole object needs no size up front: one a server streams chunked (no
+            # Content-Length: a dynamic server, a proxy) is read to its end. A body cut short is
+            # still an error: aiohttp checks the chunked framing as it does a Content-Length.
+            body = await self._open_aiohttp(key, 0, None, None, sized=False)
+            try:
+                return b"".join([block async for block in _blocks(body)])
+            finally:
+                await body.aclose()
         try:
             return bytes(await body.rest())
         finally:
@@ -150,7 +163,9 @@ class HttpStore(Store):
     def _obstore_fault(self, exc: BaseException) -> StoreFault:
         return fault(exc, self._secrets, missing="no such object (HTTP 404)")
 
-    async def _open_aiohttp(self, key: str, start: int, end: int | None, etag: str | None) -> Body:
+    async def _open_aiohttp(self, key: str, start: int, end: int | None, etag: str | None, *,
+                            sized: bool = True) -> Body:
+        """aiohttp's GET; ``sized=False``: the caller reads to the end and needs no size (it may be -1)."""
         import aiohttp
 
         headers = {}
@@ -165,14 +180,15 @@ class HttpStore(Store):
         except (aiohttp.ClientError, OSError) as exc:
             raise self._fault(exc) from None
         try:
-            size, skip = self._check(response, start)
+            size, skip = self._check(response, start, sized)
         except BaseException:
             response.release()
             raise
         return _HttpBody(self, response, size, response.headers.get("ETag"), skip)
 
-    def _check(self, response: Any, start: int) -> tuple[int, int]:
-        """The object's size and the bytes to drop, or the StoreFault the answer means."""
+    def _check(self, response: Any, start: int, sized: bool = True) -> tuple[int, int]:
+        """The object's size (-1 when not ``sized`` and the server did not say) and the bytes to drop,
+        or the StoreFault the answer means."""
         status = response.status
         if status == 206:
             match = _CONTENT_RANGE.match(response.headers.get("Content-Range", ""))
@@ -181,6 +197,8 @@ class HttpStore(Store):
             return int(match.group(3)), 0
         if status == 200:
             length = response.headers.get("Content-Length")
+            if length is None and not sized:
+                return -1, start
             if length is None:
                 raise StoreFault("the server sent no Content-Length (the size is needed)", retryable=False)
             return int(length), start
@@ -202,6 +220,34 @@ class HttpStore(Store):
         session, self._session = self._session, None
         if session is not None and not session.closed and self._loop is asyncio.get_running_loop():
             await session.close()
+
+
+async def _blocks(body: Body) -> AsyncIterator[bytes | memoryview]:
+    while block := await body.next():
+        yield block
+
+
+def _connection_limit(value: Any) -> int:
+    """The ``limit`` option: aiohttp reads 0 as no limit at all, and a negative one is no count."""
+    try:
+        limit = operator.index(value) if not isinstance(value, bool) else 0
+    except TypeError:
+        limit = 0
+    if limit < 1:
+        raise ConfigError(f"storage option limit must be a positive int (connections), got {value!r}")
+    return limit
+
+
+def _identity_encoding(headers: dict[str, str]) -> dict[str, str]:
+    """The aiohttp session's headers: the user's, asking for the object as stored unless they say otherwise.
+
+    aiohttp offers gzip and deflate by default, and a server that compresses on the fly (a JSON
+    index, a CDN) would then send bytes nobody decodes (``auto_decompress`` is off: a ``.tar.gz``
+    stays gzip), its Content-Length and ranges counting the compressed ones. obstore asks for none.
+    """
+    if any(name.lower() == "accept-encoding" for name in headers):
+        return dict(headers)
+    return {"Accept-Encoding": "identity", **headers}
 
 
 class _HttpBody(Body):

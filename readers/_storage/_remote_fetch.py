@@ -27,7 +27,8 @@ before it have still to bring (room kept for them: the head never waits on the p
 and its block is counted from that check on, so pieces passing together cannot overshoot; the head
 reads while the load is under ``capacity``, or the thread has nothing buffered (it waits for these
 bytes). Memory stays under ``capacity`` plus the head's block. Each piece retries alone, from its own first missing byte, with
-the first answer's ETag.
+the first answer's ETag; an answer of another size or ETag (a server that ignores ``If-Match``) is the
+object changed, a StorageError, never bytes of two versions joined.
 
 The fetcher shares the file's lock: the thread's reads, the bytes held here and the wake-ups
 between them are counted under one condition.
@@ -262,6 +263,12 @@ class Fetcher:
                         await _drop(body)  # a store that ignored If-Match: another object
                         body = None
                         raise self._forget()
+                    changed = self._changed(body)
+                    if changed is not None:
+                        await _drop(body)
+                        body = None
+                        await backoff_or_raise(StoreFault(changed, retryable=False), failures + 1, self.retry,
+                                               self.file.name, "GET")
                     self._etag = self._etag or body.etag  # later pieces must come from the same object
                     self._confirm(body.size)
                     self.grow()
@@ -307,6 +314,20 @@ class Fetcher:
         if piece.end is None:
             return await self.store.open(self.key, piece.pos, etag=self._etag)
         return await self.store.open(self.key, piece.pos, end=piece.end, etag=self._etag)
+
+    def _changed(self, body: Body) -> str | None:
+        """Why ``body`` is not the object this download's earlier answers came from, or None.
+
+        ``If-Match`` asks the store to refuse another version, but not every server heeds it (a
+        plain HTTP server may serve the file as it is now, with its new ETag, ranges and all):
+        the answer's size and ETag are checked too, so that a resume never joins the bytes of
+        two versions.
+        """
+        if self.size is not None and body.size != self.size:
+            return f"the object changed while it was read (now {body.size} bytes, was {self.size})"
+        if self._etag is not None and body.etag is not None and body.etag != self._etag:
+            return "the object changed while it was read (its ETag differs)"
+        return None
 
     def _confirm(self, size: int) -> None:
         """An answer: the object's size, for the thread; with its ETag, remembered by the link."""

@@ -39,6 +39,8 @@ class Storage:
     """
 
     def __init__(self, options: Mapping[str, Any] | None = None, store: Store | None = None) -> None:
+        if options is not None and not isinstance(options, Mapping):
+            raise ConfigError(f"storage_options must be a dict of options, got {type(options).__name__}")
         options = dict(options or {})
         if store is not None and not isinstance(store, Store):
             raise ConfigError(f"store must be a headrace.readers Store, got {type(store).__name__}")

@@ -43,7 +43,9 @@ class Retry:
             raise ConfigError(f"retry attempts must be a positive int, got {self.attempts!r}")
         for name in ("backoff", "max_backoff", "timeout"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (
+            # ``not value >= 0`` rather than ``value < 0``: NaN compares false either way, and a NaN
+            # timeout or backoff would be taken as given and fail each request or sleep oddly later.
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0 or (
                     name == "timeout" and value == 0):
                 raise ConfigError(f"retry {name} must be a positive number of seconds, got {value!r}")
 

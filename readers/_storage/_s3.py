@@ -6,11 +6,12 @@ from __future__ import annotations
 import datetime
 import importlib.util
 import os
+import urllib.parse
 from typing import Any
 
 from headrace._errors import ConfigError
 
-from ._base import Body, ObjectInfo, Store, StoreFault
+from ._base import Body, ObjectInfo, Store, StoreFault, redact_url, seconds_option
 from ._obstore import HELD_PER_GET, fault, open_body
 
 __all__ = ["S3Store"]
@@ -47,8 +48,10 @@ class S3Store(Store):
             raise ConfigError("reading s3:// needs obstore: pip install 'headrace[s3]'")
         self.bucket = bucket
         self._options = dict(options)
-        env_endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        self.endpoint: str | None = options.get("endpoint") or env_endpoint
+        self.endpoint: str | None = _endpoint(options.get("endpoint"))
+        timeout = options.get("connect_timeout")
+        if timeout is not None and not isinstance(timeout, (str, datetime.timedelta)):  # obstore's "10s" as given
+            seconds_option("connect_timeout", timeout)
         self._secrets = [options.get(k) or os.environ.get("AWS_" + k.upper()) for k in _SECRET_KEYS]
         self._client: Any = None
 
@@ -115,6 +118,37 @@ class S3Store(Store):
 
     def _fault(self, exc: BaseException) -> StoreFault:
         return fault(exc, self._secrets)
+
+
+def _endpoint(given: str | None) -> str | None:
+    """The endpoint: the option, else ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL`` (None: AWS's)."""
+    if given:
+        return _checked_endpoint(given, "storage option endpoint")
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+        if os.environ.get(name):
+            return _checked_endpoint(os.environ[name], name)
+    return None
+
+
+def _checked_endpoint(endpoint: Any, source: str) -> str:
+    """``endpoint`` if it is an http(s) URL with a host, else a ConfigError naming ``source``.
+
+    Checked when the store is made: object_store panics on its runtime's thread for an endpoint it
+    cannot make a request URI of ("minio:9000", a space), and each GET then failed as "rust future
+    panicked", retried to the end of the budget, a Rust backtrace printed each time.
+    """
+    if not isinstance(endpoint, str):
+        raise ConfigError(f"{source} must be a URL string, got {type(endpoint).__name__}")
+    parts = urllib.parse.urlsplit(endpoint)
+    try:
+        has_host = bool(parts.hostname) and (parts.port is None or parts.port >= 0)
+    except ValueError:  # a port that is not a number, or out of range
+        has_host = False
+    if (parts.scheme not in ("http", "https") or not has_host or parts.query or parts.fragment
+            or any(c.isspace() for c in endpoint)):
+        raise ConfigError(f"{source} must be an http:// or https:// URL with a host (e.g. http://minio:9000), "
+                          f"got {redact_url(endpoint)!r}")
+    return endpoint
 
 
 def _duration(value: Any) -> Any:
