@@ -8,12 +8,13 @@ once would not fit in memory. Later annotations are drawn over earlier ones, in 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw
 
-__all__ = ["CocoMask", "check_segmentation", "decode_rle"]
+__all__ = ["CocoMask", "check_segmentation", "decode_rle", "finite_number"]
 
 
 def check_segmentation(seg: Any, height: int, width: int) -> str | None:
@@ -23,15 +24,23 @@ def check_segmentation(seg: Any, height: int, width: int) -> str | None:
             return "segmentation is an empty list"
         for polygon in seg:
             if (not isinstance(polygon, list) or len(polygon) < 6 or len(polygon) % 2
-                    or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in polygon)):
-                return "segmentation is not a list of polygons (x, y pairs, at least three points)"
+                    or not all(map(finite_number, polygon))):
+                return "segmentation is not a list of polygons (finite x, y pairs, at least three points)"
         return None
     if isinstance(seg, dict):
         counts, size = seg.get("counts"), seg.get("size")
         if size != [height, width]:
             return f"segmentation's RLE size {size!r} is not the image's [{height}, {width}]"
         if isinstance(counts, str):
-            return None if counts.isascii() else "segmentation's RLE counts are not ASCII"
+            if not counts.isascii():
+                return "segmentation's RLE counts are not ASCII"
+            # The runs are decoded here, as a list's are summed: a bad string is this entry's
+            # fault when the file is read, not an error of every epoch's sample when drawn.
+            try:
+                _runs_cover(_runs_from_string(counts), height, width)
+            except ValueError as exc:
+                return f"segmentation's RLE counts string: {exc}"
+            return None
         if isinstance(counts, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in counts):
             return None if sum(counts) == height * width else (
                 f"segmentation's RLE counts cover {sum(counts)} pixels, not {height} x {width}")
@@ -39,13 +48,30 @@ def check_segmentation(seg: Any, height: int, width: int) -> str | None:
     return "segmentation is neither polygons nor an RLE"
 
 
+def finite_number(value: Any) -> bool:
+    """Whether ``value`` is a JSON number that is a finite float (a huge int is not: float() overflows)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _runs_cover(runs: list[int], height: int, width: int) -> None:
+    """Raises ValueError unless ``runs`` are counts (none negative) that cover the image."""
+    if any(run < 0 for run in runs):
+        raise ValueError("a run is negative")
+    if sum(runs) != height * width:
+        raise ValueError(f"RLE runs cover {sum(runs)} pixels, not {height} x {width}")
+
+
 def decode_rle(counts: list[int] | str, height: int, width: int) -> np.ndarray:
     """A COCO RLE as a bool ``[height, width]`` mask: runs of 0s and 1s alternating from 0s, down
     the columns (Fortran order); a string is pycocotools' compressed form of the runs. Raises
     ValueError for runs that do not cover the image."""
     runs = _runs_from_string(counts) if isinstance(counts, str) else counts
-    if sum(runs) != height * width:
-        raise ValueError(f"RLE runs cover {sum(runs)} pixels, not {height} x {width}")
+    _runs_cover(runs, height, width)
     values = np.zeros(len(runs), dtype=bool)
     values[1::2] = True
     flat = np.repeat(values, runs)
@@ -54,14 +80,16 @@ def decode_rle(counts: list[int] | str, height: int, width: int) -> np.ndarray:
 
 def _runs_from_string(s: str) -> list[int]:
     """pycocotools' ``rleFrString``: each run in 5-bit groups (offset by 48, bit 0x20 = more
-    follows, 0x10 of the last group = negative), from the third run on a difference from the run two
-    before."""
+    follows, 0x10 of the last group = negative), from the fourth run on a difference from the run two
+    before. Raises ValueError for a string that ends inside a run."""
     runs: list[int] = []
     p = 0
     while p < len(s):
         x = k = 0
         more = True
         while more:
+            if p == len(s):  # pycocotools would read past the string's end
+                raise ValueError("the string ends inside a run")
             c = ord(s[p]) - 48
             x |= (c & 0x1F) << (5 * k)
             more = bool(c & 0x20)

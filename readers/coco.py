@@ -21,7 +21,7 @@ import numpy as np
 from headrace._errors import ConfigError, ReadError, require_int
 
 from ._cache_folder import from_arguments
-from ._coco_masks import CocoMask, check_segmentation
+from ._coco_masks import CocoMask, check_segmentation, finite_number
 from ._object_cache import ObjectCache
 from ._storage import Storage, Store, is_url, run_sync, with_retries
 from .files import FileReader
@@ -181,8 +181,9 @@ class _Annotations:
             name = entry.get("file_name")
             if not isinstance(name, str) or not name:
                 raise ReadError(f"images[{i}] (id {image_id}): no file_name", source=source)
-            # A name is a path inside the images folder: never absolute, never up out of it.
-            if name.startswith(("/", "\\")) or os.path.isabs(name) or posixpath.normpath(name).startswith(".."):
+            # A name is a path inside the images folder: never absolute, never up out of it (a
+            # first part "..", not any name that starts with two dots: "..a.jpg" is a file's name).
+            if name.startswith(("/", "\\")) or os.path.isabs(name) or posixpath.normpath(name).split("/")[0] == "..":
                 raise ReadError(f"images[{i}] (id {image_id}): file_name {name!r} is not inside the images folder",
                                 source=source)
             width, height = self._int(entry, "width", f"images[{i}]"), self._int(entry, "height", f"images[{i}]")
@@ -232,8 +233,7 @@ class _Annotations:
             if category not in self._categories:
                 raise ReadError(f"{where}: category {category} is not in 'categories'", source=self.source)
             box = ann.get("bbox")
-            if (not isinstance(box, list) or len(box) != 4
-                    or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in box)):
+            if not isinstance(box, list) or len(box) != 4 or not all(map(finite_number, box)):
                 raise ReadError(f"{where}: bbox is not four finite numbers (got {box!r})", source=self.source)
             crowd = ann.get("iscrowd", 0)
             if crowd not in (0, 1) or isinstance(crowd, float):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import numbers
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Self
 
@@ -44,36 +45,50 @@ class MixReader(Reader):
         self.equal: Equal = None
         self._plan()
 
-    def _plan(self) -> None:
-        """This rank's samples of each source per epoch, and the passes the most repeated one needs."""
-        self.lengths = self._lengths()  # each source's samples on this rank
-        self.counts = self._counts()
+    def _plan(self, whole: Sequence[Reader] | None = None) -> None:
+        """This rank's samples of each source per epoch, and the passes the most repeated one needs
+        (``whole``: the sources this rank's were cut from, to plan the other ranks too)."""
+        self.lengths = self._lengths(self.sources)  # each source's samples on this rank
+        self.counts = self._counts(self.lengths, self.rank)
         # Pass p of source i in epoch e reads the source's epoch e * passes + p: one more epoch of a
         # source for each time it comes round again, none shared between two epochs of the mix.
-        self.passes = max([1] + [math.ceil(c / n) for c, n in zip(self.counts, self.lengths) if c])
+        plans = [(self.counts, self.lengths)]
+        if whole is not None and self.length is not None and self.world > 1:
+            # Only a set length repeats a source. Every rank must then count the same passes, or
+            # ranks would read pass p from different epochs of a source, parts of different orders:
+            # some samples twice and others never (and indices shared). The most any rank needs.
+            plans = [self._rank_plan(whole, rank) for rank in range(self.world)]
+        self.passes = max([1] + [math.ceil(c / n) for counts, lengths in plans
+                                 for c, n in zip(counts, lengths) if c])
 
-    def _lengths(self) -> list[int]:
+    def _rank_plan(self, whole: Sequence[Reader], rank: int) -> tuple[list[int], list[int]]:
+        """Rank ``rank``'s counts and lengths of each source (what ``_plan`` works out on that rank)."""
+        if rank == self.rank:
+            return self.counts, self.lengths
+        lengths = self._lengths([s.shard(rank, self.world, equal=self.equal) for s in whole])
+        return self._counts(lengths, rank), lengths
+
+    def _lengths(self, sources: Sequence[Reader]) -> list[int]:
         lengths = []
-        for name, source in zip(self.names, self.sources):
+        for name, source in zip(self.names, sources):
             try:
                 lengths.append(len(source))
             except TypeError as exc:  # its message says what would give one (counts=, length=)
                 raise ConfigError(f"mix: source {name!r} needs a len() to be mixed: {exc}") from None
         return lengths
 
-    def _counts(self) -> list[int]:
-        lengths = self.lengths
+    def _counts(self, lengths: list[int], rank: int) -> list[int]:
         for name, n, w in zip(self.names, lengths, self.weights or lengths):
             if n == 0 and w > 0:
-                raise ConfigError(f"mix: source {name!r} has no samples on rank {self.rank} of {self.world}")
+                raise ConfigError(f"mix: source {name!r} has no samples on rank {rank} of {self.world}")
         if self.weights is None:
             if self.length is not None:
-                return _apportion(shard_length(self.length, self.rank, self.world, self.equal), lengths)
+                return _apportion(shard_length(self.length, rank, self.world, self.equal), lengths)
             return lengths
         total = sum(self.weights)
         shares = [w / total for w in self.weights]
         if self.length is not None:
-            return _apportion(shard_length(self.length, self.rank, self.world, self.equal), shares)
+            return _apportion(shard_length(self.length, rank, self.world, self.equal), shares)
         # The longest epoch in which no source comes round twice: the first one to run out ends it.
         whole = min(n / s for n, s in zip(lengths, shares) if s > 0)
         return [math.floor(whole * s + 1e-9) for s in shares]
@@ -86,7 +101,7 @@ class MixReader(Reader):
         part = copy.copy(self)
         part.sources = [s.shard(rank, world, equal=equal) for s in self.sources]
         part.rank, part.world, part.equal = rank, world, equal
-        part._plan()
+        part._plan(whole=self.sources)
         return part
 
     def order(self, epoch: int, seed: int = 0) -> np.ndarray:
@@ -240,6 +255,9 @@ def mix(
     Sharding (the loader's ``rank``/``world``, or ``shard()``): every source is sharded the same
     way and each rank mixes its parts; the counts come from each rank's part, so with
     ``equal="pad"`` or ``"drop"`` (the loader's default when it shards) every rank has the same.
+    A source that comes round again (a set ``length``) reads pass p from the same epoch of the
+    source on every rank, as many passes as the rank that needs most, so each pass is one epoch of
+    the source dealt among the ranks.
 
     While one source's next chunk is awaited the others' reads go on in the background (each
     reader fetches ahead on its own), bounded as each reader bounds itself. Closing or cancelling
@@ -269,7 +287,8 @@ def mix(
         weights = list(weights)
         if len(weights) != len(readers_):
             raise ConfigError(f"mix: {len(weights)} weights for {len(readers_)} sources")
-        if any(not isinstance(w, (int, float)) or isinstance(w, bool) or not math.isfinite(w) or w < 0
+        # Any real number, NumPy's too (weights from an array or np.bincount), not a bool.
+        if any(not isinstance(w, numbers.Real) or isinstance(w, (bool, np.bool_)) or not math.isfinite(w) or w < 0
                for w in weights) or sum(weights) <= 0:
             raise ConfigError(f"mix: weights must be finite numbers >= 0, not all 0; got {weights!r}")
     if length is not None:
