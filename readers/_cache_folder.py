@@ -4,6 +4,7 @@ logged once (``_shard_cache.py``, ``_object_cache.py``)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import logging
@@ -11,13 +12,13 @@ import os
 import re
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
 from headrace._errors import ConfigError, require_int
 
-__all__ = ["PART", "CacheFolder", "disk_has_room", "from_arguments", "nearly_full", "unlink"]
+__all__ = ["PART", "CacheFolder", "SharedTally", "disk_has_room", "from_arguments", "is_copy", "nearly_full", "unlink"]
 
 logger = logging.getLogger("headrace")
 
@@ -26,6 +27,8 @@ PART = ".part"
 RESERVE_BYTES = 1 << 30
 RESERVE_FRACTION = 0.05
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+# A copy's file name: the hash ``CacheFolder._name`` gives it, then a dash.
+_COPY = re.compile(r"[0-9a-f]{16}-")
 _C = TypeVar("_C")
 
 
@@ -39,6 +42,8 @@ def from_arguments(what: str, folder: str | os.PathLike | None, max_bytes: int |
             raise ConfigError(f"{what}: cache_bytes needs a cache_dir")
     if folder is None:
         return None
+    if not os.fspath(folder):  # Path("") is the working directory: its files must not be taken for copies
+        raise ConfigError(f"{what}: cache_dir is empty (give a folder)")
     try:
         return make(folder, max_bytes)
     except OSError as exc:
@@ -54,6 +59,17 @@ def disk_has_room(folder: str | os.PathLike, nbytes: int) -> bool:
         return False
     free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
     return free - nbytes >= max(RESERVE_BYTES, int(total * RESERVE_FRACTION))
+
+
+def is_copy(entry: os.DirEntry) -> bool:
+    """``entry`` is a whole copy a cache wrote: a file named as ``CacheFolder._name`` names them,
+    not a ``.part`` file. Anything else in the folder (a user's file, a sub-folder, another tool's
+    lock) is neither counted nor evicted."""
+    try:
+        return (_COPY.match(entry.name) is not None and not entry.name.endswith(PART)
+                and entry.is_file(follow_symlinks=False))
+    except OSError:  # removed meanwhile
+        return False
 
 
 def nearly_full() -> OSError:
@@ -98,3 +114,61 @@ class CacheFolder:
             first = self.failed == 1
         if first:  # once: a full disk would say it for every copy
             logger.warning("headrace: not caching %s in %s: %s", url, self.folder, exc)
+
+
+class SharedTally:
+    """The bytes of copies in a folder as all the processes sharing it count them (ranks on one
+    host): an integer in a hidden file of the folder, read and changed under an exclusive ``flock``
+    of it. A count each process keeps alone lets N ranks fill N times ``cache_bytes``. Where the
+    file cannot be made or locked (a read-only folder, no ``fcntl``), it counts for this process
+    alone."""
+
+    NAME = ".headrace-used"
+
+    def __init__(self, folder: Path) -> None:
+        self.path = folder / self.NAME
+        self._alone: int | None = None  # the count, where there is no file to keep it in
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[_TallyFile]:
+        """The count, for this process alone until the block ends."""
+        try:
+            import fcntl
+
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except (ImportError, OSError):
+            yield _TallyFile(None, self)
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError:  # a file system without locks: counted as if alone
+                pass
+            yield _TallyFile(fd, self)
+        finally:
+            os.close(fd)  # lets the lock go
+
+
+class _TallyFile:
+    def __init__(self, fd: int | None, tally: SharedTally) -> None:
+        self._fd, self._tally = fd, tally
+
+    def read(self) -> int | None:
+        """The count, or None where there is none yet (a new folder, a file cut short)."""
+        if self._fd is None:
+            return self._tally._alone
+        try:
+            text = os.pread(self._fd, 64, 0)
+            return int(text) if text.strip() else None
+        except (OSError, ValueError):
+            return None
+
+    def write(self, used: int) -> None:
+        if self._fd is None:
+            self._tally._alone = used
+            return
+        try:
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, str(used).encode(), 0)
+        except OSError:
+            pass

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from ._cache_folder import PART, CacheFolder, disk_has_room, nearly_full, unlink
+from ._cache_folder import PART, CacheFolder, SharedTally, disk_has_room, is_copy, nearly_full, unlink
 from ._read_files import ChunkReader
 
 __all__ = ["ObjectCache"]
@@ -28,13 +28,15 @@ __all__ = ["ObjectCache"]
 class ObjectCache(CacheFolder):
     """A folder of objects, named by their URL. ``hits``: objects read from it; ``kept``: objects
     written to it; ``skipped``: objects not written because the writes were behind; ``failed``:
-    writes given up; ``used``: bytes in it as this process counts them (what it found at its first
-    write with a ``max_bytes``, plus what it wrote)."""
+    writes given up; ``used``: with a ``max_bytes``, bytes in it as the processes sharing it count
+    them (``SharedTally``), as this process last saw."""
 
     def __init__(self, folder: str | os.PathLike, max_bytes: int | None = None, *, native: bool = True) -> None:
         super().__init__(folder, max_bytes)
         self.hits = self.kept = self.skipped = 0
         self.used: int | None = None
+        self._tally = SharedTally(self.folder)
+        self._full = False  # a scan found no room: nothing more is written
         self._queued = 0  # bytes handed to ``keep`` and not yet written
         self._files = ChunkReader(native=native)
 
@@ -76,40 +78,64 @@ class ObjectCache(CacheFolder):
         if not disk_has_room(self.folder, sum(len(data) for _, data in objects)):
             self._give_up(objects[0][0] if objects else "", nearly_full())
             return
-        if self.max_bytes is not None and self.used is None:
-            found = self._scan()
-            with self._lock:
-                if self.used is None:
-                    self.used = found
         ids = identities if identities is not None else [None] * len(objects)
         for (url, data), identity in zip(objects, ids):
-            with self._lock:  # counted before the write: two threads must not both take the last room
-                if self.max_bytes is not None and (self.used or 0) + len(data) > self.max_bytes:
-                    return  # full: what is there stays
-                self.used = (self.used or 0) + len(data)
+            if self._full:
+                return  # full: what is there stays
             final = self.path(url, identity)
             part = self._part(final)
             try:
                 os.makedirs(os.path.dirname(final), exist_ok=True)
                 _write_whole(part, data)
+            except OSError as exc:
+                unlink(part)
+                self._give_up(url, exc)
+                return
+            # Counted once on disk (as a ``.part`` file): a scan by another process meanwhile sees it.
+            if not self._claim(len(data)):
+                unlink(part)
+                return
+            try:
                 os.replace(part, final)
             except OSError as exc:
                 unlink(part)
-                with self._lock:
-                    self.used -= len(data)
+                self._claim(-len(data))
                 self._give_up(url, exc)
                 return
             with self._lock:
                 self.kept += 1
 
+    def _claim(self, nbytes: int) -> bool:
+        """With ``max_bytes``: ``nbytes`` more counted in the folder's tally, shared with the other
+        processes writing to it, if they fit (two writers must not both take the last room); a
+        negative ``nbytes`` gives room back. The folder is scanned where there is no tally yet, and
+        where the tally says full: it may count copies gone since (a folder cleared by hand, a
+        writer killed between its count and its rename). Full after a scan, this cache stops."""
+        if self.max_bytes is None:
+            return True
+        with self._lock, self._tally.locked() as tally:
+            used = tally.read()
+            if used is None or used + nbytes > self.max_bytes:
+                used = max(0, self._scan() - max(nbytes, 0))  # the scan saw its own ``.part`` file
+                self._full = used + nbytes > self.max_bytes
+            fits = used + nbytes <= self.max_bytes
+            self.used = max(0, used + nbytes) if fits else used
+            tally.write(self.used)
+            return fits
+
     def _scan(self) -> int:
-        """Bytes of the copies in the folder now (``.part`` files left out)."""
+        """Bytes of the copies in the folder now, with the ``.part`` files (a writer counts its
+        bytes once they are in one: a ``.part`` file holds bytes counted or about to be)."""
         total = 0
         for sub in os.scandir(self.folder):
-            if not sub.is_dir():
+            if not sub.is_dir(follow_symlinks=False):
                 continue
-            for entry in os.scandir(sub.path):
-                if not entry.name.endswith(PART):
+            try:
+                entries = list(os.scandir(sub.path))
+            except OSError:  # removed meanwhile, or not ours to read
+                continue
+            for entry in entries:
+                if is_copy(entry) or entry.name.endswith(PART):
                     try:
                         total += entry.stat().st_size
                     except OSError:  # removed meanwhile

@@ -29,20 +29,24 @@ from typing import BinaryIO
 
 from headrace._threads import join_threads
 
-from ._cache_folder import PART, CacheFolder, disk_has_room, nearly_full, unlink
+from ._cache_folder import CacheFolder, disk_has_room, is_copy, logger, nearly_full, unlink
 
 __all__ = ["CacheWriter", "CacheWrites", "ShardCache"]
 
 _CHECK_EVERY = 64 << 20  # bytes a shard's copy writes between two looks at the free space
+# The size a copy was written with, kept on the file (an extended attribute): a copy cut short
+# since (a crash of the host before its data reached the disk, a disk error, a hand) is told apart.
+_SIZE_ATTR = "user.headrace.size"
 
 
 class ShardCache(CacheFolder):
     """A folder of whole shards, named by their URL. ``hits``: shards read from it; ``kept``: shards
-    written to it; ``evicted``: shards removed for room; ``failed``: writes given up (disk full, ...)."""
+    written to it; ``evicted``: shards removed for room; ``failed``: writes given up (disk full, ...);
+    ``damaged``: copies found cut short, removed and read from the store instead."""
 
     def __init__(self, folder: str | os.PathLike, max_bytes: int | None = None) -> None:
         super().__init__(folder, max_bytes)
-        self.hits = self.kept = self.evicted = 0
+        self.hits = self.kept = self.evicted = self.damaged = 0
         _remove_dead_parts(self.folder)
 
     def __repr__(self) -> str:
@@ -61,6 +65,9 @@ class ShardCache(CacheFolder):
             f = open(path, "rb", buffering=1 << 20)  # noqa: SIM115 - the parser closes it
         except OSError:
             return None
+        if _cut_short(f):
+            self._remove_damaged(url, path, f)
+            return None
         try:
             os.utime(path)  # recently used: evicted last
         except OSError:
@@ -68,6 +75,22 @@ class ShardCache(CacheFolder):
         with self._lock:
             self.hits += 1
         return f
+
+    def _remove_damaged(self, url: str, path: Path, f: BinaryIO) -> None:
+        """A copy shorter or longer than written: parsed, it would end early without an error (a
+        tar cut at a header ends there), so it goes and the store is read; a later read keeps a
+        new copy."""
+        found, written = os.fstat(f.fileno()), _written_size(f.fileno())
+        f.close()
+        try:
+            if os.stat(path).st_ino == found.st_ino:  # not a whole copy another rank put there since
+                os.unlink(path)
+        except OSError:
+            pass
+        with self._lock:
+            self.damaged += 1
+        logger.warning("headrace: the cached copy of %s in %s is %d bytes, not the %s written: removed, "
+                       "read from the store", url, self.folder, found.st_size, written)
 
     def writer(self, url: str, writes: CacheWrites, identity: str | None = None) -> CacheWriter | None:
         """A ``.part`` file for ``url``'s bytes, written by ``writes``, or None where it cannot be
@@ -90,7 +113,7 @@ class ShardCache(CacheFolder):
             return False
         shards = []
         for entry in os.scandir(self.folder):
-            if entry.name.endswith(PART) or entry.path == str(keep):
+            if not is_copy(entry) or entry.path == str(keep):  # a user's file in the folder stays
                 continue
             try:
                 st = entry.stat()
@@ -214,6 +237,7 @@ class CacheWriter:
         if fd is None:  # a write failed
             return
         try:
+            _mark_size(fd, size)
             os.close(fd)
             with self.cache._lock:
                 if self.cache._make_room(size, self._final):
@@ -229,6 +253,26 @@ class CacheWriter:
         if fd is not None:
             os.close(fd)
             unlink(self._part)
+
+
+def _mark_size(fd: int, size: int) -> None:
+    try:
+        os.setxattr(fd, _SIZE_ATTR, str(size).encode())
+    except (OSError, AttributeError):  # a file system without extended attributes: copies unchecked
+        pass
+
+
+def _written_size(file: int | str) -> int | None:
+    try:
+        return int(os.getxattr(file, _SIZE_ATTR))
+    except (OSError, ValueError, AttributeError):  # not marked: written by hand, or no attributes here
+        return None
+
+
+def _cut_short(f: BinaryIO) -> bool:
+    """The open copy's size is not the size it was written with."""
+    written = _written_size(f.fileno())
+    return written is not None and os.fstat(f.fileno()).st_size != written
 
 
 _PART_OWNER = re.compile(r"\.(\d+)-[0-9a-f]{8}\.part$")
