@@ -278,10 +278,13 @@ def _wanted_pts(stream: Any, start: int, stride: int, length: int) -> list[int]:
 
 def _collect(container: Any, stream: Any, wanted: list[int]) -> list[np.ndarray | None]:
     """The frames at ``wanted`` timestamps, decoding from the keyframe before the first; from the
-    stream's start again if the seek landed past it (a demuxer whose index is coarse)."""
+    stream's start again if the seek landed past it or at the end (a demuxer without an index
+    seeks by searching: MPEG-PS can land past the last frame, MPEG-TS past the first keyframe)."""
     slots = {stamp: k for k, stamp in enumerate(wanted)}
     frames: list[np.ndarray | None] = [None] * len(wanted)
-    for target in (wanted[0], stream.start_time or 0):
+    # The retry seeks to 0 rather than to start_time: MPEG-TS seeks by decode time, and its first
+    # keyframe's decode time is below start_time (a presentation time), so start_time skips that keyframe.
+    for target in (wanted[0], min(0, stream.start_time or 0)):
         container.seek(target, backward=True, any_frame=False, stream=stream)
         first = None
         for frame in container.decode(stream):
@@ -293,7 +296,7 @@ def _collect(container: Any, stream: Any, wanted: list[int]) -> list[np.ndarray 
                 frames[k] = upright(frame)
             if frame.pts >= wanted[-1]:
                 break
-        if first is None or first <= wanted[0]:  # decoded from the clip's start on: all the file has
+        if first is not None and first <= wanted[0]:  # decoded from the clip's start on: all the file has
             return frames
     return frames
 

@@ -83,12 +83,13 @@ class VideoReader(IndexedReader):
         self.span = (sequence_length - 1) * stride + 1  # frames from a clip's first to its last, inclusive
         self.step = require_int("video: step", step) if step is not None else self.span
         self.clips_per_video = require_int("video: clips_per_video", clips_per_video) if clips_per_video is not None else None
+        _check_order(shuffle, seed)
         # A video is a file's path, a tar member, an object in storage, or the ReadError of a member
         # its shard could not list.
         self.paths = [p if isinstance(p, (TarMember, RemoteVideo, ReadError)) else os.fspath(p) for p in paths]
-        self.labels = [None if v is None else int(v) for v in labels]
-        if len(self.labels) != len(self.paths):
-            raise ConfigError(f"video: {len(self.paths)} paths but {len(self.labels)} labels")
+        if len(labels) != len(self.paths):
+            raise ConfigError(f"video: {len(self.paths)} paths but {len(labels)} labels")
+        self.labels = [_label(v, p) for v, p in zip(labels, self.paths)]
         if not self.paths:
             raise ConfigError("video: no videos")
         self.root = root
@@ -244,6 +245,24 @@ class _Probed:
             return self._value
 
 
+def _check_order(shuffle: object, seed: object) -> None:
+    """ConfigError now for what would otherwise fail (or shuffle) only once the first epoch starts:
+    a ``shuffle`` that is not a bool (``"no"`` is true), a ``seed`` NumPy cannot seed with."""
+    if not isinstance(shuffle, bool):
+        raise ConfigError(f"video: shuffle must be True or False, got {shuffle!r}")
+    if seed is not None:
+        require_int("video: seed", seed, 0)
+
+
+def _label(value: object, path: object) -> int | None:
+    """A video's label: an int (NumPy's too) or None; not a bool, a float (1.7 is not class 1) or a str."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ConfigError(f"video: the label of {_source(path)!r} must be an int or None, got {value!r}")
+    return int(value)
+
+
 def _keyed(error: LoaderError, key: str) -> LoaderError:
     """The probe's error for one sample of the stream (a copy: the probe's is shared by epochs)."""
     out = type(error)(error.message, key=key, source=error.source)  # a StorageError stays one
@@ -357,6 +376,8 @@ def video(
     common: dict[str, Any] = dict(sequence_length=sequence_length, stride=stride, step=step,
                                   clips_per_video=clips_per_video, shuffle=shuffle, seed=seed,
                                   chunk_size=chunk_size, io_threads=io_threads)
+    if isinstance(extensions, str):  # one extension: not its letters (as readers.files takes it)
+        extensions = (extensions,)
     exts = {e.lower().lstrip(".") for e in extensions}
     if store is not None or _has_url(source):
         return _remote(source, Storage(storage_options, store), exts, common)

@@ -105,3 +105,19 @@ def test_decode_clip_arguments():
         with pytest.raises(ConfigError):
             ops.DecodeClip(**bad)
     assert "crop=(8, 8)" in repr(ops.DecodeClip(crop=8))
+
+
+@pytest.mark.parametrize(("name", "codec"), [("v.ts", "libx264"), ("v.mpg", "mpeg2video")])
+def test_every_clip_of_an_mpeg_ts_or_ps_file_decodes_exactly(tmp_path, name, codec):
+    """MPEG-TS and MPEG-PS have no index: a seek searches. TS seeks by decode time, so a seek to its
+    first frame's presentation time lands on its second keyframe; a PS seek near the end lands past
+    the last frame. Either way the clip must still be its frames, decoded from the file's start."""
+    path = make_video(tmp_path / name, 40, codec=codec)
+    info = probe(str(path))
+    reference = reference_frames(path)
+    assert info.frames == len(reference) == 40
+    for start in range(0, 37):
+        wanted = list(range(start, start + 4))
+        frames, _ = ops.decode_frames(str(path), start, 1, 4, info.pts[wanted], key=f"v@{start}")
+        assert [frame_index(f) for f in frames] == wanted
+        assert all(np.array_equal(got, reference[k]) for got, k in zip(frames, wanted))
