@@ -1,4 +1,5 @@
-"""COCO's segmentations as one class map an image: polygons filled, RLE runs decoded.
+"""COCO's segmentations as one class map an image: polygons filled, RLE runs decoded, both pixel for
+pixel as pycocotools makes them (``frPyObjects``, ``merge``, ``decode``).
 
 ``readers.coco(masks=True)`` gives each sample a ``mask`` field holding a ``CocoMask``: the image's
 kept annotations (label and segmentation), drawn only when the pipeline reads it (``np.asarray``
@@ -12,9 +13,8 @@ import math
 from typing import Any
 
 import numpy as np
-from PIL import Image, ImageDraw
 
-__all__ = ["CocoMask", "check_segmentation", "decode_rle", "finite_number"]
+__all__ = ["CocoMask", "check_segmentation", "decode_rle", "finite_number", "polygon_boundary"]
 
 
 def check_segmentation(seg: Any, height: int, width: int) -> str | None:
@@ -103,10 +103,91 @@ def _runs_from_string(s: str) -> list[int]:
     return runs
 
 
+# pycocotools' rleFrPoly walks the edges on a grid five times finer than the pixels: where an edge
+# passes a pixel column's centre is known to a fifth of a pixel, then rounded to a pixel.
+_UPSAMPLE = 5
+
+
+def polygon_boundary(polygon: list[float], height: int, width: int) -> np.ndarray:
+    """Where a polygon's fill starts and stops, as pycocotools' ``rleFrPoly`` finds it: flat indices
+    down the columns (``x * height + y``; ``height * width`` is past the image's end), one for each
+    time an edge crosses a column's centre line, at the first pixel of the column at or below the
+    crossing. A pixel is inside when an odd number of them is at or before it: these are the
+    boundaries of pycocotools' runs, and a boundary found twice cancels, as its run of length 0 does."""
+    x, y = _upsampled_vertices(polygon, height, width)
+    u, v = _walk_edges(x, y)
+    return _column_crossings(u, v, height, width)
+
+
+def _upsampled_vertices(polygon: list[float], height: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """The vertices on the fine grid, rounded as pycocotools' ``(int)(5 * x + .5)``: toward zero,
+    so left of and above the image they round the other way. A coordinate further outside the
+    image than twice its longer side (1024 pixels at least) is first moved to that distance, the one
+    difference from pycocotools: the walk takes five points a pixel of an edge, billions for a wild
+    coordinate (pycocotools' ints overflow past about 4e8 anyway)."""
+    xy = np.asarray(polygon, dtype=np.float64).reshape(-1, 2)
+    margin = 2 * max(height, width, 512)
+    x = np.clip(xy[:, 0], -margin, width + margin)
+    y = np.clip(xy[:, 1], -margin, height + margin)
+    # astype truncates toward zero, as C's cast does
+    return (_UPSAMPLE * x + 0.5).astype(np.int64), (_UPSAMPLE * y + 0.5).astype(np.int64)
+
+
+def _walk_edges(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every fine-grid point of the closed polygon's edges, in pycocotools' order and rounding: each
+    edge from its vertex to the next, a point a step along its longer axis (x on a tie), the other
+    coordinate rounded from the line. The line is taken from the edge's end with the smaller stepped
+    coordinate, whichever way it is walked: the float rounding of ties depends on it."""
+    x_next, y_next = np.append(x[1:], x[0]), np.append(y[1:], y[0])
+    along_x = np.abs(x_next - x) >= np.abs(y_next - y)
+    stepped_from, stepped_to = np.where(along_x, x, y), np.where(along_x, x_next, y_next)
+    other_from, other_to = np.where(along_x, y, x), np.where(along_x, y_next, x_next)
+    backward = stepped_from > stepped_to
+    steps = np.abs(stepped_to - stepped_from)
+    line_start = np.where(backward, other_to, other_from)
+    # A repeated vertex is an edge of no steps: pycocotools divides 0 by 0 there, but that one
+    # point is never compared (the points either side of it are the same vertex), so any slope does.
+    slope = np.where(backward, other_from - other_to, other_to - other_from) / np.maximum(steps, 1)
+
+    count = steps + 1
+    edge = np.repeat(np.arange(len(x)), count)  # each point's edge
+    d = np.arange(len(edge)) - np.repeat(np.cumsum(count) - count, count)  # its step from the vertex
+    stepped = stepped_from[edge] + np.where(backward[edge], -d, d)
+    t = stepped - np.minimum(stepped_from, stepped_to)[edge]  # steps from the line's start
+    # C's (int)(a + s * t + .5), operation for operation; astype truncates toward zero as the cast does
+    rounded = (line_start[edge] + slope[edge] * t + 0.5).astype(np.int64)
+    point_along_x = along_x[edge]
+    return np.where(point_along_x, stepped, rounded), np.where(point_along_x, rounded, stepped)
+
+
+def _column_crossings(u: np.ndarray, v: np.ndarray, height: int, width: int) -> np.ndarray:
+    """pycocotools' downsampling of the walk: a step that moves x across a column's centre line (fine
+    x from 5n+2 to 5n+3, n a column of the image) gives the flat index of the column's first pixel
+    whose centre is at or below the step's upper point (clamped to 0..height)."""
+    moves = u[1:] != u[:-1]
+    left = np.where(u[1:] < u[:-1], u[1:], u[1:] - 1)  # the lower x of a step
+    column = (left + 0.5) / _UPSAMPLE - 0.5
+    keep = moves & (np.floor(column) == column) & (column >= 0) & (column <= width - 1)
+    top = np.minimum(v[1:], v[:-1])[keep]
+    row = np.ceil(np.clip((top + 0.5) / _UPSAMPLE - 0.5, 0, height))
+    return column[keep].astype(np.int64) * height + row.astype(np.int64)
+
+
+def _fill_between(columns_flat: np.ndarray, boundary: np.ndarray, value: int) -> None:
+    """Sets ``value`` in an image flattened down its columns where an odd number of ``boundary``
+    indices is at or before the pixel: from the first boundary to the second, the third to the fourth
+    and so on, sorted (a closed polygon crosses each column's centre line an even number of times).
+    A boundary at ``height * width`` ends its run at the image's end."""
+    ends = np.sort(boundary).tolist()
+    for start, stop in zip(ends[0::2], ends[1::2]):
+        columns_flat[start:stop] = value
+
+
 class CocoMask:
     """One image's class map, drawn on request: ``np.asarray(mask)`` is ``[height, width]``, 0 where
-    no annotation is, each annotation's label inside it (uint8, int64 for labels past 255).
-    Polygons are filled by Pillow (within a pixel of pycocotools' at their edges)."""
+    no annotation is, each annotation's label inside it (uint8, int64 for labels past 255). Polygons
+    are filled pixel for pixel as pycocotools fills them (``polygon_boundary``), an annotation's
+    several polygons as their union (pycocotools' ``merge``)."""
 
     __slots__ = ("height", "labels", "segmentations", "width")
 
@@ -115,23 +196,18 @@ class CocoMask:
         self.labels, self.segmentations = labels, segmentations
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        # Polygons are drawn with their labels straight onto one canvas (a map a pass); an RLE,
-        # rare (crowds), goes through an array at its place in the order.
+        # Drawn on the map's transpose, whose flat view runs down the columns as COCO's runs and a
+        # polygon's boundary indices do. Each polygon drawn with its annotation's label is the union.
         wide = any(label > 255 for label in self.labels)
-        mode = "I" if wide else "L"
-        canvas = Image.new(mode, (self.width, self.height), 0)
-        draw = ImageDraw.Draw(canvas)
+        columns = np.zeros((self.width, self.height), np.int64 if wide else np.uint8)
+        columns_flat = columns.reshape(-1)
         for label, seg in zip(self.labels, self.segmentations):
             if isinstance(seg, dict):
-                pixels = np.array(canvas)
-                pixels[decode_rle(seg["counts"], self.height, self.width)] = label
-                canvas = Image.fromarray(pixels, mode)
-                draw = ImageDraw.Draw(canvas)
+                columns_flat[decode_rle(seg["counts"], self.height, self.width).T.reshape(-1)] = label
                 continue
             for polygon in seg:
-                draw.polygon(list(zip(polygon[0::2], polygon[1::2])), fill=label)
-        out = np.asarray(canvas)
-        out = out.astype(np.int64) if wide else out
+                _fill_between(columns_flat, polygon_boundary(polygon, self.height, self.width), label)
+        out = np.ascontiguousarray(columns.T)
         return out if dtype is None else out.astype(dtype)
 
     def __repr__(self) -> str:
