@@ -18,7 +18,8 @@ from typing import TypeVar
 
 from headrace._errors import ConfigError, require_int
 
-__all__ = ["PART", "CacheFolder", "SharedTally", "disk_has_room", "from_arguments", "is_copy", "nearly_full", "unlink"]
+__all__ = ["PART", "CacheFolder", "SharedTally", "disk_has_room", "from_arguments", "is_copy", "is_dead_part",
+           "locked_folder", "nearly_full", "unlink"]
 
 logger = logging.getLogger("headrace")
 
@@ -29,6 +30,8 @@ RESERVE_FRACTION = 0.05
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 # A copy's file name: the hash ``CacheFolder._name`` gives it, then a dash.
 _COPY = re.compile(r"[0-9a-f]{16}-")
+# A ``.part`` file's name as ``CacheFolder._part`` gives it: its writer's pid.
+_PART_OWNER = re.compile(r"\.(\d+)-[0-9a-f]{8}\.part$")
 _C = TypeVar("_C")
 
 
@@ -72,6 +75,43 @@ def is_copy(entry: os.DirEntry) -> bool:
         return False
 
 
+def is_dead_part(name: str) -> bool:
+    """``name`` is a ``.part`` file whose writer (a process on this host) is gone: a run killed
+    mid-copy left it, and nobody will rename or remove it."""
+    owner = _PART_OWNER.search(name)
+    if owner is None:
+        return False
+    try:
+        os.kill(int(owner.group(1)), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's
+        pass
+    return False
+
+
+@contextlib.contextmanager
+def locked_folder(folder: Path) -> Iterator[None]:
+    """``folder`` for this process (this thread) alone until the block ends: an exclusive ``flock``
+    of the folder itself, so no file is added to it. Where it cannot be locked (no ``fcntl``, a file
+    system without locks), the block runs unlocked."""
+    try:
+        import fcntl
+
+        fd = os.open(folder, os.O_RDONLY)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
+    finally:
+        os.close(fd)  # lets the lock go
+
+
 def nearly_full() -> OSError:
     return OSError(errno.ENOSPC, "the disk is nearly full (a cache leaves 5% of it or 1 GiB free)")
 
@@ -105,7 +145,7 @@ class CacheFolder:
     @staticmethod
     def _part(final: str | os.PathLike) -> str:
         """A ``.part`` name beside ``final`` that this process alone writes (its pid: see
-        ``_shard_cache._remove_dead_parts``)."""
+        ``is_dead_part``)."""
         return f"{os.fspath(final)}.{os.getpid()}-{uuid.uuid4().hex[:8]}{PART}"
 
     def _give_up(self, url: str, exc: OSError) -> None:

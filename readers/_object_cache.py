@@ -19,7 +19,8 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from ._cache_folder import PART, CacheFolder, SharedTally, disk_has_room, is_copy, nearly_full, unlink
+from ._cache_folder import (PART, CacheFolder, SharedTally, disk_has_room, is_copy, is_dead_part, logger, nearly_full,
+                            unlink)
 from ._read_files import ChunkReader
 
 __all__ = ["ObjectCache"]
@@ -28,12 +29,13 @@ __all__ = ["ObjectCache"]
 class ObjectCache(CacheFolder):
     """A folder of objects, named by their URL. ``hits``: objects read from it; ``kept``: objects
     written to it; ``skipped``: objects not written because the writes were behind; ``failed``:
-    writes given up; ``used``: with a ``max_bytes``, bytes in it as the processes sharing it count
-    them (``SharedTally``), as this process last saw."""
+    writes given up; ``damaged``: copies found empty, removed and read from the store instead;
+    ``used``: with a ``max_bytes``, bytes in it as the processes sharing it count them
+    (``SharedTally``), as this process last saw."""
 
     def __init__(self, folder: str | os.PathLike, max_bytes: int | None = None, *, native: bool = True) -> None:
         super().__init__(folder, max_bytes)
-        self.hits = self.kept = self.skipped = 0
+        self.hits = self.kept = self.skipped = self.damaged = 0
         self.used: int | None = None
         self._tally = SharedTally(self.folder)
         self._full = False  # a scan found no room: nothing more is written
@@ -53,10 +55,31 @@ class ObjectCache(CacheFolder):
         """I/O thread: each URL's kept copy, or None where there is none."""
         ids = identities if identities is not None else [None] * len(urls)
         blobs = self._files.read([os.fsencode(self.path(u, i)) for u, i in zip(urls, ids)])
-        out = [None if isinstance(b, OSError) else b for b in blobs]
+        out = [None if isinstance(b, OSError) or not b else b for b in blobs]
+        if b"" in blobs:  # rare, and looked for in C: reading whole copies costs what it did
+            self._remove_empty([self.path(u, i) for u, i, b in zip(urls, ids, blobs) if b == b""])
         with self._lock:
             self.hits += sum(b is not None for b in out)
         return out
+
+    def _remove_empty(self, paths: list[str]) -> None:
+        """Copies found empty: an object is never kept empty (``keep``), so these were cut short (a
+        host that crashed before their data reached the disk leaves them so, renamed but empty).
+        Served, each would be an empty sample every epoch; they go, and the store is read (and a
+        new copy kept). The size is not recorded to check a copy cut elsewhere than at 0: that
+        would cost a look at every copy read."""
+        for path in paths:
+            try:
+                if os.stat(path).st_size == 0:  # not a whole copy another rank put there since
+                    os.unlink(path)
+            except OSError:
+                pass
+        with self._lock:
+            first = self.damaged == 0
+            self.damaged += len(paths)
+        if first:  # once: after a crash there may be thousands
+            logger.warning("headrace: %d cached objects in %s found empty (cut short by a crash?): removed, "
+                           "read from the store", len(paths), self.folder)
 
     def reserve(self, nbytes: int, count: int, bound: int) -> bool:
         """Room for ``count`` objects of ``nbytes`` in all to wait to be written, within ``bound``
@@ -82,6 +105,8 @@ class ObjectCache(CacheFolder):
         for (url, data), identity in zip(objects, ids):
             if self._full:
                 return  # full: what is there stays
+            if not data:
+                continue  # not kept: an empty copy is taken for one cut short (``read``)
             final = self.path(url, identity)
             part = self._part(final)
             try:
@@ -124,8 +149,9 @@ class ObjectCache(CacheFolder):
             return fits
 
     def _scan(self) -> int:
-        """Bytes of the copies in the folder now, with the ``.part`` files (a writer counts its
-        bytes once they are in one: a ``.part`` file holds bytes counted or about to be)."""
+        """Bytes of the copies in the folder now, with the ``.part`` files of live writers (a writer
+        counts its bytes once they are in one: a ``.part`` file holds bytes counted or about to be);
+        those of dead writers are removed."""
         total = 0
         for sub in os.scandir(self.folder):
             if not sub.is_dir(follow_symlinks=False):
@@ -135,7 +161,9 @@ class ObjectCache(CacheFolder):
             except OSError:  # removed meanwhile, or not ours to read
                 continue
             for entry in entries:
-                if is_copy(entry) or entry.name.endswith(PART):
+                if entry.name.endswith(PART) and is_dead_part(entry.name):
+                    unlink(entry.path)  # a killed run's: never renamed nor removed, it would count forever
+                elif is_copy(entry) or entry.name.endswith(PART):
                     try:
                         total += entry.stat().st_size
                     except OSError:  # removed meanwhile

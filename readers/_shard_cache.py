@@ -10,8 +10,9 @@ the rename is atomic, so a reader sees a whole shard or none.
 
 A cached shard is used as it is, without asking the store: like webdataset's ``cache_dir`` and
 litdata's cache, the cache assumes the object at a URL does not change (clear the folder if it
-does). With ``cache_bytes``, the least recently used shards go to make room for a new one; a shard
-larger than the bound alone is not kept. Writing never fails a read: an unwritable folder, a
+does). With ``cache_bytes``, the least recently used shards go to make room for a new one (the
+folder locked: ranks committing at once evict for each other's shards too); a shard larger than the
+bound alone is not kept, its copy stopped once it passes the bound. Writing never fails a read: an unwritable folder, a
 write error, or a disk nearly full (``_cache_folder.disk_has_room``: checkpoints must still fit)
 stops the caching of that shard (counted in ``failed``), and the parser goes on.
 """
@@ -21,7 +22,6 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import os
-import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +29,7 @@ from typing import BinaryIO
 
 from headrace._threads import join_threads
 
-from ._cache_folder import CacheFolder, disk_has_room, is_copy, logger, nearly_full, unlink
+from ._cache_folder import CacheFolder, disk_has_room, is_copy, is_dead_part, locked_folder, logger, nearly_full, unlink
 
 __all__ = ["CacheWriter", "CacheWrites", "ShardCache"]
 
@@ -106,7 +106,7 @@ class ShardCache(CacheFolder):
 
     def _make_room(self, size: int, keep: Path) -> bool:
         """With ``max_bytes``: remove the least recently used shards until ``size`` more fit. False
-        if it cannot fit even alone."""
+        if it cannot fit even alone. Called with the folder locked (``locked_folder``)."""
         if self.max_bytes is None:
             return True
         if size > self.max_bytes:
@@ -190,11 +190,16 @@ class CacheWriter:
     def write(self, offset: int, block: memoryview) -> None:
         if not self.active:
             return
-        if offset != self._next:
+        if offset != self._next or self._past_the_bound(offset + len(block)):
             self.abandon()
             return
         self._next += len(block)
         self._writes.submit(functools.partial(self._write, block), len(block))
+
+    def _past_the_bound(self, nbytes: int) -> bool:
+        """A shard of more than ``max_bytes`` is never kept: its copy stops there, rather than
+        writing the whole shard to disk (it may be many times the bound) to throw it away."""
+        return self.cache.max_bytes is not None and nbytes > self.cache.max_bytes
 
     def commit(self, size: int) -> None:
         if not self._open:
@@ -239,7 +244,9 @@ class CacheWriter:
         try:
             _mark_size(fd, size)
             os.close(fd)
-            with self.cache._lock:
+            # The folder locked, not only this process's threads: two ranks looking at it at once
+            # would each evict for their own shard the same oldest copies, and both pass the bound.
+            with self.cache._lock, locked_folder(self.cache.folder):
                 if self.cache._make_room(size, self._final):
                     os.replace(self._part, self._final)
                     self.cache.kept += 1
@@ -275,19 +282,8 @@ def _cut_short(f: BinaryIO) -> bool:
     return written is not None and os.fstat(f.fileno()).st_size != written
 
 
-_PART_OWNER = re.compile(r"\.(\d+)-[0-9a-f]{8}\.part$")
-
-
 def _remove_dead_parts(folder: Path) -> None:
-    """``.part`` files whose writer (a process on this host) is gone: a run killed mid-shard."""
+    """``.part`` files whose writer is gone: a run killed mid-shard."""
     for entry in os.scandir(folder):
-        owner = _PART_OWNER.search(entry.name)
-        if owner is None:
-            continue
-        try:
-            os.kill(int(owner.group(1)), 0)
-        except ProcessLookupError:
+        if is_dead_part(entry.name):
             unlink(entry.path)
-        except OSError:  # alive, another user's
-            pass
-
