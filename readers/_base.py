@@ -20,7 +20,7 @@ from headrace._sample import Sample
 from headrace._threads import cancel_and_wait, join_threads
 
 
-__all__ = ["IndexedReader", "Reader", "consumed_prefix", "epoch_order", "number_samples"]
+__all__ = ["IndexedReader", "Reader", "check_order", "consumed_prefix", "epoch_order", "number_samples"]
 
 Equal = Literal["pad", "drop"] | None
 _Job = TypeVar("_Job")  # a chunk's fetch in flight: a thread job or a task
@@ -122,6 +122,22 @@ def shard_length(n: int, rank: int, world: int, equal: Equal) -> int:
     return len(range(rank, n, world))
 
 
+def check_order(shuffle: object, seed: object, reader: str = "") -> tuple[bool, int | None]:
+    """``shuffle`` and ``seed`` as a reader keeps them: a bool, and an int NumPy can seed with or None
+    (the loader's seed). NumPy's bools and ints are taken as Python's. ConfigError naming the
+    argument (after ``reader``, the reader's name, if given) for anything else now, not when the
+    first epoch starts: ``shuffle="no"`` is true (it would shuffle), and NaN, -1, 2.0 or True are no
+    seed ``np.random.default_rng`` takes (True would be seed 1)."""
+    prefix = f"{reader}: " if reader else ""
+    if not isinstance(shuffle, (bool, np.bool_)):
+        raise ConfigError(f"{prefix}shuffle must be True or False, got {shuffle!r}")
+    if seed is None:
+        return bool(shuffle), None
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ConfigError(f"{prefix}seed must be a non-negative int, or None for the loader's, got {seed!r}")
+    return bool(shuffle), int(seed)
+
+
 def _check_shard(rank: int, world: int, equal: Equal) -> None:
     if not isinstance(world, int) or world < 1:
         raise ConfigError(f"world must be a positive int, got {world!r}")
@@ -143,8 +159,7 @@ class IndexedReader(Reader):
     def __init__(self, *, shuffle: bool, seed: int | None, chunk_size: int, io_threads: int) -> None:
         require_int("chunk_size", chunk_size)
         require_int("io_threads", io_threads)
-        self.shuffle = shuffle
-        self.seed = seed
+        self.shuffle, self.seed = check_order(shuffle, seed)
         self.chunk_size = chunk_size
         self.io_threads = io_threads
         self.equal: Equal = None

@@ -124,6 +124,8 @@ def find_records(name: str, paths: list[str], index: Sequence[Any] | None, label
     arguments the readers share (ConfigError naming ``name``); ReadError if there are no records."""
     if isinstance(label_offset, bool) or not isinstance(label_offset, int):
         raise ConfigError(f"{name}: label_offset must be an int, got {label_offset!r}")
+    if isinstance(index, (str, os.PathLike)):  # one index file: not its letters
+        index = [index]
     if index is not None:
         indexes: list[str | None] = [os.fspath(p) for p in index]
         if len(indexes) != len(paths):

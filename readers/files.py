@@ -6,10 +6,12 @@ import asyncio
 import concurrent.futures
 import contextlib
 import os
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, Self, TypeVar
+
+import numpy as np
 
 from headrace._errors import ConfigError, ReadError, StorageError, require_int
 from headrace._sample import Sample, SampleList, samples_nbytes, value_nbytes
@@ -59,11 +61,11 @@ class FileReader(IndexedReader):
         super().__init__(shuffle=shuffle, seed=seed, chunk_size=chunk_size, io_threads=io_threads)
         require_int("files: requests", requests)
         require_int("files: buffer_bytes", buffer_bytes, 1)
-        self.paths = [os.fspath(p) for p in paths]
+        if not isinstance(native_read, (bool, np.bool_)):  # "no" would be true: the C helper
+            raise ConfigError(f"files: native_read must be True or False, got {native_read!r}")
+        self.paths = [_path_text(p) for p in paths]
         if labels is not None:
-            labels = [int(v) for v in labels]
-            if len(labels) != len(self.paths):
-                raise ConfigError(f"files: {len(self.paths)} paths but {len(labels)} labels")
+            labels = _int_labels(labels, self.paths)
         self.labels = labels
         if extra is not None and len(extra) != len(self.paths):
             raise ConfigError(f"files: {len(self.paths)} paths but {len(extra)} sets of extra fields")
@@ -283,8 +285,11 @@ def file_list(path: str | os.PathLike, root: str | os.PathLike | None = None) ->
     ReadError if the file cannot be read, ConfigError naming the line for a label that is not an int,
     a mix of lines with and without labels, or an empty list.
     """
-    text_path = os.fspath(path)
-    base = os.fspath(root) if root is not None else os.path.dirname(os.path.abspath(text_path))
+    text_path = _path_text(path, "file_list: path")
+    if root is not None:
+        base = _path_text(root, "file_list: root")
+    else:
+        base = os.path.dirname(os.path.abspath(text_path))
     try:
         with open(text_path, encoding="utf-8-sig") as f:  # a Windows editor's byte-order mark is no path
             lines = f.read().splitlines()
@@ -314,6 +319,24 @@ def file_list(path: str | os.PathLike, root: str | os.PathLike | None = None) ->
     return paths, None if labels[0] is None else [int(v) for v in labels if v is not None]
 
 
+def extension_set(reader: str, extensions: object) -> set[str]:
+    """The file extensions a folder's files are kept by: lowercased, without their dot. One str is
+    one extension, not its letters. ConfigError naming ``reader`` for no extension, or one that is
+    not a str (it would fail as an AttributeError, or an empty set find nothing and call the folder
+    empty)."""
+    if isinstance(extensions, str):
+        extensions = (extensions,)
+    if not isinstance(extensions, Iterable) or isinstance(extensions, bytes):
+        raise ConfigError(f"{reader}: extensions must be a list of file extensions, got {extensions!r}")
+    extensions = list(extensions)
+    for ext in extensions:
+        if not isinstance(ext, str) or not ext.lstrip("."):
+            raise ConfigError(f"{reader}: an extension must be a non-empty str like 'jpg', got {ext!r}")
+    if not extensions:
+        raise ConfigError(f"{reader}: extensions is empty: no file would be read")
+    return {e.lower().lstrip(".") for e in extensions}
+
+
 def class_folders(root: Path, exts: set[str]) -> tuple[list[str], list[Path], list[int]]:
     """A class-per-folder tree: its classes (sorted sub-folder names, hidden ones left out), and the
     files with one of ``exts`` under each, sorted, with the class index as label. Hidden files and
@@ -338,6 +361,31 @@ def _key(path: str, root: Path | str | None) -> str:
     rel = os.path.relpath(path, root) if root is not None else path
     stem, _ = os.path.splitext(rel)
     return stem.replace(os.sep, "/")
+
+
+def _path_text(path: object, what: str = "files: a path") -> str:
+    """A path as text; ConfigError naming ``what`` for what is not a str or ``os.PathLike`` of one
+    (a bytes path failed as a TypeError where it met a str one, in the middle of the set-up; the
+    readers take no bytes paths, as a folder's listing or a store has none)."""
+    text = os.fspath(path) if isinstance(path, os.PathLike) else path
+    if not isinstance(text, str):
+        raise ConfigError(f"{what} must be a str or a pathlib.Path, got {path!r}")
+    return text
+
+
+def _int_labels(labels: object, paths: list[str]) -> list[int]:
+    """One int label per path (NumPy's ints too). ConfigError for the rest: ``int()`` would take a
+    float's whole part (1.7 is not class 1), a str's digits ("012" is three labels, not one) and a
+    bool, and fail in the middle of the reader's set-up on None or a word."""
+    if isinstance(labels, (str, bytes)) or not isinstance(labels, Iterable):
+        raise ConfigError(f"files: labels must be a list of ints, one per path, got a {type(labels).__name__}")
+    labels = list(labels)
+    if len(labels) != len(paths):
+        raise ConfigError(f"files: {len(paths)} paths but {len(labels)} labels")
+    for label, path in zip(labels, paths):
+        if isinstance(label, (bool, np.bool_)) or not isinstance(label, (int, np.integer)):
+            raise ConfigError(f"files: the label of {path!r} must be an int, got {label!r}")
+    return [int(v) for v in labels]
 
 
 def _label_bytes(labels: Sequence[int] | None) -> list[bytes] | None:
@@ -413,9 +461,7 @@ def files(
                               "buffer_bytes": buffer_bytes,
                               "cache": from_arguments("files", cache_dir, cache_bytes,
                                                       partial(ObjectCache, native=native_read))}
-    if isinstance(extensions, str):  # one extension: not its letters
-        extensions = (extensions,)
-    exts = {e.lower().lstrip(".") for e in extensions}
+    exts = extension_set("files", extensions)
     if isinstance(source, (str, os.PathLike)):
         if labels is not None:
             raise ConfigError("files: labels come from the sub-folders when source is a folder")

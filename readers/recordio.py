@@ -122,15 +122,19 @@ def _from_index(index: str, file: int, path: str) -> list[tuple[int, int, int]]:
     """An ``.idx`` file (MXNet's: a line ``key<TAB>offset`` per record, in any key order): the
     records sorted by offset, each spanning to the next one's offset (the last to the file's end)."""
     offsets = []
-    with open(index) as f:
-        for number, line in enumerate(f, 1):
-            parts = line.split()
-            if not parts:
-                continue
-            try:
-                offsets.append(int(parts[1]))
-            except (ValueError, IndexError):
-                raise ReadError(f"line {number} is not 'key<TAB>offset': {line.strip()!r}", source=index) from None
+    try:
+        with open(index, encoding="utf-8") as f:
+            lines = f.readlines()
+    except (OSError, UnicodeDecodeError) as exc:  # as the TFRecord reader's: a ReadError naming the index
+        raise ReadError(f"cannot read the index file: {exc}", source=index) from exc
+    for number, line in enumerate(lines, 1):
+        parts = line.split()
+        if not parts:
+            continue
+        try:
+            offsets.append(int(parts[1]))
+        except (ValueError, IndexError):
+            raise ReadError(f"line {number} is not 'key<TAB>offset': {line.strip()!r}", source=index) from None
     offsets.sort()
     ends = offsets[1:] + [os.path.getsize(path)]
     return [(file, start, end - start if end > start else CUT) for start, end in zip(offsets, ends)]
@@ -144,7 +148,7 @@ def _idx_beside(path: str) -> str | None:
 def recordio(
     source: str | os.PathLike | Sequence[str | os.PathLike],
     *,
-    index: Sequence[str | os.PathLike] | None = None,
+    index: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
     label_offset: int = 0,
     shuffle: bool = False,
     seed: int | None = None,
@@ -158,15 +162,16 @@ def recordio(
     Each record is a sample: the image, its field named by its signature (``jpg``, ``png``, ...),
     and ``cls``, the header's label as ASCII digits plus ``label_offset``; a record whose header
     holds several labels gets ``labels`` (a float32 array) instead. ``index``: the ``.idx`` files
-    ``im2rec`` writes, one per ``.rec`` in the same order; by default the ``.idx`` beside each file
-    is used where there is one, and the records are otherwise found by reading their headers once.
+    ``im2rec`` writes, one per ``.rec`` in the same order (one path for one file); by default the
+    ``.idx`` beside each file is used where there is one, and the records are otherwise found by
+    reading their headers once.
     Records are read by offset, ``chunk_size`` at a time by ``io_threads`` threads, with the files
     reader's seeded shuffle, sharding and exact resume. A record cut off by the end of its file,
     without its magic number, or with a bad header is a sample with a ReadError naming its file and
     byte offset. Local files only.
 
-    Raises ReadError for a missing file, an empty folder or a bad index line; ConfigError for a
-    wrong argument.
+    Raises ReadError for a missing file, an empty folder, or an index file missing, not text or
+    with a bad line; ConfigError for a wrong argument.
     """
     paths = resolve_files(source, ".rec", lambda name: name.endswith(".rec"))
     records = find_records("recordio", paths, index, label_offset, _scan, _from_index, _idx_beside)

@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import copy
+import inspect
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Self
 
@@ -107,7 +108,13 @@ class IterableReader(Reader):
         if length is not None:
             require_int("iterable: length", length)
         require_int("iterable: chunk_size", chunk_size)
+        if isinstance(source, (str, bytes, bytearray, Mapping)):
+            # Iterable, but its items would be its letters, bytes or keys: samples that all fail.
+            raise ConfigError(f"iterable: source must be an iterable of items (dicts of fields, Samples, "
+                              f"(image, label) tuples), got a {type(source).__name__}; for one file, "
+                              "readers.files([path]); for one item, [item]")
         if callable(source) and not isinstance(source, (Iterable, AsyncIterable)):
+            _check_no_arguments(source)
             self._factory: Callable[[], Any] | None = source
             self._name = getattr(source, "__qualname__", type(source).__name__)
         elif isinstance(source, (Iterable, AsyncIterable)):
@@ -314,6 +321,20 @@ class _Picker:
         return out
 
 
+def _check_no_arguments(factory: Callable[..., Any]) -> None:
+    """ConfigError now for a source callable that needs arguments (a generator function of ``n``):
+    each epoch calls it with none, and the first epoch would fail on the TypeError. Callables
+    whose signature Python cannot tell (some built-ins) are taken as they are."""
+    try:
+        inspect.signature(factory).bind()
+    except ValueError:  # no signature to check
+        return
+    except TypeError as exc:
+        name = getattr(factory, "__qualname__", type(factory).__name__)
+        raise ConfigError(f"iterable: the source callable {name} is called with no arguments each epoch, "
+                          f"but {exc}; pass e.g. readers.iterable(lambda: {name}(...))") from None
+
+
 def _source_failed(name: str, seen: int, exc: Exception) -> ReadError:
     return ReadError(f"the source raised {type(exc).__name__} after {seen} items: {exc}", source=name)
 
@@ -352,6 +373,8 @@ def iterable(source: Any, *, length: int | None = None, chunk_size: int = 32) ->
     source itself ends the epoch with a ``ReadError`` (its ``__cause__``), since a failed iterator
     cannot go on.
 
-    Raises ConfigError if ``source`` is neither an iterable nor a callable, or an argument is wrong.
+    Raises ConfigError if ``source`` is neither an iterable nor a callable, is a str, bytes or a
+    dict (their letters, bytes or keys are no items), is a callable that needs arguments, or an
+    argument is wrong.
     """
     return IterableReader(source, length=length, chunk_size=chunk_size)

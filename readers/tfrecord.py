@@ -198,7 +198,7 @@ def tfrecord(
     source: str | os.PathLike | Sequence[str | os.PathLike],
     *,
     features: Mapping[str, str] | None = IMAGENET_FEATURES,
-    index: Sequence[str | os.PathLike] | None = None,
+    index: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
     label_offset: int = 0,
     shuffle: bool = False,
     seed: int | None = None,
@@ -219,9 +219,9 @@ def tfrecord(
     a ReadError naming it.
 
     The records are found here, once, by reading each one's length header and seeking over its
-    data, or from ``index``: DALI's ``tfrecord2idx`` files, one per file, in the same order. They
-    are then read by offset, ``chunk_size`` at a time by ``io_threads`` threads, with the files
-    reader's seeded shuffle, sharding and exact resume. CRCs are not checked (nor are they by
+    data, or from ``index``: DALI's ``tfrecord2idx`` files, one per file, in the same order (one
+    path for one file). They are then read by offset, ``chunk_size`` at a time by ``io_threads``
+    threads, with the files reader's seeded shuffle, sharding and exact resume. CRCs are not checked (nor are they by
     DALI's reader); a record whose bytes are not an Example, or that runs past the end of a
     truncated file, is a sample with a ReadError naming its file and byte offset (nothing after a
     cut record can be found). Local files only.

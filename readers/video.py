@@ -30,7 +30,7 @@ from headrace._errors import ConfigError, LoaderError, ReadError, require_int
 from headrace._sample import Sample
 from headrace._threads import join_threads
 
-from ._base import IndexedReader
+from ._base import IndexedReader, check_order
 from .files import class_folders
 from ._shards import resolve_shards
 from ._storage import Storage, Store, is_url
@@ -77,13 +77,13 @@ class VideoReader(IndexedReader):
         storage: Storage | None = None,
         probes: Sequence[VideoInfo | LoaderError] | None = None,
     ) -> None:
+        check_order(shuffle, seed, "video")  # named for the video reader before the base class checks them
         super().__init__(shuffle=shuffle, seed=seed, chunk_size=chunk_size, io_threads=io_threads)
         self.sequence_length = require_int("video: sequence_length", sequence_length)
         self.stride = require_int("video: stride", stride)
         self.span = (sequence_length - 1) * stride + 1  # frames from a clip's first to its last, inclusive
         self.step = require_int("video: step", step) if step is not None else self.span
         self.clips_per_video = require_int("video: clips_per_video", clips_per_video) if clips_per_video is not None else None
-        _check_order(shuffle, seed)
         # A video is a file's path, a tar member, an object in storage, or the ReadError of a member
         # its shard could not list.
         self.paths = [p if isinstance(p, (TarMember, RemoteVideo, ReadError)) else os.fspath(p) for p in paths]
@@ -243,15 +243,6 @@ class _Probed:
                 counts = [reader.clip_count(info) for info in infos]
                 self._value = infos, np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
             return self._value
-
-
-def _check_order(shuffle: object, seed: object) -> None:
-    """ConfigError now for what would otherwise fail (or shuffle) only once the first epoch starts:
-    a ``shuffle`` that is not a bool (``"no"`` is true), a ``seed`` NumPy cannot seed with."""
-    if not isinstance(shuffle, bool):
-        raise ConfigError(f"video: shuffle must be True or False, got {shuffle!r}")
-    if seed is not None:
-        require_int("video: seed", seed, 0)
 
 
 def _label(value: object, path: object) -> int | None:

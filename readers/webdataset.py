@@ -33,7 +33,7 @@ import numpy as np
 from headrace._errors import ConfigError, ReadError, require_int
 from headrace._sample import Sample
 
-from ._base import Equal, Reader, _check_shard, number_samples
+from ._base import Equal, Reader, _check_shard, check_order, number_samples
 from ._cache_folder import from_arguments
 from ._reshard import resharded
 from ._shard_cache import ShardCache
@@ -78,9 +78,8 @@ class WebDatasetReader(Reader):
         if counts is not None and len(counts) != len(shards):
             raise ConfigError(f"webdataset: {len(shards)} shards but {len(counts)} counts")
         self.shards = list(shards)
-        self.shuffle = shuffle
+        self.shuffle, self.seed = check_order(shuffle, seed, "webdataset")
         self.shuffle_buffer = shuffle_buffer
-        self.seed = seed
         self.split = split
         self.equal: Equal = None
         self.storage = storage

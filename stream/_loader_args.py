@@ -108,8 +108,9 @@ def _check_arguments(reader: Any, *, batch_size: int, pipeline: Any, seed: int, 
     if gpu_tuning is not None and not isinstance(gpu_tuning, GpuTuning):
         raise ConfigError(f"gpu_tuning must be a headrace.ops.GpuTuning, got {type(gpu_tuning).__name__}")
     check_on_error(on_error)
-    if not isinstance(seed, int):
-        raise ConfigError(f"seed must be an int, got {seed!r}")
+    # Checked now: NumPy seeds the shuffle and the random ops with it only once the first epoch
+    # starts, and refuses a negative seed there (a bool would be seed 0 or 1).
+    require_int("seed", seed, 0)
     if run_ahead is not None and not isinstance(run_ahead, bool):
         raise ConfigError(f"run_ahead must be True, False or None, got {run_ahead!r}")
     if not isinstance(progress, bool):
