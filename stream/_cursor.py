@@ -37,6 +37,10 @@ class Cursor:
         self.fresh = False
         return (self.epoch, self.position, self.batches, tuple(self.history))
 
+    def not_begun(self) -> None:
+        """The iteration begun last never asked for a batch: the next one starts here, as it would have."""
+        self.fresh = True
+
     def epoch_completed(self, epoch: int) -> None:
         """``epoch`` was iterated to its end: the next ``async for`` starts the one after it."""
         self.start_epoch(epoch + 1)

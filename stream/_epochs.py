@@ -87,6 +87,10 @@ class Epochs:
             # exception in its body): this one takes over and tears that run down first.
             previous.superseded = True
             self._abandoned, self.active = previous, None
+            if not previous.entered:
+                # Its iterator was made (``aiter()``) but never asked for a batch: its epoch has
+                # not begun, so this loop starts it rather than skipping to the next one.
+                self._cursor.not_begun()
         where = self._cursor.begin_iteration()
         ahead = self.ahead
         if (previous is None and ahead is not None
@@ -100,7 +104,7 @@ class Epochs:
     async def _iterate(self, run: _Run, run_ahead: bool, progress: bool) -> AsyncIterator[Batch]:
         completed = False
         bar: EpochProgress | None = None
-        run.consumer_inside = True
+        run.consumer_inside = run.entered = True
         try:
             if run.superseded:  # a later ``async for`` took over before this one started
                 raise ClosedError(_REPLACED)

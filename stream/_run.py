@@ -193,6 +193,7 @@ class _Run:
         # later ``async for`` replaced the iterator that a loop left without closing it.
         self.consumer_inside = False
         self.superseded = False
+        self.entered = False  # an iterator asked this run for a batch: its epoch has begun
         # Metrics: the loader sets ``started`` and ``ended`` (perf_counter) and counts what it
         # handed out; the stages count the rest.
         self.started: float | None = None

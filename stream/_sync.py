@@ -9,12 +9,16 @@ thread, so each of its epochs has a loop of its own and does not run ahead: work
 loop could not outlive it. Leaving the loop early, or an exception (KeyboardInterrupt included) in
 the consumer, closes the async iterator on its loop, which stops the pipeline (and the work ahead).
 An epoch's iterator still held when the next ``iter()`` starts, or at ``close()``, is closed first
-the same way: trainers (Lightning's fetcher) may keep the last one after leaving it early.
+the same way: trainers (Lightning's fetcher) may keep the last one after leaving it early. An iterator
+dropped in a reference cycle is closed by the garbage collector, which may run on the loop's own
+thread: there the close is handed to the loop (waiting for it would block the loop that runs it),
+and the next ``iter()`` or ``close()`` waits for it to finish.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import weakref
 from collections.abc import Generator, Iterator
@@ -34,11 +38,21 @@ class _LoopThread:
 
     def __init__(self) -> None:
         self.loop = new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="headrace-sync-loop", daemon=True)
+        # The epochs' async iterators until they are closed, held where the running thread keeps
+        # them reachable: when an epoch's generator is dropped in a reference cycle, the garbage
+        # collector must not finalise its iterator too, or it would be closed twice at once.
+        self.iterators: set[Any] = set()
+        self.thread = threading.Thread(target=self._serve, name="headrace-sync-loop", daemon=True)
         self.thread.start()
+
+    def _serve(self) -> None:
+        self.loop.run_forever()
 
     def run(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def on_its_thread(self) -> bool:
+        return threading.current_thread() is self.thread
 
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -60,6 +74,9 @@ class SyncLoader:
         # Weak: a dropped iterator is still closed at once by its finaliser, as before.
         self._live: weakref.ref[Generator[Batch, None, None]] | None = None
         self._driver: _LoopThread | None = None  # inside ``with``: the block's loop thread, for every epoch
+        # An epoch's close handed to its loop by a finaliser on that loop's thread, and the loop
+        # thread to stop once it is done (None: the block's, which goes on).
+        self._closing: tuple[concurrent.futures.Future[None], _LoopThread | None] | None = None
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -104,13 +121,23 @@ class SyncLoader:
         self._live = None
         if batches is not None:
             batches.close()  # runs its ``finally``: the pipeline stops (and an epoch's own loop thread is joined)
+        closing, self._closing = self._closing, None
+        if closing is not None:  # closed by the garbage collector on its loop's thread: wait for it here
+            done, driver = closing
+            try:
+                done.result()
+            finally:
+                if driver is not None:
+                    driver.stop()
 
     def _epoch(self) -> Generator[Batch, None, None]:
         driver = self._driver or _LoopThread()
+        own = driver is not self._driver  # an epoch's own loop ends with it
         loop = driver.loop
         try:
-            run_ahead = driver is self._driver and self.loader.run_ahead
+            run_ahead = not own and self.loader.run_ahead
             agen = driver.run(_start(self.loader, self.progress, run_ahead))
+            driver.iterators.add(agen)
             try:
                 while True:
                     future = asyncio.run_coroutine_threadsafe(agen.__anext__(), loop)
@@ -124,9 +151,20 @@ class SyncLoader:
                     batch.handoff()  # order this thread's CUDA stream after the lane (no-op on the CPU)
                     yield batch
             finally:
-                driver.run(agen.aclose())
+                if driver.on_its_thread():
+                    # The garbage collector finalises this generator on the loop's thread (it was
+                    # dropped in a reference cycle): waiting there would block the loop that has
+                    # to run the close, forever. The loop closes it (and stops, if it is the
+                    # epoch's own); the next ``iter()`` or ``close()`` waits for that.
+                    done = asyncio.run_coroutine_threadsafe(_close_on_its_loop(driver, agen, stop=own), loop)
+                    self._closing, own = (done, driver if own else None), False
+                else:
+                    try:
+                        driver.run(agen.aclose())
+                    finally:
+                        driver.iterators.discard(agen)
         finally:
-            if driver is not self._driver:  # an epoch's own loop ends with it
+            if own:
                 driver.stop()
 
 
@@ -134,3 +172,12 @@ async def _start(loader: Loader, progress: bool, run_ahead: bool):
     # On the loop's thread, so the async generator is bound to that loop. Running ahead only on a
     # loop that serves the next ``for`` too (inside ``with``), where the work can go on.
     return loader._aiter(run_ahead=run_ahead, progress=progress)
+
+
+async def _close_on_its_loop(driver: _LoopThread, agen: Any, *, stop: bool) -> None:
+    try:
+        await agen.aclose()
+    finally:
+        driver.iterators.discard(agen)
+        if stop:  # the epoch's own loop: nothing else runs on it
+            driver.loop.stop()
