@@ -9,7 +9,9 @@ thread, so each of its epochs has a loop of its own and does not run ahead: work
 loop could not outlive it. Leaving the loop early, or an exception (KeyboardInterrupt included) in
 the consumer, closes the async iterator on its loop, which stops the pipeline (and the work ahead).
 An epoch's iterator still held when the next ``iter()`` starts, or at ``close()``, is closed first
-the same way: trainers (Lightning's fetcher) may keep the last one after leaving it early. An iterator
+the same way: trainers (Lightning's fetcher) may keep the last one after leaving it early. Asking
+such a closed iterator for another batch (a ``for`` nested in another over the same loader) is a
+ClosedError, as for the async iterator, not a silent end of its epoch. An iterator
 dropped in a reference cycle is closed by the garbage collector, which may run on the loop's own
 thread: there the close is handed to the loop (waiting for it would block the loop that runs it),
 and the next ``iter()`` or ``close()`` waits for it to finish.
@@ -24,6 +26,7 @@ import weakref
 from collections.abc import Generator, Iterator
 from typing import TYPE_CHECKING, Any
 
+from ._errors import ClosedError
 from ._loop import new_event_loop
 
 if TYPE_CHECKING:
@@ -111,16 +114,19 @@ class SyncLoader:
         self.close()
 
     def __iter__(self) -> Iterator[Batch]:
-        self._close_live()  # else the new epoch would wait on a run bound to the old loop
-        batches = self._epoch()
+        self._close_live("this epoch's iterator was replaced by a later for loop over the same loader")
+        batches = _EpochIterator(self._epoch())
         self._live = weakref.ref(batches)
         return batches
 
-    def _close_live(self) -> None:
+    def _close_live(self, why: str | None = None) -> None:
+        """Close the epoch still held (else a new epoch would wait on a run bound to the old loop).
+        With ``why`` (a later ``iter()``), asking it for another batch is then a ClosedError saying
+        so; after ``close()`` it just has no more (a trainer stopped at a step limit)."""
         batches = self._live() if self._live is not None else None
         self._live = None
         if batches is not None:
-            batches.close()  # runs its ``finally``: the pipeline stops (and an epoch's own loop thread is joined)
+            batches.close(why)  # runs its ``finally``: the pipeline stops (and an epoch's own loop thread is joined)
         closing, self._closing = self._closing, None
         if closing is not None:  # closed by the garbage collector on its loop's thread: wait for it here
             done, driver = closing
@@ -166,6 +172,35 @@ class SyncLoader:
         finally:
             if own:
                 driver.stop()
+
+
+class _EpochIterator:
+    """One epoch's batches. Closed by a later ``iter()`` of the same facade (a nested ``for`` over
+    it, or a trainer starting the next epoch while it holds this one), it raises ClosedError if
+    asked for another batch, as the async iterator does, instead of ending the epoch silently."""
+
+    __slots__ = ("_batches", "_closed_because", "_ended", "__weakref__")
+
+    def __init__(self, batches: Generator[Batch, None, None]) -> None:
+        self._batches = batches
+        self._closed_because: str | None = None
+        self._ended = False
+
+    def __iter__(self) -> _EpochIterator:
+        return self
+
+    def __next__(self) -> Batch:
+        if self._closed_because is not None and not self._ended:
+            raise ClosedError(self._closed_because)
+        try:
+            return next(self._batches)
+        except StopIteration:
+            self._ended = True
+            raise
+
+    def close(self, why: str | None = None) -> None:
+        self._closed_because = why
+        self._batches.close()
 
 
 async def _start(loader: Loader, progress: bool, run_ahead: bool):

@@ -6,6 +6,7 @@ On real JPEG folders (``image_folder``), the CPU executor.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import concurrent.futures
 import gc
 import threading
@@ -41,7 +42,7 @@ def _drop_in_a_cycle_and_collect_on_the_loop_thread(sync) -> None:
     point at each other do), then let the garbage collector find it on the sync loop's thread."""
     epoch = iter(sync)
     next(epoch)
-    loop = epoch.gi_frame.f_locals["loop"]  # the loop this epoch runs on
+    loop = epoch._batches.gi_frame.f_locals["loop"]  # the loop this epoch runs on (inside its generator)
     cycle = [epoch]
     cycle.append(cycle)
     del epoch, cycle
@@ -90,4 +91,46 @@ async def test_an_iterator_never_asked_for_a_batch_does_not_skip_its_epoch(image
         with pytest.raises(ClosedError, match="replaced"):
             await anext(unused)
     await loader.aclose()
+    await leaks.check()
+
+
+@pytest.mark.parametrize("inside_with", [False, True])
+async def test_a_nested_for_over_one_sync_loader_is_a_closed_error_not_a_silent_end(image_folder, leaks, inside_with):
+    """The inner ``for`` starts a new epoch and closes the outer one's (a trainer may hold one it
+    left); the outer loop asking for its next batch then learns why, as an async iterator replaced
+    by a later ``async for`` does, instead of ending after one batch as if the epoch were over."""
+    def nested():
+        sync = _loader(image_folder).sync()
+        owner = sync if inside_with else contextlib.nullcontext()
+        outer_batches, inner_batches = 0, 0
+        with owner:
+            try:
+                with pytest.raises(ClosedError, match="replaced by a later for loop"):
+                    for _ in sync:
+                        outer_batches += 1
+                        for _ in sync:
+                            inner_batches += 1
+            finally:
+                if not inside_with:
+                    sync.close()
+        return outer_batches, inner_batches
+
+    outer_batches, inner_batches = await _in_a_thread(nested)
+    assert outer_batches == 1 and inner_batches == len(_loader(image_folder))
+    await leaks.check()
+
+
+async def test_a_finished_epoch_replaced_by_the_next_still_says_it_is_finished(image_folder, leaks):
+    """Only an epoch cut short by a later ``iter()`` raises: one that ran to its end keeps ending."""
+    def two_epochs():
+        with _loader(image_folder).sync() as sync:
+            first = iter(sync)
+            n = sum(1 for _ in first)
+            second = iter(sync)
+            more = list(first)  # exhausted before the second began: still just the end
+            m = sum(1 for _ in second)
+        return n, more, m
+
+    n, more, m = await _in_a_thread(two_epochs)
+    assert n == m == len(_loader(image_folder)) and more == []
     await leaks.check()
