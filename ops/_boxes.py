@@ -23,6 +23,11 @@ from ._spec import Flip, RandomIoUCrop
 
 __all__ = ["BoxFields", "follow_boxes", "read_boxes", "source_boxes"]
 
+# Where a box's edge lies on a crop's edge, the folded geometry's float64 arithmetic (the crop's
+# edge mapped through a scale or two) puts it ~1e-14 pixels to one side: a box cropped away then
+# comes out a sliver of that width, which is no area. Anything narrower than this is none.
+_NO_AREA = 1e-6  # pixels of the output
+
 
 @dataclass(slots=True)
 class BoxFields:
@@ -94,15 +99,38 @@ def follow_boxes(pipe: Pipeline, plan: PlanBatch, found: list[BoxFields]) -> dic
     fh, fv = plan.flip_h[row], plan.flip_v[row]
     x0, x1 = np.where(fh, out_w - x1, x0), np.where(fh, out_w - x0, x1)
     y0, y1 = np.where(fv, out_h - y1, y0), np.where(fv, out_h - y0, y1)
-    keep = (x1 > x0) & (y1 > y0)
     moved = np.stack([x0, y0, x1, y1], axis=1).astype(np.float32)
+    keep = _has_area(x0, y0, x1, y1, moved)
     cuts = np.cumsum(counts)[:-1]
     out: dict[str, list[torch.Tensor]] = {pipe.boxes: [], **{name: [] for name in pipe.per_box}}
-    for sample, boxes, kept in zip(found, np.split(moved, cuts), np.split(keep, cuts)):
+    for boxes, kept in zip(np.split(moved, cuts), np.split(keep, cuts)):
         out[pipe.boxes].append(torch.from_numpy(boxes[kept]))
-        for name, rows in sample.per_box.items():
+    for name in pipe.per_box:
+        rows_of = _typed_alike([sample.per_box[name] for sample in found])
+        for rows, kept in zip(rows_of, np.split(keep, cuts)):
             out[name].append(torch.from_numpy(np.ascontiguousarray(rows[kept])))
     return out
+
+
+def _has_area(x0: np.ndarray, y0: np.ndarray, x1: np.ndarray, y1: np.ndarray, moved: np.ndarray) -> np.ndarray:
+    """Which moved boxes keep an area: more than the fold's rounding (``_NO_AREA``) in float64, and
+    still some in the float32 handed out, where a box 1e-5 wide at x = 1000 has none. A box with
+    none would fail a torchvision detector's check (``x1 > x0``) or train it on a line."""
+    return ((x1 - x0 > _NO_AREA) & (y1 - y0 > _NO_AREA)
+            & (moved[:, 2] > moved[:, 0]) & (moved[:, 3] > moved[:, 1]))
+
+
+def _typed_alike(rows_of: list[np.ndarray]) -> list[np.ndarray]:
+    """One per-box field's rows for a batch, each empty one given the dtype and row shape of the
+    first that is not. NumPy makes an empty list (a JSON ``[]``) float64 whatever the field holds,
+    so an image without boxes would be the one row of float labels, and a loss that joins the
+    rows (``torch.cat``) would get float targets."""
+    model = next((rows for rows in rows_of if rows.size), None)
+    if model is None:
+        return rows_of
+    return [np.empty((0, *model.shape[1:]), model.dtype)
+            if rows.size == 0 and (rows.dtype != model.dtype or rows.shape[1:] != model.shape[1:]) else rows
+            for rows in rows_of]
 
 
 def source_boxes(pipeline: Pipeline, boxes: Any, image_size: tuple[int, int]) -> torch.Tensor:
