@@ -8,7 +8,7 @@ same way whichever decoder or colour mode runs. Where the tag lives:
   application segments that open the file (where the EXIF standard puts it; one after the
   quantization or Huffman tables is not read);
 - PNG: the ``eXIf`` chunk; WebP: the ``EXIF`` chunk of its RIFF container;
-- TIFF: the file's own first IFD.
+- TIFF: the file's own first IFD (classic TIFF or BigTIFF, whose IFDs have wider fields).
 
 The rule (CIPA DC-008): tag 0x0112 in IFD0, type SHORT, count 1, value 1..8. Anything else (a
 wrong type or count, a value out of range, an offset outside the data, a truncated table) reads
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["jpeg_orientation", "orientation", "stored_region", "tiff_orientation", "upright"]
+__all__ = ["bigtiff_orientation", "jpeg_orientation", "orientation", "stored_region", "tiff_orientation", "upright"]
 
 _TAG = 0x0112
 _SHORT = 3
@@ -44,6 +44,8 @@ def orientation(data: Any) -> int:
         return _webp(buf)
     if head[:4] in (b"II*\x00", b"MM\x00*"):
         return tiff_orientation(buf)
+    if head[:4] in (b"II+\x00", b"MM\x00+"):
+        return bigtiff_orientation(buf)
     return 1
 
 
@@ -77,6 +79,38 @@ def tiff_orientation(tiff: Any, start: int = 0, end: int | None = None) -> int:
             if typ != _SHORT or num != 1:
                 return 1
             (value,) = struct.unpack_from(endian + "H", buf, entry + 8)  # a lone SHORT sits at the value's start
+            return value if 1 <= value <= 8 else 1
+    return 1
+
+
+def bigtiff_orientation(buf: Any) -> int:
+    """Tag 0x0112 of IFD0 of a BigTIFF file, by the same rule as ``tiff_orientation``.
+
+    Why a second reader: Pillow's TIFF loader turns a BigTIFF upright on load as it does a
+    classic TIFF, and the decode undoes what Pillow applied before applying the orientation read
+    here; read as 1, a BigTIFF came out as stored. Its layout: a 16-byte header (byte order, 43,
+    offset size 8, 0, the first IFD's 8-byte offset); an IFD is an 8-byte count, then 20-byte
+    entries (tag, type, an 8-byte count, an 8-byte value or offset).
+    """
+    n = len(buf)
+    if n < 16:
+        return 1
+    endian = {b"II": "<", b"MM": ">"}.get(bytes(buf[:2]))
+    if endian is None:
+        return 1
+    magic, offset_size, zero, ifd = struct.unpack_from(endian + "HHHQ", buf, 2)
+    if magic != 43 or offset_size != 8 or zero != 0 or ifd < 16 or ifd + 8 > n:
+        return 1
+    (count,) = struct.unpack_from(endian + "Q", buf, ifd)
+    for i in range(count):
+        entry = ifd + 8 + 20 * i
+        if entry + 20 > n:
+            return 1  # the table runs off the end: malformed
+        tag, typ, num = struct.unpack_from(endian + "HHQ", buf, entry)
+        if tag == _TAG:
+            if typ != _SHORT or num != 1:
+                return 1
+            (value,) = struct.unpack_from(endian + "H", buf, entry + 12)  # a lone SHORT sits at the value's start
             return value if 1 <= value <= 8 else 1
     return 1
 

@@ -77,6 +77,7 @@ def too_few_bits(nbytes, height, width):
 def claimed_size(data: Any) -> tuple[int, int] | None:
     """(width, height) as the header of a JPEG, PNG, WebP or GIF states it; None for other formats
     and for headers too damaged to say (the decoder then reports them)."""
+    data = _byte_view(data)
     head = bytes(data[:32])
     try:
         if head[:2] == b"\xff\xd8":
@@ -87,11 +88,22 @@ def claimed_size(data: Any) -> tuple[int, int] | None:
         if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
             return _webp_size(head)
         if head[:6] in (b"GIF87a", b"GIF89a"):
-            width, height = struct.unpack_from("<HH", head, 6)
-            return width, height
+            return _gif_size(data)
     except (struct.error, IndexError):
         return None
     return None
+
+
+def _byte_view(data: Any) -> Any:
+    """``data`` as bytes or a flat byte memoryview, whose items are Python ints.
+
+    Why: an image field may be a NumPy uint8 array, whose items are NumPy scalars; NumPy 2 keeps
+    ``data[i] << 8`` in uint8, so a JPEG 300 pixels high read as 44.
+    """
+    if isinstance(data, bytes):
+        return data
+    view = data if isinstance(data, memoryview) else memoryview(data)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 _SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # start-of-frame markers (not DHT, JPG, DAC)
@@ -100,6 +112,7 @@ _SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # start-of-frame marke
 def jpeg_sof(data: Any) -> int | None:
     """The start-of-frame marker of a JPEG (0xC0 baseline, 0xC1 extended, 0xC2 progressive, 0xC3
     lossless, ...), which names its coding; None when the header does not reach one."""
+    data = _byte_view(data)
     found = _jpeg_frame(data)
     return None if found is None else data[found]
 
@@ -130,6 +143,27 @@ def _jpeg_frame(data: Any) -> int | None:
             continue
         pos += 2 + ((data[pos + 2] << 8) | data[pos + 3])
     return None
+
+
+def _gif_size(data: Any) -> tuple[int, int]:
+    """The size Pillow opens a GIF at: its logical screen, grown to hold the first frame.
+
+    Why not the screen alone: Pillow enlarges the canvas for a frame that reaches past it (and
+    checks its own limit on the result while opening), so a few bytes whose first frame claims
+    30000 x 30000 got past ``max_pixels`` here and were refused by Pillow's limit instead.
+    """
+    width, height = struct.unpack_from("<HH", data, 6)
+    flags = data[10]
+    pos, n = 13 + (3 << ((flags & 7) + 1) if flags & 0x80 else 0), len(data)  # after the global colour table
+    while pos < n and data[pos] == 0x21:  # extensions: a label, then sub-blocks up to an empty one
+        pos += 2
+        while pos < n and data[pos]:
+            pos += 1 + data[pos]
+        pos += 1
+    if pos < n and data[pos] == 0x2C:  # the first image descriptor: left, top, width, height
+        left, top, frame_width, frame_height = struct.unpack_from("<HHHH", data, pos + 1)
+        width, height = max(width, left + frame_width), max(height, top + frame_height)
+    return width, height
 
 
 def _webp_size(head: bytes) -> tuple[int, int] | None:
