@@ -142,7 +142,7 @@ def pack(
         seen[key] = path
     order = np.random.default_rng(seed).permutation(len(keys)).tolist() if shuffle else list(range(len(keys)))
     items = [(keys[i], listing._exts[i], listing.paths[i], listing.labels[i]) for i in order]  # type: ignore[index]
-    created = not dest_path.exists()
+    created = _missing_folders(dest_path)
     dest_path.mkdir(parents=True, exist_ok=True)
     result = PackResult(format, str(dest_path), 0, 0, classes=list(listing.classes))
     check = _probe_check if video else _decode_check
@@ -164,11 +164,21 @@ def pack(
             if leftover.name.startswith(".headrace-") or leftover.name in ("data.mdb", "lock.mdb"):
                 with contextlib.suppress(OSError):
                     os.unlink(leftover)
-        if created:
+        for folder in created:  # DEST, then the parents made for it: nothing of this run is left
             with contextlib.suppress(OSError):
-                dest_path.rmdir()
+                folder.rmdir()
         raise
     return result
+
+
+def _missing_folders(path: Path) -> list[Path]:
+    """``path`` and those of its parents that do not exist yet, innermost first: what ``mkdir(parents=True)``
+    makes, and a failed run removes."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
 
 
 def _key(key: str) -> str:
@@ -252,8 +262,10 @@ def _read(path: str, key: str) -> bytes:
 
 
 def _tar_bytes(name: str, size: int) -> int:
-    header = 512 if len(name.encode()) <= 100 else 3 * 512 + 512  # a pax header for long names
-    return header + (size + 511) // 512 * 512
+    """The bytes a member takes in a shard: its header exactly as ``_add`` writes it (with the pax
+    header a long or non-ASCII name gets: ``kätze/1.png`` takes three blocks, not one) and its data
+    padded to whole blocks."""
+    return len(_tar_info(name, size).tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")) + (size + 511) // 512 * 512
 
 
 def _write_shards(items: Iterator[Loaded], dest: Path, result: PackResult, shard_size, shard_count, prefix) -> None:
@@ -283,7 +295,7 @@ def _write_shards(items: Iterator[Loaded], dest: Path, result: PackResult, shard
                 final = str(dest / f"{prefix}-{len(shards):06d}.tar")
                 tmp = str(dest / f".headrace-{len(shards):06d}.tar.tmp")
                 result.outputs.append(final)
-                tar = tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT)
+                tar = tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT, encoding="utf-8", errors="surrogateescape")
                 used = count = 0
             for name, payload in ((f"{key}.{ext}", data), (f"{key}.cls", cls)):
                 _add(tar, name, payload)
@@ -301,10 +313,14 @@ def _write_shards(items: Iterator[Loaded], dest: Path, result: PackResult, shard
 
 
 def _add(tar: tarfile.TarFile, name: str, payload: bytes) -> None:
+    tar.addfile(_tar_info(name, len(payload)), io.BytesIO(payload))
+
+
+def _tar_info(name: str, size: int) -> tarfile.TarInfo:
     info = tarfile.TarInfo(name)
-    info.size, info.mode, info.mtime = len(payload), 0o444, 0  # fixed metadata: the same input packs the same bytes
+    info.size, info.mode, info.mtime = size, 0o444, 0  # fixed metadata: the same input packs the same bytes
     info.uname = info.gname = "headrace"
-    tar.addfile(info, io.BytesIO(payload))
+    return info
 
 
 def _write_lmdb(items: Iterator[Loaded], total_bytes: int, dest: Path, result: PackResult) -> None:

@@ -20,11 +20,13 @@ with the consumer's starved and the pipeline's blocked shares; ``--json`` and ``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
+import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 __all__ = ["main"]
 
@@ -144,10 +146,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return command(args)
+        with _terminate_as_interrupt():
+            return command(args)
+    except _Terminated:
+        print("terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the main thread is, so that it unwinds as Ctrl-C does."""
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """Make SIGTERM (``kill``, a job scheduler's stop) unwind the command as Ctrl-C does: by default
+    it ends the process on the spot, which left ``pack``'s finished shards (no index) or a partial
+    LMDB that a reader takes as the whole data set, and a DEST that a second run refuses. A second
+    SIGTERM ends the process at once, in case the clean-up itself hangs."""
+
+    def terminate(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise _Terminated
+
+    try:
+        previous = signal.signal(signal.SIGTERM, terminate)
+    except ValueError:  # main() called from a thread other than the main one: signals go elsewhere
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _bare_verify(argv: list[str]) -> list[str]:
@@ -208,7 +240,7 @@ def _pack(args: argparse.Namespace) -> int:
         result = pack(args.src, args.dest, format=args.format, shard_size=args.shard_size or None,
                       shard_count=args.shard_count, shuffle=args.shuffle, seed=args.seed, prefix=args.prefix,
                       progress=progress, verify=args.verify, verify_threads=args.threads, video=args.video)
-    except (LoaderError, ImportError) as exc:
+    except (LoaderError, ImportError, OSError) as exc:  # OSError: DEST cannot be made or written (a full disk)
         if bar is not None:
             bar.close()
         print(f"headrace pack: error: {exc}", file=sys.stderr)
@@ -236,6 +268,9 @@ def _inspect(args: argparse.Namespace) -> int:
 
     from ._inspect import inspect_path
 
+    if (problem := _unwritable(("--json", args.json))) is not None:
+        print(f"headrace inspect: error: {problem}", file=sys.stderr)
+        return 1
     try:
         return inspect_path(args.path, format=args.format, limit=args.limit, verify=args.verify,
                             threads=args.threads, json_path=args.json)
@@ -255,6 +290,9 @@ def _bench(args: argparse.Namespace) -> int:
         except ImportError:
             print("headrace bench: error: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
             return 2
+    if (problem := _unwritable(("--json", args.json), ("--plot", args.plot))) is not None:
+        print(f"headrace bench: error: {problem}", file=sys.stderr)
+        return 1
     try:
         return bench_path(args.path, json_path=args.json, plot_path=args.plot, format=args.format, limit=args.limit,
                           device=args.device, pipeline=args.pipeline, size=args.size, batch_size=args.batch_size,
@@ -262,6 +300,20 @@ def _bench(args: argparse.Namespace) -> int:
     except (LoaderError, ImportError, OSError) as exc:
         print(f"headrace bench: error: {exc}", file=sys.stderr)
         return 1
+
+
+def _unwritable(*outputs: tuple[str, str | None]) -> str | None:
+    """Why one of the (option, file) outputs cannot be written, or None: checked before the run, as
+    the files are written after it, and a bench of many minutes was lost to a mistyped folder."""
+    for option, path in outputs:
+        if path is None:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            return f"{option} {path}: is a folder, not a file"
+        if not os.path.isdir(folder):
+            return f"{option} {path}: no such folder {folder}"
+    return None
 
 
 def _rate(rates: list[tuple[int, float]]) -> float:
