@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from ._pipeline import Pipeline
 from ._stages import MapBatch
@@ -62,8 +63,24 @@ def batch_extras(stage: MapBatch, position: int, *, seed: int, epoch: int, index
     return extras
 
 
-def checked_batch(out: Any) -> dict[str, Any]:
-    """A ``MapBatch``'s result, refused (TypeError) when it is not a dict."""
+def checked_batch(out: Any, rows: int | None = None) -> dict[str, Any]:
+    """A ``MapBatch``'s result, refused (TypeError) when it is not a dict, or, given the batch's
+    ``rows``, when a column (a tensor of one or more dimensions, a list) has another number of rows:
+    the batch's keys, failures and ``Filter``s after it go by row, so a stage that dropped or added
+    rows made a batch whose images no longer matched its keys."""
     if not isinstance(out, dict):
         raise TypeError(f"returned {type(out).__name__}, not a dict")
+    if rows is not None and (wrong := {name: n for name, column in out.items()
+                                       if (n := _column_rows(column)) is not None and n != rows}):
+        counts = ", ".join(f"{name!r} has {n}" for name, n in wrong.items())
+        raise TypeError(f"returned a batch of another number of rows ({counts}; the batch has {rows}): a MapBatch "
+                        "keeps its batch's rows (drop samples with ops.Filter)")
     return out
+
+
+def _column_rows(column: Any) -> int | None:
+    """The rows of a batch column: a tensor's first dimension, a list's length; None for a value
+    that is not by row (a 0-d tensor, a number a stage put beside the columns)."""
+    if isinstance(column, torch.Tensor):
+        return len(column) if column.dim() else None
+    return len(column) if isinstance(column, list) else None

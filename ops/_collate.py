@@ -82,7 +82,9 @@ def _tensor_of(array: np.ndarray) -> torch.Tensor:
         # there (torch has no read-only tensors), and torch.from_numpy warns the user about it,
         # noise about memory they never chose. The copy is the batch's own.
         return torch.from_numpy(np.array(array, order="C"))
-    return torch.from_numpy(np.ascontiguousarray(array))
+    # Only a copy where the memory is not C-ordered: np.ascontiguousarray would also make a 0-d array
+    # 1-d, and a column of scalars (np.asarray(0.5), a scalar .npy) would stack to [B, 1], not [B].
+    return torch.from_numpy(array if array.flags.c_contiguous else np.ascontiguousarray(array))
 
 
 def _stack_or_list(tensors: list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:

@@ -7,6 +7,7 @@ a 0-d tensor, the pipeline's ``fields``. A row that raises fails alone, named; t
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +17,7 @@ from headrace._errors import LoaderError
 from headrace._sample import Sample
 
 from ._collate import collate
-from ._stage_calls import StageCalls, each_row
+from ._stage_calls import StageCalls, each_row, stage_failure
 from ._stages import Filter, Map
 
 __all__ = ["RowArguments", "columns", "filter_rows", "keep_when_true", "map_rows", "row_arguments"]
@@ -42,6 +43,13 @@ def keep_when_true(dropped: set[int]) -> Callable[[int, Any], None]:
     several numbers) fails its sample, named, as a ``Map`` that returns no dict does."""
 
     def store(i: int, keep: Any) -> None:
+        if inspect.isawaitable(keep):
+            # A plain function that returns a coroutine (a lambda or a decorator around an async
+            # def): the coroutine object is true, so every sample was kept, silently.
+            if inspect.iscoroutine(keep):
+                keep.close()  # never to be awaited: no "was never awaited" warning on top of the error
+            raise TypeError(f"returned {type(keep).__name__}, not a truth value: a plain function that "
+                            "returns an awaitable is never awaited; make the Filter's fn an async def")
         if not keep:
             dropped.add(i)
 
@@ -62,6 +70,9 @@ async def map_rows(calls: StageCalls, stage: Map, arguments: RowArguments, data:
 
     def outputs() -> tuple[dict[str, Any], list[int]]:
         left = [i for i in kept if i in results]
+        for i, exc in _missing_fields(results, left, samples).items():
+            failures[i] = stage_failure(stage, samples[i], exc)
+        left = [i for i in left if i not in failures]
         return columns(results, left), left
 
     if not cuda:
@@ -91,6 +102,25 @@ async def filter_rows(calls: StageCalls, stage: Filter, arguments: RowArguments,
     if len(slots) == len(kept):
         return data, kept
     return _take(data, slots), [kept[p] for p in slots]
+
+
+def _missing_fields(results: dict[int, dict[str, Any]], rows: list[int], samples: list[Sample]) -> dict[int, KeyError]:
+    """The rows whose result lacks a field another row's result has, each with a KeyError naming the
+    field and a row that has it. The columns are made from the rows' fields: without this a field
+    the first row left out was lost for the whole batch (the image too), and one only later rows
+    added was dropped, both silently."""
+    holder: dict[str, int] = {}  # each field, by the first row that returned it
+    for i in rows:
+        for name in results[i]:
+            holder.setdefault(name, i)
+    missing: dict[int, KeyError] = {}
+    for i in rows:
+        if absent := [name for name in holder if name not in results[i]]:
+            name = absent[0]
+            missing[i] = KeyError(f"returned no {name!r} field, which the row of sample {samples[holder[name]].key!r} "
+                                  f"has: every row must return the same fields (this one returned "
+                                  f"{', '.join(map(repr, results[i])) or 'none'})")
+    return missing
 
 
 def columns(results: dict[int, dict[str, Any]], rows: list[int]) -> dict[str, Any]:

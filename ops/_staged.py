@@ -262,7 +262,7 @@ class StagedExecutor:
                 out, ready = await self._calls.call_on_stream(data, ready, lambda: stage.fn(data, **extras))
             else:
                 out = await self._calls.call(stage.fn, data, **extras)
-            out = checked_batch(out)
+            out = checked_batch(out, rows=len(kept))
         except Exception as exc:
             for i in kept:
                 failures[i] = stage_failure(stage, samples[i], exc)

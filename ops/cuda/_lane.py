@@ -259,7 +259,7 @@ class Lane:
             try:
                 extras = batch_extras(stage, lane_stage.position, seed=owner.seed, epoch=batch.epoch, index=batch.index,
                                       keys=lambda: [batch.samples[row].key for row in result.kept])
-                result.data = checked_batch(stage.fn(result.data, **extras))
+                result.data = checked_batch(stage.fn(result.data, **extras), rows=len(result.kept))
             except Exception as exc:
                 result.failures.extend((row, stage_failure(stage, batch.samples[row], exc)) for row in result.kept)
                 result.data, result.kept = {}, []

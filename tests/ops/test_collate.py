@@ -52,3 +52,15 @@ def test_a_list_column_of_writable_arrays_stays_over_their_memory():
     column = collate(rows)
     assert isinstance(column, list) and [row.tolist() for row in column] == [[1, 2], [3, 4, 5]]
     assert column[0].data_ptr() == rows[0].ctypes.data  # no copy: only read-only arrays get one
+
+
+@pytest.mark.parametrize("read_only", [False, True])
+def test_zero_d_arrays_stack_into_one_value_a_row_as_default_collate_does(read_only):
+    # A 0-d array (np.asarray(score), a scalar .npy) is one value: a column of them is [B], not [B, 1].
+    values = [np.asarray(v, dtype=np.float32) for v in (0.5, 1.5, 2.5)]
+    if read_only:
+        values = [_read_only(v) for v in values]
+    column = _collated_without_warnings(values)
+    expected = torch.utils.data.default_collate([np.asarray(v, dtype=np.float32) for v in (0.5, 1.5, 2.5)])
+    assert column.shape == expected.shape == (3,) and column.dtype == torch.float32
+    assert torch.equal(column, expected)
