@@ -34,7 +34,7 @@ def orientation(data: Any) -> int:
     """The EXIF orientation (1-8) of a JPEG, PNG, WebP or TIFF file; 1 when absent, malformed, or another format."""
     if isinstance(data, bytes) and data[:2] == b"\xff\xd8":
         return _jpeg(data)
-    buf = _bytes_view(data)
+    buf = flat_bytes(data)
     head = bytes(buf[:12])
     if head[:2] == b"\xff\xd8":
         return _jpeg(buf)
@@ -51,14 +51,14 @@ def orientation(data: Any) -> int:
 
 def jpeg_orientation(data: Any) -> int:
     """The EXIF orientation tag (1-8) of a JPEG, or 1 when absent, malformed, or not a JPEG."""
-    buf = data if isinstance(data, bytes) else _bytes_view(data)
+    buf = data if isinstance(data, bytes) else flat_bytes(data)
     return _jpeg(buf) if buf[:2] == b"\xff\xd8" else 1
 
 
 def tiff_orientation(tiff: Any, start: int = 0, end: int | None = None) -> int:
     """Tag 0x0112 of IFD0 of the TIFF structure in ``tiff[start:end]`` (a TIFF file, or the body of
     an EXIF block), read in place: no copy of a block that may hold a thumbnail."""
-    buf = tiff if isinstance(tiff, bytes) else _bytes_view(tiff)
+    buf = tiff if isinstance(tiff, bytes) else flat_bytes(tiff)
     n = len(buf) if end is None else min(end, len(buf))
     if n - start < 8:
         return 1
@@ -69,18 +69,7 @@ def tiff_orientation(tiff: Any, start: int = 0, end: int | None = None) -> int:
     ifd += start
     if magic != 42 or ifd < start + 8 or ifd + 2 > n:
         return 1
-    (count,) = struct.unpack_from(endian + "H", buf, ifd)
-    for i in range(count):
-        entry = ifd + 2 + 12 * i
-        if entry + 12 > n:
-            return 1  # the table runs off the end: malformed
-        tag, typ, num = struct.unpack_from(endian + "HHI", buf, entry)
-        if tag == _TAG:
-            if typ != _SHORT or num != 1:
-                return 1
-            (value,) = struct.unpack_from(endian + "H", buf, entry + 8)  # a lone SHORT sits at the value's start
-            return value if 1 <= value <= 8 else 1
-    return 1
+    return _ifd_orientation(buf, endian, ifd, n, _CLASSIC)
 
 
 def bigtiff_orientation(buf: Any) -> int:
@@ -101,21 +90,36 @@ def bigtiff_orientation(buf: Any) -> int:
     magic, offset_size, zero, ifd = struct.unpack_from(endian + "HHHQ", buf, 2)
     if magic != 43 or offset_size != 8 or zero != 0 or ifd < 16 or ifd + 8 > n:
         return 1
-    (count,) = struct.unpack_from(endian + "Q", buf, ifd)
+    return _ifd_orientation(buf, endian, ifd, n, _BIG)
+
+
+# An IFD's layout: the count's format, an entry's size and (tag, type, count) format, and where
+# its value starts. Classic TIFF: a 2-byte count, 12-byte entries; BigTIFF: 8 and 20.
+_CLASSIC = ("H", 2, 12, "HHI", 8)
+_BIG = ("Q", 8, 20, "HHQ", 12)
+
+
+def _ifd_orientation(buf: Any, endian: str, ifd: int, n: int, layout: tuple[str, int, int, str, int]) -> int:
+    """The orientation tag in the IFD at ``ifd``: a lone SHORT of 1-8, else 1 (absent or malformed)."""
+    count_format, count_size, entry_size, entry_format, value_at = layout
+    if ifd + count_size > n:
+        return 1
+    (count,) = struct.unpack_from(endian + count_format, buf, ifd)
     for i in range(count):
-        entry = ifd + 8 + 20 * i
-        if entry + 20 > n:
+        entry = ifd + count_size + entry_size * i
+        if entry + entry_size > n:
             return 1  # the table runs off the end: malformed
-        tag, typ, num = struct.unpack_from(endian + "HHQ", buf, entry)
+        tag, typ, num = struct.unpack_from(endian + entry_format, buf, entry)
         if tag == _TAG:
             if typ != _SHORT or num != 1:
                 return 1
-            (value,) = struct.unpack_from(endian + "H", buf, entry + 12)  # a lone SHORT sits at the value's start
+            (value,) = struct.unpack_from(endian + "H", buf, entry + value_at)  # a lone SHORT sits at the value's start
             return value if 1 <= value <= 8 else 1
     return 1
 
 
-def _bytes_view(data: Any) -> memoryview:
+def flat_bytes(data: Any) -> memoryview:
+    """A flat memoryview of unsigned bytes over ``data`` (an array, a view): its items are Python ints."""
     view = data if isinstance(data, memoryview) else memoryview(data)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 

@@ -29,6 +29,8 @@ from typing import Any
 
 from headrace._errors import DecodeError
 
+from ._exif import flat_bytes
+
 __all__ = ["ByteBudget", "check_pixels", "claimed_size", "incomplete", "pixel_error", "release_frames", "too_few_bits"]
 
 # A grant this large is given back to the C allocator's arenas when it ends (see ByteBudget).
@@ -100,10 +102,7 @@ def _byte_view(data: Any) -> Any:
     Why: an image field may be a NumPy uint8 array, whose items are NumPy scalars; NumPy 2 keeps
     ``data[i] << 8`` in uint8, so a JPEG 300 pixels high read as 44.
     """
-    if isinstance(data, bytes):
-        return data
-    view = data if isinstance(data, memoryview) else memoryview(data)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+    return data if isinstance(data, bytes) else flat_bytes(data)
 
 
 _SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # start-of-frame markers (not DHT, JPG, DAC)

@@ -18,7 +18,7 @@ from headrace._sample import Sample
 from ._base import IndexedReader
 from ._shards import expand_braces
 
-__all__ = ["CUT", "RecordFileReader", "find_records", "resolve_files"]
+__all__ = ["CUT", "RecordFileReader", "find_records", "index_lines", "resolve_files"]
 
 CUT = -1  # a record's length where it runs past the end of its file
 
@@ -138,3 +138,13 @@ def find_records(name: str, paths: list[str], index: Sequence[Any] | None, label
     if not found:
         raise ReadError("no records in these files", source=paths[0])
     return np.array(found, dtype=np.int64).reshape(-1, 3)
+
+
+def index_lines(index: str) -> list[str]:
+    """The lines of a record index file (TFRecord's ``tfrecord2idx``, MXNet's ``.idx``); a file
+    missing, unreadable or not text is a ReadError naming it, as a bad line is."""
+    try:
+        with open(index, encoding="utf-8") as f:
+            return f.readlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ReadError(f"cannot read the index file: {exc}", source=index) from exc

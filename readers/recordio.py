@@ -23,7 +23,7 @@ import numpy as np
 
 from headrace._errors import ReadError
 
-from ._record_files import CUT, RecordFileReader, find_records, resolve_files
+from ._record_files import CUT, RecordFileReader, find_records, index_lines, resolve_files
 from .lmdb import decode_default
 
 __all__ = ["RecordIOReader", "recordio"]
@@ -122,12 +122,7 @@ def _from_index(index: str, file: int, path: str) -> list[tuple[int, int, int]]:
     """An ``.idx`` file (MXNet's: a line ``key<TAB>offset`` per record, in any key order): the
     records sorted by offset, each spanning to the next one's offset (the last to the file's end)."""
     offsets = []
-    try:
-        with open(index, encoding="utf-8") as f:
-            lines = f.readlines()
-    except (OSError, UnicodeDecodeError) as exc:  # as the TFRecord reader's: a ReadError naming the index
-        raise ReadError(f"cannot read the index file: {exc}", source=index) from exc
-    for number, line in enumerate(lines, 1):
+    for number, line in enumerate(index_lines(index), 1):
         parts = line.split()
         if not parts:
             continue

@@ -21,7 +21,7 @@ import numpy as np
 
 from headrace._errors import ConfigError, ReadError
 
-from ._record_files import CUT, RecordFileReader, find_records, resolve_files
+from ._record_files import CUT, RecordFileReader, find_records, index_lines, resolve_files
 
 __all__ = ["TFRecordReader", "example_class", "parse_example", "tfrecord"]
 
@@ -174,12 +174,7 @@ def _from_index(index: str, file: int, path: str) -> list[tuple[int, int, int]]:
     and CRCs."""
     records = []
     size = os.path.getsize(path)
-    try:
-        with open(index, encoding="utf-8") as f:
-            lines = f.readlines()
-    except (OSError, UnicodeDecodeError) as exc:  # as a bad line: a ReadError naming the index
-        raise ReadError(f"cannot read the index file: {exc}", source=index) from exc
-    for number, line in enumerate(lines, 1):
+    for number, line in enumerate(index_lines(index), 1):
         parts = line.split()
         if not parts:
             continue
