@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import io
 import tarfile
 import time
@@ -180,6 +181,14 @@ async def run(args: argparse.Namespace) -> None:
           f"stage={stage} device={device.type} tokens={shapes['tokens']} image={shapes['image']}")
 
 
+
+def refuse_cuda_without_gpu(device: str) -> None:
+    """Say in one line that a GPU run cannot start here, rather than a traceback from inside the loader."""
+    if device.startswith("cuda") and not ops.cuda_available():
+        sys.exit(f"--device {device} needs a CUDA GPU with CuPy and nvImageCodec (pip install '.[cuda12]' or "
+                 "'.[cuda13]'); none here: run with --device cpu")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="Caption shards with a tokenizer stage (sync or async).")
     p.add_argument("--data", default=".data/captions", help="where the shards are written (default: %(default)s)")
@@ -195,7 +204,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--threads", type=int, default=None, help="loader threads (default: all cores)")
     p.add_argument("--seed", type=int, default=0)
-    asyncio.run(run(p.parse_args(argv)))
+    args = p.parse_args(argv)
+    refuse_cuda_without_gpu(args.device)
+    asyncio.run(run(args))
 
 
 if __name__ == "__main__":

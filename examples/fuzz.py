@@ -1148,6 +1148,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def refuse_cuda_without_gpu(device: str) -> None:
+    """Say in one line that a GPU run cannot start here, rather than a traceback from inside the loader."""
+    from headrace.ops import cuda_available
+
+    if device.startswith("cuda") and not cuda_available():
+        sys.exit(f"--device {device} needs a CUDA GPU with CuPy and nvImageCodec (pip install '.[cuda12]' or "
+                 "'.[cuda13]'); none here")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
@@ -1164,6 +1173,8 @@ def main(argv: list[str] | None = None) -> int:
         return dump(args)
     if args.diff:
         return diff_runs(*args.diff)
+    # Checked here, once: without it every worker would crash and be isolated input by input.
+    refuse_cuda_without_gpu(args.device)
     return run(args)
 
 

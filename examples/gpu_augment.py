@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import time
 
 import numpy as np
@@ -125,6 +126,14 @@ async def run(args: argparse.Namespace) -> None:
           f"image={tuple(images.shape)} deterministic={check}")
 
 
+
+def refuse_cuda_without_gpu(device: str) -> None:
+    """Say in one line that a GPU run cannot start here, rather than a traceback from inside the loader."""
+    if device.startswith("cuda") and not ops.cuda_available():
+        sys.exit(f"--device {device} needs a CUDA GPU with CuPy and nvImageCodec (pip install '.[cuda12]' or "
+                 "'.[cuda13]'); none here: run with --device cpu")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="A plain-torch GPU augmentation as a headrace batch stage.")
     p.add_argument("--data", default=".data/demo", help="data set folder, made once (default: %(default)s)")
@@ -140,7 +149,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=None, help="loader threads (default: all cores)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check", action="store_true", help="run epoch 0 again with another thread count and compare")
-    asyncio.run(run(p.parse_args(argv)))
+    args = p.parse_args(argv)
+    refuse_cuda_without_gpu(args.device)
+    asyncio.run(run(args))
 
 
 if __name__ == "__main__":

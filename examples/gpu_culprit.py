@@ -105,6 +105,15 @@ def find(batches: int) -> None:
             start = culprit + 1
 
 
+def refuse_without_gpu() -> None:
+    """Say in one line that this harness needs the GPU path, rather than a traceback from a worker."""
+    from headrace.ops import cuda_available
+
+    if not cuda_available():
+        sys.exit("this harness needs a CUDA GPU with CuPy and nvImageCodec (pip install '.[cuda12]' or "
+                 "'.[cuda13]'); none here")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -118,6 +127,7 @@ def main() -> None:
     d.add_argument("start", type=int)
     d.add_argument("hw_load", type=float)
     args = p.parse_args()
+    refuse_without_gpu()
     if args.command == "run":
         run(args.folder, args.seed, args.epochs)
     elif args.command == "find":

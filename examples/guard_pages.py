@@ -149,6 +149,15 @@ def run(seed, lo, hi, hw_load, window, timeout=120):
     return totals, crashes
 
 
+def refuse_without_gpu() -> None:
+    """Say in one line that this harness needs the GPU path, rather than a traceback from a worker."""
+    from headrace.ops import cuda_available
+
+    if not cuda_available():
+        sys.exit("this harness needs a CUDA GPU with CuPy and nvImageCodec (pip install '.[cuda12]' or "
+                 "'.[cuda13]'); none here")
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "worker":
         import faulthandler
@@ -157,9 +166,12 @@ if __name__ == "__main__":
         worker(int(seed), int(lo), int(hi), float(hw), window == "1", progress)
         sys.exit(0)
     seed, count = int(sys.argv[1]), int(sys.argv[2])
+    on_cpu = len(sys.argv) > 3 and sys.argv[3] == "cpu"  # the harness checked on the CPU decoder
+    if not on_cpu:
+        refuse_without_gpu()
     t0 = time.time()
     print(f"{make_all(seed, count)} JPEGs for nvImageCodec among {count} inputs ({time.time() - t0:.0f} s)", flush=True)
-    configs = ((-1.0, True),) if len(sys.argv) > 3 and sys.argv[3] == "cpu" else ((0.0, True), (0.0, False), (1.0, True))
+    configs = ((-1.0, True),) if on_cpu else ((0.0, True), (0.0, False), (1.0, True))
     for hw_load, window in configs:
         t0 = time.time()
         totals, crashes = run(seed, 0, count, hw_load, window)

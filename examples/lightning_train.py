@@ -113,6 +113,14 @@ def build(L, args: argparse.Namespace):
     return Classifier(args.classes, args.lr), HeadraceData()
 
 
+
+def refuse_cuda_without_gpu(device: str) -> None:
+    """Say in one line that a GPU run cannot start here, rather than a traceback from inside the loader."""
+    if device.startswith("cuda") and not ops.cuda_available():
+        sys.exit(f"--device {device} needs a CUDA GPU with CuPy and nvImageCodec (pip install '.[cuda12]' or "
+                 "'.[cuda13]'); none here: run with --device cpu")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="Lightning's Trainer.fit fed by a headrace loader.")
     p.add_argument("--data", default=".data/demo", help="data set folder, made once (default: %(default)s)")
@@ -133,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--view", action="store_true", help="a DataLoader over headrace.torch_dataset(loader)")
     args = p.parse_args(argv)
     L = import_lightning()
+    refuse_cuda_without_gpu(args.device)
     if args.device == "auto":
         args.device = "cuda" if ops.cuda_available() else "cpu"
     model, data = build(L, args)

@@ -29,6 +29,7 @@ queue without bound) or shutting down. ``GET /healthz`` answers 200 once the ser
 from __future__ import annotations
 
 import argparse
+import sys
 import itertools
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -191,6 +192,14 @@ def make_app(
     return app
 
 
+
+def refuse_cuda_without_gpu(device: str) -> None:
+    """Say in one line that a GPU run cannot start here, rather than a traceback from inside the loader."""
+    if device.startswith("cuda") and not ops.cuda_available():
+        sys.exit(f"--device {device} needs a CUDA GPU with CuPy and nvImageCodec (pip install '.[cuda12]' or "
+                 "'.[cuda13]'); none here: run with --device cpu")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--host", default="127.0.0.1")
@@ -206,6 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--when-full", default="reject", choices=["reject", "wait"])
     p.add_argument("--threads", type=int, default=None, help="CPU decode threads (default: all cores)")
     args = p.parse_args(argv)
+    refuse_cuda_without_gpu(args.device)
     app = make_app(
         device=args.device, model=args.model, topk=args.topk, max_batch=args.max_batch, max_delay=args.max_delay,
         max_pending=args.max_pending, when_full=args.when_full, num_threads=args.threads,

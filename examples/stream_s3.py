@@ -72,6 +72,14 @@ async def train(source: str, args: argparse.Namespace, cache_dir: str) -> None:
           f"kept={reader.cache.kept} failed={reader.cache.failed} device={loader.device}")
 
 
+
+def refuse_cuda_without_gpu(device: str) -> None:
+    """Say in one line that a GPU run cannot start here, rather than a traceback from inside the loader."""
+    if device.startswith("cuda") and not ops.cuda_available():
+        sys.exit(f"--device {device} needs a CUDA GPU with CuPy and nvImageCodec (pip install '.[cuda12]' or "
+                 "'.[cuda13]'); none here: run with --device cpu")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("source", nargs="?", help="shards: a pattern, folder or glob URL (default: a local demo store)")
@@ -88,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--per-shard", type=int, default=128, help="demo images per shard")
     p.add_argument("--latency-ms", type=float, default=50, help="the demo store's first-byte latency")
     args = p.parse_args(argv)
+    refuse_cuda_without_gpu(args.device)
     with contextlib.ExitStack() as stack:
         cache_dir = args.cache_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="headrace-cache-"))
         source = args.source or stack.enter_context(demo_store(Path(args.data), args.images, args.per_shard,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import time
 from pathlib import Path
 
@@ -115,6 +116,14 @@ async def run(args: argparse.Namespace) -> None:
           f"device={image.device.type} image={tuple(image.shape)} resume={resumed}")
 
 
+
+def refuse_cuda_without_gpu(device: str) -> None:
+    """Say in one line that a GPU run cannot start here, rather than a traceback from inside the loader."""
+    if device.startswith("cuda") and not ops.cuda_available():
+        sys.exit(f"--device {device} needs a CUDA GPU with CuPy and nvImageCodec (pip install '.[cuda12]' or "
+                 "'.[cuda13]'); none here: run with --device cpu")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="A torch map-style Dataset as a headrace source.")
     p.add_argument("--data", default=".data/demo", help="data set folder, made once (default: %(default)s)")
@@ -128,7 +137,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=None, help="loader threads (default: all cores)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check-resume", action="store_true", help="stop epoch 0 early, resume it, compare")
-    asyncio.run(run(p.parse_args(argv)))
+    args = p.parse_args(argv)
+    refuse_cuda_without_gpu(args.device)
+    asyncio.run(run(args))
 
 
 if __name__ == "__main__":

@@ -251,6 +251,14 @@ async def train(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+
+def refuse_cuda_without_gpu(device: str) -> None:
+    """Say in one line that a GPU run cannot start here, rather than a traceback from inside the loader."""
+    if device.startswith("cuda") and not ops.cuda_available():
+        sys.exit(f"--device {device} needs a CUDA GPU with CuPy and nvImageCodec (pip install '.[cuda12]' or "
+                 "'.[cuda13]'); none here: run with --device cpu")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="Data-parallel training with headrace under torchrun.")
     p.add_argument("--data", default=".data/dist-demo", help="class-per-folder image tree (default: %(default)s)")
@@ -283,6 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--check-coverage", action="store_true", help="gather sample keys; check each epoch saw all once")
     p.add_argument("--out", default=None, help="write the results as JSON here (rank 0)")
     args = p.parse_args(argv)
+    refuse_cuda_without_gpu(args.device)
 
     cuda = args.device != "cpu" and torch.cuda.is_available()
     if cuda:
