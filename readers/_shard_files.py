@@ -155,6 +155,8 @@ class ShardFiles:
                     if item is END:
                         running.popleft()
                         continue
+                    if isinstance(item, Exception):  # the parser failed unforeseen (``_parse``)
+                        raise item
                     yield item
             finally:
                 for feed, _, _ in running:
@@ -174,7 +176,18 @@ class ShardFiles:
 
     def _parse(self, job: ShardJob, feed: Feed, source: str | RemoteFile | BinaryIO | PipeShard) -> None:
         """Thread: parse one shard (a local path, a cached copy open, a download, or a command's
-        output) into lists of samples; ``position`` carries the rank input ordinal."""
+        output) into lists of samples, then END. An exception no sample can carry goes into the
+        feed for ``samples`` to raise: left in the thread's future, the consumer waited for END
+        forever."""
+        try:
+            self._parse_samples(job, feed, source)
+        except Exception as exc:
+            feed.put(exc, force=True)
+        feed.put(END, force=True)
+
+    def _parse_samples(self, job: ShardJob, feed: Feed, source: str | RemoteFile | BinaryIO | PipeShard) -> None:
+        """``_parse`` up to END: samples, and a bad shard's ReadError as the sample being read;
+        ``position`` carries the rank input ordinal."""
         first, stride, base, path, rank_base = job.first, job.stride, job.base_index, job.path, job.rank_base
         needed = job.needed
 
@@ -217,7 +230,6 @@ class ShardFiles:
         if chunk:
             _own_bytes(chunk)
             feed.put(chunk)
-        feed.put(END, force=True)
 
 
 def _kill_commands(sources: Sequence[object]) -> None:

@@ -198,11 +198,16 @@ def _number(field: bytes) -> int:
 
 
 def _pax(data: bytes) -> dict[str, str]:
+    """A pax header's records (``<length> <key>=<value>``, each ending in a newline). ValueError
+    for a malformed one: the header's checksum covers none of these bytes, so a damaged shard gets
+    here (a length of 0 read it forever)."""
     out: dict[str, str] = {}
     pos = 0
     while pos < len(data):
         space = data.index(b" ", pos)
         length = int(data[pos:space])
+        if length <= space - pos + 1 or pos + length > len(data) or data[pos + length - 1] != 0x0A:
+            raise ValueError(f"malformed pax record at byte {pos}")
         key, _, value = data[space + 1 : pos + length - 1].partition(b"=")
         out[key.decode("utf-8", "surrogateescape")] = value.decode("utf-8", "surrogateescape")
         pos += length
@@ -285,9 +290,12 @@ class _TarCursor:
         its data."""
         long_name: str | None = None
         pax: dict[str, str] = {}
+        extended = False  # a long-name or pax header was read: a member must follow
         while True:
             header = self._header()
             if header is None:
+                if extended:  # tarfile too: the member these headers describe was cut off
+                    raise self.error(f"truncated tar: no member after the extended header ending at byte {self.offset}")
                 return None
             try:
                 size = int(pax["size"]) if "size" in pax else _number(header[124:136])
@@ -302,10 +310,14 @@ class _TarCursor:
             if len(data) < padded:
                 raise self.error(f"truncated tar: extended header at byte {self.offset - BLOCK}")
             self.offset += padded
+            extended = extended or kind != b"g"  # a global header describes no one member
             if kind == b"L":
                 long_name = data[:size].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
             elif kind == b"x":
-                pax = _pax(data[:size])
+                try:
+                    pax = _pax(data[:size])
+                except ValueError as exc:
+                    raise self.error(f"corrupt pax header at byte {self.offset - padded - BLOCK} ({exc})") from exc
 
     def _scan_window(self) -> bool:
         """Scan headers in the window at hand (after handing back the one read); False when the
@@ -343,6 +355,15 @@ class _TarCursor:
         if not valid:
             raise self.error(f"corrupt tar header at byte {self.offset} (checksum mismatch)")
         return header
+
+    def read_to_end(self) -> None:
+        """Read a gzip stream past the archive's end marker to its own end: only there does gzip
+        check the CRC and length of what it decompressed. Damaged deflate data can decode into
+        wrong member bytes with every tar header intact; the CRC is what catches it. A plain
+        file's bytes after the marker are left alone (padding, or anything)."""
+        if isinstance(self.f, gzip.GzipFile):
+            while self.read(1 << 16):
+                pass
 
     def skip_member(self, padded: int, name: str | None) -> None:
         """Pass over the member's data without reading it where the file can seek."""
@@ -414,9 +435,21 @@ def iter_groups(f: BinaryIO, source: str, select: Callable[[int], bool] | None =
     have been yielded. ``stop()`` is polled once per member so a reader can be abandoned quickly.
     ``spans``: larger members of a download or a mapped file may come as ``Span``s, not bytes, for
     the caller to copy out (``_shard_files`` does, a chunk at a time) before anyone else sees the
-    sample.
+    sample. A gzip shard is read to its end, where gzip checks its CRC: one that fails, or a
+    gzip stream cut short or damaged, is a ReadError in place of the last sample.
     """
     tar = _TarCursor(f, source, spans)
+    try:
+        yield from _groups(tar, select, stop)
+    except (EOFError, zlib.error, gzip.BadGzipFile) as exc:  # what GzipFile raises for bad or missing bytes
+        what = "truncated" if isinstance(exc, EOFError) else "corrupt"
+        raise tar.error(f"{what} gzip stream: {exc}") from exc
+
+
+def _groups(tar: _TarCursor, select: Callable[[int], bool] | None,
+            stop: Callable[[], bool] | None) -> Iterator[TarGroup]:
+    """``iter_groups`` over an open cursor."""
+    source = tar.source
     ordinal = -1
     key: str | None = None
     fields: dict[str, bytes] | None = None
@@ -439,7 +472,10 @@ def iter_groups(f: BinaryIO, source: str, select: Callable[[int], bool] | None =
             tar.skip_member(padded, name)
         else:
             fields[ext] = tar.read_member(size, padded, name)
-    if key is not None and not (stop is not None and stop()):
+    if stop is not None and stop():
+        return
+    tar.read_to_end()  # before the last sample: a shard that fails there ends with an error in its place
+    if key is not None:
         yield ordinal, key, fields, error
 
 
