@@ -172,10 +172,13 @@ if __name__ == "__main__":
     t0 = time.time()
     print(f"{make_all(seed, count)} JPEGs for nvImageCodec among {count} inputs ({time.time() - t0:.0f} s)", flush=True)
     configs = ((-1.0, True),) if on_cpu else ((0.0, True), (0.0, False), (1.0, True))
+    crashed = 0
     for hw_load, window in configs:
         t0 = time.time()
         totals, crashes = run(seed, 0, count, hw_load, window)
+        crashed += len(crashes)
         print(f"hw_load={hw_load} window={window}: {totals}, {len(crashes)} crashed batches, {time.time() - t0:.0f} s", flush=True)
         for c in crashes[:6]:
             print("   crash", c["exit"], "batch", c["batch"][:50])
             print("      " + "\n      ".join(c["stderr"].strip().splitlines()[-14:]), flush=True)
+    sys.exit(1 if crashed else 0)  # a harness that finds crashes must fail the job that runs it
