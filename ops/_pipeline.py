@@ -65,8 +65,9 @@ class Pipeline:
     audio): no Decode and no image ops; every field of the samples (or only ``fields``, when
     given) is batched by the same rules, after the stages.
 
-    Raises ConfigError for an op list that breaks these rules, or a fixed output size over
-    ``Decode.max_pixels`` (that limit bounds every op's output; see ``Decode``).
+    Raises ConfigError for an op list that breaks these rules, a field named for two roles (the
+    label an image field; boxes, per_box or mask the label, an image field or one of ``fields``),
+    or a fixed output size over ``Decode.max_pixels`` (that limit bounds every op's output; see ``Decode``).
     """
 
     def __init__(
@@ -82,7 +83,7 @@ class Pipeline:
         mask: str | None = None,
         mask_fill: int = 0,
     ) -> None:
-        listed = list(ops)
+        listed = _op_list(ops)
         for op in listed:
             if not isinstance(op, (Op, Stage)):
                 raise ConfigError(f"Pipeline: {op!r} is not a headrace op or stage (ops.Map, ops.Filter, "
@@ -96,15 +97,7 @@ class Pipeline:
             ops = [Decode()]  # not run: its limits and channels answer the executors' questions
         if not ops or not isinstance(ops[0], Decode):
             ops.insert(0, Decode())
-        for pos, op in enumerate(ops[1:], start=1):
-            if isinstance(op, Decode):
-                raise ConfigError("Pipeline: Decode may appear only first")
-            if isinstance(op, Normalize) and pos != len(ops) - 1:
-                raise ConfigError("Pipeline: Normalize must be the last op")
-            if not isinstance(op, (*_IMAGE_OPS, PostOp, Normalize)):
-                raise ConfigError(f"Pipeline: unsupported op {op!r}")
-            if isinstance(op, _IMAGE_OPS) and any(isinstance(o, PostOp) for o in ops[1:pos]):
-                raise ConfigError(f"Pipeline: {op!r} must come before the post ops (colour, rotate, warp, blur)")
+        _check_order(ops)
         if layout not in ("CHW", "HWC"):
             raise ConfigError(f"Pipeline: layout must be 'CHW' or 'HWC', got {layout!r}")
         self.ops: tuple[Op, ...] = tuple(ops) if self.has_image else ()
@@ -116,13 +109,13 @@ class Pipeline:
         # Post op j sits at index 1 + len(image_ops) + j of ``ops``: its key for ``uniforms``.
         first = 1 + len(self.image_ops)
         self.post_positions: tuple[int, ...] = tuple(range(first, first + len(self.post_ops)))
-        if isinstance(image, str):
-            image = (image,)
-        self.image_fields: tuple[str, ...] = tuple(image) if image is not None else ()
-        if self.has_image and (not self.image_fields or not all(isinstance(n, str) for n in self.image_fields)):
-            raise ConfigError(f"Pipeline: image must name one or more fields, got {image!r}")
-        if label is not None and not isinstance(label, str):
+        self.image_fields: tuple[str, ...] = _image_fields(image)
+        if label is not None and (not isinstance(label, str) or not label):
             raise ConfigError(f"Pipeline: label must be a field name or None, got {label!r}")
+        if label in self.image_fields:
+            # The label would be parsed from the encoded image's bytes: a failure on every sample, at the first batch.
+            raise ConfigError(f"Pipeline: label={label!r} is also an image field (image={image!r}); name the "
+                              "field holding the class, or label=None")
         self.label_field = label
         if not isinstance(fields, (list, tuple)) or not all(isinstance(name, str) and name for name in fields):
             raise ConfigError(f"Pipeline: fields must be a sequence of field names, got {fields!r}")
@@ -204,9 +197,57 @@ class Pipeline:
             fields += f", boxes={self.boxes!r}" + (f", per_box={self.per_box!r}" if self.per_box else "")
         if self.mask:
             fields += f", mask={self.mask!r}" + (f", mask_fill={self.mask_fill}" if self.mask_fill else "")
+        if self.layout != "CHW" and self.normalize is None:  # with a Normalize, its own repr shows the layout
+            fields += f", layout={self.layout!r}"
         image = self.image_fields if self.has_image else None
         ops = list(self.before + self.ops + self.after)
         return f"Pipeline({ops!r}, image={image!r}, label={self.label_field!r}{fields})"
+
+
+# The rule on op order, as the error messages state it.
+_ORDER = ("the allowed order is Decode (added when missing), then the geometry ops (Resize, RandomResize, "
+          "CenterCrop, RandomCrop, RandomResizedCrop, RandomIoUCrop, Flip), then ColorTwist, Rotate, WarpAffine, "
+          "GaussianBlur, then at most one Normalize, last")
+
+
+def _op_list(ops: object) -> list:
+    """``ops`` as a list. A single op, a string or None is refused here: iterating it would fail with a
+    TypeError, or (a string) complain about its first character rather than about the argument."""
+    if ops is None or isinstance(ops, (str, bytes, Op, Stage)):
+        raise ConfigError(f"Pipeline: ops must be a list of ops and stages, got {ops!r} (wrap one op in a list)")
+    try:
+        return list(ops)  # type: ignore[call-overload]
+    except TypeError as exc:
+        raise ConfigError(f"Pipeline: ops must be a list of ops and stages, got {ops!r}") from exc
+
+
+def _image_fields(image: object) -> tuple[str, ...]:
+    """``image`` as a tuple of field names (empty for None). Raises ConfigError for anything else:
+    an int would otherwise be a TypeError, an empty name a field no sample has."""
+    if image is None:
+        return ()
+    names = (image,) if isinstance(image, str) else image
+    if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) and n for n in names):
+        raise ConfigError(f"Pipeline: image must name one or more fields, got {image!r}")
+    return tuple(dict.fromkeys(names))
+
+
+def _check_order(ops: list[Op]) -> None:
+    """Raise ConfigError, naming the op and the allowed order, for built-in ops out of order:
+    ``ops[0]`` is the Decode; each kind must not follow a later kind."""
+    post_seen = normalize_seen = False
+    for op in ops[1:]:
+        if isinstance(op, Decode):
+            raise ConfigError(f"Pipeline: {op!r} is a second Decode, or one after other ops; {_ORDER}")
+        if not isinstance(op, (*_IMAGE_OPS, PostOp, Normalize)):
+            raise ConfigError(f"Pipeline: unsupported op {op!r}; {_ORDER}")
+        if normalize_seen:
+            what = "is a second Normalize" if isinstance(op, Normalize) else "comes after Normalize"
+            raise ConfigError(f"Pipeline: {op!r} {what}; {_ORDER}")
+        if isinstance(op, _IMAGE_OPS) and post_seen:
+            raise ConfigError(f"Pipeline: {op!r} is a geometry op after a colour, rotate, warp or blur op; {_ORDER}")
+        post_seen = post_seen or isinstance(op, PostOp)
+        normalize_seen = isinstance(op, Normalize)
 
 
 def _carried_fields(boxes: str | None, per_box: Sequence[str], mask: str | None, mask_fill: int,
@@ -236,7 +277,8 @@ def _carried_fields(boxes: str | None, per_box: Sequence[str], mask: str | None,
         raise ConfigError("Pipeline: boxes and masks move with an image; image=None has none")
     if len(set(names)) != len(names):
         raise ConfigError(f"Pipeline: boxes, per_box and mask name a field twice: {names!r}")
-    taken = {"image", "label", *pipe.fields, *pipe.image_fields}
+    # The label field too: boxes parsed as a class (or a class read as boxes) fails only at the first batch.
+    taken = {"image", "label", *pipe.fields, *pipe.image_fields, pipe.label_field} - {None}
     if clash := [name for name in names if name in taken]:
         raise ConfigError(f"Pipeline: {clash[0]!r} is named as boxes, per_box or mask and elsewhere "
                           "(image, label or fields)")
