@@ -7,12 +7,18 @@ helper opens a chunk's files in one call and reads them in another; in between, 
 uninitialised ``bytes`` object of each file's size for the helper to fill, so every sample owns
 its bytes exactly as after ``f.read()``. Where Python's headers are at hand the helper is built
 with them and does all of that in one call (``hr_read_chunk``), letting the GIL go around its I/O.
+
+Both ways follow the same rules (the top of ``_native/read_files.c`` says why): only regular files
+are read, each up to the size it had when opened, and a chunk larger than the descriptors left goes
+in several rounds. A failure is the same OSError either way (``_error``).
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
+import stat
 import sysconfig
 import threading
 from collections.abc import Callable, Sequence
@@ -48,7 +54,7 @@ def _load() -> ctypes.CDLL | None:
             if target is not None:
                 lib = ctypes.CDLL(str(target))
                 p = ctypes.c_void_p
-                lib.hr_open_files.argtypes, lib.hr_open_files.restype = [ctypes.c_int, p, p, p, p], None
+                lib.hr_open_files.argtypes, lib.hr_open_files.restype = [ctypes.c_int, p, p, p, p], ctypes.c_int
                 lib.hr_read_files.argtypes, lib.hr_read_files.restype = [ctypes.c_int, p, p, p, p], None
                 lib.hr_close_files.argtypes, lib.hr_close_files.restype = [ctypes.c_int, p], None
                 lib.hr_copy_spans.argtypes, lib.hr_copy_spans.restype = [ctypes.c_int, p, p, p], None
@@ -121,21 +127,40 @@ class ChunkReader:
             return lib.read_chunk(n, table)
         fds = np.full(n, -1, dtype=np.int32)
         sizes, errs = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int32)
-        lib.hr_open_files(n, table, fds.ctypes.data, sizes.ctypes.data, errs.ctypes.data)
-        try:
-            wanted = sizes.tolist()
-            blobs = [_new_bytes(None, size) if fd >= 0 else None for fd, size in zip(fds.tolist(), wanted)]
-            outs = (ctypes.c_char_p * n)(*blobs)  # the bytes objects' own storage, no copy
-            lib.hr_read_files(n, fds.ctypes.data, outs, sizes.ctypes.data, errs.ctypes.data)
-        finally:
-            lib.hr_close_files(n, fds.ctypes.data)
         out: list[bytes | int] = []
-        for blob, want, got, err in zip(blobs, wanted, sizes.tolist(), errs.tolist()):
+        while len(out) < n:  # one round unless the process runs out of descriptors partway
+            out += self._read_round(len(out), n, table, fds, sizes, errs)
+        return out, int(np.count_nonzero(errs))
+
+    def _read_round(self, start: int, n: int, table: int, fds: np.ndarray, sizes: np.ndarray,
+                    errs: np.ndarray) -> list[bytes | int]:
+        """Opens and reads from file ``start`` on, as far as ``hr_open_files`` goes: their blobs."""
+        lib = self._lib
+        assert lib is not None
+        at = _address_from(start)
+        count = lib.hr_open_files(n - start, table + start * ctypes.sizeof(ctypes.c_void_p),
+                                  at(fds), at(sizes), at(errs))
+        end = start + count
+        try:
+            wanted = sizes[start:end].tolist()
+            blobs = [_new_bytes(None, size) if fd >= 0 else None
+                     for fd, size in zip(fds[start:end].tolist(), wanted)]
+            outs = (ctypes.c_char_p * count)(*blobs)  # the bytes objects' own storage, no copy
+            lib.hr_read_files(count, at(fds), outs, at(sizes), at(errs))
+        finally:
+            lib.hr_close_files(count, at(fds))
+        out: list[bytes | int] = []
+        for blob, want, got, err in zip(blobs, wanted, sizes[start:end].tolist(), errs[start:end].tolist()):
             if err:
                 out.append(err)
             else:
                 out.append(blob if got == want else blob[:got])  # a file that shrank meanwhile
-        return out, int(np.count_nonzero(errs))
+        return out
+
+
+def _address_from(start: int) -> Callable[[np.ndarray], int]:
+    """The address of element ``start`` of an array, for the C helper's per-file arrays."""
+    return lambda array: array.ctypes.data + start * array.itemsize
 
 
 def copy_spans(spans: Sequence[tuple[int, int]]) -> list[bytes] | None:
@@ -161,14 +186,55 @@ def tar_scanner() -> Callable[[int, int, int, int], int] | None:
 
 
 def _with_errors(blobs: list, path_of: Callable[[int], bytes]) -> list[bytes | OSError]:
-    """``blobs`` with each errno turned into the OSError that Python's ``open`` would raise."""
-    return [OSError(b, os.strerror(b), os.fsdecode(path_of(k))) if type(b) is int else b
-            for k, b in enumerate(blobs)]
+    """``blobs`` with each errno turned into its OSError (``_error``)."""
+    return [_error(b, path_of(k)) if type(b) is int else b for k, b in enumerate(blobs)]
+
+
+def _error(code: int, path: bytes) -> OSError:
+    """The OSError for a file that failed with errno ``code``: the subclass Python's ``open`` would
+    raise, named by the path as text, the same whether the C helper or Python read it."""
+    message = _NOT_REGULAR if code == errno.EINVAL else os.strerror(code)
+    return OSError(code, message, os.fsdecode(path))
+
+
+_NOT_REGULAR = "not a regular file (a FIFO, socket or device), which has no size to read"
+
+# O_NONBLOCK: a FIFO without a writer opens at once, to be refused by its type, instead of hanging.
+_OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
 
 
 def _read_one(path: bytes) -> bytes | OSError:
+    """The C helper's rules for one file, in Python (``os.open`` retries after EINTR itself)."""
     try:
-        with open(path, "rb", buffering=0) as f:
-            return f.readall()
+        fd = os.open(path, _OPEN_FLAGS)
     except OSError as exc:
-        return exc
+        return _error(exc.errno, path)
+    try:
+        mode = os.fstat(fd)
+        if stat.S_ISDIR(mode.st_mode):
+            return _error(errno.EISDIR, path)
+        if not stat.S_ISREG(mode.st_mode):
+            return _error(errno.EINVAL, path)
+        os.set_blocking(fd, True)  # as the C helper: a FUSE or network file system may honour O_NONBLOCK
+        return _read_up_to(fd, mode.st_size)
+    except OSError as exc:
+        return _error(exc.errno, path)
+    finally:
+        os.close(fd)
+
+
+def _read_up_to(fd: int, size: int) -> bytes:
+    """``size`` bytes of ``fd``, or fewer if the file shrank; a file that grew is cut at ``size``.
+    Several reads only where one returns less (Linux reads at most about 2 GiB at a time)."""
+    data = os.read(fd, size) if size else b""
+    if len(data) == size or not data:
+        return data
+    parts = [data]
+    got = len(data)
+    while got < size:
+        part = os.read(fd, size - got)
+        if not part:
+            break
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)

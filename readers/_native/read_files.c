@@ -8,7 +8,13 @@
  * Two calls per chunk: hr_open_files opens the files and says their sizes, the caller allocates a
  * buffer of each size (Python bytes objects, so samples own their memory as with a plain read),
  * and hr_read_files fills them and closes the files. hr_close_files closes what is still open if
- * the caller fails in between.
+ * the caller fails in between. A chunk larger than the descriptors left to the process goes in
+ * several such rounds (hr_open_files stops where it runs out), as Python reading one file at a
+ * time would read it all.
+ *
+ * Only regular files are read, each up to the size it had when opened: a FIFO, socket or device
+ * has no size and may never end (opening a FIFO without O_NONBLOCK waits for a writer forever).
+ * The Python fallback (readers/_read_files.py) follows the same rules, so both read the same.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -19,29 +25,67 @@
 #include <sys/types.h>
 #include <unistd.h>
 
-/* Open paths[0..n): fds[i] and sizes[i] (its length now), or fds[i] = -1 with errs[i] = errno. */
-void hr_open_files(int n, const char** paths, int* fds, int64_t* sizes, int* errs)
+/* Out of descriptors: worth trying again once this process has closed some of its own. */
+static int out_of_descriptors(int err)
 {
+    return err == EMFILE || err == ENFILE;
+}
+
+/* A descriptor for path, or -1 with errno set. O_NONBLOCK so that a FIFO without a writer opens
+ * at once (to be refused by its type) instead of hanging; regular files ignore the flag. */
+static int open_for_reading(const char* path)
+{
+    int fd;
+    do
+        fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    while (fd < 0 && errno == EINTR);
+    return fd;
+}
+
+/* 0 for a regular file of fd (its size in *size), else the errno to report for it. */
+static int regular_file_size(int fd, int64_t* size)
+{
+    struct stat st;
+    if (fstat(fd, &st) != 0)
+        return errno;
+    if (S_ISDIR(st.st_mode))
+        return EISDIR; /* what Python's open() raises for a folder */
+    if (!S_ISREG(st.st_mode))
+        return EINVAL; /* a FIFO, socket or device: see the top of this file */
+    /* Blocking again for the reads: local file systems ignore O_NONBLOCK on regular files, but a
+     * FUSE or network one may pass it on and answer a read with EAGAIN. */
+    if (fcntl(fd, F_SETFL, 0) != 0)
+        return errno;
+    *size = (int64_t)st.st_size;
+    return 0;
+}
+
+/* Open paths[0..n): fds[i] and sizes[i] (its length now), or fds[i] = -1 with errs[i] = errno.
+ * Returns how many paths it went through: fewer than n where the process ran out of descriptors
+ * while this call held some, which the caller frees (hr_read_files) before opening the rest.
+ * Running out while holding none is that file's error, as it would be for Python's open(). */
+int hr_open_files(int n, const char** paths, int* fds, int64_t* sizes, int* errs)
+{
+    int held = 0;
     for (int i = 0; i < n; i++) {
         sizes[i] = 0;
         errs[i] = 0;
-        fds[i] = open(paths[i], O_RDONLY | O_CLOEXEC);
+        fds[i] = open_for_reading(paths[i]);
         if (fds[i] < 0) {
+            if (held > 0 && out_of_descriptors(errno))
+                return i;
             errs[i] = errno;
             continue;
         }
-        struct stat st;
-        if (fstat(fds[i], &st) != 0)
-            errs[i] = errno;
-        else if (S_ISDIR(st.st_mode))
-            errs[i] = EISDIR; /* what Python's open() raises for a folder */
+        errs[i] = regular_file_size(fds[i], &sizes[i]);
         if (errs[i] != 0) {
             close(fds[i]);
             fds[i] = -1;
             continue;
         }
-        sizes[i] = (int64_t)st.st_size;
+        held++;
     }
+    return n;
 }
 
 /* Read each open file into outs[i] (sizes[i] bytes of room) and close it: sizes[i] becomes what was
@@ -216,6 +260,54 @@ int64_t hr_tar_scan(const uint8_t* base, int64_t len, int64_t max, int64_t* out)
 #include <Python.h>
 #include <stdlib.h>
 
+/* Files [start, end) are open (or failed): put a fresh bytes object of each open file's size, or
+ * the errno of each failure, in blobs, and point outs at the bytes' storage. -1 with an exception
+ * set where Python runs out of memory. */
+static int make_buffers(PyObject* blobs, int start, int end, const int* fds, const int64_t* sizes,
+                        const int* errs, char** outs, int* failed)
+{
+    for (int i = start; i < end; i++) {
+        outs[i] = NULL;
+        PyObject* item;
+        if (fds[i] >= 0) {
+            item = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)sizes[i]);
+            if (item != NULL)
+                outs[i] = PyBytes_AS_STRING(item);
+        } else {
+            item = PyLong_FromLong(errs[i]);
+            (*failed)++;
+        }
+        if (item == NULL)
+            return -1;
+        PyList_SET_ITEM(blobs, i, item);
+    }
+    return 0;
+}
+
+/* Files [start, end) have been read: replace the bytes of each that failed by its errno, and of
+ * each that shrank meanwhile by what was read. -1 with an exception set as above. */
+static int settle_reads(PyObject* blobs, int start, int end, char* const* outs, const int64_t* sizes,
+                        const int64_t* wanted, const int* errs, int* failed)
+{
+    for (int i = start; i < end; i++) {
+        if (outs[i] == NULL)
+            continue;
+        PyObject* item;
+        if (errs[i] != 0) {
+            item = PyLong_FromLong(errs[i]);
+            (*failed)++;
+        } else if (sizes[i] != wanted[i]) {
+            item = PyBytes_FromStringAndSize(outs[i], (Py_ssize_t)sizes[i]);
+        } else {
+            continue;
+        }
+        if (item == NULL)
+            return -1;
+        PyList_SetItem(blobs, i, item); /* drops the old bytes */
+    }
+    return 0;
+}
+
 PyObject* hr_read_chunk(int n, const char** paths)
 {
     PyObject* blobs = NULL;
@@ -231,50 +323,24 @@ PyObject* hr_read_chunk(int n, const char** paths)
     int64_t* wanted = sizes + n;
     for (int i = 0; i < n; i++)
         fds[i] = -1;
-
-    Py_BEGIN_ALLOW_THREADS
-    hr_open_files(n, paths, fds, sizes, errs);
-    Py_END_ALLOW_THREADS
-
     blobs = PyList_New(n);
     if (blobs == NULL)
         goto fail;
-    for (int i = 0; i < n; i++) {
-        wanted[i] = sizes[i];
-        outs[i] = NULL;
-        PyObject* item;
-        if (fds[i] >= 0) {
-            item = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)sizes[i]);
-            if (item != NULL)
-                outs[i] = PyBytes_AS_STRING(item);
-        } else {
-            item = PyLong_FromLong(errs[i]);
-            failed++;
-        }
-        if (item == NULL)
-            goto fail;
-        PyList_SET_ITEM(blobs, i, item);
-    }
 
-    Py_BEGIN_ALLOW_THREADS
-    hr_read_files(n, fds, outs, sizes, errs);
-    Py_END_ALLOW_THREADS
-
-    for (int i = 0; i < n; i++) {
-        if (outs[i] == NULL)
-            continue;
-        PyObject* item = NULL;
-        if (errs[i] != 0) {
-            item = PyLong_FromLong(errs[i]);
-            failed++;
-        } else if (sizes[i] != wanted[i]) { /* the file shrank meanwhile: keep what was read */
-            item = PyBytes_FromStringAndSize(outs[i], (Py_ssize_t)sizes[i]);
-        } else {
-            continue;
-        }
-        if (item == NULL)
+    /* One round unless the process runs out of descriptors partway (see hr_open_files). */
+    for (int start = 0, end; start < n; start = end) {
+        Py_BEGIN_ALLOW_THREADS
+        end = start + hr_open_files(n - start, paths + start, fds + start, sizes + start, errs + start);
+        Py_END_ALLOW_THREADS
+        if (make_buffers(blobs, start, end, fds, sizes, errs, outs, &failed) < 0)
             goto fail;
-        PyList_SetItem(blobs, i, item); /* drops the old bytes */
+        memcpy(wanted + start, sizes + start, sizeof(int64_t) * (size_t)(end - start));
+
+        Py_BEGIN_ALLOW_THREADS
+        hr_read_files(end - start, fds + start, outs + start, sizes + start, errs + start);
+        Py_END_ALLOW_THREADS
+        if (settle_reads(blobs, start, end, outs, sizes, wanted, errs, &failed) < 0)
+            goto fail;
     }
     free(fds), free(sizes), free(outs);
     return Py_BuildValue("(Ni)", blobs, failed);
