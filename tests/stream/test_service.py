@@ -402,7 +402,7 @@ async def test_a_batch_stage_that_drops_rows_fails_every_request_and_the_service
                         label=None)
     async with _service(pipeline=pipe, max_batch=3, max_delay=3600) as pre:
         errors = await asyncio.gather(*(pre(img) for img in jpegs[:3]), return_exceptions=True)
-        assert all(isinstance(e, TransformError) and "a row per request" in str(e) for e in errors), errors
+        assert all(isinstance(e, TransformError) and "a MapBatch keeps its batch's rows" in str(e) for e in errors), errors
     await leaks.check()
 
 
