@@ -27,7 +27,7 @@ from ._shuffle import Draws, ShuffleBuffer, resume_state
 if TYPE_CHECKING:
     from .webdataset import WebDatasetReader
 
-__all__ = ["block", "rank_inputs", "resharded", "unread"]
+__all__ = ["block", "rank_inputs", "resharded", "span_length", "unread"]
 
 
 def unread(reader: WebDatasetReader, epoch: int, seed: int, history: Sequence[tuple[int, int]]) -> np.ndarray:
@@ -91,6 +91,16 @@ async def resharded(reader: WebDatasetReader, epoch: int, seed: int, history: Se
     async with contextlib.aclosing(reader._buffered(reader._index_jobs(wanted), buf, slot_of, start, None)) as stream:
         async for chunk in stream:
             yield chunk
+
+
+def span_length(reader: WebDatasetReader, epoch: int, seed: int, history: Sequence[tuple[int, int]],
+                rank: int, world: int, equal: Equal) -> int:
+    """Samples in rank ``rank`` of ``world``'s stream for the span of ``epoch`` after ``history``."""
+    seed = reader.seed if reader.seed is not None else seed  # as read() does
+    part = reader.shard(rank, world, equal=equal)
+    if not history:
+        return len(part)
+    return len(block(unread(part, epoch, seed, history), rank, world, equal))
 
 
 def block(items: np.ndarray, rank: int, world: int, equal: Equal) -> np.ndarray:

@@ -58,10 +58,28 @@ def resume_point(state: dict[str, Any], *, batch_size: int, seed: int, reader: A
                 f"{type(reader).__name__} cannot resume an epoch on another world size "
                 "(files, LMDB and WebDataset with per-shard counts can); resume on "
                 f"{saved_world} ranks, or start at the next epoch")
+        if position >= _saved_span_length(state, seed=seed, reader=reader, history=history):
+            # Saved after its span's last batch: the run on the old world size would go on with
+            # the next epoch, and so does this one, as on the same world size (the Loader's rule),
+            # rather than read an empty rest (pad) or the samples "drop" left out as an extra epoch.
+            return ResumePoint(int(state["epoch"]) + 1, 0, 0, [])
         if position:
             history.append((saved_world, position))
         position = 0  # counted from the start of this world's span
     return ResumePoint(int(state["epoch"]), position, int(state["batches"]), history)
+
+
+def _saved_span_length(state: dict[str, Any], *, seed: int, reader: Any, history: list[tuple[int, int]]) -> int:
+    """Samples in the saving rank's stream for the span it was in (after ``history``), told from the
+    saved world, rank and ``equal``: the files and LMDB readers by their order, WebDataset by its blocks."""
+    saved = state["source"]
+    world, rank, equal = int(state["world"]), int(saved.get("rank", 0)), saved.get("equal")
+    epoch = int(state["epoch"])
+    if hasattr(reader, "order"):  # IndexedReader: one global order whatever the world size
+        return len(reader.shard(rank, world, equal=equal).order(epoch, seed, history))
+    from headrace.readers._reshard import span_length  # the readers import this package: import late
+
+    return span_length(reader, epoch, seed, history, rank, world, equal)
 
 
 def _without(state: dict[str, Any], keys: set[str]) -> dict[str, Any]:
