@@ -20,7 +20,7 @@ from headrace._sample import Sample
 from headrace._threads import cancel_and_wait, join_threads
 
 
-__all__ = ["IndexedReader", "Reader", "check_order", "consumed_prefix", "epoch_order", "number_samples"]
+__all__ = ["IndexedReader", "Reader", "check_order", "int_label", "consumed_prefix", "epoch_order", "number_samples"]
 
 Equal = Literal["pad", "drop"] | None
 _Job = TypeVar("_Job")  # a chunk's fetch in flight: a thread job or a task
@@ -136,6 +136,14 @@ def check_order(shuffle: object, seed: object, reader: str = "") -> tuple[bool, 
     if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ConfigError(f"{prefix}seed must be a non-negative int, or None for the loader's, got {seed!r}")
     return bool(shuffle), int(seed)
+
+
+def int_label(value: object, reader: str, source: object) -> int:
+    """``value`` as a label: an int (NumPy's too), not a bool, a float (1.7 is not class 1) or a str;
+    ConfigError naming ``reader`` and the sample's ``source`` otherwise."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ConfigError(f"{reader}: the label of {source!r} must be an int, got {value!r}")
+    return int(value)
 
 
 def _check_shard(rank: int, world: int, equal: Equal) -> None:

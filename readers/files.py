@@ -17,7 +17,7 @@ from headrace._errors import ConfigError, ReadError, StorageError, require_int
 from headrace._sample import Sample, SampleList, samples_nbytes, value_nbytes
 from headrace._threads import join_threads
 
-from ._base import Equal, IndexedReader
+from ._base import Equal, IndexedReader, int_label
 from ._cache_folder import from_arguments
 from ._object_cache import ObjectCache
 from ._read_files import ChunkReader, PathTable
@@ -382,10 +382,7 @@ def _int_labels(labels: object, paths: list[str]) -> list[int]:
     labels = list(labels)
     if len(labels) != len(paths):
         raise ConfigError(f"files: {len(paths)} paths but {len(labels)} labels")
-    for label, path in zip(labels, paths):
-        if isinstance(label, (bool, np.bool_)) or not isinstance(label, (int, np.integer)):
-            raise ConfigError(f"files: the label of {path!r} must be an int, got {label!r}")
-    return [int(v) for v in labels]
+    return [int_label(label, "files", path) for label, path in zip(labels, paths)]
 
 
 def _label_bytes(labels: Sequence[int] | None) -> list[bytes] | None:

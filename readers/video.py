@@ -30,8 +30,8 @@ from headrace._errors import ConfigError, LoaderError, ReadError, require_int
 from headrace._sample import Sample
 from headrace._threads import join_threads
 
-from ._base import IndexedReader, check_order
-from .files import class_folders
+from ._base import IndexedReader, check_order, int_label
+from .files import class_folders, extension_set
 from ._shards import resolve_shards
 from ._storage import Storage, Store, is_url
 from ._tar import split_name
@@ -89,7 +89,7 @@ class VideoReader(IndexedReader):
         self.paths = [p if isinstance(p, (TarMember, RemoteVideo, ReadError)) else os.fspath(p) for p in paths]
         if len(labels) != len(self.paths):
             raise ConfigError(f"video: {len(self.paths)} paths but {len(labels)} labels")
-        self.labels = [_label(v, p) for v, p in zip(labels, self.paths)]
+        self.labels = [None if v is None else int_label(v, "video", _source(p)) for v, p in zip(labels, self.paths)]
         if not self.paths:
             raise ConfigError("video: no videos")
         self.root = root
@@ -245,15 +245,6 @@ class _Probed:
             return self._value
 
 
-def _label(value: object, path: object) -> int | None:
-    """A video's label: an int (NumPy's too) or None; not a bool, a float (1.7 is not class 1) or a str."""
-    if value is None:
-        return None
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ConfigError(f"video: the label of {_source(path)!r} must be an int or None, got {value!r}")
-    return int(value)
-
-
 def _keyed(error: LoaderError, key: str) -> LoaderError:
     """The probe's error for one sample of the stream (a copy: the probe's is shared by epochs)."""
     out = type(error)(error.message, key=key, source=error.source)  # a StorageError stays one
@@ -367,9 +358,7 @@ def video(
     common: dict[str, Any] = dict(sequence_length=sequence_length, stride=stride, step=step,
                                   clips_per_video=clips_per_video, shuffle=shuffle, seed=seed,
                                   chunk_size=chunk_size, io_threads=io_threads)
-    if isinstance(extensions, str):  # one extension: not its letters (as readers.files takes it)
-        extensions = (extensions,)
-    exts = {e.lower().lstrip(".") for e in extensions}
+    exts = extension_set("video", extensions)
     if store is not None or _has_url(source):
         return _remote(source, Storage(storage_options, store), exts, common)
     if storage_options:
