@@ -3,7 +3,7 @@
 A sample's boxes are ``(x0, y0, x1, y1)`` in pixels of the decoded image (upright, as ``Decode``
 makes it). A box is clipped to the image's real pixels in the output (a crop's edge, not the zero
 padding beyond the image); a box left with no area is dropped, and with it the same rows of the
-``per_box`` fields (its label), as torchvision's ``SanitizeBoundingBoxes`` does.
+``per_box`` fields (its label) and its instance mask, as torchvision's ``SanitizeBoundingBoxes`` does.
 """
 
 from __future__ import annotations
@@ -77,10 +77,12 @@ def read_boxes(sample: Sample, pipe: Pipeline) -> BoxFields:
     return BoxFields(boxes, per_box)
 
 
-def follow_boxes(pipe: Pipeline, plan: PlanBatch, found: list[BoxFields]) -> dict[str, list[torch.Tensor]]:
+def follow_boxes(pipe: Pipeline, plan: PlanBatch, found: list[BoxFields]
+                 ) -> tuple[dict[str, list[torch.Tensor]], list[np.ndarray]]:
     """The boxes of ``found`` (row r planned by ``plan``'s row r) in their output images, and their
-    per-box fields, as columns of one tensor a row: ``{boxes: [float32 (M, 4)], name: [...]}``.
-    Computed for the batch's boxes at once (a box's row picks its plan), then split by row."""
+    per-box fields, as columns of one tensor a row: ``{boxes: [float32 (M, 4)], name: [...]}``; and
+    for each row which of its boxes were kept (bool ``[N]``), for what else is kept with them (the
+    instance masks). Computed for the batch's boxes at once (a box's row picks its plan), then split by row."""
     assert pipe.boxes is not None
     counts = [len(f.boxes) for f in found]
     row = np.repeat(np.arange(len(found)), counts)
@@ -102,14 +104,15 @@ def follow_boxes(pipe: Pipeline, plan: PlanBatch, found: list[BoxFields]) -> dic
     moved = np.stack([x0, y0, x1, y1], axis=1).astype(np.float32)
     keep = _has_area(x0, y0, x1, y1, moved)
     cuts = np.cumsum(counts)[:-1]
+    keeps = np.split(keep, cuts)
     out: dict[str, list[torch.Tensor]] = {pipe.boxes: [], **{name: [] for name in pipe.per_box}}
-    for boxes, kept in zip(np.split(moved, cuts), np.split(keep, cuts)):
+    for boxes, kept in zip(np.split(moved, cuts), keeps):
         out[pipe.boxes].append(torch.from_numpy(boxes[kept]))
     for name in pipe.per_box:
         rows_of = _typed_alike([sample.per_box[name] for sample in found])
-        for rows, kept in zip(rows_of, np.split(keep, cuts)):
+        for rows, kept in zip(rows_of, keeps):
             out[name].append(torch.from_numpy(np.ascontiguousarray(rows[kept])))
-    return out
+    return out, keeps
 
 
 def _has_area(x0: np.ndarray, y0: np.ndarray, x1: np.ndarray, y1: np.ndarray, moved: np.ndarray) -> np.ndarray:

@@ -4,7 +4,8 @@ Both executors fold the geometry ops into one source box, output size and flips 
 (``_geometry.plan_batch``), from random numbers keyed on (seed, epoch, op, sample index). The same
 fold, computed here from the image's header and the same keys, maps the fields that move with the
 image without the executor's help, so they follow the pixels on the CPU and the GPU path alike:
-boxes (``_boxes``) and a segmentation mask (``_masks``).
+boxes (``_boxes``), a segmentation mask and instance masks (``_masks``), the instance masks kept
+and dropped with their boxes.
 
 Each sample's fields are read and checked before its image is decoded (a bad one fails the sample
 there, named, and the executor never sees it); after decoding, the kept rows are mapped.
@@ -25,7 +26,7 @@ from ._exif import jpeg_orientation
 from ._boxes import BoxFields, follow_boxes, read_boxes
 from ._geometry import PlanBatch, plan_batch
 from ._limits import claimed_size
-from ._masks import follow_masks, read_mask
+from ._masks import follow_instance_masks, follow_masks, read_instance_masks, read_mask
 from ._pipeline import Pipeline
 from ._iou_crop import WINDOW_FIELD, choose_windows, op_randoms
 
@@ -41,16 +42,22 @@ class Carried:
     width: int
     boxes: BoxFields | None = None
     mask: np.ndarray | None = None  # (height, width), integers
+    instances: np.ndarray | None = None  # (N, height, width) uint8, one a box as read
+    instance_rows: np.ndarray | None = None  # which of them go on with ``boxes`` (None: all); no copy of the masks
 
 
 def read_carried(sample: Sample, pipe: Pipeline, image: Any) -> Carried:
-    """``sample``'s boxes and mask, checked, and the upright size of ``image`` (its encoded bytes)
-    from the header. Raises TransformError naming the sample for fields that cannot follow the
-    image, DecodeError for an unreadable header."""
+    """``sample``'s boxes, mask and instance masks, checked, and the upright size of ``image`` (its
+    encoded bytes) from the header. Raises TransformError naming the sample for fields that cannot
+    follow the image, DecodeError for an unreadable header."""
     boxes = read_boxes(sample, pipe) if pipe.boxes is not None else None  # before the header: cheaper checks first
     height, width = _upright_size(sample, pipe, image)
     mask = read_mask(sample, pipe, height, width) if pipe.mask is not None else None
-    return Carried(height, width, boxes, mask)
+    instances = None
+    if pipe.instance_masks is not None:
+        assert boxes is not None  # the Pipeline asks for boxes with them
+        instances = read_instance_masks(sample, pipe, height, width, len(boxes.boxes))
+    return Carried(height, width, boxes, mask, instances)
 
 
 def _upright_size(sample: Sample, pipe: Pipeline, image: Any) -> tuple[int, int]:
@@ -77,7 +84,7 @@ def with_iou_windows(samples: list[Sample], rows: list[int], pipe: Pipeline, car
     """For a pipeline that starts with ``RandomIoUCrop``: the windows of ``samples[i]`` for the
     ``rows``, chosen on their boxes for the batch at once (``choose_windows``). Each of those
     samples is replaced by one carrying its window (the reader's stays as it was) and its
-    ``carried`` boxes by those whose centres the window holds."""
+    ``carried`` boxes by those whose centres the window holds (their instance masks with them)."""
     op = pipe.iou_crop
     assert op is not None
     if not rows:
@@ -91,6 +98,8 @@ def with_iou_windows(samples: list[Sample], rows: list[int], pipe: Pipeline, car
     for i, c, boxes, (window, inside) in zip(rows, found, boxes_of, chosen):
         if not inside.all():
             c.boxes = BoxFields(boxes.boxes[inside], {name: values[inside] for name, values in boxes.per_box.items()})
+            if c.instances is not None:
+                c.instance_rows = _instance_rows(c)[inside]
         s = samples[i]
         samples[i] = Sample(s.key, {**s.fields, WINDOW_FIELD: window}, s.source, s.index, s.position)
 
@@ -107,14 +116,25 @@ def plan_rows(pipe: Pipeline, seed: int, epoch: int, samples: list[Sample], carr
 def carried_columns(pipe: Pipeline, seed: int, epoch: int, samples: list[Sample], carried: list[Carried]
                     ) -> dict[str, Any]:
     """The batch's columns of what moved with its images: ``boxes`` and the ``per_box`` fields (a
-    tensor a row), ``mask`` (one tensor when the ops fix the output size, as the images, else a tensor a row)."""
+    tensor a row), ``mask`` (one tensor when the ops fix the output size, as the images, else a tensor
+    a row), the instance masks (a tensor ``[N, H, W]`` a row, the layers of the boxes kept)."""
     plan = plan_rows(pipe, seed, epoch, samples, carried)
     out: dict[str, Any] = {}
     if pipe.boxes is not None:
-        out.update(follow_boxes(pipe, plan, [c.boxes for c in carried]))
+        columns, keeps = follow_boxes(pipe, plan, [c.boxes for c in carried])
+        out.update(columns)
+        if pipe.instance_masks is not None:
+            layers = [_instance_rows(c)[kept] for c, kept in zip(carried, keeps)]
+            out[pipe.instance_masks] = follow_instance_masks(plan, [c.instances for c in carried], layers)
     if pipe.mask is not None:
         out[pipe.mask] = follow_masks(plan, [c.mask for c in carried], pipe.mask_fill, pipe.output_size() is not None)
     return out
+
+
+def _instance_rows(c: Carried) -> np.ndarray:
+    """Which layers of ``c.instances`` go on with ``c.boxes``, in order (int64)."""
+    assert c.instances is not None
+    return np.arange(len(c.instances)) if c.instance_rows is None else c.instance_rows
 
 
 def rows_on_device(columns: dict[str, Any], device: torch.device) -> dict[str, Any]:

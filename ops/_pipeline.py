@@ -56,8 +56,12 @@ class Pipeline:
     (its labels). Both come out as lists, a tensor per row (``_boxes``). ``mask`` names a field
     holding a single-channel image of the decoded image's size (a segmentation map: encoded, a PNG,
     or an array ``[H, W]``) that goes through the same geometry, nearest-neighbour, its padding
-    ``mask_fill`` (``_masks``). Boxes and masks need the flips after the crops and resizes, and no
-    ``Rotate`` or ``WarpAffine``.
+    ``mask_fill`` (``_masks``). ``instance_masks`` names a field holding one binary mask a box
+    (``[N, H, W]``, bool or integers, nonzero inside: ``readers.coco(instance_masks=True)``'s
+    ``masks``, Mask R-CNN's targets); it needs ``boxes``. Each layer goes through the geometry as
+    ``mask`` does, its padding 0, and is kept or dropped with its box; they come out as a list, a
+    uint8 tensor ``[N, H, W]`` per row, 0 and 1. Boxes and masks need the flips after the crops and
+    resizes, and no ``Rotate`` or ``WarpAffine``.
 
     User stages (``Map``, ``Filter``, ``MapBatch``, see ``_stages``) go before ``Decode`` (on the
     samples' fields) or after the last built-in op (on output rows or whole batches), never between
@@ -66,7 +70,8 @@ class Pipeline:
     given) is batched by the same rules, after the stages.
 
     Raises ConfigError for an op list that breaks these rules, a field named for two roles (the
-    label an image field; boxes, per_box or mask the label, an image field or one of ``fields``),
+    label an image field; boxes, per_box, mask or instance_masks the label, an image field or one of
+    ``fields``), ``instance_masks`` without ``boxes``,
     or a fixed output size over ``Decode.max_pixels`` (that limit bounds every op's output; see ``Decode``).
     """
 
@@ -82,6 +87,7 @@ class Pipeline:
         per_box: Sequence[str] = (),
         mask: str | None = None,
         mask_fill: int = 0,
+        instance_masks: str | None = None,
     ) -> None:
         listed = _op_list(ops)
         for op in listed:
@@ -122,7 +128,8 @@ class Pipeline:
         if {"image", "label"} & set(fields):
             raise ConfigError("Pipeline: fields cannot be named 'image' or 'label' (the batch's own keys)")
         self.fields: tuple[str, ...] = tuple(dict.fromkeys(fields))
-        self.boxes, self.per_box, self.mask, self.mask_fill = _carried_fields(boxes, per_box, mask, mask_fill, self)
+        self.boxes, self.per_box, self.mask, self.mask_fill, self.instance_masks = _carried_fields(
+            boxes, per_box, mask, mask_fill, instance_masks, self)
         self.layout = self.normalize.layout if self.normalize else layout
         if self.normalize and len(self.normalize.mean) not in (1, self.decode.channels):
             raise ConfigError(
@@ -160,8 +167,8 @@ class Pipeline:
 
     @property
     def carries(self) -> bool:
-        """Whether fields move with the image (``boxes``, ``mask``): ``_follow`` maps them."""
-        return self.boxes is not None or self.mask is not None
+        """Whether fields move with the image (``boxes``, ``mask``, ``instance_masks``): ``_follow`` maps them."""
+        return self.boxes is not None or self.mask is not None  # instance masks need boxes
 
     def core(self) -> Pipeline:
         """This pipeline's built-in part (its ops, image and label; no stages, no fields): what an
@@ -197,6 +204,8 @@ class Pipeline:
             fields += f", boxes={self.boxes!r}" + (f", per_box={self.per_box!r}" if self.per_box else "")
         if self.mask:
             fields += f", mask={self.mask!r}" + (f", mask_fill={self.mask_fill}" if self.mask_fill else "")
+        if self.instance_masks:
+            fields += f", instance_masks={self.instance_masks!r}"
         if self.layout != "CHW" and self.normalize is None:  # with a Normalize, its own repr shows the layout
             fields += f", layout={self.layout!r}"
         image = self.image_fields if self.has_image else None
@@ -251,37 +260,41 @@ def _check_order(ops: list[Op]) -> None:
 
 
 def _carried_fields(boxes: str | None, per_box: Sequence[str], mask: str | None, mask_fill: int,
-                    pipe: Pipeline) -> tuple[str | None, tuple[str, ...], str | None, int]:
-    """``boxes``, ``per_box``, ``mask`` and ``mask_fill`` checked against the rest of ``pipe``:
-    the fields that move with the image. Raises ConfigError."""
+                    instance_masks: str | None, pipe: Pipeline
+                    ) -> tuple[str | None, tuple[str, ...], str | None, int, str | None]:
+    """``boxes``, ``per_box``, ``mask``, ``mask_fill`` and ``instance_masks`` checked against the rest
+    of ``pipe``: the fields that move with the image. Raises ConfigError."""
     if isinstance(per_box, str) or not isinstance(per_box, (list, tuple)) or not all(
             isinstance(name, str) and name for name in per_box):
         raise ConfigError(f"Pipeline: per_box must be a sequence of field names, got {per_box!r}")
     if boxes is None and per_box:
         raise ConfigError("Pipeline: per_box names fields that move with boxes; name the boxes too (boxes=...)")
-    for what, name in (("boxes", boxes), ("mask", mask)):
+    for what, name in (("boxes", boxes), ("mask", mask), ("instance_masks", instance_masks)):
         if name is not None and (not isinstance(name, str) or not name):
             raise ConfigError(f"Pipeline: {what} must be a field name or None, got {name!r}")
     if isinstance(mask_fill, bool) or not isinstance(mask_fill, int) or not 0 <= mask_fill < 2**31:
         raise ConfigError(f"Pipeline: mask_fill must be an int >= 0, got {mask_fill!r}")
+    if boxes is None and instance_masks is not None:
+        raise ConfigError("Pipeline: instance_masks are kept or dropped with their boxes; name the boxes too "
+                          "(boxes=...)")
     iou_crops = [i for i, op in enumerate(pipe.image_ops) if isinstance(op, RandomIoUCrop)]
     if iou_crops and boxes is None:
         raise ConfigError("Pipeline: RandomIoUCrop chooses its window by the boxes; name them (boxes=...)")
     if iou_crops and iou_crops != [0]:
         raise ConfigError("Pipeline: RandomIoUCrop comes first among the geometry ops, once (its window is "
                           "chosen on the decoded image's boxes)")
-    names = tuple(n for n in (boxes, *per_box, mask) if n is not None)
+    names = tuple(n for n in (boxes, *per_box, mask, instance_masks) if n is not None)
     if not names:
-        return None, (), None, mask_fill
+        return None, (), None, mask_fill, None
     if not pipe.has_image:
         raise ConfigError("Pipeline: boxes and masks move with an image; image=None has none")
     if len(set(names)) != len(names):
-        raise ConfigError(f"Pipeline: boxes, per_box and mask name a field twice: {names!r}")
+        raise ConfigError(f"Pipeline: boxes, per_box, mask and instance_masks name a field twice: {names!r}")
     # The label field too: boxes parsed as a class (or a class read as boxes) fails only at the first batch.
     taken = {"image", "label", *pipe.fields, *pipe.image_fields, pipe.label_field} - {None}
     if clash := [name for name in names if name in taken]:
-        raise ConfigError(f"Pipeline: {clash[0]!r} is named as boxes, per_box or mask and elsewhere "
-                          "(image, label or fields)")
+        role = "instance_masks" if clash[0] == instance_masks else "boxes, per_box or mask"
+        raise ConfigError(f"Pipeline: {clash[0]!r} is named as {role} and elsewhere (image, label or fields)")
     seen_flip = False
     for op in pipe.image_ops:
         if isinstance(op, Flip):
@@ -292,7 +305,7 @@ def _carried_fields(boxes: str | None, per_box: Sequence[str], mask: str | None,
     if moving := [op for op in pipe.post_ops if op.moves_pixels]:
         raise ConfigError(f"Pipeline: boxes and masks cannot follow {moving[0]!r} (it moves pixels); leave it "
                           "out, or apply it to the image and what moves with it yourself in a MapBatch")
-    return boxes, tuple(per_box), mask, mask_fill
+    return boxes, tuple(per_box), mask, mask_fill, instance_masks
 
 
 def _split_stages(listed: list[Op | Stage]) -> tuple[tuple[Stage, ...], list[Op], tuple[Stage, ...]]:

@@ -209,7 +209,7 @@ class StagedExecutor:
         pipe = self.pipeline
         made = [name for name in samples[rows[0]].fields if name not in batch.samples[rows[0]].fields]
         unused = [name for name in made if name not in pipe.fields and name not in pipe.image_fields
-                  and name != pipe.label_field and name not in (pipe.boxes, pipe.mask, *pipe.per_box)]
+                  and name != pipe.label_field and name not in (pipe.boxes, pipe.mask, pipe.instance_masks, *pipe.per_box)]
         self._warned_unused = True
         if unused:
             logger.warning("headrace: the stages before Decode add fields %s that no batch carries; name them in "

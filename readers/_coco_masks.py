@@ -1,10 +1,13 @@
-"""COCO's segmentations as one class map an image: polygons filled, RLE runs decoded, both pixel for
-pixel as pycocotools makes them (``frPyObjects``, ``merge``, ``decode``).
+"""COCO's segmentations as one class map an image, or as one binary mask an annotation: polygons
+filled, RLE runs decoded, both pixel for pixel as pycocotools makes them (``frPyObjects``,
+``merge``, ``decode``).
 
 ``readers.coco(masks=True)`` gives each sample a ``mask`` field holding a ``CocoMask``: the image's
 kept annotations (label and segmentation), drawn only when the pipeline reads it (``np.asarray``
 calls ``__array__``, in the loader's threads before decoding), since a data set's maps drawn at
 once would not fit in memory. Later annotations are drawn over earlier ones, in the file's order.
+``readers.coco(instance_masks=True)`` gives each a ``masks`` field holding a ``CocoInstanceMasks``,
+drawn on request the same way: ``[N, H, W]``, one layer an annotation, in the boxes' order.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CocoMask", "check_segmentation", "decode_rle", "finite_number", "polygon_boundary"]
+__all__ = ["CocoInstanceMasks", "CocoMask", "check_segmentation", "decode_rle", "finite_number", "polygon_boundary"]
 
 
 def check_segmentation(seg: Any, height: int, width: int) -> str | None:
@@ -183,6 +186,17 @@ def _fill_between(columns_flat: np.ndarray, boundary: np.ndarray, value: int) ->
         columns_flat[start:stop] = value
 
 
+def _draw(columns_flat: np.ndarray, seg: Any, value: int, height: int, width: int) -> None:
+    """One annotation's segmentation set to ``value`` in an image flattened down its columns (its
+    transpose's flat view, as COCO's runs and a polygon's boundary indices run). Each polygon
+    drawn with the same value is their union, as pycocotools' ``merge`` makes it."""
+    if isinstance(seg, dict):
+        columns_flat[decode_rle(seg["counts"], height, width).T.reshape(-1)] = value
+        return
+    for polygon in seg:
+        _fill_between(columns_flat, polygon_boundary(polygon, height, width), value)
+
+
 class CocoMask:
     """One image's class map, drawn on request: ``np.asarray(mask)`` is ``[height, width]``, 0 where
     no annotation is, each annotation's label inside it (uint8, int64 for labels past 255). Polygons
@@ -196,19 +210,37 @@ class CocoMask:
         self.labels, self.segmentations = labels, segmentations
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        # Drawn on the map's transpose, whose flat view runs down the columns as COCO's runs and a
-        # polygon's boundary indices do. Each polygon drawn with its annotation's label is the union.
+        # Drawn on the map's transpose, whose flat view runs down the columns as COCO's runs do.
         wide = any(label > 255 for label in self.labels)
         columns = np.zeros((self.width, self.height), np.int64 if wide else np.uint8)
         columns_flat = columns.reshape(-1)
         for label, seg in zip(self.labels, self.segmentations):
-            if isinstance(seg, dict):
-                columns_flat[decode_rle(seg["counts"], self.height, self.width).T.reshape(-1)] = label
-                continue
-            for polygon in seg:
-                _fill_between(columns_flat, polygon_boundary(polygon, self.height, self.width), label)
+            _draw(columns_flat, seg, label, self.height, self.width)
         out = np.ascontiguousarray(columns.T)
         return out if dtype is None else out.astype(dtype)
 
     def __repr__(self) -> str:
         return f"CocoMask({self.width}x{self.height}, {len(self.labels)} annotations)"
+
+
+class CocoInstanceMasks:
+    """One image's annotations as binary masks, drawn on request: ``np.asarray(masks)`` is uint8
+    ``[N, height, width]``, layer i 1 inside annotation i's segmentation and 0 elsewhere (``[0,
+    height, width]`` for none). Each layer is drawn as ``CocoMask`` draws its annotation: polygons
+    pixel for pixel as pycocotools fills them, several polygons as their union, RLE as it is."""
+
+    __slots__ = ("height", "segmentations", "width")
+
+    def __init__(self, height: int, width: int, segmentations: list[Any]) -> None:
+        self.height, self.width = height, width
+        self.segmentations = segmentations
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        layers = np.zeros((len(self.segmentations), self.width, self.height), np.uint8)  # each layer transposed
+        for layer, seg in zip(layers, self.segmentations):
+            _draw(layer.reshape(-1), seg, 1, self.height, self.width)
+        out = np.ascontiguousarray(layers.transpose(0, 2, 1))
+        return out if dtype is None else out.astype(dtype)
+
+    def __repr__(self) -> str:
+        return f"CocoInstanceMasks({self.width}x{self.height}, {len(self.segmentations)} annotations)"

@@ -21,7 +21,7 @@ import numpy as np
 from headrace._errors import ConfigError, ReadError, require_int
 
 from ._cache_folder import from_arguments
-from ._coco_masks import CocoMask, check_segmentation, finite_number
+from ._coco_masks import CocoInstanceMasks, CocoMask, check_segmentation, finite_number
 from ._object_cache import ObjectCache
 from ._storage import Storage, Store, is_url, run_sync, with_retries
 from .files import FileReader
@@ -55,6 +55,7 @@ def coco(
     include_crowd: bool = True,
     min_box_size: float = 0.0,
     masks: bool = False,
+    instance_masks: bool = False,
     shuffle: bool = False,
     seed: int | None = None,
     chunk_size: int = 64,
@@ -93,14 +94,24 @@ def coco(
     with ``Pipeline(label=None, boxes="boxes", per_box=("labels",))`` to have the boxes follow
     the crops, resizes and flips.
 
+    ``instance_masks=True`` adds ``masks``: one binary mask a kept annotation, row for row with
+    ``boxes`` and ``labels`` (the same annotations, in the same order), uint8 ``[N, height, width]``
+    (the image's size in the file), 1 inside the annotation's segmentation (its polygons' union, or
+    its RLE) and 0 elsewhere; ``[0, height, width]`` for an image with none. What Mask R-CNN trains on (torchvision's ``masks`` target). Drawn as
+    ``mask`` is, when the pipeline reads it: ``Pipeline(boxes="boxes", per_box=("labels",),
+    instance_masks="masks")`` moves them with the image and keeps or drops each with its box. It
+    may be asked for with ``masks=True`` or without it.
+
     Raises ReadError naming the file when the annotation file cannot be read or is not COCO's
-    format (naming the annotation at fault), ConfigError for a wrong argument. A listed image that
-    is missing is a ReadError naming it when it is read.
+    format (naming the annotation at fault; with ``masks`` or ``instance_masks``, a segmentation
+    that cannot be drawn), ConfigError for a wrong argument. A listed image that is missing is a
+    ReadError naming it when it is read.
     """
     if box_format not in ("xyxy", "xywh"):
         raise ConfigError(f"coco: box_format must be 'xyxy' or 'xywh', got {box_format!r}")
     for name, flag in (("relative", relative), ("contiguous_labels", contiguous_labels), ("skip_empty", skip_empty),
-                       ("include_crowd", include_crowd), ("masks", masks)):
+                       ("include_crowd", include_crowd), ("masks", masks),
+                       ("instance_masks", instance_masks)):
         if not isinstance(flag, bool):
             raise ConfigError(f"coco: {name} must be True or False, got {flag!r}")
     if (isinstance(min_box_size, bool) or not isinstance(min_box_size, (int, float)) or not math.isfinite(min_box_size)
@@ -111,7 +122,8 @@ def coco(
     source = os.fspath(annotations)
     doc = _load(source, storage)
     table = _Annotations(doc, source)
-    rows = table.images(box_format, relative, contiguous_labels, include_crowd, float(min_box_size), skip_empty, masks)
+    rows = table.images(box_format, relative, contiguous_labels, include_crowd, float(min_box_size), skip_empty, masks,
+                        instance_masks)
     if not rows:
         raise ReadError("no images left to read (every image has no box and skip_empty=True)"
                         if skip_empty and table.image_count else "the annotation file lists no images", source=source)
@@ -121,7 +133,8 @@ def coco(
         raise ReadError("no such folder", source=root)
     paths = [_join(root, row.file_name, remote) for row in rows]
     extra = [{"boxes": row.boxes, "labels": row.labels, "image_id": row.image_id,
-              **({"mask": row.mask} if masks else {})} for row in rows]
+              **({"mask": row.mask} if masks else {}), **({"masks": row.instances} if instance_masks else {})}
+             for row in rows]
     cache = from_arguments("coco", cache_dir, cache_bytes, partial(ObjectCache, native=True))
     reader = CocoReader(paths, None, root=root.rstrip("/") + "/" if remote else Path(root), shuffle=shuffle,
                         seed=seed, chunk_size=chunk_size, io_threads=io_threads, storage=storage, requests=requests,
@@ -156,11 +169,12 @@ def _load(source: str, storage: Storage) -> Any:
 
 
 class _Image:
-    __slots__ = ("boxes", "file_name", "image_id", "labels", "mask")
+    __slots__ = ("boxes", "file_name", "image_id", "instances", "labels", "mask")
 
     def __init__(self, image_id: int, file_name: str, boxes: np.ndarray, labels: np.ndarray,
-                 mask: CocoMask | None) -> None:
+                 mask: CocoMask | None, instances: CocoInstanceMasks | None) -> None:
         self.image_id, self.file_name, self.boxes, self.labels, self.mask = image_id, file_name, boxes, labels, mask
+        self.instances = instances
 
 
 class _Annotations:
@@ -216,7 +230,7 @@ class _Annotations:
         return {(i + 1 if contiguous else cid): self._categories[cid] for i, cid in enumerate(ids)}
 
     def images(self, box_format: BoxFormat, relative: bool, contiguous: bool, include_crowd: bool,
-               min_size: float, skip_empty: bool, masks: bool) -> list[_Image]:
+               min_size: float, skip_empty: bool, masks: bool, instance_masks: bool) -> list[_Image]:
         sizes = {image_id: (w, h) for image_id, _, w, h in self._images}
         label_of = {cid: i + 1 for i, cid in enumerate(sorted(self._categories))} if contiguous else None
         boxes: dict[int, list[list[float]]] = {image_id: [] for image_id in sizes}
@@ -243,7 +257,7 @@ class _Annotations:
             x, y, w, h = (float(v) for v in box)
             if w <= min_size or h <= min_size:
                 continue
-            if masks:
+            if masks or instance_masks:
                 width, height = sizes[image_id]
                 if why := check_segmentation(ann.get("segmentation"), height, width):
                     raise ReadError(f"{where}: {why}", source=self.source)
@@ -263,5 +277,6 @@ class _Annotations:
             lab = np.array(labels[image_id], dtype=np.int64)
             b.flags.writeable = lab.flags.writeable = False  # shared by every epoch's samples
             mask = CocoMask(height, width, lab.tolist(), segmentations[image_id]) if masks else None
-            out.append(_Image(image_id, name, b, lab, mask))
+            instances = CocoInstanceMasks(height, width, segmentations[image_id]) if instance_masks else None
+            out.append(_Image(image_id, name, b, lab, mask, instances))
         return out
