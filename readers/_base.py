@@ -96,8 +96,8 @@ def consumed_prefix(n: int, history: Sequence[tuple[int, int]], equal: Equal = N
     (world, position) per span, in order, every rank of a span having read ``position`` entries."""
     done = 0
     for world, position in history:
-        require_int("history: world", world)
-        require_int("history: position", position, 0)
+        world = require_int("history: world", world)
+        position = require_int("history: position", position, 0)
         if equal == "drop" and world > 1:  # the ranks' streams end after (n - done) // world
             position = min(position, (n - done) // world)
         done = min(n, done + position * world)
@@ -133,26 +133,22 @@ def check_order(shuffle: object, seed: object, reader: str = "") -> tuple[bool, 
         raise ConfigError(f"{prefix}shuffle must be True or False, got {shuffle!r}")
     if seed is None:
         return bool(shuffle), None
-    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ConfigError(f"{prefix}seed must be a non-negative int, or None for the loader's, got {seed!r}")
-    return bool(shuffle), int(seed)
+    return bool(shuffle), require_int(f"{prefix}seed", seed, 0)
 
 
 def int_label(value: object, reader: str, source: object) -> int:
     """``value`` as a label: an int (NumPy's too), not a bool, a float (1.7 is not class 1) or a str;
     ConfigError naming ``reader`` and the sample's ``source`` otherwise."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ConfigError(f"{reader}: the label of {source!r} must be an int, got {value!r}")
-    return int(value)
+    return require_int(f"{reader}: the label of {source!r}", value, None)
 
 
-def _check_shard(rank: int, world: int, equal: Equal) -> None:
-    if not isinstance(world, int) or world < 1:
-        raise ConfigError(f"world must be a positive int, got {world!r}")
-    if not isinstance(rank, int) or not 0 <= rank < world:
-        raise ConfigError(f"rank must be in [0, {world}), got {rank!r}")
+def _check_shard(rank: object, world: object, equal: Equal) -> tuple[int, int]:
+    """``(rank, world)`` as Python ints (NumPy's taken too); ConfigError for a wrong one or ``equal``."""
+    world = require_int("world", world)
+    rank = require_int("rank", rank, 0, below=world)
     if equal not in (None, "pad", "drop"):
         raise ConfigError(f"equal must be None, 'pad' or 'drop', got {equal!r}")
+    return rank, world
 
 
 class IndexedReader(Reader):
@@ -165,11 +161,9 @@ class IndexedReader(Reader):
     reshardable = True  # the global order is one permutation whatever the world size
 
     def __init__(self, *, shuffle: bool, seed: int | None, chunk_size: int, io_threads: int) -> None:
-        require_int("chunk_size", chunk_size)
-        require_int("io_threads", io_threads)
+        self.chunk_size = require_int("chunk_size", chunk_size)
+        self.io_threads = require_int("io_threads", io_threads)
         self.shuffle, self.seed = check_order(shuffle, seed)
-        self.chunk_size = chunk_size
-        self.io_threads = io_threads
         self.equal: Equal = None
 
     @abstractmethod
@@ -199,7 +193,7 @@ class IndexedReader(Reader):
         return shard_length(self._dataset_size(), self.rank, self.world, self.equal)
 
     def shard(self, rank: int, world: int, *, equal: Equal = None) -> Self:
-        _check_shard(rank, world, equal)
+        rank, world = _check_shard(rank, world, equal)
         part = copy.copy(self)
         part.rank, part.world, part.equal = rank, world, equal
         return part

@@ -59,8 +59,8 @@ class FileReader(IndexedReader):
         extra: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         super().__init__(shuffle=shuffle, seed=seed, chunk_size=chunk_size, io_threads=io_threads)
-        require_int("files: requests", requests)
-        require_int("files: buffer_bytes", buffer_bytes, 1)
+        requests = require_int("files: requests", requests)
+        buffer_bytes = require_int("files: buffer_bytes", buffer_bytes, 1)
         if not isinstance(native_read, (bool, np.bool_)):  # "no" would be true: the C helper
             raise ConfigError(f"files: native_read must be True or False, got {native_read!r}")
         self.paths = [_path_text(p) for p in paths]
@@ -79,7 +79,7 @@ class FileReader(IndexedReader):
         self.requests = requests
         self.buffer_bytes = buffer_bytes
         # Remote objects: chunks fetched ahead, grown while the consumer waits (see ``_handed``).
-        self._depth = io_threads
+        self._depth = self.io_threads
         self._sample_bytes = 0.0  # the mean object size seen
         # Objects in a store are fetched on the event loop (``requests`` GETs at once per read);
         # their sources are URLs without credentials or query strings.

@@ -97,7 +97,7 @@ class MixReader(Reader):
         return sum(self.counts)
 
     def shard(self, rank: int, world: int, *, equal: Equal = None) -> Self:
-        _check_shard(rank, world, equal)
+        rank, world = _check_shard(rank, world, equal)
         part = copy.copy(self)
         part.sources = [s.shard(rank, world, equal=equal) for s in self.sources]
         part.rank, part.world, part.equal = rank, world, equal
@@ -112,7 +112,7 @@ class MixReader(Reader):
         return np.random.default_rng([seed, epoch, _ORDER_TAG]).permutation(labels)
 
     async def read(self, epoch: int, *, start: int = 0, seed: int = 0) -> AsyncIterator[list[Sample]]:
-        require_int("start", start, 0)
+        start = require_int("start", start, 0)
         order = self.order(epoch, seed)
         if start > len(order):  # as every reader: a position past the end is a wrong state, not an empty epoch
             raise ConfigError(f"start must be in [0, {len(order)}], got {start}")
@@ -292,10 +292,10 @@ def mix(
                for w in weights) or sum(weights) <= 0:
             raise ConfigError(f"mix: weights must be finite numbers >= 0, not all 0; got {weights!r}")
     if length is not None:
-        require_int("mix: length", length, 1)
-    require_int("mix: chunk_size", chunk_size, 1)
+        length = require_int("mix: length", length, 1)
+    chunk_size = require_int("mix: chunk_size", chunk_size, 1)
     if seed is not None:
-        require_int("mix: seed", seed, 0)
+        seed = require_int("mix: seed", seed, 0)
     if tag is not None and not (isinstance(tag, str) and tag):
         raise ConfigError(f"mix: tag must be a field name (a non-empty str), got {tag!r}")
     return MixReader(readers_, names, weights, length=length, seed=seed, chunk_size=chunk_size, tag=tag)

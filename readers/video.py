@@ -81,7 +81,7 @@ class VideoReader(IndexedReader):
         super().__init__(shuffle=shuffle, seed=seed, chunk_size=chunk_size, io_threads=io_threads)
         self.sequence_length = require_int("video: sequence_length", sequence_length)
         self.stride = require_int("video: stride", stride)
-        self.span = (sequence_length - 1) * stride + 1  # frames from a clip's first to its last, inclusive
+        self.span = (self.sequence_length - 1) * self.stride + 1  # frames from a clip's first to its last, inclusive
         self.step = require_int("video: step", step) if step is not None else self.span
         self.clips_per_video = require_int("video: clips_per_video", clips_per_video) if clips_per_video is not None else None
         # A video is a file's path, a tar member, an object in storage, or the ReadError of a member

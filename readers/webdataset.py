@@ -25,7 +25,7 @@ import bisect
 import contextlib
 import copy
 import os
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any, Literal, Self
 
 import numpy as np
@@ -70,9 +70,10 @@ class WebDatasetReader(Reader):
         buffer_bytes: int = 8 << 20,
         cache: ShardCache | None = None,
     ) -> None:
-        for name, value, low in (("shuffle_buffer", shuffle_buffer, 0), ("read_ahead", read_ahead, 0),
-                                 ("chunk_size", chunk_size, 1), ("buffer_bytes", buffer_bytes, 1 << 16)):
-            require_int(f"webdataset: {name}", value, low)
+        shuffle_buffer = require_int("webdataset: shuffle_buffer", shuffle_buffer, 0)
+        read_ahead = require_int("webdataset: read_ahead", read_ahead, 0)
+        chunk_size = require_int("webdataset: chunk_size", chunk_size, 1)
+        buffer_bytes = require_int("webdataset: buffer_bytes", buffer_bytes, 1 << 16)
         if split not in ("auto", "shards", "samples"):
             raise ConfigError(f"webdataset: split must be 'auto', 'shards' or 'samples', got {split!r}")
         if counts is not None and len(counts) != len(shards):
@@ -165,7 +166,7 @@ class WebDatasetReader(Reader):
         return self._counts is not None
 
     def shard(self, rank: int, world: int, *, equal: Equal = None) -> Self:
-        _check_shard(rank, world, equal)
+        rank, world = _check_shard(rank, world, equal)
         part = copy.copy(self)
         part.rank, part.world, part.equal = rank, world, equal
         part.files = copy.copy(self.files)  # its own download counters, as a copy's attributes were
@@ -203,7 +204,7 @@ class WebDatasetReader(Reader):
         corrupt ends with one sample whose ``error`` is a ReadError naming the shard and key.
         """
         seed = self.seed if self.seed is not None else seed
-        require_int("start", start, 0)
+        start = require_int("start", start, 0)
         if history:  # the epoch began on other world sizes: see _reshard.py
             async with contextlib.aclosing(resharded(self, epoch, seed, history, start)) as stream:
                 async for chunk in stream:
@@ -439,6 +440,6 @@ def _given_counts(counts: int | Sequence[int] | Literal["scan"] | None, shards: 
         if counts != "scan":
             raise ConfigError(f"webdataset: counts must be a list, an int, 'scan' or None, got {counts!r}")
         return run_sync(reader.files.count), None
-    if isinstance(counts, int) and not isinstance(counts, bool):
-        return None, counts
+    if not isinstance(counts, Iterable):  # a total (NumPy's ints too); a bool or a float is refused
+        return None, require_int("webdataset: counts", counts, 0)
     return list(counts), None

@@ -16,6 +16,8 @@ Each carries ``key`` (the sample key, when one is known), ``source`` (path or UR
 
 from __future__ import annotations
 
+import numbers
+
 __all__ = [
     "ClosedError",
     "ConfigError",
@@ -72,12 +74,21 @@ class ConfigError(LoaderError, ValueError):
     stage = "config"
 
 
-def require_int(name: str, value: object, minimum: int = 1) -> int:
-    """``value`` if it is an int (not a bool) of at least ``minimum``; ConfigError naming ``name`` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        wanted = "a positive int" if minimum == 1 else "a non-negative int" if minimum == 0 else f"an int >= {minimum}"
+def require_int(name: str, value: object, minimum: int | None = 1, *, below: int | None = None) -> int:
+    """``value`` as a Python int if it is an int or a NumPy integer (``np.int64(8)``, from a config or
+    an array) of at least ``minimum`` (None: no bound) and, if given, less than ``below``; ConfigError
+    naming ``name`` otherwise. A bool is refused (True would be 1), as is a float, even ``8.0``."""
+    # numbers.Integral holds int and NumPy's integer scalars (not np.bool_), without importing NumPy.
+    if (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+            or (minimum is not None and value < minimum) or (below is not None and value >= below)):
+        if below is not None:
+            wanted = f"an int in [{minimum}, {below})" if minimum is not None else f"an int < {below}"
+        elif minimum is None:
+            wanted = "an int"
+        else:
+            wanted = "a positive int" if minimum == 1 else "a non-negative int" if minimum == 0 else f"an int >= {minimum}"
         raise ConfigError(f"{name} must be {wanted}, got {value!r}")
-    return value
+    return int(value)
 
 
 class ReadError(LoaderError):

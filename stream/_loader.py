@@ -187,21 +187,21 @@ class Loader:
             equal=equal, progress=progress)
         self.reader = args.reader
         self.rank, self.world = args.reader.rank, args.reader.world
-        self.batch_size = batch_size
+        self.batch_size = args.batch_size
         self.pipeline = args.pipeline
         self.device = args.device
-        self.lanes = lanes
+        self.lanes = args.lanes
         self.hw_load = hw_load
         self.gpu_tuning = gpu_tuning
         self.run_ahead = args.run_ahead
         self.last_batch = args.last_batch
-        self.seed = seed
+        self.seed = args.seed
         self.num_threads = args.num_threads
         self.progress = progress
         self._cursor = Cursor()  # where the next batch comes from
         self._epochs = Epochs(self._cursor, LoaderStats(), self._make_executor, self._epoch_length,
-                              reader=args.reader, batch_size=batch_size, last_batch=args.last_batch, seed=seed,
-                              prefetch=args.prefetch, max_bytes=max_bytes, on_error=on_error,
+                              reader=args.reader, batch_size=args.batch_size, last_batch=args.last_batch,
+                              seed=args.seed, prefetch=args.prefetch, max_bytes=args.max_bytes, on_error=on_error,
                               max_errors=args.max_errors)
 
     def _make_executor(self) -> Executor:

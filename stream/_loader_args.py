@@ -25,14 +25,19 @@ _EQUAL = ("pad", "drop", None)
 
 @dataclass(frozen=True, slots=True)
 class LoaderArgs:
-    """What the loader runs with, every default filled in."""
+    """What the loader runs with, every default filled in, and every count a Python int (the
+    arguments may be NumPy's: they would then reach the state dict and the stages)."""
 
     reader: Any  # this rank's part of the data set
     pipeline: Any
     device: str  # "cpu" or "cuda:N"
     last_batch: LastBatch
+    batch_size: int
+    seed: int
+    lanes: int
     num_threads: int
     prefetch: int
+    max_bytes: int
     max_errors: int | float  # 0 when on_error is "raise"
     run_ahead: bool
 
@@ -64,8 +69,9 @@ def resolve_loader_args(
 
     Raises ConfigError naming the first wrong argument.
     """
-    pipeline = _check_arguments(reader, batch_size=batch_size, pipeline=pipeline, seed=seed, on_error=on_error,
-                                lanes=lanes, gpu_tuning=gpu_tuning, run_ahead=run_ahead, equal=equal, progress=progress)
+    pipeline, batch_size, lanes, seed = _check_arguments(
+        reader, batch_size=batch_size, pipeline=pipeline, seed=seed, on_error=on_error, lanes=lanes,
+        gpu_tuning=gpu_tuning, run_ahead=run_ahead, equal=equal, progress=progress)
     dist = detect_distributed(distributed=distributed, rank=rank, world=world)
     reader = _shard_for(reader, dist.rank, dist.world, equal, explicit=rank is not None)
     device = resolve_device(pipeline, device, local_rank=dist.local_rank)
@@ -75,47 +81,54 @@ def resolve_loader_args(
         num_threads = max(1, (os.cpu_count() or 1) // dist.local_world)
     if prefetch is None:  # on the GPU: one batch per lane, one being prepared, one handed over
         prefetch = lanes + 2 if device.startswith("cuda") else 3
-    for name, value in (("num_threads", num_threads), ("prefetch", prefetch), ("max_bytes", max_bytes)):
-        require_int(name, value)
+    num_threads = require_int("num_threads", num_threads)
+    prefetch = require_int("prefetch", prefetch)
+    max_bytes = require_int("max_bytes", max_bytes)
     ErrorBudget(max_errors)  # validates max_errors now rather than at the first failure
     return LoaderArgs(
         reader=reader,
         pipeline=pipeline,
         device=device,
         last_batch=LastBatch.parse(last_batch),
+        batch_size=batch_size,
+        seed=seed,
+        lanes=lanes,
         num_threads=num_threads,
         prefetch=prefetch,
+        max_bytes=max_bytes,
         max_errors=max_errors if on_error != "raise" else 0,
         run_ahead=device.startswith("cuda") if run_ahead is None else run_ahead,
     )
 
 
 def _check_arguments(reader: Any, *, batch_size: int, pipeline: Any, seed: int, on_error: Any, lanes: int,
-                     gpu_tuning: Any, run_ahead: bool | None, equal: str | None, progress: bool) -> Any:
-    """The checks that need nothing from the process; returns the pipeline (a default one for None)."""
+                     gpu_tuning: Any, run_ahead: bool | None, equal: str | None,
+                     progress: bool) -> tuple[Any, int, int, int]:
+    """The checks that need nothing from the process; returns the pipeline (a default one for None),
+    and batch_size, lanes and seed as Python ints."""
     from headrace.ops import GpuTuning, Pipeline
     from headrace.readers import Reader
 
     if not isinstance(reader, Reader):
         raise ConfigError(f"reader must be a headrace.readers.Reader, got {type(reader).__name__}")
-    require_int("batch_size", batch_size)
+    batch_size = require_int("batch_size", batch_size)
     pipeline = Pipeline() if pipeline is None else pipeline
     if not isinstance(pipeline, Pipeline):
         raise ConfigError(f"pipeline must be a headrace.ops.Pipeline, got {type(pipeline).__name__}")
     if equal not in _EQUAL:
         raise ConfigError(f"equal must be 'pad', 'drop' or None, got {equal!r}")
-    require_int("lanes", lanes)
+    lanes = require_int("lanes", lanes)
     if gpu_tuning is not None and not isinstance(gpu_tuning, GpuTuning):
         raise ConfigError(f"gpu_tuning must be a headrace.ops.GpuTuning, got {type(gpu_tuning).__name__}")
     check_on_error(on_error)
     # Checked now: NumPy seeds the shuffle and the random ops with it only once the first epoch
     # starts, and refuses a negative seed there (a bool would be seed 0 or 1).
-    require_int("seed", seed, 0)
+    seed = require_int("seed", seed, 0)
     if run_ahead is not None and not isinstance(run_ahead, bool):
         raise ConfigError(f"run_ahead must be True, False or None, got {run_ahead!r}")
     if not isinstance(progress, bool):
         raise ConfigError(f"progress must be True or False, got {progress!r}")
-    return pipeline
+    return pipeline, batch_size, lanes, seed
 
 
 def _shard_for(reader: Any, rank: int, world: int, equal: Any, *, explicit: bool) -> Any:
