@@ -127,7 +127,7 @@ def _moved(plan: PlanBatch, r: int, source: np.ndarray, out: np.ndarray, fill: i
     into ``out`` (``[h, w]`` or ``[len(layers), h, w]``), nearest-neighbour, ``fill`` where the output
     is padding. ``layers`` picks the layers of a 3-D source (in one gather with their rows)."""
     ys, xs, inside_y, inside_x = _source_pixels(plan, r, source.shape[-2], source.shape[-1])
-    # The rows, then their columns: faster than one 2-D gather, and a layer at a time never.
+    # The rows, then their columns (faster than one 2-D gather); a 3-D source's layers in the same gather, not a loop.
     rows_taken = source[..., ys, :] if layers is None else source[layers[:, None], ys]
     if rows_taken.dtype != out.dtype:  # a uint8 mask among int64 ones
         rows_taken = rows_taken.astype(out.dtype)

@@ -70,9 +70,9 @@ class Pipeline:
     given) is batched by the same rules, after the stages.
 
     Raises ConfigError for an op list that breaks these rules, a field named for two roles (the
-    label an image field; boxes, per_box, mask or instance_masks the label, an image field or one of
-    ``fields``), ``instance_masks`` without ``boxes``,
-    or a fixed output size over ``Decode.max_pixels`` (that limit bounds every op's output; see ``Decode``).
+    label an image field; boxes, per_box, mask or instance_masks the label, an image field, one of
+    ``fields`` or one another), ``instance_masks`` without ``boxes``, or a fixed output size over
+    ``Decode.max_pixels`` (that limit bounds every op's output; see ``Decode``).
     """
 
     def __init__(

@@ -176,25 +176,39 @@ def _column_crossings(u: np.ndarray, v: np.ndarray, height: int, width: int) -> 
     return column[keep].astype(np.int64) * height + row.astype(np.int64)
 
 
-def _fill_between(columns_flat: np.ndarray, boundary: np.ndarray, value: int) -> None:
-    """Sets ``value`` in an image flattened down its columns where an odd number of ``boundary``
-    indices is at or before the pixel: from the first boundary to the second, the third to the fourth
-    and so on, sorted (a closed polygon crosses each column's centre line an even number of times).
-    A boundary at ``height * width`` ends its run at the image's end."""
+def _fill_between(image: np.ndarray, boundary: np.ndarray, value: int) -> None:
+    """Sets ``value`` in ``image`` (``[height, width]``) where an odd number of ``boundary`` indices
+    (flat down the columns, ``x * height + y``) is at or before the pixel: from the first boundary to
+    the second, the third to the fourth and so on, sorted (a closed polygon crosses each column's
+    centre line an even number of times). A run is written as slices of the columns it covers, in
+    the image's own layout: no map drawn on the transpose, then copied. One that does not stop in
+    its column (a boundary clamped to a column's end is the next column's start) goes on down the
+    next columns, as it would in the flat order."""
+    height = image.shape[0]
     ends = np.sort(boundary).tolist()
     for start, stop in zip(ends[0::2], ends[1::2]):
-        columns_flat[start:stop] = value
+        if start == stop:  # a run of no pixels (at height * width, past the last column, too)
+            continue
+        x0, y0 = divmod(start, height)
+        x1, y1 = divmod(stop, height)
+        if x0 == x1:
+            image[y0:y1, x0] = value
+            continue
+        image[y0:, x0] = value
+        image[:, x0 + 1 : x1] = value
+        if y1:  # stop = height * width ends at the image's end: no column past it
+            image[:y1, x1] = value
 
 
-def _draw(columns_flat: np.ndarray, seg: Any, value: int, height: int, width: int) -> None:
-    """One annotation's segmentation set to ``value`` in an image flattened down its columns (its
-    transpose's flat view, as COCO's runs and a polygon's boundary indices run). Each polygon
-    drawn with the same value is their union, as pycocotools' ``merge`` makes it."""
+def _draw(image: np.ndarray, seg: Any, value: int) -> None:
+    """One annotation's segmentation set to ``value`` in ``image`` (``[height, width]``). Each polygon
+    drawn with the same value: their union, as pycocotools' ``merge`` makes it."""
+    height, width = image.shape
     if isinstance(seg, dict):
-        columns_flat[decode_rle(seg["counts"], height, width).T.reshape(-1)] = value
+        image[decode_rle(seg["counts"], height, width)] = value
         return
     for polygon in seg:
-        _fill_between(columns_flat, polygon_boundary(polygon, height, width), value)
+        _fill_between(image, polygon_boundary(polygon, height, width), value)
 
 
 class CocoMask:
@@ -210,13 +224,10 @@ class CocoMask:
         self.labels, self.segmentations = labels, segmentations
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        # Drawn on the map's transpose, whose flat view runs down the columns as COCO's runs do.
         wide = any(label > 255 for label in self.labels)
-        columns = np.zeros((self.width, self.height), np.int64 if wide else np.uint8)
-        columns_flat = columns.reshape(-1)
+        out = np.zeros((self.height, self.width), np.int64 if wide else np.uint8)
         for label, seg in zip(self.labels, self.segmentations):
-            _draw(columns_flat, seg, label, self.height, self.width)
-        out = np.ascontiguousarray(columns.T)
+            _draw(out, seg, label)
         return out if dtype is None else out.astype(dtype)
 
     def __repr__(self) -> str:
@@ -236,10 +247,9 @@ class CocoInstanceMasks:
         self.segmentations = segmentations
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        layers = np.zeros((len(self.segmentations), self.width, self.height), np.uint8)  # each layer transposed
-        for layer, seg in zip(layers, self.segmentations):
-            _draw(layer.reshape(-1), seg, 1, self.height, self.width)
-        out = np.ascontiguousarray(layers.transpose(0, 2, 1))
+        out = np.zeros((len(self.segmentations), self.height, self.width), np.uint8)
+        for layer, seg in zip(out, self.segmentations):
+            _draw(layer, seg, 1)
         return out if dtype is None else out.astype(dtype)
 
     def __repr__(self) -> str:

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-__all__ = ["frame_index", "jpeg_bytes", "make_folder", "make_video", "recordio_record", "tar_bytes", "video_batches",
-           "white_rectangles", "write_recordio"]
+__all__ = ["INSTANCE_COLOURS", "frame_index", "instance_scenes", "jpeg_bytes", "make_folder", "make_video",
+           "recordio_record", "tar_bytes", "video_batches", "white_rectangles", "write_recordio"]
 
 
 def white_rectangles(folder: Path, sizes: list[tuple[int, int]], fmt: str = "png") -> tuple[list[str], list[dict]]:
@@ -31,6 +31,41 @@ def white_rectangles(folder: Path, sizes: list[tuple[int, int]], fmt: str = "png
         Image.fromarray(pixels).save(folder / f"{i}.{fmt}", quality=95)
         paths.append(str(folder / f"{i}.{fmt}"))
         extra.append({"boxes": np.array([[x0, y0, x1, y1]], np.float32), "labels": np.array([i])})
+    return paths, extra
+
+
+INSTANCE_COLOURS = np.array([[0, 0, 0], [250, 30, 30], [30, 250, 30], [30, 30, 250]], np.uint8)  # by label 0..3
+
+
+def instance_scenes(folder: Path, sizes: list[tuple[int, int]], fmt: str = "png", seed: int = 4
+                    ) -> tuple[list[str], list[dict]]:
+    """One image per (height, width), ``folder/<i>.<fmt>``, with ``i % 5`` instances (so some have
+    none): rectangles and ellipses, some overlapping, each drawn in its label's colour
+    (``INSTANCE_COLOURS``), later over earlier. And each one's fields: ``masks`` uint8 ``[N, H, W]``
+    (0 and 1), ``boxes`` (each mask's bounds, x0, y0, x1, y1), ``labels`` (1..3) and ``ids`` (0..N-1,
+    to follow the rows through a pipeline that drops some)."""
+    rng = np.random.default_rng(seed)
+    paths, extra = [], []
+    for i, (h, w) in enumerate(sizes):
+        masks = np.zeros((i % 5, h, w), np.uint8)
+        yy, xx = np.mgrid[:h, :w]
+        for k in range(len(masks)):
+            y0, x0 = int(rng.integers(0, h - 10)), int(rng.integers(0, w - 10))
+            y1, x1 = int(rng.integers(y0 + 8, h + 1)), int(rng.integers(x0 + 8, w + 1))
+            if k % 2:
+                cy, cx, ry, rx = (y0 + y1) / 2, (x0 + x1) / 2, (y1 - y0) / 2, (x1 - x0) / 2
+                masks[k] = ((yy + 0.5 - cy) / ry) ** 2 + ((xx + 0.5 - cx) / rx) ** 2 <= 1
+            else:
+                masks[k, y0:y1, x0:x1] = 1
+        labels = rng.integers(1, 4, size=len(masks))
+        classes = np.zeros((h, w), np.uint8)
+        for m, label in zip(masks, labels):
+            classes[m == 1] = label
+        Image.fromarray(INSTANCE_COLOURS[classes]).save(folder / f"{i}.{fmt}", quality=95)
+        paths.append(str(folder / f"{i}.{fmt}"))
+        bounds = [[xs.min(), ys.min(), xs.max() + 1, ys.max() + 1] for ys, xs in (np.nonzero(m) for m in masks)]
+        extra.append({"boxes": np.array(bounds, np.float32).reshape(-1, 4), "labels": labels,
+                      "ids": np.arange(len(masks)), "masks": masks})
     return paths, extra
 
 
