@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -17,12 +18,14 @@ class Cursor:
     ``history``: the spans of the epoch read on other world sizes before a resume, as (world,
     position) pairs; ``position`` counts inside the span after them. ``fresh``: nobody has started
     iterating from here yet; an iteration left mid-epoch makes the next ``async for`` start the
-    next epoch.
+    next epoch. ``batches_in``: how many batches that many samples make (the loader's batch size
+    and ``last_batch``; its ``Epochs`` sets it), which says whether a resumed epoch has one left.
     """
 
     def __init__(self) -> None:
         self.start_epoch(0)
         self.fresh = True
+        self.batches_in: Callable[[int], int] = lambda samples: samples  # until set: any sample is a batch
 
     def start_epoch(self, epoch: int) -> None:
         """Point the stream at ``epoch``'s first sample."""
@@ -47,7 +50,11 @@ class Cursor:
         self.fresh = True
 
     def resume(self, point: ResumePoint) -> None:
-        """Stand where a loaded state puts the stream; the next ``async for`` starts there."""
-        self.epoch, self.position, self.batches = point.epoch, point.position, point.batches
-        self.history = point.history
+        """Stand where a loaded state puts the stream; the next ``async for`` starts there, or at
+        the next epoch's start when that epoch has no batch left (``ResumePoint.left``)."""
+        if point.past_the_end(self.batches_in):
+            self.start_epoch(point.epoch + 1)
+        else:
+            self.epoch, self.position, self.batches = point.epoch, point.position, point.batches
+            self.history = point.history
         self.fresh = True

@@ -7,10 +7,12 @@ iteration replaced by a later one, the next epoch's run started before this one 
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
+from ._batcher import batches_per_epoch
 from ._errors import ClosedError, LoaderError
 from ._markers import END
 from ._policy import ErrorLog
@@ -33,7 +35,8 @@ class Epochs:
     """The runs of a loader's epochs, the executor they share, and the counters of what they handed out.
 
     ``active`` is the run being iterated (or left early, until it is stopped); ``ahead`` the next
-    epoch's run, started early (``run_ahead``). Each batch handed out moves ``cursor`` on.
+    epoch's run, started early (``run_ahead``). Each batch handed out moves ``cursor`` on, and
+    ``cursor.batches_in`` batches as the runs do (a resumed epoch with no batch left is skipped).
     ``make_executor`` is called once, at the first epoch; ``epoch_length`` gives the progress bar's
     total. ``settings`` are the rest of ``RunConfig``.
     """
@@ -42,6 +45,8 @@ class Epochs:
                  epoch_length: Callable[[], int | None], **settings: Any) -> None:
         self.cfg = RunConfig(executor=self.open_executor, **settings)
         self._cursor = cursor
+        cursor.batches_in = functools.partial(batches_per_epoch, batch_size=self.cfg.batch_size,
+                                              policy=self.cfg.last_batch)
         self._stats = stats
         self._errors = ErrorLog()
         self._make_executor = make_executor

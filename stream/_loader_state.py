@@ -6,6 +6,7 @@ Kept apart from ``_loader.py`` because the rules for loading a state saved on an
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,12 +20,24 @@ STATE_VERSION = 2  # 2: world, rank and the epoch's spans on other world sizes (
 @dataclass(frozen=True, slots=True)
 class ResumePoint:
     """Where a loaded state puts the stream. ``history``: the spans of the epoch read on other world
-    sizes, as (world, position) pairs; ``position`` counts inside the span after them."""
+    sizes, as (world, position) pairs; ``position`` counts inside the span after them.
+
+    ``left``: counts of the epoch's samples still to come, each of which alone ends the epoch when
+    it makes no batch (by the loader's batch size and ``last_batch``, ``past_the_end``): the rest of
+    the saving rank's span, on the world size that saved it, and, on another world size, the
+    longest part of what is left that a rank here gets. Empty where the Loader's own rule (``batches``
+    against ``len()``) decides.
+    """
 
     epoch: int
     position: int
     batches: int
     history: list[tuple[int, int]]
+    left: tuple[int, ...] = ()
+
+    def past_the_end(self, batches_in: Callable[[int], int]) -> bool:
+        """True when the epoch has no batch left to hand out: a count in ``left`` makes none."""
+        return any(batches_in(samples) == 0 for samples in self.left)
 
 
 def resume_point(state: dict[str, Any], *, batch_size: int, seed: int, reader: Any, world: int) -> ResumePoint:
@@ -58,23 +71,36 @@ def resume_point(state: dict[str, Any], *, batch_size: int, seed: int, reader: A
                 f"{type(reader).__name__} cannot resume an epoch on another world size "
                 "(files, LMDB and WebDataset with per-shard counts can); resume on "
                 f"{saved_world} ranks, or start at the next epoch")
-        if position >= _saved_span_length(state, seed=seed, reader=reader, history=history):
-            # Saved after its span's last batch: the run on the old world size would go on with
-            # the next epoch, and so does this one, as on the same world size (the Loader's rule),
-            # rather than read an empty rest (pad) or the samples "drop" left out as an extra epoch.
-            return ResumePoint(int(state["epoch"]) + 1, 0, 0, [])
+        # Saved after its span's last batch (under last_batch="drop", with fewer samples left than a
+        # batch), the run on the old world size would go on with the next epoch, and so does this
+        # one, as on the same world size (the Loader's rule), rather than read an empty rest (pad)
+        # or, as an extra epoch, what the old ranks would have dropped (equal's cut or that batch).
+        # Nor does it read a rest in which no rank here gets a batch: rank 0 gets the most of it
+        # (the parts of a span after another differ by one sample at most, the first ones longer).
+        saved_left = _saved_span_length(state, seed=seed, reader=reader, history=history) - position
         if position:
             history.append((saved_world, position))
-        position = 0  # counted from the start of this world's span
+        most = _span_length(reader, int(state["epoch"]), seed, history, 0, world, reader.equal)
+        return ResumePoint(int(state["epoch"]), 0, int(state["batches"]), history, (saved_left, most))
+    if history and getattr(reader, "reshardable", False):
+        # The Loader's rule counts whole epochs: after a span's last batch here, the same as above.
+        left = _saved_span_length(state, seed=seed, reader=reader, history=history) - position
+        return ResumePoint(int(state["epoch"]), position, int(state["batches"]), history, (left,))
     return ResumePoint(int(state["epoch"]), position, int(state["batches"]), history)
 
 
 def _saved_span_length(state: dict[str, Any], *, seed: int, reader: Any, history: list[tuple[int, int]]) -> int:
     """Samples in the saving rank's stream for the span it was in (after ``history``), told from the
-    saved world, rank and ``equal``: the files and LMDB readers by their order, WebDataset by its blocks."""
+    saved world, rank and ``equal``."""
     saved = state["source"]
-    world, rank, equal = int(state["world"]), int(saved.get("rank", 0)), saved.get("equal")
-    epoch = int(state["epoch"])
+    return _span_length(reader, int(state["epoch"]), seed, history, int(saved.get("rank", 0)),
+                        int(state["world"]), saved.get("equal"))
+
+
+def _span_length(reader: Any, epoch: int, seed: int, history: list[tuple[int, int]], rank: int, world: int,
+                 equal: Any) -> int:
+    """Samples in rank ``rank`` of ``world``'s stream for the span of ``epoch`` after ``history``:
+    the files and LMDB readers by their order, WebDataset by its blocks."""
     if hasattr(reader, "order"):  # IndexedReader: one global order whatever the world size
         return len(reader.shard(rank, world, equal=equal).order(epoch, seed, history))
     from headrace.readers._reshard import span_length  # the readers import this package: import late
