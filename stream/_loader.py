@@ -153,7 +153,10 @@ class Loader:
     (say 4 ranks to 2, files, LMDB, or WebDataset with per-shard counts), the new ranks split what
     the epoch has not read yet: no sample of the epoch is read twice and none is left out (but the
     repeats or the cut that ``equal`` makes at the epoch's end). That epoch then yields fewer
-    batches than ``len()`` says, the same number on every rank; the next epochs are whole.
+    batches than ``len()`` says, the same number on every rank; the next epochs are whole. Where
+    what is left would make no batch on any new rank (nothing left, or under
+    ``last_batch="drop"`` fewer samples than a batch), the run starts the next epoch, as an
+    uninterrupted one would.
     """
 
     def __init__(
