@@ -1,6 +1,7 @@
 """What the shard cache and the object cache share: a folder of copies named by their URL, ``.part``
-files renamed into place, the free space a cache leaves on its disk, and failures counted and
-logged once (``_shard_cache.py``, ``_object_cache.py``)."""
+files renamed into place, each copy's record of the size it was written with, the free space a
+cache leaves on its disk, and failures counted and logged once (``_shard_cache.py``,
+``_object_cache.py``)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import TypeVar
 
 from headrace._errors import ConfigError, require_int
 
-__all__ = ["PART", "CacheFolder", "SharedTally", "disk_has_room", "from_arguments", "is_copy", "is_dead_part",
+__all__ = ["PART", "CacheFolder", "SharedTally", "damage", "disk_has_room", "from_arguments", "is_copy", "is_dead_part",
            "locked_folder", "nearly_full", "unlink"]
 
 logger = logging.getLogger("headrace")
@@ -32,6 +33,12 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _COPY = re.compile(r"[0-9a-f]{16}-")
 # A ``.part`` file's name as ``CacheFolder._part`` gives it: its writer's pid.
 _PART_OWNER = re.compile(r"\.(\d+)-[0-9a-f]{8}\.part$")
+# The size a copy was written with, kept on its file (an extended attribute, set on the ``.part``
+# file before the rename, so a copy is never in place without it): a copy cut short or lengthened
+# since (a crash before its data reached the disk, a disk error, a hand) is told apart from a whole
+# one by one look at its attributes, not by reading it.
+_SIZE_ATTR = "user.headrace.size"
+_NO_ATTRIBUTES = frozenset({errno.ENOTSUP, errno.EOPNOTSUPP})  # a file system that keeps none
 _C = TypeVar("_C")
 
 
@@ -51,6 +58,30 @@ def from_arguments(what: str, folder: str | os.PathLike | None, max_bytes: int |
         return make(folder, max_bytes)
     except OSError as exc:
         raise ConfigError(f"{what}: cannot use cache_dir {os.fspath(folder)!r}: {exc.strerror or exc}") from exc
+
+
+def damage(file: int | str, size: int) -> str | None:
+    """Why the copy ``file`` (its path, or an open descriptor), found ``size`` bytes long, is not
+    whole: the size recorded when it was written is another, or it has no record (written before
+    copies recorded their size, or put there by a tool that leaves extended attributes behind: a
+    copy of the folder stopped partway leaves a file cut short). None where it is whole, and where
+    its file system keeps no extended attributes (nothing was recorded to check it against).
+    Raises OSError where its attributes cannot be read (a copy removed meanwhile)."""
+    try:
+        recorded = os.getxattr(file, _SIZE_ATTR)
+    except AttributeError:  # a platform without extended attributes
+        return None
+    except OSError as exc:
+        if exc.errno in _NO_ATTRIBUTES:
+            return None
+        if exc.errno == errno.ENODATA:
+            return "has no record of the size it was written with"
+        raise
+    try:
+        written = int(recorded)
+    except ValueError:
+        return "has an unreadable record of its size"
+    return None if written == size else f"is {size} bytes, not the {written} written"
 
 
 def disk_has_room(folder: str | os.PathLike, nbytes: int) -> bool:
@@ -133,6 +164,7 @@ class CacheFolder:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.failed = 0
         self._lock = threading.Lock()  # counters and byte counts, from several threads
+        self._unrecorded = False  # its file system keeps no extended attributes (said once)
 
     @staticmethod
     def _name(url: str, fallback: str, identity: str | None = None) -> tuple[str, str]:
@@ -147,6 +179,25 @@ class CacheFolder:
         """A ``.part`` name beside ``final`` that this process alone writes (its pid: see
         ``is_dead_part``)."""
         return f"{os.fspath(final)}.{os.getpid()}-{uuid.uuid4().hex[:8]}{PART}"
+
+    def _record_size(self, fd: int, size: int) -> None:
+        """Record on the open ``.part`` file ``fd`` the size it is written with (``damage`` checks
+        it). Where the file system keeps no extended attributes the copy goes without (said once);
+        OSError where it refuses this one: the copy is then not kept, since without its record it
+        would be taken for damaged and read from the store every epoch."""
+        try:
+            os.setxattr(fd, _SIZE_ATTR, str(size).encode())
+            return
+        except AttributeError:  # a platform without extended attributes
+            pass
+        except OSError as exc:
+            if exc.errno not in _NO_ATTRIBUTES:
+                raise
+        with self._lock:
+            first, self._unrecorded = not self._unrecorded, True
+        if first:
+            logger.warning("headrace: %s keeps no extended attributes: its copies cannot record their size, and "
+                           "one cut short there is not told apart from a whole one", self.folder)
 
     def _give_up(self, url: str, exc: OSError) -> None:
         with self._lock:

@@ -12,6 +12,12 @@ order every object is as likely to come next, so a fixed subset hits as often as
 policy would, without rewriting the disk every epoch. A cached copy is used as it is (clear the
 folder when the objects change); writing never fails a read (a full disk stops the copies, counted
 in ``failed`` and logged once).
+
+A copy records the size it was written with (``_cache_folder.damage``): a copy found of another
+size, or with no record (copied by a tool that leaves extended attributes behind), is not served
+but removed and read from the store, since its bytes would be a sample cut short. The check is
+one look at the attributes of each copy read, not a read of its bytes; the copy stays byte for
+byte the object.
 """
 
 from __future__ import annotations
@@ -19,8 +25,8 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from ._cache_folder import (PART, CacheFolder, SharedTally, disk_has_room, is_copy, is_dead_part, logger, nearly_full,
-                            unlink)
+from ._cache_folder import (PART, CacheFolder, SharedTally, damage, disk_has_room, is_copy, is_dead_part, logger,
+                            nearly_full, unlink)
 from ._read_files import ChunkReader
 
 __all__ = ["ObjectCache"]
@@ -29,7 +35,8 @@ __all__ = ["ObjectCache"]
 class ObjectCache(CacheFolder):
     """A folder of objects, named by their URL. ``hits``: objects read from it; ``kept``: objects
     written to it; ``skipped``: objects not written because the writes were behind; ``failed``:
-    writes given up; ``damaged``: copies found empty, removed and read from the store instead;
+    writes given up; ``damaged``: copies found empty, of another size than written, or with no
+    record of it, removed and read from the store instead;
     ``used``: with a ``max_bytes``, bytes in it as the processes sharing it count them
     (``SharedTally``), as this process last saw."""
 
@@ -52,34 +59,54 @@ class ObjectCache(CacheFolder):
         return os.path.join(self.folder, digest[:2], name)
 
     def read(self, urls: Sequence[str], identities: Sequence[str] | None = None) -> list[bytes | None]:
-        """I/O thread: each URL's kept copy, or None where there is none."""
+        """I/O thread: each URL's kept copy, or None where there is none whole."""
         ids = identities if identities is not None else [None] * len(urls)
-        blobs = self._files.read([os.fsencode(self.path(u, i)) for u, i in zip(urls, ids)])
-        out = [None if isinstance(b, OSError) or not b else b for b in blobs]
-        if b"" in blobs:  # rare, and looked for in C: reading whole copies costs what it did
-            self._remove_empty([self.path(u, i) for u, i, b in zip(urls, ids, blobs) if b == b""])
+        paths = [self.path(u, i) for u, i in zip(urls, ids)]
+        blobs = self._files.read([os.fsencode(p) for p in paths])
+        out: list[bytes | None] = []
+        damaged: list[tuple[str, str]] = []
+        for path, blob in zip(paths, blobs):
+            if isinstance(blob, OSError):
+                out.append(None)
+                continue
+            try:
+                # An object is never kept empty (``keep``): an empty copy was cut short, recorded or not.
+                why = "is empty" if not blob else damage(path, len(blob))
+            except OSError:  # removed since it was read (another rank found it damaged): not served
+                out.append(None)
+                continue
+            if why is not None:
+                damaged.append((path, why))
+            out.append(None if why is not None else blob)
+        if damaged:
+            self._remove_damaged(damaged)
         with self._lock:
             self.hits += sum(b is not None for b in out)
         return out
 
-    def _remove_empty(self, paths: list[str]) -> None:
-        """Copies found empty: an object is never kept empty (``keep``), so these were cut short (a
-        host that crashed before their data reached the disk leaves them so, renamed but empty).
-        Served, each would be an empty sample every epoch; they go, and the store is read (and a
-        new copy kept). The size is not recorded to check a copy cut elsewhere than at 0: that
-        would cost a look at every copy read."""
-        for path in paths:
+    def _remove_damaged(self, found: list[tuple[str, str]]) -> None:
+        """Copies not whole (``found``: their paths, and why): served, each would be a sample cut
+        short every epoch. They go, and the store is read (and a new copy kept). Under a
+        ``max_bytes`` their bytes are given back, so the new copies fit."""
+        freed = 0
+        for path, _ in found:
             try:
-                if os.stat(path).st_size == 0:  # not a whole copy another rank put there since
+                size = os.stat(path).st_size
+                if size == 0 or damage(path, size) is not None:  # not a whole copy another rank put there since
                     os.unlink(path)
+                    freed += size
             except OSError:
                 pass
         with self._lock:
             first = self.damaged == 0
-            self.damaged += len(paths)
-        if first:  # once: after a crash there may be thousands
-            logger.warning("headrace: %d cached objects in %s found empty (cut short by a crash?): removed, "
-                           "read from the store", len(paths), self.folder)
+            self.damaged += len(found)
+        if freed and self._claim(-freed):
+            self._full = False
+        if first:  # once: after a crash, or over a folder copied without its attributes, there may be thousands
+            path, why = found[0]
+            logger.warning("headrace: %d cached objects in %s not whole (%s %s; cut short by a crash, a disk error, or "
+                           "copied without their extended attributes?): removed, read from the store",
+                           len(found), self.folder, os.path.basename(path), why)
 
     def reserve(self, nbytes: int, count: int, bound: int) -> bool:
         """Room for ``count`` objects of ``nbytes`` in all to wait to be written, within ``bound``
@@ -111,7 +138,7 @@ class ObjectCache(CacheFolder):
             part = self._part(final)
             try:
                 os.makedirs(os.path.dirname(final), exist_ok=True)
-                _write_whole(part, data)
+                self._write_whole(part, data)
             except OSError as exc:
                 unlink(part)
                 self._give_up(url, exc)
@@ -130,6 +157,20 @@ class ObjectCache(CacheFolder):
             with self._lock:
                 self.kept += 1
 
+    def _write_whole(self, path: str, data: bytes) -> None:
+        """``data`` to a new file at ``path``, all of it, and its size recorded on it: one ``write``
+        may write less (a disk filling up, or 2 GiB at most a call on Linux), and a copy cut short
+        would be taken for damaged later. Raises OSError if the file ends up shorter, or its size
+        cannot be recorded where the file system keeps records."""
+        view = memoryview(data)
+        with open(path, "wb", buffering=0) as f:
+            while view:
+                written = f.write(view)
+                if not written:
+                    raise OSError(f"wrote {len(data) - len(view)} of {len(data)} bytes")
+                view = view[written:]
+            self._record_size(f.fileno(), len(data))
+
     def _claim(self, nbytes: int) -> bool:
         """With ``max_bytes``: ``nbytes`` more counted in the folder's tally, shared with the other
         processes writing to it, if they fit (two writers must not both take the last room); a
@@ -141,7 +182,8 @@ class ObjectCache(CacheFolder):
         with self._lock, self._tally.locked() as tally:
             used = tally.read()
             if used is None or used + nbytes > self.max_bytes:
-                used = max(0, self._scan() - max(nbytes, 0))  # the scan saw its own ``.part`` file
+                # The scan saw this writer's own ``.part`` file, and not the copies given back (removed first).
+                used = max(0, self._scan() - nbytes)
                 self._full = used + nbytes > self.max_bytes
             fits = used + nbytes <= self.max_bytes
             self.used = max(0, used + nbytes) if fits else used
@@ -169,16 +211,3 @@ class ObjectCache(CacheFolder):
                     except OSError:  # removed meanwhile
                         pass
         return total
-
-
-def _write_whole(path: str, data: bytes) -> None:
-    """``data`` to a new file at ``path``, all of it: one ``write`` may write less (a disk filling
-    up, or 2 GiB at most a call on Linux), and a copy cut short would be served as whole later.
-    Raises OSError if the file ends up shorter."""
-    view = memoryview(data)
-    with open(path, "wb", buffering=0) as f:
-        while view:
-            written = f.write(view)
-            if not written:
-                raise OSError(f"wrote {len(data) - len(view)} of {len(data)} bytes")
-            view = view[written:]

@@ -15,6 +15,11 @@ folder locked: ranks committing at once evict for each other's shards too); a sh
 bound alone is not kept, its copy stopped once it passes the bound. Writing never fails a read: an unwritable folder, a
 write error, or a disk nearly full (``_cache_folder.disk_has_room``: checkpoints must still fit)
 stops the caching of that shard (counted in ``failed``), and the parser goes on.
+
+A copy records the size it was written with (``_cache_folder.damage``). One found of another size,
+or with no record (copied by a tool that leaves extended attributes behind), is removed and the
+store read instead: a tar cut where a sample starts parses without an error, and every epoch would
+silently lose the samples after the cut.
 """
 
 from __future__ import annotations
@@ -29,20 +34,19 @@ from typing import BinaryIO
 
 from headrace._threads import join_threads
 
-from ._cache_folder import CacheFolder, disk_has_room, is_copy, is_dead_part, locked_folder, logger, nearly_full, unlink
+from ._cache_folder import (CacheFolder, damage, disk_has_room, is_copy, is_dead_part, locked_folder, logger,
+                            nearly_full, unlink)
 
 __all__ = ["CacheWriter", "CacheWrites", "ShardCache"]
 
 _CHECK_EVERY = 64 << 20  # bytes a shard's copy writes between two looks at the free space
-# The size a copy was written with, kept on the file (an extended attribute): a copy cut short
-# since (a crash of the host before its data reached the disk, a disk error, a hand) is told apart.
-_SIZE_ATTR = "user.headrace.size"
 
 
 class ShardCache(CacheFolder):
     """A folder of whole shards, named by their URL. ``hits``: shards read from it; ``kept``: shards
     written to it; ``evicted``: shards removed for room; ``failed``: writes given up (disk full, ...);
-    ``damaged``: copies found cut short, removed and read from the store instead."""
+    ``damaged``: copies found of another size than written, or with no record of it, removed and
+    read from the store instead."""
 
     def __init__(self, folder: str | os.PathLike, max_bytes: int | None = None) -> None:
         super().__init__(folder, max_bytes)
@@ -65,8 +69,13 @@ class ShardCache(CacheFolder):
             f = open(path, "rb", buffering=1 << 20)  # noqa: SIM115 - the parser closes it
         except OSError:
             return None
-        if _cut_short(f):
-            self._remove_damaged(url, path, f)
+        try:
+            why = damage(f.fileno(), os.fstat(f.fileno()).st_size)
+        except OSError:  # its record cannot be read: not served, and a new copy replaces it
+            f.close()
+            return None
+        if why is not None:
+            self._remove_damaged(url, path, f, why)
             return None
         try:
             os.utime(path)  # recently used: evicted last
@@ -76,11 +85,10 @@ class ShardCache(CacheFolder):
             self.hits += 1
         return f
 
-    def _remove_damaged(self, url: str, path: Path, f: BinaryIO) -> None:
-        """A copy shorter or longer than written: parsed, it would end early without an error (a
-        tar cut at a header ends there), so it goes and the store is read; a later read keeps a
-        new copy."""
-        found, written = os.fstat(f.fileno()), _written_size(f.fileno())
+    def _remove_damaged(self, url: str, path: Path, f: BinaryIO, why: str) -> None:
+        """A copy not whole (``why``): parsed, it would end early without an error (a tar cut at a
+        header ends there), so it goes and the store is read; a later read keeps a new copy."""
+        found = os.fstat(f.fileno())
         f.close()
         try:
             if os.stat(path).st_ino == found.st_ino:  # not a whole copy another rank put there since
@@ -89,8 +97,7 @@ class ShardCache(CacheFolder):
             pass
         with self._lock:
             self.damaged += 1
-        logger.warning("headrace: the cached copy of %s in %s is %d bytes, not the %s written: removed, "
-                       "read from the store", url, self.folder, found.st_size, written)
+        logger.warning("headrace: the cached copy of %s in %s %s: removed, read from the store", url, self.folder, why)
 
     def writer(self, url: str, writes: CacheWrites, identity: str | None = None) -> CacheWriter | None:
         """A ``.part`` file for ``url``'s bytes, written by ``writes``, or None where it cannot be
@@ -242,8 +249,10 @@ class CacheWriter:
         if fd is None:  # a write failed
             return
         try:
-            _mark_size(fd, size)
-            os.close(fd)
+            try:
+                self.cache._record_size(fd, size)
+            finally:
+                os.close(fd)
             # The folder locked, not only this process's threads: two ranks looking at it at once
             # would each evict for their own shard the same oldest copies, and both pass the bound.
             with self.cache._lock, locked_folder(self.cache.folder):
@@ -260,26 +269,6 @@ class CacheWriter:
         if fd is not None:
             os.close(fd)
             unlink(self._part)
-
-
-def _mark_size(fd: int, size: int) -> None:
-    try:
-        os.setxattr(fd, _SIZE_ATTR, str(size).encode())
-    except (OSError, AttributeError):  # a file system without extended attributes: copies unchecked
-        pass
-
-
-def _written_size(file: int | str) -> int | None:
-    try:
-        return int(os.getxattr(file, _SIZE_ATTR))
-    except (OSError, ValueError, AttributeError):  # not marked: written by hand, or no attributes here
-        return None
-
-
-def _cut_short(f: BinaryIO) -> bool:
-    """The open copy's size is not the size it was written with."""
-    written = _written_size(f.fileno())
-    return written is not None and os.fstat(f.fileno()).st_size != written
 
 
 def _remove_dead_parts(folder: Path) -> None:
