@@ -77,7 +77,7 @@ def test_a_coco_set_s_instance_masks_on_the_gpu(tmp_path):
                     assert masks.shape == (len(labels), 96, 96) and masks.dtype == torch.uint8
                     composed = torch.zeros_like(classes)
                     for layer, label in zip(masks, labels):  # later annotations over earlier: the class map
-                        composed[layer == 1] = label
+                        composed[layer == 1] = int(label)
                     assert torch.equal(composed, classes)
                     found.setdefault(image_id, []).append((masks.cpu(), batch["boxes"][r].cpu()))
     assert sorted(found) == list(range(1000, 1012))
