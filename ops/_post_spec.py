@@ -17,7 +17,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from headrace._errors import ConfigError
+from headrace._errors import ConfigError, is_int
 
 from ._spec import Op, _float2
 
@@ -234,9 +234,9 @@ class WarpAffine(_Warp):
 
 
 def _kernel_size(value: object) -> tuple[int, int]:
-    if isinstance(value, int) and not isinstance(value, bool):
-        pair = (value, value)
-    elif isinstance(value, Sequence) and len(value) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    if is_int(value):  # NumPy's integers too
+        pair = (int(value), int(value))  # type: ignore[call-overload]
+    elif isinstance(value, Sequence) and len(value) == 2 and all(is_int(v) for v in value):
         pair = (int(value[0]), int(value[1]))
     else:
         raise ConfigError(f"GaussianBlur: kernel_size must be an odd int or (x, y) pair of them, got {value!r}")

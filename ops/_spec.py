@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-from headrace._errors import ConfigError
+from headrace._errors import ConfigError, is_int, require_int, require_number
 
 __all__ = [
     "CenterCrop",
@@ -37,10 +37,10 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 def _size2(size: int | Sequence[int], what: str) -> tuple[int, int]:
-    if isinstance(size, int) and not isinstance(size, bool):
-        pair = (size, size)
-    elif isinstance(size, Sequence) and len(size) == 2 and all(isinstance(v, int) and not isinstance(v, bool)
-                                                                 for v in size):  # True would be a side of 1
+    """``size`` as a (height, width) of Python ints; NumPy's integers taken, not a bool (a side of 1)."""
+    if is_int(size):
+        pair = (int(size), int(size))  # type: ignore[call-overload]
+    elif isinstance(size, Sequence) and len(size) == 2 and all(is_int(v) for v in size):
         pair = (int(size[0]), int(size[1]))
     else:
         raise ConfigError(f"{what}: size must be an int or (height, width), got {size!r}")
@@ -96,8 +96,8 @@ class Decode(Op):
             raise ConfigError(f"Decode: exif must be True or False, got {self.exif!r}")
         for name in ("max_pixels", "max_batch_bytes"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ConfigError(f"Decode: {name} must be a positive int or None, got {value!r}")
+            if value is not None:  # kept as a Python int, so repr and equality are NumPy-free
+                object.__setattr__(self, name, require_int(f"Decode: {name}", value, wanted="a positive int or None"))
 
     @property
     def channels(self) -> int:
@@ -125,15 +125,16 @@ class Resize(Op):
     max_size: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_size is not None and (not isinstance(self.max_size, int) or isinstance(self.max_size, bool)
-                                          or self.max_size < 1):
-            raise ConfigError(f"Resize: max_size must be a positive int or None, got {self.max_size!r}")
+        if self.max_size is not None:
+            object.__setattr__(self, "max_size", require_int("Resize: max_size", self.max_size,
+                                                             wanted="a positive int or None"))
         if self.size is None:
             if self.max_size is None:
                 raise ConfigError("Resize: give a size, a max_size, or both")
-        elif isinstance(self.size, int) and not isinstance(self.size, bool):
+        elif is_int(self.size):
             if self.size < 1:
                 raise ConfigError(f"Resize: size must be positive, got {self.size!r}")
+            object.__setattr__(self, "size", int(self.size))
             if self.max_size is not None and self.max_size <= self.size:
                 raise ConfigError(f"Resize: max_size ({self.max_size}) must be larger than size ({self.size})")
         else:
@@ -241,14 +242,12 @@ class RandomResize(Op):
 
     def __post_init__(self) -> None:
         for name in ("min_size", "max_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"RandomResize: {name} must be a positive int, got {value!r}")
+            object.__setattr__(self, name, require_int(f"RandomResize: {name}", getattr(self, name)))
         if self.max_size <= self.min_size:
             raise ConfigError(f"RandomResize: max_size ({self.max_size}) must be larger than min_size "
                               f"({self.min_size}); the size is drawn from [min_size, max_size)")
-        if self.max_side is not None:
-            Resize(self.max_size - 1, max_size=self.max_side)  # the same checks as Resize's
+        if self.max_side is not None:  # the same checks as Resize's, and its Python int
+            object.__setattr__(self, "max_side", Resize(self.max_size - 1, max_size=self.max_side).max_size)
 
     def shorter(self, u: Sequence[float]) -> int:
         """This sample's shorter side."""
@@ -302,9 +301,7 @@ class RandomIoUCrop(Op):
         if not options or not all(math.isfinite(v) and v >= 0 for v in options):
             raise ConfigError(f"RandomIoUCrop: sampler_options must be numbers >= 0, got {self.sampler_options!r}")
         for name in ("trials", "draws"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"RandomIoUCrop: {name} must be a positive int, got {value!r}")
+            object.__setattr__(self, name, require_int(f"RandomIoUCrop: {name}", getattr(self, name)))
         object.__setattr__(self, "sampler_options", options)
         for name, value in (("min_scale", lo), ("max_scale", hi), ("min_aspect_ratio", alo), ("max_aspect_ratio", ahi)):
             object.__setattr__(self, name, value)
@@ -372,8 +369,7 @@ class Flip(Op):
     randoms: int = field(default=1, init=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.p, bool) or not isinstance(self.p, (int, float)) or not 0.0 <= self.p <= 1.0:
-            raise ConfigError(f"Flip: p must be a number in [0, 1], got {self.p!r}")
+        object.__setattr__(self, "p", require_number("Flip: p", self.p, 0.0, 1.0, wanted="a number in [0, 1]"))
         if not isinstance(self.vertical, bool):  # "no" would be true, and flip vertically
             raise ConfigError(f"Flip: vertical must be True or False, got {self.vertical!r}")
 

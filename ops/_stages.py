@@ -58,7 +58,7 @@ class SampleStage(Stage):
     def __init__(self, fn: Callable[..., Any], *, concurrency: int | None, name: str | None) -> None:
         super().__init__(fn, name=name)
         if concurrency is not None:
-            require_int(f"{type(self).__name__}({self.name}): concurrency", concurrency)
+            concurrency = require_int(f"{type(self).__name__}({self.name}): concurrency", concurrency)
             if not self.is_async:
                 raise ConfigError(f"{type(self).__name__}({self.name}): concurrency bounds an async def's calls; a "
                                   "plain function runs in the loader's threads (num_threads)")

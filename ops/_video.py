@@ -17,7 +17,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from headrace._errors import ConfigError, DecodeError, TransformError
+from headrace._errors import ConfigError, DecodeError, TransformError, is_int, require_int, require_number
 
 from ._pipeline import Pipeline
 from ._stages import Map, Stage
@@ -68,12 +68,9 @@ class DecodeClip(Map):
         self.crop = _pair("crop", crop)
         if layout not in ("FCHW", "FHWC"):
             raise ConfigError(f"DecodeClip: layout must be 'FCHW' or 'FHWC', got {layout!r}")
-        if isinstance(flip, bool) or not isinstance(flip, (int, float)) or not 0.0 <= flip <= 1.0:
-            raise ConfigError(f"DecodeClip: flip must be a probability in [0, 1], got {flip!r}")
-        if isinstance(decoders_per_thread, bool) or not isinstance(decoders_per_thread, int) or decoders_per_thread < 1:
-            raise ConfigError(f"DecodeClip: decoders_per_thread must be a positive int, got {decoders_per_thread!r}")
+        self.flip = require_number("DecodeClip: flip", flip, 0.0, 1.0, wanted="a probability in [0, 1]")
+        decoders_per_thread = require_int("DecodeClip: decoders_per_thread", decoders_per_thread)
         self.layout = layout
-        self.flip = float(flip)
         self.device = resolve_video_device(device)
         self._gpu = NvdecClips(self.device, decoders_per_thread) if self.device != "cpu" else None
         self._turns: dict[str, int] = {}  # the GPU path: each video's quarter turns (its display matrix), probed once
@@ -304,10 +301,9 @@ def _collect(container: Any, stream: Any, wanted: list[int]) -> list[np.ndarray 
 def _pair(name: str, value: int | Sequence[int] | None) -> tuple[int, int] | None:
     if value is None:
         return None
-    if isinstance(value, int) and not isinstance(value, bool):
+    if is_int(value):  # NumPy's integers too; not a bool (True would be a side of 1)
         value = (value, value)
-    if (not isinstance(value, Sequence) or len(value) != 2
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+    if not isinstance(value, Sequence) or len(value) != 2 or not all(is_int(v) and v > 0 for v in value):
         raise ConfigError(f"DecodeClip: {name} must be None, a positive int or (h, w), got {value!r}")
     return int(value[0]), int(value[1])
 

@@ -39,7 +39,7 @@ from typing import Literal
 
 import numpy as np
 
-from headrace._errors import ConfigError, DecodeError, ReadError, require_int
+from headrace._errors import ConfigError, DecodeError, ReadError, require_int, require_number
 
 from ._shards import INDEX_NAME, write_index
 from ._tar import WEBDATASET_META
@@ -117,11 +117,12 @@ def pack(
     if video and format != "webdataset":
         raise ConfigError("pack: videos pack into WebDataset shards only (format='webdataset'): readers.video reads those")
     if verify_threads is not None:
-        require_int("pack: verify_threads", verify_threads)
-    if shard_size is not None and not 0 < shard_size < float("inf"):
-        raise ConfigError(f"pack: shard_size must be a positive, finite number of MB, got {shard_size!r}")
+        verify_threads = require_int("pack: verify_threads", verify_threads)
+    if shard_size is not None:
+        shard_size = require_number("pack: shard_size", shard_size, 0, float("inf"), low_open=True, high_open=True,
+                                    wanted="a positive, finite number of MB")
     if shard_count is not None:
-        require_int("pack: shard_count", shard_count)
+        shard_count = require_int("pack: shard_count", shard_count)
     if not prefix or "/" in prefix or os.sep in prefix or prefix.startswith("."):
         raise ConfigError(f"pack: prefix must be a plain file name part, got {prefix!r}")
     src_path, dest_path = Path(src).resolve(), Path(dest).resolve()

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from headrace._errors import ConfigError, ReadError
+from headrace._errors import ConfigError, ReadError, require_int
 from headrace._sample import Sample
 
 from ._base import IndexedReader
@@ -122,8 +122,7 @@ def find_records(name: str, paths: list[str], index: Sequence[Any] | None, label
     """The records of ``paths`` as ``RecordFileReader`` takes them: each file's from its index file
     (``index``, one per file, else ``index_beside(path)``) or, without one, from ``scan``. Checks the
     arguments the readers share (ConfigError naming ``name``); ReadError if there are no records."""
-    if isinstance(label_offset, bool) or not isinstance(label_offset, int):
-        raise ConfigError(f"{name}: label_offset must be an int, got {label_offset!r}")
+    require_int(f"{name}: label_offset", label_offset, None)  # the readers keep it as int(label_offset)
     if isinstance(index, (str, os.PathLike)):  # one index file: not its letters
         index = [index]
     if index is not None:

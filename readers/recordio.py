@@ -42,7 +42,7 @@ class RecordIOReader(RecordFileReader):
                  seed: int | None, chunk_size: int, io_threads: int) -> None:
         # records: (file, offset of its first header, bytes to its last part's end)
         super().__init__(paths, records, shuffle=shuffle, seed=seed, chunk_size=chunk_size, io_threads=io_threads)
-        self.label_offset = label_offset
+        self.label_offset = int(label_offset)  # checked by find_records; a NumPy one as Python's (state_dict)
 
     def _parse(self, data: bytes, key: str, path: str) -> dict[str, Any]:
         return self._fields(_join_parts(data))

@@ -105,9 +105,9 @@ class IterableReader(Reader):
     """Samples in a source's own order, one epoch per pass over it (see ``iterable``)."""
 
     def __init__(self, source: Any, *, length: int | None, chunk_size: int) -> None:
-        if length is not None:
-            require_int("iterable: length", length)
-        require_int("iterable: chunk_size", chunk_size)
+        if length is not None:  # Python ints: they are in the state dict, which goes to JSON
+            length = require_int("iterable: length", length)
+        chunk_size = require_int("iterable: chunk_size", chunk_size)
         if isinstance(source, (str, bytes, bytearray, Mapping)):
             # Iterable, but its items would be its letters, bytes or keys: samples that all fail.
             raise ConfigError(f"iterable: source must be an iterable of items (dicts of fields, Samples, "
@@ -138,7 +138,7 @@ class IterableReader(Reader):
     def shard(self, rank: int, world: int, *, equal: Equal = None) -> Self:
         """Rank ``rank`` takes the source's items ``rank``, ``rank + world``, ...; every rank reads the
         whole source. ``equal`` ("pad" or "drop") needs ``length``."""
-        _check_shard(rank, world, equal)
+        rank, world = _check_shard(rank, world, equal)
         if equal is not None and world > 1 and self.length is None:
             raise ConfigError(f"iterable: equal={equal!r} needs the source's length: pass length=, "
                               "or equal=None (ranks may then yield different sample counts)")
@@ -169,7 +169,7 @@ class IterableReader(Reader):
         return source
 
     async def read(self, epoch: int, *, start: int = 0, seed: int = 0) -> AsyncIterator[list[Sample]]:
-        require_int("start", start, 0)
+        start = require_int("start", start, 0)
         if self.length is not None and start > len(self):
             raise ConfigError(f"start must be in [0, {len(self)}], got {start}")
         made = self._open()

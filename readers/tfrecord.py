@@ -38,7 +38,7 @@ class TFRecordReader(RecordFileReader):
         # records: (file, the data's offset, its length); an Example each
         super().__init__(paths, records, shuffle=shuffle, seed=seed, chunk_size=chunk_size, io_threads=io_threads)
         self.features = None if features is None else dict(features)
-        self.label_offset = label_offset
+        self.label_offset = int(label_offset)  # checked by find_records; a NumPy one as Python's (state_dict)
 
     def _parse(self, data: bytes, key: str, path: str) -> dict[str, Any]:
         return self._fields(_feature_map(data), key, path)

@@ -84,7 +84,11 @@ def bench(path: str, *, format: str | None = None, limit: int | None = None, dev
 
     if pipeline not in ("training", "validation"):
         raise ConfigError(f"bench: pipeline must be 'training' or 'validation', got {pipeline!r}")
-    require_int("bench: epochs", epochs)
+    # Python ints (NumPy's taken): they are in the JSON report too.
+    epochs = require_int("bench: epochs", epochs)
+    batch_size, size = require_int("batch_size", batch_size), require_int("bench: size", size)
+    limit = None if limit is None else require_int("bench: limit", limit, 0)
+    threads = None if threads is None else require_int("bench: threads", threads)
     log = log or (lambda line: None)
     reader, kind = open_reader(path, format)
     loop = new_event_loop()

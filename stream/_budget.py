@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from ._errors import ConfigError, ErrorBudgetExceeded, LoaderError
+import numbers
+
+from ._errors import ConfigError, ErrorBudgetExceeded, LoaderError, is_int, require_number
 
 __all__ = ["ErrorBudget"]
 
@@ -16,11 +18,13 @@ class ErrorBudget:
     """
 
     def __init__(self, max_errors: int | float, *, min_samples: int = 100) -> None:
-        if isinstance(max_errors, bool) or not isinstance(max_errors, (int, float)) or max_errors < 0:
+        if isinstance(max_errors, bool) or not isinstance(max_errors, numbers.Real) or max_errors < 0:
             raise ConfigError(f"max_errors must be a non-negative int or a fraction, got {max_errors!r}")
-        if isinstance(max_errors, float) and not 0 <= max_errors <= 1:  # NaN too: it would pass every check
-            raise ConfigError(f"max_errors as a fraction must be in [0, 1], got {max_errors!r}")
-        self.max_errors = max_errors
+        self.max_errors: int | float
+        if is_int(max_errors):  # a count; a NumPy one as a Python int, which record() knows
+            self.max_errors = int(max_errors)
+        else:  # a fraction, NumPy's too; NaN refused: it would pass every check
+            self.max_errors = require_number("max_errors as a fraction", max_errors, 0, 1, wanted="in [0, 1]")
         self.min_samples = min_samples
         self.seen = 0
         self.dropped = 0

@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from ._errors import ClosedError, ConfigError
+from ._errors import ClosedError, require_int
 from ._markers import END
 
 __all__ = ["ChannelStats", "ReceiveChannel", "SendChannel", "open_channel"]
@@ -234,9 +234,7 @@ def open_channel(
     ``max_items`` must be a positive, finite count; ``max_bytes`` bounds the sum of the ``nbytes``
     given to ``send``.
     """
-    if not isinstance(max_items, int) or max_items < 1:
-        raise ConfigError(f"max_items must be a positive int, got {max_items!r}")
-    if not isinstance(max_bytes, int) or max_bytes < 1:
-        raise ConfigError(f"max_bytes must be a positive int, got {max_bytes!r}")
+    max_items = require_int("max_items", max_items)
+    max_bytes = require_int("max_bytes", max_bytes)
     state = _State(name, max_items, max_bytes)
     return SendChannel(state), ReceiveChannel(state)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ._errors import ConfigError
+from ._errors import ConfigError, require_int
 
 __all__ = ["Distributed", "detect_distributed"]
 
@@ -48,7 +48,7 @@ def detect_distributed(*, distributed: bool = True, rank: int | None = None, wor
     if rank is not None or world is not None:
         if rank is None or world is None:
             raise ConfigError("give both rank= and world=, or neither (to take them from torch.distributed)")
-        _check(rank, world, "")
+        rank, world = _check(rank, world, "")
         return Distributed(rank, world, _local_rank(world), "arguments", _local_world(world))
     if not distributed:
         return Distributed()
@@ -123,8 +123,7 @@ def _env_int(name: str) -> int | None:
         raise ConfigError(f"environment variable {name}={value!r} is not an integer") from None
 
 
-def _check(rank: object, world: object, where: str) -> None:
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise ConfigError(f"world must be a positive int{where}, got {world!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
-        raise ConfigError(f"rank must be in [0, {world}){where}, got {rank!r}")
+def _check(rank: object, world: object, where: str) -> tuple[int, int]:
+    """``(rank, world)`` as Python ints, NumPy's integers taken; ConfigError naming the wrong one."""
+    world = require_int("world", world, wanted=f"a positive int{where}")
+    return require_int("rank", rank, 0, below=world, wanted=f"in [0, {world}){where}"), world

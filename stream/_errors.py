@@ -16,6 +16,7 @@ Each carries ``key`` (the sample key, when one is known), ``source`` (path or UR
 
 from __future__ import annotations
 
+import math
 import numbers
 
 __all__ = [
@@ -74,21 +75,59 @@ class ConfigError(LoaderError, ValueError):
     stage = "config"
 
 
-def require_int(name: str, value: object, minimum: int | None = 1, *, below: int | None = None) -> int:
+def is_int(value: object) -> bool:
+    """An int or a NumPy integer scalar, not a bool (True would be 1): what ``require_int`` takes."""
+    # numbers.Integral holds int and NumPy's integer scalars (not np.bool_), without importing NumPy.
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def require_int(name: str, value: object, minimum: int | None = 1, *, below: int | None = None,
+                wanted: str | None = None) -> int:
     """``value`` as a Python int if it is an int or a NumPy integer (``np.int64(8)``, from a config or
     an array) of at least ``minimum`` (None: no bound) and, if given, less than ``below``; ConfigError
-    naming ``name`` otherwise. A bool is refused (True would be 1), as is a float, even ``8.0``."""
-    # numbers.Integral holds int and NumPy's integer scalars (not np.bool_), without importing NumPy.
-    if (isinstance(value, bool) or not isinstance(value, numbers.Integral)
-            or (minimum is not None and value < minimum) or (below is not None and value >= below)):
-        if below is not None:
-            wanted = f"an int in [{minimum}, {below})" if minimum is not None else f"an int < {below}"
-        elif minimum is None:
-            wanted = "an int"
-        else:
-            wanted = "a positive int" if minimum == 1 else "a non-negative int" if minimum == 0 else f"an int >= {minimum}"
-        raise ConfigError(f"{name} must be {wanted}, got {value!r}")
+    naming ``name`` otherwise, saying ``f"{name} must be {wanted}"`` (by default, the bounds in
+    words). A bool is refused (True would be 1), as is a float, even ``8.0``."""
+    if not is_int(value) or (minimum is not None and value < minimum) or (below is not None and value >= below):
+        raise ConfigError(f"{name} must be {wanted or _ints_wanted(minimum, below)}, got {value!r}")
     return int(value)
+
+
+def _ints_wanted(minimum: int | None, below: int | None) -> str:
+    if below is not None:
+        return f"an int in [{minimum}, {below})" if minimum is not None else f"an int < {below}"
+    if minimum is None:
+        return "an int"
+    return "a positive int" if minimum == 1 else "a non-negative int" if minimum == 0 else f"an int >= {minimum}"
+
+
+def require_number(name: str, value: object, low: float | None = None, high: float | None = None, *,
+                   low_open: bool = False, high_open: bool = False, wanted: str | None = None) -> float:
+    """``value`` as a Python float if it is a real number (an int, a float, or a NumPy integer or
+    floating scalar: ``np.float32(0.1)``, from a config or an array) within ``[low, high]`` (None: no
+    bound on that side; ``low_open``/``high_open`` leave that end out); ConfigError naming ``name``
+    otherwise, saying ``f"{name} must be {wanted}"`` (by default, the bounds in words). A bool
+    (np.bool_ too) is refused, as is NaN: it compares false with every bound and would pass the
+    checks made after this one."""
+    number = math.nan
+    if not isinstance(value, bool) and isinstance(value, numbers.Real):  # numbers.Real holds NumPy's, not np.bool_
+        try:
+            number = float(value)
+        except OverflowError:  # an int past a float's range: no count of seconds or fraction is that
+            pass
+    if (math.isnan(number) or (low is not None and (number <= low if low_open else number < low))
+            or (high is not None and (number >= high if high_open else number > high))):
+        raise ConfigError(f"{name} must be {wanted or _numbers_wanted(low, high, low_open, high_open)}, got {value!r}")
+    return number
+
+
+def _numbers_wanted(low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:
+    if low is not None and high is not None:
+        return f"a number in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    if low is not None:
+        return f"a number {'>' if low_open else '>='} {low}"
+    if high is not None:
+        return f"a number {'<' if high_open else '<='} {high}"
+    return "a number"
 
 
 class ReadError(LoaderError):

@@ -84,7 +84,7 @@ def resolve_loader_args(
     num_threads = require_int("num_threads", num_threads)
     prefetch = require_int("prefetch", prefetch)
     max_bytes = require_int("max_bytes", max_bytes)
-    ErrorBudget(max_errors)  # validates max_errors now rather than at the first failure
+    max_errors = ErrorBudget(max_errors).max_errors  # checked now, not at the first failure; a Python number
     return LoaderArgs(
         reader=reader,
         pipeline=pipeline,

@@ -20,7 +20,7 @@ from typing import Any, Literal, Self
 from ._batch_processor import BatchProcessor
 from ._device import resolve_device
 from ._distributed import detect_distributed
-from ._errors import ClosedError, ConfigError, require_int
+from ._errors import ClosedError, ConfigError, require_int, require_number
 from ._request_batcher import Request, RequestBatcher
 
 __all__ = ["Preprocessor", "PreprocessorStats"]
@@ -126,10 +126,9 @@ class Preprocessor:
             raise ConfigError("Preprocessor: every request is answered with its row, and an ops.Filter would drop "
                               "some; leave the request out before calling instead")
         self.max_batch = require_int("max_batch", max_batch)
-        if isinstance(max_delay, bool) or not isinstance(max_delay, (int, float)) or not 0 <= max_delay < float("inf"):
-            raise ConfigError(f"max_delay must be a finite number of seconds >= 0, got {max_delay!r}")
-        self.max_delay = float(max_delay)
-        require_int("max_pending", max_pending)
+        self.max_delay = require_number("max_delay", max_delay, 0, float("inf"), high_open=True,
+                                        wanted="a finite number of seconds >= 0")
+        max_pending = require_int("max_pending", max_pending)
         if when_full not in ("wait", "reject"):
             raise ConfigError(f"when_full must be 'wait' or 'reject', got {when_full!r}")
         if postprocess is not None and not callable(postprocess):
@@ -150,9 +149,7 @@ class Preprocessor:
         if gpu_tuning is not None and not isinstance(gpu_tuning, ops.GpuTuning):
             raise ConfigError(f"gpu_tuning must be a headrace.ops.GpuTuning, got {type(gpu_tuning).__name__}")
         self.gpu_tuning = gpu_tuning
-        if isinstance(seed, bool) or not isinstance(seed, int):  # as the Loader: every request would fail on it
-            raise ConfigError(f"seed must be an int, got {seed!r}")
-        self.seed = seed
+        self.seed = require_int("seed", seed, None)  # as the Loader: every request would fail on a wrong one
         on_gpu = self.device.startswith("cuda")
         default_slots = self.lanes + 1 if on_gpu else self.num_threads
         self.batches_in_flight = require_int("batches_in_flight",

@@ -85,7 +85,7 @@ class CpuExecutor:
     """
 
     def __init__(self, pipeline: Pipeline, *, num_threads: int, seed: int, name: str = "headrace-cpu") -> None:
-        require_int("CpuExecutor: num_threads", num_threads)
+        num_threads = require_int("CpuExecutor: num_threads", num_threads)
         self.pipeline = pipeline
         self.seed = seed
         self.num_threads = num_threads

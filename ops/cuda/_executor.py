@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 import torch
 
-from headrace._errors import ClosedError, ConfigError
+from headrace._errors import ClosedError, ConfigError, require_number
 from headrace._sample import SampleBatch
 from headrace._threads import join_threads
 
@@ -118,8 +118,7 @@ class GpuTuning:
     dispatch: Literal["turn", "free"] = "turn"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.cuda_load, (int, float)) or not 0.0 <= self.cuda_load <= 1.0:
-            raise ConfigError(f"cuda_load must be in [0, 1], got {self.cuda_load!r}")
+        object.__setattr__(self, "cuda_load", require_number("cuda_load", self.cuda_load, 0.0, 1.0, wanted="in [0, 1]"))
         if not isinstance(self.nvimgcodec_options, str):
             raise ConfigError(f"nvimgcodec_options must be a str, got {self.nvimgcodec_options!r}")
         for name in ("decode", "launch"):
@@ -165,8 +164,8 @@ class CudaExecutor:
         reason = gpu_unsupported(pipeline)
         if reason is not None:
             raise ConfigError(reason)
-        if hw_load != "adaptive" and not (isinstance(hw_load, (int, float)) and 0.0 <= hw_load <= 1.0):
-            raise ConfigError(f"hw_load must be in [0, 1] or 'adaptive', got {hw_load!r}")
+        if not (isinstance(hw_load, str) and hw_load == "adaptive"):  # a share, NumPy's too; not True (1)
+            hw_load = require_number("hw_load", hw_load, 0.0, 1.0, wanted="in [0, 1] or 'adaptive'")
         if tuning is not None and not isinstance(tuning, GpuTuning):
             raise ConfigError(f"tuning must be a headrace.ops.GpuTuning, got {type(tuning).__name__}")
         self.tuning = tuning = tuning or GpuTuning()

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from headrace._errors import ConfigError
+from headrace._errors import require_number
 
 __all__ = ["Body", "ObjectInfo", "Store", "StoreFault", "redact_url", "scrub", "seconds_option"]
 
@@ -160,6 +160,5 @@ def scrub(text: str, secrets: Iterable[str | None]) -> str:
 def seconds_option(name: str, value: object) -> float:
     """A storage option in seconds (``connect_timeout``): a positive, finite number, else a ConfigError
     now, not a client that waits for ever, fails each request or panics in its own runtime later."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise ConfigError(f"storage option {name} must be a positive number of seconds, got {value!r}")
-    return float(value)
+    return require_number(f"storage option {name}", value, 0, math.inf, low_open=True, high_open=True,
+                          wanted="a positive number of seconds")

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from headrace._errors import ConfigError, StorageError
+from headrace._errors import ConfigError, StorageError, require_int, require_number
 
 from ._base import StoreFault
 
@@ -39,15 +39,13 @@ class Retry:
     timeout: float = 30.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or self.attempts < 1:
-            raise ConfigError(f"retry attempts must be a positive int, got {self.attempts!r}")
+        # Kept as Python numbers, NumPy's taken. NaN is refused: a NaN timeout or backoff would be
+        # taken as given and fail each request or sleep oddly later.
+        object.__setattr__(self, "attempts", require_int("retry attempts", self.attempts))
         for name in ("backoff", "max_backoff", "timeout"):
-            value = getattr(self, name)
-            # ``not value >= 0`` rather than ``value < 0``: NaN compares false either way, and a NaN
-            # timeout or backoff would be taken as given and fail each request or sleep oddly later.
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0 or (
-                    name == "timeout" and value == 0):
-                raise ConfigError(f"retry {name} must be a positive number of seconds, got {value!r}")
+            seconds = require_number(f"retry {name}", getattr(self, name), 0, low_open=name == "timeout",
+                                     wanted="a positive number of seconds")
+            object.__setattr__(self, name, seconds)
 
     @classmethod
     def of(cls, value: Retry | dict | int | None) -> Retry:

@@ -51,7 +51,8 @@ class S3Store(Store):
         self.endpoint: str | None = _endpoint(options.get("endpoint"))
         timeout = options.get("connect_timeout")
         if timeout is not None and not isinstance(timeout, (str, datetime.timedelta)):  # obstore's "10s" as given
-            seconds_option("connect_timeout", timeout)
+            # A Python float: _duration turns it into the timedelta obstore takes (not a NumPy scalar).
+            self._options["connect_timeout"] = seconds_option("connect_timeout", timeout)
         self._secrets = [options.get(k) or os.environ.get("AWS_" + k.upper()) for k in _SECRET_KEYS]
         self._client: Any = None
 
