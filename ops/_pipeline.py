@@ -8,7 +8,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from headrace._errors import ConfigError
+from headrace._errors import ConfigError, require_int
 
 from ._random import uniforms
 from ._post_spec import PostOp
@@ -272,8 +272,7 @@ def _carried_fields(boxes: str | None, per_box: Sequence[str], mask: str | None,
     for what, name in (("boxes", boxes), ("mask", mask), ("instance_masks", instance_masks)):
         if name is not None and (not isinstance(name, str) or not name):
             raise ConfigError(f"Pipeline: {what} must be a field name or None, got {name!r}")
-    if isinstance(mask_fill, bool) or not isinstance(mask_fill, int) or not 0 <= mask_fill < 2**31:
-        raise ConfigError(f"Pipeline: mask_fill must be an int >= 0, got {mask_fill!r}")
+    mask_fill = require_int("Pipeline: mask_fill", mask_fill, 0, below=2**31, wanted="an int >= 0")
     if boxes is None and instance_masks is not None:
         raise ConfigError("Pipeline: instance_masks are kept or dropped with their boxes; name the boxes too "
                           "(boxes=...)")

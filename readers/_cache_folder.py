@@ -47,7 +47,7 @@ def from_arguments(what: str, folder: str | os.PathLike | None, max_bytes: int |
     """A reader's ``cache_dir=`` and ``cache_bytes=`` checked, and its cache made (None without a
     folder); ConfigError naming the reader (``what``) for a wrong value or a folder it cannot use."""
     if max_bytes is not None:
-        require_int(f"{what}: cache_bytes", max_bytes, 1)
+        max_bytes = require_int(f"{what}: cache_bytes", max_bytes, 1)
         if folder is None:
             raise ConfigError(f"{what}: cache_bytes needs a cache_dir")
     if folder is None:

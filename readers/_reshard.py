@@ -41,8 +41,8 @@ def unread(reader: WebDatasetReader, epoch: int, seed: int, history: Sequence[tu
     remaining = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in order])
     size = reader.shuffle_buffer if reader.shuffle else 0
     for span, (world, position) in enumerate(history):
-        require_int("history: world", world)
-        require_int("history: position", position, 0)
+        world = require_int("history: world", world)
+        position = require_int("history: position", position, 0)
         read = np.zeros(offsets[-1], dtype=bool)
         for rank in range(world):
             if span == 0:

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from headrace._errors import ConfigError, ReadError, require_int
+from headrace._errors import ConfigError, ReadError, require_int, require_number
 
 from ._cache_folder import from_arguments
 from ._coco_masks import CocoInstanceMasks, CocoMask, check_segmentation, finite_number
@@ -114,10 +114,9 @@ def coco(
                        ("instance_masks", instance_masks)):
         if not isinstance(flag, bool):
             raise ConfigError(f"coco: {name} must be True or False, got {flag!r}")
-    if (isinstance(min_box_size, bool) or not isinstance(min_box_size, (int, float)) or not math.isfinite(min_box_size)
-            or min_box_size < 0):
-        raise ConfigError(f"coco: min_box_size must be a number >= 0, got {min_box_size!r}")
-    require_int("coco: requests", requests)
+    min_box_size = require_number("coco: min_box_size", min_box_size, 0.0, math.inf, high_open=True,
+                                  wanted="a number >= 0")
+    requests = require_int("coco: requests", requests)
     storage = Storage(storage_options, store)
     source = os.fspath(annotations)
     doc = _load(source, storage)

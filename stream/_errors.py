@@ -120,6 +120,15 @@ def require_number(name: str, value: object, low: float | None = None, high: flo
     return number
 
 
+def require_hw_load(value: object) -> float | str:
+    """``hw_load`` checked: ``"adaptive"``, or a share in [0, 1] (NumPy's too) as a Python float.
+    Checked where the Loader or the service is made, on the CPU path too (which does not use it), so
+    that a wrong value fails there and not when the same code first runs on a GPU."""
+    if isinstance(value, str) and value == "adaptive":
+        return value
+    return require_number("hw_load", value, 0.0, 1.0, wanted="in [0, 1] or 'adaptive'")
+
+
 def _numbers_wanted(low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:
     if low is not None and high is not None:
         return f"a number in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"

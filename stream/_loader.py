@@ -10,7 +10,7 @@ from ._batcher import LastBatch, batches_per_epoch
 from ._channel import ChannelStats
 from ._cursor import Cursor
 from ._epochs import Epochs
-from ._errors import LoaderError
+from ._errors import LoaderError, require_hw_load
 from ._loader_args import resolve_loader_args
 from ._loader_state import STATE_VERSION, ResumePoint, resume_point
 from ._policy import ErrorRecord
@@ -194,7 +194,7 @@ class Loader:
         self.pipeline = args.pipeline
         self.device = args.device
         self.lanes = args.lanes
-        self.hw_load = hw_load
+        self.hw_load = require_hw_load(hw_load)
         self.gpu_tuning = gpu_tuning
         self.run_ahead = args.run_ahead
         self.last_batch = args.last_batch

@@ -20,7 +20,7 @@ from typing import Any, Literal, Self
 from ._batch_processor import BatchProcessor
 from ._device import resolve_device
 from ._distributed import detect_distributed
-from ._errors import ClosedError, ConfigError, require_int, require_number
+from ._errors import ClosedError, ConfigError, require_hw_load, require_int, require_number
 from ._request_batcher import Request, RequestBatcher
 
 __all__ = ["Preprocessor", "PreprocessorStats"]
@@ -145,7 +145,7 @@ class Preprocessor:
         # ``is None``, not ``or``: a 0 is a wrong argument, not a request for the default.
         self.num_threads = require_int("num_threads", num_threads if num_threads is not None else os.cpu_count() or 1)
         self.lanes = require_int("lanes", lanes)
-        self.hw_load = hw_load
+        self.hw_load = require_hw_load(hw_load)
         if gpu_tuning is not None and not isinstance(gpu_tuning, ops.GpuTuning):
             raise ConfigError(f"gpu_tuning must be a headrace.ops.GpuTuning, got {type(gpu_tuning).__name__}")
         self.gpu_tuning = gpu_tuning

@@ -31,6 +31,8 @@ from headrace import (
 )
 from headrace._channel import open_channel
 from headrace._errors import require_int, require_number
+from headrace.readers._cache_folder import from_arguments
+from headrace.readers._object_cache import ObjectCache
 from headrace.readers._storage import HttpStore, Retry, S3Store
 from headrace.readers._storage._s3 import _duration
 from headrace.testing import MemoryStore
@@ -497,3 +499,71 @@ def test_bench_takes_numpy_counts_and_reports_json(image_folder):
     for name in ("epochs", "batch_size", "size", "limit", "threads"):
         with pytest.raises(ConfigError, match=rf"^(bench: )?{name} must be "):
             bench(str(image_folder), **{name: np.bool_(True)})
+
+
+# -- the last few: COCO, the mask fill, the cache bound, hw_load where it is stored ---------------
+
+
+@pytest.fixture
+def tiny_coco(tmp_path):
+    """Two real JPEGs and a COCO file: one box of 2x2 pixels, one of 10x10."""
+    rng = np.random.default_rng(0)
+    images = tmp_path / "images"
+    images.mkdir()
+    for name in ("a.jpg", "b.jpg"):
+        (images / name).write_bytes(jpeg_bytes(rng, 32, 48))
+    doc = {"images": [{"id": 1, "file_name": "a.jpg", "height": 32, "width": 48},
+                      {"id": 2, "file_name": "b.jpg", "height": 32, "width": 48}],
+           "categories": [{"id": 7, "name": "thing"}],
+           "annotations": [{"id": 1, "image_id": 1, "category_id": 7, "bbox": [1, 1, 2, 2], "area": 4, "iscrowd": 0},
+                           {"id": 2, "image_id": 2, "category_id": 7, "bbox": [1, 1, 10, 10], "area": 100,
+                            "iscrowd": 0}]}
+    annotations = tmp_path / "instances.json"
+    annotations.write_text(json.dumps(doc))
+    return images, annotations
+
+
+async def test_coco_takes_a_numpy_min_box_size_and_requests(tiny_coco):
+    numpy_reader = readers.coco(*tiny_coco, min_box_size=np.float32(5), requests=np.int64(8))
+    python_reader = readers.coco(*tiny_coco, min_box_size=5.0, requests=8)
+    got = [(s.key, s.fields["boxes"].tolist()) for s in await _samples(numpy_reader)]
+    assert got == [(s.key, s.fields["boxes"].tolist()) for s in await _samples(python_reader)]
+    assert [len(boxes) for _, boxes in got] == [0, 1]  # the 2x2 box is left out, the 10x10 kept
+
+
+@pytest.mark.parametrize("value", [*BOOLS, -1.0, math.nan, math.inf, "5"])
+def test_coco_refuses_a_wrong_min_box_size_naming_it(tiny_coco, value):
+    with pytest.raises(ConfigError, match="min_box_size must be a number >= 0"):
+        readers.coco(*tiny_coco, min_box_size=value)
+
+
+def test_a_numpy_mask_fill_is_kept_as_a_python_int():
+    pipe = ops.Pipeline([ops.Decode(), ops.Resize(16)], label=None, mask="mask", mask_fill=np.uint8(255))
+    assert type(pipe.mask_fill) is int and pipe.mask_fill == 255
+    for wrong in (*BOOLS, 255.0, -1):
+        with pytest.raises(ConfigError, match="mask_fill must be an int >= 0"):
+            ops.Pipeline([ops.Decode()], label=None, mask="mask", mask_fill=wrong)
+
+
+def test_a_numpy_cache_bound_is_kept_as_a_python_int(tmp_path):
+    # The readers make their cache through this one function (a local folder is read in place, so
+    # no reader of a local path holds one to look at).
+    cache = from_arguments("files", tmp_path / "copies", np.int64(1 << 20), ObjectCache)
+    assert type(cache.max_bytes) is int and cache.max_bytes == 1 << 20
+
+
+@pytest.mark.parametrize("value", [np.float32(0.5), np.float64(0.5), np.int64(1), 0.5, "adaptive"])
+def test_loader_and_service_keep_hw_load_as_python(image_folder, value):
+    want = value if isinstance(value, str) else float(value)
+    loader = Loader(readers.files(image_folder), batch_size=8, device="cpu", hw_load=value)
+    service = Preprocessor(device="cpu", hw_load=value)
+    for held in (loader.hw_load, service.hw_load):
+        assert held == want and type(held) is type(want)
+
+
+@pytest.mark.parametrize("value", [*BOOLS, 1.5, -0.1, math.nan, "fast"])
+def test_a_wrong_hw_load_is_refused_on_the_cpu_path_too(image_folder, value):
+    with pytest.raises(ConfigError, match=r"hw_load must be in \[0, 1\] or 'adaptive'"):
+        Loader(readers.files(image_folder), batch_size=8, device="cpu", hw_load=value)
+    with pytest.raises(ConfigError, match=r"hw_load must be in \[0, 1\] or 'adaptive'"):
+        Preprocessor(device="cpu", hw_load=value)

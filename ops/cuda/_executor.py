@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 import torch
 
-from headrace._errors import ClosedError, ConfigError, require_number
+from headrace._errors import ClosedError, ConfigError, require_hw_load, require_number
 from headrace._sample import SampleBatch
 from headrace._threads import join_threads
 
@@ -164,8 +164,7 @@ class CudaExecutor:
         reason = gpu_unsupported(pipeline)
         if reason is not None:
             raise ConfigError(reason)
-        if not (isinstance(hw_load, str) and hw_load == "adaptive"):  # a share, NumPy's too; not True (1)
-            hw_load = require_number("hw_load", hw_load, 0.0, 1.0, wanted="in [0, 1] or 'adaptive'")
+        hw_load = require_hw_load(hw_load)  # a share, NumPy's too; not True (1)
         if tuning is not None and not isinstance(tuning, GpuTuning):
             raise ConfigError(f"tuning must be a headrace.ops.GpuTuning, got {type(tuning).__name__}")
         self.tuning = tuning = tuning or GpuTuning()
