@@ -102,6 +102,7 @@ class VideoReader(IndexedReader):
         self._fetch_on_loop = storage is not None
         self._epoch = 0
         self._draw_seed = 0
+        self._drawn: dict[int, np.ndarray] = {}  # each video's starts in this reader's epoch (clips_per_video)
 
     # -- the clip table --------------------------------------------------------------------------------------
 
@@ -120,16 +121,24 @@ class VideoReader(IndexedReader):
             return 1
         if info.frames < self.span:
             return 0
-        if self.clips_per_video is not None:
-            return self.clips_per_video
+        if self.clips_per_video is not None:  # distinct starts: every one when the video has fewer
+            return min(self.clips_per_video, info.frames - self.span + 1)
         return (info.frames - self.span) // self.step + 1
 
     def clip_start(self, video: int, j: int, info: VideoInfo) -> int:
-        """The first frame of video ``video``'s ``j``-th clip in this reader's current epoch."""
+        """The first frame of video ``video``'s ``j``-th clip in this reader's current epoch. With
+        ``clips_per_video``: the ``j``-th smallest of the video's starts drawn without replacement,
+        uniformly from every start a clip fits at, by (seed, epoch, video) alone, so every rank and
+        a resumed run draw the same."""
         if self.clips_per_video is None:
             return j * self.step
-        draw = np.random.default_rng([self._draw_seed, self._epoch, video, j])
-        return int(draw.integers(0, info.frames - self.span + 1))
+        starts = self._drawn.get(video)
+        if starts is None:
+            fits = info.frames - self.span + 1
+            draw = np.random.default_rng([self._draw_seed, self._epoch, video])
+            starts = np.sort(draw.choice(fits, min(self.clips_per_video, fits), replace=False))
+            self._drawn[video] = starts  # threads may race here: they store the same draw
+        return int(starts[j])
 
     # -- reading ---------------------------------------------------------------------------------------------
 
@@ -139,6 +148,7 @@ class VideoReader(IndexedReader):
             await _in_thread(self.probed)
         view = copy.copy(self)  # this epoch's draws: a copy, so concurrent reads of shards do not share them
         view._epoch, view._draw_seed = epoch, self.seed if self.seed is not None else seed
+        view._drawn = {}
         async with contextlib.aclosing(IndexedReader.read(view, epoch, start=start, seed=seed,
                                                           history=history)) as chunks:
             async for chunk in chunks:
@@ -320,8 +330,11 @@ def video(
     frames from frame 0 (default: the span, so clips do not overlap). A clip that would run past
     the video's end is dropped, never padded: a video of ``n`` frames gives
     ``(n - span) // step + 1`` clips, and none if it is shorter than the span. With
-    ``clips_per_video=k`` each video gives ``k`` clips at random starts instead, drawn anew each
-    epoch from (seed, epoch, video, clip), so a resumed run draws the same ones. A frame's index
+    ``clips_per_video=k`` each video gives ``k`` clips at distinct random starts instead (drawn
+    without replacement, uniformly from the ``n - span + 1`` starts a clip fits at, ``step``
+    unused), in increasing order; a video with fewer than ``k`` such starts gives each of them
+    once, so an epoch never repeats a clip and its length is the same every epoch. They are drawn
+    anew each epoch from (seed, epoch, video), so every rank and a resumed run draw the same ones. A frame's index
     is its rank in presentation order (see the module docstring), exact for variable frame rate.
 
     Each sample's key is ``"<path relative to the folder>@<start frame>"`` (the path as given for
