@@ -43,6 +43,7 @@ class ShardJob:
     base_index: int  # Sample.index of the shard's first sample
     rank_base: int = -1  # this rank's input ordinal of the shard's first kept sample (-1: unknown)
     needed: Callable[[int], bool] | None = None  # on rank input ordinals; None: all
+    count: int | None = None  # samples the shard holds, as its index or counts= says; None: unknown
 
 
 class ShardFiles:
@@ -189,10 +190,10 @@ class ShardFiles:
         """``_parse`` up to END: samples, and a bad shard's ReadError as the sample being read;
         ``position`` carries the rank input ordinal."""
         first, stride, base, path, rank_base = job.first, job.stride, job.base_index, job.path, job.rank_base
-        needed = job.needed
+        needed, count = job.needed, job.count
 
         def select(j: int) -> bool:
-            if j < first or (j - first) % stride:
+            if j < first or (j - first) % stride or (count is not None and j >= count):
                 return False
             return needed is None or needed(rank_base + (j - first) // stride)
 
@@ -219,17 +220,34 @@ class ShardFiles:
                     _keep(source)
                 if isinstance(source, PipeShard) and not feed.stopped:
                     source.finish()  # the command's exit status: a failure after its last sample is one too
+                if count is not None and last + 1 != count and not feed.stopped:
+                    raise _miscounted(last + 1, count, path)
         except (OSError, ReadError) as exc:
             if not isinstance(exc, ReadError):
                 err = ReadError(f"cannot read shard: {exc.strerror or exc}", source=path)
                 err.__cause__ = exc
                 exc = err
             j = last + 1  # the sample being read when it failed
+            if count is not None:
+                j = min(j, count)  # a longer shard's: numbered as the first one past its count
             chunk.append(Sample(exc.key or os.path.basename(path), {}, path, base + j,
                                 rank_base + max(0, j - first) // stride, exc))
         if chunk:
             _own_bytes(chunk)
             feed.put(chunk)
+
+
+def _miscounted(held: int, count: int, path: str) -> ReadError:
+    """A shard read to its end that held another number of samples than its known count: a tar cut
+    exactly between two members parses cleanly, so only the count tells it from a whole one. The
+    ReadError takes the place of the first missing sample (or, for a longer shard, of the first one
+    past the count: those are never read)."""
+    if held < count:
+        return ReadError(f"shard ends after {held} samples; its count says {count} (headrace-index.json, "
+                         "counts= or counts='scan'): cut short, or changed since it was counted", source=path)
+    return ReadError(f"shard holds {held} samples; its count says {count} (headrace-index.json, counts= or "
+                     f"counts='scan'): changed since it was counted (the samples past {count} are not read)",
+                     source=path)
 
 
 def _kill_commands(sources: Sequence[object]) -> None:

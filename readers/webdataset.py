@@ -134,7 +134,8 @@ class WebDatasetReader(Reader):
             else:
                 continue
             base = self._offsets[i] if self._offsets is not None else i << 32
-            jobs.append(ShardJob(i, self._names[i], first, stride, base))
+            count = None if self._counts is None else self._counts[i]
+            jobs.append(ShardJob(i, self._names[i], first, stride, base, count=count))
         return jobs
 
     def _rank_total(self, counts: Sequence[int], rank: int) -> int:
@@ -201,7 +202,11 @@ class WebDatasetReader(Reader):
         into a feed of two ``chunk_size`` lists; a full feed stops that thread (backpressure). Memory
         is about ``(read_ahead + 1) * 3 * chunk_size + shuffle_buffer`` samples. Closing the iterator
         stops the threads and closes the files before it returns. A shard that is truncated or
-        corrupt ends with one sample whose ``error`` is a ReadError naming the shard and key.
+        corrupt ends with one sample whose ``error`` is a ReadError naming the shard and key. So
+        does a shard read to its end that held another number of samples than its known count
+        (the index, ``counts=``): a tar cut exactly between two members parses cleanly, and only the
+        count tells it from a whole one (a job reading part of a shard compares the whole shard's
+        samples, counted from their headers; samples past the count are never read).
         """
         seed = self.seed if self.seed is not None else seed
         start = require_int("start", start, 0)
@@ -300,7 +305,8 @@ class WebDatasetReader(Reader):
         jobs = []
         for first, run in zip(np.concatenate([[0], cuts]).tolist(), np.split(indices, cuts)):
             i = int(shard_of[first])
-            jobs.append(ShardJob(i, self._names[i], 0, 1, offsets[i], offsets[i], frozenset(run.tolist()).__contains__))
+            jobs.append(ShardJob(i, self._names[i], 0, 1, offsets[i], offsets[i], frozenset(run.tolist()).__contains__,
+                                 offsets[i + 1] - offsets[i]))
         return jobs
 
     async def _known_counts(self) -> list[int]:
@@ -322,7 +328,7 @@ def _resume_jobs(jobs: list[ShardJob], counts: Sequence[int], nxt: int, held: di
         lo = rank_base
         rank_base += len(range(job.first, counts[job.shard], job.stride))
         if rank_base > nxt or bisect.bisect_left(marks, lo) < bisect.bisect_left(marks, rank_base):
-            out.append(ShardJob(job.shard, job.path, job.first, job.stride, job.base_index, lo, needed))
+            out.append(ShardJob(job.shard, job.path, job.first, job.stride, job.base_index, lo, needed, job.count))
     return out
 
 
@@ -363,7 +369,10 @@ def webdataset(
     ``counts``: per-shard sample counts, a total, ``"scan"`` (count now by reading the tar headers),
     or None to use the ``headrace-index.json`` that ``headrace pack`` writes beside the shards, if
     any (fetched too for URLs). They give ``len()``, the ``equal=`` policy of ``shard()`` and a fast
-    resume; without them ``len()`` raises TypeError and the first resume scans the headers.
+    resume; without them ``len()`` raises TypeError and the first resume scans the headers. Known
+    counts are checked as the shards are read: one that held another number of samples (cut short
+    exactly between two members, or changed since it was counted) ends with a ReadError sample
+    naming it and both numbers. Without counts such a shard cannot be told from a whole one.
 
     ``shuffle``: a new shard order each epoch, plus a ``shuffle_buffer``-sample shuffle buffer, both
     seeded by (``seed`` or the loader's seed, epoch). ``read_ahead``: shards read ahead of the
