@@ -17,6 +17,12 @@ it needs: the others are skipped with a seek over their data. It needs per-shard
 the index ``pack`` writes, from ``counts=``, or else from a one-time scan of the tar headers (seeks,
 no data read) done on the first resume. Cost: O(buffer + k) integer steps (~0.5 s per million) plus
 reading the ``shuffle_buffer`` held samples again; without a shuffle buffer, only what is left.
+
+``resampled=True`` replaces steps 1-2 and 4: each rank draws shards uniformly with replacement from
+all of them, by an RNG keyed on (seed, epoch, rank); with counts, until ``ceil(samples / world)``
+inputs (the last drawn shard read up to there), else ``ceil(shards / world)`` whole shards. The
+draws are a function of (seed, epoch, rank), so resume works as above (by ``rank_base``, a
+position in the rank's draws, never the shard's identity: a shard drawn twice is two jobs).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import bisect
 import contextlib
 import copy
 import os
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, Self
 
 import numpy as np
@@ -69,7 +75,13 @@ class WebDatasetReader(Reader):
         storage: Storage | None = None,
         buffer_bytes: int = 8 << 20,
         cache: ShardCache | None = None,
+        resampled: bool = False,
     ) -> None:
+        if not isinstance(resampled, (bool, np.bool_)):
+            raise ConfigError(f"webdataset: resampled must be True or False, got {resampled!r}")
+        if resampled and split != "auto":
+            raise ConfigError(f"webdataset: split={split!r} has no meaning with resampled=True "
+                              "(every rank draws from all the shards)")
         shuffle_buffer = require_int("webdataset: shuffle_buffer", shuffle_buffer, 0)
         read_ahead = require_int("webdataset: read_ahead", read_ahead, 0)
         chunk_size = require_int("webdataset: chunk_size", chunk_size, 1)
@@ -82,6 +94,7 @@ class WebDatasetReader(Reader):
         self.shuffle, self.seed = check_order(shuffle, seed, "webdataset")
         self.shuffle_buffer = shuffle_buffer
         self.split = split
+        self.resampled = bool(resampled)
         self.equal: Equal = None
         self.storage = storage
         self.files = ShardFiles(self.shards, storage, read_ahead=read_ahead, chunk_size=chunk_size,
@@ -123,6 +136,8 @@ class WebDatasetReader(Reader):
         return self.split == "samples" or (self.split == "auto" and len(self.shards) < self.world)
 
     def _jobs(self, epoch: int, seed: int) -> list[ShardJob]:
+        if self.resampled:
+            return self._resampled_jobs(epoch, seed)
         n = len(self.shards)
         order = np.random.default_rng([seed, epoch, 0]).permutation(n).tolist() if self.shuffle else range(n)
         jobs = []
@@ -138,6 +153,42 @@ class WebDatasetReader(Reader):
             jobs.append(ShardJob(i, self._names[i], first, stride, base, count=count))
         return jobs
 
+    def _draws(self, epoch: int, seed: int) -> Iterator[int]:
+        """``resampled``: this rank's shard draws for the epoch, uniform with replacement over all the
+        shards, endless. Drawn in blocks of a fixed size, so the sequence never depends on how much
+        of it is used."""
+        rng = np.random.default_rng([seed, epoch, 2, self.rank])
+        while True:
+            yield from rng.integers(len(self.shards), size=256).tolist()
+
+    def _resampled_target(self) -> int:
+        """``resampled`` with counts: samples in each rank's epoch, a pass's worth shared by the ranks."""
+        assert self._counts is not None
+        return -(-sum(self._counts) // self.world)
+
+    def _resampled_jobs(self, epoch: int, seed: int) -> list[ShardJob]:
+        """Whole drawn shards, ``ceil(shards / world)`` of them; with counts, drawn shards until the
+        epoch's samples are reached, the last one read up to there."""
+        draws = self._draws(epoch, seed)
+        counts, offsets = self._counts, self._offsets
+        if counts is None or offsets is None:
+            picks = [next(draws) for _ in range(-(-len(self.shards) // self.world))]
+            return [ShardJob(i, self._names[i], 0, 1, i << 32) for i in picks]
+        target, pos, jobs = self._resampled_target(), 0, []
+        while pos < target:
+            i = next(draws)
+            needed = None if pos + counts[i] <= target else (lambda r, end=target: r < end)
+            jobs.append(ShardJob(i, self._names[i], 0, 1, offsets[i], pos, needed, counts[i]))
+            pos += counts[i]
+        return jobs
+
+    def _stream_total(self, jobs: list[ShardJob], counts: Sequence[int]) -> int:
+        """Samples in the rank's natural stream made of ``jobs``."""
+        if not self.resampled:
+            return self._rank_total(counts, self.rank)
+        total = sum(counts[j.shard] for j in jobs)
+        return min(total, self._resampled_target()) if self._counts is not None else total
+
     def _rank_total(self, counts: Sequence[int], rank: int) -> int:
         if self.by_samples:
             return sum(len(range((rank - i) % self.world, c, self.world)) for i, c in enumerate(counts))
@@ -145,12 +196,18 @@ class WebDatasetReader(Reader):
 
     def _target(self, counts: Sequence[int]) -> int:
         """Samples per epoch on this rank once the ``equal`` policy is applied."""
+        if self.resampled:  # the same on every rank: ``equal`` has nothing to do
+            return self._resampled_target()
         if self.equal is None or self.world == 1:
             return self._rank_total(counts, self.rank)
         totals = [self._rank_total(counts, r) for r in range(self.world)]
         return max(totals) if self.equal == "pad" else min(totals)
 
     def __len__(self) -> int:
+        if self.resampled and self._counts is None:
+            raise TypeError("len() of this resampled webdataset reader is unknown: without per-shard counts "
+                            "(headrace-index.json from `headrace pack`, or counts=[...] or counts='scan') an epoch "
+                            "is a number of whole shards drawn, not of samples")
         if self._counts is not None:
             return self._target(self._counts)
         if self._total is not None and self.world == 1:
@@ -163,15 +220,16 @@ class WebDatasetReader(Reader):
 
     @property
     def reshardable(self) -> bool:  # type: ignore[override]
-        """A state saved on another world size resumes here when the per-shard counts are known."""
-        return self._counts is not None
+        """A state saved on another world size resumes here when the per-shard counts are known
+        (never with ``resampled``: its ranks' draws have no part to hand over)."""
+        return self._counts is not None and not self.resampled
 
     def shard(self, rank: int, world: int, *, equal: Equal = None) -> Self:
         rank, world = _check_shard(rank, world, equal)
         part = copy.copy(self)
         part.rank, part.world, part.equal = rank, world, equal
         part.files = copy.copy(self.files)  # its own download counters, as a copy's attributes were
-        if part.split == "shards" and len(self.shards) < world:
+        if part.split == "shards" and len(self.shards) < world and not self.resampled:
             raise ConfigError(f"webdataset: split='shards' needs at least {world} shards, there are {len(self.shards)}")
         if equal is not None and self._counts is None:
             raise ConfigError(f"webdataset: equal={equal!r} needs per-shard sample counts "
@@ -185,11 +243,13 @@ class WebDatasetReader(Reader):
             samples = None
         return {"type": type(self).__name__, "samples": samples, "rank": self.rank, "world": self.world,
                 "total": self._total, "shards": len(self.shards), "shuffle": self.shuffle,
-                "shuffle_buffer": self.shuffle_buffer if self.shuffle else 0, "split": self.split, "equal": self.equal}
+                "shuffle_buffer": self.shuffle_buffer if self.shuffle else 0, "split": self.split, "equal": self.equal,
+                **({"resampled": True} if self.resampled else {})}
 
     def __repr__(self) -> str:
         return (f"WebDatasetReader({len(self.shards)} shards, samples={self._total}, shuffle={self.shuffle}, "
-                f"buffer={self.shuffle_buffer if self.shuffle else 0}, rank={self.rank}/{self.world})")
+                f"buffer={self.shuffle_buffer if self.shuffle else 0}, rank={self.rank}/{self.world}"
+                + (", resampled" if self.resampled else "") + ")")
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -210,12 +270,15 @@ class WebDatasetReader(Reader):
         """
         seed = self.seed if self.seed is not None else seed
         start = require_int("start", start, 0)
+        if history and self.resampled:
+            raise ConfigError("webdataset: a resampled epoch cannot be resumed on another world size (each "
+                              "rank's draws are its own); resume on the same world size, or start the next epoch")
         if history:  # the epoch began on other world sizes: see _reshard.py
             async with contextlib.aclosing(resharded(self, epoch, seed, history, start)) as stream:
                 async for chunk in stream:
                     yield chunk
             return
-        if self.equal is None or self.world == 1:
+        if self.equal is None or self.world == 1 or self.resampled:
             async with contextlib.aclosing(self._stream(epoch, seed, start, None)) as stream:
                 async for chunk in stream:
                     yield chunk
@@ -246,7 +309,7 @@ class WebDatasetReader(Reader):
         slot_of: dict[int, int] = {}
         if start > 0:
             counts = await self._known_counts()
-            total = self._rank_total(counts, self.rank)
+            total = self._stream_total(jobs, counts)
             if start > total:
                 raise ConfigError(f"start must be in [0, {total}], got {start}")
             held, nxt = resume_state(size, buf.draws, total, start)
@@ -328,7 +391,8 @@ def _resume_jobs(jobs: list[ShardJob], counts: Sequence[int], nxt: int, held: di
         lo = rank_base
         rank_base += len(range(job.first, counts[job.shard], job.stride))
         if rank_base > nxt or bisect.bisect_left(marks, lo) < bisect.bisect_left(marks, rank_base):
-            out.append(ShardJob(job.shard, job.path, job.first, job.stride, job.base_index, lo, needed, job.count))
+            keep = needed if job.needed is None else (lambda r, own=job.needed: own(r) and needed(r))
+            out.append(ShardJob(job.shard, job.path, job.first, job.stride, job.base_index, lo, keep, job.count))
     return out
 
 
@@ -348,6 +412,7 @@ def webdataset(
     buffer_bytes: int = 8 << 20,
     cache_dir: str | os.PathLike | None = None,
     cache_bytes: int | None = None,
+    resampled: bool = False,
 ) -> WebDatasetReader:
     """A reader over WebDataset tar shards, local or in object storage.
 
@@ -411,6 +476,19 @@ def webdataset(
     from the byte reached; once the budget is spent the shard ends with a sample whose ``error`` is
     a ``StorageError`` naming the URL.
 
+    ``resampled``: shards drawn with replacement instead of one exact pass (WebDataset's
+    ``resampled=True``, OpenCLIP's ``--dataset-resampled``): every epoch each rank draws shards
+    uniformly from the whole list, independently of the other ranks, by an RNG seeded with (seed,
+    epoch, rank), and reads each drawn shard's samples in order (through the shuffle buffer with
+    ``shuffle=True``). A rank's epoch is a pass's worth shared by the ranks: with per-shard counts,
+    ``ceil(samples / world)`` samples (``len()``; drawn shards are read until then, the last one cut
+    there), so every rank has the same length and ``equal=`` has nothing to do; without counts,
+    ``ceil(shards / world)`` whole shards drawn (``len()`` unknown, ``equal=`` refused as for an
+    exact pass). ``readers.mix([reader], length=n)`` sets another length. An epoch resumes exactly
+    on the same world size; on another the Loader refuses it (ConfigError: each rank's draws are its
+    own, there is no unread part to hand over; start the next epoch). ``split`` must stay
+    ``"auto"``.
+
     ``cache_dir``: a local folder where remote shards are kept as they are read, whole, so later
     epochs and later runs read them from local disk instead of the store (local shards are read
     where they are). A shard is written while its parser reads it, from the blocks it has parsed
@@ -424,20 +502,20 @@ def webdataset(
     hits, shards kept, evicted and failed writes.
 
     Raises ReadError for a missing local shard, StorageError when a bucket cannot be listed,
-    ConfigError for a wrong argument.
+    ConfigError for a wrong argument (``resampled`` not a bool, or with ``split`` other than ``"auto"``).
     """
     cache = from_arguments("webdataset", cache_dir, cache_bytes, ShardCache)
     storage = Storage(storage_options, store)
     shards = resolve_shards(source, storage)
     reader = WebDatasetReader(shards, shuffle=shuffle, shuffle_buffer=shuffle_buffer, seed=seed,
                               read_ahead=read_ahead, chunk_size=chunk_size, split=split, require=require,
-                              storage=storage, buffer_bytes=buffer_bytes, cache=cache)
+                              storage=storage, buffer_bytes=buffer_bytes, cache=cache, resampled=resampled)
     per_shard, total = _given_counts(counts, shards, storage, reader)
     if per_shard is None and total is None:
         return reader
     return WebDatasetReader(shards, counts=per_shard, total=total, shuffle=shuffle, shuffle_buffer=shuffle_buffer,
                             seed=seed, read_ahead=read_ahead, chunk_size=chunk_size, split=split, require=require,
-                            storage=storage, buffer_bytes=buffer_bytes, cache=cache)
+                            storage=storage, buffer_bytes=buffer_bytes, cache=cache, resampled=resampled)
 
 
 def _given_counts(counts: int | Sequence[int] | Literal["scan"] | None, shards: list[str], storage: Storage,
