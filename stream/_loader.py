@@ -150,7 +150,7 @@ class Loader:
     ``equal="pad"`` or ``"drop"`` every rank yields the same number of batches, whatever
     ``last_batch``. All ranks hold the same ``state_dict()`` after the same step (so saving rank
     0's is enough). Loaded on the same world size, the run continues exactly; loaded on another
-    (say 4 ranks to 2, files, LMDB, or WebDataset with per-shard counts), the new ranks split what
+    (say 4 ranks to 2, files, LMDB, or WebDataset with per-shard counts, not resampled), the new ranks split what
     the epoch has not read yet: no sample of the epoch is read twice and none is left out (but the
     repeats or the cut that ``equal`` makes at the epoch's end). That epoch then yields fewer
     batches than ``len()`` says, the same number on every rank; the next epochs are whole. Where

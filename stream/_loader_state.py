@@ -69,7 +69,7 @@ def resume_point(state: dict[str, Any], *, batch_size: int, seed: int, reader: A
             raise ConfigError(
                 f"state was saved on {saved_world} ranks and this loader runs on {world}: "
                 f"{type(reader).__name__} cannot resume an epoch on another world size "
-                "(files, LMDB and WebDataset with per-shard counts can); resume on "
+                "(files, LMDB and WebDataset with per-shard counts, not resampled, can); resume on "
                 f"{saved_world} ranks, or start at the next epoch")
         # Saved after its span's last batch (under last_batch="drop", with fewer samples left than a
         # batch), the run on the old world size would go on with the next epoch, and so does this
