@@ -2,13 +2,15 @@
 
 It runs in the loader's threads, one clip per call. On the CPU: open the file with PyAV (FFmpeg),
 seek to the keyframe at or before the clip's first frame, decode forward and keep the clip's
-frames, found by timestamp. With ``device="cuda"``: NVDEC through PyNvVideoCodec (``_video_gpu``),
+frames, found by timestamp (H.264 in AVI, which has no presentation timestamps: by the order the
+decoder gives them, from an IDR frame). With ``device="cuda"``: NVDEC through PyNvVideoCodec (``_video_gpu``),
 frames by number, kept on the GPU. One set of random numbers per clip (crop offsets, flip) applies
 to all its frames, the same on either device.
 """
 
 from __future__ import annotations
 
+import heapq
 import io
 import threading
 from collections.abc import Sequence
@@ -168,10 +170,13 @@ def decode_frames(path: str | bytes, start: int, stride: int, length: int, pts: 
 
     ``pts``: the frames' timestamps in stream units (from ``readers.video``'s probe); without
     them they are computed from the stream's average rate. Seeks to the keyframe at or before
-    the first frame and decodes forward, no further than the last. A frame whose display matrix
+    the first frame and decodes forward, no further than the last. H.264 in AVI (decode-order
+    timestamps only) is numbered by the decoder's output order from an IDR frame at or before the
+    clip, or from the stream's start (``_collect_in_output_order``). A frame whose display matrix
     says to rotate it by a multiple of 90 degrees is returned turned upright (``upright``); a
     mirrored or other rotation is refused. Raises DecodeError naming ``key`` and ``path`` if the
-    file cannot deliver them all.
+    file cannot deliver them all, or if its decoded frames' timestamps go back (another container
+    without presentation timestamps).
     """
     from headrace.readers._video_probe import import_av
 
@@ -186,7 +191,7 @@ def decode_frames(path: str | bytes, start: int, stride: int, length: int, pts: 
                 raise DecodeError("no video stream", key=key, source=source)
             stream = container.streams.video[0]
             wanted = _wanted_pts(stream, start, stride, length) if pts is None else [int(p) for p in pts]
-            frames = _collect(container, stream, wanted)
+            frames = (_collect_in_output_order if _avi_h264(container, stream) else _collect)(container, stream, wanted)
             time_base = float(stream.time_base)
     except DecodeError as exc:
         if exc.source is not None:
@@ -283,11 +288,16 @@ def _collect(container: Any, stream: Any, wanted: list[int]) -> list[np.ndarray 
     # keyframe's decode time is below start_time (a presentation time), so start_time skips that keyframe.
     for target in (wanted[0], min(0, stream.start_time or 0)):
         container.seek(target, backward=True, any_frame=False, stream=stream)
-        first = None
+        first = last = None
         for frame in container.decode(stream):
             if frame.pts is None:
                 raise DecodeError("a decoded frame has no timestamp")
+            if last is not None and frame.pts < last:  # the decoder's output is presentation order
+                raise DecodeError("decoded frames' timestamps go back (a container without presentation timestamps "
+                                  f"holding a {stream.codec_context.name} stream with B-frames?): "
+                                  "its frames cannot be found by timestamp")
             first = frame.pts if first is None else first
+            last = frame.pts
             k = slots.get(frame.pts)
             if k is not None and frames[k] is None:
                 frames[k] = upright(frame)
@@ -296,6 +306,87 @@ def _collect(container: Any, stream: Any, wanted: list[int]) -> list[np.ndarray 
         if first is not None and first <= wanted[0]:  # decoded from the clip's start on: all the file has
             return frames
     return frames
+
+
+def _avi_h264(container: Any, stream: Any) -> bool:
+    """H.264 in AVI: AVI has no presentation timestamps, so the packets' are decode order and a
+    decoded frame's ``pts`` is its packet's, not the frame's (with B-frames they come out scrambled)."""
+    return "avi" in container.format.name.split(",") and stream.codec_context.name == "h264"
+
+
+def _collect_in_output_order(container: Any, stream: Any, wanted: list[int]) -> list[np.ndarray | None]:
+    """``_collect`` for a stream whose decoded frames carry no presentation timestamp of their own
+    (``_avi_h264``). The decoder gives frames in presentation order, so the frame it gives is the
+    one with the smallest timestamp among the packets fed and not yet given out: the probe's
+    numbering (its timestamps sorted). That holds from an IDR frame (nothing after it in decode
+    order is shown before it), so a seek must land on one at or before the clip's first frame;
+    else (an open GOP, or landing past it) the decode starts at the stream's start."""
+    origin = min(0, stream.start_time or 0)
+    target = wanted[0]
+    while True:
+        container.seek(target, backward=True, any_frame=False, stream=stream)
+        frames, landed = _decode_numbered(container, stream, wanted, whole=target <= origin)
+        if frames is not None:
+            return frames
+        stamp, dts = landed
+        # AVI seeks by decode time: a keyframe whose decode time is the target's can be shown after it.
+        earlier = wanted[0] - (stamp - dts) if dts is not None and stamp > wanted[0] else target
+        target = earlier if origin < earlier < target else origin
+
+
+def _decode_numbered(container: Any, stream: Any, wanted: list[int],
+                     whole: bool) -> tuple[list[np.ndarray | None] | None, tuple[int, int | None]]:
+    """The frames at ``wanted`` timestamps, numbered as ``_collect_in_output_order`` says, decoding
+    from where the last seek landed; None and the landing packet's (timestamp, dts) when it did not
+    land on an IDR frame at or before the first wanted one (``whole``: the seek went to the stream's
+    start, which is where numbering starts anyway)."""
+    slots = {stamp: k for k, stamp in enumerate(wanted)}
+    frames: list[np.ndarray | None] = [None] * len(wanted)
+    pending: list[int] = []  # a heap: the fed packets' timestamps not yet given to a frame
+    landed: tuple[int, int | None] | None = None
+    for packet in container.demux(stream):
+        if packet.size:  # the last packet (size 0) flushes the decoder
+            stamp = packet.pts if packet.pts is not None else packet.dts
+            if stamp is None:
+                raise DecodeError("a frame has no timestamp; cannot address frames in it")
+            if landed is None:
+                landed = stamp, packet.dts
+                if not whole and (stamp > wanted[0] or not _idr(bytes(packet), stream.codec_context.extradata)):
+                    return None, landed
+            heapq.heappush(pending, stamp)
+        for frame in packet.decode():
+            if not pending:
+                raise DecodeError("the decoder gave more frames than the file holds")
+            number = heapq.heappop(pending)
+            if landed is not None and number == landed[0] and not whole and frame.pts not in (None, number):
+                return None, landed  # the first frame given is not the IDR frame: number from the stream's start
+            k = slots.get(number)
+            if k is not None and frames[k] is None:
+                frames[k] = upright(frame)
+            if number >= wanted[-1]:
+                return frames, landed or (0, None)
+    if landed is None and not whole:  # the seek landed at the end
+        return None, (wanted[0] + 1, None)
+    return frames, landed or (0, None)
+
+
+def _idr(data: bytes, extradata: bytes | None) -> bool:
+    """Whether an H.264 packet holds an IDR slice (NAL unit type 5): Annex B start codes, or the
+    length prefixes ``extradata`` (an avcC record, first byte 1) says."""
+    if extradata and extradata[0] == 1 and len(extradata) > 4:
+        size, at = (extradata[4] & 3) + 1, 0
+        while at + size < len(data):
+            length = int.from_bytes(data[at : at + size], "big")
+            if data[at + size] & 0x1F == 5:
+                return True
+            at += size + length
+        return False
+    at = data.find(b"\x00\x00\x01")
+    while 0 <= at < len(data) - 3:
+        if data[at + 3] & 0x1F == 5:
+            return True
+        at = data.find(b"\x00\x00\x01", at + 3)
+    return False
 
 
 def _pair(name: str, value: int | Sequence[int] | None) -> tuple[int, int] | None:
