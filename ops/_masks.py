@@ -15,6 +15,8 @@ through the same gather, the layers of the boxes kept picked in it, padding 0.
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,20 +34,26 @@ _BYTES = (bytes, bytearray, memoryview)
 _INDEX_MODES = ("L", "P", "1", "I", "I;16", "I;16L", "I;16B")
 
 
+def _field(sample: Sample, argument: str, name: str) -> tuple[Any, Callable[[str], TransformError]]:
+    """The value of ``sample``'s field ``name`` (named by ``Pipeline(argument=name)``), and a maker
+    of the TransformErrors that name the sample and the field. Raises one for a missing field."""
+    raw = sample.fields.get(name)
+    if raw is None:
+        raise TransformError(f"sample has no {name!r} field (Pipeline {argument}={name!r}; it has "
+                             f"{', '.join(sample.fields) or 'none'})", key=sample.key, source=sample.source)
+
+    def fail(why: str) -> TransformError:
+        return TransformError(f"{argument} field {name!r} {why}", key=sample.key, source=sample.source)
+
+    return raw, fail
+
+
 def read_mask(sample: Sample, pipe: Pipeline, height: int, width: int) -> np.ndarray:
     """``sample``'s mask as a 2-D integer array of the image's upright size. Raises TransformError
     naming the sample for a mask that is missing, not single-channel, not integers, or of another
     size than its image."""
-    name = pipe.mask
-    assert name is not None
-    raw = sample.fields.get(name)
-
-    def fail(why: str) -> TransformError:
-        return TransformError(f"mask field {name!r} {why}", key=sample.key, source=sample.source)
-
-    if raw is None:
-        raise TransformError(f"sample has no {name!r} field (Pipeline mask={name!r}; it has "
-                             f"{', '.join(sample.fields) or 'none'})", key=sample.key, source=sample.source)
+    assert pipe.mask is not None
+    raw, fail = _field(sample, "mask", pipe.mask)
     if isinstance(raw, _BYTES):
         try:
             with Image.open(io.BytesIO(raw)) as img:
@@ -74,16 +82,8 @@ def read_instance_masks(sample: Sample, pipe: Pipeline, height: int, width: int,
     given): one a box of its ``count``. A lazy field (``readers.coco``'s) is drawn here. Raises
     TransformError naming the sample for masks that are missing, not a 3-D array of integers or
     bools, of another size than the image, or of another number than its boxes."""
-    name = pipe.instance_masks
-    assert name is not None
-    raw = sample.fields.get(name)
-
-    def fail(why: str) -> TransformError:
-        return TransformError(f"instance_masks field {name!r} {why}", key=sample.key, source=sample.source)
-
-    if raw is None:
-        raise TransformError(f"sample has no {name!r} field (Pipeline instance_masks={name!r}; it has "
-                             f"{', '.join(sample.fields) or 'none'})", key=sample.key, source=sample.source)
+    assert pipe.instance_masks is not None
+    raw, fail = _field(sample, "instance_masks", pipe.instance_masks)
     if isinstance(raw, _BYTES):
         raise fail("is encoded bytes; instance masks are an array [N, H, W], one mask a box")
     masks = np.asarray(raw.numpy(force=True) if isinstance(raw, torch.Tensor) else raw)

@@ -86,3 +86,12 @@ def s3_env(servers, monkeypatch) -> Servers:
     yield servers
     servers.faults("s3")
     servers.faults("http")
+
+
+@pytest.fixture(scope="session")
+def packed_in_order(tmp_path_factory, image_folder):
+    """image_folder (75 JPEGs) packed into 10 shards of at most 8 samples, in order, with the index
+    (``headrace-index.json``): for the tests that cut, draw or count shards."""
+    dest = tmp_path_factory.mktemp("packed-in-order") / "wds"
+    readers.pack(image_folder, dest, format="webdataset", shard_count=8, seed=1)
+    return dest

@@ -19,19 +19,11 @@ async def _read_all(reader, epoch=0, start=0, seed=0):
     return [s async for chunk in reader.read(epoch, start=start, seed=seed) for s in chunk]
 
 
-@pytest.fixture(scope="module")
-def packed(tmp_path_factory, image_folder):
-    """image_folder (75 JPEGs) packed into 10 shards of at most 8 samples, in order, with the index."""
-    dest = tmp_path_factory.mktemp("packed") / "wds"
-    readers.pack(image_folder, dest, format="webdataset", shard_count=8, seed=1)
-    return dest
-
-
 @pytest.fixture
-def copy(tmp_path, packed):
+def copy(tmp_path, packed_in_order):
     """A fresh copy of the packed folder, index included."""
     dest = tmp_path / "wds"
-    shutil.copytree(packed, dest)
+    shutil.copytree(packed_in_order, dest)
     return dest
 
 
@@ -168,11 +160,11 @@ async def test_the_loader_skips_the_error_and_counts_it(copy):
     assert loader.stats().dropped == 2
 
 
-async def test_a_remote_shard_cut_between_samples_with_its_index(tmp_path, packed):
+async def test_a_remote_shard_cut_between_samples_with_its_index(tmp_path, packed_in_order):
     from storage_servers import serving
 
     root = tmp_path / "served"
-    shutil.copytree(packed, root / "wds")
+    shutil.copytree(packed_in_order, root / "wds")
     shard = sorted((root / "wds").glob("*.tar"))[5]
     _cut(shard, 3)  # the index beside it still says 8 (a remote shard's size is not checked up front)
     with serving(root) as urls:

@@ -15,17 +15,9 @@ async def _read_all(reader, epoch=0, start=0, seed=0):
 
 
 @pytest.fixture(scope="module")
-def packed(tmp_path_factory, image_folder):
-    """image_folder (75 JPEGs) packed into 10 shards of at most 8 samples, in order, with the index."""
-    dest = tmp_path_factory.mktemp("packed") / "wds"
-    readers.pack(image_folder, dest, format="webdataset", shard_count=8, seed=1)
-    return dest
-
-
-@pytest.fixture(scope="module")
-def no_index(tmp_path_factory, packed):
+def no_index(tmp_path_factory, packed_in_order):
     dest = tmp_path_factory.mktemp("noindex")
-    for p in sorted(packed.glob("*.tar")):
+    for p in sorted(packed_in_order.glob("*.tar")):
         shutil.copy(p, dest / p.name)
     return dest
 
@@ -36,8 +28,8 @@ def _shard_runs(samples):
     return [s.index >> 32 for s in samples if s.index & 0xFFFFFFFF == 0]
 
 
-async def test_draws_are_reproducible_per_seed_epoch_and_rank(packed):
-    reader = readers.webdataset(packed, resampled=True, shuffle=True, shuffle_buffer=6)
+async def test_draws_are_reproducible_per_seed_epoch_and_rank(packed_in_order):
+    reader = readers.webdataset(packed_in_order, resampled=True, shuffle=True, shuffle_buffer=6)
     keys = {}
     for world in (1, 2):
         for rank in range(world):
@@ -49,7 +41,7 @@ async def test_draws_are_reproducible_per_seed_epoch_and_rank(packed):
     assert len({tuple(k) for k in keys.values()}) == len(keys)  # epochs and ranks all differ
     other_seed = [s.key for s in await _read_all(reader, epoch=0, seed=4)]
     assert other_seed != keys[1, 0, 0]
-    own = readers.webdataset(packed, resampled=True, shuffle=True, shuffle_buffer=6, seed=3)
+    own = readers.webdataset(packed_in_order, resampled=True, shuffle=True, shuffle_buffer=6, seed=3)
     assert [s.key for s in await _read_all(own, epoch=0, seed=99)] == keys[1, 0, 0]
 
 
@@ -73,8 +65,8 @@ async def test_samples_of_a_drawn_shard_come_in_order(no_index):
 
 
 @pytest.mark.parametrize("world", [1, 3, 16])
-async def test_epoch_length_with_counts_is_a_pass_shared_by_the_ranks(packed, world):
-    reader = readers.webdataset(packed, resampled=True, shuffle=True, shuffle_buffer=5)
+async def test_epoch_length_with_counts_is_a_pass_shared_by_the_ranks(packed_in_order, world):
+    reader = readers.webdataset(packed_in_order, resampled=True, shuffle=True, shuffle_buffer=5)
     for rank in range(world):
         part = reader.shard(rank, world)
         assert len(part) == -(-75 // world)
@@ -102,8 +94,8 @@ async def test_epoch_length_without_counts_is_a_number_of_whole_shards(no_index,
 
 
 @pytest.mark.parametrize(("world", "rank", "buffer"), [(1, 0, 0), (1, 0, 20), (3, 2, 7)])
-async def test_resume_yields_exactly_the_rest(packed, no_index, world, rank, buffer):
-    for folder in (packed, no_index):
+async def test_resume_yields_exactly_the_rest(packed_in_order, no_index, world, rank, buffer):
+    for folder in (packed_in_order, no_index):
         reader = readers.webdataset(folder, resampled=True, shuffle=buffer > 0, shuffle_buffer=buffer).shard(rank, world)
         full = await _read_all(reader, epoch=3, seed=2)
         for start in sorted({1, 2, len(full) // 3, len(full) // 2, len(full) - 1, len(full)}):
@@ -112,35 +104,35 @@ async def test_resume_yields_exactly_the_rest(packed, no_index, world, rank, buf
             assert all(t.fields == f.fields for t, f in zip(tail, full[start:]))
 
 
-def _loader(packed, **kw):
+def _loader(packed_in_order, **kw):
     import headrace
     from headrace import ops
 
-    return headrace.Loader(readers.webdataset(packed, resampled=True, shuffle=True, shuffle_buffer=16),
+    return headrace.Loader(readers.webdataset(packed_in_order, resampled=True, shuffle=True, shuffle_buffer=16),
                            batch_size=4, pipeline=ops.training(32), num_threads=2, seed=5, device="cpu", **kw)
 
 
 @pytest.mark.parametrize("world", [1, 2])
-async def test_loader_resumes_a_resampled_epoch_exactly(packed, leaks, world):
+async def test_loader_resumes_a_resampled_epoch_exactly(packed_in_order, leaks, world):
     import torch
 
     rank = world - 1
-    loader = _loader(packed, rank=rank, world=world)
+    loader = _loader(packed_in_order, rank=rank, world=world)
     batches = [b async for b in loader]
     assert len(batches) == len(loader) == -(-(-(-75 // world)) // 4)
-    first = _loader(packed, rank=rank, world=world)
+    first = _loader(packed_in_order, rank=rank, world=world)
     async for batch in first:
         if batch.index == 2:
             break
     state = first.state_dict()
     await first.aclose()
-    second = _loader(packed, rank=rank, world=world)
+    second = _loader(packed_in_order, rank=rank, world=world)
     second.load_state_dict(state)
     rest = [b async for b in second]
     for x, y in zip(batches[3:], rest, strict=True):
         assert x.sample_keys == y.sample_keys and torch.equal(x["image"], y["image"])
     # On another world size: refused, with the reason.
-    third = _loader(packed, rank=0, world=world + 1)
+    third = _loader(packed_in_order, rank=0, world=world + 1)
     with pytest.raises(ConfigError, match="another world size"):
         third.load_state_dict(state)
     for each in (loader, second, third):
@@ -148,8 +140,8 @@ async def test_loader_resumes_a_resampled_epoch_exactly(packed, leaks, world):
     await leaks.check()
 
 
-async def test_a_resampled_epoch_is_not_read_from_another_world_size_history(packed):
-    reader = readers.webdataset(packed, resampled=True)
+async def test_a_resampled_epoch_is_not_read_from_another_world_size_history(packed_in_order):
+    reader = readers.webdataset(packed_in_order, resampled=True)
     assert not reader.reshardable
     with pytest.raises(ConfigError, match="another world size"):
         await _read_all_history(reader.shard(0, 2), [(3, 4)])
@@ -159,11 +151,11 @@ async def _read_all_history(reader, history):
     return [s async for chunk in reader.read(0, history=history) for s in chunk]
 
 
-async def test_remote_shards_are_resampled_as_local_ones(tmp_path, packed):
+async def test_remote_shards_are_resampled_as_local_ones(tmp_path, packed_in_order):
     from storage_servers import serving
 
-    shutil.copytree(packed, tmp_path / "wds")
-    local = readers.webdataset(packed, resampled=True, shuffle=True, shuffle_buffer=4, seed=8).shard(1, 2)
+    shutil.copytree(packed_in_order, tmp_path / "wds")
+    local = readers.webdataset(packed_in_order, resampled=True, shuffle=True, shuffle_buffer=4, seed=8).shard(1, 2)
     expected = await _read_all(local, epoch=1)
     with serving(tmp_path) as urls:
         remote = readers.webdataset(urls["http_direct"] + "/wds/shard-{000000..000009}.tar", resampled=True,
@@ -179,13 +171,13 @@ async def test_remote_shards_are_resampled_as_local_ones(tmp_path, packed):
 
 @pytest.mark.parametrize("kwargs", [{"resampled": "yes"}, {"resampled": 1}, {"resampled": True, "split": "shards"},
                                     {"resampled": True, "split": "samples"}])
-def test_wrong_arguments(packed, kwargs):
+def test_wrong_arguments(packed_in_order, kwargs):
     with pytest.raises(ConfigError, match="resampled"):
-        readers.webdataset(packed, **kwargs)
+        readers.webdataset(packed_in_order, **kwargs)
 
 
-async def test_mix_length_sets_the_epoch_as_with_epoch_does(packed):
-    reader = readers.webdataset(packed, resampled=True, shuffle=True, shuffle_buffer=4)
+async def test_mix_length_sets_the_epoch_as_with_epoch_does(packed_in_order):
+    reader = readers.webdataset(packed_in_order, resampled=True, shuffle=True, shuffle_buffer=4)
     for n in (20, 130):  # fewer than a pass, and more: the source's next epoch draws again
         mixed = readers.mix([reader], length=n)
         samples = await _read_all(mixed, epoch=0, seed=1)
