@@ -219,7 +219,9 @@ def upright(frame: Any) -> np.ndarray:
 def quarter_turns(frame: Any) -> int:
     """The quarter turns counter-clockwise (0-3) a decoded frame's display matrix asks for; a
     mirrored matrix or an angle not a multiple of 90 raises DecodeError (the caller names the file)."""
-    matrix = next((sd for sd in frame.side_data if sd.type.name == "DISPLAYMATRIX"), None)
+    # By name: iterating ``side_data`` yields the entries up to PyAV 18 and their types from 19 on,
+    # while a lookup by name is the same in both.
+    matrix = frame.side_data.get("DISPLAYMATRIX")
     if matrix is None:
         return 0
     a, b, _, c, d, _, _, _, _ = np.frombuffer(bytes(matrix), np.int32)  # 16.16 fixed point, row major
