@@ -87,6 +87,10 @@ def read_instance_masks(sample: Sample, pipe: Pipeline, height: int, width: int,
     if isinstance(raw, _BYTES):
         raise fail("is encoded bytes; instance masks are an array [N, H, W], one mask a box")
     masks = np.asarray(raw.numpy(force=True) if isinstance(raw, torch.Tensor) else raw)
+    if masks.shape == (0,):
+        # No masks as an empty list (a list of one mask an object, for an image with none; JSON's
+        # "[]"): NumPy makes it float64 [0], with no H and W to check. As the boxes' empty list is [0, 4].
+        masks = np.zeros((0, height, width), np.uint8)
     if masks.ndim != 3 or masks.dtype.kind not in "biu":
         raise fail(f"is {masks.ndim}-D {masks.dtype}, not a 3-D array [N, H, W] of integers or bools")
     if masks.shape[1:] != (height, width):
