@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,8 +20,8 @@ from typing import TypeVar
 
 from headrace._errors import ConfigError, require_int
 
-__all__ = ["PART", "CacheFolder", "SharedTally", "damage", "disk_has_room", "from_arguments", "is_copy", "is_dead_part",
-           "locked_folder", "nearly_full", "unlink"]
+__all__ = ["PART", "CacheFolder", "SharedTally", "damage", "disk_has_room", "from_arguments", "hold", "is_copy",
+           "is_dead_part", "locked_folder", "nearly_full", "unlink"]
 
 logger = logging.getLogger("headrace")
 
@@ -33,6 +34,8 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _COPY = re.compile(r"[0-9a-f]{16}-")
 # A ``.part`` file's name as ``CacheFolder._part`` gives it: its writer's pid.
 _PART_OWNER = re.compile(r"\.(\d+)-[0-9a-f]{8}\.part$")
+# How long a writer may take from making its ``.part`` file to locking it (``is_dead_part``).
+_SECOND_LOOK = 0.05
 # The size a copy was written with, kept on its file (an extended attribute, set on the ``.part``
 # file before the rename, so a copy is never in place without it): a copy cut short or lengthened
 # since (a crash before its data reached the disk, a disk error, a hand) is told apart from a whole
@@ -106,11 +109,50 @@ def is_copy(entry: os.DirEntry) -> bool:
         return False
 
 
-def is_dead_part(name: str) -> bool:
-    """``name`` is a ``.part`` file whose writer (a process on this host) is gone: a run killed
-    mid-copy left it, and nobody will rename or remove it."""
-    owner = _PART_OWNER.search(name)
+def hold(fd: int) -> None:
+    """The ``.part`` file open at ``fd`` marked as being written, until it is closed: an exclusive
+    ``flock`` of it (``is_dead_part``). Where it cannot be locked, its name's pid alone tells."""
+    try:
+        import fcntl
+
+        fcntl.flock(fd, fcntl.LOCK_EX)  # waits only for a look by ``is_dead_part``, never for a writer
+    except (ImportError, OSError):
+        pass
+
+
+def _held(path: str | os.PathLike) -> bool | None:
+    """A writer holds ``path`` (``hold``); None where that cannot be told (no ``fcntl``, a file
+    system without locks, a file not ours to open)."""
+    try:
+        import fcntl
+
+        fd = os.open(path, os.O_RDONLY)
+    except (ImportError, OSError):
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # lets the look's lock go
+
+
+def is_dead_part(path: str | os.PathLike) -> bool:
+    """``path`` is a ``.part`` file whose writer (a process on this host) is gone: a run killed
+    mid-copy left it, and nobody will rename or remove it. Its writer holds a lock of it while it
+    lives (``hold``): the pid in its name alone would keep a killed run's part forever where a live
+    process has that pid now (a restarted container's gets the killed one's: 1, or the same small
+    number every time), and would remove a live writer's whose pid is not seen here (a rank in
+    another container sharing the folder). A part not locked whose pid runs is looked at once more
+    a moment later: its writer may have made it and not yet locked it."""
+    owner = _PART_OWNER.search(os.fspath(path))
     if owner is None:
+        return False
+    held = _held(path)
+    if held:
         return False
     try:
         os.kill(int(owner.group(1)), 0)
@@ -118,7 +160,10 @@ def is_dead_part(name: str) -> bool:
         return True
     except OSError:  # alive, another user's
         pass
-    return False
+    if held is None:
+        return False
+    time.sleep(_SECOND_LOOK)
+    return _held(path) is False
 
 
 @contextlib.contextmanager

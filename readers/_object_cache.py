@@ -25,8 +25,8 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from ._cache_folder import (PART, CacheFolder, SharedTally, damage, disk_has_room, is_copy, is_dead_part, logger,
-                            nearly_full, unlink)
+from ._cache_folder import (PART, CacheFolder, SharedTally, damage, disk_has_room, hold, is_copy, is_dead_part,
+                            logger, nearly_full, unlink)
 from ._read_files import ChunkReader
 
 __all__ = ["ObjectCache"]
@@ -138,38 +138,55 @@ class ObjectCache(CacheFolder):
             part = self._part(final)
             try:
                 os.makedirs(os.path.dirname(final), exist_ok=True)
-                self._write_whole(part, data)
+                fd = self._write_whole(part, data)
             except OSError as exc:
                 unlink(part)
                 self._give_up(url, exc)
                 return
-            # Counted once on disk (as a ``.part`` file): a scan by another process meanwhile sees it.
-            if not self._claim(len(data)):
-                unlink(part)
-                return
-            try:
-                os.replace(part, final)
-            except OSError as exc:
-                unlink(part)
-                self._claim(-len(data))
-                self._give_up(url, exc)
-                return
+            try:  # held until renamed or removed: a ``.part`` file not held is a killed run's (``is_dead_part``)
+                if not self._put(url, part, final, len(data)):
+                    return
+            finally:
+                os.close(fd)
             with self._lock:
                 self.kept += 1
 
-    def _write_whole(self, path: str, data: bytes) -> None:
+    def _put(self, url: str, part: str, final: str, nbytes: int) -> bool:
+        """The written ``part`` renamed to ``final`` if its ``nbytes`` fit; False where they do not
+        (``_full``), or the rename failed (given up)."""
+        # Counted once on disk (as a ``.part`` file): a scan by another process meanwhile sees it.
+        if not self._claim(nbytes):
+            unlink(part)
+            return False
+        try:
+            os.replace(part, final)
+        except OSError as exc:
+            unlink(part)
+            self._claim(-nbytes)
+            self._give_up(url, exc)
+            return False
+        return True
+
+    def _write_whole(self, path: str, data: bytes) -> int:
         """``data`` to a new file at ``path``, all of it, and its size recorded on it: one ``write``
         may write less (a disk filling up, or 2 GiB at most a call on Linux), and a copy cut short
-        would be taken for damaged later. Raises OSError if the file ends up shorter, or its size
-        cannot be recorded where the file system keeps records."""
-        view = memoryview(data)
-        with open(path, "wb", buffering=0) as f:
+        would be taken for damaged later. The file stays open, held (``hold``): its descriptor is
+        returned for the caller to close once it is renamed or removed. Raises OSError if the file
+        ends up shorter, or its size cannot be recorded where the file system keeps records."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            hold(fd)
+            view = memoryview(data)
             while view:
-                written = f.write(view)
+                written = os.write(fd, view)
                 if not written:
                     raise OSError(f"wrote {len(data) - len(view)} of {len(data)} bytes")
                 view = view[written:]
-            self._record_size(f.fileno(), len(data))
+            self._record_size(fd, len(data))
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def _claim(self, nbytes: int) -> bool:
         """With ``max_bytes``: ``nbytes`` more counted in the folder's tally, shared with the other
@@ -203,7 +220,7 @@ class ObjectCache(CacheFolder):
             except OSError:  # removed meanwhile, or not ours to read
                 continue
             for entry in entries:
-                if entry.name.endswith(PART) and is_dead_part(entry.name):
+                if entry.name.endswith(PART) and is_dead_part(entry.path):
                     unlink(entry.path)  # a killed run's: never renamed nor removed, it would count forever
                 elif is_copy(entry) or entry.name.endswith(PART):
                     try:

@@ -34,7 +34,7 @@ from typing import BinaryIO
 
 from headrace._threads import join_threads
 
-from ._cache_folder import (CacheFolder, damage, disk_has_room, is_copy, is_dead_part, locked_folder, logger,
+from ._cache_folder import (CacheFolder, damage, disk_has_room, hold, is_copy, is_dead_part, locked_folder, logger,
                             nearly_full, unlink)
 
 __all__ = ["CacheWriter", "CacheWrites", "ShardCache"]
@@ -109,6 +109,7 @@ class ShardCache(CacheFolder):
         except OSError as exc:
             self._give_up(url, exc)
             return None
+        hold(fd)  # until renamed or removed: a ``.part`` file not held is a killed run's (``is_dead_part``)
         return CacheWriter(self, url, fd, part, final, writes)
 
     def _make_room(self, size: int, keep: Path) -> bool:
@@ -248,31 +249,31 @@ class CacheWriter:
         fd, self._fd = self._fd, None
         if fd is None:  # a write failed
             return
-        try:
+        try:  # held until renamed or removed (``hold``)
             try:
                 self.cache._record_size(fd, size)
-            finally:
-                os.close(fd)
-            # The folder locked, not only this process's threads: two ranks looking at it at once
-            # would each evict for their own shard the same oldest copies, and both pass the bound.
-            with self.cache._lock, locked_folder(self.cache.folder):
-                if self.cache._make_room(size, self._final):
-                    os.replace(self._part, self._final)
-                    self.cache.kept += 1
-                    return
-        except OSError as exc:
-            self.cache._give_up(self.url, exc)
-        unlink(self._part)  # over the bound alone, or failed
+                # The folder locked, not only this process's threads: two ranks looking at it at once
+                # would each evict for their own shard the same oldest copies, and both pass the bound.
+                with self.cache._lock, locked_folder(self.cache.folder):
+                    if self.cache._make_room(size, self._final):
+                        os.replace(self._part, self._final)
+                        self.cache.kept += 1
+                        return
+            except OSError as exc:
+                self.cache._give_up(self.url, exc)
+            unlink(self._part)  # over the bound alone, or failed
+        finally:
+            os.close(fd)
 
     def _remove(self) -> None:
         fd, self._fd = self._fd, None
         if fd is not None:
-            os.close(fd)
             unlink(self._part)
+            os.close(fd)
 
 
 def _remove_dead_parts(folder: Path) -> None:
     """``.part`` files whose writer is gone: a run killed mid-shard."""
     for entry in os.scandir(folder):
-        if is_dead_part(entry.name):
+        if is_dead_part(entry.path):
             unlink(entry.path)
