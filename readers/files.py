@@ -446,7 +446,8 @@ def files(
     it has (with a shuffled order, as good as any eviction). A cache leaves 5% of its disk or 1 GiB
     free, whichever is more; a nearly full disk stops caching, never reading (logged once); a
     kept copy is used as it is (clear the folder when the objects change). ``reader.cache``
-    counts ``hits``, ``kept``, ``skipped`` and ``failed``. Local files are read where they are.
+    counts ``hits``, ``kept``, ``skipped``, ``failed`` and ``damaged`` (copies of another size than
+    written, or without that record, read again from the store). Local files are read where they are.
 
     Raises ReadError if the folder does not exist or holds no images (StorageError if it cannot
     be listed), ConfigError for a wrong argument. A listed path that is missing raises ReadError
