@@ -199,6 +199,7 @@ class ShardFiles:
 
         chunk: list[Sample] = []
         last = -1
+        miscounted = False
         remote = isinstance(source, RemoteFile)
         try:
             with open_shard(source) as f:
@@ -221,6 +222,7 @@ class ShardFiles:
                 if isinstance(source, PipeShard) and not feed.stopped:
                     source.finish()  # the command's exit status: a failure after its last sample is one too
                 if count is not None and last + 1 != count and not feed.stopped:
+                    miscounted = True
                     raise _miscounted(last + 1, count, path)
         except (OSError, ReadError) as exc:
             if not isinstance(exc, ReadError):
@@ -230,11 +232,30 @@ class ShardFiles:
             j = last + 1  # the sample being read when it failed
             if count is not None:
                 j = min(j, count)  # a longer shard's: numbered as the first one past its count
-            chunk.append(Sample(exc.key or os.path.basename(path), {}, path, base + j,
-                                rank_base + max(0, j - first) // stride, exc))
+            position = _error_position(job, j, miscounted)
+            if position is not None:
+                chunk.append(Sample(exc.key or os.path.basename(path), {}, path, base + j, position, exc))
         if chunk:
             _own_bytes(chunk)
             feed.put(chunk)
+
+
+def _error_position(job: ShardJob, j: int, miscounted: bool) -> int | None:
+    """The rank input ordinal of the error sample of a shard that failed (or ended) at in-shard
+    ordinal ``j``: this rank's first sample at or after ``j`` (a floor numbered it as the last
+    sample read), or None when the job reads part of the shard (``needed``: a resampled epoch's
+    last draw, a resume) and the error stands for nothing it reads. A miscounted shard's one error
+    stands for all the samples it lacks, in the place of the first: a read that does not read that
+    place gives none (past a resampled epoch's end it made the epoch one sample longer than
+    ``len()``; before a resume point the uninterrupted read had given it already). Another failure
+    is given in the place of the first sample lost that the job reads, if any."""
+    position = job.rank_base - (-max(0, j - job.first) // job.stride)
+    if job.needed is None or job.count is None:
+        return position
+    if miscounted:
+        return position if job.needed(position) else None
+    end = job.rank_base + len(range(job.first, job.count, job.stride))
+    return next((p for p in range(position, end) if job.needed(p)), None)
 
 
 def _miscounted(held: int, count: int, path: str) -> ReadError:

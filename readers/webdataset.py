@@ -266,7 +266,9 @@ class WebDatasetReader(Reader):
         does a shard read to its end that held another number of samples than its known count
         (the index, ``counts=``): a tar cut exactly between two members parses cleanly, and only the
         count tells it from a whole one (a job reading part of a shard compares the whole shard's
-        samples, counted from their headers; samples past the count are never read).
+        samples, counted from their headers; samples past the count are never read). The error
+        sample stands in the place of the first sample missing: a read that does not reach that
+        place (a resampled epoch's last draw, cut before it; a resume past it) gives none.
         """
         seed = self.seed if self.seed is not None else seed
         start = require_int("start", start, 0)
