@@ -13,7 +13,7 @@ from __future__ import annotations
 import heapq
 import io
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -282,32 +282,63 @@ def _wanted_pts(stream: Any, start: int, stride: int, length: int) -> list[int]:
 
 def _collect(container: Any, stream: Any, wanted: list[int]) -> list[np.ndarray | None]:
     """The frames at ``wanted`` timestamps, decoding from the keyframe before the first; from the
-    stream's start again if the seek landed past it or at the end (a demuxer without an index
-    seeks by searching: MPEG-PS can land past the last frame, MPEG-TS past the first keyframe)."""
+    stream's start again if the seek landed past it or at the end, or if a frame is missing (a
+    demuxer without an index seeks by searching: MPEG-PS can land past the last frame, or, with
+    B-frames, give every packet after the seek a timestamp half a frame off; MPEG-TS past the first keyframe)."""
     slots = {stamp: k for k, stamp in enumerate(wanted)}
     frames: list[np.ndarray | None] = [None] * len(wanted)
     # The retry seeks to 0 rather than to start_time: MPEG-TS seeks by decode time, and its first
     # keyframe's decode time is below start_time (a presentation time), so start_time skips that keyframe.
     for target in (wanted[0], min(0, stream.start_time or 0)):
         container.seek(target, backward=True, any_frame=False, stream=stream)
-        first = last = None
-        for frame in container.decode(stream):
-            if frame.pts is None:
-                raise DecodeError("a decoded frame has no timestamp")
-            if last is not None and frame.pts < last:  # the decoder's output is presentation order
-                raise DecodeError("decoded frames' timestamps go back (a container without presentation timestamps "
-                                  f"holding a {stream.codec_context.name} stream with B-frames?): "
-                                  "its frames cannot be found by timestamp")
+        first = None
+        for frame in _in_presentation_order(container, stream, wanted[-1]):
             first = frame.pts if first is None else first
-            last = frame.pts
             k = slots.get(frame.pts)
             if k is not None and frames[k] is None:
                 frames[k] = upright(frame)
-            if frame.pts >= wanted[-1]:
-                break
-        if first is not None and first <= wanted[0]:  # decoded from the clip's start on: all the file has
-            return frames
+        if first is not None and first <= wanted[0] and all(f is not None for f in frames):
+            return frames  # decoded from the clip's start on
     return frames
+
+
+# Past the clip's last frame, how many packets more a frame fed before it may take to come out
+# of the decoder (H.264 and HEVC hold at most 16 frames for reordering; frame threads add theirs).
+_REORDER_PACKETS = 32
+
+
+def _in_presentation_order(container: Any, stream: Any, end: int) -> Iterator[Any]:
+    """The frames decoded from where the last seek landed, checked to come out in increasing
+    timestamps, until one at ``end`` or later has come and no packet fed with a timestamp below
+    ``end`` is still to come out (at most ``_REORDER_PACKETS`` packets more). Raises DecodeError
+    when a frame's timestamp goes back: the timestamps are not presentation times (a container
+    without them holding a stream with B-frames), so frames cannot be found by them. Waiting for the
+    packets fed below ``end`` is what catches that for a short clip, whose frames can all come out
+    before the first one out of order does."""
+    unshown: set[int] = set()  # the fed packets' timestamps below end whose frames have not come out
+    last: int | None = None
+    past = -1  # packets fed since a frame at end or later came out (-1: none has yet)
+    for packet in container.demux(stream):
+        if past >= 0:
+            if not unshown or past >= _REORDER_PACKETS:
+                return
+            past += 1
+        if packet.size and packet.pts is not None and packet.pts < end:
+            unshown.add(packet.pts)
+        for frame in packet.decode():
+            if frame.pts is None:
+                raise DecodeError("a decoded frame has no timestamp")
+            if last is None:  # packets fed before the first frame out are never shown (an open GOP's leading frames)
+                unshown = {stamp for stamp in unshown if stamp > frame.pts}
+            elif frame.pts < last:  # the decoder's output is presentation order
+                raise DecodeError("decoded frames' timestamps go back (a container without presentation timestamps "
+                                  f"holding a {stream.codec_context.name} stream with B-frames?): "
+                                  "its frames cannot be found by timestamp")
+            last = frame.pts
+            unshown.discard(frame.pts)
+            yield frame
+            if frame.pts >= end and past < 0:
+                past = 0
 
 
 def _avi_h264(container: Any, stream: Any) -> bool:
