@@ -22,6 +22,7 @@ inspect`` opens it (``_inspect.open_reader``), and each row reads it through ``_
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -40,7 +41,8 @@ ROWS = {"read": "reader alone", "decode": "decode only", "pipeline": "whole pipe
 
 
 class _Bytes(Census):
-    """Counts the samples and encoded bytes a ``_Tap`` passes, nothing else (no header parsing).
+    """Counts the samples and encoded bytes a ``_Tap`` passes, nothing else (no header parsing);
+    samples that could not be read are counted apart, as ``skipped``.
 
     ``by_key`` (loader rows) also keeps each sample's bytes under its key until ``take`` hands them
     to the consumer: with ``run_ahead`` the next epoch's reading starts before this epoch's last
@@ -49,10 +51,13 @@ class _Bytes(Census):
 
     def __init__(self, *, by_key: bool = False) -> None:
         super().__init__()
-        self.bytes = 0
+        self.bytes = self.skipped = 0
         self.by_key: dict[str, int] | None = {} if by_key else None
 
     def add(self, sample: Sample) -> None:
+        if sample.error is not None:  # unreadable: skipped by the loader rows, so counted, not timed, here
+            self.skipped += 1
+            return
         n = sum(len(v) for v in sample.fields.values())
         self.samples += 1
         self.bytes += n
@@ -80,7 +85,8 @@ def bench(path: str, *, format: str | None = None, limit: int | None = None, dev
     making a loader raises (``LoaderError``, ``ImportError`` for a missing extra); samples that
     fail are skipped and counted, never raised.
     """
-    from headrace._loop import new_event_loop
+    from headrace._device import resolve_device
+    from headrace._loop import loop_factory
 
     if pipeline not in ("training", "validation"):
         raise ConfigError(f"bench: pipeline must be 'training' or 'validation', got {pipeline!r}")
@@ -90,18 +96,17 @@ def bench(path: str, *, format: str | None = None, limit: int | None = None, dev
     limit = None if limit is None else require_int("bench: limit", limit, 0)
     threads = None if threads is None else require_int("bench: threads", threads)
     log = log or (lambda line: None)
+    resolve_device(_pipeline(pipeline, size), device)  # a GPU asked for and missing: now, not after the reader row
     reader, kind = open_reader(path, format)
-    loop = new_event_loop()
-    try:
-        rows = loop.run_until_complete(_rows(reader, kind, limit=limit, device=device, pipeline=pipeline, size=size,
-                                             batch_size=batch_size, threads=threads, epochs=epochs, log=log))
+    # asyncio.Runner: Ctrl-C or SIGTERM cancels the row, so that its loader closes (cli.py's _demo).
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        rows = runner.run(_rows(reader, kind, limit=limit, device=device, pipeline=pipeline, size=size,
+                                batch_size=batch_size, threads=threads, epochs=epochs, log=log))
         samples = None
         if dataloader:
             from ._bench_dataloader import collect
 
-            samples = loop.run_until_complete(collect(reader, kind, limit))
-    finally:
-        loop.close()
+            samples = runner.run(collect(reader, kind, limit))
     if samples is not None:  # worker processes start once the event loop and its threads are gone
         rows.append(_dataloader_row(samples, device=device, pipeline=pipeline, size=size, batch_size=batch_size,
                                     workers=threads or os.cpu_count() or 1, epochs=epochs, log=log))
@@ -145,12 +150,13 @@ async def _read_row(reader: Any, kind: str, limit: int | None, epochs: int, log:
     tap = _Tap(reader, counts, limit)
     runs = []
     for epoch in range(epochs):
-        counts.samples = counts.bytes = 0
+        counts.samples = counts.bytes = counts.skipped = 0
         start = time.perf_counter()
         async with contextlib.aclosing(tap.read(epoch)) as chunks:
             async for _ in chunks:
                 pass
-        runs.append(_run(epoch, counts.samples, counts.bytes, time.perf_counter() - start, None))
+        runs.append(_run(epoch, counts.samples, counts.bytes, time.perf_counter() - start, None,
+                         skipped=counts.skipped))
         log(_line("read", runs[-1], epochs))
     return {**_best("read", kind, runs), "threads": None}
 

@@ -9,6 +9,7 @@ recording the samples that fail, so reading and decoding overlap as they do in t
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import copy
 import io
@@ -342,7 +343,7 @@ def inspect(path: str, *, format: str | None = None, limit: int | None = None, v
     """
     from tqdm import tqdm
 
-    from headrace._loop import new_event_loop
+    from headrace._loop import loop_factory
 
     reader, kind = open_reader(path, format)
     census = Census()
@@ -351,13 +352,10 @@ def inspect(path: str, *, format: str | None = None, limit: int | None = None, v
         total: int | None = len(tap)
     except TypeError:  # shards without an index: counted as they are read
         total = None
-    loop = new_event_loop()
-    try:
-        with tqdm(total=total, desc="verifying" if verify else "reading", unit="sample", disable=not progress) as bar:
-            run = _verify(tap, threads, bar.update) if verify else _read(tap, bar.update)
-            bad = loop.run_until_complete(run)
-    finally:
-        loop.close()
+    # asyncio.Runner: Ctrl-C or SIGTERM cancels the pass, so that its loader closes (cli.py's _demo).
+    with tqdm(total=total, desc="verifying" if verify else "reading", unit="sample", disable=not progress) as bar:
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:
+            bad = runner.run(_verify(tap, threads, bar.update) if verify else _read(tap, bar.update))
     if not verify:
         bad = census.unreadable
     return {

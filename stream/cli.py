@@ -20,6 +20,7 @@ with the consumer's starved and the pipeline's blocked shares; ``--json`` and ``
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import math
 import os
@@ -38,6 +39,12 @@ def _positive(text: str) -> int:
     return value
 
 
+def _path(text: str) -> str:
+    if not text:  # "" is the current folder to os and the readers: a "$DATA" left unset in a script
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="headrace", description="An asyncio streaming data loader for deep learning.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -53,8 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     pack = sub.add_parser("pack", help="pack a class-per-folder image tree into WebDataset shards or an LMDB",
                           description="Pack SRC (class sub-folders of images; label = index of the sorted "
                                       "sub-folder) into DEST, a new or empty folder.")
-    pack.add_argument("src", metavar="SRC", help="folder of class sub-folders")
-    pack.add_argument("dest", metavar="DEST", help="output folder (must not exist, or be empty)")
+    pack.add_argument("src", type=_path, metavar="SRC", help="folder of class sub-folders")
+    pack.add_argument("dest", type=_path, metavar="DEST", help="output folder (must not exist, or be empty)")
     pack.add_argument("--format", required=True, choices=("webdataset", "lmdb"), help="output format")
     pack.add_argument("--shard-size", type=_megabytes, default=256.0, metavar="MB",
                       help="webdataset: most megabytes per shard (default: %(default)s; 0: no limit)")
@@ -79,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
                                          "WebDataset tar shards, an LMDB, TFRecord or RecordIO files (a "
                                          "file, folder or pattern), or an s3:// or http(s):// URL of shards (or an s3:// folder "
                                          "of class sub-folders).")
-    inspect.add_argument("path", metavar="PATH", help="data set: folder, shards (folder, glob, brace pattern), "
+    inspect.add_argument("path", type=_path, metavar="PATH", help="data set: folder, shards (folder, glob, brace pattern), "
                                                       "LMDB or URL")
     inspect.add_argument("--format", choices=("files", "webdataset", "lmdb", "tfrecord", "recordio"), default=None,
                          help="what PATH is (default: guessed from it)")
@@ -100,7 +107,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
                                        "pipeline, each through its own epochs; the best epoch of each is reported "
                                        "(--dataloader adds torch's DataLoader on the same samples). Samples that "
                                        "fail to read or decode are skipped and counted.")
-    bench.add_argument("path", metavar="PATH", help="data set: folder, shards (folder, glob, brace pattern), LMDB or URL")
+    bench.add_argument("path", type=_path, metavar="PATH", help="data set: folder, shards (folder, glob, brace pattern), LMDB or URL")
     bench.add_argument("--format", choices=("files", "webdataset", "lmdb", "tfrecord", "recordio"), default=None,
                        help="what PATH is (default: guessed from it)")
     bench.add_argument("--pipeline", choices=("training", "validation"), default="training",
@@ -209,13 +216,13 @@ def _demo(args: argparse.Namespace) -> int:
     except LoaderError as exc:
         print(f"headrace demo: error: {exc}", file=sys.stderr)
         return 1
-    from headrace._loop import new_event_loop
+    from headrace._loop import loop_factory
 
-    loop = new_event_loop()
-    try:
-        rates = loop.run_until_complete(_epochs(root, args))
-    finally:
-        loop.close()
+    # asyncio.Runner, not a bare loop: an interrupt cancels the epochs so that the loader closes, and
+    # what is left is cancelled and awaited before the loop closes (a closed loop under the
+    # loader's tasks printed "Task was destroyed" for each and ran no clean-up).
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        rates = runner.run(_epochs(root, args))
     total = sum(n for n, _ in rates) / sum(t for _, t in rates)
     print(f"throughput: {total:,.0f} images/s over {args.epochs} epoch(s)"
           f"{'' if len(rates) < 2 else f'; after the first epoch {_rate(rates[1:]):,.0f} images/s'}")

@@ -1,0 +1,148 @@
+"""The command line as a new user meets it, third review: Ctrl-C and SIGTERM in the middle of a
+loader's epoch, a cut shard in bench's reader row, a GPU asked for on a machine without one, and
+an empty PATH."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from headrace import ConfigError, readers
+from headrace._bench import bench
+from headrace.cli import main
+from headrace.ops import cuda_available
+
+NOISE = ("Traceback", "Task was destroyed", "Exception ignored", "Event loop is closed")
+
+
+@pytest.fixture(scope="module")
+def slow_folder(tmp_path_factory):
+    """Two classes of 200 copies each of one 1024x1024 JPEG: with ``--threads 1`` a decode pass over
+    it takes seconds, long enough to stop it halfway."""
+    pixels = np.random.default_rng(0).integers(0, 256, (8, 8, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).resize((1024, 1024), Image.Resampling.BICUBIC).save(buffer, "JPEG", quality=90)
+    root = tmp_path_factory.mktemp("slow")
+    for name in ("a", "b"):
+        (root / name).mkdir()
+        for i in range(200):
+            (root / name / f"{i:03d}.jpg").write_bytes(buffer.getvalue())
+    return root
+
+
+def _stop_when(tmp_path, args, ready, sig):
+    """Run ``python -m headrace *args``, send ``sig`` once its stderr matches ``ready``; (rc, stderr)."""
+    err_path = tmp_path / "stderr.txt"
+    with open(err_path, "w") as err:
+        run = subprocess.Popen([sys.executable, "-m", "headrace", *map(str, args)], stdout=subprocess.DEVNULL,
+                               stderr=err)
+        try:
+            deadline = time.monotonic() + 120
+            while not re.search(ready, err_path.read_text()) and run.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert run.poll() is None, "the command finished before it could be stopped"
+            run.send_signal(sig)
+            run.wait(timeout=120)
+        finally:
+            if run.poll() is None:
+                run.kill()
+                run.wait()
+    return run.returncode, err_path.read_text()
+
+
+def _stopped_cleanly(rc, err, sig):
+    # Before: the interrupt left the event loop with the loader's tasks pending; the loop was
+    # closed under them ("Task was destroyed but it is pending!" for each, "Exception ignored"
+    # with a RuntimeError traceback from the loader's aclose), so nothing was cleaned up.
+    assert rc == (130 if sig == signal.SIGINT else 128 + signal.SIGTERM), err[-3000:]
+    assert not any(word in err for word in NOISE), err[-3000:]
+    assert err.replace("\r", "\n").strip().splitlines()[-1] == ("interrupted" if sig == signal.SIGINT else "terminated")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_inspect_verify_stopped_midway_unwinds_its_loader(tmp_path, slow_folder, sig):
+    report = tmp_path / "report.json"
+    rc, err = _stop_when(tmp_path, ["inspect", slow_folder, "--verify", "--threads", "1", "--json", report],
+                         r"verifying: .*\| *[1-9]\d*/400", sig)
+    _stopped_cleanly(rc, err, sig)
+    assert not report.exists()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_bench_stopped_in_a_loader_row_unwinds_its_loader(tmp_path, slow_folder, sig):
+    report = tmp_path / "bench.json"
+    rc, err = _stop_when(tmp_path, ["bench", slow_folder, "--threads", "1", "--epochs", "3", "--json", report],
+                         r"decode epoch 1/3", sig)
+    _stopped_cleanly(rc, err, sig)
+    assert not report.exists()
+
+
+def test_demo_stopped_in_an_epoch_unwinds_its_loader(tmp_path):
+    rc, err = _stop_when(tmp_path, ["demo", "--data", tmp_path / "demo", "--images", "64", "--epochs", "500",
+                                    "--size", "32", "--threads", "1"], r"epoch 1:", signal.SIGINT)
+    _stopped_cleanly(rc, err, signal.SIGINT)
+
+
+@pytest.fixture(scope="module")
+def cut_shard(tmp_path_factory):
+    """One shard of 30 samples cut inside its 21st sample's image (no index beside it)."""
+    base = tmp_path_factory.mktemp("cut")
+    rng = np.random.default_rng(3)
+    for c in range(2):
+        (base / "src" / f"c{c}").mkdir(parents=True)
+        for i in range(15):
+            pixels = rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(base / "src" / f"c{c}" / f"{i:02d}.jpg", quality=90)
+    result = readers.pack(base / "src", base / "packed", format="webdataset")
+    data = open(result.outputs[0], "rb").read()
+    (base / "cut").mkdir()
+    start = data.index(b"c1/05.jpg")  # the header of the 21st sample's image
+    shard = base / "cut" / "cut.tar"
+    shard.write_bytes(data[: start + 512 + 100])  # its header and 100 bytes of the image
+    return shard
+
+
+def test_bench_reader_row_skips_and_counts_an_unreadable_sample(cut_shard):
+    report = bench(str(cut_shard), epochs=1, batch_size=8)
+    read, decode, pipeline = report["rows"]
+    # Before: the reader row timed the unreadable sample as one read (21 samples, 0 skipped) while
+    # the loader rows skipped it, so the rows compared different work.
+    assert (read["samples"], read["skipped"]) == (20, 1)
+    assert (decode["samples"], decode["skipped"]) == (pipeline["samples"], pipeline["skipped"]) == (20, 1)
+    assert read["bytes"] == decode["bytes"] == pipeline["bytes"]
+
+
+@pytest.mark.skipif(cuda_available(), reason="a GPU is here: device='cuda' runs")
+def test_bench_refuses_a_missing_gpu_before_timing_anything(image_folder, capsys):
+    lines = []
+    with pytest.raises(ConfigError, match="device='cuda' needs a GPU"):
+        bench(str(image_folder), device="cuda", epochs=1, log=lines.append)
+    # Before: the reader row ran its epochs first (minutes on a large data set), then the error.
+    assert lines == []
+    assert main(["bench", str(image_folder), "--device", "cuda", "--epochs", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("headrace bench: error: device='cuda' needs a GPU") and "read epoch" not in err
+
+
+@pytest.mark.parametrize("args", [["inspect", ""], ["bench", ""], ["pack", "", "OUT", "--format", "webdataset"],
+                                  ["pack", "SRC", "", "--format", "lmdb"]])
+def test_an_empty_path_is_an_argument_error(tmp_path, image_folder, capsys, monkeypatch, args):
+    monkeypatch.chdir(tmp_path)
+    args = [str(image_folder) if a == "SRC" else str(tmp_path / "out") if a == "OUT" else a for a in args]
+    # Before: "" was the current folder: inspect and bench read it, pack packed it or packed into it
+    # (a "$DATA" left unset in a script).
+    with pytest.raises(SystemExit) as stop:
+        main(args)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"headrace {args[0]}: error: argument ") and "must not be empty" in err
+    assert os.listdir(tmp_path) == []
