@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo = sub.add_parser("demo", help="make a small JPEG data set and time a few training epochs over it")
-    demo.add_argument("--data", default=os.path.join(".data", "demo"), help="data set folder (default: %(default)s)")
+    demo.add_argument("--data", type=_path, default=os.path.join(".data", "demo"), help="data set folder (default: %(default)s)")
     demo.add_argument("--images", type=_positive, default=1024, help="images in the data set (default: %(default)s)")
     demo.add_argument("--classes", type=_positive, default=10, help=argparse.SUPPRESS)
     demo.add_argument("--epochs", type=_positive, default=2, help="epochs to run (default: %(default)s)")
@@ -213,7 +213,7 @@ def _demo(args: argparse.Namespace) -> int:
             print(f"data: {args.images} JPEGs in {root} ({'made now' if made else 'cached'}; remove the folder to free it)")
         else:
             print(f"data: {args.images} JPEGs in {root} (cached; remove the folder to free it)")
-    except LoaderError as exc:
+    except (LoaderError, OSError) as exc:  # OSError: the folder cannot be made or written
         print(f"headrace demo: error: {exc}", file=sys.stderr)
         return 1
     from headrace._loop import loop_factory

@@ -219,6 +219,8 @@ def ensure_image_folder(
     from headrace._errors import ConfigError
 
     root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"{root} is a file, not a folder: give an empty or a new folder for the data set it makes")
     ours = (root / MARKER).is_file() or _made_before_markers(root)
     if root.is_dir() and not ours and any(root.iterdir()):
         raise ConfigError(f"{root} holds files headrace did not make: give an empty or a new folder for the "

@@ -146,3 +146,22 @@ def test_an_empty_path_is_an_argument_error(tmp_path, image_folder, capsys, monk
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"headrace {args[0]}: error: argument ") and "must not be empty" in err
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("where", ["a_file", "a_file/data"])
+def test_demo_into_a_path_that_cannot_be_a_folder_is_a_one_line_error(tmp_path, capsys, where):
+    (tmp_path / "a_file").write_text("not a folder")
+    # Before: a FileExistsError or NotADirectoryError traceback from pathlib's mkdir.
+    assert main(["demo", "--data", str(tmp_path / where), "--images", "4", "--epochs", "1"]) == 1
+    err = capsys.readouterr().err
+    last = err.replace("\r", "\n").strip().splitlines()[-1]
+    assert "Traceback" not in err and last.startswith("headrace demo: error: ") and str(tmp_path / "a_file") in last
+    assert (tmp_path / "a_file").read_text() == "not a folder"
+
+
+def test_demo_data_must_not_be_empty(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        main(["demo", "--data", "", "--images", "4", "--epochs", "1"])
+    assert stop.value.code == 2 and "argument --data: must not be empty" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
