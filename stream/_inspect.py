@@ -32,6 +32,8 @@ __all__ = ["Census", "image_format", "inspect", "inspect_path", "open_reader", "
 _NOT_IMAGES = frozenset({"cls", "json", "txt", "__key__", "__url__", "id", "label"})
 _SIDE_BINS = (0, 64, 128, 256, 512, 1024, 2048, 4096)
 _MP_BINS = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 64.0)
+_AVIF_BRANDS = frozenset({b"avif", b"avis"})
+_HEIF_BRANDS = frozenset({b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"hevm", b"hevs", b"mif1", b"msf1"})
 _SHOWN = 10  # class names, and bad samples after that many lines each, shown in the text report
 
 
@@ -52,8 +54,12 @@ def image_format(data: Any) -> str:
         return "tiff"
     if head.startswith((b"\x00\x00\x00\x0cjP  \r\n\x87\n", b"\xff\x4f\xff\x51")):
         return "jpeg2000"
-    if head[4:8] == b"ftyp":
-        return "avif" if head[8:12] in (b"avif", b"avis") else "heif"
+    if head[4:8] == b"ftyp":  # ISO media: images only under the HEIF brands, else a video (MP4, QuickTime)
+        size = int.from_bytes(head[:4], "big")
+        brands = {bytes(data[i : i + 4]) for i in range(16, min(size, 64) - 3, 4)} | {head[8:12]}
+        if brands & _AVIF_BRANDS:
+            return "avif"
+        return "heif" if brands & _HEIF_BRANDS else "unknown"
     if len(head) > 2 and head[0:1] == b"P" and head[1:2] in b"1234567" and head[2:3].isspace():
         return "pnm"
     return "unknown"

@@ -165,3 +165,42 @@ def test_demo_data_must_not_be_empty(tmp_path, capsys, monkeypatch):
         main(["demo", "--data", "", "--images", "4", "--epochs", "1"])
     assert stop.value.code == 2 and "argument --data: must not be empty" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []
+
+
+def _ftyp(major: bytes, *compatible: bytes) -> bytes:
+    body = major + b"\x00\x00\x00\x00" + b"".join(compatible)
+    return (8 + len(body)).to_bytes(4, "big") + b"ftyp" + body + b"\x00\x00\x00\x08free"
+
+
+def test_image_format_tells_videos_from_heif_and_avif(tmp_path):
+    from headrace._inspect import image_format
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(buffer, "AVIF")  # Pillow's own AVIF: major brand avif
+    assert image_format(buffer.getvalue()) == "avif"
+    assert image_format(_ftyp(b"heic", b"mif1", b"heic")) == "heif"
+    assert image_format(_ftyp(b"mif1", b"mif1", b"avif", b"miaf")) == "avif"
+    assert image_format(_ftyp(b"mif1", b"mif1", b"heic")) == "heif"
+    # Before: every ISO media file was an image, so MP4 and QuickTime videos were "heif".
+    for brand in (b"isom", b"mp42", b"qt  ", b"M4V ", b"3gp4"):
+        assert image_format(_ftyp(brand, b"isom", b"mp41")) == "unknown", brand
+
+
+def test_inspect_video_shards_finds_no_images(tmp_path):
+    av = pytest.importorskip("av")
+    for cls in ("run", "walk"):
+        (tmp_path / "videos" / cls).mkdir(parents=True)
+        with av.open(str(tmp_path / "videos" / cls / "v.mp4"), "w") as out:
+            stream = out.add_stream("mpeg4", rate=25)
+            stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+            for i in range(10):
+                frame = av.VideoFrame.from_ndarray(np.full((48, 64, 3), 20 * i, np.uint8), format="rgb24")
+                out.mux(stream.encode(frame))
+            out.mux(stream.encode())
+    readers.pack(tmp_path / "videos", tmp_path / "shards", format="webdataset", video=True)
+    from headrace._inspect import inspect
+
+    report = inspect(str(tmp_path / "shards"))
+    # Before: "image formats (from the bytes): heif 2", the videos counted as images.
+    assert report["fields"] == {"cls": 2, "mp4": 2}
+    assert report["image_formats"] == {} and report["no_image_field"] == 2
