@@ -50,25 +50,35 @@ def probe(path: str | bytes, source: str | None = None) -> VideoInfo:
     without timestamps, no frames, or fewer frames than its container lists (truncated).
     """
     av = import_av()
-    path, source = (io.BytesIO(path), source or "<bytes>") if isinstance(path, bytes) else (path, source or path)
+    data, source = (path, source or "<bytes>") if isinstance(path, bytes) else (None, source or path)
     try:
-        with av.open(path) as container:
+        with av.open(path if data is None else io.BytesIO(data)) as container:
             if not container.streams.video:
                 raise DecodeError("no video stream", source=source)
             stream = container.streams.video[0]
             stamps = []
             packets = 0  # every frame the file holds, shown or not (the container's count includes them all)
+            slots = 0  # an AVI's chunks up to the last frame read, the empty ones of skipped frames too
             for packet in container.demux(stream):
                 if packet.size == 0:  # the demuxer's flush packet
                     continue
                 packets += 1
+                if packet.dts is not None:
+                    slots = max(slots, packet.dts + 1)
                 if packet.is_discard:  # before an MP4 edit list's start (a cut by stream copy): decoded, never shown
                     continue
                 stamp = packet.pts if packet.pts is not None else packet.dts
                 if stamp is None:
                     raise DecodeError("a frame has no timestamp; cannot address frames in it", source=source)
                 stamps.append(stamp)
-            if stream.frames and packets < stream.frames:  # the container's index lists more than the file holds
+            formats = set(container.format.name.split(","))
+            if stream.frames and packets < stream.frames and not (  # the container lists more than the file holds
+                    # not truncated: a variable-rate AVI, whose count includes the empty chunk of each skipped
+                    # frame (the demuxer gives none; the timestamps, one a chunk, step over them) ...
+                    ("avi" in formats and slots >= stream.frames)
+                    # ... or an MP4/MOV whose edit list starts past its first GOP: the demuxer drops the GOPs before
+                    or ("mov" in formats and _packets_without_edit_list(av, path if data is None else io.BytesIO(data))
+                        >= stream.frames)):
                 raise DecodeError(f"truncated: the container lists {stream.frames} frames, {packets} could be read",
                                 source=source)
             rate = stream.average_rate
@@ -83,6 +93,12 @@ def probe(path: str | bytes, source: str | None = None) -> VideoInfo:
     if info.frames == 0:
         raise DecodeError("the video stream has no frames", source=source)
     return info
+
+
+def _packets_without_edit_list(av: Any, path: Any) -> int:
+    """How many packets an MP4/MOV's first video stream holds, its edit list ignored."""
+    with av.open(path, options={"ignore_editlist": "1"}) as container:
+        return sum(1 for packet in container.demux(container.streams.video[0]) if packet.size)
 
 
 def probe_or_error(path: str | TarMember | ReadError, data: bytes | None = None) -> VideoInfo | LoaderError:
