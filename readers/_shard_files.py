@@ -13,7 +13,7 @@ import concurrent.futures
 import contextlib
 import os
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -187,7 +187,7 @@ class ShardFiles:
         feed.put(END, force=True)
 
     def _parse_samples(self, job: ShardJob, feed: Feed, source: str | RemoteFile | BinaryIO | PipeShard) -> None:
-        """``_parse`` up to END: samples, and a bad shard's ReadError as the sample being read;
+        """``_parse`` up to END: samples, and a bad shard's ReadError samples (``_lost``);
         ``position`` carries the rank input ordinal."""
         first, stride, base, path, rank_base = job.first, job.stride, job.base_index, job.path, job.rank_base
         needed, count = job.needed, job.count
@@ -198,7 +198,21 @@ class ShardFiles:
             return needed is None or needed(rank_base + (j - first) // stride)
 
         chunk: list[Sample] = []
+
+        def put(sample: Sample) -> bool:
+            """Into the chunk, sent when full; False once the reader stopped listening."""
+            nonlocal chunk
+            chunk.append(sample)
+            if len(chunk) < self.chunk_size:
+                return True
+            _own_bytes(chunk)
+            sent, chunk = feed.put(chunk), []
+            return sent
+
         last = -1
+        # The shard's last counted sample waits for the shard's end: a failure found past it (more
+        # samples than the count, a command's exit status) takes its place (``_lost``).
+        held: Sample | None = None
         miscounted = False
         remote = isinstance(source, RemoteFile)
         try:
@@ -211,12 +225,11 @@ class ShardFiles:
                         error = _missing(fields, self.require, key, path)
                     if error is not None:
                         fields = {}
-                    chunk.append(Sample(key, fields, path, base + j, rank_base + (j - first) // stride, error))
-                    if len(chunk) >= self.chunk_size:
-                        _own_bytes(chunk)
-                        if not feed.put(chunk):
-                            return
-                        chunk = []
+                    sample = Sample(key, fields, path, base + j, rank_base + (j - first) // stride, error)
+                    if count is not None and j == count - 1:
+                        held = sample
+                    elif not put(sample):
+                        return
                 if remote and source.tee is not None and not feed.stopped:
                     _keep(source)
                 if isinstance(source, PipeShard) and not feed.stopped:
@@ -229,46 +242,66 @@ class ShardFiles:
                 err = ReadError(f"cannot read shard: {exc.strerror or exc}", source=path)
                 err.__cause__ = exc
                 exc = err
-            j = last + 1  # the sample being read when it failed
-            if count is not None:
-                j = min(j, count)  # a longer shard's: numbered as the first one past its count
-            position = _error_position(job, j, miscounted)
-            if position is not None:
-                chunk.append(Sample(exc.key or os.path.basename(path), {}, path, base + j, position, exc))
+            for sample in _lost(job, exc, last + 1, held, select, miscounted):
+                if not put(sample):
+                    return
+            held = None
+        if held is not None:
+            chunk.append(held)
         if chunk:
             _own_bytes(chunk)
             feed.put(chunk)
 
 
-def _error_position(job: ShardJob, j: int, miscounted: bool) -> int | None:
-    """The rank input ordinal of the error sample of a shard that failed (or ended) at in-shard
-    ordinal ``j``: this rank's first sample at or after ``j`` (a floor numbered it as the last
-    sample read), or None when the job reads part of the shard (``needed``: a resampled epoch's
-    last draw, a resume) and the error stands for nothing it reads. A miscounted shard's one error
-    stands for all the samples it lacks, in the place of the first: a read that does not read that
-    place gives none (past a resampled epoch's end it made the epoch one sample longer than
-    ``len()``; before a resume point the uninterrupted read had given it already). Another failure
-    is given in the place of the first sample lost that the job reads, if any."""
-    position = job.rank_base - (-max(0, j - job.first) // job.stride)
-    if job.needed is None or job.count is None:
-        return position
-    if miscounted:
-        return position if job.needed(position) else None
-    end = job.rank_base + len(range(job.first, job.count, job.stride))
-    return next((p for p in range(position, end) if job.needed(p)), None)
+def _lost(job: ShardJob, exc: ReadError, j: int, held: Sample | None, select: Callable[[int], bool],
+          miscounted: bool) -> Iterator[Sample]:
+    """The error samples of a shard that failed (or ended) at in-shard ordinal ``j``.
+
+    Without a count: one, in the place of this rank's first sample at or after ``j`` (the epoch's
+    length is not known then anyway). With a count, positions stay exact (``len()``, equal batches
+    per rank, resume, ``max_errors``): every sample from ``j`` to the count that this job reads is
+    an error, the first the failure itself, the others "sample k of N missing". A failure found
+    past the last counted sample (a shard longer than its count, a command's exit status after its
+    last sample) has no missing place of its own: it takes the last counted sample's (``held``,
+    when this job reads it), as a tar whose end is damaged has its last sample's taken
+    (``_tar.iter_groups``)."""
+    path, count = job.path, job.count
+    name = os.path.basename(path)
+    if count is None:
+        position = job.rank_base - (-max(0, j - job.first) // job.stride)
+        yield Sample(exc.key or name, {}, path, job.base_index + j, position, exc)
+        return
+    if j >= count:
+        if held is not None:
+            yield Sample(held.key, {}, path, held.index, held.position, exc)
+        return
+    for k in range(j, count):
+        if not select(k):
+            continue
+        if miscounted or k > j:
+            at = f"sample {j + 1}" + (f" ({exc.key!r})" if exc.key else "")
+            why = exc.message if miscounted else f"the shard failed at {at}: {exc.message}"
+            # The cause's class (a StorageError's lost samples are StorageErrors: on_error= and
+            # stats().errors see one failure of one kind, however many samples it cost).
+            error = type(exc)(f"sample {k + 1} of {count} missing: {why}", source=path)
+            error.__cause__ = None if miscounted else exc
+        else:
+            error = exc
+        position = job.rank_base + (k - job.first) // job.stride
+        yield Sample(error.key or name, {}, path, job.base_index + k, position, error)
 
 
 def _miscounted(held: int, count: int, path: str) -> ReadError:
     """A shard read to its end that held another number of samples than its known count: a tar cut
-    exactly between two members parses cleanly, so only the count tells it from a whole one. The
-    ReadError takes the place of the first missing sample (or, for a longer shard, of the first one
-    past the count: those are never read)."""
+    exactly between two members parses cleanly, so only the count tells it from a whole one. A
+    shorter shard's message is the reason each missing sample gives (``_lost``); a longer one's
+    error takes the place of its last counted sample (the samples past the count are not read)."""
     if held < count:
-        return ReadError(f"shard ends after {held} samples; its count says {count} (headrace-index.json, "
-                         "counts= or counts='scan'): cut short, or changed since it was counted", source=path)
+        return ReadError(f"shard ends after {held} (cut short, or changed since it was counted: "
+                         "headrace-index.json, counts= or counts='scan')", source=path)
     return ReadError(f"shard holds {held} samples; its count says {count} (headrace-index.json, counts= or "
-                     f"counts='scan'): changed since it was counted (the samples past {count} are not read)",
-                     source=path)
+                     f"counts='scan'): changed since it was counted; its sample {count} of {count} is given as "
+                     f"this error and the {held - count} past it are not read", source=path)
 
 
 def _kill_commands(sources: Sequence[object]) -> None:

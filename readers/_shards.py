@@ -155,8 +155,8 @@ def read_index(paths: Sequence[str], storage: Storage | None = None) -> list[int
 
     Remote shards' index files are fetched (one GET per folder). Raises ReadError when an entry
     disagrees with a local shard's size on disk (a stale index would make ``len()`` and resume
-    wrong); a remote shard's count is checked when it is read (one read to its end that held
-    another number of samples ends with a ReadError sample: ``_shard_files.py``).
+    wrong); a remote shard's count is checked when it is read (one that held another number
+    of samples gives ReadError samples in the places of those it lacks: ``_shard_files._lost``).
     """
     if any(is_pipe(p) for p in paths):
         return None  # a command's output has no folder to hold an index: counts= gives them

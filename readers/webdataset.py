@@ -261,14 +261,20 @@ class WebDatasetReader(Reader):
         Up to ``read_ahead`` shards beyond the current one are read at once, each by its own thread
         into a feed of two ``chunk_size`` lists; a full feed stops that thread (backpressure). Memory
         is about ``(read_ahead + 1) * 3 * chunk_size + shuffle_buffer`` samples. Closing the iterator
-        stops the threads and closes the files before it returns. A shard that is truncated or
-        corrupt ends with one sample whose ``error`` is a ReadError naming the shard and key. So
-        does a shard read to its end that held another number of samples than its known count
-        (the index, ``counts=``): a tar cut exactly between two members parses cleanly, and only the
-        count tells it from a whole one (a job reading part of a shard compares the whole shard's
-        samples, counted from their headers; samples past the count are never read). The error
-        sample stands in the place of the first sample missing: a read that does not reach that
-        place (a resampled epoch's last draw, cut before it; a resume past it) gives none.
+        stops the threads and closes the files before it returns. A sample that cannot be read is
+        a sample whose ``error`` is a ReadError naming the shard (and key, where known). Without
+        counts a truncated or corrupt shard ends with one. With known counts (the index,
+        ``counts=``) every place keeps its sample, so ``len()``, each rank's batch count under
+        ``equal=`` and a resume stay exact and ``on_error``/``max_errors`` count every sample lost:
+        a shard that ends early, truncated or cut exactly between two members (a tar that parses
+        cleanly: only the count tells it from a whole one), gives an error sample for each place
+        from the failure to its count that this read reads ("sample 94 of 100 missing: shard ends
+        after 93 ..."; a striding rank, a resume, a resampled epoch's last draw read only theirs).
+        A shard with more samples than its count gives its count's samples (those past it are not
+        read) with the last one replaced by the error, as is one whose command fails after its last
+        counted sample: an error that no missing place can carry takes the last counted place, as a
+        tar damaged past its last member's data has its last sample's taken, rather than make the
+        epoch longer (or go uncounted). A shard counted empty has no place for it, and gives none.
         """
         seed = self.seed if self.seed is not None else seed
         start = require_int("start", start, 0)
@@ -437,9 +443,12 @@ def webdataset(
     or None to use the ``headrace-index.json`` that ``headrace pack`` writes beside the shards, if
     any (fetched too for URLs). They give ``len()``, the ``equal=`` policy of ``shard()`` and a fast
     resume; without them ``len()`` raises TypeError and the first resume scans the headers. Known
-    counts are checked as the shards are read: one that held another number of samples (cut short
-    exactly between two members, or changed since it was counted) ends with a ReadError sample
-    naming it and both numbers. Without counts such a shard cannot be told from a whole one.
+    counts are checked as the shards are read: a shard that ends early (cut short exactly between
+    two members, truncated, or changed since it was counted) gives a ReadError sample in the place
+    of each sample it lacks, so lengths and resume stay exact and ``on_error="skip"`` counts every
+    sample lost; one that holds more gives its last counted sample's place to a ReadError naming
+    both numbers (``read``). Without counts a failing shard ends with one ReadError sample, and one
+    cut exactly between members cannot be told from a whole one.
 
     ``shuffle``: a new shard order each epoch, plus a ``shuffle_buffer``-sample shuffle buffer, both
     seeded by (``seed`` or the loader's seed, epoch). ``read_ahead``: shards read ahead of the

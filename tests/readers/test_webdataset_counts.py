@@ -1,6 +1,7 @@
 """A shard that holds another number of samples than its known count (index, ``counts=``, ``"scan"``)
-ends with one ReadError sample: a tar cut exactly between two members parses cleanly, so only the
-count tells it from a whole one."""
+is an error: a tar cut exactly between two members parses cleanly, so only the count tells it from a
+whole one. A shorter shard gives one ReadError sample for each sample it lacks (positions and
+``len()`` stay exact); a longer one gives its error in the place of its last counted sample."""
 
 from __future__ import annotations
 
@@ -57,12 +58,15 @@ def _cut(path, keep):
 
 
 def _check_short(samples, shard, held, count):
+    """One error sample for each of the shard's missing samples, each naming its place."""
     bad = [s for s in samples if s.error is not None]
-    assert len(bad) == 1, [str(s.error) for s in bad]
-    error = bad[0].error
-    assert isinstance(error, ReadError) and error.source == str(shard)
-    assert f"shard ends after {held} samples; its count says {count}" in str(error)
-    assert bad[0].source == str(shard)
+    assert len(bad) == count - held, [str(s.error) for s in bad]
+    for k, s in enumerate(bad, held + 1):
+        error = s.error
+        assert isinstance(error, ReadError) and error.source == str(shard)
+        assert f"sample {k} of {count} missing: shard ends after {held} (cut short" in str(error)
+        assert s.source == str(shard)
+    assert [s.position for s in bad] == list(range(bad[0].position, bad[0].position + len(bad)))
     return [s for s in samples if s.error is None]
 
 
@@ -77,8 +81,9 @@ async def test_a_shard_cut_between_samples_after_the_reader_was_made_ends_with_a
     lost = {s.key for s in whole if s.source == str(shard)} - set(kept)
     assert len(lost) == 3 and [s.key for s in good] == [s.key for s in whole if s.key not in lost]
     assert all(g.fields == w.fields for g, w in zip(good, (s for s in whole if s.key not in lost)))
-    assert samples[-1].error is None  # the error sample is where the shard ended, the later shards follow
+    assert samples[-1].error is None  # the error samples are where the shard ended, the later shards follow
     assert [s.position for s in samples] == list(range(len(samples)))
+    assert len(samples) == len(reader) == 75  # one error sample for each sample lost: the epoch's length holds
 
 
 async def test_counts_given_and_counts_scanned_are_checked_too(copy):
@@ -104,8 +109,12 @@ async def test_a_shard_with_samples_added_is_an_error_too(copy):
     bad = [s for s in samples if s.error is not None]
     assert len(bad) == 1 and bad[0].error.source == str(shard)
     assert "shard holds 10 samples; its count says 8" in str(bad[0].error)
+    assert "its sample 8 of 8 is given as this error and the 2 past it are not read" in str(bad[0].error)
+    # The error takes the last counted sample's place: the epoch keeps its length.
+    assert len(samples) == len(reader) == 75 and sorted(s.position for s in samples) == list(range(75))
+    assert bad[0].key == members[-1][0].split(".", 1)[0] and bad[0].index == 15
     good = [s for s in samples if s.error is None]
-    assert len(good) == 75 and not any(s.key.startswith("extra/") for s in good)  # the added ones are not read
+    assert len(good) == 74 and not any(s.key.startswith("extra/") for s in good)  # the added ones are not read
 
 
 @pytest.mark.parametrize("world", [3, 16])  # 16 ranks > 10 shards: every rank reads every shard, strided
@@ -113,16 +122,23 @@ async def test_every_rank_reading_part_of_a_cut_shard_sees_it(copy, world):
     reader = readers.webdataset(copy)
     shard = sorted(copy.glob("*.tar"))[4]
     _cut(shard, 6)
-    seen = []
+    seen, lost = [], []
     for rank in range(world):
-        samples = await _read_all(reader.shard(rank, world))
+        part = reader.shard(rank, world)
+        samples = await _read_all(part)
+        assert len(samples) == len(part) and [s.position for s in samples] == list(range(len(part)))
         bad = [s for s in samples if s.error is not None]
-        if world > 10 or 4 % world == rank:  # the ranks that read the shard
-            assert len(bad) == 1 and "shard ends after 6 samples; its count says 8" in str(bad[0].error)
+        assert all("missing: shard ends after 6 (cut short" in str(s.error) for s in bad)
+        if world > 10:  # every rank strides every shard: sample 7 (ordinal 6) and 8 (ordinal 7) each on one rank
+            assert len(bad) == ((6 - (rank - 4)) % world == 0) + ((7 - (rank - 4)) % world == 0)
+        elif 4 % world == rank:  # the rank that reads the shard
+            assert len(bad) == 2
         else:
             assert not bad
         seen += [s.key for s in samples if s.error is None]
+        lost += [s.index for s in bad]
     assert len(seen) == len(set(seen)) == 73
+    assert sorted(lost) == [38, 39]  # each lost sample once, on the rank that reads its place
 
 
 async def test_a_resumed_read_compares_the_whole_shard_not_what_it_keeps(copy):
@@ -140,7 +156,7 @@ async def test_a_resumed_read_compares_the_whole_shard_not_what_it_keeps(copy):
     for rank in range(2):
         rest = [s async for chunk in reader.shard(rank, 2).read(0, history=[(3, 4)]) for s in chunk]
         bad = [s for s in rest if s.error is not None]
-        assert len(bad) <= 1 and all("shard ends after 7 samples; its count says 8" in str(s.error) for s in bad)
+        assert len(bad) <= 1 and all("sample 8 of 8 missing: shard ends after 7" in str(s.error) for s in bad)
         errors += len(bad)
     assert errors >= 1
 
@@ -157,7 +173,7 @@ async def test_the_loader_skips_the_error_and_counts_it(copy):
         for _ in range(2):  # the run goes on: every epoch meets the cut shard, and skips its error
             keys = [k async for b in loader for k in b.sample_keys]
             assert len(keys) == len(set(keys)) == 71
-    assert loader.stats().dropped == 2
+    assert loader.stats().dropped == 8  # 4 samples lost each epoch, each counted against max_errors
 
 
 async def test_a_remote_shard_cut_between_samples_with_its_index(tmp_path, packed_in_order):
@@ -173,6 +189,6 @@ async def test_a_remote_shard_cut_between_samples_with_its_index(tmp_path, packe
         samples = await _read_all(reader)
     url = urls["http_direct"] + "/wds/" + shard.name
     bad = [s for s in samples if s.error is not None]
-    assert len(bad) == 1 and bad[0].error.source == url
-    assert "shard ends after 3 samples; its count says 8" in str(bad[0].error)
-    assert len(samples) == 71
+    assert len(bad) == 5 and all(s.error.source == url for s in bad)
+    assert all(f"sample {k} of 8 missing: shard ends after 3" in str(s.error) for k, s in enumerate(bad, 4))
+    assert len(samples) == 75

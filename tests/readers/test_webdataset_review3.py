@@ -1,8 +1,8 @@
 """Review of the count check (a shard that held another number of samples than its count ends with
 a ReadError sample) where a job reads only part of a shard: a resampled epoch's last draw, a
-resume, ranks striding a shard. The error sample stands for the first sample the job reads and
-did not get: it is never an extra sample past the epoch's length, never a second copy of the one
-the uninterrupted run gave before the resume point, and never numbered as a sample that was read."""
+resume, ranks striding a shard. Each sample the job reads and did not get is one error sample in
+its place: never an extra sample past the epoch's length, never a second copy of one the
+uninterrupted run gave before the resume point, and never numbered as a sample that was read."""
 
 from __future__ import annotations
 
@@ -79,14 +79,18 @@ async def test_a_cut_past_what_a_resampled_epoch_reads_of_its_last_draw_adds_no_
 async def test_a_resume_past_a_cut_shards_error_does_not_give_it_again(copy):
     reader = readers.webdataset(copy)
     shard = sorted(copy.glob("*.tar"))[1]  # samples 8..15
-    _cut(shard, 5)  # 3 lost: one error sample in their place, at position 13
+    _cut(shard, 5)  # 3 lost: an error sample in the place of each, at positions 13, 14, 15
     full = await _read_all(reader)
-    assert [i for i, s in enumerate(full) if s.error is not None] == [13]
-    # Resumed right after the error (14 samples given): the rest is the next shard, no second error.
-    tail = await _read_all(reader, start=14)
+    assert [i for i, s in enumerate(full) if s.error is not None] == [13, 14, 15]
+    # Resumed right after the errors (16 samples given): the rest is the next shard, no second error.
+    tail = await _read_all(reader, start=16)
     assert all(s.error is None for s in tail), [str(s.error) for s in tail if s.error]
-    assert [s.key for s in tail[:8]] == [s.key for s in full[14:22]]
-    # Resumed at the error: it comes first, once.
+    assert [s.key for s in tail[:8]] == [s.key for s in full[16:24]]
+    # Resumed between them (14 given): the two still to come, once each.
+    mid = await _read_all(reader, start=14)
+    assert [i for i, s in enumerate(mid) if s.error is not None] == [0, 1]
+    assert [str(s.error) for s in mid[:2]] == [str(s.error) for s in full[14:16]]
+    # Resumed at the first: all three come first, once.
     at = await _read_all(reader, start=13)
-    assert at[0].error is not None and all(s.error is None for s in at[1:])
+    assert [i for i, s in enumerate(at) if s.error is not None] == [0, 1, 2]
 
