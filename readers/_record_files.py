@@ -18,14 +18,15 @@ from headrace._sample import Sample
 from ._base import IndexedReader
 from ._shards import expand_braces
 
-__all__ = ["CUT", "RecordFileReader", "find_records", "index_lines", "resolve_files"]
+__all__ = ["CUT", "DAMAGED", "RecordFileReader", "find_records", "index_lines", "resolve_files"]
 
 CUT = -1  # a record's length where it runs past the end of its file
+DAMAGED = -2  # a record's length where its header is damaged (its CRC is wrong): no length to trust
 
 
 class RecordFileReader(IndexedReader):
     """Records at known offsets of local files. ``records``: a row per record, (file number, offset,
-    length), ``CUT`` for a record cut off by its file's end. A record's key is its file's stem and its
+    length), ``CUT`` for a record cut off by its file's end, ``DAMAGED`` for one whose header is. A record's key is its file's stem and its
     number in that file; ``_parse(data)`` makes its fields, raising ValueError for bytes it cannot take."""
 
     kind = "record"
@@ -63,6 +64,9 @@ class RecordFileReader(IndexedReader):
         try:
             if length == CUT:
                 raise ValueError("it runs past the end of the file (cut short)")
+            if length == DAMAGED:
+                raise ValueError("its length header is damaged (its CRC is wrong), or this is not such a "
+                                 "file; nothing after it in the file can be found")
             fd = fds.get(file)
             if fd is None:
                 fd = fds[file] = os.open(path, os.O_RDONLY)

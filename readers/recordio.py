@@ -130,9 +130,12 @@ def _from_index(index: str, file: int, path: str) -> list[tuple[int, int, int]]:
             offsets.append(int(parts[1]))
         except (ValueError, IndexError):
             raise ReadError(f"line {number} is not 'key<TAB>offset': {line.strip()!r}", source=index) from None
-    offsets.sort()
-    ends = offsets[1:] + [os.path.getsize(path)]
-    return [(file, start, end - start if end > start else CUT) for start, end in zip(offsets, ends)]
+    # A record once however many lines name it; none reaches past the file's end (a line pointing
+    # there would take the bytes of the record before it, which reads whole).
+    offsets = sorted(set(offsets))
+    size = os.path.getsize(path)
+    ends = offsets[1:] + [size]
+    return [(file, start, min(end, size) - start if start < size else CUT) for start, end in zip(offsets, ends)]
 
 
 def _idx_beside(path: str) -> str | None:

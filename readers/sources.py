@@ -154,7 +154,10 @@ class IterableReader(Reader):
     def _open(self) -> Any:
         """This epoch's iterable: a fresh one from the factory, or the source itself."""
         if self._factory is not None:
-            made = self._factory()
+            try:
+                made = self._factory()
+            except Exception as exc:  # the user's callable: its failure is the source's, typed
+                raise _source_failed(self._name, 0, exc) from exc
             if not isinstance(made, (Iterable, AsyncIterable)):
                 raise ConfigError(f"iterable: the source callable returned {type(made).__name__}, not an iterable")
             return made
@@ -183,7 +186,10 @@ class IterableReader(Reader):
                 yield chunk
 
     async def _read_async(self, made: AsyncIterable, pick: _Picker) -> AsyncIterator[list[Sample]]:
-        it = aiter(made)
+        try:
+            it = aiter(made)
+        except Exception as exc:
+            raise _source_failed(self._name, 0, exc) from exc
         # Items become samples in a thread: a path item is a file read, kept off the event loop.
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="headrace-io-iterable")
         job: concurrent.futures.Future[list[Sample]] | None = None
@@ -197,7 +203,13 @@ class IterableReader(Reader):
                 except StopAsyncIteration:
                     done = True
                 except Exception as exc:
-                    raise _source_failed(self._name, pick.seen, exc) from exc
+                    failed = _source_failed(self._name, pick.seen, exc)
+                    failed.__cause__ = exc
+                    if items:  # the items before the failure are good samples: they go first
+                        job = pool.submit(pick.samples, items)
+                        items = []
+                        yield await asyncio.wrap_future(job, loop=loop)
+                    raise failed
                 else:
                     done = pick.take(item, items)
                 if done:
@@ -237,7 +249,13 @@ class IterableReader(Reader):
         """In the thread: advance the sync source, hand over chunks; END (or the failure) at the end."""
         it = None
         try:
-            it = iter(made)
+            try:
+                it = iter(made)
+            except Exception as exc:
+                error = _source_failed(self._name, 0, exc)
+                error.__cause__ = exc
+                feed.put(error, force=True)
+                return
             items: list[tuple[Any, int]] = []
             done = False
             while not done and not feed.stopped:
@@ -248,6 +266,8 @@ class IterableReader(Reader):
                 except Exception as exc:
                     error = _source_failed(self._name, pick.seen, exc)
                     error.__cause__ = exc
+                    if items and not feed.put(pick.samples(items)):  # the good items before it first
+                        return
                     feed.put(error, force=True)
                     return
                 else:
@@ -336,7 +356,8 @@ def _check_no_arguments(factory: Callable[..., Any]) -> None:
 
 
 def _source_failed(name: str, seen: int, exc: Exception) -> ReadError:
-    return ReadError(f"the source raised {type(exc).__name__} after {seen} items: {exc}", source=name)
+    """The source's own failure, named by the index (the default key) of the item it did not give."""
+    return ReadError(f"the source raised {type(exc).__name__} after {seen} items: {exc}", key=str(seen), source=name)
 
 
 def iterable(source: Any, *, length: int | None = None, chunk_size: int = 32) -> IterableReader:
@@ -370,8 +391,9 @@ def iterable(source: Any, *, length: int | None = None, chunk_size: int = 32) ->
     Async iterables are awaited on the loop and closed (``aclose()``) when the read ends; their items
     become samples in a thread, since a path item is a file read. An item the rules do not take, or
     a path that cannot be read, gives a sample with a ``ReadError``; an exception raised by the
-    source itself ends the epoch with a ``ReadError`` (its ``__cause__``), since a failed iterator
-    cannot go on.
+    source itself (by ``next()``, ``iter()`` or the source callable) ends the epoch with a
+    ``ReadError`` (its ``__cause__``), since a failed iterator cannot go on: the items before it are
+    yielded first, and the error's ``key`` is the count of the item the source failed to give.
 
     Raises ConfigError if ``source`` is neither an iterable nor a callable, is a str, bytes or a
     dict (their letters, bytes or keys are no items), is a callable that needs arguments, or an

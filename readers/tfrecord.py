@@ -21,7 +21,7 @@ import numpy as np
 
 from headrace._errors import ConfigError, ReadError
 
-from ._record_files import CUT, RecordFileReader, find_records, index_lines, resolve_files
+from ._record_files import CUT, DAMAGED, RecordFileReader, find_records, index_lines, resolve_files
 
 __all__ = ["TFRecordReader", "example_class", "parse_example", "tfrecord"]
 
@@ -55,9 +55,11 @@ class TFRecordReader(RecordFileReader):
         for name, field in self.features.items():
             value = _value(features[name])
             if field == "cls":  # the loader's label convention, as a WebDataset .cls member holds it
-                first = (value if isinstance(value, int)
-                         else value[0] if isinstance(value, np.ndarray) and len(value) else None)
-                if not isinstance(first, (int, np.integer)) or isinstance(first, bool):
+                if isinstance(value, np.ndarray) and value.dtype == np.int64 and len(value) > 1:
+                    raise ReadError(f"feature {name!r} holds {len(value)} labels, field 'cls' takes one "
+                                    "(map it to another field name for the int64 array)", key=key, source=path)
+                first = value if isinstance(value, int) else None
+                if not isinstance(first, int) or isinstance(first, bool):
                     raise ReadError(f"feature {name!r} is not an int64 label", key=key, source=path)
                 value = str(int(first) + self.label_offset).encode()
             fields[field] = value
@@ -160,13 +162,49 @@ def _scan(path: str, file: int) -> list[tuple[int, int, int]]:
             if len(header) < _HEADER.size:
                 records.append((file, pos, CUT))
                 break
-            length, _ = _HEADER.unpack(header)
-            if pos + _HEADER.size + length + _FOOTER > size:
+            length, crc = _HEADER.unpack(header)
+            cut = pos + _HEADER.size + length + _FOOTER > size
+            # The length's CRC where a wrong length would mislead (for every header it would double the
+            # scan's time): the file's first (a compressed file, or not a TFRecord one), and one that
+            # runs past the end (a damaged length, not a file cut short).
+            if (pos == 0 or cut) and _masked_crc32c(header[:8]) != crc:
+                if pos == 0 and _compressed(header):
+                    raise ReadError("the file is compressed (TFRecord's GZIP or ZLIB option); this reader "
+                                    "takes uncompressed TFRecord files: decompress it first", source=path)
+                records.append((file, pos, DAMAGED))
+                break
+            if cut:
                 records.append((file, pos, CUT))
                 break
             records.append((file, pos + _HEADER.size, length))
             pos += _HEADER.size + length + _FOOTER
     return records
+
+
+def _crc32c_table() -> list[int]:
+    table = []
+    for n in range(256):
+        for _ in range(8):
+            n = (n >> 1) ^ (0x82F63B78 if n & 1 else 0)  # Castagnoli, reflected
+        table.append(n)
+    return table
+
+
+_CRC32C = _crc32c_table()
+
+
+def _masked_crc32c(data: bytes) -> int:
+    """TFRecord's CRC of ``data`` (CRC-32C, masked): for a length header's 8 bytes, so Python's speed does."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc = _CRC32C[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    crc ^= 0xFFFFFFFF
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def _compressed(head: bytes) -> bool:
+    """A gzip member or a zlib stream starts ``head`` (what TFRecordWriter writes with compression)."""
+    return head[:2] == b"\x1f\x8b" or (head[0] & 0x0F == 8 and ((head[0] << 8) | head[1]) % 31 == 0)
 
 
 def _from_index(index: str, file: int, path: str) -> list[tuple[int, int, int]]:
@@ -207,7 +245,7 @@ def tfrecord(
     in sorted order, ``*.idx`` left out) or a list of these. ``features`` maps the Example's feature
     names to the sample's field names; the default reads the ImageNet layout TensorFlow's scripts
     write (``image/encoded`` → ``jpg``, ``image/class/label`` → ``cls``). The field ``cls`` holds the
-    int64 label as ASCII digits, plus ``label_offset`` (``-1`` for those scripts' labels, which
+    int64 label (a feature of one int64; several are a ReadError) as ASCII digits, plus ``label_offset`` (``-1`` for those scripts' labels, which
     count from 1); another int64 feature becomes an ``int`` (several values: an int64 array), a float
     one a ``float`` (or a float32 array), a bytes one ``bytes`` (or a list). ``features=None``
     keeps every feature under its own name. A record without one of the features is a sample with
@@ -216,13 +254,16 @@ def tfrecord(
     The records are found here, once, by reading each one's length header and seeking over its
     data, or from ``index``: DALI's ``tfrecord2idx`` files, one per file, in the same order (one
     path for one file). They are then read by offset, ``chunk_size`` at a time by ``io_threads``
-    threads, with the files reader's seeded shuffle, sharding and exact resume. CRCs are not checked (nor are they by
-    DALI's reader); a record whose bytes are not an Example, or that runs past the end of a
-    truncated file, is a sample with a ReadError naming its file and byte offset (nothing after a
-    cut record can be found). Local files only.
+    threads, with the files reader's seeded shuffle, sharding and exact resume. The data's CRCs are
+    not checked (nor are they by DALI's reader); a length header's is, where the scan finds a file's
+    first record and where a record would run past the end (so a damaged length is told from a
+    file cut short). A record whose bytes are not an Example, that runs past the end of a truncated
+    file, or whose length header is damaged is a sample with a ReadError naming its file and byte
+    offset (nothing after a cut or damaged record can be found). Local files only.
 
     Needs protobuf (``pip install 'headrace[tfrecord]'``): ImportError without it. Raises ReadError
-    for a missing file, an empty folder or a bad index line; ConfigError for a wrong argument.
+    for a missing file, an empty folder, a bad index line, or a compressed file (TFRecord's GZIP or
+    ZLIB option: decompress it first); ConfigError for a wrong argument.
     """
     example_class()  # ImportError now, not in the I/O threads, where protobuf is missing
     paths = resolve_files(source, "TFRecord", lambda name: not name.startswith(".") and not name.endswith(".idx"))
