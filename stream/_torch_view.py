@@ -52,6 +52,10 @@ class _View:
         for batch in self._sync:
             if self.keys is None:
                 yield batch
+            elif self.keys in batch.data:
+                # The keys would replace that field's tensor in every item, silently.
+                raise ConfigError(f"torch_dataset: keys={self.keys!r} names a field of the batches "
+                                  f"({sorted(batch.data)}); give the sample keys another name")
             else:
                 yield {**batch.data, self.keys: list(batch.sample_keys)}
 
@@ -112,6 +116,16 @@ def torch_dataset(loader: Loader, *, keys: str | None = None) -> Any:
     Raises:
         ConfigError: when iterated in a ``DataLoader`` worker process (``num_workers > 0``), or
             pickled for one: headrace runs its own threads and event loop in this process. Use
-            ``num_workers=0`` and the loader's ``num_threads`` for parallelism.
+            ``num_workers=0`` and the loader's ``num_threads`` for parallelism. When made: when
+            ``loader`` is not a ``Loader`` (``loader.sync()`` included: pass the loader itself), or
+            ``keys`` is neither None nor a str. At the first batch: when ``keys`` names one of the
+            batch's fields (the sample keys would take that field's place).
     """
+    from ._loader import Loader
+
+    if not isinstance(loader, Loader):
+        raise ConfigError(f"torch_dataset: loader must be a headrace Loader, got {type(loader).__name__}"
+                          + (" (pass the loader, not loader.sync())" if hasattr(loader, "loader") else ""))
+    if keys is not None and not isinstance(keys, str):
+        raise ConfigError(f"torch_dataset: keys must be a str or None, got {keys!r}")
     return _view_class()(loader, keys=keys)
