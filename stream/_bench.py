@@ -22,7 +22,6 @@ inspect`` opens it (``_inspect.open_reader``), and each row reads it through ``_
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -32,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._errors import ConfigError, require_int
-from ._inspect import Census, _Tap, open_reader
+from ._inspect import Census, _Tap, event_loop, open_reader, run_to_end
 from ._sample import Sample
 
 __all__ = ["bench", "bench_path", "plot", "render"]
@@ -86,7 +85,6 @@ def bench(path: str, *, format: str | None = None, limit: int | None = None, dev
     fail are skipped and counted, never raised.
     """
     from headrace._device import resolve_device
-    from headrace._loop import loop_factory
 
     if pipeline not in ("training", "validation"):
         raise ConfigError(f"bench: pipeline must be 'training' or 'validation', got {pipeline!r}")
@@ -98,15 +96,14 @@ def bench(path: str, *, format: str | None = None, limit: int | None = None, dev
     log = log or (lambda line: None)
     resolve_device(_pipeline(pipeline, size), device)  # a GPU asked for and missing: now, not after the reader row
     reader, kind = open_reader(path, format)
-    # asyncio.Runner: Ctrl-C or SIGTERM cancels the row, so that its loader closes (cli.py's _demo).
-    with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        rows = runner.run(_rows(reader, kind, limit=limit, device=device, pipeline=pipeline, size=size,
-                                batch_size=batch_size, threads=threads, epochs=epochs, log=log))
+    with event_loop() as loop:  # Ctrl-C or SIGTERM: the row's loader is closed before the interrupt is raised
+        rows = run_to_end(loop, _rows(reader, kind, limit=limit, device=device, pipeline=pipeline, size=size,
+                                      batch_size=batch_size, threads=threads, epochs=epochs, log=log))
         samples = None
         if dataloader:
             from ._bench_dataloader import collect
 
-            samples = runner.run(collect(reader, kind, limit))
+            samples = run_to_end(loop, collect(reader, kind, limit))
     if samples is not None:  # worker processes start once the event loop and its threads are gone
         rows.append(_dataloader_row(samples, device=device, pipeline=pipeline, size=size, batch_size=batch_size,
                                     workers=threads or os.cpu_count() or 1, epochs=epochs, log=log))

@@ -20,7 +20,7 @@ import statistics
 import sys
 import warnings
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any, Self
 
 from headrace._errors import ConfigError, LoaderError
@@ -349,8 +349,6 @@ def inspect(path: str, *, format: str | None = None, limit: int | None = None, v
     """
     from tqdm import tqdm
 
-    from headrace._loop import loop_factory
-
     reader, kind = open_reader(path, format)
     census = Census()
     tap = _Tap(reader, census, limit)
@@ -358,10 +356,9 @@ def inspect(path: str, *, format: str | None = None, limit: int | None = None, v
         total: int | None = len(tap)
     except TypeError:  # shards without an index: counted as they are read
         total = None
-    # asyncio.Runner: Ctrl-C or SIGTERM cancels the pass, so that its loader closes (cli.py's _demo).
     with tqdm(total=total, desc="verifying" if verify else "reading", unit="sample", disable=not progress) as bar:
-        with asyncio.Runner(loop_factory=loop_factory()) as runner:
-            bad = runner.run(_verify(tap, threads, bar.update) if verify else _read(tap, bar.update))
+        with event_loop() as loop:
+            bad = run_to_end(loop, _verify(tap, threads, bar.update) if verify else _read(tap, bar.update))
     if not verify:
         bad = census.unreadable
     return {
@@ -374,6 +371,46 @@ def inspect(path: str, *, format: str | None = None, limit: int | None = None, v
         "bad": [{"key": e.key, "source": e.source, "error": type(e).__name__, "stage": e.stage, "message": e.message}
                 for e in bad],
     }
+
+
+@contextlib.contextmanager
+def event_loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """A new event loop for the commands' ``run_to_end`` calls; at the end the tasks still there are
+    cancelled and awaited, and the async generators closed, before the loop closes."""
+    from headrace._loop import new_event_loop
+
+    loop = new_event_loop()
+    try:
+        yield loop
+    finally:
+        try:
+            if rest := [t for t in asyncio.all_tasks(loop) if not t.done()]:
+                for task in rest:
+                    task.cancel()
+                run_to_end(loop, asyncio.wait(rest))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()
+
+
+def run_to_end(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run ``coro`` on ``loop`` and return its result. Ctrl-C, or the command line's SIGTERM, is a
+    KeyboardInterrupt raised wherever the main thread is; it is raised here only once ``coro``,
+    cancelled, has unwound (its loader closed). A loop closed under the pending tasks instead printed
+    "Task was destroyed but it is pending!" for each and cleaned nothing up; asyncio.Runner waits
+    too, but gives up when a TaskGroup raises the interrupt again out of a task it cancels."""
+    task = loop.create_task(coro)
+    try:
+        return loop.run_until_complete(task)
+    except BaseException as stop:
+        task.cancel()
+        while not task.done():
+            try:
+                loop.run_until_complete(asyncio.wait([task]))
+            except BaseException as again:
+                if again is not stop:  # a second Ctrl-C: stop waiting
+                    raise
+        raise
 
 
 async def _read(tap: _Tap, update: Callable[[int], object]) -> list[LoaderError]:

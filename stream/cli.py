@@ -20,7 +20,6 @@ with the consumer's starved and the pipeline's blocked shares; ``--json`` and ``
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import math
 import os
@@ -216,13 +215,10 @@ def _demo(args: argparse.Namespace) -> int:
     except (LoaderError, OSError) as exc:  # OSError: the folder cannot be made or written
         print(f"headrace demo: error: {exc}", file=sys.stderr)
         return 1
-    from headrace._loop import loop_factory
+    from ._inspect import event_loop, run_to_end
 
-    # asyncio.Runner, not a bare loop: an interrupt cancels the epochs so that the loader closes, and
-    # what is left is cancelled and awaited before the loop closes (a closed loop under the
-    # loader's tasks printed "Task was destroyed" for each and ran no clean-up).
-    with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        rates = runner.run(_epochs(root, args))
+    with event_loop() as loop:  # Ctrl-C or SIGTERM: the loader is closed before the interrupt is raised
+        rates = run_to_end(loop, _epochs(root, args))
     total = sum(n for n, _ in rates) / sum(t for _, t in rates)
     print(f"throughput: {total:,.0f} images/s over {args.epochs} epoch(s)"
           f"{'' if len(rates) < 2 else f'; after the first epoch {_rate(rates[1:]):,.0f} images/s'}")

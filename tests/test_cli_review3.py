@@ -204,3 +204,4 @@ def test_inspect_video_shards_finds_no_images(tmp_path):
     # Before: "image formats (from the bytes): heif 2", the videos counted as images.
     assert report["fields"] == {"cls": 2, "mp4": 2}
     assert report["image_formats"] == {} and report["no_image_field"] == 2
+
