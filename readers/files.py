@@ -473,7 +473,8 @@ def files(
             raise ReadError("no such folder", source=str(root))
         classes, paths, found = class_folders(root, exts)
         if not paths:
-            raise ReadError(f"no image files ({', '.join(sorted(exts))}) in class sub-folders", source=str(root))
+            raise ReadError(f"no files with the extensions ({', '.join(sorted(exts))}) in class sub-folders",
+                            source=str(root))
         return FileReader(paths, found, root=root, classes=classes, **common)
     if isinstance(source, Sequence) and not isinstance(source, (bytes, bytearray)):
         if not source:

@@ -62,11 +62,12 @@ def _parser() -> argparse.ArgumentParser:
     pack.add_argument("src", type=_path, metavar="SRC", help="folder of class sub-folders")
     pack.add_argument("dest", type=_path, metavar="DEST", help="output folder (must not exist, or be empty)")
     pack.add_argument("--format", required=True, choices=("webdataset", "lmdb"), help="output format")
-    pack.add_argument("--shard-size", type=_megabytes, default=256.0, metavar="MB",
-                      help="webdataset: most megabytes per shard (default: %(default)s; 0: no limit)")
+    # None by default, so that one given with --format lmdb (where it means nothing) can be refused.
+    pack.add_argument("--shard-size", type=_megabytes, default=None, metavar="MB",
+                      help="webdataset: most megabytes per shard (default: 256; 0: no limit)")
     pack.add_argument("--shard-count", type=_positive, default=None, metavar="N",
                       help="webdataset: most samples per shard (default: no limit)")
-    pack.add_argument("--prefix", default="shard", help="webdataset: shard file name prefix (default: %(default)s)")
+    pack.add_argument("--prefix", default=None, help="webdataset: shard file name prefix (default: shard)")
     pack.add_argument("--shuffle", action="store_true", help="write the samples in a seeded random order")
     pack.add_argument("--seed", type=int, default=0, help="seed for --shuffle (default: %(default)s)")
     pack.add_argument("--verify", nargs="?", const="raise", default=None, choices=("raise", "skip"),
@@ -239,9 +240,16 @@ def _pack(args: argparse.Namespace) -> int:
             bar = tqdm(total=total, desc=f"packing {args.format}", unit="video" if args.video else "img")
         bar.update(done - bar.n)
 
+    shard_options = {"--shard-size": args.shard_size, "--shard-count": args.shard_count, "--prefix": args.prefix}
+    given = [name for name, value in shard_options.items() if value is not None]
+    if args.format == "lmdb" and given:  # an LMDB is one database: it would be ignored, silently
+        print(f"headrace pack: error: {', '.join(given)} only apply to --format webdataset", file=sys.stderr)
+        return 2
+    shard_size = 256.0 if args.shard_size is None else args.shard_size
     try:
-        result = pack(args.src, args.dest, format=args.format, shard_size=args.shard_size or None,
-                      shard_count=args.shard_count, shuffle=args.shuffle, seed=args.seed, prefix=args.prefix,
+        result = pack(args.src, args.dest, format=args.format, shard_size=shard_size or None,
+                      shard_count=args.shard_count, shuffle=args.shuffle, seed=args.seed,
+                      prefix="shard" if args.prefix is None else args.prefix,
                       progress=progress, verify=args.verify, verify_threads=args.threads, video=args.video)
     except (LoaderError, ImportError, OSError) as exc:  # OSError: DEST cannot be made or written (a full disk)
         if bar is not None:

@@ -205,3 +205,19 @@ def test_inspect_video_shards_finds_no_images(tmp_path):
     assert report["fields"] == {"cls": 2, "mp4": 2}
     assert report["image_formats"] == {} and report["no_image_field"] == 2
 
+
+
+@pytest.mark.parametrize("option", [["--shard-count", "20"], ["--shard-size", "64"], ["--prefix", "train"]])
+def test_pack_refuses_shard_options_with_lmdb(tmp_path, image_folder, capsys, option):
+    pytest.importorskip("lmdb")
+    dest = tmp_path / "db"
+    # Before: each was ignored, silently (an LMDB is one database, not shards).
+    assert main(["pack", str(image_folder), str(dest), "--format", "lmdb", *option]) == 2
+    assert capsys.readouterr().err.strip() == f"headrace pack: error: {option[0]} only apply to --format webdataset"
+    assert not dest.exists()
+
+
+def test_pack_shard_options_default_as_documented(tmp_path, image_folder):
+    dest = tmp_path / "wds"
+    assert main(["pack", str(image_folder), str(dest), "--format", "webdataset"]) == 0
+    assert sorted(p.name for p in dest.glob("*.tar")) == ["shard-000000.tar"]  # prefix "shard"; 75 small images, one shard
