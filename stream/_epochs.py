@@ -113,6 +113,12 @@ class Epochs:
         try:
             if run.superseded:  # a later ``async for`` took over before this one started
                 raise ClosedError(_REPLACED)
+            if run.started_elsewhere():
+                # Run ahead on an event loop that has ended since (an ``asyncio.run`` per epoch):
+                # that loop cancelled it, and its channels would end the epoch early. Start afresh.
+                await run.aclose()
+                run = self.active = _Run(self.cfg, run.epoch, run.start, run.first_batch, run.history)
+                run.consumer_inside = run.entered = True
             await self._begin(run)
             if progress:
                 bar = EpochProgress(run, self._epoch_length(), run.first_batch)

@@ -233,10 +233,23 @@ class _Run:
             },
         )
 
+    def started_elsewhere(self) -> bool:
+        """Its stages were started on another event loop than the running one: one that has ended
+        since (an ``asyncio.run`` per epoch), which cancelled them as it ended or never runs them again."""
+        return self._runner is not None and self._runner.get_loop() is not asyncio.get_running_loop()
+
     async def aclose(self) -> None:
         """Cancel every stage and wait until threads, files and tasks are gone. Safe to call twice."""
         runner = self._runner
         if runner is None:
+            return
+        if self.started_elsewhere():
+            # Nothing of it can be awaited here: its futures belong to that loop. Cancelled, if
+            # that loop still runs; else it is gone with it (its reader's files closed by the
+            # garbage collector), and the executor's thread work is waited for by ``drain``.
+            loop = runner.get_loop()
+            if not runner.done() and not loop.is_closed():
+                loop.call_soon_threadsafe(runner.cancel)
             return
         if not runner.done():
             runner.cancel()

@@ -144,15 +144,16 @@ class SyncLoader:
             run_ahead = not own and self.loader.run_ahead
             agen = driver.run(_start(self.loader, self.progress, run_ahead))
             driver.iterators.add(agen)
+            step: list[asyncio.Task[Batch]] = []  # the request for the next batch, running on the loop
             try:
                 while True:
-                    future = asyncio.run_coroutine_threadsafe(agen.__anext__(), loop)
+                    future = asyncio.run_coroutine_threadsafe(_next(agen, step), loop)
                     try:
                         batch = future.result()
                     except StopAsyncIteration:
                         return
-                    except BaseException:
-                        future.cancel()
+                    except BaseException:  # KeyboardInterrupt while waiting: the step still runs
+                        future.cancel()  # cancels it on the loop; ``_close`` waits for it to end
                         raise
                     batch.handoff()  # order this thread's CUDA stream after the lane (no-op on the CPU)
                     yield batch
@@ -166,7 +167,7 @@ class SyncLoader:
                     self._closing, own = (done, driver if own else None), False
                 else:
                     try:
-                        driver.run(agen.aclose())
+                        driver.run(_close(agen, step))
                     finally:
                         driver.iterators.discard(agen)
         finally:
@@ -207,6 +208,20 @@ async def _start(loader: Loader, progress: bool, run_ahead: bool):
     # On the loop's thread, so the async generator is bound to that loop. Running ahead only on a
     # loop that serves the next ``for`` too (inside ``with``), where the work can go on.
     return loader._aiter(run_ahead=run_ahead, progress=progress)
+
+
+async def _next(agen: Any, step: list[asyncio.Task[Batch]]) -> Batch:
+    step[:] = [asyncio.current_task()]
+    return await anext(agen)
+
+
+async def _close(agen: Any, step: list[asyncio.Task[Batch]]) -> None:
+    """Close the epoch's generator once its last step has ended. A step the consumer stopped
+    waiting for (a KeyboardInterrupt) is being cancelled but may still run: closing the generator
+    under it would fail ("asynchronous generator is already running") and leave it running."""
+    if step and not step[0].done():
+        await asyncio.wait(step)
+    await agen.aclose()
 
 
 async def _close_on_its_loop(driver: _LoopThread, agen: Any, *, stop: bool) -> None:

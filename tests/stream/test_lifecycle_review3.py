@@ -1,0 +1,164 @@
+"""Found in a third review of the Loader's lifecycle: each test fails without its fix.
+
+On real JPEG folders (``image_folder``), the CPU executor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import itertools
+import os
+import signal
+import threading
+import warnings
+
+import pytest
+from open_files import open_fds
+
+from headrace import Loader, ops, readers
+
+
+def _loader(folder, *, pipe=None, **kw):
+    kw.setdefault("device", "cpu")
+    kw.setdefault("batch_size", 8)
+    kw.setdefault("num_threads", 2)
+    kw.setdefault("seed", 5)
+    pipe = pipe or [ops.Decode(), ops.Resize(16), ops.CenterCrop(16)]
+    return Loader(readers.files(folder, shuffle=True), pipeline=ops.Pipeline(pipe), **kw)
+
+
+class _Snapshot:
+    """Threads and open files now; ``left()`` says what was added since (a sync test's ``leaks``)."""
+
+    def __init__(self) -> None:
+        self.threads = set(threading.enumerate())
+        self.fds = open_fds()
+
+    def left(self) -> tuple[list[str], set[str]]:
+        threads = [t.name for t in threading.enumerate() if t not in self.threads and t.is_alive()]
+        return threads, open_fds() - self.fds
+
+
+def _held_until_interrupted(release: threading.Event):
+    """A stage that holds every batch after the first until ``release`` is set: the consumer is
+    then surely waiting for batch 1 in the sync facade when the interrupt comes (``prefetch=1``:
+    batch 1 goes to the threads once batch 0 is done, so the first 8 calls are batch 0's)."""
+    calls = itertools.count()
+
+    def hold(fields):
+        if next(calls) >= 8:
+            release.wait(30)
+        return fields
+    return [ops.Map(hold), ops.Decode(), ops.Resize(16), ops.CenterCrop(16)]
+
+
+def _interrupt_then_release(release: threading.Event) -> threading.Thread:
+    def interrupt() -> None:
+        os.kill(os.getpid(), signal.SIGINT)  # delivered to the main thread, waiting for batch 1
+        release.set()  # the batch's thread work may finish: the close waits for it
+
+    timer = threading.Timer(0.05, interrupt)
+    timer.start()
+    return timer
+
+
+@pytest.mark.parametrize("inside_with", [False, True])
+def test_a_keyboard_interrupt_while_the_sync_facade_waits_stays_a_keyboard_interrupt(image_folder, inside_with):
+    """Ctrl-C while ``for batch in loader.sync()`` waited for a batch surfaced as ``RuntimeError:
+    aclose(): asynchronous generator is already running`` (the generator was closed while the
+    interrupted step still ran on the loop), and that step was left pending ("Task was destroyed
+    but it is pending!" when its loop stopped)."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach the main thread only")
+    snapshot = _Snapshot()
+    release = threading.Event()
+    loader = _loader(image_folder, pipe=_held_until_interrupted(release), prefetch=1)
+    sync = loader.sync()
+    got = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(KeyboardInterrupt) as caught:
+            if inside_with:
+                with sync:
+                    for batch in sync:
+                        got.append(batch.index)
+                        timer = _interrupt_then_release(release)
+            else:
+                for batch in sync:
+                    got.append(batch.index)
+                    timer = _interrupt_then_release(release)
+        timer.join()
+        assert got == [0]
+        assert caught.value.__context__ is None  # nothing failed while the epoch closed
+        if not inside_with:
+            # The trainer caught it (a graceful stop): the loader goes on with the next epoch, whole.
+            assert sum(len(b.sample_keys) for b in sync) == 75
+            sync.close()
+        gc.collect()
+    assert snapshot.left() == ([], set())
+
+
+async def _keys(loader) -> list[str]:
+    return [key async for batch in loader for key in batch.sample_keys]
+
+
+def test_a_loader_running_ahead_gives_whole_epochs_under_one_asyncio_run_per_epoch(image_folder):
+    """With ``run_ahead``, the next epoch's run started on the first ``asyncio.run``'s loop, which
+    cancelled it as it ended; the next ``asyncio.run`` took that run over and its epoch ended at
+    once, silently: every epoch after the first was empty."""
+    snapshot = _Snapshot()
+    loader = _loader(image_folder, run_ahead=True)
+    for _ in range(3):
+        keys = asyncio.run(_keys(loader))
+        assert len(keys) == 75 and len(set(keys)) == 75
+    asyncio.run(loader.aclose())
+    assert snapshot.left() == ([], set())
+
+
+def _in_a_daemon_thread(fn, timeout: float = 60.0):
+    """``fn()`` in a thread; a hang fails the test instead of hanging the run."""
+    out: list = []
+
+    def target() -> None:
+        try:
+            out.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out.append(exc)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), "hung"
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
+
+
+@pytest.mark.parametrize("left", ["ahead", "break"])
+def test_a_loader_left_on_an_event_loop_closed_without_cancelling_goes_on_in_a_new_one(image_folder, left):
+    """An event loop closed with the loader's tasks still pending on it (``run_until_complete``,
+    then ``close()``) left a run ahead, or an epoch left by a bare ``break``; the next ``async for``
+    in another loop waited for those tasks, which no loop would ever run again: a hang."""
+    def run() -> list[int]:
+        loader = _loader(image_folder, run_ahead=left == "ahead")
+
+        async def first() -> None:
+            async for batch in loader:
+                if left == "break" and batch.index == 2:
+                    break
+
+        loop = asyncio.new_event_loop()
+        loop.run_until_complete(first())
+        with warnings.catch_warnings():  # the pending tasks it drops are what this test is about
+            warnings.simplefilter("ignore")
+            loop.close()
+
+        async def next_epochs() -> list[int]:
+            counts = [len(await _keys(loader)) for _ in range(2)]
+            await loader.aclose()
+            return counts
+
+        return asyncio.run(next_epochs())
+
+    assert _in_a_daemon_thread(run) == [75, 75]
