@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = ["Epochs"]
 
 _REPLACED = "this iteration was replaced by a later async for on the same loader"
+_CLOSED = "the loader was closed (aclose()) during this epoch"
 
 
 class Epochs:
@@ -124,11 +125,18 @@ class Epochs:
                 bar = EpochProgress(run, self._epoch_length(), run.first_batch)
             run.start_runner()
             while True:
-                item = await run.out_rx.receive()
+                try:
+                    item = await run.out_rx.receive()
+                except ClosedError:
+                    if self.closed:
+                        raise ClosedError(_CLOSED) from None
+                    raise
                 if item is END:
                     run.ended = time.perf_counter()
                     if run.failure is not None:
                         raise run.failure
+                    if self.closed:  # ``aclose()`` from another task stopped the run: not the epoch's end
+                        raise ClosedError(_CLOSED)
                     break
                 batch = self._accept(run, item, run_ahead)
                 if batch is None:

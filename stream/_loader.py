@@ -233,8 +233,10 @@ class Loader:
 
     async def aclose(self) -> None:
         """Stop the epoch in progress, if any, and release everything: tasks, threads, files,
-        decoders and GPU memory. Final: the loader raises ``ClosedError`` when used again. Safe to
-        call twice, and from a task being cancelled (it finishes the cleanup, then re-raises)."""
+        decoders and GPU memory. Final: the loader raises ``ClosedError`` when used again, and a
+        loop inside the epoch (in another task) gets ``ClosedError`` at its next batch, not the
+        epoch's end. Safe to call twice, and from a task being cancelled (it finishes the cleanup,
+        then re-raises)."""
         await self._epochs.aclose()
 
     async def __aenter__(self) -> Loader:

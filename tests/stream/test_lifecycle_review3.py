@@ -16,7 +16,7 @@ import warnings
 import pytest
 from open_files import open_fds
 
-from headrace import Loader, ops, readers
+from headrace import ClosedError, Loader, ops, readers
 
 
 def _loader(folder, *, pipe=None, **kw):
@@ -162,3 +162,37 @@ def test_a_loader_left_on_an_event_loop_closed_without_cancelling_goes_on_in_a_n
         return asyncio.run(next_epochs())
 
     assert _in_a_daemon_thread(run) == [75, 75]
+
+
+@pytest.mark.parametrize("where", ["waiting", "between batches"])
+async def test_aclose_from_another_task_mid_epoch_is_a_closed_error_not_the_epochs_end(image_folder, leaks, where):
+    """``aclose()`` from another task (a shutdown handler) while the training loop waited for a
+    batch ended that loop's ``async for`` as if the epoch were over, after 0 to 13 of its 10
+    batches, and moved the loader to the next epoch: a checkpoint saved then skipped the rest of
+    the epoch on resume. The loop now gets ClosedError, and the state stays where it stopped."""
+    release = threading.Event()
+    loader = _loader(image_folder, pipe=_held_until_interrupted(release), prefetch=1)
+    got: list[int] = []
+    inside = asyncio.Event()
+    go_on = asyncio.Event()
+
+    async def train() -> None:
+        async for batch in loader:
+            got.append(batch.index)
+            inside.set()
+            if where == "between batches":
+                await go_on.wait()
+
+    consumer = asyncio.create_task(train())
+    await inside.wait()
+    if where == "waiting":
+        await asyncio.sleep(0.05)  # the loop waits for batch 1, which the stage holds
+    threading.Timer(0.05, release.set).start()  # the close waits for the batch in the threads
+    await loader.aclose()
+    go_on.set()
+    with pytest.raises(ClosedError, match="closed"):
+        await asyncio.wait_for(consumer, 30)
+    assert got == [0]
+    state = loader.state_dict()
+    assert (state["epoch"], state["batches"]) == (0, 1)
+    await leaks.check()
