@@ -7,6 +7,7 @@ iteration replaced by a later one, the next epoch's run started before this one 
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from collections.abc import AsyncIterator, Callable
@@ -99,7 +100,7 @@ class Epochs:
                 self._cursor.not_begun()
         where = self._cursor.begin_iteration()
         ahead = self.ahead
-        if (previous is None and ahead is not None
+        if (previous is None and ahead is not None and ahead.can_follow()
                 and (ahead.epoch, ahead.start, ahead.first_batch, ahead.history) == where):
             run, self.ahead = ahead, None  # started during the last epoch: take it over
         else:
@@ -219,9 +220,9 @@ class Epochs:
     async def _stop_early(self, run: _Run) -> None:
         """Tear down an epoch left early: its tasks, the work running ahead, and the batches it had
         in flight in the executor (which stays, for the next epoch)."""
+        ahead, self.ahead = self.ahead, None
         try:
-            await run.aclose()
-            await self._close_ahead()
+            await _close_each([run] if ahead is None else [run, ahead])  # both, even if cancelled
         finally:
             if self._executor is not None:
                 await self._executor.drain()
@@ -238,8 +239,7 @@ class Epochs:
         self.active = self._abandoned = self.ahead = None
         executor, self._executor = self._executor, None
         try:
-            for run in runs:
-                await run.aclose()
+            await _close_each(runs)
         finally:
             if executor is not None:
                 await executor.aclose()
@@ -256,3 +256,16 @@ class Epochs:
         if timings is not None:
             self._stats.lanes = timings()
         return self._stats
+
+
+async def _close_each(runs: list[_Run]) -> None:
+    """Close every run, also when cancelled meanwhile: each close finishes before it re-raises
+    the cancellation, and the runs after it are closed before this re-raises it."""
+    cancelled: asyncio.CancelledError | None = None
+    for run in runs:
+        try:
+            await run.aclose()
+        except asyncio.CancelledError as exc:
+            cancelled = exc
+    if cancelled is not None:
+        raise cancelled

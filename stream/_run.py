@@ -233,6 +233,11 @@ class _Run:
             },
         )
 
+    def can_follow(self) -> bool:
+        """Started ahead, it can still be taken over: the run it follows has sent every batch to
+        decode. One stopped early never will, and this run would wait for it forever."""
+        return self._dispatch_after is None or self._dispatch_after.is_set()
+
     def started_elsewhere(self) -> bool:
         """Its stages were started on another event loop than the running one: one that has ended
         since (an ``asyncio.run`` per epoch), which cancelled them as it ended or never runs them again."""

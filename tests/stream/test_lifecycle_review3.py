@@ -196,3 +196,82 @@ async def test_aclose_from_another_task_mid_epoch_is_a_closed_error_not_the_epoc
     state = loader.state_dict()
     assert (state["epoch"], state["batches"]) == (0, 1)
     await leaks.check()
+
+
+async def test_aclose_cancelled_midway_still_stops_the_run_ahead(image_folder, leaks):
+    """``aclose()`` is documented to finish its cleanup when the task running it is cancelled (a
+    shutdown with a timeout). Cancelled while it waited for the epoch's run, it skipped the next
+    epoch's run started ahead: that run's tasks went on reading, and a second ``aclose()`` no
+    longer knew them."""
+    release = threading.Event()
+    loader = _loader(image_folder, pipe=_held_until_interrupted(release), prefetch=1, run_ahead=True)
+    epoch = aiter(loader)
+    await anext(epoch)  # the reader has read the epoch: the next one's run has started ahead
+    assert loader._epochs.ahead is not None
+    closing = asyncio.create_task(loader.aclose())
+    await asyncio.sleep(0)  # it has cancelled the epoch's run and waits for it to end
+    closing.cancel()
+    threading.Timer(0.05, release.set).start()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    await loader.aclose()
+    with pytest.raises(ClosedError):
+        await anext(epoch)
+    await epoch.aclose()
+    await leaks.check()
+
+
+async def _whole(loader) -> list[str]:
+    """The next epoch's keys; a hang fails the test."""
+    return await asyncio.wait_for(_keys(loader), 30)
+
+
+async def test_a_state_loaded_after_a_break_at_the_next_epochs_start_does_not_hang(image_folder, leaks):
+    """With ``run_ahead``, the next epoch's run waits to decode until this epoch's last batch went
+    to decode. A trainer that left epoch 0 early, then loaded a checkpoint taken at epoch 1's
+    start, got that run (the same epoch, the same start) waiting for an epoch 0 that was torn
+    down: the next ``async for`` hung forever."""
+    other = _loader(image_folder, prefetch=1)
+    await _keys(other)
+    at_epoch_1 = other.state_dict()
+    epoch_1 = await _keys(other)
+    await other.aclose()
+    loader = _loader(image_folder, prefetch=1, run_ahead=True)
+    async for _ in loader:
+        break  # the reader read the epoch: epoch 1's run started ahead; few batches went to decode
+    assert loader._epochs.ahead is not None
+    loader.load_state_dict(at_epoch_1)
+    assert await _whole(loader) == epoch_1
+    await loader.aclose()
+    await leaks.check()
+
+
+async def test_a_consumer_cancelled_twice_leaves_no_run_ahead_waiting(image_folder, leaks):
+    """Cancelled again while it stopped its epoch (a timeout, then its task group), the consumer
+    skipped throwing the run ahead away; the next ``async for`` took that run over, which waited
+    for the cancelled epoch to send its last batch to decode: a hang."""
+    release = threading.Event()
+    reference = _loader(image_folder, prefetch=1)
+    expected = [await _keys(reference) for _ in range(2)]
+    await reference.aclose()
+    loader = _loader(image_folder, pipe=_held_until_interrupted(release), prefetch=1, run_ahead=True)
+    got = asyncio.Event()
+
+    async def train() -> None:
+        async for _ in loader:
+            got.set()
+
+    consumer = asyncio.create_task(train())
+    await got.wait()  # batch 0 out, the epoch read: epoch 1's run started ahead
+    await asyncio.sleep(0.05)  # the loop waits for batch 1, which the stage holds
+    assert loader._epochs.ahead is not None
+    consumer.cancel()
+    await asyncio.sleep(0)  # it is stopping its run, waiting for the run's tasks
+    consumer.cancel()
+    threading.Timer(0.05, release.set).start()  # the batch in the threads may end
+    with pytest.raises(asyncio.CancelledError):
+        await consumer
+    await leaks.check(threads=False)  # nothing of the left epoch runs, ahead or not
+    assert await _whole(loader) == expected[1]
+    await loader.aclose()
+    await leaks.check()
