@@ -10,7 +10,7 @@ from ._batcher import LastBatch, batches_per_epoch
 from ._channel import ChannelStats
 from ._cursor import Cursor
 from ._epochs import Epochs
-from ._errors import LoaderError, require_hw_load
+from ._errors import ConfigError, LoaderError, require_hw_load
 from ._loader_args import resolve_loader_args
 from ._loader_state import STATE_VERSION, ResumePoint, resume_point
 from ._policy import ErrorRecord
@@ -254,6 +254,8 @@ class Loader:
         """
         from ._sync import SyncLoader
 
+        if progress is not None and not isinstance(progress, bool):  # as Loader(progress=): "no" would show a bar
+            raise ConfigError(f"sync: progress must be True, False or None, got {progress!r}")
         return SyncLoader(self, progress=self.progress if progress is None else progress)
 
     def _epoch_length(self) -> int | None:

@@ -309,15 +309,20 @@ class CpuExecutor:
         await join_threads(running)
 
     async def aclose(self) -> None:
-        """Cancel queued chunks, wait for running ones, join the threads. Safe to call twice."""
+        """Cancel queued chunks, wait for running ones, join the threads. Safe to call twice, and
+        it finishes its work when cancelled (a second call returns at once, so it must)."""
         if self._closed:
             return
         self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
-        await join_threads(list(self._running))
-        self._pool.shutdown(wait=True)
-        if self._jpeg is not None:
-            self._jpeg.close()
+        try:
+            await join_threads(list(self._running))
+        finally:
+            # Cancelled or not: the threads only finish the chunk each holds (the queued ones were
+            # cancelled), so this wait is short; and the JPEG decoders must outlive them.
+            self._pool.shutdown(wait=True)
+            if self._jpeg is not None:
+                self._jpeg.close()
 
 
 def _decode_failure(exc: Exception, sample) -> LoaderError:

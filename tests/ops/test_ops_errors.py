@@ -275,3 +275,27 @@ def test_a_batch_goes_to_the_lane_with_the_fewest_queued():
     lanes[3].queued.add("e")
     assert pick_lane(lanes, 1, "free").index == 2  # all busy: the least queued lane from its turn on
     assert [pick_lane(lanes, i, "turn").index for i in range(5)] == [0, 1, 2, 3, 0]
+
+
+async def test_aclose_cancelled_while_it_waits_still_joins_and_closes(rng):
+    """aclose() cancelled while it waits for the running chunks still shuts the threads down and
+    closes the JPEG decoders (a second call returns at once, so nothing else would)."""
+    import asyncio
+    import threading
+
+    data = encode(random_image(rng, 300, 300))
+    executor = CpuExecutor(training(32), num_threads=2, seed=0, name="ops-test-close-cancel")
+    task = asyncio.create_task(executor.run(batch([sample(i, data) for i in range(64)])))
+    await asyncio.sleep(0.005)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    closing = asyncio.create_task(executor.aclose())
+    await asyncio.sleep(0)  # into its wait for the running chunks
+    closing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    assert not [t for t in threading.enumerate() if t.name.startswith("ops-test-close-cancel")]
+    if executor._jpeg is not None:  # nvImageCodec's CPU decoders, where it is installed
+        assert executor._jpeg._closed
+    await executor.aclose()  # and a second call is still fine

@@ -16,7 +16,7 @@ import warnings
 import pytest
 from open_files import open_fds
 
-from headrace import ClosedError, Loader, ops, readers
+from headrace import ClosedError, ConfigError, Loader, ops, readers
 
 
 def _loader(folder, *, pipe=None, **kw):
@@ -275,3 +275,13 @@ async def test_a_consumer_cancelled_twice_leaves_no_run_ahead_waiting(image_fold
     assert await _whole(loader) == expected[1]
     await loader.aclose()
     await leaks.check()
+
+
+@pytest.mark.parametrize("wrong", ["no", 1, 0.0])
+def test_sync_refuses_a_progress_that_is_not_a_bool_or_none(image_folder, wrong):
+    loader = Loader(readers.files(image_folder), batch_size=8, device="cpu")
+    # Before: accepted, and "no" showed a bar (Loader(progress=) has always refused it).
+    with pytest.raises(ConfigError, match=r"sync: progress must be True, False or None, got "):
+        loader.sync(progress=wrong)
+    with pytest.raises(ConfigError, match="progress must be True or False"):
+        Loader(readers.files(image_folder), batch_size=8, device="cpu", progress=wrong)
