@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
 from open_files import open_fds
 from sample_data import make_folder
 
@@ -16,6 +19,21 @@ from sample_data import make_folder
 def image_folder(tmp_path_factory) -> Path:
     """3 classes x 25 JPEGs of random sizes (40-120 px): 75 samples."""
     return make_folder(tmp_path_factory.mktemp("images"), classes=3, per_class=25)
+
+
+@pytest.fixture(scope="session")
+def slow_folder(tmp_path_factory) -> Path:
+    """Two classes of 200 copies each of one 1024x1024 JPEG: with one thread a decode pass over it
+    takes seconds, long enough to stop a command (pack --verify, inspect --verify, bench) halfway."""
+    pixels = np.random.default_rng(0).integers(0, 256, (8, 8, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).resize((1024, 1024), Image.Resampling.BICUBIC).save(buffer, "JPEG", quality=90)
+    root = tmp_path_factory.mktemp("slow")
+    for name in ("a", "b"):
+        (root / name).mkdir()
+        for i in range(200):
+            (root / name / f"{i:03d}.jpg").write_bytes(buffer.getvalue())
+    return root
 
 
 class Leaks:

@@ -4,7 +4,6 @@ errors that are one line, not a traceback."""
 from __future__ import annotations
 
 import asyncio
-import io
 import os
 import signal
 import subprocess
@@ -12,7 +11,6 @@ import sys
 import tarfile
 import time
 
-import numpy as np
 import pytest
 from PIL import Image
 
@@ -23,21 +21,6 @@ from headrace.cli import main
 def _headrace(*args: str, **kw) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "headrace", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, **kw)
-
-
-@pytest.fixture(scope="module")
-def slow_folder(tmp_path_factory):
-    """Two classes of 200 copies each of one 1024x1024 JPEG: with ``--verify --threads 1`` packing it
-    takes long enough (a full decode per file) to stop it halfway."""
-    pixels = np.random.default_rng(0).integers(0, 256, (8, 8, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).resize((1024, 1024), Image.Resampling.BICUBIC).save(buffer, "JPEG", quality=90)
-    root = tmp_path_factory.mktemp("slow")
-    for name in ("a", "b"):
-        (root / name).mkdir()
-        for i in range(200):
-            (root / name / f"{i:03d}.jpg").write_bytes(buffer.getvalue())
-    return root
 
 
 def _partly_written(dest, fmt: str) -> bool:

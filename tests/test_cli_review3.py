@@ -24,21 +24,6 @@ from headrace.ops import cuda_available
 NOISE = ("Traceback", "Task was destroyed", "Exception ignored", "Event loop is closed")
 
 
-@pytest.fixture(scope="module")
-def slow_folder(tmp_path_factory):
-    """Two classes of 200 copies each of one 1024x1024 JPEG: with ``--threads 1`` a decode pass over
-    it takes seconds, long enough to stop it halfway."""
-    pixels = np.random.default_rng(0).integers(0, 256, (8, 8, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).resize((1024, 1024), Image.Resampling.BICUBIC).save(buffer, "JPEG", quality=90)
-    root = tmp_path_factory.mktemp("slow")
-    for name in ("a", "b"):
-        (root / name).mkdir()
-        for i in range(200):
-            (root / name / f"{i:03d}.jpg").write_bytes(buffer.getvalue())
-    return root
-
-
 def _stop_when(tmp_path, args, ready, sig):
     """Run ``python -m headrace *args``, send ``sig`` once its stderr matches ``ready``; (rc, stderr)."""
     err_path = tmp_path / "stderr.txt"

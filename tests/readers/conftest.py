@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,4 +95,12 @@ def packed_in_order(tmp_path_factory, image_folder):
     (``headrace-index.json``): for the tests that cut, draw or count shards."""
     dest = tmp_path_factory.mktemp("packed-in-order") / "wds"
     readers.pack(image_folder, dest, format="webdataset", shard_count=8, seed=1)
+    return dest
+
+
+@pytest.fixture
+def packed_copy(tmp_path, packed_in_order):
+    """A fresh copy of ``packed_in_order``, index included, for a test to cut or extend."""
+    dest = tmp_path / "wds"
+    shutil.copytree(packed_in_order, dest)
     return dest

@@ -3,7 +3,24 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from headrace import Loader, ops, readers
+
+
+def write_tfrecord(path: Path, examples: list[dict]) -> list[tuple[int, int]]:
+    """Examples to a TFRecord file by the ``tfrecord`` package (imported here, so only a test that
+    writes one needs it); each record's (offset, size), as DALI's ``tfrecord2idx`` lists them."""
+    from tfrecord import writer as tfrecord_writer
+
+    writer = tfrecord_writer.TFRecordWriter(str(path))
+    spans = []
+    for datum in examples:
+        start = writer.file.tell()
+        writer.write(datum)
+        spans.append((start, writer.file.tell() - start))
+    writer.close()
+    return spans
 
 
 async def read_all(reader, epoch=0, start=0, seed=4):

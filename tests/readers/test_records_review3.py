@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 from headrace import ReadError, readers
+from record_checks import write_tfrecord
 from sample_data import jpeg_bytes, recordio_record, write_recordio
 
-tfrecord_writer = pytest.importorskip("tfrecord.writer")
+pytest.importorskip("tfrecord.writer")
 
 
 def _images(n: int) -> list[bytes]:
@@ -26,20 +27,8 @@ def _images(n: int) -> list[bytes]:
     return [jpeg_bytes(rng, 16 + i, 20) for i in range(n)]
 
 
-def _write_tfrecord(path: Path, examples: list[dict]) -> list[tuple[int, int]]:
-    """Examples to a TFRecord file by the ``tfrecord`` package; each record's (offset, size)."""
-    writer = tfrecord_writer.TFRecordWriter(str(path))
-    spans = []
-    for datum in examples:
-        start = writer.file.tell()
-        writer.write(datum)
-        spans.append((start, writer.file.tell() - start))
-    writer.close()
-    return spans
-
-
 def _imagenet(path: Path, n: int = 4) -> list[tuple[int, int]]:
-    return _write_tfrecord(path, [{"image/encoded": (jpg, "byte"), "image/class/label": (i + 1, "int")}
+    return write_tfrecord(path, [{"image/encoded": (jpg, "byte"), "image/class/label": (i + 1, "int")}
                                   for i, jpg in enumerate(_images(n))])
 
 
@@ -83,7 +72,7 @@ async def test_several_int64_values_taken_as_cls_are_an_error_not_the_first(tmp_
     # A detection set's per-object classes mapped to cls gave every image its first object's class.
     path = tmp_path / "objects"
     jpg = _images(1)[0]
-    _write_tfrecord(path, [{"image/encoded": (jpg, "byte"), "image/object/class/label": ([3, 5, 5], "int")},
+    write_tfrecord(path, [{"image/encoded": (jpg, "byte"), "image/object/class/label": ([3, 5, 5], "int")},
                            {"image/encoded": (jpg, "byte"), "image/object/class/label": ([7], "int")}])
     samples = await _read(readers.tfrecord(path, features={"image/encoded": "jpg", "image/object/class/label": "cls"}))
     assert isinstance(samples[0].error, ReadError) and samples[0].error.key == "objects/0"

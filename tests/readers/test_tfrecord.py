@@ -13,21 +13,9 @@ import numpy as np
 import pytest
 
 from headrace import ConfigError, ReadError, readers
-from record_checks import a_loader_trains_on, reads_as_the_files_reader
+from record_checks import a_loader_trains_on, reads_as_the_files_reader, write_tfrecord
 
-tfrecord_writer = pytest.importorskip("tfrecord.writer")  # in the test extra; a skip only off it
-
-
-def _write(path: Path, examples: list[dict]) -> list[tuple[int, int]]:
-    """Examples to a TFRecord file; each record's (offset, size) as DALI's ``tfrecord2idx`` lists them."""
-    writer = tfrecord_writer.TFRecordWriter(str(path))
-    spans = []
-    for datum in examples:
-        start = writer.file.tell()
-        writer.write(datum)
-        spans.append((start, writer.file.tell() - start))
-    writer.close()
-    return spans
+pytest.importorskip("tfrecord.writer")  # in the test extra; a skip only off it
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +27,7 @@ def imagenet(tmp_path_factory, image_folder):
     items = [(Path(p).read_bytes(), label) for p, label in zip(reference.paths, reference.labels)]
     for part in range(3):
         chunk = items[part * 25:(part + 1) * 25]
-        spans = _write(root / f"train-{part:05d}-of-00003", [
+        spans = write_tfrecord(root / f"train-{part:05d}-of-00003", [
             {"image/encoded": (jpg, "byte"), "image/class/label": (label + 1, "int"),
              "image/height": (64, "int"), "image/format": (b"JPEG", "byte"),
              "image/object/bbox/xmin": ([0.25, 0.5], "float")} for jpg, label in chunk])
@@ -112,7 +100,7 @@ async def test_bad_records_are_errors_naming_their_file_and_byte_and_the_rest_re
     _, items = imagenet
     good = [{"image/encoded": (jpg, "byte"), "image/class/label": (label, "int")} for jpg, label in items[:4]]
     path = tmp_path / "damaged"
-    spans = _write(path, good[:2] + [{"image/height": (1, "int")}] + good[2:])
+    spans = write_tfrecord(path, good[:2] + [{"image/height": (1, "int")}] + good[2:])
     data = bytearray(path.read_bytes())
     garbage_at = spans[1][0] + 12  # the second record's data, after its length header
     data[garbage_at:garbage_at + 4] = b"\x0f\xff\xff\xff"  # wire type 7: not a protocol buffer
@@ -131,7 +119,7 @@ async def test_bad_records_are_errors_naming_their_file_and_byte_and_the_rest_re
 async def test_a_label_that_is_not_an_int_is_named(imagenet, tmp_path):
     _, items = imagenet
     path = tmp_path / "labels"
-    _write(path, [{"image/encoded": (items[0][0], "byte"), "image/class/label": (b"tench", "byte")},
+    write_tfrecord(path, [{"image/encoded": (items[0][0], "byte"), "image/class/label": (b"tench", "byte")},
                   {"image/encoded": (items[0][0], "byte"), "image/class/label": ([], "int")}])
     samples = await _read(readers.tfrecord(path))
     assert [str(s.error).split(" [")[0] for s in samples] == ["feature 'image/class/label' is not an int64 label"] * 2

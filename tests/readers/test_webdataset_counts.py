@@ -20,12 +20,6 @@ async def _read_all(reader, epoch=0, start=0, seed=0):
     return [s async for chunk in reader.read(epoch, start=start, seed=seed) for s in chunk]
 
 
-@pytest.fixture
-def copy(tmp_path, packed_in_order):
-    """A fresh copy of the packed folder, index included."""
-    dest = tmp_path / "wds"
-    shutil.copytree(packed_in_order, dest)
-    return dest
 
 
 def _sample_starts(path):
@@ -70,10 +64,10 @@ def _check_short(samples, shard, held, count):
     return [s for s in samples if s.error is None]
 
 
-async def test_a_shard_cut_between_samples_after_the_reader_was_made_ends_with_an_error(copy):
-    reader = readers.webdataset(copy)  # the index gives counts: 75 samples
+async def test_a_shard_cut_between_samples_after_the_reader_was_made_ends_with_an_error(packed_copy):
+    reader = readers.webdataset(packed_copy)  # the index gives counts: 75 samples
     assert len(reader) == 75
-    shard = sorted(copy.glob("*.tar"))[3]
+    shard = sorted(packed_copy.glob("*.tar"))[3]
     whole = await _read_all(reader)
     kept = _cut(shard, 5)
     samples = await _read_all(reader)
@@ -86,22 +80,22 @@ async def test_a_shard_cut_between_samples_after_the_reader_was_made_ends_with_a
     assert len(samples) == len(reader) == 75  # one error sample for each sample lost: the epoch's length holds
 
 
-async def test_counts_given_and_counts_scanned_are_checked_too(copy):
-    (copy / INDEX_NAME).unlink()
-    scanned = readers.webdataset(copy, counts="scan")
-    shard = sorted(copy.glob("*.tar"))[0]
+async def test_counts_given_and_counts_scanned_are_checked_too(packed_copy):
+    (packed_copy / INDEX_NAME).unlink()
+    scanned = readers.webdataset(packed_copy, counts="scan")
+    shard = sorted(packed_copy.glob("*.tar"))[0]
     _cut(shard, 2)
     _check_short(await _read_all(scanned), shard, 2, 8)
-    given = readers.webdataset(copy, counts=[8] * 9 + [3])
+    given = readers.webdataset(packed_copy, counts=[8] * 9 + [3])
     _check_short(await _read_all(given), shard, 2, 8)
     # Without counts a shard cut between samples cannot be told from a whole one: read as it is.
-    plain = await _read_all(readers.webdataset(copy))
+    plain = await _read_all(readers.webdataset(packed_copy))
     assert len(plain) == 69 and all(s.error is None for s in plain)
 
 
-async def test_a_shard_with_samples_added_is_an_error_too(copy):
-    reader = readers.webdataset(copy, shuffle=True, shuffle_buffer=4)
-    shard = sorted(copy.glob("*.tar"))[1]
+async def test_a_shard_with_samples_added_is_an_error_too(packed_copy):
+    reader = readers.webdataset(packed_copy, shuffle=True, shuffle_buffer=4)
+    shard = sorted(packed_copy.glob("*.tar"))[1]
     with tarfile.open(shard) as tar:
         members = [(m.name, tar.extractfile(m).read()) for m in tar.getmembers()]
     _replace(shard, tar_bytes(members + [("extra/1.cls", b"1"), ("extra/2.cls", b"2")]))
@@ -118,9 +112,9 @@ async def test_a_shard_with_samples_added_is_an_error_too(copy):
 
 
 @pytest.mark.parametrize("world", [3, 16])  # 16 ranks > 10 shards: every rank reads every shard, strided
-async def test_every_rank_reading_part_of_a_cut_shard_sees_it(copy, world):
-    reader = readers.webdataset(copy)
-    shard = sorted(copy.glob("*.tar"))[4]
+async def test_every_rank_reading_part_of_a_cut_shard_sees_it(packed_copy, world):
+    reader = readers.webdataset(packed_copy)
+    shard = sorted(packed_copy.glob("*.tar"))[4]
     _cut(shard, 6)
     seen, lost = [], []
     for rank in range(world):
@@ -141,9 +135,9 @@ async def test_every_rank_reading_part_of_a_cut_shard_sees_it(copy, world):
     assert sorted(lost) == [38, 39]  # each lost sample once, on the rank that reads its place
 
 
-async def test_a_resumed_read_compares_the_whole_shard_not_what_it_keeps(copy):
-    reader = readers.webdataset(copy)
-    shard = sorted(copy.glob("*.tar"))[2]
+async def test_a_resumed_read_compares_the_whole_shard_not_what_it_keeps(packed_copy):
+    reader = readers.webdataset(packed_copy)
+    shard = sorted(packed_copy.glob("*.tar"))[2]
     full = await _read_all(reader)
     _cut(shard, 7)
     # Resumed past the shard's cut: the rest of it is seeked over, its end still counted.
@@ -161,12 +155,12 @@ async def test_a_resumed_read_compares_the_whole_shard_not_what_it_keeps(copy):
     assert errors >= 1
 
 
-async def test_the_loader_skips_the_error_and_counts_it(copy):
+async def test_the_loader_skips_the_error_and_counts_it(packed_copy):
     import headrace
     from headrace import ops
 
-    reader = readers.webdataset(copy, shuffle=True, shuffle_buffer=8)
-    _cut(sorted(copy.glob("*.tar"))[7], 4)
+    reader = readers.webdataset(packed_copy, shuffle=True, shuffle_buffer=8)
+    _cut(sorted(packed_copy.glob("*.tar"))[7], 4)
     loader = headrace.Loader(reader, batch_size=8, pipeline=ops.training(32), num_threads=2, seed=5, device="cpu",
                              on_error="skip", max_errors=4)
     async with loader:

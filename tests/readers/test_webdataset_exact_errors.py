@@ -8,7 +8,6 @@ reading such a shard yielded fewer batches than the others, and a resume past it
 from __future__ import annotations
 
 import os
-import shutil
 import tarfile
 
 import pytest
@@ -22,15 +21,10 @@ async def _read_all(reader, epoch=0, start=0, seed=0):
     return [s async for chunk in reader.read(epoch, start=start, seed=seed) for s in chunk]
 
 
-@pytest.fixture
-def copy(tmp_path, packed_in_order):
-    dest = tmp_path / "wds"
-    shutil.copytree(packed_in_order, dest)
-    return dest
 
 
-def _shard(copy, i):
-    return sorted(copy.glob("*.tar"))[i]
+def _shard(packed_copy, i):
+    return sorted(packed_copy.glob("*.tar"))[i]
 
 
 def _replace(path, data):
@@ -70,9 +64,9 @@ def _view(samples):
 
 
 @pytest.mark.parametrize("inside", [False, True])
-async def test_every_lost_sample_of_a_whole_shard_read_is_an_error_in_its_place(copy, inside):
-    reader = readers.webdataset(copy)
-    shard = _shard(copy, 3)  # dataset indices 24..31
+async def test_every_lost_sample_of_a_whole_shard_read_is_an_error_in_its_place(packed_copy, inside):
+    reader = readers.webdataset(packed_copy)
+    shard = _shard(packed_copy, 3)  # dataset indices 24..31
     whole = await _read_all(reader)
     key = (_cut_inside if inside else _cut_between)(shard, 5)
     samples = await _read_all(reader)
@@ -92,9 +86,9 @@ async def test_every_lost_sample_of_a_whole_shard_read_is_an_error_in_its_place(
 
 
 @pytest.mark.parametrize("inside", [False, True])
-async def test_striding_ranks_each_give_the_lost_samples_of_their_own_places(copy, inside):
-    reader = readers.webdataset(copy, split="samples")  # every rank reads every shard, strided by 3
-    (_cut_inside if inside else _cut_between)(_shard(copy, 2), 3)  # indices 19..23 lost
+async def test_striding_ranks_each_give_the_lost_samples_of_their_own_places(packed_copy, inside):
+    reader = readers.webdataset(packed_copy, split="samples")  # every rank reads every shard, strided by 3
+    (_cut_inside if inside else _cut_between)(_shard(packed_copy, 2), 3)  # indices 19..23 lost
     lost, good = [], []
     for rank in range(3):
         part = reader.shard(rank, 3)
@@ -119,11 +113,11 @@ def _partial_last_draw(reader):
 
 
 @pytest.mark.parametrize("world", [1, 3])
-async def test_a_resampled_last_draw_gives_errors_only_for_the_places_it_reads(copy, world):
+async def test_a_resampled_last_draw_gives_errors_only_for_the_places_it_reads(packed_copy, world):
     for rank in range(world):
-        reader = readers.webdataset(copy, resampled=True).shard(rank, world)
+        reader = readers.webdataset(packed_copy, resampled=True).shard(rank, world)
         epoch, shard, read = _partial_last_draw(reader)
-        path = _shard(copy, shard)
+        path = _shard(packed_copy, shard)
         saved = path.read_bytes()
         _cut_between(path, read - 2)  # two of the places the epoch reads are lost, the rest past its end
         try:
@@ -138,18 +132,18 @@ async def test_a_resampled_last_draw_gives_errors_only_for_the_places_it_reads(c
 
 @pytest.mark.parametrize("shuffle", [False, True])
 @pytest.mark.parametrize("inside", [False, True])
-async def test_a_resume_at_every_position_is_the_uninterrupted_run(copy, shuffle, inside):
-    reader = readers.webdataset(copy, shuffle=shuffle, shuffle_buffer=6)
-    (_cut_inside if inside else _cut_between)(_shard(copy, 1), 2)  # 6 lost
+async def test_a_resume_at_every_position_is_the_uninterrupted_run(packed_copy, shuffle, inside):
+    reader = readers.webdataset(packed_copy, shuffle=shuffle, shuffle_buffer=6)
+    (_cut_inside if inside else _cut_between)(_shard(packed_copy, 1), 2)  # 6 lost
     full = await _read_all(reader, epoch=1)
     assert len(full) == 75 and sum(s.error is not None for s in full) == 6
     for start in range(76):
         assert _view(await _read_all(reader, epoch=1, start=start)) == _view(full[start:]), start
 
 
-async def test_a_longer_shard_keeps_every_length_and_gives_one_error(copy):
-    reader = readers.webdataset(copy, split="samples", shuffle=True, shuffle_buffer=5)
-    shard = _shard(copy, 4)  # indices 32..39
+async def test_a_longer_shard_keeps_every_length_and_gives_one_error(packed_copy):
+    reader = readers.webdataset(packed_copy, split="samples", shuffle=True, shuffle_buffer=5)
+    shard = _shard(packed_copy, 4)  # indices 32..39
     with tarfile.open(shard) as tar:
         members = [(m.name, tar.extractfile(m).read()) for m in tar.getmembers()]
     _replace(shard, tar_bytes(members + [("extra/1.cls", b"1"), ("extra/2.cls", b"2")]))
@@ -165,8 +159,8 @@ async def test_a_longer_shard_keeps_every_length_and_gives_one_error(copy):
     assert "shard holds 10 samples; its count says 8" in str(bad[0].error)
 
 
-async def test_a_command_failing_after_its_last_counted_sample_takes_that_samples_place(copy):
-    shard = _shard(copy, 0)
+async def test_a_command_failing_after_its_last_counted_sample_takes_that_samples_place(packed_copy):
+    shard = _shard(packed_copy, 0)
     reader = readers.webdataset([f"pipe:cat {shard}; exit 3"], counts=[8])
     samples = await _read_all(reader)
     assert len(samples) == len(reader) == 8 and [s.position for s in samples] == list(range(8))
@@ -179,9 +173,9 @@ def _loader(reader, **kw):
 
 
 @pytest.mark.parametrize("inside", [False, True])
-async def test_pad_gives_every_rank_len_loader_batches(copy, inside):
-    made = [readers.webdataset(copy) for _ in range(3)]  # before the cut: the index's sizes still hold
-    (_cut_inside if inside else _cut_between)(_shard(copy, 1), 5)  # 3 lost, on rank 1 (split by shards)
+async def test_pad_gives_every_rank_len_loader_batches(packed_copy, inside):
+    made = [readers.webdataset(packed_copy) for _ in range(3)]  # before the cut: the index's sizes still hold
+    (_cut_inside if inside else _cut_between)(_shard(packed_copy, 1), 5)  # 3 lost, on rank 1 (split by shards)
     counts = []
     for rank, reader in enumerate(made):
         loader = _loader(reader, rank=rank, world=3, equal="pad", on_error="skip", max_errors=10)
@@ -193,9 +187,9 @@ async def test_pad_gives_every_rank_len_loader_batches(copy, inside):
     assert all(n == expected for n, expected in counts), counts
 
 
-async def test_skip_counts_every_lost_sample_against_max_errors(copy):
-    made = [readers.webdataset(copy) for _ in range(2)]
-    _cut_between(_shard(copy, 6), 1)  # a shard of 8 that lost 7 counts 7 errors
+async def test_skip_counts_every_lost_sample_against_max_errors(packed_copy):
+    made = [readers.webdataset(packed_copy) for _ in range(2)]
+    _cut_between(_shard(packed_copy, 6), 1)  # a shard of 8 that lost 7 counts 7 errors
     loader = _loader(made[0], on_error="skip", max_errors=7)
     async with loader:
         keys = [k async for b in loader for k in b.sample_keys]
@@ -207,10 +201,10 @@ async def test_skip_counts_every_lost_sample_against_max_errors(copy):
                 pass
 
 
-async def test_without_counts_one_error_sample_as_before(copy):
-    (copy / "headrace-index.json").unlink()
-    _cut_inside(_shard(copy, 1), 2)
-    samples = await _read_all(readers.webdataset(copy))
+async def test_without_counts_one_error_sample_as_before(packed_copy):
+    (packed_copy / "headrace-index.json").unlink()
+    _cut_inside(_shard(packed_copy, 1), 2)
+    samples = await _read_all(readers.webdataset(packed_copy))
     assert len(samples) == 70 and sum(s.error is not None for s in samples) == 1
 
 
