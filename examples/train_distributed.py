@@ -302,6 +302,10 @@ def main(argv: list[str] | None = None) -> None:
         args.threads = max(1, (os.cpu_count() or 1) // local_world)
     try:
         result = asyncio.run(train(args))
+        # Every rank done with gloo's sockets before any tears them down: a rank still in a last
+        # collective when its peer's destroy_process_group closed the connection aborted (SIGABRT),
+        # once in many CPU runs, after its training had finished.
+        dist.barrier()
         if dist.get_rank() == 0:
             summary = (f"{result['world']} x {result['loader_device']}: median {result['images_per_s_total_median']:.0f} "
                        f"images/s total, {result['images_per_s_per_rank_median']:.0f} per rank")
