@@ -109,7 +109,7 @@ async def test_stage_counts_match_what_was_delivered(image_folder, leaks):
 
 async def test_a_slow_consumer_blocks_the_pipeline_and_is_named_the_limit(image_folder):
     fast = await _epoch(_loader(readers.files(image_folder, shuffle=True)))
-    pause = 0.05  # 10 batches: 0.5 s of consumer work the pipeline must wait for
+    pause = 0.1  # 10 batches: 1 s of consumer work the pipeline must wait for (0.5 s was named "decode" once in a loaded CI run)
     slow = await _epoch(_loader(readers.files(image_folder, shuffle=True)), pause=pause)
     assert slow.blocked_seconds > BATCHES * pause / 4
     assert slow.blocked_seconds == slow.stages["decode"].blocked_seconds
