@@ -359,7 +359,10 @@ async def test_gpu_memory_is_flat_over_epochs(folder, sizes, run_ahead):
         assert max(reserved) == reserved[0]
     else:  # timing, or a workspace grown, may still grow the allocator's cache a little
         assert max(reserved) - reserved[0] < 64 << 20
-    assert max(u[2] for u in used[1:]) - min(u[2] for u in used[1:]) < 64 << 20
+    # The device's free memory counts every process on the GPU (the suite runs several at once), and
+    # theirs moves it both ways between epochs; a leak here (nvImageCodec's or CuPy's own memory,
+    # which torch does not see) only lowers it, most by the last epoch.
+    assert used[1][2] - used[-1][2] < 64 << 20
 
 
 async def test_clean_shutdown_mid_epoch(folder, leaks):
