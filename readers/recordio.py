@@ -90,13 +90,24 @@ def _join_parts(raw: bytes) -> bytes:
         pos = start + ((length + 3) & ~3)
 
 
+def _check_start(path: str, fd: int) -> None:
+    """ReadError naming ``path`` where it does not start with the magic (a JPEG or a tar given by
+    mistake, bytes before the first record): not a RecordIO file, rather than one record cut short."""
+    head = os.pread(fd, 4, 0)
+    if head != _MAGIC_BYTES[: len(head)]:  # an empty file, or one cut inside the magic, has no records
+        found = f"{struct.unpack('<I', head)[0]:#010x}" if len(head) == 4 else repr(head)
+        raise ReadError(f"not a RecordIO file: no RecordIO magic ({MAGIC:#010x}) at byte 0, found {found}",
+                        source=path)
+
+
 def _scan(path: str, file: int) -> list[tuple[int, int, int]]:
     """Every record's (file, offset, span on disk), from the headers, the data seeked over. A record
     cut off by the end of the file, or a header without the magic, is kept as cut (its sample is an
-    error); nothing after it can be found."""
+    error); nothing after it can be found. ReadError for a file that does not start with the magic."""
     size = os.path.getsize(path)
     records: list[tuple[int, int, int]] = []
     with open(path, "rb", buffering=0) as f:
+        _check_start(path, f.fileno())
         pos = start = 0
         while pos < size:
             head = os.pread(f.fileno(), _HEAD.size, pos)
@@ -133,7 +144,9 @@ def _from_index(index: str, file: int, path: str) -> list[tuple[int, int, int]]:
     # A record once however many lines name it; none reaches past the file's end (a line pointing
     # there would take the bytes of the record before it, which reads whole).
     offsets = sorted(set(offsets))
-    size = os.path.getsize(path)
+    with open(path, "rb", buffering=0) as f:
+        _check_start(path, f.fileno())
+        size = os.fstat(f.fileno()).st_size
     ends = offsets[1:] + [size]
     return [(file, start, min(end, size) - start if start < size else CUT) for start, end in zip(offsets, ends)]
 
@@ -168,8 +181,10 @@ def recordio(
     without its magic number, or with a bad header is a sample with a ReadError naming its file and
     byte offset. Local files only.
 
-    Raises ReadError for a missing file, an empty folder, or an index file missing, not text or
-    with a bad line; ConfigError for a wrong argument.
+    Raises ReadError for a missing file, an empty folder, a file that does not start with the
+    RecordIO magic number (not a RecordIO file: a JPEG or a tar given by mistake, bytes before its
+    first record), or an index file missing, not text or with a bad line; ConfigError for a wrong
+    argument.
     """
     paths = resolve_files(source, ".rec", lambda name: name.endswith(".rec"))
     records = find_records("recordio", paths, index, label_offset, _scan, _from_index, _idx_beside)

@@ -156,6 +156,7 @@ def _scan(path: str, file: int) -> list[tuple[int, int, int]]:
     size = os.path.getsize(path)
     records = []
     with open(path, "rb", buffering=0) as f:
+        _check_start(path, f.fileno())
         pos = 0
         while pos < size:
             header = os.pread(f.fileno(), _HEADER.size, pos)
@@ -165,12 +166,9 @@ def _scan(path: str, file: int) -> list[tuple[int, int, int]]:
             length, crc = _HEADER.unpack(header)
             cut = pos + _HEADER.size + length + _FOOTER > size
             # The length's CRC where a wrong length would mislead (for every header it would double the
-            # scan's time): the file's first (a compressed file, or not a TFRecord one), and one that
-            # runs past the end (a damaged length, not a file cut short).
-            if (pos == 0 or cut) and _masked_crc32c(header[:8]) != crc:
-                if pos == 0 and _compressed(header):
-                    raise ReadError("the file is compressed (TFRecord's GZIP or ZLIB option); this reader "
-                                    "takes uncompressed TFRecord files: decompress it first", source=path)
+            # scan's time): the file's first (_check_start), and one that runs past the end (a damaged
+            # length, not a file cut short).
+            if cut and _masked_crc32c(header[:8]) != crc:
                 records.append((file, pos, DAMAGED))
                 break
             if cut:
@@ -179,6 +177,20 @@ def _scan(path: str, file: int) -> list[tuple[int, int, int]]:
             records.append((file, pos + _HEADER.size, length))
             pos += _HEADER.size + length + _FOOTER
     return records
+
+
+def _check_start(path: str, fd: int) -> None:
+    """ReadError naming ``path`` where its first length header fails its CRC: a compressed file, or
+    not a TFRecord file (a JPEG, a tar or a JSON file given by mistake), rather than one damaged record
+    standing for the whole file. A file shorter than a header is left to the caller (cut short)."""
+    header = os.pread(fd, _HEADER.size, 0)
+    if len(header) < _HEADER.size or _masked_crc32c(header[:8]) == _HEADER.unpack(header)[1]:
+        return
+    if _compressed(header):
+        raise ReadError("the file is compressed (TFRecord's GZIP or ZLIB option); this reader "
+                        "takes uncompressed TFRecord files: decompress it first", source=path)
+    raise ReadError("not a TFRecord file: the length header at byte 0 fails its CRC (or the first "
+                    "record's header is damaged, and nothing in the file can be found)", source=path)
 
 
 def _crc32c_table() -> list[int]:
@@ -211,7 +223,9 @@ def _from_index(index: str, file: int, path: str) -> list[tuple[int, int, int]]:
     """DALI's ``tfrecord2idx`` index: a line ``offset size`` per record, the size counting its header
     and CRCs."""
     records = []
-    size = os.path.getsize(path)
+    with open(path, "rb", buffering=0) as f:
+        _check_start(path, f.fileno())
+        size = os.fstat(f.fileno()).st_size
     for number, line in enumerate(index_lines(index), 1):
         parts = line.split()
         if not parts:
@@ -255,15 +269,16 @@ def tfrecord(
     data, or from ``index``: DALI's ``tfrecord2idx`` files, one per file, in the same order (one
     path for one file). They are then read by offset, ``chunk_size`` at a time by ``io_threads``
     threads, with the files reader's seeded shuffle, sharding and exact resume. The data's CRCs are
-    not checked (nor are they by DALI's reader); a length header's is, where the scan finds a file's
-    first record and where a record would run past the end (so a damaged length is told from a
+    not checked (nor are they by DALI's reader); a length header's is, for a file's first record
+    (with an index too) and where the scan finds a record that would run past the end (so a damaged length is told from a
     file cut short). A record whose bytes are not an Example, that runs past the end of a truncated
     file, or whose length header is damaged is a sample with a ReadError naming its file and byte
     offset (nothing after a cut or damaged record can be found). Local files only.
 
     Needs protobuf (``pip install 'headrace[tfrecord]'``): ImportError without it. Raises ReadError
-    for a missing file, an empty folder, a bad index line, or a compressed file (TFRecord's GZIP or
-    ZLIB option: decompress it first); ConfigError for a wrong argument.
+    for a missing file, an empty folder, a bad index line, a compressed file (TFRecord's GZIP or
+    ZLIB option: decompress it first), or a file whose first length header fails its CRC (not a
+    TFRecord file, such as a JPEG or a JSON file in the folder); ConfigError for a wrong argument.
     """
     example_class()  # ImportError now, not in the I/O threads, where protobuf is missing
     paths = resolve_files(source, "TFRecord", lambda name: not name.startswith(".") and not name.endswith(".idx"))
