@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import struct
 from abc import abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -130,7 +130,10 @@ def find_records(name: str, paths: list[str], index: Sequence[Any] | None, label
     if isinstance(index, (str, os.PathLike)):  # one index file: not its letters
         index = [index]
     if index is not None:
-        indexes: list[str | None] = [os.fspath(p) for p in index]
+        given = list(index) if isinstance(index, Iterable) and not isinstance(index, (bytes, bytearray)) else None
+        if given is None or not all(isinstance(p, (str, os.PathLike)) for p in given):
+            raise ConfigError(f"{name}: index must be an index file's path or a list of them, got {index!r}")
+        indexes: list[str | None] = [os.fspath(p) for p in given]
         if len(indexes) != len(paths):
             raise ConfigError(f"{name}: {len(indexes)} index files for {len(paths)} files")
     else:

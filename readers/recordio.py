@@ -131,7 +131,9 @@ def _scan(path: str, file: int) -> list[tuple[int, int, int]]:
 
 def _from_index(index: str, file: int, path: str) -> list[tuple[int, int, int]]:
     """An ``.idx`` file (MXNet's: a line ``key<TAB>offset`` per record, in any key order): the
-    records sorted by offset, each spanning to the next one's offset (the last to the file's end)."""
+    records sorted by offset, each spanning to the next one's offset (the last to the file's end).
+    ReadError naming the index where a line is bad, or where its last record ends before the file
+    does (an index cut short, or another file's: the records after it would be lost unsaid)."""
     offsets = []
     for number, line in enumerate(index_lines(index), 1):
         parts = line.split()
@@ -141,14 +143,38 @@ def _from_index(index: str, file: int, path: str) -> list[tuple[int, int, int]]:
             offsets.append(int(parts[1]))
         except (ValueError, IndexError):
             raise ReadError(f"line {number} is not 'key<TAB>offset': {line.strip()!r}", source=index) from None
+        if offsets[-1] < 0:
+            raise ReadError(f"line {number}: a record at byte {offsets[-1]} cannot be", source=index)
     # A record once however many lines name it; none reaches past the file's end (a line pointing
     # there would take the bytes of the record before it, which reads whole).
     offsets = sorted(set(offsets))
     with open(path, "rb", buffering=0) as f:
         _check_start(path, f.fileno())
         size = os.fstat(f.fileno()).st_size
+        inside = [start for start in offsets if start < size]
+        end = _record_end(f.fileno(), inside[-1], size) if inside else 0
+    if end is not None and end < size:
+        raise ReadError(f"the index's records end at byte {end}, the file goes on to byte {size}: the index "
+                        "misses the records after, or is another file's; rebuild it (or remove it: the records "
+                        "are then found by reading their headers)", source=index)
     ends = offsets[1:] + [size]
     return [(file, start, min(end, size) - start if start < size else CUT) for start, end in zip(offsets, ends)]
+
+
+def _record_end(fd: int, pos: int, size: int) -> int | None:
+    """Where the record at ``pos`` ends (its last part padded), from its headers; None where one is
+    cut off, lacks the magic or has a bad flag (its sample is the error)."""
+    while True:
+        head = os.pread(fd, _HEAD.size, pos)
+        if len(head) < _HEAD.size or _HEAD.unpack(head)[0] != MAGIC:
+            return None
+        word = _HEAD.unpack(head)[1]
+        flag, length = word >> 29, word & _LENGTH_BITS
+        pos += _HEAD.size + ((length + 3) & ~3)
+        if flag in (0, 3) or pos >= size:
+            return pos
+        if flag not in (1, 2):
+            return None
 
 
 def _idx_beside(path: str) -> str | None:
@@ -183,8 +209,8 @@ def recordio(
 
     Raises ReadError for a missing file, an empty folder, a file that does not start with the
     RecordIO magic number (not a RecordIO file: a JPEG or a tar given by mistake, bytes before its
-    first record), or an index file missing, not text or with a bad line; ConfigError for a wrong
-    argument.
+    first record), or an index file missing, not text, with a bad line, or whose records end
+    before the file does (an index cut short, or another file's); ConfigError for a wrong argument.
     """
     paths = resolve_files(source, ".rec", lambda name: name.endswith(".rec"))
     records = find_records("recordio", paths, index, label_offset, _scan, _from_index, _idx_beside)

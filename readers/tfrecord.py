@@ -221,11 +221,14 @@ def _compressed(head: bytes) -> bool:
 
 def _from_index(index: str, file: int, path: str) -> list[tuple[int, int, int]]:
     """DALI's ``tfrecord2idx`` index: a line ``offset size`` per record, the size counting its header
-    and CRCs."""
+    and CRCs. A record once however many lines name it. ReadError naming the index where a line is
+    bad, or where its records end before the file does (an index cut short, or another file's: the
+    records after would be lost unsaid)."""
     records = []
     with open(path, "rb", buffering=0) as f:
         _check_start(path, f.fileno())
         size = os.fstat(f.fileno()).st_size
+    seen: dict[int, int] = {}  # offset -> its size
     for number, line in enumerate(index_lines(index), 1):
         parts = line.split()
         if not parts:
@@ -237,7 +240,18 @@ def _from_index(index: str, file: int, path: str) -> list[tuple[int, int, int]]:
         length = total - _HEADER.size - _FOOTER
         if offset < 0 or length < 0:
             raise ReadError(f"line {number}: a record of {total} bytes at {offset} cannot be", source=index)
+        if offset in seen:
+            if seen[offset] != total:
+                raise ReadError(f"line {number}: the record at byte {offset} has {seen[offset]} bytes on an earlier "
+                                f"line, {total} here", source=index)
+            continue
+        seen[offset] = total
         records.append((file, offset + _HEADER.size, length if offset + total <= size else CUT))
+    end = max((offset + total for offset, total in seen.items()), default=0)
+    if end < size:
+        raise ReadError(f"the index's records end at byte {end}, the file goes on to byte {size}: the index "
+                        "misses the records after, or is another file's; rebuild it (or leave index= out: the "
+                        "records are then found by reading their headers)", source=index)
     return records
 
 
@@ -276,7 +290,8 @@ def tfrecord(
     offset (nothing after a cut or damaged record can be found). Local files only.
 
     Needs protobuf (``pip install 'headrace[tfrecord]'``): ImportError without it. Raises ReadError
-    for a missing file, an empty folder, a bad index line, a compressed file (TFRecord's GZIP or
+    for a missing file, an empty folder, a bad index line, an index whose records end before the
+    file does (an index cut short, or another file's), a compressed file (TFRecord's GZIP or
     ZLIB option: decompress it first), or a file whose first length header fails its CRC (not a
     TFRecord file, such as a JPEG or a JSON file in the folder); ConfigError for a wrong argument.
     """

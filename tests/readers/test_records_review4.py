@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from headrace import ReadError, readers
+from headrace import ConfigError, ReadError, readers
 from record_checks import write_tfrecord
 from sample_data import jpeg_bytes, recordio_record, write_recordio
 
@@ -101,3 +101,74 @@ async def test_a_file_that_is_not_tfrecord_is_refused_naming_it(tmp_path, case):
     assert caught.value.source == str(stray)
     samples = await _read(readers.tfrecord(root / "train.tfrecord-00000-of-00001"))  # control
     assert [s.fields["jpg"] for s in samples] == images
+
+
+def test_an_index_of_the_wrong_type_is_a_config_error_naming_index(tmp_path):
+    # index=5 raised TypeError ('int' object is not iterable), index=[None] another; a bytes path
+    # was taken as its letters.
+    path = tmp_path / "a.rec"
+    write_recordio(path, [recordio_record(0, _images(1)[0])])
+    tf = tmp_path / "a.tfrecord"
+    write_tfrecord(tf, [{"image/encoded": (_images(1)[0], "byte"), "image/class/label": (1, "int")}])
+    for make in (readers.recordio, readers.tfrecord):
+        for index in (5, [None], b"a.idx", [path.with_suffix(".idx"), 3]):
+            with pytest.raises(ConfigError, match="index must be an index file's path or a list of them"):
+                make(path if make is readers.recordio else tf, index=index)
+    assert len(readers.recordio(path, index=(p for p in [path.with_suffix(".idx")]))) == 1
+
+
+def test_an_index_cut_short_or_empty_is_refused_not_records_lost_unsaid(tmp_path):
+    # An .idx cut short (a copy that stopped, an im2rec run killed) gave the records it names and
+    # lost the rest without a word; the last one it names spanned to the file's end, read whole
+    # for one record (the whole rest of a .rec of ImageNet). Empty, it lost the file's every record.
+    images = _images(5)
+    path = tmp_path / "train.rec"
+    offsets = write_recordio(path, [recordio_record(i, jpg, i) for i, jpg in enumerate(images)])
+    size = path.stat().st_size
+    for kept in (3, 0):
+        path.with_suffix(".idx").write_text("".join(f"{k}\t{o}\n" for k, o in enumerate(offsets[:kept])))
+        end = offsets[kept] if kept else 0
+        with pytest.raises(ReadError, match=f"the index's records end at byte {end}, the file goes on to byte "
+                                            f"{size}: the index misses the records after") as caught:
+            readers.recordio(path)
+        assert caught.value.source == str(path.with_suffix(".idx"))
+    tf = tmp_path / "train-0"
+    spans = write_tfrecord(tf, [{"image/encoded": (jpg, "byte"), "image/class/label": (i, "int")}
+                                for i, jpg in enumerate(images)])
+    index = tmp_path / "train-0.idx"
+    for kept in (3, 0):
+        index.write_text("".join(f"{o} {s}\n" for o, s in spans[:kept]))
+        end = spans[kept][0] if kept else 0
+        with pytest.raises(ReadError, match=f"the index's records end at byte {end}, the file goes on") as caught:
+            readers.tfrecord(tf, index=index)
+        assert caught.value.source == str(index)
+    index.write_text("".join(f"{o} {s}\n" for o, s in spans))  # control: whole, every record reads
+    assert len(readers.tfrecord(tf, index=index)) == 5
+
+
+async def test_a_recordio_index_with_a_negative_offset_names_its_line(tmp_path):
+    # It was a sample "cannot read record at byte -8: Invalid argument", from the read's OSError.
+    path = tmp_path / "train.rec"
+    offsets = write_recordio(path, [recordio_record(i, jpg) for i, jpg in enumerate(_images(2))])
+    path.with_suffix(".idx").write_text(f"0\t-8\n1\t{offsets[0]}\n2\t{offsets[1]}\n")
+    with pytest.raises(ReadError, match="line 1: a record at byte -8 cannot be") as caught:
+        readers.recordio(path)
+    assert caught.value.source == str(path.with_suffix(".idx"))
+
+
+async def test_a_tfrecord_index_line_twice_is_one_record_not_a_sample_read_twice(tmp_path):
+    # RecordIO's .idx took a record named twice once (review 3); a DALI index with a line twice gave
+    # the record two samples, read twice an epoch.
+    images = _images(3)
+    tf = tmp_path / "train-0"
+    spans = write_tfrecord(tf, [{"image/encoded": (jpg, "byte"), "image/class/label": (i, "int")}
+                                for i, jpg in enumerate(images)])
+    index = tmp_path / "train-0.idx"
+    index.write_text("".join(f"{o} {s}\n" for o, s in spans + spans[1:2]))
+    reader = readers.tfrecord(tf, index=index)
+    samples = await _read(reader)
+    assert len(reader) == 3 and [s.fields["jpg"] for s in samples] == images
+    index.write_text("".join(f"{o} {s}\n" for o, s in spans) + f"{spans[1][0]} {spans[1][1] + 4}\n")
+    with pytest.raises(ReadError, match=f"line 4: the record at byte {spans[1][0]} has {spans[1][1]} bytes on an "
+                                        f"earlier line, {spans[1][1] + 4} here"):
+        readers.tfrecord(tf, index=index)
