@@ -117,9 +117,27 @@ def polygon_boundary(polygon: list[float], height: int, width: int) -> np.ndarra
     time an edge crosses a column's centre line, at the first pixel of the column at or below the
     crossing. A pixel is inside when an odd number of them is at or before it: these are the
     boundaries of pycocotools' runs, and a boundary found twice cancels, as its run of length 0 does."""
-    x, y = _upsampled_vertices(polygon, height, width)
-    u, v = _walk_edges(x, y)
-    return _column_crossings(u, v, height, width)
+    ((column, row),) = _crossings([polygon], height, width)
+    return column * height + row
+
+
+def _crossings(polygons: list[list[float]], height: int, width: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each polygon's ``polygon_boundary`` as (column, row), the row 0..height (height: below the
+    column's last pixel); each column is crossed an even number of times (the walk is closed).
+    The polygons are walked together, their edges one array: a walk a polygon cost more in NumPy
+    calls than in points (an image's 15 polygons: ~40 calls each, on arrays of a few thousand)."""
+    if not polygons:
+        return []
+    sizes = np.fromiter((len(p) // 2 for p in polygons), dtype=np.int64, count=len(polygons))
+    first = np.cumsum(sizes) - sizes
+    following = np.arange(int(sizes.sum())) + 1  # each vertex's next, the last of a polygon its first
+    following[first + sizes - 1] = first
+    x, y = _upsampled_vertices([c for p in polygons for c in p], height, width)
+    u, v, edge = _walk_edges(x, y, following)
+    column, row, edge = _column_crossings(u, v, edge, height, width)
+    # The crossings come polygon after polygon, as their edges do.
+    bounds = np.searchsorted(edge, np.append(first, len(x))).tolist()
+    return [(column[lo:hi], row[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:])]
 
 
 def _upsampled_vertices(polygon: list[float], height: int, width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -136,12 +154,13 @@ def _upsampled_vertices(polygon: list[float], height: int, width: int) -> tuple[
     return (_UPSAMPLE * x + 0.5).astype(np.int64), (_UPSAMPLE * y + 0.5).astype(np.int64)
 
 
-def _walk_edges(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Every fine-grid point of the closed polygon's edges, in pycocotools' order and rounding: each
-    edge from its vertex to the next, a point a step along its longer axis (x on a tie), the other
+def _walk_edges(x: np.ndarray, y: np.ndarray, following: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every fine-grid point of the closed polygons' edges (vertex i's edge goes to vertex
+    ``following[i]``), in pycocotools' order and rounding, and each point's edge: each edge from
+    its vertex to the next, a point a step along its longer axis (x on a tie), the other
     coordinate rounded from the line. The line is taken from the edge's end with the smaller stepped
     coordinate, whichever way it is walked: the float rounding of ties depends on it."""
-    x_next, y_next = np.append(x[1:], x[0]), np.append(y[1:], y[0])
+    x_next, y_next = x[following], y[following]
     along_x = np.abs(x_next - x) >= np.abs(y_next - y)
     stepped_from, stepped_to = np.where(along_x, x, y), np.where(along_x, x_next, y_next)
     other_from, other_to = np.where(along_x, y, x), np.where(along_x, y_next, x_next)
@@ -160,55 +179,58 @@ def _walk_edges(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     # C's (int)(a + s * t + .5), operation for operation; astype truncates toward zero as the cast does
     rounded = (line_start[edge] + slope[edge] * t + 0.5).astype(np.int64)
     point_along_x = along_x[edge]
-    return np.where(point_along_x, stepped, rounded), np.where(point_along_x, rounded, stepped)
+    return np.where(point_along_x, stepped, rounded), np.where(point_along_x, rounded, stepped), edge
 
 
-def _column_crossings(u: np.ndarray, v: np.ndarray, height: int, width: int) -> np.ndarray:
-    """pycocotools' downsampling of the walk: a step that moves x across a column's centre line (fine
-    x from 5n+2 to 5n+3, n a column of the image) gives the flat index of the column's first pixel
-    whose centre is at or below the step's upper point (clamped to 0..height)."""
-    moves = u[1:] != u[:-1]
+def _column_crossings(u: np.ndarray, v: np.ndarray, edge: np.ndarray, height: int, width: int
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """pycocotools' downsampling of the walk: a step within an edge that moves x across a column's
+    centre line (fine x from 5n+2 to 5n+3, n a column of the image) gives the column, its first pixel
+    whose centre is at or below the step's upper point (clamped to 0..height), and the edge. (From
+    one edge to the next is no step: the same vertex twice, or another polygon's start.)"""
+    moves = (u[1:] != u[:-1]) & (edge[1:] == edge[:-1])
     left = np.where(u[1:] < u[:-1], u[1:], u[1:] - 1)  # the lower x of a step
     column = (left + 0.5) / _UPSAMPLE - 0.5
     keep = moves & (np.floor(column) == column) & (column >= 0) & (column <= width - 1)
     top = np.minimum(v[1:], v[:-1])[keep]
     row = np.ceil(np.clip((top + 0.5) / _UPSAMPLE - 0.5, 0, height))
-    return column[keep].astype(np.int64) * height + row.astype(np.int64)
+    return column[keep].astype(np.int64), row.astype(np.int64), edge[1:][keep]
 
 
-def _fill_between(image: np.ndarray, boundary: np.ndarray, value: int) -> None:
-    """Sets ``value`` in ``image`` (``[height, width]``) where an odd number of ``boundary`` indices
-    (flat down the columns, ``x * height + y``) is at or before the pixel: from the first boundary to
-    the second, the third to the fourth and so on, sorted (a closed polygon crosses each column's
-    centre line an even number of times). A run is written as slices of the columns it covers, in
-    the image's own layout: no map drawn on the transpose, then copied. One that does not stop in
-    its column (a boundary clamped to a column's end is the next column's start) goes on down the
-    next columns, as it would in the flat order."""
-    height = image.shape[0]
-    ends = np.sort(boundary).tolist()
-    for start, stop in zip(ends[0::2], ends[1::2]):
-        if start == stop:  # a run of no pixels (at height * width, past the last column, too)
-            continue
-        x0, y0 = divmod(start, height)
-        x1, y1 = divmod(stop, height)
-        if x0 == x1:
-            image[y0:y1, x0] = value
-            continue
-        image[y0:, x0] = value
-        image[:, x0 + 1 : x1] = value
-        if y1:  # stop = height * width ends at the image's end: no column past it
-            image[:y1, x1] = value
-
-
-def _draw(image: np.ndarray, seg: Any, value: int) -> None:
-    """One annotation's segmentation set to ``value`` in ``image`` (``[height, width]``). Each polygon
-    drawn with the same value: their union, as pycocotools' ``merge`` makes it."""
-    height, width = image.shape
-    if isinstance(seg, dict):
-        image[decode_rle(seg["counts"], height, width)] = value
+def _fill_between(image: np.ndarray, column: np.ndarray, row: np.ndarray, value: int) -> None:
+    """Sets ``value`` in ``image`` (``[height, width]``) where an odd number of the crossings
+    (``column``, ``row``: ``_crossings``) of the pixel's column is at or above it: in pycocotools'
+    flat order, from the first boundary to the second, the third to the fourth and so on (each
+    column's count is even, so its parity starts at 0; a crossing at ``height`` is below every
+    pixel). Counted at once over the crossings' bounding box, the parity a running sum down it:
+    a run a slice took a Python step a column (~0.7 us each, 70% of an image's drawing)."""
+    if not len(column):
         return
-    for polygon in seg:
-        _fill_between(image, polygon_boundary(polygon, height, width), value)
+    top, bottom = int(row.min()), int(row.max())  # no pixel above the first crossing or from the last on is inside
+    left = int(column.min())
+    span = int(column.max()) - left + 1
+    # uint8 sums wrap at 256, an even number: the parity is the same.
+    counts = np.bincount((row - top) * span + (column - left), minlength=(bottom - top + 1) * span)
+    parity = np.cumsum(counts[: (bottom - top) * span].astype(np.uint8).reshape(bottom - top, span), axis=0,
+                       dtype=np.uint8)
+    inside = (parity & 1).view(bool)
+    image[top:bottom, left : left + span][inside] = value
+
+
+def _draw(images: list[np.ndarray], segmentations: list[Any], values: list[int]) -> None:
+    """Annotation i's segmentation set to ``values[i]`` in ``images[i]`` (``[height, width]``; one
+    image for all of them is a map drawn in order, later over earlier). Each polygon drawn with the
+    same value: their union, as pycocotools' ``merge`` makes it."""
+    if not segmentations:
+        return
+    height, width = images[0].shape
+    polygons = iter(_crossings([p for seg in segmentations if isinstance(seg, list) for p in seg], height, width))
+    for image, seg, value in zip(images, segmentations, values):
+        if isinstance(seg, dict):
+            image[decode_rle(seg["counts"], height, width)] = value
+            continue
+        for _ in seg:
+            _fill_between(image, *next(polygons), value)
 
 
 class CocoMask:
@@ -226,8 +248,7 @@ class CocoMask:
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         wide = any(label > 255 for label in self.labels)
         out = np.zeros((self.height, self.width), np.int64 if wide else np.uint8)
-        for label, seg in zip(self.labels, self.segmentations):
-            _draw(out, seg, label)
+        _draw([out] * len(self.labels), self.segmentations, self.labels)
         return out if dtype is None else out.astype(dtype)
 
     def __repr__(self) -> str:
@@ -248,8 +269,7 @@ class CocoInstanceMasks:
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         out = np.zeros((len(self.segmentations), self.height, self.width), np.uint8)
-        for layer, seg in zip(out, self.segmentations):
-            _draw(layer, seg, 1)
+        _draw(list(out), self.segmentations, [1] * len(self.segmentations))
         return out if dtype is None else out.astype(dtype)
 
     def __repr__(self) -> str:
