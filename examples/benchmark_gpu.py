@@ -400,7 +400,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--lanes", type=int, default=4, help="GPU lanes (the Loader's default)")
     ap.add_argument("--variants", default="",
-                    help="also run headrace (train, or validation with val:) with these [val:]LANES:HW_LOAD[:THREADS[:DISPATCH[:ORDER]]] (decoder threads per lane; free or turn; the engine's images: area or density), e.g. 2:0.5,3:0.65:5,val:4:0.65:4:turn,val:4:0.7:4::density; --interleave runs them side by side")
+                    help="also run headrace (train, or validation with val:) with these [val:]LANES:HW_LOAD[:THREADS[:DISPATCH]] (decoder threads per lane; free or turn), e.g. 2:0.5,3:0.65:5,val:4:0.65:4:turn; --interleave runs them side by side")
     ap.add_argument("--io-threads", type=int, default=IO_THREADS, help="the files reader's I/O threads")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for the whole run (Python's default is 0.005 s)")
@@ -483,14 +483,13 @@ def main() -> None:
         # [val:]lanes:hw_load[:decoder threads per lane]: the train (or validation) row set up otherwise
         kind, spec = ("val", variant[4:]) if variant.startswith("val:") else ("train", variant)
         n, hw, *more = spec.split(":")
-        threads, dispatch, order = (more + [None, None, None])[:3]
+        threads, dispatch = (more + [None, None])[:2]
         hw_load = hw if hw == "adaptive" else float(hw)
         label = (f"headrace ({kind}, {n} lanes, hw_load={hw}" + (f", {threads} threads" if threads else "")
-                 + (f", {dispatch} dispatch" if dispatch else "") + (f", engine takes by {order}" if order else "") + ")")
+                 + (f", {dispatch} dispatch" if dispatch else "") + ")")
         make = pipelines[kind][1]
-        tuned = {**({"dispatch": dispatch} if dispatch else {}), **({"engine_order": order} if order else {})}
         setup = {"lanes": int(n), "hw_load": hw_load, "threads": int(threads) if threads else None,
-                 "tuning": ops.GpuTuning(**tuned) if tuned else None}
+                 "tuning": ops.GpuTuning(dispatch=dispatch) if dispatch else None}
         pipelines[variant] = (label, lambda make=make, setup=setup: (make(), setup))  # --interleave runs it side by side
         runners[variant] = (label, lambda make=make, s=setup: bench_headrace(
             root, make(), args.batch, args.epochs, s["lanes"], s["hw_load"], s["threads"], tuning=s["tuning"]))

@@ -25,12 +25,10 @@ from headrace import _native as native
 
 from .._nvimgcodec import nvimgcodec
 
-__all__ = ["ENGINE_ORDERS", "BatchDecoder", "Launch", "ParsedBatch", "driver_reason", "load", "unavailable_reason"]
+__all__ = ["BatchDecoder", "Launch", "ParsedBatch", "driver_reason", "load", "unavailable_reason"]
 
 _HERE = Path(__file__).parent / "_native"
 _SOURCE = _HERE / "batch_decode.c"
-# Which images of a batch the hardware engine takes, as the shim numbers them (HR_ORDER_*).
-ENGINE_ORDERS = ("area", "density")
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
@@ -82,7 +80,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hr_parsed_destroy.argtypes, lib.hr_parsed_destroy.restype = [p], None
     lib.hr_parse.argtypes, lib.hr_parse.restype = [p, p, i, p, p, i, p], i
     lib.hr_decoder_destroy.argtypes, lib.hr_decoder_destroy.restype = [p], None
-    lib.hr_decoder_set_order.argtypes, lib.hr_decoder_set_order.restype = [p, i], None
     lib.hr_driver_load.argtypes, lib.hr_driver_load.restype = [ctypes.c_char_p, sz], i
     lib.hr_decode_launch.argtypes = [p, p, i, p, p, p, i, i, p, p, ctypes.POINTER(Launch)]
     lib.hr_decode_launch.restype = i
@@ -153,8 +150,6 @@ class BatchDecoder:
     the stream given to ``decode``; what they fail on comes back failed (nvImageCodec's CPU backend
     is left out of that chain: with it, fuzzed JPEGs hung a decode now and then). ``options`` go to
     nvImageCodec's decoder as they are (e.g. ``"nvjpeg_cuda_decoder:hybrid_huffman_threshold=0"``).
-    ``engine_order`` says which images the engine's share is: ``"area"``, those with the largest
-    windows, or ``"density"``, those with the most bytes per pixel (``ENGINE_ORDERS``).
     """
 
     def __init__(
@@ -167,7 +162,6 @@ class BatchDecoder:
         channels: int = 3,
         exif: bool = True,
         options: str = "",
-        engine_order: str = "area",
     ):
         lib = load()
         if lib is None:
@@ -184,7 +178,6 @@ class BatchDecoder:
         if not handle:
             raise RuntimeError(err.value.decode())
         self._handle = handle
-        lib.hr_decoder_set_order(handle, ENGINE_ORDERS.index(engine_order))
         self.channels = channels
         self.exif = exif
 

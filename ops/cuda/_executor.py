@@ -109,9 +109,6 @@ class GpuTuning:
     ``"python"`` (launched from Python after the decode). ``dispatch``: ``"turn"`` (batch i to lane
     i mod lanes) or ``"free"`` (to the lane with the fewest batches queued: +2-8% in the decode
     floor on the H100, no difference the training pipeline's noise let us see; docs/benchmarks.md).
-    ``engine_order``: which images of a batch make the hardware engine's share (``hw_load``):
-    ``"area"`` (the largest windows, nvImageCodec's own order) or ``"density"`` (the most bytes per
-    pixel: the engine's cost follows an image's pixels, the host Huffman stage's its bytes).
     """
 
     cuda_load: float = 1.0
@@ -119,7 +116,6 @@ class GpuTuning:
     decode: Literal["shim", "python"] = "shim"
     launch: Literal["shim", "python"] = "shim"
     dispatch: Literal["turn", "free"] = "turn"
-    engine_order: Literal["area", "density"] = "area"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cuda_load", require_number("cuda_load", self.cuda_load, 0.0, 1.0, wanted="in [0, 1]"))
@@ -130,8 +126,6 @@ class GpuTuning:
                 raise ConfigError(f"{name} must be 'shim' or 'python', got {getattr(self, name)!r}")
         if self.dispatch not in ("free", "turn"):
             raise ConfigError(f"dispatch must be 'free' or 'turn', got {self.dispatch!r}")
-        if self.engine_order not in ("area", "density"):
-            raise ConfigError(f"engine_order must be 'area' or 'density', got {self.engine_order!r}")
 
 
 class CudaExecutor:

@@ -55,8 +55,7 @@ class Lane:
             tuning = self.owner.tuning
             self.decoder = NativeDecoder(dev, threads=threads, hw_load=hw_load, channels=pipe.channels,
                                          exif=pipe.decode.exif, budget=lane_budget(pipe.decode.max_batch_bytes),
-                                         cuda_load=tuning.cuda_load, options=tuning.nvimgcodec_options,
-                                         engine_order=tuning.engine_order)
+                                         cuda_load=tuning.cuda_load, options=tuning.nvimgcodec_options)
         else:
             self.decoder = PythonDecoder(dev, threads=threads, channels=pipe.channels, exif=pipe.decode.exif)
         self.out = LaneOutput(self.owner, self.cp_stream, self.stream)

@@ -252,10 +252,8 @@ def test_gpu_tuning_is_checked():
     from headrace import ConfigError
     from headrace.ops import GpuTuning
 
-    assert GpuTuning() == GpuTuning(cuda_load=1.0, nvimgcodec_options="", decode="shim", launch="shim", dispatch="turn",
-                                    engine_order="area")
-    for bad in ({"cuda_load": 1.5}, {"decode": "c"}, {"launch": None}, {"nvimgcodec_options": 3}, {"dispatch": "any"},
-                {"engine_order": "size"}):
+    assert GpuTuning() == GpuTuning(cuda_load=1.0, nvimgcodec_options="", decode="shim", launch="shim", dispatch="turn")
+    for bad in ({"cuda_load": 1.5}, {"decode": "c"}, {"launch": None}, {"nvimgcodec_options": 3}, {"dispatch": "any"}):
         with pytest.raises(ConfigError):
             GpuTuning(**bad)
 

@@ -31,7 +31,6 @@ typedef struct {
     int capacity;
     nvimgcodecCodeStream_t* streams;
     int32_t* encodings; /* a JPEG's encoding (its SOF marker, nvimgcodecJpegEncoding_t); 0 for other formats */
-    int64_t* bytes;     /* each stream's size */
 } hr_parsed;
 
 /* One image of a decode call, set up: where it comes from (the whole stream or a region view of
@@ -41,7 +40,7 @@ typedef struct {
     nvimgcodecImage_t image;
     int j;         /* its index in the call's pick, region, out and status */
     int hw;        /* 1: offered to the hardware engine (a baseline JPEG), 2: given to it */
-    double rank;   /* the engine takes the highest: its window's area, or its bytes per pixel (hr_decoder.order) */
+    int64_t area;  /* of its window: the engine takes the largest */
     nvimgcodecProcessingStatus_t status;
 } hr_item;
 
@@ -62,7 +61,6 @@ typedef struct {
     int cpu_only;
     float hw_share;
     int adaptive;             /* move hw_share batch by batch, towards no wait on the CUDA decoder */
-    int order;                /* which images the engine takes: HR_ORDER_AREA or HR_ORDER_DENSITY */
     int capacity;
     nvimgcodecCodeStream_t* views; /* region views, reused between batches */
     hr_item* items;
@@ -70,12 +68,6 @@ typedef struct {
     nvimgcodecImage_t* images;
     nvimgcodecProcessingStatus_t* status;
 } hr_decoder;
-
-/* The engine's share of a batch: the images with the largest windows (nvImageCodec's own order), or
-   those with the most bytes per pixel. The engine decodes the whole image whatever the window, at a
-   cost that grows with its pixels; the CUDA decoder's host Huffman stage costs in proportion to the
-   bytes. Giving the engine the densest images leaves the host the cheapest bytes for their pixels. */
-enum { HR_ORDER_AREA = 0, HR_ORDER_DENSITY = 1 };
 
 static void set_error(char* err, size_t len, const char* what, int code)
 {
@@ -182,12 +174,6 @@ hr_decoder* hr_decoder_create(nvimgcodecInstance_t instance, int device_id, int 
     return d;
 }
 
-/* Which images of a batch the engine takes from now on: HR_ORDER_AREA or HR_ORDER_DENSITY. */
-void hr_decoder_set_order(hr_decoder* d, int order)
-{
-    d->order = order == HR_ORDER_DENSITY ? HR_ORDER_DENSITY : HR_ORDER_AREA;
-}
-
 static void release_handles(nvimgcodecCodeStream_t* handles, int n)
 {
     for (int i = 0; i < n; ++i) {
@@ -233,9 +219,9 @@ static int reserve(hr_decoder* d, int n)
 
 static int reserve_parsed(hr_parsed* p, int n)
 {
-    void** ptrs[3] = {(void**)&p->streams, (void**)&p->encodings, (void**)&p->bytes};
-    size_t sizes[3] = {sizeof(nvimgcodecCodeStream_t), sizeof(int32_t), sizeof(int64_t)};
-    return grow(ptrs, sizes, 3, &p->capacity, n);
+    void** ptrs[2] = {(void**)&p->streams, (void**)&p->encodings};
+    size_t sizes[2] = {sizeof(nvimgcodecCodeStream_t), sizeof(int32_t)};
+    return grow(ptrs, sizes, 2, &p->capacity, n);
 }
 
 /* The stream's image info, and its height and width as displayed (EXIF rotations by 90 or 270
@@ -281,7 +267,6 @@ void hr_parsed_destroy(hr_parsed* p)
     hr_parsed_release(p);
     free(p->streams);
     free(p->encodings);
-    free(p->bytes);
     free(p);
 }
 
@@ -312,7 +297,6 @@ int hr_parse(nvimgcodecInstance_t instance, hr_parsed* p, int n, const unsigned 
         int32_t* row = info + 4 * i;
         row[0] = row[1] = row[2] = row[3] = 0;
         p->encodings[i] = 0;
-        p->bytes[i] = (int64_t)sizes[i];
         /* The handle of the previous batch is reused in place (no allocation per image). */
         if (nvimgcodecCodeStreamCreateFromHostMem(instance, &p->streams[i], data[i], sizes[i], NULL) !=
             NVIMGCODEC_STATUS_SUCCESS) {
@@ -407,23 +391,20 @@ static int setup_item(hr_decoder* d, const hr_parsed* p, int j, int k, const int
         it->source = d->views[k];
     }
     it->j = j;
-    if (d->order == HR_ORDER_DENSITY)
-        it->rank = (double)p->bytes[pick[j]] / ((double)full_h * (double)full_w);
-    else
-        it->rank = (double)(r[2] - r[0]) * (double)(r[3] - r[1]);
+    it->area = (int64_t)(r[2] - r[0]) * (int64_t)(r[3] - r[1]);
     it->hw = d->hw && !d->cpu_only && pick[j] < p->capacity && p->encodings[pick[j]] == NVIMGCODEC_JPEG_ENCODING_BASELINE_DCT;
     it->status = NVIMGCODEC_PROCESSING_STATUS_UNKNOWN;
     return make_image(d, it, r, out[j], channels, exif, cuda_stream);
 }
 
-/* Offered to the engine first, then the highest rank first. */
+/* Offered to the engine first, then the larger windows first (nvImageCodec's own order). */
 static int engine_first(const void* a, const void* b)
 {
     const hr_item* x = (const hr_item*)a;
     const hr_item* y = (const hr_item*)b;
     if (x->hw != y->hw)
         return y->hw - x->hw;
-    return (y->rank > x->rank) - (y->rank < x->rank);
+    return (y->area > x->area) - (y->area < x->area);
 }
 
 /* Start decoding items[0..n) with dec: NULL when nothing was started (each item then failed). */
