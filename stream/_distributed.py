@@ -49,17 +49,19 @@ def detect_distributed(*, distributed: bool = True, rank: int | None = None, wor
         if rank is None or world is None:
             raise ConfigError("give both rank= and world=, or neither (to take them from torch.distributed)")
         rank, world = _check(rank, world, "")
-        return Distributed(rank, world, _local_rank(world), "arguments", _local_world(world))
+        # LOCAL_RANK and LOCAL_WORLD_SIZE count the launcher's processes on this node, whatever the
+        # data-parallel group given here: world=1 under tensor parallelism still shares the node.
+        return Distributed(rank, world, _local_rank(launched=True), "arguments", _local_world(launched=True))
     if not distributed:
         return Distributed()
     found = _from_process_group() or _from_environment()
     if found is None:
         return Distributed()
     r, w, source = found
-    local = _local_rank(w)
+    local = _local_rank(launched=w > 1)
     if local is None:
         local = r % max(1, _visible_gpus())
-    return Distributed(r, w, local, source, _local_world(w))
+    return Distributed(r, w, local, source, _local_world(launched=w > 1))
 
 
 def _from_environment() -> tuple[int, int, str] | None:
@@ -78,14 +80,15 @@ def _from_environment() -> tuple[int, int, str] | None:
     return env_rank, env_world, "environment"
 
 
-def _local_world(world: int) -> int:
-    local_world = _env_int("LOCAL_WORLD_SIZE") if world > 1 else None
+def _local_world(*, launched: bool) -> int:
+    """``LOCAL_WORLD_SIZE``, checked, where a launcher started several processes (``launched``), else 1."""
+    local_world = _env_int("LOCAL_WORLD_SIZE") if launched else None
     if local_world is not None and local_world < 1:
         raise ConfigError(f"environment variable LOCAL_WORLD_SIZE={local_world} is not a positive integer")
     return local_world or 1
 
 
-def _local_rank(world: int) -> int | None:
+def _local_rank(*, launched: bool) -> int | None:
     """``LOCAL_RANK``, checked: a negative one would pick a GPU counted from the end (-1: the last,
     which another process uses), one not below ``LOCAL_WORLD_SIZE`` cannot come from a launcher."""
     local = _env_int("LOCAL_RANK")
@@ -93,7 +96,7 @@ def _local_rank(world: int) -> int | None:
         return None
     if local < 0:
         raise ConfigError(f"environment variable LOCAL_RANK={local} is negative")
-    local_world = _env_int("LOCAL_WORLD_SIZE") if world > 1 else None
+    local_world = _env_int("LOCAL_WORLD_SIZE") if launched else None
     if local_world is not None and local >= local_world:
         raise ConfigError(f"environment variable LOCAL_RANK={local} must be below LOCAL_WORLD_SIZE={local_world}")
     return local
