@@ -102,8 +102,9 @@ def _check_start(path: str, fd: int) -> None:
 
 def _scan(path: str, file: int) -> list[tuple[int, int, int]]:
     """Every record's (file, offset, span on disk), from the headers, the data seeked over. A record
-    cut off by the end of the file, or a header without the magic, is kept as cut (its sample is an
-    error); nothing after it can be found. ReadError for a file that does not start with the magic."""
+    cut off by the end of the file is kept as cut, one with a header without the magic spans through
+    that header (either way its sample is an error); nothing after it can be found. ReadError for a
+    file that does not start with the magic."""
     size = os.path.getsize(path)
     records: list[tuple[int, int, int]] = []
     with open(path, "rb", buffering=0) as f:
@@ -111,8 +112,11 @@ def _scan(path: str, file: int) -> list[tuple[int, int, int]]:
         pos = start = 0
         while pos < size:
             head = os.pread(f.fileno(), _HEAD.size, pos)
-            if len(head) < _HEAD.size or _HEAD.unpack(head)[0] != MAGIC:
+            if len(head) < _HEAD.size:
                 records.append((file, start, CUT))
+                break
+            if _HEAD.unpack(head)[0] != MAGIC:  # damaged: its span takes the header, whose read names the magic lost
+                records.append((file, start, pos + _HEAD.size - start))
                 break
             word = _HEAD.unpack(head)[1]
             flag, length = word >> 29, word & _LENGTH_BITS

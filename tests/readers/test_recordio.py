@@ -101,7 +101,8 @@ async def test_bad_records_are_errors_naming_their_file_and_byte_and_the_rest_re
     raw[offsets[3]:offsets[3] + 4] = b"XXXX"  # the magic of record 3 gone: nothing after it can be found
     path.write_bytes(bytes(raw[: offsets[4]]))
     samples = await _read(readers.recordio(path))
-    assert len(samples) == 4 and "cut short" in str(samples[3].error)
+    assert len(samples) == 4 and "no RecordIO magic at its part 0 (found 0x58585858)" in str(samples[3].error)
+    assert samples[3].error.key == "damaged/3" and "cut short" not in str(samples[3].error)
     write_recordio(path, [recordio_record(float("inf"), items[0][0]), recordio_record(float("nan"), items[0][0])])
     assert ["is not a whole number" in str(s.error) for s in await _read(readers.recordio(path))] == [True, True]
 
