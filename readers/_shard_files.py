@@ -11,12 +11,19 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import ctypes
 import os
+import sysconfig
+import threading
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import BinaryIO
 
+import numpy as np
+from headrace import _native as native
 from headrace._errors import ReadError
 from headrace._sample import Sample
 from headrace._threads import join_threads
@@ -65,6 +72,7 @@ class ShardFiles:
         self.require = require
         self.buffer_bytes = buffer_bytes
         self.cache = cache
+        self._pool: SamplePool | None = None  # recycles the samples' memory across reads (``SamplePool``)
         # Shards read through a store (URLs, or keys of an explicit store) and their display names.
         self.remote = [storage is not None and not is_pipe(p) and (storage.store is not None or is_url(p))
                        for p in self.shards]
@@ -133,9 +141,14 @@ class ShardFiles:
                     self.retries += downloads.retries
                     self.peak_buffered = max(self.peak_buffered, downloads.peak)
 
-    async def samples(self, jobs: list[ShardJob]) -> AsyncIterator[list[Sample]]:
-        """The jobs' samples in order; ``read_ahead`` shards beyond the current one are read meanwhile."""
+    async def samples(self, jobs: list[ShardJob], held: int = 0) -> AsyncIterator[list[Sample]]:
+        """The jobs' samples in order; ``read_ahead`` shards beyond the current one are read meanwhile.
+        ``held``: how many samples the caller keeps at once (a shuffle buffer), for the pool that
+        recycles the samples' memory (``SamplePool``)."""
         loop = asyncio.get_running_loop()
+        if self._pool is None:  # the fields a read holds at once, a sample's two largest counted (an image, a mask)
+            self._pool = SamplePool(2 * (held + (self.read_ahead + 1) * 3 * self.chunk_size) + 1024)
+        samples = self._pool
         pool = concurrent.futures.ThreadPoolExecutor(self.read_ahead + 1, thread_name_prefix="headrace-io-webdataset")
         running: deque[tuple[Feed, concurrent.futures.Future[None], object]] = deque()
         todo = iter(jobs)
@@ -149,7 +162,7 @@ class ShardFiles:
                             break
                         feed = Feed(loop, capacity=2)
                         source = self._source(job.shard, downloads, writes)
-                        running.append((feed, pool.submit(self._parse, job, feed, source), source))
+                        running.append((feed, pool.submit(self._parse, job, feed, source, samples), source))
                     if not running:
                         return
                     item = await running[0][0].get()
@@ -175,18 +188,20 @@ class ShardFiles:
                     if writes is not None:
                         await writes.aclose()
 
-    def _parse(self, job: ShardJob, feed: Feed, source: str | RemoteFile | BinaryIO | PipeShard) -> None:
+    def _parse(self, job: ShardJob, feed: Feed, source: str | RemoteFile | BinaryIO | PipeShard,
+               pool: SamplePool | None = None) -> None:
         """Thread: parse one shard (a local path, a cached copy open, a download, or a command's
         output) into lists of samples, then END. An exception no sample can carry goes into the
         feed for ``samples`` to raise: left in the thread's future, the consumer waited for END
         forever."""
         try:
-            self._parse_samples(job, feed, source)
+            self._parse_samples(job, feed, source, pool)
         except Exception as exc:
             feed.put(exc, force=True)
         feed.put(END, force=True)
 
-    def _parse_samples(self, job: ShardJob, feed: Feed, source: str | RemoteFile | BinaryIO | PipeShard) -> None:
+    def _parse_samples(self, job: ShardJob, feed: Feed, source: str | RemoteFile | BinaryIO | PipeShard,
+                       pool: SamplePool | None) -> None:
         """``_parse`` up to END: samples, and a bad shard's ReadError samples (``_lost``);
         ``position`` carries the rank input ordinal."""
         first, stride, base, path, rank_base = job.first, job.stride, job.base_index, job.path, job.rank_base
@@ -205,7 +220,7 @@ class ShardFiles:
             chunk.append(sample)
             if len(chunk) < self.chunk_size:
                 return True
-            _own_bytes(chunk)
+            _own_bytes(chunk, pool)
             sent, chunk = feed.put(chunk), []
             return sent
 
@@ -249,7 +264,7 @@ class ShardFiles:
         if held is not None:
             chunk.append(held)
         if chunk:
-            _own_bytes(chunk)
+            _own_bytes(chunk, pool)
             feed.put(chunk)
 
 
@@ -320,20 +335,99 @@ def _keep(download: RemoteFile) -> None:
         pass
 
 
-def _own_bytes(chunk: list[Sample]) -> None:
+def _own_bytes(chunk: list[Sample], pool: SamplePool | None = None) -> None:
     """Every field of the chunk its own ``bytes``, as read from a file: the members a download or
     a mapped shard handed out uncopied (``Span``) are copied out in one call that lets the GIL go.
     A copy into fresh memory costs ~50 µs a 68 KB member in page faults (H100, samples kept alive
     as a shuffle buffer keeps them): with the GIL held, the event loop and the decode lanes waited
-    that long for every member (docs/benchmarks.md, issue 21)."""
+    that long for every member (docs/benchmarks.md, issue 21). ``pool`` recycles the memory of
+    fields nobody holds any more (``SamplePool``)."""
     held = [(s.fields, name, value) for s in chunk for name, value in s.fields.items() if type(value) is Span]
     if not held:
         return
-    blobs = copy_spans([(span.address, len(span.view)) for _, _, span in held])
+    spans = [(span.address, len(span.view)) for _, _, span in held]
+    blobs = pool.copy(spans) if pool is not None else None
+    if blobs is None:
+        blobs = copy_spans(spans)
     if blobs is None:  # no C helper: copied here, the GIL held
         blobs = [bytes(span.view) for _, _, span in held]
     for (fields, name, _), blob in zip(held, blobs):
         fields[name] = blob
+
+
+class SamplePool:
+    """Recycles the memory of the ``bytes`` that ``_own_bytes`` copies members into
+    (``_native/sample_pool.c``): a blob whose last reference is the pool's (no sample, view or
+    array holds it) is filled again with a later member of its size class, its pages already
+    faulted in, instead of being freed on the consumer's thread and allocated afresh on a parser's.
+
+    Fresh memory cost most of a copy: a parser thread allocates in its own glibc arena, and freeing
+    64 KiB chunks trims it. On the 2-core CI machine the reader alone over local shards (68 KB
+    members) spent 30-43 µs of CPU a sample with no shuffle buffer (3-5 page faults a sample) and
+    its arenas grew to ~270 MB RSS behind a 1,000-sample buffer (docs/storage.md has the numbers).
+
+    Bounds: it follows at most ``track`` blobs handed out (the oldest is forgotten, then freed by
+    its last holder as any bytes is) and keeps at most as many bytes free as those it follows held
+    at their peak; ``close()``, or its collection (a reader's lives as long as the reader, for
+    its next epochs), frees what it keeps. ``copy`` gives None where the helper does not
+    build (no compiler or Python headers, ``HEADRACE_NO_C_HELPERS``): the caller copies as before.
+    Thread-safe: every call holds the GIL, which it lets go only around the copies.
+    """
+
+    def __init__(self, track: int) -> None:
+        lib = _pool_lib()
+        self._lib = lib
+        self._handle = lib.hr_pool_new(track) if lib is not None else None
+        self._close = weakref.finalize(self, lib.hr_pool_free, self._handle) if self._handle else None
+
+    def copy(self, spans: Sequence[tuple[int, int]]) -> list[bytes] | None:
+        """A ``bytes`` of each ``(address, size)`` span, the memory valid until this returns."""
+        if self._handle is None or not self._close or not self._close.alive:
+            return None
+        n = len(spans)
+        sources = np.fromiter((address for address, _ in spans), dtype=np.uint64, count=n)
+        sizes = np.fromiter((size for _, size in spans), dtype=np.int64, count=n)
+        return self._lib.hr_pool_copy(self._handle, n, sources.ctypes.data, sizes.ctypes.data)
+
+    def stats(self) -> dict[str, int]:
+        """Blobs followed and in stock, the stock's bytes, the followed blobs' peak bytes, reuses
+        and new blobs (for tests and benchmarks)."""
+        out = (ctypes.c_int64 * 6)()
+        if self._close is not None and self._close.alive:
+            self._lib.hr_pool_stats(self._handle, out)
+        return dict(zip(("followed", "stocked", "stock_bytes", "peak_bytes", "reused", "new"), out))
+
+    def close(self) -> None:
+        """Free the stock and forget the blobs handed out (their holders keep them); idempotent.
+        Only once no ``copy`` runs."""
+        if self._close is not None:
+            self._close()
+
+
+_POOL_SOURCE = Path(__file__).parent / "_native" / "sample_pool.c"
+_pool_state: dict[str, ctypes.PyDLL | None] = {}
+_pool_lock = threading.Lock()
+
+
+def _pool_lib() -> ctypes.PyDLL | None:
+    """The pool's helper, built against this interpreter's headers; None where it cannot be."""
+    with _pool_lock:
+        if "lib" not in _pool_state:
+            lib = None
+            include = sysconfig.get_paths().get("include")
+            if include and os.path.exists(os.path.join(include, "Python.h")):
+                # The ABI tag goes into the flags, so each interpreter gets a build of its own.
+                target, _ = native.build("sample_pool", _POOL_SOURCE, flags=(
+                    f"-I{include}", f"-DHR_PY_ABI={sysconfig.get_config_var('SOABI')}"))
+                if target is not None:
+                    lib = ctypes.PyDLL(str(target))
+                    p = ctypes.c_void_p
+                    lib.hr_pool_new.argtypes, lib.hr_pool_new.restype = [ctypes.c_int64], p
+                    lib.hr_pool_copy.argtypes, lib.hr_pool_copy.restype = [p, ctypes.c_int, p, p], ctypes.py_object
+                    lib.hr_pool_stats.argtypes, lib.hr_pool_stats.restype = [p, p], None
+                    lib.hr_pool_free.argtypes, lib.hr_pool_free.restype = [p], None
+            _pool_state["lib"] = lib
+        return _pool_state["lib"]
 
 
 def _missing(fields: dict, require: list[tuple[str, ...]], key: str, path: str) -> ReadError | None:

@@ -260,7 +260,9 @@ class WebDatasetReader(Reader):
 
         Up to ``read_ahead`` shards beyond the current one are read at once, each by its own thread
         into a feed of two ``chunk_size`` lists; a full feed stops that thread (backpressure). Memory
-        is about ``(read_ahead + 1) * 3 * chunk_size + shuffle_buffer`` samples. Closing the iterator
+        is about ``(read_ahead + 1) * 3 * chunk_size + shuffle_buffer`` samples, and the reader keeps
+        at most as much again of the memory of fields let go, to copy later ones into (its pages
+        stay faulted in: ``_shard_files.SamplePool``; docs/storage.md). Closing the iterator
         stops the threads and closes the files before it returns. A sample that cannot be read is
         a sample whose ``error`` is a ReadError naming the shard (and key, where known). Without
         counts a truncated or corrupt shard ends with one. With known counts (the index,
@@ -340,7 +342,7 @@ class WebDatasetReader(Reader):
         """
         emitted = 0
         out: list[Sample] = []
-        async with contextlib.aclosing(self.files.samples(jobs)) as chunks:
+        async with contextlib.aclosing(self.files.samples(jobs, buf.size)) as chunks:
             async for chunk in chunks:
                 for s in chunk:
                     if slot_of:  # resuming: the first samples to come are the buffer's held ones
