@@ -234,6 +234,20 @@ class WebDatasetReader(Reader):
         if equal is not None and self._counts is None:
             raise ConfigError(f"webdataset: equal={equal!r} needs per-shard sample counts "
                               "(headrace-index.json from `headrace pack`, or counts=[...] or counts='scan')")
+        if equal == "pad" and world > 1 and not self.resampled:
+            # "pad" repeats a rank's own stream: a rank with none has nothing to repeat. Refused here,
+            # the same on every rank (each counts them all), not when that rank's epoch starts.
+            assert self._counts is not None
+            totals = [part._rank_total(self._counts, r) for r in range(world)]
+            empty = [r for r, total in enumerate(totals) if total == 0]
+            if empty and max(totals) > 0:
+                split = "samples" if part.by_samples else "shards"
+                raise ConfigError(
+                    f"webdataset: equal='pad' repeats a rank's own samples, but {len(empty)} of {world} ranks "
+                    f"(rank {empty[0]} the first) get none of the {sum(self._counts)} samples in "
+                    f"{len(self.shards)} shards (split by {split}): run on fewer ranks"
+                    + (", or split='samples'" if split == "shards" else "")
+                    + ", or equal=None (those ranks then read nothing)")
         return part
 
     def state_dict(self) -> dict:

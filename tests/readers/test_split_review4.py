@@ -84,7 +84,6 @@ def _wds(root, name, **kw):
 EMPTY_RANKS = [("wds", 7, "auto", "3 of 7 ranks"), ("holes", 4, "shards", "2 of 4 ranks")]
 
 
-@pytest.mark.xfail(strict=True, reason="needs readers/webdataset.py's shard() to refuse it (reported with the fix)")
 @pytest.mark.parametrize(("name", "world", "split", "said"), EMPTY_RANKS)
 def test_webdataset_pad_with_a_rank_of_no_samples_is_refused_when_sharded_on_every_rank(data, name, world, split, said):
     """Before: shard() and the Loader took it; only that rank's read raised, a ReadError (not a
