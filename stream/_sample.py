@@ -154,6 +154,17 @@ class Batch(Mapping[str, Any]):
     def __len__(self) -> int:
         return len(self.data)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A GPU batch's ``ready`` is a CUDA event, which does not pickle (torch.save, a
+        # multiprocessing queue): wait for it, so the lane's work on the tensors is done whichever
+        # stream then copies them, and leave it out.
+        state = dict(self.__dict__)
+        ready = self.extra.get("ready")
+        if ready is not None:
+            ready.synchronize()
+            state["extra"] = {name: value for name, value in self.extra.items() if name != "ready"}
+        return state
+
     @property
     def size(self) -> int:
         """Number of rows (samples) in the batch, padded rows included."""

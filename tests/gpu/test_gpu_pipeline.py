@@ -258,6 +258,24 @@ def _loader(folder, **kw):
     return Loader(readers.files(folder, shuffle=True), batch_size=16, device="cuda", **kw)
 
 
+async def test_a_gpu_batch_pickles_and_saves_with_its_tensors(folder, tmp_path):
+    import pickle
+
+    async with _loader(folder, pipeline=ops.Pipeline([ops.Decode(), ops.Resize(48)])) as loader:
+        async for b in loader:
+            assert b.extra["ready"] is not None  # a CUDA event: it does not pickle itself
+            again = pickle.loads(pickle.dumps(b))
+            torch.save(b, tmp_path / "batch.pt")
+            saved = torch.load(tmp_path / "batch.pt", weights_only=False)
+            for copy in (again, saved):
+                assert copy.sample_keys == b.sample_keys and "ready" not in copy.extra
+                assert torch.equal(copy["label"], b["label"])
+                assert all(torch.equal(x, y) for x, y in zip(copy["image"], b["image"]))
+                assert copy["image"][0].is_cuda
+            assert b.extra["ready"] is not None  # the batch itself keeps it
+            break
+
+
 async def test_loader_picks_the_gpu_and_yields_every_sample(folder):
     assert Loader(readers.files(folder), batch_size=4, pipeline=ops.training(64)).device == "cuda"  # auto
     assert Loader(readers.files(folder), batch_size=4).device == "cuda"  # decode only: a list a batch
