@@ -22,8 +22,9 @@ weights into ``build_model``'s result for a real classifier.
 Answers: 200 ``{"results": [{"key", "top": [{"class", "score"}, ...]}], "model"}``; 400 for an
 empty or undecodable upload (the error names the request); 503 with ``Retry-After`` when the
 service is full (``--when-full reject``, the default here: a server should shed load rather than
-queue without bound) or shutting down. ``GET /healthz`` answers 200 once the service is open;
-``GET /stats`` gives the service's counters (batch sizes included).
+queue without bound) or shutting down; 413 for more files in one upload than ``--max-pending``
+under reject (taken whole or not at all, they would never fit). ``GET /healthz`` answers 200 once
+the service is open; ``GET /stats`` gives the service's counters (batch sizes included).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from headrace._loop import new_event_loop
 
 PRE = web.AppKey("preprocessor", headrace.Preprocessor)
 MODEL_NAME = web.AppKey("model_name", str)
+MAX_PENDING = web.AppKey("max_pending", int)
 
 
 class TinyNet(torch.nn.Module):
@@ -113,6 +115,8 @@ async def predict(request: web.Request) -> web.Response:
         images = [await request.read()]
     if not images or not all(images):
         return _error(400, "empty upload: send an image as the body, or as multipart files", rid)
+    if pre.when_full == "reject" and len(images) > request.app[MAX_PENDING]:  # never taken whole: no Retry-After
+        return _error(413, f"{len(images)} files in one upload, more than max_pending={request.app[MAX_PENDING]}", rid)
     try:
         rows = await pre(images if len(images) > 1 else images[0], key=rid)
     except headrace.DecodeError as exc:
@@ -182,7 +186,7 @@ def make_app(
             postprocess=step,
             wait_ready=step is None,  # GPU, no model: answer once the tensor is done (what a benchmark times)
         ) as pre:
-            app[PRE], app[MODEL_NAME] = pre, name
+            app[PRE], app[MODEL_NAME], app[MAX_PENDING] = pre, name, max_pending
             yield
 
     app.cleanup_ctx.append(service)

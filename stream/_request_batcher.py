@@ -65,10 +65,13 @@ class RequestBatcher:
         if reject:
             if not self.admission.try_acquire(len(datas)):
                 self._stats.rejected += len(datas)
-                raise OverloadedError(
-                    f"{self.admission.used} images in flight, max_pending={self.admission.limit}",
-                    key=keys[0] or f"request-{self._numbers}", source="request",
-                )
+                n, used, limit = len(datas), self.admission.used, self.admission.limit
+                if n > limit:  # not "0 images in flight": a caller told that would retry forever
+                    why = (f"a list of {n} images is more than max_pending={limit}: taken whole or not at all, it "
+                           f"never fits; send at most {limit} at once")
+                else:
+                    why = f"{used} images in flight, max_pending={limit}" + (f", {n} asked for" if n > 1 else "")
+                raise OverloadedError(why, key=self._name(keys[0]), source="request")
             reqs.extend([self._enqueue(d, k) for d, k in zip(datas, keys)])
         else:
             for d, k in zip(datas, keys):
@@ -81,7 +84,15 @@ class RequestBatcher:
         try:
             await self.admission.acquire()
         except ClosedError as exc:
-            raise ClosedError(exc.message, key=key or f"request-{self._numbers}", source="request") from None
+            raise ClosedError(exc.message, key=self._name(key), source="request") from None
+
+    def _name(self, key: str | None) -> str:
+        """``key``, or ``request-<n>`` with a number of its own: a request refused before it was
+        queued named the next request's number, so two requests' errors bore one name."""
+        if key:
+            return key
+        self._numbers += 1
+        return f"request-{self._numbers - 1}"
 
     def _enqueue(self, data: ImageBytes, key: str | None) -> Request:
         n = self._numbers

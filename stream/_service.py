@@ -83,7 +83,8 @@ class Preprocessor:
     stream), a stacked tensor for a list (a list of tensors when the pipeline's output size varies).
     A corrupt image fails only its own request, with DecodeError naming it (``key``, default
     ``request-<n>``; a list fails with its first bad image). OverloadedError when full and
-    rejecting; ClosedError after ``aclose()``.
+    rejecting (a list is taken whole or not at all: one of more than ``max_pending`` images never
+    fits, and its error says so); ClosedError after ``aclose()``.
 
     Cancellation: a cancelled caller leaves its batch-mates alone. Not yet in a batch, the request
     is withdrawn and its place freed; already in one, the batch runs on and only that row is dropped.
@@ -180,6 +181,8 @@ class Preprocessor:
                                   f"{type(data).__name__}", key=key)
         if not datas:
             raise ConfigError("Preprocessor: an empty list of images")
+        if self._closed:
+            raise ClosedError("Preprocessor is closed", key=key, source="request")
         self._start()
         keys = [key] if single else [None if key is None else f"{key}/{i}" for i in range(len(datas))]
         reqs: list[Request] = []
