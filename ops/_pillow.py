@@ -35,6 +35,7 @@ __all__ = ["Opened", "decode", "open_image", "pixels"]
 
 _ORIENTATION_TAG = 0x0112
 _INVERSE = {1: 1, 2: 2, 3: 3, 4: 4, 5: 5, 6: 8, 7: 7, 8: 6}  # the move that undoes each orientation
+_PILLOW_TURNS = {o: o for o in range(2, 9)}  # the orientations Pillow's TIFF loader acts on
 _TRANSPOSE = {
     2: (Image.Transpose.FLIP_LEFT_RIGHT,),
     3: (Image.Transpose.ROTATE_180,),
@@ -180,10 +181,18 @@ def _loaded(img: Image.Image, spec: Decode) -> tuple[Image.Image, int]:
 
 
 def _pillow_orientation(img: Image.Image) -> int:
-    """The orientation Pillow's TIFF loader applies on load (1 for other formats, or none set)."""
+    """The orientation Pillow's TIFF loader applies on load (1 for other formats, or none set).
+
+    Pillow looks the tag's value up in a dict of 2..8, so any value equal to one of them turns the
+    image: a RATIONAL 6/1 or a FLOAT 6.0 as well as an int. Looked up the same way here; an int
+    alone was undone before, and such a TIFF came out turned whatever ``Decode(exif=)`` said.
+    """
     tags = getattr(img, "tag_v2", None) if img.format == "TIFF" else None
     value = tags.get(_ORIENTATION_TAG) if tags is not None else None
-    return value if type(value) is int and 1 <= value <= 8 else 1
+    try:
+        return _PILLOW_TURNS.get(value, 1)
+    except TypeError:  # an unhashable value (none that Pillow makes is known): not one of them
+        return 1
 
 
 def _tiff_outside(img: Image.Image, size: int) -> str | None:
