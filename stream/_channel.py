@@ -75,7 +75,9 @@ class _State:
     @staticmethod
     def wake(waiters: list[asyncio.Future[None]]) -> None:
         for fut in waiters:
-            if not fut.done():
+            # A waiter on a loop closed without cancelling it can never run again: setting its
+            # result would raise RuntimeError ('Event loop is closed') in whoever closes this end.
+            if not fut.done() and not fut.get_loop().is_closed():
                 fut.set_result(None)
         waiters.clear()
 

@@ -98,3 +98,20 @@ def test_stats_say_none_for_a_channel_bounded_by_items_alone():
     assert rx.statistics().max_bytes is None
     _, rx = open_channel(4, max_bytes=1024)
     assert rx.statistics().max_bytes == 1024
+
+
+def test_closing_an_end_whose_waiter_sits_on_a_closed_loop_is_quiet():
+    """A loop closed without cancelling its tasks (``run_until_complete``, then ``close()``) leaves
+    a receiver waiting on it; when the garbage collector later closes the loader's coroutine, its
+    ``finally`` closes the send end, whose wake-up of that receiver raised RuntimeError('Event
+    loop is closed'), an exception Python could only print as ignored. Nobody can wake there."""
+    tx, rx = open_channel(2)
+    loop = asyncio.new_event_loop()
+    waiting = loop.create_task(rx.receive())
+    loop.run_until_complete(asyncio.sleep(0))  # the receiver now waits on a future of this loop
+    assert rx.statistics().waiting_receivers == 1
+    loop.close()
+    closing = tx.aclose()
+    with pytest.raises(StopIteration):  # it completes without awaiting, and raises nothing else
+        closing.send(None)
+    del waiting
