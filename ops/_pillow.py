@@ -46,6 +46,7 @@ _TRANSPOSE = {
     8: (Image.Transpose.ROTATE_90,),
 }
 # Bytes a pixel takes in Pillow's own storage, by mode: RGB-like modes use 4, whatever their bands.
+_SIXTEEN_BIT_GREY = ("I;16", "I;16B", "I;16L", "I;16N")
 _PILLOW_BYTES = {"1": 1, "L": 1, "P": 1, "I;16": 2, "I;16B": 2, "I;16L": 2, "I;16N": 2}
 _STRIP_TAGS = ((273, 279), (324, 325))  # (StripOffsets, StripByteCounts), (TileOffsets, TileByteCounts)
 
@@ -168,7 +169,11 @@ def _loaded(img: Image.Image, spec: Decode) -> tuple[Image.Image, int]:
     before = _pillow_orientation(img)
     mode = "RGB" if spec.color == "rgb" else "L"
     out = img
-    if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
+    if img.mode in _SIXTEEN_BIT_GREY:
+        # Pillow converts 16-bit grey to L or RGB by clipping at 255 (a full-range image comes out
+        # nearly white), where it reads 16-bit colour as its high byte: the high byte here too.
+        out = Image.fromarray((np.asarray(img) >> 8).astype(np.uint8))
+    elif img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
         out = img.convert("RGBA")  # drop alpha the way Pillow's RGB conversion does
     if out.mode != mode:
         out = out.convert(mode)
