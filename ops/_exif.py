@@ -152,7 +152,8 @@ def _png(buf: memoryview) -> int:
     while pos + 8 <= n:
         length, kind = struct.unpack_from(">I4s", buf, pos)
         if kind == b"eXIf":
-            return tiff_orientation(buf, pos + 8, pos + 8 + length)
+            skip = 6 if bytes(buf[pos + 8 : pos + 14]) == _EXIF_HEADER else 0  # as Pillow reads it
+            return tiff_orientation(buf, pos + 8 + skip, pos + 8 + length)
         if kind == b"IEND":
             return 1
         pos += 12 + length
