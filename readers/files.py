@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import os
@@ -37,7 +38,8 @@ class FileReader(IndexedReader):
     A sample's fields are ``{ext: bytes, "cls": b"<label>"}`` (WebDataset's convention), and with
     ``extra`` that file's own fields besides (``coco()``'s boxes, labels and image id; the values
     are shared by every epoch's samples, so treat them as read-only). Its key is the path relative
-    to the root without extension (or the path itself for a path list).
+    to the root without extension (or the path itself for a path list); where two files would
+    share one (``a.jpg`` and ``a.png``), theirs keep the extension.
     """
 
     def __init__(
@@ -99,7 +101,7 @@ class FileReader(IndexedReader):
         self._cache_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._cache_jobs: set[concurrent.futures.Future[Any]] = set()
         self._cache_reads = 0
-        self._keys = [_key(p, root) for p in self._sources]
+        self._keys = _unique_keys([_key(p, root) for p in self._sources], self._sources, root)
         self._exts = [_ext(p) for p in self._sources]
         # Per-sample work done once here rather than in ``_fetch`` every epoch (it holds the GIL).
         self._cls = _label_bytes(labels)
@@ -353,6 +355,19 @@ def class_folders(root: Path, exts: set[str]) -> tuple[list[str], list[Path], li
                 paths.append(p)
                 labels.append(label)
     return classes, paths, labels
+
+
+def _unique_keys(keys: list[str], sources: list[str], root: Path | str | None) -> list[str]:
+    """``keys``, where two files share one (``a.jpg`` and ``a.png``), with the extension kept for
+    those: a key names one sample (its errors, ``sample_keys``, outputs saved by key)."""
+    counts = collections.Counter(keys)
+    if len(counts) == len(keys):
+        return keys
+    return [key if counts[key] == 1 else key + _suffix(source) for key, source in zip(keys, sources)]
+
+
+def _suffix(path: str) -> str:
+    return os.path.splitext(path.split("?", 1)[0] if is_url(path) else path)[1]
 
 
 def _key(path: str, root: Path | str | None) -> str:
