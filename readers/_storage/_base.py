@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import math
 import re
 import urllib.parse
@@ -12,7 +14,22 @@ from dataclasses import dataclass
 
 from headrace._errors import require_number
 
-__all__ = ["Body", "ObjectInfo", "Store", "StoreFault", "redact_url", "scrub", "seconds_option"]
+__all__ = ["Body", "ObjectInfo", "Store", "StoreFault", "progressed", "redact_url", "scrub", "seconds_option"]
+
+# The try of ``with_retries`` going on in this task: its timeout, and the seconds it allows.
+_TRY: contextvars.ContextVar[tuple[asyncio.Timeout, float] | None] = contextvars.ContextVar(
+    "headrace_storage_try", default=None)
+
+
+def progressed() -> None:
+    """Bytes arrived: the try going on (``with_retries``) has its whole timeout again from now.
+
+    The timeout bounds a stall, not a download: a large object (a COCO annotation file, a video)
+    that streams steadily for longer than ``Retry.timeout`` must not be cut and fetched again.
+    """
+    current = _TRY.get()
+    if current is not None and not current[0].expired():
+        current[0].reschedule(asyncio.get_running_loop().time() + current[1])
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +118,7 @@ class Store(ABC):
                 block = await body.next()
                 if not block:
                     break
+                progressed()
                 out += block
             return bytes(out[: end - start])
         finally:
@@ -112,6 +130,7 @@ class Store(ABC):
         try:
             blocks = []
             while block := await body.next():
+                progressed()
                 blocks.append(block)
             return b"".join(blocks)
         finally:

@@ -14,8 +14,8 @@ from typing import Any
 
 from headrace._errors import ConfigError
 
-from ._base import Body, Store, StoreFault, redact_url, scrub, seconds_option
-from ._obstore import BLOCK, HELD_PER_GET, ObstoreBody, fault, open_body
+from ._base import Body, Store, StoreFault, progressed, redact_url, scrub, seconds_option
+from ._obstore import BLOCK, HELD_PER_GET, ObstoreBody, fault, open_body, read_whole
 
 __all__ = ["HttpStore"]
 
@@ -101,7 +101,8 @@ class HttpStore(Store):
         return body if body is not None else await self._open_aiohttp(key, start, end, etag)
 
     async def read(self, key: str) -> bytes:
-        """The whole object; through obstore in one call, off the GIL (a small object: one hand-off)."""
+        """The whole object; through obstore in one call, off the GIL (a small object: one hand-off;
+        a large one block by block, so a slow link does not time it out: ``read_whole``)."""
         body = await self._open_obstore(key, 0, None, None)
         if body is None:
             # The whole object needs no size up front: one a server streams chunked (no
@@ -113,7 +114,7 @@ class HttpStore(Store):
             finally:
                 await body.aclose()
         try:
-            return bytes(await body.rest())
+            return await read_whole(body)
         finally:
             await body.aclose()
 
@@ -224,6 +225,7 @@ class HttpStore(Store):
 
 async def _blocks(body: Body) -> AsyncIterator[bytes | memoryview]:
     while block := await body.next():
+        progressed()  # a slow link's long download is not a stall
         yield block
 
 

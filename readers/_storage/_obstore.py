@@ -7,9 +7,9 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ._base import Body, StoreFault, scrub
+from ._base import Body, StoreFault, progressed, scrub
 
-__all__ = ["BLOCK", "HELD_PER_GET", "ObstoreBody", "fault", "open_body"]
+__all__ = ["BLOCK", "HELD_PER_GET", "WHOLE_MAX", "ObstoreBody", "fault", "open_body", "read_whole"]
 
 # Blocks handed from the download to the parser thread. Each costs a loop iteration, and while a
 # parser holds the GIL the loop waits for it (up to the 5 ms switch interval): over the in-memory
@@ -20,6 +20,10 @@ BLOCK = 1 << 20
 # it hands it over, so an open GET holds up to a block and a chunk in the client: blocks measured up
 # to 1.38 MiB, and 1.36 MiB a GET at most beyond what the downloads had received (~100 GETs, 50 ms).
 HELD_PER_GET = BLOCK + BLOCK // 2
+# ``read_whole`` takes an object up to this in one hand-off off the GIL (its progress unseen: it
+# must arrive within a retry's timeout); a larger one block by block, each block giving the try
+# its timeout again, so a large object on a slow link is not cut for taking long.
+WHOLE_MAX = 4 * BLOCK
 
 _STATUS = re.compile(r"status code: (\d{3})")
 
@@ -96,3 +100,14 @@ class ObstoreBody(Body):
 
     async def aclose(self) -> None:
         self._stream = self._result = None  # dropping them drops the connection
+
+
+async def read_whole(body: ObstoreBody) -> bytes:
+    """The rest of ``body`` as ``bytes``: at once up to ``WHOLE_MAX``, block by block past it."""
+    if body.size <= WHOLE_MAX:
+        return bytes(await body.rest())
+    blocks = []
+    while block := await body.next():
+        progressed()
+        blocks.append(block)
+    return b"".join(blocks)

@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from headrace._errors import ConfigError, StorageError, require_int, require_number
 
-from ._base import StoreFault
+from ._base import _TRY, StoreFault
 
 __all__ = ["Retry", "with_retries"]
 
@@ -30,7 +30,8 @@ class Retry:
     ``attempts``: tries per request (1: no retry). ``backoff``: the first wait in seconds, doubled
     after each failure up to ``max_backoff``; each wait is drawn uniformly from [0, that] (full
     jitter, so many readers that failed together do not come back together). ``timeout``: seconds
-    a request or a block of a download may take before it counts as a failure (a stall).
+    a request may wait for its answer, or a download for its next block, before it counts as a
+    failure (a stall); a download that keeps bringing bytes may take as long as it needs.
     """
 
     attempts: int = 5
@@ -70,21 +71,27 @@ async def with_retries(call: Callable[[], Awaitable[T]], retry: Retry, url: str,
                        missing_ok: bool = False) -> T | None:
     """``await call()`` until it succeeds, ``retry.attempts`` times at most.
 
-    Each try is bounded by ``retry.timeout``. Raises StorageError naming ``url`` when a fault is not
+    Each try is bounded by ``retry.timeout`` while no byte arrives: the stores' ``read`` and
+    ``read_range`` give it the whole timeout again with each block (``progressed``), so a large
+    object that streams for longer is not cut. Raises StorageError naming ``url`` when a fault is not
     retryable or the budget is spent; returns None for a missing object if ``missing_ok``.
     Cancellation is never retried.
     """
     failures = 0
     while True:
         try:
-            async with asyncio.timeout(retry.timeout):
-                return await call()
+            async with asyncio.timeout(retry.timeout) as deadline:
+                token = _TRY.set((deadline, retry.timeout))
+                try:
+                    return await call()
+                finally:
+                    _TRY.reset(token)
         except (StoreFault, TimeoutError) as exc:
             if missing_ok and isinstance(exc, StoreFault) and exc.missing:
                 return None
             failures += 1
             fault = exc if isinstance(exc, StoreFault) else StoreFault(
-                f"no answer within {retry.timeout:g} s", retryable=True)
+                f"nothing arrived within {retry.timeout:g} s", retryable=True)
             await backoff_or_raise(fault, failures, retry, url, what)
 
 

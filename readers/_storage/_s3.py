@@ -12,7 +12,7 @@ from typing import Any
 from headrace._errors import ConfigError
 
 from ._base import Body, ObjectInfo, Store, StoreFault, redact_url, seconds_option
-from ._obstore import HELD_PER_GET, fault, open_body
+from ._obstore import HELD_PER_GET, fault, open_body, read_whole
 
 __all__ = ["S3Store"]
 
@@ -91,14 +91,13 @@ class S3Store(Store):
             raise self._fault(exc) from None
 
     async def read(self, key: str) -> bytes:
-        """The whole object in one call into obstore (a small object: one GIL hand-off, not one per block)."""
-        import obstore
-
+        """The whole object; a small one in one call into obstore (one GIL hand-off, not one per
+        block), a large one block by block (``read_whole``: a slow link does not time it out)."""
+        body = await self.open(key)
         try:
-            result = await obstore.get_async(self._store(), key)
-            return (await result.bytes_async()).to_bytes()
-        except Exception as exc:
-            raise self._fault(exc) from None
+            return await read_whole(body)
+        finally:
+            await body.aclose()
 
     async def list(self, prefix: str) -> list[ObjectInfo]:
         import obstore
