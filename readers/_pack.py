@@ -89,8 +89,9 @@ def pack(
     """Pack the image tree ``src`` (with ``video=True``: a tree of videos) into ``dest`` (a new or empty folder).
 
     ``shard_size``: most megabytes per tar shard (None: no limit); ``shard_count``: most samples per
-    shard (None: no limit); a sample bigger than the limit gets a shard of its own. ``shuffle``
-    writes the samples in a seeded random order (otherwise in ``readers.files`` order), which makes
+    shard (None: no limit); a sample bigger than the limit gets a shard of its own; the shards are
+    ``<prefix>-000000.tar``, ``<prefix>-000001.tar``, ... (``prefix`` a plain file name part). ``shuffle``
+    writes the samples in a random order drawn from ``seed`` (otherwise in ``readers.files`` order), which makes
     shards of mixed classes. ``progress(done, total)`` is called as samples are written (or skipped).
 
     ``verify``: None (default) copies the files' bytes unread. ``"raise"`` decodes each file first

@@ -72,7 +72,7 @@ def coco(
     (``s3://``, ``http(s)://``), read as ``files()`` reads them.
 
     One sample per image the file lists, in the file's order (``shuffle`` for a seeded order each
-    epoch). Its fields:
+    epoch; ``seed`` defaults to the loader's). Its fields:
 
     - the image's bytes, named by its extension (``jpg``);
     - ``boxes``: float32, ``[N, 4]``, in pixels of the image as stored: ``(x0, y0, x1, y1)`` with
@@ -101,6 +101,9 @@ def coco(
     ``mask`` is, when the pipeline reads it: ``Pipeline(boxes="boxes", per_box=("labels",),
     instance_masks="masks")`` moves them with the image and keeps or drops each with its box. It
     may be asked for with ``masks=True`` or without it.
+
+    ``chunk_size``, ``io_threads``, ``storage_options``, ``store``, ``requests``, ``buffer_bytes``,
+    ``cache_dir`` and ``cache_bytes`` are as for ``files()``.
 
     Raises ReadError naming the file when the annotation file cannot be read or is not COCO's
     format (naming the annotation at fault; with ``masks`` or ``instance_masks``, a segmentation

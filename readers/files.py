@@ -434,7 +434,9 @@ def files(
     ``source`` is either a folder whose sub-folders are classes (label = the sub-folder's index in
     sorted order, files found recursively below it), or a sequence of file paths with optional
     ``labels``. ``shuffle`` gives a new seeded order each epoch (``seed`` defaults to the loader's).
-    ``chunk_size`` files are read per thread call, by ``io_threads`` threads.
+    ``chunk_size`` files are read per thread call, by ``io_threads`` threads. ``extensions``: the
+    file extensions a folder's files are kept by (any case, with or without the dot; the image
+    formats by default); a list of paths is read whatever its files' extensions.
 
     The folder may be a bucket prefix, ``"s3://bucket/train/"`` (listed once, here), and the paths
     URLs (``s3://``, ``http(s)://``). Objects are then fetched on the event loop, ``chunk_size`` per

@@ -260,7 +260,8 @@ def mix(
     the source dealt among the ranks.
 
     While one source's next chunk is awaited the others' reads go on in the background (each
-    reader fetches ahead on its own), bounded as each reader bounds itself. Closing or cancelling
+    reader fetches ahead on its own), bounded as each reader bounds itself; the mix hands out its
+    samples ``chunk_size`` at a time. Closing or cancelling
     the read closes every source's read. A source that ends before its ``len()`` ends the epoch
     with a ``ReadError`` naming it. Raises ConfigError for an empty ``sources``, a source that is
     not a reader or has no ``len()``, weights that do not match the sources or are negative or all

@@ -207,7 +207,7 @@ def recordio(
     ``.idx`` beside each file is used where there is one, and the records are otherwise found by
     reading their headers once.
     Records are read by offset, ``chunk_size`` at a time by ``io_threads`` threads, with the files
-    reader's seeded shuffle, sharding and exact resume. A record cut off by the end of its file,
+    reader's seeded shuffle (``seed`` defaults to the loader's), sharding and exact resume. A record cut off by the end of its file,
     without its magic number, or with a bad header is a sample with a ReadError naming its file and
     byte offset. Local files only.
 

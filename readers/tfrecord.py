@@ -282,7 +282,7 @@ def tfrecord(
     The records are found here, once, by reading each one's length header and seeking over its
     data, or from ``index``: DALI's ``tfrecord2idx`` files, one per file, in the same order (one
     path for one file). They are then read by offset, ``chunk_size`` at a time by ``io_threads``
-    threads, with the files reader's seeded shuffle, sharding and exact resume. The data's CRCs are
+    threads, with the files reader's seeded shuffle (``seed`` defaults to the loader's), sharding and exact resume. The data's CRCs are
     not checked (nor are they by DALI's reader); a length header's is, for a file's first record
     (with an index too) and where the scan finds a record that would run past the end (so a damaged length is told from a
     file cut short). A record whose bytes are not an Example, that runs past the end of a truncated
