@@ -49,11 +49,15 @@ class StoreFault(Exception):
     ``StorageError`` naming the URL; it never leaves ``headrace.readers``.
     """
 
-    def __init__(self, message: str, *, retryable: bool, missing: bool = False) -> None:
+    def __init__(self, message: str, *, retryable: bool, missing: bool = False, denied: bool = False) -> None:
         super().__init__(message)
         self.message = message
         self.retryable = retryable
         self.missing = missing  # the object does not exist (a 404)
+        # Access denied (401, 403). S3 answers 403, not 404, for a key that does not exist to a
+        # caller who may not list the bucket, and a presigned URL's signature covers its own object
+        # only: where an object is optional (``with_retries(missing_ok=True)``), it is taken as absent.
+        self.denied = denied
 
 
 class Body(ABC):

@@ -210,7 +210,8 @@ class HttpStore(Store):
         if status == 416 and start:
             raise StoreFault(f"range starting at {start} is past the end (HTTP 416)", retryable=False)
         retryable = status >= 500 or status in (408, 429)
-        raise StoreFault(f"HTTP {status} {response.reason or ''}".strip(), retryable=retryable)
+        raise StoreFault(f"HTTP {status} {response.reason or ''}".strip(), retryable=retryable,
+                         denied=status in (401, 403))
 
     def _fault(self, exc: BaseException) -> StoreFault:
         text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -39,11 +39,11 @@ def fault(exc: BaseException, secrets: Iterable[str | None], missing: str = "no 
     if isinstance(exc, oe.PreconditionError):
         return StoreFault("the object changed while it was read (ETag mismatch)", retryable=False)
     if isinstance(exc, (oe.PermissionDeniedError, oe.UnauthenticatedError, PermissionError)):
-        return StoreFault(f"access denied: {text}", retryable=False)
+        return StoreFault(f"access denied: {text}", retryable=False, denied=True)
     status = _STATUS.search(text)
     code = int(status.group(1)) if status else 0
     retryable = not (400 <= code < 500 and code not in (408, 429))
-    return StoreFault(text, retryable=retryable)
+    return StoreFault(text, retryable=retryable, denied=code in (401, 403))
 
 
 async def open_body(client: Any, path: str, start: int, end: int | None, etag: str | None,

@@ -74,7 +74,10 @@ async def with_retries(call: Callable[[], Awaitable[T]], retry: Retry, url: str,
     Each try is bounded by ``retry.timeout`` while no byte arrives: the stores' ``read`` and
     ``read_range`` give it the whole timeout again with each block (``progressed``), so a large
     object that streams for longer is not cut. Raises StorageError naming ``url`` when a fault is not
-    retryable or the budget is spent; returns None for a missing object if ``missing_ok``.
+    retryable or the budget is spent. With ``missing_ok`` (an object that may be absent: a shard
+    folder's index) returns None for a missing object, and for one the store denies access to (401,
+    403): S3 answers a missing key so to a caller who may not list the bucket, and the neighbour of
+    a presigned URL, asked for without a signature, is refused though it may not exist at all.
     Cancellation is never retried.
     """
     failures = 0
@@ -87,7 +90,9 @@ async def with_retries(call: Callable[[], Awaitable[T]], retry: Retry, url: str,
                 finally:
                     _TRY.reset(token)
         except (StoreFault, TimeoutError) as exc:
-            if missing_ok and isinstance(exc, StoreFault) and exc.missing:
+            if missing_ok and isinstance(exc, StoreFault) and (exc.missing or exc.denied):
+                if exc.denied:
+                    log.info("storage: %s %s denied (%s): taken as absent", what, url, exc.message)
                 return None
             failures += 1
             fault = exc if isinstance(exc, StoreFault) else StoreFault(

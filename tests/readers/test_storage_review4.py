@@ -9,6 +9,7 @@ the cap makes the download take longer than the timeout, whatever the machine.
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import pytest
@@ -99,3 +100,61 @@ async def test_a_whole_object_that_stops_coming_names_why(s3_env):
     error = (await _read_all(reader))[0].error
     assert isinstance(error, StorageError) and error.source == source
     assert "nothing arrived within 0.5 s" in str(error)
+
+
+# -- an optional object the store will not show ------------------------------------------------------
+
+SIGNATURE = "presigned-signature-never-shown-4242"
+
+
+@pytest.mark.parametrize("client", ["obstore", "aiohttp"])
+async def test_presigned_shard_urls_are_read_though_the_index_beside_them_is_refused(client, caplog, leaks):
+    """A presigned URL's signature covers its own object: the index the reader looks for beside
+    the shards goes unsigned and the store refuses it (403), as S3 refuses a missing key to a caller
+    who may not list the bucket. Before, that refusal failed the reader's construction with a
+    StorageError about an index the user never asked for; the shards were readable."""
+    import concurrent.futures
+
+    from aiohttp import web
+
+    from sample_data import tar_bytes
+    from test_storage import _DATED, _http_server
+
+    shards = [tar_bytes([(f"s{k}_{i}.bin", bytes([k, i]) * 500) for i in range(3)]) for k in range(2)]
+    asked = []
+
+    async def signed_only(request):
+        asked.append(request.path)
+        if request.query.get("X-Amz-Signature") != SIGNATURE:
+            return web.Response(status=403, text="<Error><Code>AccessDenied</Code></Error>")
+        return web.Response(body=shards[int(request.path[-5])], headers=_DATED)
+
+    async with _http_server(signed_only) as base:
+        urls = [f"{base}/d/shard-{k}.tar?X-Amz-Signature={SIGNATURE}&X-Amz-Expires=600" for k in range(2)]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # made off the loop: it GETs the index
+            reader = await asyncio.get_running_loop().run_in_executor(
+                pool, lambda: readers.webdataset(urls, storage_options={"retry": RETRY, "http_client": client}))
+        samples = await _read_all(reader)
+    assert "/d/headrace-index.json" in asked  # it was looked for, refused, and taken as absent
+    assert [(s.key, s.fields["bin"]) for s in samples] == [
+        (f"s{k}_{i}", bytes([k, i]) * 500) for k in range(2) for i in range(3)]
+    assert all(SIGNATURE not in r.getMessage() for r in caplog.records)
+    await leaks.check()
+
+
+async def test_an_s3_index_denied_is_taken_as_absent_and_denied_shards_are_errors_not_retried(s3_env, leaks):
+    """Over S3 the same: the index denied, the shards read (75 samples, len() unknown). A shard
+    denied is a StorageError naming it, asked for once (no retry: it will not heal)."""
+    s3_env.faults("s3", {"match": "headrace-index", "then": {"kind": "status", "status": 403}})
+    reader = readers.webdataset(f"s3://{BUCKET}/wds/", storage_options={"retry": RETRY})
+    samples = await _read_all(reader)
+    assert len(samples) == 75 and all(s.error is None for s in samples)
+    s3_env.log("s3")
+    s3_env.faults("s3", {"match": "shard-000003", "then": {"kind": "status", "status": 403}})
+    reader = readers.webdataset(f"s3://{BUCKET}/wds/", storage_options={"retry": {**RETRY, "attempts": 5}})
+    samples = await _read_all(reader)
+    bad = [s for s in samples if s.error is not None]
+    assert len(samples) == 75 and bad and all(isinstance(s.error, StorageError) for s in bad)
+    assert bad[0].error.source == f"s3://{BUCKET}/wds/shard-000003.tar" and "access denied" in str(bad[0].error)
+    assert sum("shard-000003" in r["path"] for r in s3_env.log("s3")) == 1
+    await leaks.check()
