@@ -144,7 +144,7 @@ def source_boxes(pipeline: Pipeline, boxes: Any, image_size: tuple[int, int]) ->
     ``image_size`` ``(height, width)`` (upright, as ``Decode`` made it), and clipped to it. Only
     for pipelines whose geometry draws nothing: ``Resize``, ``CenterCrop`` and ``Flip(p=0 or 1)``.
     Returns float32 ``[N, 4]`` on ``boxes``' device. Raises ConfigError for a pipeline with random
-    geometry, ValueError for boxes that are not ``[N, 4]``.
+    geometry or boxes that are not ``[N, 4]`` (a ValueError too).
     """
     random = [op for op in pipeline.image_ops if isinstance(op, RandomIoUCrop)  # its window, drawn on the boxes
               or op.randoms and not (isinstance(op, Flip) and op.p in (0.0, 1.0))]
@@ -156,7 +156,7 @@ def source_boxes(pipeline: Pipeline, boxes: Any, image_size: tuple[int, int]) ->
     plan = plan_batch(np.array([height]), np.array([width]), pipeline.image_ops, flips)
     given = boxes if isinstance(boxes, torch.Tensor) else torch.as_tensor(np.asarray(boxes, dtype=np.float32))
     if given.ndim != 2 or given.shape[-1] != 4:
-        raise ValueError(f"source_boxes: boxes must be [N, 4], got {list(given.shape)}")
+        raise ConfigError(f"source_boxes: boxes must be [N, 4], got {list(given.shape)}")
     b = given.detach().to("cpu", torch.float64).numpy()
     out_w, out_h = float(plan.out_w[0]), float(plan.out_h[0])
     x0, y0, x1, y1 = b[:, 0], b[:, 1], b[:, 2], b[:, 3]

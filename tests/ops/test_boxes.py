@@ -250,7 +250,7 @@ def test_source_boxes_needs_a_pipeline_without_random_geometry():
     with pytest.raises(ConfigError, match="RandomIoUCrop"):  # its window is drawn on the boxes
         ops.source_boxes(ops.Pipeline([ops.RandomIoUCrop(), ops.Resize((30, 30))], label=None, boxes="boxes"),
                          [[0, 0, 1, 1]], (10, 10))
-    with pytest.raises(ValueError, match=r"\[N, 4\]"):
+    with pytest.raises(ConfigError, match=r"\[N, 4\]"):
         ops.source_boxes(ops.Pipeline([ops.Resize(32)]), [0, 0, 1, 1], (10, 10))
     clipped = ops.source_boxes(ops.Pipeline([ops.CenterCrop(20)]), torch.tensor([[0.0, 0.0, 20.0, 20.0]]), (10, 10))
     assert clipped.tolist() == [[0.0, 0.0, 10.0, 10.0]]  # the padding is not the image
