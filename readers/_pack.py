@@ -336,28 +336,47 @@ def _write_lmdb(items: Iterator[Loaded], total_bytes: int, dest: Path, result: P
     keys: list[str] = []
     try:
         batch: list[tuple[bytes, bytes]] = []
-        for key, ext, _, label, data in items:
-            batch.append((key.encode(), encode_record({ext: data, "cls": str(label).encode()})))
+        for key, ext, path, label, data in items:
+            # A file name's undecodable bytes (surrogates, as os.fsdecode gives them) are stored as
+            # those bytes; __keys__ holds them as JSON's \udcXX escapes, which the reader turns back.
+            raw = key.encode("utf-8", "surrogateescape")
+            if len(raw) > env.max_key_size():
+                raise ConfigError(f"pack: {path!r} would be stored under a key of {len(raw)} bytes, past LMDB's "
+                                  f"{env.max_key_size()}-byte limit; shorten its folder or file name")
+            batch.append((raw, encode_record({ext: data, "cls": str(label).encode()})))
             keys.append(key)
             if len(batch) >= 256:
                 _put(env, batch, result)
         _put(env, batch, result)
         meta = {"format": "headrace.lmdb", "version": 1, "samples": len(keys), "classes": result.classes,
                 "record": "headrace-record-1"}
-        with env.begin(write=True) as txn:
-            txn.put(b"__keys__", json.dumps(keys).encode())
-            txn.put(b"__meta__", json.dumps(meta).encode())
+        _put(env, [(b"__keys__", json.dumps(keys).encode()), (b"__meta__", json.dumps(meta).encode())], None)
         env.sync(True)
     finally:
         env.close()
     result.bytes = os.path.getsize(dest / "data.mdb")
 
 
-def _put(env, batch: list[tuple[bytes, bytes]], result: PackResult) -> None:
-    """Write ``batch`` in one transaction and empty it."""
-    if batch:
-        with env.begin(write=True) as txn:
-            for k, v in batch:
-                txn.put(k, v)
+def _put(env, batch: list[tuple[bytes, bytes]], result: PackResult | None) -> None:
+    """Write ``batch`` in one transaction and empty it.
+
+    The map was sized from the files' bytes, but LMDB's pages can take more than twice those
+    (small values in half-full pages, a value just past a page in two), and ``__keys__`` more
+    still: where the map is full, it is doubled (nothing else has the database open) and the
+    transaction, aborted, is written again."""
+    if not batch:
+        return
+    from .lmdb import lmdb_module
+
+    lmdb_lib = lmdb_module()
+    while True:
+        try:
+            with env.begin(write=True) as txn:
+                for k, v in batch:
+                    txn.put(k, v)
+            break
+        except lmdb_lib.MapFullError:
+            env.set_mapsize(2 * env.info()["map_size"])
+    if result is not None:
         result.samples += len(batch)
-        batch.clear()
+    batch.clear()

@@ -111,21 +111,22 @@ class _SharedEnv:
         self._resizing = False
 
     @contextlib.contextmanager
-    def read(self) -> Iterator[Any]:
-        """A read transaction (values copied out, so nothing refers to the map once it ends)."""
-        txn = self._begin()
+    def read(self, buffers: bool = False) -> Iterator[Any]:
+        """A read transaction (values copied out, so nothing refers to the map once it ends; with
+        ``buffers``, views into the map, to be used only while it lasts)."""
+        txn = self._begin(buffers)
         try:
             yield txn
         finally:
             txn.abort()
             self._leave()
 
-    def _begin(self) -> Any:
+    def _begin(self, buffers: bool) -> Any:
         lmdb_lib = lmdb_module()
         for _ in range(_RESIZE_ATTEMPTS):
             self._enter()
             try:
-                return self.env.begin(buffers=False)
+                return self.env.begin(buffers=buffers)
             except lmdb_lib.MapResizedError:
                 self._leave()
                 self._adopt_new_size()
@@ -223,6 +224,28 @@ def _is_meta(key: bytes) -> bool:
     return key.startswith(b"__") and key.endswith(b"__") and len(key) >= 4
 
 
+_DB_RECORD = struct.Struct("<IHHQQQQQ")  # LMDB's MDB_db: pad, flags, depth, branch/leaf/overflow pages, entries, root
+_NO_ROOT = (1 << 64) - 1
+
+
+def _is_subdb(value: bytes | memoryview, last_page: int) -> bool:
+    """Whether a value of the main database is a named sub-database's record, not data.
+
+    The main database holds each named database's name as a key, its value LMDB's 48-byte
+    record of that tree (LMDB marks the entry with a node flag that py-lmdb does not show, and
+    ``open_db`` to ask takes one of a few handles for good). So the record is recognised by its
+    shape: known flags, and a depth, root page and page counts that fit this database."""
+    if len(value) != _DB_RECORD.size:
+        return False
+    _, flags, depth, branch, leaf, overflow, entries, root = _DB_RECORD.unpack(value)
+    if flags & ~0x7E:  # LMDB's persistent database flags
+        return False
+    if depth == 0:
+        return root == _NO_ROOT and branch == leaf == overflow == entries == 0
+    return (depth <= 64 and root <= last_page and leaf >= 1 and entries >= 1 and branch >= depth - 1
+            and branch + leaf + overflow <= last_page + 1)
+
+
 class LmdbReader(IndexedReader):
     """Reads LMDB values in chunks from I/O threads (one read transaction per chunk); one Sample per key.
 
@@ -291,6 +314,9 @@ class LmdbReader(IndexedReader):
             return self._failed(i, ReadError(f"cannot read key: {exc}", key=key, source=self.path), exc)
         if value is None:
             return self._failed(i, ReadError("key not found in the LMDB", key=key, source=self.path))
+        if _is_subdb(value, self._env.env.info()["last_pgno"]):
+            return self._failed(i, ReadError("key names a sub-database of the LMDB, not a value (the main "
+                                             "database is read)", key=key, source=self.path))
         try:
             fields = dict(self.decode(raw, value))
         except Exception as exc:
@@ -329,13 +355,15 @@ def lmdb(
 
     ``decode(key, value) -> {field: bytes}`` splits a value into fields (default: ``decode_default``,
     the record format ``pack`` writes, or one raw image). ``keys``: the samples, in dataset order
-    (default: the ``__keys__`` entry if there is one, else every key but ``__...__`` ones, in the
-    database's sorted order, enumerated once here). ``shuffle``/``seed``/``chunk_size``/``io_threads``
+    (default: the ``__keys__`` entry if there is one, else every key but ``__...__`` ones and the
+    names of named sub-databases, in the database's sorted order, enumerated once here; the main
+    database is read, never a named one; keys given as text are UTF-8, with a file name's
+    undecodable bytes, ``os.fsdecode``'s surrogates as ``pack`` stores them, as those bytes). ``shuffle``/``seed``/``chunk_size``/``io_threads``
     as for ``readers.files``; shuffle, shard and resume work on the key list by index.
 
     Raises ReadError (``source`` = the path) if there is no LMDB at ``path`` or it cannot be opened,
     ConfigError if ``keys`` is not a list of str or bytes; a key that is missing (or that LMDB cannot
-    hold, like ``""``) or whose value ``decode`` rejects becomes a sample whose ``error`` is a
+    hold, like ``""``, or that names a sub-database) or whose value ``decode`` rejects becomes a sample whose ``error`` is a
     ReadError naming the key and the path, and the other samples are read as usual.
     """
     if decode is not None and not callable(decode):
@@ -344,9 +372,10 @@ def lmdb(
     real = os.path.realpath(path)
     shared = _ENVS.acquire(real)
     try:
-        with shared.read() as txn:
-            classes = _classes(txn.get(b"__meta__"))
-            found = given if given is not None else _stored_keys(txn, real)
+        with shared.read(buffers=True) as txn:
+            meta = txn.get(b"__meta__")
+            classes = _classes(None if meta is None else bytes(meta))
+            found = given if given is not None else _stored_keys(txn, real, shared.env.info()["last_pgno"])
     except lmdb_module().Error as exc:
         raise ReadError(f"cannot read LMDB: {exc}", source=real) from exc
     finally:
@@ -365,7 +394,7 @@ def _given_keys(keys: Sequence[str | bytes]) -> list[bytes]:
     out = []
     for k in keys:
         if isinstance(k, str):
-            out.append(k.encode())
+            out.append(k.encode("utf-8", "surrogateescape"))
         elif isinstance(k, (bytes, bytearray, memoryview)):
             out.append(bytes(k))
         else:
@@ -373,19 +402,28 @@ def _given_keys(keys: Sequence[str | bytes]) -> list[bytes]:
     return out
 
 
-def _stored_keys(txn: Any, path: str) -> list[bytes]:
+def _stored_keys(txn: Any, path: str, last_page: int) -> list[bytes]:
     """The ``__keys__`` entry (a JSON list of strings) if there is one, else every key but ``__...__``
-    ones, in the database's sorted order."""
+    ones and sub-databases' names, in the database's sorted order (``txn`` gives buffers: the values
+    are looked at, never copied)."""
     listed = txn.get(b"__keys__")
     if listed is None:
-        return [k for k in txn.cursor().iternext(keys=True, values=False) if not _is_meta(k)]
+        # Two passes over the one snapshot, each in C but for a cheap call a key (a million keys
+        # in about a second): the values' lengths (a sub-database's record is 48 bytes), the keys.
+        sized = [i for i, n in enumerate(map(len, txn.cursor().iternext(keys=False, values=True)))
+                 if n == _DB_RECORD.size]
+        keys = list(map(bytes, txn.cursor().iternext(keys=True, values=False)))
+        for i in reversed(sized):
+            if _is_subdb(txn.get(keys[i]), last_page):
+                del keys[i]
+        return [k for k in keys if not _is_meta(k)]
     try:
-        keys = json.loads(listed)
+        keys = json.loads(bytes(listed))
     except ValueError as exc:
         raise ReadError(f"unreadable __keys__ entry: {exc}", key="__keys__", source=path) from exc
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
         raise ReadError("unreadable __keys__ entry: not a JSON list of strings", key="__keys__", source=path)
-    return [k.encode() for k in keys]
+    return [k.encode("utf-8", "surrogateescape") for k in keys]
 
 
 def _classes(meta: bytes | None) -> list[str]:
