@@ -108,8 +108,8 @@ def pack(
 
     Raises ReadError when ``src`` holds no images (videos) or a file cannot be read, DecodeError (naming the
     file) for a file that does not decode under ``verify="raise"``, ConfigError for a wrong
-    argument, a ``dest`` that is not empty or lies inside ``src``, or two files that map to the same
-    key. On any error nothing of this run is left in ``dest``.
+    argument, a ``dest`` that is not empty or lies inside ``src``, two files that map to the same
+    key, or (LMDB) a key past LMDB's 511-byte limit. On any error nothing of this run is left in ``dest``.
     """
     if format not in ("webdataset", "lmdb"):
         raise ConfigError(f"pack: format must be 'webdataset' or 'lmdb', got {format!r}")
