@@ -14,7 +14,9 @@ class ErrorBudget:
 
     ``max_errors`` is an int (at most that many) or a float in [0, 1] (at most that fraction of the
     samples seen so far, checked once at least ``min_samples`` were seen, so one early failure does
-    not end a run).
+    not end a run). The fraction is checked at each failure and when ``min_samples`` is first
+    reached: only then can the share of failures rise past it, so the failures made before that
+    point count as soon as it is passed, whether or not more follow.
     """
 
     def __init__(self, max_errors: int | float, *, min_samples: int = 100) -> None:
@@ -28,13 +30,16 @@ class ErrorBudget:
         self.min_samples = min_samples
         self.seen = 0
         self.dropped = 0
+        self.last: LoaderError | None = None  # the latest failure: the one an over-budget error names
 
     def record(self, seen: int, failures: list[LoaderError]) -> None:
         """Count ``seen`` samples of which ``failures`` were dropped; raise when over budget."""
         self.seen += seen
         self.dropped += len(failures)
-        if not failures:
-            return
+        if failures:
+            self.last = failures[-1]
+        elif not (self.dropped and self.seen - seen < self.min_samples <= self.seen):
+            return  # no failure and not the first check of the fraction: the share only fell
         if isinstance(self.max_errors, int):
             over = self.dropped > self.max_errors
             limit = f"{self.max_errors} samples"
@@ -42,7 +47,8 @@ class ErrorBudget:
             over = self.seen >= self.min_samples and self.dropped > self.max_errors * self.seen
             limit = f"{self.max_errors:.2%} of samples"
         if over:
-            last = failures[-1]
+            last = self.last
+            assert last is not None
             raise ErrorBudgetExceeded(
                 f"{self.dropped} of {self.seen} samples failed, over the budget of {limit}; last: {last.message}",
                 key=last.key,
