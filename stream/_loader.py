@@ -87,8 +87,10 @@ class Loader:
             lanes' nvImageCodec host threads, shared among the lanes (each gets
             ``num_threads // lanes``, at least one). Default: all cores, divided among the processes
             torchrun started on the node, from ``LOCAL_WORLD_SIZE``.
-        prefetch: batches in flight between the batcher and the consumer (decoding or done);
-            default 3 on the CPU, ``lanes + 2`` on the GPU.
+        prefetch: batches in flight between the batcher and the output channel (decoding, or
+            done and waiting for a place in it); the output channel holds two more finished
+            batches for the consumer, so a slow consumer has up to ``prefetch + 2`` finished
+            batches waiting. Default 3 on the CPU, ``lanes + 2`` on the GPU.
         run_ahead: once an epoch's reader is done, start reading the next epoch (into the bounded
             channels: ``max_bytes``, two batches), and once the epoch's last batch has gone to
             decode, start decoding it (up to ``prefetch`` batches), so neither the reads nor the
@@ -138,8 +140,9 @@ class Loader:
     iterate at a time: a second ``async for`` while another task is waiting inside the first
     raises ``LoaderError``.
 
-    Backpressure: the consumer sets the pace; the pipeline runs at most ``prefetch`` batches ahead
-    and the reader at most ``max_bytes`` ahead of the batcher.
+    Backpressure: the consumer sets the pace; the pipeline runs at most ``prefetch + 2`` batches
+    ahead (``prefetch`` in flight, two finished in the output channel) and the reader at most
+    ``max_bytes`` ahead of the batcher.
 
     Resume: ``state_dict()`` at any point between batches, ``load_state_dict()`` on a new loader
     with the same arguments, and the next ``async for`` yields exactly the batches the

@@ -110,8 +110,8 @@ def torch_dataset(loader: Loader, *, keys: str | None = None) -> Any:
     ``len()`` is the loader's batches per epoch, and raises TypeError when the reader does not know
     its length (the ``DataLoader``'s ``len()`` then raises too). Each ``iter()`` is the next epoch; a
     pass left early (``break``, an exception, a trainer's step limit) stops that epoch's pipeline,
-    and the next ``iter()`` starts the next epoch whole. Backpressure is the loader's: it decodes at
-    most ``prefetch`` batches ahead of the consumer.
+    and the next ``iter()`` starts the next epoch whole. Backpressure is the loader's: it holds at
+    most ``prefetch + 2`` batches ahead of the consumer (``prefetch`` decoding, two done).
 
     Raises:
         ConfigError: when iterated in a ``DataLoader`` worker process (``num_workers > 0``), or
