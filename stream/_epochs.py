@@ -100,7 +100,9 @@ class Epochs:
                 self._cursor.not_begun()
         where = self._cursor.begin_iteration()
         ahead = self.ahead
-        if (previous is None and ahead is not None and ahead.can_follow()
+        # Not after ``load_state_dict`` let go of a left run: tearing that run down drains the
+        # executor, which would cancel the batches the run ahead has in flight (it is thrown away).
+        if (previous is None and self._abandoned is None and ahead is not None and ahead.can_follow()
                 and (ahead.epoch, ahead.start, ahead.first_batch, ahead.history) == where):
             run, self.ahead = ahead, None  # started during the last epoch: take it over
         else:
