@@ -18,7 +18,7 @@ from headrace._sample import Sample
 from ._base import IndexedReader
 from ._shards import expand_braces
 
-__all__ = ["CUT", "DAMAGED", "RecordFileReader", "find_records", "index_lines", "resolve_files"]
+__all__ = ["CUT", "DAMAGED", "RecordFileReader", "check_index_end", "find_records", "index_lines", "resolve_files"]
 
 CUT = -1  # a record's length where it runs past the end of its file
 DAMAGED = -2  # a record's length where its header is damaged (its CRC is wrong): no length to trust
@@ -154,3 +154,12 @@ def index_lines(index: str) -> list[str]:
             return f.readlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise ReadError(f"cannot read the index file: {exc}", source=index) from exc
+
+
+def check_index_end(end: int, size: int, index: str) -> None:
+    """ReadError naming ``index`` where its records end (byte ``end``) before its file does
+    (``size``): an index cut short, or another file's; the records after would be lost unsaid."""
+    if end < size:
+        raise ReadError(f"the index's records end at byte {end}, the file goes on to byte {size}: the index "
+                        "misses the records after, or is another file's; rebuild it (or leave index= out: the "
+                        "records are then found by reading their headers)", source=index)

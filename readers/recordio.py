@@ -23,7 +23,7 @@ import numpy as np
 
 from headrace._errors import ReadError
 
-from ._record_files import CUT, RecordFileReader, find_records, index_lines, resolve_files
+from ._record_files import CUT, RecordFileReader, check_index_end, find_records, index_lines, resolve_files
 from .lmdb import decode_default
 
 __all__ = ["RecordIOReader", "recordio"]
@@ -157,10 +157,8 @@ def _from_index(index: str, file: int, path: str) -> list[tuple[int, int, int]]:
         size = os.fstat(f.fileno()).st_size
         inside = [start for start in offsets if start < size]
         end = _record_end(f.fileno(), inside[-1], size) if inside else 0
-    if end is not None and end < size:
-        raise ReadError(f"the index's records end at byte {end}, the file goes on to byte {size}: the index "
-                        "misses the records after, or is another file's; rebuild it (or remove it: the records "
-                        "are then found by reading their headers)", source=index)
+    if end is not None:
+        check_index_end(end, size, index)
     ends = offsets[1:] + [size]
     return [(file, start, min(end, size) - start if start < size else CUT) for start, end in zip(offsets, ends)]
 

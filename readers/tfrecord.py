@@ -21,7 +21,7 @@ import numpy as np
 
 from headrace._errors import ConfigError, ReadError
 
-from ._record_files import CUT, DAMAGED, RecordFileReader, find_records, index_lines, resolve_files
+from ._record_files import CUT, DAMAGED, RecordFileReader, check_index_end, find_records, index_lines, resolve_files
 
 __all__ = ["TFRecordReader", "example_class", "parse_example", "tfrecord"]
 
@@ -247,11 +247,7 @@ def _from_index(index: str, file: int, path: str) -> list[tuple[int, int, int]]:
             continue
         seen[offset] = total
         records.append((file, offset + _HEADER.size, length if offset + total <= size else CUT))
-    end = max((offset + total for offset, total in seen.items()), default=0)
-    if end < size:
-        raise ReadError(f"the index's records end at byte {end}, the file goes on to byte {size}: the index "
-                        "misses the records after, or is another file's; rebuild it (or leave index= out: the "
-                        "records are then found by reading their headers)", source=index)
+    check_index_end(max((offset + total for offset, total in seen.items()), default=0), size, index)
     return records
 
 
@@ -282,10 +278,10 @@ def tfrecord(
     The records are found here, once, by reading each one's length header and seeking over its
     data, or from ``index``: DALI's ``tfrecord2idx`` files, one per file, in the same order (one
     path for one file). They are then read by offset, ``chunk_size`` at a time by ``io_threads``
-    threads, with the files reader's seeded shuffle (``seed`` defaults to the loader's), sharding and exact resume. The data's CRCs are
-    not checked (nor are they by DALI's reader); a length header's is, for a file's first record
-    (with an index too) and where the scan finds a record that would run past the end (so a damaged length is told from a
-    file cut short). A record whose bytes are not an Example, that runs past the end of a truncated
+    threads, with the files reader's seeded shuffle (``seed`` defaults to the loader's), sharding
+    and exact resume. The data's CRCs are not checked (nor are they by DALI's reader); a length
+    header's is, for a file's first record (with an index too) and where the scan finds a record
+    that would run past the end (so a damaged length is told from a file cut short). A record whose bytes are not an Example, that runs past the end of a truncated
     file, or whose length header is damaged is a sample with a ReadError naming its file and byte
     offset (nothing after a cut or damaged record can be found). Local files only.
 
