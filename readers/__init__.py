@@ -3,6 +3,7 @@
 from ._base import IndexedReader, Reader, epoch_order
 from ._pack import PackResult, pack
 from ._storage import HttpStore, LocalStore, MemoryStore, ObjectInfo, Retry, S3Store, Store
+from .caffe import CaffeReader, caffe
 from .coco import CocoReader, coco
 from .files import FileReader, file_list, files
 from .lmdb import LmdbReader, decode_default, decode_record, encode_record, lmdb
@@ -14,6 +15,7 @@ from .video import VideoReader, video
 from .webdataset import WebDatasetReader, webdataset
 
 __all__ = [
+    "CaffeReader",
     "CocoReader",
     "FileReader",
     "HttpStore",
@@ -34,6 +36,7 @@ __all__ = [
     "TFRecordReader",
     "VideoReader",
     "WebDatasetReader",
+    "caffe",
     "coco",
     "decode_default",
     "decode_record",

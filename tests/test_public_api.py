@@ -37,6 +37,7 @@ PUBLIC = {
         "torch_dataset",
     ],
     "headrace.readers": [
+        "CaffeReader",
         "CocoReader",
         "FileReader",
         "HttpStore",
@@ -57,6 +58,7 @@ PUBLIC = {
         "TFRecordReader",
         "VideoReader",
         "WebDatasetReader",
+        "caffe",
         "coco",
         "decode_default",
         "decode_record",
