@@ -43,8 +43,9 @@ async def batch_samples(
     policy: LastBatch,
     epoch: int,
     first_index: int,
-) -> None:
-    """Receive sample lists until END; send SampleBatches numbered from ``first_index``; then close."""
+) -> int:
+    """Receive sample lists until END; send SampleBatches numbered from ``first_index``; then close.
+    Returns the number after the last batch's: the epoch's batch count when it started at 0."""
     pending: list[Sample] = []
     index = first_index
     try:
@@ -60,5 +61,7 @@ async def batch_samples(
                 padded = batch_size - len(pending)
                 pending = pending + [pending[i % len(pending)] for i in range(padded)]
             await batches.send(SampleBatch(pending, epoch, index, padded=padded), len(pending))
+            index += 1
+        return index
     finally:
         await batches.aclose()

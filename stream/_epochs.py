@@ -81,6 +81,14 @@ class Epochs:
         run.superseded = True
         self._abandoned, self.active = run, None
 
+    def handed_out_all(self) -> bool:
+        """The consumer has had the last batch of the epoch the cursor is in, as far as the run
+        has seen: its reader ended and no batch of it is left. Known for readers without a length too,
+        once the batcher has seen the end (the run reads ahead, so by the last batch it has)."""
+        run = self.active
+        return (run is not None and not run.superseded and run.epoch == self._cursor.epoch
+                and run.batch_end is not None and self._cursor.batches >= run.batch_end)
+
     def iterate(self, *, run_ahead: bool, progress: bool) -> AsyncIterator[Batch]:
         """The next ``async for``'s iterator: the epoch the cursor points at."""
         if self.closed:

@@ -276,7 +276,12 @@ class Loader:
 
         ``position`` and ``batches`` count this rank's samples and batches in the epoch (after the
         spans in ``history``, if it resumed on another world size); in a job whose ranks step
-        together they are the same on every rank.
+        together they are the same on every rank. ``epoch_end`` says the last batch handed out was
+        the epoch's last (the loop had not ended yet: a trainer's checkpoint at its last step), so a
+        loader given the state starts at the next epoch. Readers that know their length say it by
+        ``len()``; for the others the loader knows it once it has seen the reader's end, which it
+        has by the last batch unless the source was still being read (then the resumed ``async for``
+        yields nothing and ends, and the one after it starts the next epoch).
         """
         cursor = self._cursor
         return {
@@ -290,7 +295,16 @@ class Loader:
             "rank": self.rank,
             "history": [list(span) for span in cursor.history],
             "source": self.reader.state_dict(),
+            "epoch_end": self._at_epoch_end(),
         }
+
+    def _at_epoch_end(self) -> bool:
+        # By the length where the reader knows it, so that every rank of a step writes the same
+        # state whatever its reader's timing; else by the end the run has seen.
+        length, cursor = self._epoch_length(), self._cursor
+        if length is not None:
+            return not cursor.history and cursor.batches >= length
+        return self._epochs.handed_out_all()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``; the next ``async for`` resumes mid-epoch if the state was taken there
@@ -306,7 +320,8 @@ class Loader:
         self._epochs.let_go_of_a_left_run()  # raises while a loop is inside an epoch
         point = resume_point(state, batch_size=self.batch_size, seed=self.seed, reader=self.reader, world=self.world)
         length = self._epoch_length()
-        if length is not None and not point.history and point.batches >= length:
+        at_end = state.get("epoch_end") is True or (length is not None and point.batches >= length)
+        if at_end and not point.history:
             # Saved after the epoch's last batch, before its loop ended (a trainer's checkpoint at its
             # last step): the uninterrupted run's next batch is the next epoch's first, so start
             # there, not in an empty rest of this epoch that a trainer would count as an epoch.

@@ -188,6 +188,10 @@ class _Run:
         # its first batch only after the previous run's (``dispatch_after``), so the lanes take
         # the epochs' batches in order.
         self.dispatched_all = asyncio.Event()
+        # The index after the epoch's last batch, once the batcher has seen the reader's end: a
+        # state taken when the consumer has had that many batches is at the epoch's end, also for
+        # readers without a length.
+        self.batch_end: int | None = None
         self._dispatch_after = dispatch_after
         # Set by the loader: a consumer is inside this run's iterator (between two batches), or a
         # later ``async for`` replaced the iterator that a loop left without closing it.
@@ -306,7 +310,7 @@ class _Run:
             await self._chunks_tx.aclose()
 
     async def _batch(self) -> None:
-        await batch_samples(
+        self.batch_end = await batch_samples(
             self._chunks_rx,
             self._batches_tx,
             batch_size=self.cfg.batch_size,

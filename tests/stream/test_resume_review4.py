@@ -201,13 +201,19 @@ async def test_a_state_saved_after_any_batch_resumes_exactly(data, kind, on_erro
         assert rest == whole[cut:], f"cut after batch {cut} ({how}): {_first_difference(rest, whole[cut:])}"
 
 
-@pytest.mark.parametrize(("kind", "on_error"), [("files", "skip"), ("webdataset", "replace"), ("mix", "skip")])
-async def test_a_state_saved_at_an_epochs_last_batch_resumes_with_the_next_epoch(data, kind, on_error):
-    """Readers that know their length: the resumed loader stands at the next epoch, and its next
-    ``async for`` yields that epoch whole (no empty rest of the old one in between)."""
+@pytest.mark.parametrize(("kind", "on_error", "how"), [
+    ("files", "skip", "inside"), ("webdataset", "replace", "inside"), ("mix", "skip", "inside"),
+    ("webdataset-uncounted", "skip", "inside"), ("webdataset-uncounted", "replace", "sync"),
+    ("iterable-unsized", "replace", "inside"), ("iterable-unsized", "skip", "sync"),
+])
+async def test_a_state_saved_at_an_epochs_last_batch_resumes_with_the_next_epoch(data, kind, on_error, how):
+    """The resumed loader stands at the next epoch, and its next ``async for`` yields that epoch
+    whole (no empty rest of the old one in between): readers that know their length by ``len()``,
+    and readers that do not (shards without counts, an iterable without length) by the end of the
+    epoch the loader had seen when the state was taken."""
     make = _maker(kind, data, on_error=on_error)
     per_epoch = await _uninterrupted(make)
-    _, state = await _cut(make, len(per_epoch[0]), "inside")
+    _, state = await _cut(make, len(per_epoch[0]), how)
     loader = make()
     loader.load_state_dict(json.loads(json.dumps(state)))
     assert loader.epoch == 1
