@@ -120,9 +120,14 @@ def _aws_env(url: str) -> None:
 
 
 def _count(stream) -> tuple[int, int]:  # noqa: ANN001 - an async iterator of sample lists
+    """Samples and payload bytes of one read; the seconds from its start to its first sample go into
+    ``_extra`` (a shuffle buffer holds the first one back until it has ``shuffle_initial`` samples)."""
     async def run() -> tuple[int, int]:
         n = b = 0
+        start = time.perf_counter()
         async for chunk in stream:
+            if n == 0 and chunk:
+                _extra["first_sample_seconds"] = time.perf_counter() - start
             for s in chunk:
                 if s.error is not None:
                     raise s.error
@@ -181,6 +186,8 @@ def _shards_reader(serve: Path, url: str, where: str, args: argparse.Namespace, 
     if args.shuffle_buffer is not None:  # every shard row shuffles, through a buffer of this size
         kw.update(shuffle=True, shuffle_buffer=args.shuffle_buffer)
         options.pop("shuffle", None)
+    if args.shuffle_initial is not None:  # where the rows shuffle: the samples held before the first one comes out
+        kw["shuffle_initial"] = args.shuffle_initial
     return readers.webdataset(sources, **kw, **options)
 
 
@@ -557,7 +564,8 @@ def run_row(args: argparse.Namespace) -> None:
     result = {"samples": samples, "payload_bytes": nbytes, "seconds": seconds, "cpu_seconds": cpu() - began,
               "samples_per_s": samples / seconds, "mb_per_s": nbytes / seconds / 1e6, "peak_rss_mb": own,
               "peak_rss_children_mb": children, "setup_seconds": setup, "config_buffer_mb": args.buffer_mb,
-              "config_read_ahead": _read_ahead(args), "config_shuffle_buffer": args.shuffle_buffer, **_extra}
+              "config_read_ahead": _read_ahead(args), "config_shuffle_buffer": args.shuffle_buffer,
+              "config_shuffle_initial": args.shuffle_initial, **_extra}
     if pipeline_row:
         # The cores each kind of thread kept busy over the timed epochs, and the loop's lag in each.
         result.update(warmup_seconds=warmup, epoch_samples_per_s=epoch_rates, cores_by_thread=cores_by_thread,
@@ -700,6 +708,8 @@ def measure(key: tuple[str, str, str], url: str, serve: Path, args: argparse.Nam
         cmd += ["--read-ahead", str(args.read_ahead)]
     if args.shuffle_buffer is not None:
         cmd += ["--shuffle-buffer", str(args.shuffle_buffer)]
+    if args.shuffle_initial is not None:
+        cmd += ["--shuffle-initial", str(args.shuffle_initial)]
     if args.pipeline:
         cmd += ["--pipeline", args.pipeline, "--epochs", str(args.epochs), "--batch", str(args.batch)]
     started = time.perf_counter()
@@ -722,7 +732,9 @@ def measure(key: tuple[str, str, str], url: str, serve: Path, args: argparse.Nam
                process_seconds=time.perf_counter() - started)
     print(f"  {row:20s} {where:5s} {setting:4s} {res['samples_per_s']:8,.0f} samples/s "
           f"{res['mb_per_s']:7.1f} MB/s  RSS {res['peak_rss_mb']:5.0f} MB"
-          + (f"  one download's peak load {res['peak_load_mb']:.0f} MiB" if "peak_load_mb" in res else ""), flush=True)
+          + (f"  one download's peak load {res['peak_load_mb']:.0f} MiB" if "peak_load_mb" in res else "")
+          + (f"  first sample {res['first_sample_seconds']:.2f} s, epoch {res['seconds']:.2f} s"
+             if "first_sample_seconds" in res else ""), flush=True)
     if "cores_by_thread" in res:
         busiest = ", ".join(f"{name} {cores:.2f}" for name, cores in list(res["cores_by_thread"].items())[:8])
         lag = "; ".join(f"{x['mean_ms']:.1f}/{x['p90_ms']:.1f}" for x in res["loop_lag"] if x)
@@ -745,6 +757,10 @@ def main() -> None:
     parser.add_argument("--shuffle-buffer", type=int, default=None, help="headrace webdataset(shuffle=True, "
                         "shuffle_buffer=), every shard row (default: the reader rows do not shuffle, the pipeline "
                         "rows shuffle with the reader's default buffer)")
+    parser.add_argument("--shuffle-initial", type=int, default=None, help="headrace webdataset(shuffle_initial=), "
+                        "every shard row that shuffles: the buffer emits once it holds this many (default: the "
+                        "reader's, 100; --shuffle-initial equal to --shuffle-buffer waits for the whole buffer). "
+                        "The reader rows report the seconds from an epoch's start to its first sample")
     parser.add_argument("--workers", type=int, default=16, help="DataLoader worker processes")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rows", default="all", help="all, or a comma list of: headrace,webdataset,litdata,streaming,"

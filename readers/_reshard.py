@@ -22,7 +22,7 @@ from headrace._errors import ConfigError, require_int
 from headrace._sample import Sample
 
 from ._base import Equal
-from ._shuffle import Draws, ShuffleBuffer, resume_state
+from ._shuffle import Draws, resume_state
 
 if TYPE_CHECKING:
     from .webdataset import WebDatasetReader
@@ -57,7 +57,7 @@ def unread(reader: WebDatasetReader, epoch: int, seed: int, history: Sequence[tu
             took = min(took, len(inputs))  # past its end ("pad" repeats): every input was read
             if took == 0:
                 continue
-            held, nxt = resume_state(size, draws, len(inputs), took)
+            held, nxt = resume_state(size, draws, len(inputs), took, initial=reader.shuffle_initial)
             done = np.ones(nxt, dtype=bool)
             done[held] = False
             read[inputs[:nxt][done]] = True
@@ -77,11 +77,10 @@ async def resharded(reader: WebDatasetReader, epoch: int, seed: int, history: Se
                     start: int) -> AsyncIterator[list[Sample]]:
     """This rank's block of what ``history`` left unread, from position ``start`` (see above)."""
     inputs = block(unread(reader, epoch, seed, history), reader.rank, reader.world, reader.equal)
-    size = reader.shuffle_buffer if reader.shuffle else 0
-    buf = ShuffleBuffer(size, Draws([seed, epoch, 1, reader.rank, len(history)]), position=start)
+    buf = reader._shuffle_buffer([seed, epoch, 1, reader.rank, len(history)], start)
     if start > len(inputs):
         raise ConfigError(f"start must be in [0, {len(inputs)}], got {start}")
-    held, nxt = resume_state(size, buf.draws, len(inputs), start) if start else ([], 0)
+    held, nxt = resume_state(buf.size, buf.draws, len(inputs), start, initial=buf.initial) if start else ([], 0)
     buf.slots = [None] * len(held)
     # Jobs number samples by dataset index (a block holds each at most once).
     slot_of = {int(inputs[ordinal]): i for i, ordinal in enumerate(held)}

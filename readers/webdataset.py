@@ -6,7 +6,8 @@ Stream of one rank for (seed, epoch):
 2. this rank's part: with at least as many shards as ranks, the shards ``i`` with ``i % world == rank``
    (fixed across epochs, so ``len()`` is too); with fewer, every shard, keeping sample ``j`` of shard
    ``i`` when ``(i + j) % world == rank`` (the others are seeked over, not read);
-3. the samples of those shards in order, through a seeded shuffle buffer (``_shuffle.py``);
+3. the samples of those shards in order, through a seeded shuffle buffer (``_shuffle.py``) that
+   emits from ``shuffle_initial`` samples on and grows to ``shuffle_buffer``;
 4. with ``equal="drop"`` cut, with ``"pad"`` extended by the stream's own head, to the same count on
    every rank.
 
@@ -67,6 +68,7 @@ class WebDatasetReader(Reader):
         total: int | None = None,
         shuffle: bool = False,
         shuffle_buffer: int = 1000,
+        shuffle_initial: int = 100,
         seed: int | None = None,
         read_ahead: int = 2,
         chunk_size: int = 64,
@@ -83,6 +85,7 @@ class WebDatasetReader(Reader):
             raise ConfigError(f"webdataset: split={split!r} has no meaning with resampled=True "
                               "(every rank draws from all the shards)")
         shuffle_buffer = require_int("webdataset: shuffle_buffer", shuffle_buffer, 0)
+        shuffle_initial = require_int("webdataset: shuffle_initial", shuffle_initial, 1)
         read_ahead = require_int("webdataset: read_ahead", read_ahead, 0)
         chunk_size = require_int("webdataset: chunk_size", chunk_size, 1)
         buffer_bytes = require_int("webdataset: buffer_bytes", buffer_bytes, 1 << 16)
@@ -93,6 +96,9 @@ class WebDatasetReader(Reader):
         self.shards = list(shards)
         self.shuffle, self.seed = check_order(shuffle, seed, "webdataset")
         self.shuffle_buffer = shuffle_buffer
+        # More than the buffer holds is the whole buffer, as WebDataset's min(initial, bufsize): so the
+        # default (100) leaves a buffer of 100 or less as it was.
+        self.shuffle_initial = min(shuffle_initial, shuffle_buffer)
         self.split = split
         self.resampled = bool(resampled)
         self.equal: Equal = None
@@ -257,15 +263,25 @@ class WebDatasetReader(Reader):
             samples = None
         return {"type": type(self).__name__, "samples": samples, "rank": self.rank, "world": self.world,
                 "total": self._total, "shards": len(self.shards), "shuffle": self.shuffle,
-                "shuffle_buffer": self.shuffle_buffer if self.shuffle else 0, "split": self.split, "equal": self.equal,
+                "shuffle_buffer": self.shuffle_buffer if self.shuffle else 0,
+                "shuffle_initial": self.shuffle_initial if self.shuffle else 0,
+                "split": self.split, "equal": self.equal,
                 **({"resampled": True} if self.resampled else {})}
 
     def __repr__(self) -> str:
         return (f"WebDatasetReader({len(self.shards)} shards, samples={self._total}, shuffle={self.shuffle}, "
-                f"buffer={self.shuffle_buffer if self.shuffle else 0}, rank={self.rank}/{self.world}"
+                f"buffer={self.shuffle_buffer if self.shuffle else 0}"
+                + (f", initial={self.shuffle_initial}" if self.shuffle else "")
+                + f", rank={self.rank}/{self.world}"
                 + (", resampled" if self.resampled else "") + ")")
 
     # -- reading ------------------------------------------------------------------------------
+
+    def _shuffle_buffer(self, key: Sequence[int], position: int) -> ShuffleBuffer:
+        """An empty sample buffer at output ``position``, its draws keyed on ``key``: ``shuffle_buffer``
+        samples, emitting from ``shuffle_initial`` on (none without ``shuffle``)."""
+        size = self.shuffle_buffer if self.shuffle else 0
+        return ShuffleBuffer(size, Draws(key), position=position, initial=self.shuffle_initial)
 
     async def read(
         self, epoch: int, *, start: int = 0, seed: int = 0, history: Sequence[tuple[int, int]] = ()
@@ -327,8 +343,7 @@ class WebDatasetReader(Reader):
 
     async def _stream(self, epoch: int, seed: int, start: int, stop: int | None) -> AsyncIterator[list[Sample]]:
         """Positions [start, stop) of the rank's natural stream (``stop=None``: to its end)."""
-        size = self.shuffle_buffer if self.shuffle else 0
-        buf = ShuffleBuffer(size, Draws([seed, epoch, 1, self.rank]), position=start)
+        buf = self._shuffle_buffer([seed, epoch, 1, self.rank], start)
         jobs = self._jobs(epoch, seed)
         slot_of: dict[int, int] = {}
         if start > 0:
@@ -336,7 +351,7 @@ class WebDatasetReader(Reader):
             total = self._stream_total(jobs, counts)
             if start > total:
                 raise ConfigError(f"start must be in [0, {total}], got {start}")
-            held, nxt = resume_state(size, buf.draws, total, start)
+            held, nxt = resume_state(buf.size, buf.draws, total, start, initial=buf.initial)
             buf.slots = [None] * len(held)
             slot_of = {ordinal: i for i, ordinal in enumerate(held)}
             jobs = _resume_jobs(jobs, counts, nxt, slot_of)
@@ -426,6 +441,7 @@ def webdataset(
     counts: int | Sequence[int] | Literal["scan"] | None = None,
     shuffle: bool = False,
     shuffle_buffer: int = 1000,
+    shuffle_initial: int = 100,
     seed: int | None = None,
     read_ahead: int = 2,
     chunk_size: int = 64,
@@ -467,7 +483,14 @@ def webdataset(
     cut exactly between members cannot be told from a whole one.
 
     ``shuffle``: a new shard order each epoch, plus a ``shuffle_buffer``-sample shuffle buffer, both
-    seeded by (``seed`` or the loader's seed, epoch). ``read_ahead``: shards read ahead of the
+    seeded by (``seed`` or the loader's seed, epoch). ``shuffle_initial``: the buffer emits once it
+    holds this many samples (WebDataset's ``shuffle(bufsize, initial=100)``, and its default) and
+    grows to ``shuffle_buffer`` as it goes, two samples in for each one out, so an epoch's first
+    sample waits for ``shuffle_initial`` samples to be read, not ``shuffle_buffer``; more than
+    ``shuffle_buffer`` is the whole buffer. ``shuffle_initial=shuffle_buffer`` fills the whole buffer
+    first (DALI's ``initial_fill``), the order this reader gave before it had ``shuffle_initial``;
+    with a buffer of 100 samples or less the default does too. Either way the buffer's draws depend
+    only on the seed and the counts, so resume stays exact. ``read_ahead``: shards read ahead of the
     current one, each by its own thread (and, for URLs, its own download). ``chunk_size``: samples
     per hand-off. ``split``: how ranks divide the data (``"auto"``: by shards when there are at
     least as many shards as ranks, else by samples within every shard). ``require``: field names
@@ -529,20 +552,22 @@ def webdataset(
     hits, shards kept, evicted and failed writes.
 
     Raises ReadError for a missing local shard, StorageError when a bucket cannot be listed,
-    ConfigError for a wrong argument (``resampled`` not a bool, or with ``split`` other than ``"auto"``).
+    ConfigError for a wrong argument (``resampled`` not a bool, or with ``split`` other than ``"auto"``;
+    ``shuffle_initial`` not a positive int).
     """
     cache = from_arguments("webdataset", cache_dir, cache_bytes, ShardCache)
     storage = Storage(storage_options, store)
     shards = resolve_shards(source, storage)
-    reader = WebDatasetReader(shards, shuffle=shuffle, shuffle_buffer=shuffle_buffer, seed=seed,
-                              read_ahead=read_ahead, chunk_size=chunk_size, split=split, require=require,
+    reader = WebDatasetReader(shards, shuffle=shuffle, shuffle_buffer=shuffle_buffer, shuffle_initial=shuffle_initial,
+                              seed=seed, read_ahead=read_ahead, chunk_size=chunk_size, split=split, require=require,
                               storage=storage, buffer_bytes=buffer_bytes, cache=cache, resampled=resampled)
     per_shard, total = _given_counts(counts, shards, storage, reader)
     if per_shard is None and total is None:
         return reader
     return WebDatasetReader(shards, counts=per_shard, total=total, shuffle=shuffle, shuffle_buffer=shuffle_buffer,
-                            seed=seed, read_ahead=read_ahead, chunk_size=chunk_size, split=split, require=require,
-                            storage=storage, buffer_bytes=buffer_bytes, cache=cache, resampled=resampled)
+                            shuffle_initial=shuffle_initial, seed=seed, read_ahead=read_ahead, chunk_size=chunk_size,
+                            split=split, require=require, storage=storage, buffer_bytes=buffer_bytes, cache=cache,
+                            resampled=resampled)
 
 
 def _given_counts(counts: int | Sequence[int] | Literal["scan"] | None, shards: list[str], storage: Storage,
