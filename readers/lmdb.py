@@ -324,6 +324,19 @@ class LmdbReader(IndexedReader):
                                              source=self.path), exc)
         return Sample(key, fields, self.path, i)
 
+    def first_value(self) -> bytes | None:
+        """The raw value of the first sample's key (None for an empty reader or a missing key):
+        what ``headrace inspect`` looks at to tell what wrote the database."""
+        if not self.keys:
+            return None
+        self._open_io()
+        try:
+            with self._env.read() as txn:
+                value = txn.get(self.keys[0])
+        finally:
+            self._close_io()
+        return None if value is None else bytes(value)
+
     def _text_key(self, i: int) -> str:
         return self.keys[i].decode("utf-8", "backslashreplace")
 

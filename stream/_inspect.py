@@ -207,7 +207,8 @@ class _Tap(Reader):
 
 
 def open_reader(path: str, format: str | None = None) -> tuple[Any, str]:
-    """The reader for ``path`` and its kind (``files``, ``webdataset``, ``lmdb``, ``tfrecord`` or ``recordio``),
+    """The reader for ``path`` and its kind (``files``, ``webdataset``, ``lmdb``, ``caffe``, ``tfrecord`` or
+    ``recordio``; an LMDB whose first value is an encoded ``caffe.Datum`` is ``caffe``),
     guessed from the path (``_guess``; a bucket folder is tried as shards first) unless ``format``
     says. TFRecord files are read with the ImageNet layout's fields (``jpg``, ``cls``) where their
     first record has those features, else with its first feature that holds an image (by its bytes)
@@ -222,7 +223,12 @@ def open_reader(path: str, format: str | None = None) -> tuple[Any, str]:
         except LoaderError:
             pass
     if kind == "lmdb":
-        return readers.lmdb(path), kind
+        reader = readers.lmdb(path)
+        if format is None and _holds_caffe_datums(reader):
+            return readers.caffe(path), "caffe"
+        return reader, kind
+    if kind == "caffe":
+        return readers.caffe(path), kind
     if kind == "webdataset":
         return readers.webdataset(path), kind
     if kind == "tfrecord":
@@ -230,8 +236,24 @@ def open_reader(path: str, format: str | None = None) -> tuple[Any, str]:
     if kind == "recordio":
         return readers.recordio(path), kind
     if kind != "files":
-        raise ConfigError(f"inspect: format must be files, webdataset, lmdb, tfrecord or recordio, got {kind!r}")
+        raise ConfigError(f"inspect: format must be files, webdataset, lmdb, caffe, tfrecord or recordio, got {kind!r}")
     return readers.files(path), kind
+
+
+def _holds_caffe_datums(reader: Any) -> bool:
+    """The LMDB's first value is an encoded ``caffe.Datum`` (Caffe's ``convert_imageset --encoded``),
+    not a headrace record or a bare image: read it as Caffe's, or its images would show as ``bin``."""
+    from headrace.readers.caffe import decode_datum
+    from headrace.readers.lmdb import decode_default
+
+    value = reader.first_value()
+    if value is None or "bin" not in decode_default(b"", value):
+        return False
+    try:
+        decode_datum(b"", value)
+    except (ValueError, ImportError):  # not a Datum, a raw one, or no protobuf to tell
+        return False
+    return True
 
 
 def _tfrecord_reader(path: str) -> Any:
@@ -311,7 +333,7 @@ def _storage(reader: Any, kind: str, census: Census) -> dict[str, Any]:
     if kind in ("tfrecord", "recordio"):
         sizes = [os.path.getsize(p) for p in reader.paths]
         return {"kind": kind, "count": len(sizes), "bytes": sum(sizes), **_spread(sizes)}
-    if kind == "lmdb":
+    if kind in ("lmdb", "caffe"):
         path = reader.path if not os.path.isdir(reader.path) else os.path.join(reader.path, "data.mdb")
         size = os.path.getsize(path)
         return {"kind": "lmdb", "count": 1, "bytes": size, "min": size, "median": size, "max": size}
@@ -458,7 +480,7 @@ def inspect_path(path: str, *, format: str | None = None, limit: int | None = No
     return 1 if report["bad"] else 0
 
 
-_KINDS = {"files": "a class-per-folder tree", "webdataset": "WebDataset shards", "lmdb": "an LMDB",
+_KINDS = {"files": "a class-per-folder tree", "webdataset": "WebDataset shards", "lmdb": "an LMDB", "caffe": "a Caffe LMDB",
           "tfrecord": "TFRecord files", "recordio": "RecordIO files"}
 
 

@@ -88,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
                                          "of class sub-folders).")
     inspect.add_argument("path", type=_path, metavar="PATH", help="data set: folder, shards (folder, glob, brace pattern), "
                                                       "LMDB or URL")
-    inspect.add_argument("--format", choices=("files", "webdataset", "lmdb", "tfrecord", "recordio"), default=None,
+    inspect.add_argument("--format", choices=("files", "webdataset", "lmdb", "caffe", "tfrecord", "recordio"), default=None,
                          help="what PATH is (default: guessed from it)")
     inspect.add_argument("--limit", type=_positive, default=None, metavar="N", help="look at the first N samples only")
     inspect.add_argument("--verify", action="store_true",
@@ -108,7 +108,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
                                        "(--dataloader adds torch's DataLoader on the same samples). Samples that "
                                        "fail to read or decode are skipped and counted.")
     bench.add_argument("path", type=_path, metavar="PATH", help="data set: folder, shards (folder, glob, brace pattern), LMDB or URL")
-    bench.add_argument("--format", choices=("files", "webdataset", "lmdb", "tfrecord", "recordio"), default=None,
+    bench.add_argument("--format", choices=("files", "webdataset", "lmdb", "caffe", "tfrecord", "recordio"), default=None,
                        help="what PATH is (default: guessed from it)")
     bench.add_argument("--pipeline", choices=("training", "validation"), default="training",
                        help="the whole pipeline's ops: ops.training or ops.validation (default: %(default)s)")
