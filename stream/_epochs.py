@@ -59,6 +59,9 @@ class Epochs:
         # A run whose loop was left without closing its iterator (a bare ``break``): the next
         # ``async for`` tears it down before it starts its own.
         self._abandoned: _Run | None = None
+        # (epoch, history, batch_end) of the last run a loop left early once its batcher had seen
+        # the reader's end: after its teardown, ``handed_out_all`` still knows that epoch's end.
+        self._left_end: tuple[int, tuple[tuple[int, int], ...], int] | None = None
         self.closed = False
 
     async def open_executor(self) -> Executor:
@@ -85,9 +88,17 @@ class Epochs:
         """The consumer has had the last batch of the epoch the cursor is in, as far as the run
         has seen: its reader ended and no batch of it is left. Known for readers without a length too,
         once the batcher has seen the end (the run reads ahead, so by the last batch it has)."""
-        run = self.active
-        return (run is not None and not run.superseded and run.epoch == self._cursor.epoch
-                and run.batch_end is not None and self._cursor.batches >= run.batch_end)
+        run, cursor = self.active, self._cursor
+        if run is not None and not run.superseded and run.batch_end is not None:
+            end = (run.epoch, run.history, run.batch_end)
+        else:  # the loop was left (a break at the last batch) and its run torn down since
+            end = self._left_end
+        return (end is not None and end[0] == cursor.epoch and end[1] == tuple(cursor.history)
+                and cursor.batches >= end[2])
+
+    def forget_left_end(self) -> None:
+        """A state was loaded: the cursor no longer stands where the run left early was."""
+        self._left_end = None
 
     def iterate(self, *, run_ahead: bool, progress: bool) -> AsyncIterator[Batch]:
         """The next ``async for``'s iterator: the epoch the cursor points at."""
@@ -208,6 +219,10 @@ class Epochs:
         run.consumer_inside = False
         if run.ended is None:  # left early
             run.ended = time.perf_counter()
+        if not completed and not run.superseded and run.batch_end is not None:
+            # Kept past the teardown: a state taken after a ``break`` at the epoch's last batch
+            # says ``epoch_end`` whether or not the garbage collector has closed the iterator yet.
+            self._left_end = (run.epoch, run.history, run.batch_end)
         if not run.superseded:  # else the later loop's run is the current epoch
             self._stats.channels = run.channels()
             self._stats.epoch_metrics = run.metrics()

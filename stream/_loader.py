@@ -278,10 +278,11 @@ class Loader:
         spans in ``history``, if it resumed on another world size); in a job whose ranks step
         together they are the same on every rank. ``epoch_end`` says the last batch handed out was
         the epoch's last (the loop had not ended yet: a trainer's checkpoint at its last step), so a
-        loader given the state starts at the next epoch. Readers that know their length say it by
-        ``len()``; for the others the loader knows it once it has seen the reader's end, which it
-        has by the last batch unless the source was still being read (then the resumed ``async for``
-        yields nothing and ends, and the one after it starts the next epoch).
+        loader given the state starts at the next epoch (on any world size, for any reader). Readers
+        that know their length say it by ``len()``; for the others the loader knows it once it has
+        seen the reader's end, which it has by the last batch unless the source was still being read
+        (then the resumed ``async for`` yields nothing and ends, and the one after it starts the next
+        epoch), and still after a ``break`` there has stopped the epoch.
         """
         cursor = self._cursor
         return {
@@ -318,15 +319,24 @@ class Loader:
         or from another world size with a reader that cannot resume across world sizes.
         """
         self._epochs.let_go_of_a_left_run()  # raises while a loop is inside an epoch
-        point = resume_point(state, batch_size=self.batch_size, seed=self.seed, reader=self.reader, world=self.world)
-        length = self._epoch_length()
-        at_end = state.get("epoch_end") is True or (length is not None and point.batches >= length)
-        if at_end and not point.history:
-            # Saved after the epoch's last batch, before its loop ended (a trainer's checkpoint at its
-            # last step): the uninterrupted run's next batch is the next epoch's first, so start
-            # there, not in an empty rest of this epoch that a trainer would count as an epoch.
+        if state.get("epoch_end") is True and not state.get("history"):
+            # At the epoch's end: the next epoch's start, which any reader can take on any world
+            # size. Checked as a state at this epoch's start would be (batch size, seed, reader).
+            state = {**state, "position": 0, "batches": 0}
+            point = resume_point(state, batch_size=self.batch_size, seed=self.seed, reader=self.reader,
+                                 world=self.world)
             point = ResumePoint(point.epoch + 1, 0, 0, [])
+        else:
+            point = resume_point(state, batch_size=self.batch_size, seed=self.seed, reader=self.reader,
+                                 world=self.world)
+            length = self._epoch_length()
+            if length is not None and not point.history and point.batches >= length:
+                # Saved after the epoch's last batch, before its loop ended (a trainer's checkpoint at
+                # its last step): the uninterrupted run's next batch is the next epoch's first, so
+                # start there, not in an empty rest of this epoch that a trainer would count as one.
+                point = ResumePoint(point.epoch + 1, 0, 0, [])
         self._cursor.resume(point)
+        self._epochs.forget_left_end()
 
     def __repr__(self) -> str:
         return (
