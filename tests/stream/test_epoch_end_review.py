@@ -19,6 +19,7 @@ import gc
 import json
 import random
 
+import numpy as np
 import pytest
 from test_resume_review4 import EPOCHS, _first_difference, _maker, _reader, _uninterrupted, _view, data  # noqa: F401
 
@@ -205,3 +206,33 @@ async def test_a_save_and_load_at_every_batch_is_the_uninterrupted_run(data, kin
     whole = [b for epoch in await _uninterrupted(make) for b in epoch]
     got = await asyncio.wait_for(_every_batch_through_fresh_loaders(make, random.Random(f"{kind}/{run_ahead}")), 60)
     assert got == whole, _first_difference(got, whole)
+
+
+@pytest.mark.parametrize("last_batch", ["drop", "fill"])
+@pytest.mark.parametrize("kind", UNSIZED)
+async def test_held_last_batch_drop_and_fill_without_a_length(data, kind, last_batch):
+    """Held: the batcher's count leaves out what ``drop`` drops and counts ``fill``'s last batch, so a
+    fresh loader after every batch (states taken after an await too) is the uninterrupted run."""
+    make = _maker(kind, data, on_error="skip", last_batch=last_batch)
+    whole = [b for epoch in await _uninterrupted(make) for b in epoch]
+    got = await asyncio.wait_for(_every_batch_through_fresh_loaders(make, random.Random(f"{kind}/{last_batch}")), 60)
+    assert got == whole, _first_difference(got, whole)
+
+
+async def test_held_state_dict_from_another_thread_at_the_last_batch(data):
+    """Held: the sync facade's consumer thread asks for the state while the loop thread runs."""
+    make = _maker("iterable-unsized", data, on_error="skip", run_ahead=True)
+    per_epoch = await _uninterrupted(make)
+    loader = make()
+
+    def run() -> list[dict]:
+        states = []
+        with loader.sync() as epochs:
+            for _ in range(EPOCHS):
+                for _batch in epochs:
+                    states.append(epochs.state_dict())
+        return states
+
+    states = await asyncio.to_thread(run)
+    ends = [n for n, s in enumerate(states) if s["epoch_end"]]
+    assert ends == list(np.cumsum([len(e) for e in per_epoch]) - 1)
