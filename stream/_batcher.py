@@ -6,7 +6,7 @@ from enum import StrEnum
 
 from ._channel import ReceiveChannel, SendChannel
 from ._errors import ConfigError
-from ._sample import Sample, SampleBatch
+from ._sample import Sample, SampleBatch, samples_nbytes
 
 __all__ = ["LastBatch", "batch_samples", "batches_per_epoch"]
 
@@ -44,7 +44,8 @@ async def batch_samples(
     epoch: int,
     first_index: int,
 ) -> int:
-    """Receive sample lists until END; send SampleBatches numbered from ``first_index``; then close.
+    """Receive sample lists until END; send SampleBatches numbered from ``first_index`` (each counted
+    in the channel by its fields' bytes, as the reader's chunks are); then close.
     Returns the number after the last batch's: the epoch's batch count when it started at 0."""
     pending: list[Sample] = []
     index = first_index
@@ -53,14 +54,14 @@ async def batch_samples(
             pending.extend(chunk)
             while len(pending) >= batch_size:
                 batch, pending = pending[:batch_size], pending[batch_size:]
-                await batches.send(SampleBatch(batch, epoch, index), len(batch))
+                await batches.send(SampleBatch(batch, epoch, index), samples_nbytes(batch))
                 index += 1
         if pending and policy is not LastBatch.DROP:
-            padded = 0
+            padded, nbytes = 0, samples_nbytes(pending)  # the repeats below hold no bytes of their own
             if policy is LastBatch.FILL:
                 padded = batch_size - len(pending)
                 pending = pending + [pending[i % len(pending)] for i in range(padded)]
-            await batches.send(SampleBatch(pending, epoch, index, padded=padded), len(pending))
+            await batches.send(SampleBatch(pending, epoch, index, padded=padded), nbytes)
             index += 1
         return index
     finally:

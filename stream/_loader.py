@@ -282,7 +282,9 @@ class Loader:
         that know their length say it by ``len()``; for the others the loader knows it once it has
         seen the reader's end, which it has by the last batch unless the source was still being read
         (then the resumed ``async for`` yields nothing and ends, and the one after it starts the next
-        epoch), and still after a ``break`` there has stopped the epoch.
+        epoch), and still after a ``break`` there has stopped the epoch. The same empty rest follows
+        a state taken at the last batch handed out when every sample of the batches after it failed
+        under ``on_error="skip"``: that it would fail is not known when the state is taken.
         """
         cursor = self._cursor
         return {

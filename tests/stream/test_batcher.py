@@ -63,3 +63,16 @@ def test_policy_parse_rejects_unknown():
     assert LastBatch.parse("fill") is LastBatch.FILL
     with pytest.raises(ConfigError):
         LastBatch.parse("wrap")
+
+
+async def test_the_batches_channel_counts_the_batches_bytes_not_their_samples():
+    # stats().channels["batches"].bytes is read as memory held, like the samples channel's.
+    chunks_tx, chunks_rx = open_channel(8)
+    batches_tx, batches_rx = open_channel(8)
+    samples = [Sample(f"k{i}", {"jpg": b"x" * 100, "cls": b"1"}, "src", i) for i in range(5)]
+    await chunks_tx.send(samples)
+    await chunks_tx.aclose()
+    count = await batch_samples(chunks_rx, batches_tx, batch_size=2, policy=LastBatch.FILL, epoch=0, first_index=0)
+    assert count == 3
+    stats = batches_rx.statistics()
+    assert stats.items == 3 and stats.bytes == 5 * 101  # the filled last batch's repeat adds nothing
