@@ -8,7 +8,11 @@ same way whichever decoder or colour mode runs. Where the tag lives:
   application segments that open the file (where the EXIF standard puts it; one after the
   quantization or Huffman tables is not read);
 - PNG: the ``eXIf`` chunk; WebP: the ``EXIF`` chunk of its RIFF container;
-- TIFF: the file's own first IFD (classic TIFF or BigTIFF, whose IFDs have wider fields).
+- TIFF: the file's own first IFD (classic TIFF or BigTIFF, whose IFDs have wider fields);
+- AVIF: not read from the bytes here. Its orientation is the container's ``irot``/``imir``
+  boxes, which Pillow's AVIF plugin turns into an EXIF block while opening the header (the
+  block's own tag is overridden, as libavif and browsers do); ``_pillow`` reads that block with
+  ``block_orientation``. Every path hands AVIF to Pillow, so all of them see it.
 
 The rule (CIPA DC-008): tag 0x0112 in IFD0, type SHORT, count 1, value 1..8. Anything else (a
 wrong type or count, a value out of range, an offset outside the data, a truncated table) reads
@@ -23,7 +27,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["bigtiff_orientation", "jpeg_orientation", "orientation", "stored_region", "tiff_orientation", "upright"]
+__all__ = [
+    "bigtiff_orientation", "block_orientation", "jpeg_orientation", "orientation", "stored_region", "tiff_orientation",
+    "upright",
+]
 
 _TAG = 0x0112
 _SHORT = 3
@@ -70,6 +77,15 @@ def tiff_orientation(tiff: Any, start: int = 0, end: int | None = None) -> int:
     if magic != 42 or ifd < start + 8 or ifd + 2 > n:
         return 1
     return _ifd_orientation(buf, endian, ifd, n, _CLASSIC)
+
+
+def block_orientation(block: Any) -> int:
+    """Tag 0x0112 of an EXIF block as a decoder library hands it out (Pillow's ``info["exif"]``):
+    the TIFF structure, with or without JPEG's ``Exif\\0\\0`` prefix; 1 when absent or malformed."""
+    if not block:
+        return 1
+    buf = block if isinstance(block, bytes) else flat_bytes(block)
+    return tiff_orientation(buf, 6 if bytes(buf[:6]) == _EXIF_HEADER else 0)
 
 
 def bigtiff_orientation(buf: Any) -> int:

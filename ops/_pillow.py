@@ -11,6 +11,20 @@ HWC uint8 tensor; ``decode`` to an upright Pillow image (the GPU path's CPU fall
 This is the CPU path's decoder for everything nvImageCodec does not take (PNG and other formats,
 CMYK or 12-bit JPEGs, gray output, and any JPEG nvImageCodec fails on). Pillow releases the GIL
 inside decode, so worker threads run in parallel. Every failure is a DecodeError naming the sample.
+
+Pixels are Pillow's ``convert("RGB")`` / ``convert("L")`` of the upright image (what
+``ImageOps.exif_transpose(img).convert(...)`` gives: alpha dropped, palettes looked up, CMYK and
+YCCK JPEGs as Pillow reads them) except where Pillow's conversion destroys the picture:
+
+- 16-bit grey (``I;16``, ``I;16B``: PNG, TIFF) and the 16-bit ``I`` images (a 16-bit grey PNG
+  in the Pillow versions that open it as ``I``, a PGM whose maxval is over 255, which Pillow
+  scales to 0..65535) keep their high byte, as Pillow reads 16-bit colour and as torchvision's
+  uint16 decode scaled to uint8 does; Pillow clips them at 255, a full-range image nearly white.
+- An unsigned 32-bit TIFF (``I``) keeps its high byte too; Pillow reads it as signed (wrapped).
+  A signed integer TIFF (16 or 32 bits) has no range to scale from: clipped to 0..255, as Pillow.
+- A float image (``F``: 32-bit float TIFF) whose values all lie in [0, 1] (NaN aside) is scaled
+  by 255 and rounded half up, torchvision's float convention; Pillow truncates it to 0 and 1.
+  Any other float image is Pillow's conversion: clipped to 0..255 and truncated. NaN gives 0.
 """
 
 from __future__ import annotations
@@ -26,7 +40,7 @@ from PIL import Image, UnidentifiedImageError
 
 from headrace._errors import DecodeError
 
-from ._exif import upright
+from ._exif import block_orientation, upright
 from ._exif import orientation as exif_orientation
 from ._limits import check_pixels, claimed_size, incomplete, release_frames
 from ._spec import Decode
@@ -49,6 +63,7 @@ _TRANSPOSE = {
 _SIXTEEN_BIT_GREY = ("I;16", "I;16B", "I;16L", "I;16N")
 _PILLOW_BYTES = {"1": 1, "L": 1, "P": 1, "I;16": 2, "I;16B": 2, "I;16L": 2, "I;16N": 2}
 _STRIP_TAGS = ((273, 279), (324, 325))  # (StripOffsets, StripByteCounts), (TileOffsets, TileByteCounts)
+_BITS_PER_SAMPLE, _SAMPLE_FORMAT, _SIGNED = 258, 339, 2
 
 
 @dataclass(slots=True)
@@ -74,6 +89,8 @@ class Opened:
             converted += 4
         if mode not in ("RGB", "L") or (channels == 1) != (mode == "L"):
             converted += target
+        if mode in _SIXTEEN_BIT_GREY or mode in ("I", "F"):
+            converted += 2 * stored + 1  # NumPy's copy, a scaled copy (I;16), the uint8 result (see _loaded)
         turned = stored + channels if self.orientation != 1 or _pillow_orientation(self.img) != 1 else 0
         return self.height * self.width * (stored + converted + 2 * channels + turned)
 
@@ -100,7 +117,7 @@ def open_image(data: Any, spec: Decode, key: str | None, source: str | None) -> 
     if reason is not None:
         raise DecodeError(reason, key=key, source=source)
     try:
-        orientation = exif_orientation(data) if spec.exif else 1
+        orientation = _orientation(data, img) if spec.exif else 1
     except Exception:  # noqa: BLE001 - the parser reads malformed blocks as 1; this is only a guard
         orientation = 1
     applied = _pillow_orientation(img)
@@ -169,10 +186,23 @@ def _loaded(img: Image.Image, spec: Decode) -> tuple[Image.Image, int]:
     before = _pillow_orientation(img)
     mode = "RGB" if spec.color == "rgb" else "L"
     out = img
+    bits = _unsigned_bits(img) if img.mode == "I" else None
     if img.mode in _SIXTEEN_BIT_GREY:
         # Pillow converts 16-bit grey to L or RGB by clipping at 255 (a full-range image comes out
         # nearly white), where it reads 16-bit colour as its high byte: the high byte here too.
         out = Image.fromarray((np.asarray(img) >> 8).astype(np.uint8))
+    elif bits is not None:  # 16 or 32-bit unsigned in Pillow's int32 mode: the high byte as well
+        values = np.array(img)  # a copy of its own, scaled in place
+        if bits == 32:
+            values = values.view(np.uint32)  # Pillow reads an unsigned 32-bit TIFF as signed
+        values >>= bits - 8
+        out = Image.fromarray(np.clip(values, 0, 255, out=values).astype(np.uint8))
+    elif img.mode == "F" and _unit_range(values := np.array(img, dtype=np.float32)):
+        # Floats in [0, 1] are scaled (Pillow's conversion truncates them to 0 and 1); NaN gives 0.
+        np.nan_to_num(values, copy=False, nan=0.0)
+        values *= 255
+        values += 0.5
+        out = Image.fromarray(np.floor(values, out=values).astype(np.uint8))
     elif img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
         out = img.convert("RGBA")  # drop alpha the way Pillow's RGB conversion does
     if out.mode != mode:
@@ -183,6 +213,41 @@ def _loaded(img: Image.Image, spec: Decode) -> tuple[Image.Image, int]:
     # where the tag is still there, it did not.
     applied = before if before != 1 and _ORIENTATION_TAG not in getattr(img, "tag_v2", {}) else 1
     return out, applied
+
+
+def _orientation(data: Any, img: Image.Image) -> int:
+    """The EXIF orientation to apply to ``img``, opened from ``data``: ``_exif``'s, read from the
+    bytes, except for AVIF, whose orientation is its ``irot``/``imir`` boxes: Pillow's AVIF plugin
+    puts it in the EXIF block it makes while opening the header, and leaves the pixels as stored."""
+    if img.format == "AVIF":
+        return block_orientation(img.info.get("exif"))
+    return exif_orientation(data)
+
+
+def _unsigned_bits(img: Image.Image) -> int | None:
+    """The bits of an ``I`` (int32) image's unsigned samples where the file says (16 or 32), else
+    None (a signed TIFF, or a format that does not say: those are clipped, as Pillow does).
+
+    Pillow opens in mode ``I``: a 16-bit grey PNG (before it opened them as ``I;16``), a PGM with a
+    maxval over 255 (its values scaled to 0..65535), and 16 or 32-bit integer TIFFs.
+    """
+    if img.format in ("PNG", "PPM"):
+        return 16
+    tags = getattr(img, "tag_v2", None) if img.format == "TIFF" else None
+    if tags is None:
+        return None
+    bits, sample_format = tags.get(_BITS_PER_SAMPLE), tags.get(_SAMPLE_FORMAT, 1)
+    bits = bits[0] if isinstance(bits, tuple) and bits else bits
+    sample_format = sample_format[0] if isinstance(sample_format, tuple) and sample_format else sample_format
+    if sample_format == _SIGNED or bits not in (16, 32):
+        return None
+    return bits
+
+
+def _unit_range(values: np.ndarray) -> bool:
+    """True when every value that is not NaN lies in [0, 1] (and there is one)."""
+    lo, hi = np.fmin.reduce(values, axis=None), np.fmax.reduce(values, axis=None)
+    return bool(lo >= 0 and hi <= 1)
 
 
 def _pillow_orientation(img: Image.Image) -> int:
