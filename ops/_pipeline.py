@@ -30,7 +30,7 @@ from ._spec import (
 
 __all__ = ["IMAGE_EXTENSIONS", "Pipeline", "training", "validation"]
 
-IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "ppm", "pgm", "gif")
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "ppm", "pgm", "gif", "avif")
 _IMAGE_OPS = (Resize, RandomResize, CenterCrop, RandomCrop, RandomResizedCrop, RandomIoUCrop, Flip)
 
 

@@ -29,7 +29,7 @@ __all__ = ["FileReader", "file_list", "files"]
 _T = TypeVar("_T")
 
 _WAITED = 0.002  # seconds the consumer may wait for a chunk of objects before more are fetched ahead
-DEFAULT_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "ppm", "pgm", "gif")
+DEFAULT_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "ppm", "pgm", "gif", "avif")
 
 
 class FileReader(IndexedReader):
