@@ -539,6 +539,15 @@ def run_row(args: argparse.Namespace) -> None:
         return time.process_time() + kids.ru_utime + kids.ru_stime
 
     pipeline_row = args.row.startswith("pipeline")
+    if args.keep_connections and args.where == "s3":
+        # Measurement only: the S3 store keeps its client (its pooled connections) when a read's
+        # session ends, so a row's later reads reuse warm connections instead of opening new ones.
+        from headrace.readers._storage import S3Store
+
+        async def keep(self) -> None:  # noqa: ANN001
+            pass
+
+        S3Store._disconnect = keep
     start = time.perf_counter()
     read = ROWS[args.row](serve, args.url, args.where, args)  # imports, clients, a bucket listed: off the clock
     setup = time.perf_counter() - start
@@ -552,7 +561,7 @@ def run_row(args: argparse.Namespace) -> None:
     began, start = cpu(), time.perf_counter()
     samples = nbytes = 0
     epoch_rates = []
-    for _ in range(args.epochs if pipeline_row else 1):
+    for _ in range(args.epochs if pipeline_row else args.reader_epochs):
         epoch_start = time.perf_counter()
         n, b = read()
         epoch_rates.append(n / (time.perf_counter() - epoch_start))
@@ -566,6 +575,12 @@ def run_row(args: argparse.Namespace) -> None:
               "peak_rss_children_mb": children, "setup_seconds": setup, "config_buffer_mb": args.buffer_mb,
               "config_read_ahead": _read_ahead(args), "config_shuffle_buffer": args.shuffle_buffer,
               "config_shuffle_initial": args.shuffle_initial, **_extra}
+    # The cores each kind of thread kept busy (MainThread: the event loop), and CPU per sample by thread.
+    result["cores_by_thread"] = cores_by_thread
+    result["epoch_samples_per_s"] = [round(r) for r in epoch_rates]
+    if samples:
+        result["cpu_us_per_sample_by_thread"] = {name: round(1e6 * cores * seconds / samples, 1)
+                                                 for name, cores in cores_by_thread.items()}
     if pipeline_row:
         # The cores each kind of thread kept busy over the timed epochs, and the loop's lag in each.
         result.update(warmup_seconds=warmup, epoch_samples_per_s=epoch_rates, cores_by_thread=cores_by_thread,
@@ -710,6 +725,10 @@ def measure(key: tuple[str, str, str], url: str, serve: Path, args: argparse.Nam
         cmd += ["--shuffle-buffer", str(args.shuffle_buffer)]
     if args.shuffle_initial is not None:
         cmd += ["--shuffle-initial", str(args.shuffle_initial)]
+    if args.reader_epochs != 1:
+        cmd += ["--reader-epochs", str(args.reader_epochs)]
+    if args.keep_connections:
+        cmd += ["--keep-connections"]
     if args.pipeline:
         cmd += ["--pipeline", args.pipeline, "--epochs", str(args.epochs), "--batch", str(args.batch)]
     started = time.perf_counter()
@@ -735,7 +754,11 @@ def measure(key: tuple[str, str, str], url: str, serve: Path, args: argparse.Nam
           + (f"  one download's peak load {res['peak_load_mb']:.0f} MiB" if "peak_load_mb" in res else "")
           + (f"  first sample {res['first_sample_seconds']:.2f} s, epoch {res['seconds']:.2f} s"
              if "first_sample_seconds" in res else ""), flush=True)
-    if "cores_by_thread" in res:
+    if "cores_by_thread" in res and "loop_lag" not in res:  # a reader row
+        print("    cores: " + ", ".join(f"{name} {cores:.2f}" for name, cores in list(res["cores_by_thread"].items())[:6])
+              + (f"; CPU us/sample: {res['cpu_seconds'] * 1e6 / res['samples']:.1f}" if res["samples"] else ""),
+              flush=True)
+    if "loop_lag" in res:
         busiest = ", ".join(f"{name} {cores:.2f}" for name, cores in list(res["cores_by_thread"].items())[:8])
         lag = "; ".join(f"{x['mean_ms']:.1f}/{x['p90_ms']:.1f}" for x in res["loop_lag"] if x)
         print(f"    cores: {busiest}\n    loop lag, mean/p90 ms, by epoch: {lag}", flush=True)
@@ -763,6 +786,12 @@ def main() -> None:
                         "The reader rows report the seconds from an epoch's start to its first sample")
     parser.add_argument("--workers", type=int, default=16, help="DataLoader worker processes")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--reader-epochs", type=int, default=1, help="reader rows: epochs timed a row, read one "
+                        "after another by the same reader (each its own read: a new storage session, so new "
+                        "connections, but the link's memory of the store kept)")
+    parser.add_argument("--keep-connections", action="store_true", help="measurement only, S3 rows: the store keeps "
+                        "its client (and its pooled connections) when a read ends, so a row's later reads (with "
+                        "--reader-epochs or --pipeline) reuse warm connections; headrace itself closes them")
     parser.add_argument("--rows", default="all", help="all, or a comma list of: headrace,webdataset,litdata,streaming,"
                         "dataloader,client or of whole row names (headrace-shards: the shard rows alone) "
                         "(with --pipeline: shards,objects)")
