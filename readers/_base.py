@@ -60,6 +60,15 @@ class Reader(ABC):
         """What the loader stores to check that a resumed run reads the same stream."""
         return {"type": type(self).__name__, "samples": len(self), "rank": self.rank, "world": self.world}
 
+    def connections(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """Keep this reader's storage connections open for the block, across reads: the loader holds
+        it over an epoch, so the next epoch's read, started ahead while this one's last batches
+        decode, takes over warm connections instead of opening new ones (each read's own session
+        would close them as it ends). A no-op for readers with nothing remote."""
+        storage = getattr(self, "storage", None)
+        session = getattr(storage, "session", None)
+        return session() if session is not None else contextlib.nullcontext()
+
 
 def epoch_order(
     n: int, epoch: int, *, shuffle: bool, seed: int, rank: int = 0, world: int = 1, equal: Equal = None,

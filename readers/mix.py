@@ -96,6 +96,14 @@ class MixReader(Reader):
     def __len__(self) -> int:
         return sum(self.counts)
 
+    @contextlib.asynccontextmanager
+    async def connections(self) -> AsyncIterator[None]:
+        """Every source's connections, kept open for the block (``Reader.connections``)."""
+        async with contextlib.AsyncExitStack() as stack:
+            for source in self.sources:
+                await stack.enter_async_context(source.connections())
+            yield
+
     def shard(self, rank: int, world: int, *, equal: Equal = None) -> Self:
         rank, world = _check_shard(rank, world, equal)
         part = copy.copy(self)

@@ -8,6 +8,7 @@ iteration replaced by a later one, the next epoch's run started before this one 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
 from collections.abc import AsyncIterator, Callable
@@ -62,6 +63,9 @@ class Epochs:
         # (epoch, history, batch_end) of the last run a loop left early once its batcher had seen
         # the reader's end: after its teardown, ``handed_out_all`` still knows that epoch's end.
         self._left_end: tuple[int, tuple[tuple[int, int], ...], int] | None = None
+        # The reader's storage connections, held from an epoch's start to its end: the next epoch's
+        # read, started ahead during this one, takes them over warm (``Reader.connections``).
+        self._connections: contextlib.AsyncExitStack | None = None
         self.closed = False
 
     async def open_executor(self) -> Executor:
@@ -182,6 +186,10 @@ class Epochs:
         if abandoned is not None:
             await self._stop_early(abandoned)
         await self._close_ahead()
+        if self._connections is None:
+            stack = contextlib.AsyncExitStack()
+            await stack.enter_async_context(self.cfg.reader.connections())
+            self._connections = stack
         self._stats.epoch = run.epoch
         if run.started is None:
             run.started = time.perf_counter()
@@ -228,19 +236,29 @@ class Epochs:
             self._stats.epoch_metrics = run.metrics()
         if bar is not None:
             bar.close(run.metrics())
-        if completed:
-            self.active = None
-            await run.aclose()
-        elif run.superseded:
-            await run.aclose()  # the loop that replaced this one stops the rest
-        else:
-            # ``active`` stays this run until it is stopped: a new ``async for`` meanwhile
-            # takes it as abandoned and waits for the same teardown before it starts.
-            try:
-                await self._stop_early(run)
-            finally:
-                if self.active is run:
-                    self.active = None
+        try:
+            if completed:
+                self.active = None
+                await run.aclose()
+            elif run.superseded:
+                await run.aclose()  # the loop that replaced this one stops the rest
+            else:
+                # ``active`` stays this run until it is stopped: a new ``async for`` meanwhile
+                # takes it as abandoned and waits for the same teardown before it starts.
+                try:
+                    await self._stop_early(run)
+                finally:
+                    if self.active is run:
+                        self.active = None
+        finally:
+            if not run.superseded:  # else the loop that replaced this one holds them now
+                await self._release_connections()
+
+    async def _release_connections(self) -> None:
+        """Let go of the connections held over the epoch; the run ahead, reading, holds its own."""
+        stack, self._connections = self._connections, None
+        if stack is not None:
+            await stack.aclose()
 
     async def _stop_early(self, run: _Run) -> None:
         """Tear down an epoch left early: its tasks, the work running ahead, and the batches it had
@@ -266,8 +284,11 @@ class Epochs:
         try:
             await _close_each(runs)
         finally:
-            if executor is not None:
-                await executor.aclose()
+            try:
+                await self._release_connections()
+            finally:
+                if executor is not None:
+                    await executor.aclose()
 
     def stats(self) -> LoaderStats:
         """The counters, with the current epoch's channels and metrics, the errors and the lanes' timings."""

@@ -2,8 +2,9 @@
 relies on: a read's GETs share one client and its connection pool, and the S3 store drops that client
 (its connections) when the read's session ends, so the next read (the next epoch) opens new
 connections. On the 2-core VM a GET on a new connection cost the client about twice the CPU a byte
-of one on a reused connection; keeping connections across reads would need an owner that outlives
-the reads (the loader), which closes them: until then every read starts cold, on purpose.
+of one on a reused connection; a reader alone still starts each read cold; the Loader holds the
+reader's connections over each epoch (``Reader.connections``), so its epochs run ahead take them
+over warm (tests/readers/test_loader_connections.py).
 No test asserts a time.
 """
 
