@@ -44,7 +44,9 @@ async def test_an_objects_copy_of_the_wrong_size_is_removed_and_read_from_the_st
     """Three copies changed in place: cut to half, cut by their last byte, lengthened. Served, each
     was a sample's wrong bytes: a JPEG that decodes wrong or fails with a misleading error."""
     cache = tmp_path / "cache"
-    reader = _remote(s3_env, kind, image_folder, chunk_size=16, cache_dir=cache)
+    # 5 s a request (test_storage's 0.5 s is for its stall tests): a loaded CI machine's S3 server
+    # answered later than that six times over once, and the objects came back as errors.
+    reader = _remote(s3_env, kind, image_folder, retry={**RETRY, "timeout": 5.0}, chunk_size=16, cache_dir=cache)
     expected = {s.key: s.fields["jpg"] for s in await _read_all(reader)}
     half, short, longer = _object_copies(cache)[:3]
     _cut_in_place(half, half.stat().st_size // 2)
