@@ -321,24 +321,24 @@ class Loader:
         or from another world size with a reader that cannot resume across world sizes.
         """
         self._epochs.let_go_of_a_left_run()  # raises while a loop is inside an epoch
-        if state.get("epoch_end") is True and not state.get("history"):
+        saved_at_epoch_end = state.get("epoch_end") is True and not state.get("history")
+        if saved_at_epoch_end:
             # At the epoch's end: the next epoch's start, which any reader can take on any world
             # size. Checked as a state at this epoch's start would be (batch size, seed, reader).
             state = {**state, "position": 0, "batches": 0}
-            point = resume_point(state, batch_size=self.batch_size, seed=self.seed, reader=self.reader,
-                                 world=self.world)
+        point = resume_point(state, batch_size=self.batch_size, seed=self.seed, reader=self.reader,
+                             world=self.world)
+        if saved_at_epoch_end or self._past_last_batch(point):
             point = ResumePoint(point.epoch + 1, 0, 0, [])
-        else:
-            point = resume_point(state, batch_size=self.batch_size, seed=self.seed, reader=self.reader,
-                                 world=self.world)
-            length = self._epoch_length()
-            if length is not None and not point.history and point.batches >= length:
-                # Saved after the epoch's last batch, before its loop ended (a trainer's checkpoint at
-                # its last step): the uninterrupted run's next batch is the next epoch's first, so
-                # start there, not in an empty rest of this epoch that a trainer would count as one.
-                point = ResumePoint(point.epoch + 1, 0, 0, [])
         self._cursor.resume(point)
         self._epochs.forget_left_end()
+
+    def _past_last_batch(self, point: ResumePoint) -> bool:
+        # Saved after the epoch's last batch, before its loop ended (a trainer's checkpoint at its
+        # last step): the uninterrupted run's next batch is the next epoch's first, so start there,
+        # not in an empty rest of this epoch that a trainer would count as one.
+        length = self._epoch_length()
+        return length is not None and not point.history and point.batches >= length
 
     def __repr__(self) -> str:
         return (
