@@ -400,12 +400,12 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--lanes", type=int, default=4, help="GPU lanes (the Loader's default)")
     ap.add_argument("--variants", default="",
-                    help="also run headrace (train, or validation with val:) with these [val:]LANES:HW_LOAD[:THREADS[:DISPATCH]] (decoder threads per lane; free or turn), e.g. 2:0.5,3:0.65:5,val:4:0.65:4:turn; --interleave runs them side by side")
+                    help="also run headrace (train, or validation with val:) with these [val:]LANES:HW_LOAD[:THREADS[:DISPATCH[:GPU_HUFFMAN_ABOVE[:GPU_HUFFMAN_LOAD]]]] (decoder threads per lane; free or turn; pixels, or none; a share), e.g. 2:0.5,3:0.65:5,val:4:0.65:4:turn,4:0.55:4::25000,4:0.65::::0.15; --interleave runs them side by side")
     ap.add_argument("--io-threads", type=int, default=IO_THREADS, help="the files reader's I/O threads")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for the whole run (Python's default is 0.005 s)")
     ap.add_argument("--options-variants", default="",
-                    help="also run headrace (train) with these nvImageCodec decoder options, ';'-separated")
+                    help="also run headrace (train, or validation with val:) with these nvImageCodec decoder options, ';'-separated, e.g. val:nvjpeg_cuda_decoder:hybrid_huffman_threshold=0; --interleave runs them side by side")
     ap.add_argument("--python-codec", action="store_true",
                     help="also run headrace (train) decoding through nvImageCodec's Python API (GpuTuning(decode=\"python\"))")
     ap.add_argument("--repeat", type=int, default=1,
@@ -483,13 +483,18 @@ def main() -> None:
         # [val:]lanes:hw_load[:decoder threads per lane]: the train (or validation) row set up otherwise
         kind, spec = ("val", variant[4:]) if variant.startswith("val:") else ("train", variant)
         n, hw, *more = spec.split(":")
-        threads, dispatch = (more + [None, None])[:2]
+        threads, dispatch, huffman, gpu_share = (more + [None] * 4)[:4]
         hw_load = hw if hw == "adaptive" else float(hw)
         label = (f"headrace ({kind}, {n} lanes, hw_load={hw}" + (f", {threads} threads" if threads else "")
-                 + (f", {dispatch} dispatch" if dispatch else "") + ")")
+                 + (f", {dispatch} dispatch" if dispatch else "")
+                 + (f", GPU Huffman above {huffman}" if huffman else "")
+                 + (f", GPU Huffman share {gpu_share}" if gpu_share else "") + ")")
         make = pipelines[kind][1]
+        tuning = {**({"dispatch": dispatch} if dispatch else {}),
+                  **({"gpu_huffman_above": None if huffman == "none" else int(huffman)} if huffman else {}),
+                  **({"gpu_huffman_load": float(gpu_share)} if gpu_share else {})}
         setup = {"lanes": int(n), "hw_load": hw_load, "threads": int(threads) if threads else None,
-                 "tuning": ops.GpuTuning(dispatch=dispatch) if dispatch else None}
+                 "tuning": ops.GpuTuning(**tuning) if tuning else None}
         pipelines[variant] = (label, lambda make=make, setup=setup: (make(), setup))  # --interleave runs it side by side
         runners[variant] = (label, lambda make=make, s=setup: bench_headrace(
             root, make(), args.batch, args.epochs, s["lanes"], s["hw_load"], s["threads"], tuning=s["tuning"]))
@@ -502,7 +507,15 @@ def main() -> None:
     for cl in filter(None, args.cuda_loads.split(",")):
         train_with(f"cuda{cl}", f"cuda_load={cl}", ops.GpuTuning(cuda_load=float(cl)))
     for k, options in enumerate(filter(None, args.options_variants.split(";"))):
-        train_with(f"options{k}", options, ops.GpuTuning(nvimgcodec_options=options))
+        # [val:]OPTIONS: the train (or validation) row with these decoder options; --interleave runs it side by side
+        kind, options = ("val", options[4:]) if options.startswith("val:") else ("train", options)
+        label = f"headrace ({kind}, {options})"
+        setup = {"tuning": ops.GpuTuning(nvimgcodec_options=options)}
+        make = pipelines[kind][1]
+        pipelines[f"options{k}"] = (label, lambda make=make, setup=setup: (make(), setup))
+        runners[f"options{k}"] = (label, lambda make=make, s=setup: bench_headrace(
+            root, make(), args.batch, args.epochs, args.lanes, tuning=s["tuning"]))
+        rows.append(f"options{k}")
     if args.without_run_ahead:
         runners["no_ahead"] = ("headrace (train, epochs not run ahead)", lambda: bench_headrace(
             root, ops.training(224, dtype="float16"), args.batch, args.epochs, args.lanes, run_ahead=False))

@@ -85,7 +85,7 @@ class NativeHeaders:
 
 class NativeDecoder:
     def __init__(self, device: torch.device, *, threads: int, hw_load: float | str, channels: int, exif: bool,
-                 budget: int | None = None, cuda_load: float = 1.0, options: str = "") -> None:
+                 budget: int | None = None, cuda_load: float = 1.0, gpu_load: float = 0.0, options: str = "") -> None:
         from ._batch_decode import BatchDecoder
 
         self.device = device
@@ -94,7 +94,8 @@ class NativeDecoder:
         # (the executor hands a lane no batch over it but a single window: ``_prep.parts``).
         self.budget = budget
         self.decoder = BatchDecoder(
-            device.index, threads=threads, hw_load=hw_load, cuda_load=cuda_load, channels=channels, exif=exif, options=options
+            device.index, threads=threads, hw_load=hw_load, cuda_load=cuda_load, gpu_load=gpu_load, channels=channels,
+            exif=exif, options=options,
         )
         # Two buffers, used in turn and grown when a batch needs more (up to ``budget``): memory stays
         # flat over epochs.
@@ -189,7 +190,7 @@ class PythonHeaders:
 
 
 class PythonDecoder:
-    def __init__(self, device: torch.device, *, threads: int, channels: int, exif: bool) -> None:
+    def __init__(self, device: torch.device, *, threads: int, channels: int, exif: bool, options: str = "") -> None:
         from nvidia import nvimgcodec as nvc
 
         self.nvc = nvc
@@ -200,7 +201,7 @@ class PythonDecoder:
         # engine fails during the decode can be decoded by two of nvImageCodec's threads at once,
         # which crashed fuzzed runs (batch_decode.c, hr_decoder).
         backends = [nvc.Backend(kinds.HYBRID_CPU_GPU), nvc.Backend(kinds.GPU_ONLY)]
-        self.decoder = nvc.Decoder(device_id=device.index, max_num_cpu_threads=threads, backends=backends)
+        self.decoder = nvc.Decoder(device_id=device.index, max_num_cpu_threads=threads, backends=backends, options=options)
         self.launch_unavailable = "decoding through nvImageCodec's Python API"
         self.seconds: collections.Counter[str] = collections.Counter()
         gray = channels == 1

@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 import torch
 
-from headrace._errors import ClosedError, ConfigError, require_hw_load, require_number
+from headrace._errors import ClosedError, ConfigError, require_hw_load, require_int, require_number
 from headrace._sample import SampleBatch
 from headrace._threads import join_threads
 
@@ -101,7 +101,15 @@ class GpuTuning:
     against each other. The defaults are what was fastest on the H100.
 
     ``cuda_load``: the share of what reaches the CUDA decoder that its hybrid backend (Huffman on
-    the host) takes; the rest goes to its GPU backend. ``nvimgcodec_options``: options for
+    the host) takes; the rest goes to its GPU backend. Two ways to move JPEG Huffman decoding off
+    the host threads onto the GPU (nvJPEG's GPU-hybrid backend), spending GPU time for host cores:
+    ``gpu_huffman_above``, the CUDA decoder does it on the GPU for every image whose decoded window
+    has more pixels than this (``None``: nvImageCodec's own threshold, 1,000,000 pixels, above any
+    ImageNet-sized image); ``gpu_huffman_load``, a share of each batch (the windows next in size
+    after the hardware engine's) goes to a second CUDA decoder that does it for all its images (0:
+    none; the shim's alone, ``decode="python"`` has one decoder). On the H200, ``gpu_huffman_above=25_000`` trained at about the default's rate with 5-18%
+    fewer host cores an image, but validation (whole images) lost 1-13%: the GPU's Huffman decode
+    keeps up with part of a batch, not all of it (docs/benchmarks.md, issue 22). ``nvimgcodec_options``: options for
     nvImageCodec's decoders, as its documentation spells them (for example
     ``"nvjpeg_cuda_decoder:hybrid_huffman_threshold=0"``). ``decode``: ``"shim"`` (one GIL-free call
     a batch through nvImageCodec's C API) or ``"python"`` (its Python API, the fallback where the
@@ -112,6 +120,8 @@ class GpuTuning:
     """
 
     cuda_load: float = 1.0
+    gpu_huffman_above: int | None = None
+    gpu_huffman_load: float = 0.0
     nvimgcodec_options: str = ""
     decode: Literal["shim", "python"] = "shim"
     launch: Literal["shim", "python"] = "shim"
@@ -119,6 +129,10 @@ class GpuTuning:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cuda_load", require_number("cuda_load", self.cuda_load, 0.0, 1.0, wanted="in [0, 1]"))
+        object.__setattr__(self, "gpu_huffman_load",
+                           require_number("gpu_huffman_load", self.gpu_huffman_load, 0.0, 1.0, wanted="in [0, 1]"))
+        if self.gpu_huffman_above is not None:
+            object.__setattr__(self, "gpu_huffman_above", require_int("gpu_huffman_above", self.gpu_huffman_above, 0))
         if not isinstance(self.nvimgcodec_options, str):
             raise ConfigError(f"nvimgcodec_options must be a str, got {self.nvimgcodec_options!r}")
         for name in ("decode", "launch"):
@@ -126,6 +140,12 @@ class GpuTuning:
                 raise ConfigError(f"{name} must be 'shim' or 'python', got {getattr(self, name)!r}")
         if self.dispatch not in ("free", "turn"):
             raise ConfigError(f"dispatch must be 'free' or 'turn', got {self.dispatch!r}")
+
+    def decoder_options(self) -> str:
+        """The options string for nvImageCodec's decoders: ``gpu_huffman_above`` as its option,
+        then ``nvimgcodec_options`` (nvImageCodec reads them in order, so the user's win)."""
+        ours = "" if self.gpu_huffman_above is None else f"nvjpeg_cuda_decoder:hybrid_huffman_threshold={self.gpu_huffman_above}"
+        return " ".join(part for part in (ours, self.nvimgcodec_options) if part)
 
 
 class CudaExecutor:

@@ -55,9 +55,12 @@ class Lane:
             tuning = self.owner.tuning
             self.decoder = NativeDecoder(dev, threads=threads, hw_load=hw_load, channels=pipe.channels,
                                          exif=pipe.decode.exif, budget=lane_budget(pipe.decode.max_batch_bytes),
-                                         cuda_load=tuning.cuda_load, options=tuning.nvimgcodec_options)
+                                         cuda_load=tuning.cuda_load, gpu_load=tuning.gpu_huffman_load,
+                                         options=tuning.decoder_options())
         else:
-            self.decoder = PythonDecoder(dev, threads=threads, channels=pipe.channels, exif=pipe.decode.exif)
+            # One decoder: gpu_huffman_load's second one is the shim's.
+            self.decoder = PythonDecoder(dev, threads=threads, channels=pipe.channels, exif=pipe.decode.exif,
+                                         options=self.owner.tuning.decoder_options())
         self.out = LaneOutput(self.owner, self.cp_stream, self.stream)
         self.staging = [Staging(cupy, self.cp_stream) for _ in range(4)]
         self.turn = 0

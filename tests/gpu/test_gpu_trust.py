@@ -70,8 +70,11 @@ PIPELINES = {
                                         ops.Normalize()]),
     "list+post": lambda: ops.Pipeline([ops.Resize(64), ops.ColorTwist(0.3, 0.3)]),
 }
-# The lane's ways: the shim's fused launch, the launch from Python, nvImageCodec's Python API.
-LAUNCHES = {"shim": ops.GpuTuning(), "python": ops.GpuTuning(launch="python"), "pyapi": ops.GpuTuning(decode="python")}
+# The lane's ways: the shim's fused launch, the launch from Python, nvImageCodec's Python API; and
+# the Huffman stage on the GPU (nvJPEG's GPU-hybrid backend, fed damaged files only here): all the
+# CUDA decoder's images (engine failures retried there too), or a share of each batch to a second one.
+LAUNCHES = {"shim": ops.GpuTuning(), "python": ops.GpuTuning(launch="python"), "pyapi": ops.GpuTuning(decode="python"),
+            "gpu-huffman": ops.GpuTuning(gpu_huffman_above=0), "gpu-huffman-share": ops.GpuTuning(gpu_huffman_load=0.35)}
 
 
 def _empty_output(images) -> bool:
@@ -140,7 +143,7 @@ def _mutated(rng, base: bytes) -> tuple[str, bytes]:
     return kind, bytes(data)
 
 
-@pytest.mark.parametrize("launch", ["shim", "python"])
+@pytest.mark.parametrize("launch", ["shim", "python", "gpu-huffman", "gpu-huffman-share"])
 @pytest.mark.parametrize("name", ["train", "val", "list"])
 async def test_mutated_jpegs_come_out_as_images_or_typed_errors_within_the_memory_limits(name, launch):
     rng = np.random.default_rng(17)

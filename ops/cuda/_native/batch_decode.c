@@ -44,7 +44,7 @@ typedef struct {
     nvimgcodecProcessingStatus_t status;
 } hr_item;
 
-/* Two nvImageCodec decoders, each with a chain that never hands a failed sample on to another
+/* Two (or three) nvImageCodec decoders, each with a chain that never hands a failed sample on to another
  * backend inside nvImageCodec: `hw`, the hardware JPEG engine alone, and `cuda`, the CUDA decoder
  * (hybrid, then GPU). Why not one decoder with the chain engine -> CUDA decoder: when the engine
  * (a batched backend) fails a sample during the decode, nvImageCodec 0.9 schedules the sample on
@@ -53,13 +53,21 @@ typedef struct {
  * ImageGenericCodec::processSample, reading the sample's backend that the other thread had just
  * cleared: docs/gpu-notes.md section 5). Here the split between the two is ours (hw_share of each
  * batch, the largest baseline JPEGs), the CUDA decoder's call runs in its threads while the engine
- * decodes in this one, and what the engine fails goes to the CUDA decoder in a second call. */
+ * decodes in this one, and what the engine fails goes to the CUDA decoder in a second call.
+ * The third, `gpu`, is a second CUDA decoder whose nvJPEG runs every image's Huffman stage on the
+ * GPU (its GPU-hybrid backend) rather than on the host threads: given gpu_share of a batch (the
+ * windows next in size after the engine's), it spends GPU time where `cuda` would spend host cores
+ * (through nvImageCodec's pixel threshold on the H200, the GPU's Huffman decode saved 5-18% of the
+ * host cores an image, and taking the CUDA decoder's whole share it lost 3-22% of the rate; a share
+ * sets how much it takes, which a threshold in pixels cannot: docs/benchmarks.md, issue 22). */
 typedef struct {
     nvimgcodecInstance_t instance;
     nvimgcodecDecoder_t hw;   /* NULL: no engine (hw_load 0, the CPU-only decoder, or none on this GPU) */
     nvimgcodecDecoder_t cuda; /* the CPU backend alone for the CPU-only decoder */
+    nvimgcodecDecoder_t gpu;  /* NULL: none (gpu_load 0); else the CUDA decoder with every Huffman stage on the GPU */
     int cpu_only;
     float hw_share;
+    float gpu_share;          /* of each batch, the windows after the engine's, to `gpu` */
     int adaptive;             /* move hw_share batch by batch, towards no wait on the CUDA decoder */
     int capacity;
     nvimgcodecCodeStream_t* views; /* region views, reused between batches */
@@ -141,7 +149,8 @@ static nvimgcodecDecoder_t make_decoder(nvimgcodecInstance_t instance, int devic
    backend in the chain, fuzzed JPEGs hung a decode now and then on the H100 (2 of 40 slices of
    1,000; none without it). adaptive: hw_load is where the share starts. */
 hr_decoder* hr_decoder_create(nvimgcodecInstance_t instance, int device_id, int cpu_only, int threads,
-                              float hw_load, float cuda_load, int adaptive, const char* options, char* err, size_t errlen)
+                              float hw_load, float cuda_load, float gpu_load, int adaptive, const char* options, char* err,
+                              size_t errlen)
 {
     hr_decoder* d = (hr_decoder*)calloc(1, sizeof(hr_decoder));
     if (!d) {
@@ -151,6 +160,7 @@ hr_decoder* hr_decoder_create(nvimgcodecInstance_t instance, int device_id, int 
     d->instance = instance;
     d->cpu_only = cpu_only;
     d->hw_share = hw_load;
+    d->gpu_share = gpu_load < 0.0f ? 0.0f : gpu_load > 1.0f ? 1.0f : gpu_load;
     d->adaptive = adaptive;
     if (cpu_only) {
         const nvimgcodecBackendKind_t kinds[1] = {NVIMGCODEC_BACKEND_KIND_CPU_ONLY};
@@ -165,6 +175,26 @@ hr_decoder* hr_decoder_create(nvimgcodecInstance_t instance, int device_id, int 
             const float hw_loads[1] = {1.0f};
             /* One thread: the engine's batch is decoded in the calling thread anyway. */
             d->hw = make_decoder(instance, device_id, 1, hw_kind, hw_loads, 1, options, NULL, 0);
+        }
+        if (d->cuda && d->gpu_share > 0.0f) {
+            /* nvImageCodec reads its options in order: the threshold last, so it holds here. */
+            const char* threshold = "nvjpeg_cuda_decoder:hybrid_huffman_threshold=0";
+            size_t len = strlen(options ? options : "") + strlen(threshold) + 2;
+            char* gpu_options = (char*)malloc(len);
+            if (gpu_options) {
+                snprintf(gpu_options, len, "%s %s", options ? options : "", threshold);
+                d->gpu = make_decoder(instance, device_id, 2, kinds, loads, threads, gpu_options, err, errlen);
+                free(gpu_options);
+            }
+            if (!d->gpu) {
+                nvimgcodecDecoderDestroy(d->cuda);
+                d->cuda = NULL;
+                if (d->hw)
+                    nvimgcodecDecoderDestroy(d->hw);
+                d->hw = NULL;
+                if (err && errlen && !err[0])
+                    set_error(err, errlen, "the GPU-Huffman decoder's creation", 0);
+            }
         }
     }
     if (!d->cuda) {
@@ -465,7 +495,7 @@ static int decode_batch(hr_decoder* d, const hr_parsed* p, int m, const int32_t*
     }
     if (k == 0)
         return 1;
-    int n_hw = 0;
+    int n_hw = 0, n_gpu = 0;
     if (offered) {
         qsort(d->items, (size_t)k, sizeof(hr_item), engine_first);
         float share = d->hw_share < 0.0f ? 0.0f : d->hw_share > 1.0f ? 1.0f : d->hw_share;
@@ -479,16 +509,25 @@ static int decode_batch(hr_decoder* d, const hr_parsed* p, int m, const int32_t*
     params.struct_type = NVIMGCODEC_STRUCTURE_TYPE_DECODE_PARAMS;
     params.struct_size = sizeof(params);
     params.apply_exif_orientation = exif;
-    /* The CUDA decoder's share runs in its threads while the engine decodes its share here. */
-    nvimgcodecFuture_t rest = start(d, d->cuda, d->items + n_hw, k - n_hw, &params);
-    int ok = rest != NULL || k - n_hw == 0;
+    if (d->gpu) {
+        if (!offered) /* no engine share: the windows were not sorted */
+            qsort(d->items, (size_t)k, sizeof(hr_item), engine_first);
+        n_gpu = (int)(d->gpu_share * (float)k + 0.5f);
+        n_gpu = n_gpu < k - n_hw ? n_gpu : k - n_hw;
+    }
+    /* The CUDA decoders' shares run in their threads while the engine decodes its share here. */
+    int n_rest = k - n_hw - n_gpu;
+    nvimgcodecFuture_t rest = start(d, d->cuda, d->items + n_hw + n_gpu, n_rest, &params);
+    nvimgcodecFuture_t on_gpu = start(d, d->gpu, d->items + n_hw, n_gpu, &params);
+    int ok = rest != NULL || on_gpu != NULL || k - n_hw == 0;
     if (n_hw) {
         nvimgcodecFuture_t engine = start(d, d->hw, d->items, n_hw, &params);
         finish(d, engine, d->items, n_hw);
         ok |= engine != NULL;
     }
     double t0 = now();
-    finish(d, rest, d->items + n_hw, k - n_hw);
+    finish(d, on_gpu, d->items + n_hw, n_gpu);
+    finish(d, rest, d->items + n_hw + n_gpu, n_rest);
     double waited = now() - t0;
     if (n_hw && d->adaptive && k > n_hw) {
         /* Waiting on the CUDA decoder: the engine can take more; no wait: it may be the slower. */
@@ -672,6 +711,8 @@ void hr_decoder_destroy(hr_decoder* d)
     release_handles(d->views, d->capacity);
     if (d->hw)
         nvimgcodecDecoderDestroy(d->hw);
+    if (d->gpu)
+        nvimgcodecDecoderDestroy(d->gpu);
     nvimgcodecDecoderDestroy(d->cuda);
     free(d->views);
     free(d->items);
