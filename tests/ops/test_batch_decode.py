@@ -26,8 +26,8 @@ pytestmark = pytest.mark.skipif(
 def decoder():
     made = []
 
-    def make(channels: int = 3, exif: bool = True):
-        dec = _batch_decode.BatchDecoder(None, threads=1, channels=channels, exif=exif)
+    def make(channels: int = 3, exif: bool = True, **more):
+        dec = _batch_decode.BatchDecoder(None, threads=1, channels=channels, exif=exif, **more)
         dec.parsed = _batch_decode.ParsedBatch()
         made.append(dec)
         return dec
@@ -73,6 +73,18 @@ def test_whole_images_and_windows_equal_pillow(decoder, rng):
         y0, x0, y1, x1 = boxes[j]
         assert tuple(info[i, :3]) == (*_pillow(blobs[i]).shape[:2], 3)
         np.testing.assert_array_equal(outs[j], _pillow(blobs[i])[y0:y1, x0:x1])
+
+
+@pytest.mark.parametrize("gpu_load", [0.5, 1.0])
+def test_a_huffman_share_for_the_gpu_leaves_the_cpu_decoder_as_it_was(decoder, rng, gpu_load):
+    # gpu_load asks for a second, GPU-Huffman CUDA decoder; the CPU-only decoder has no GPU, so it
+    # makes none and decodes every image itself, Pillow's pixels, as with gpu_load 0.
+    dec = decoder(gpu_load=gpu_load)
+    blobs = [encode(random_image(rng, int(rng.integers(17, 120)), int(rng.integers(17, 120))), "JPEG") for _ in range(8)]
+    info, pick, boxes, status, outs = _decode(dec, blobs, [None] * 8)
+    assert status.tolist() == [1] * 8
+    for j, i in enumerate(pick):
+        np.testing.assert_array_equal(outs[j], _pillow(blobs[i]))
 
 
 @pytest.mark.parametrize("orientation", [1, 3, 6, 8])
