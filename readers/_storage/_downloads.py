@@ -21,7 +21,11 @@ if TYPE_CHECKING:
 
     from ._resolve import Storage
 
-__all__ = ["Downloads"]
+__all__ = ["START_CAPACITY", "Downloads"]
+
+# What a download buffers at first (the readers' default bound before it could grow): a store whose
+# bytes come faster than the parser reads them never needs more.
+START_CAPACITY = 8 << 20
 
 
 class Downloads:
@@ -30,6 +34,8 @@ class Downloads:
     them all and awaits their tasks, even when cancelled. ``retries`` and ``peak`` sum them up."""
 
     def __init__(self, storage: Storage | None, capacity: int, link: Link | None = None) -> None:
+        # ``capacity``: the most a download may buffer. It starts with less (``START_CAPACITY``, or
+        # what the read's downloads grew to) and grows while its parser waits (``Fetcher.grow``).
         self.storage, self.capacity = storage, capacity
         self.files: list[RemoteFile] = []
         self.tasks: list[asyncio.Task[None]] = []
@@ -44,7 +50,9 @@ class Downloads:
         store, key = self.storage.locate(source)
         # A new download starts with the GETs in flight the read's downloads came to (they grow
         # while their parser waits): the shard after a slow one need not find that out again.
-        remote = RemoteFile(store, key, capacity=self.capacity, retry=self.storage.retry, link=self.link, tee=tee)
+        start = min(self.capacity, max(START_CAPACITY, self.link.capacity))
+        remote = RemoteFile(store, key, capacity=start, max_capacity=self.capacity, retry=self.storage.retry,
+                            link=self.link, tee=tee)
         self.files.append(remote)
         self.tasks.append(asyncio.get_running_loop().create_task(remote.fill(), name=f"headrace:storage:{n}"))
         return remote

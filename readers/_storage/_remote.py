@@ -61,7 +61,8 @@ class RemoteFile:
     mode = "rb"
 
     def __init__(self, store: Store, key: str, *, capacity: int = 8 << 20, retry: Retry | None = None,
-                 jump: int = 4 << 20, link: Link | None = None, tee: CacheWriter | None = None) -> None:
+                 jump: int = 4 << 20, link: Link | None = None, tee: CacheWriter | None = None,
+                 max_capacity: int | None = None) -> None:
         self.name = store.url(key)
         # What the link remembers the object under: an HTTP URL as given, its query string too
         # (``name`` drops it: URLs differing only there are distinct objects of distinct sizes).
@@ -70,7 +71,10 @@ class RemoteFile:
         # with, handed to the copy's writing thread once the lock is let go (the loop pushes under it).
         self.tee = tee
         self._teed: list[tuple[int, memoryview]] = []
+        # ``capacity`` bounds the buffer now; the download may raise it up to ``max_capacity``
+        # while the thread waits on a far store (``Fetcher.grow``). Both are read under the lock.
         self.capacity, self.jump = capacity, jump
+        self.max_capacity = max(capacity, max_capacity or capacity)
         self._cond = threading.Condition()
         # [offset, bytes, their address (found on the first take from the block)], in offset order
         self._blocks: deque[list] = deque()

@@ -12,6 +12,13 @@ what ``R`` needs. A GET holds no bytes while it waits for its first one, so they
 ``_SPAN`` (2) capacities at once, ``n * s <= 2 * capacity`` (``_MAX_PIECES`` at most; ``_READ_GETS``
 for all the read's downloads), while what they hold stays within ``capacity`` (below).
 
+The bound itself grows the same way: a download starts with ``capacity`` (the read's ``Link``
+remembers what the earlier ones came to) and, while its thread still waits with every GET that
+bound lets it ask for in flight, doubles it, up to ``max_capacity`` (the reader's ``buffer_bytes``).
+A store near enough that the parser never waits leaves it where it started; a far one gets the
+bytes in flight its latency and bandwidth need, and no more. Segments are sized from
+``max_capacity``, so a download that grows keeps its GETs' size.
+
 Only the oldest download still asking for bytes (``Link.leader``) grows: the ones read ahead stream
 on one GET until they lead, then start with what it came to, so the consumer's shard gets the CPU
 and the network first. A piece done ahead of the head frees its GET for the next segment at once
@@ -89,6 +96,7 @@ class Link:
     def __init__(self) -> None:
         self.latency: float | None = None
         self.pieces = 1  # the most GETs in flight one download came to
+        self.capacity = 0  # the largest buffer bound one download grew to (0: none grew)
         self.fetchers: dict[Fetcher, None] = {}  # the downloads running now, oldest first
         # Times a head GET went on only because its parser had read all it was given, the room
         # being held by the pieces behind it: it then creeps a block per read (what
@@ -172,7 +180,7 @@ class Fetcher:
         self.retries = 0  # faults survived (reported in the reader's stats)
         self.peak = 0  # most bytes buffered at once
         self.want = 1  # GETs in flight wanted now
-        self.segment = segment_bytes(file.capacity)  # bytes per ranged GET
+        self.segment = segment_bytes(file.max_capacity)  # bytes per ranged GET, whatever the bound grows to
         self._mark: tuple[float, int, float] | None = None  # (time, bytes read, seconds waited) at the last look
         self._loop: asyncio.AbstractEventLoop | None = None
         self._room: asyncio.Event | None = None
@@ -405,11 +413,23 @@ class Fetcher:
             # With the link observed, the GETs the pace needs (half again: the estimate is taken
             # before the read's own load, so it is low); without, one more, as each wait asks.
             target = math.ceil(1.5 * needed) if needed else self.want + 1
+            if target > self.want >= _SPAN * self.file.capacity // self.segment:
+                self._raise_capacity()  # every GET the bound allows is in flight, and the thread still waits
             while self.want < target and self._more():
                 pass
             self._mark = (time.monotonic(), self.file.tell(), self.file.waited)
         if not self.can_grow():
             self.link.handed_over()
+
+    def _raise_capacity(self) -> None:
+        """Double the buffer bound, up to ``max_capacity``; later downloads of the read start there."""
+        with self._cond:
+            grown = min(self.file.max_capacity, 2 * self.file.capacity)
+            if grown <= self.file.capacity:
+                return
+            self.file.capacity = grown
+        self.link.capacity = max(self.link.capacity, grown)
+        self.wake()  # pieces waiting for room may fit now
 
     def can_grow(self) -> bool:
         """Bytes of the object are not yet asked for by a ranged GET (or its size is unknown)."""

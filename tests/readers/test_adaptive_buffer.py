@@ -1,0 +1,60 @@
+"""A download's buffer grows to what a far store needs: it starts at ``START_CAPACITY`` and doubles
+while its parser still waits with every GET its bound allows in flight, never past ``buffer_bytes``.
+
+Against the latency server of ``test_storage_latency.py`` (20 ms first byte, 20 MB/s a connection):
+a 48 MiB shard, far too slow for a parser on 8 MiB of GETs in flight. No test asserts a time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from headrace import readers
+from headrace.readers._storage._downloads import START_CAPACITY
+
+from sample_data import tar_bytes
+from test_storage import _read_all
+from test_storage_latency import HEAD_BLOCK, RETRY, _pairs, slow, slow_server  # noqa: F401 - fixtures
+
+FAR = "grow/far-0.tar"
+
+
+def _far_shard(root) -> list[tuple[str, bytes]]:
+    """A 48 MiB shard (192 samples of 256 KiB) in the served folder, written once; its (key, bytes)."""
+    rng = np.random.default_rng(5)
+    samples = [(f"{i:04d}", rng.integers(0, 256, 256 << 10, dtype=np.uint8).tobytes()) for i in range(192)]
+    path = root / FAR
+    if not path.exists():
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(tar_bytes([(f"{key}.bin", data) for key, data in samples]))
+    return samples
+
+
+@pytest.mark.parametrize("kind", ["s3", "http"])
+async def test_a_far_store_grows_the_buffer_up_to_buffer_bytes_and_no_further(slow, kind, leaks):
+    expected = _far_shard(slow.root)
+    bound = 32 << 20
+    reader = readers.webdataset(slow.source(kind, FAR), buffer_bytes=bound, chunk_size=4,
+                                storage_options={"retry": RETRY})
+    assert _pairs(await _read_all(reader)) == expected  # every sample once, in order
+    link = reader.files.link
+    assert START_CAPACITY < link.capacity <= bound  # it grew, within the bound
+    assert 0 < reader.peak_buffered <= bound + HEAD_BLOCK
+    # The next epoch's download starts with what this one grew to, and stays within the bound.
+    grown = link.capacity
+    assert _pairs(await _read_all(reader, epoch=1)) == expected
+    assert grown <= link.capacity <= bound and reader.peak_buffered <= bound + HEAD_BLOCK
+    await leaks.check()
+
+
+@pytest.mark.parametrize("kind", ["s3", "http"])
+async def test_a_bound_at_or_under_the_start_is_the_buffer_throughout(slow, kind, leaks):
+    expected = _far_shard(slow.root)
+    bound = 4 << 20
+    reader = readers.webdataset(slow.source(kind, FAR), buffer_bytes=bound, chunk_size=4,
+                                storage_options={"retry": RETRY})
+    assert _pairs(await _read_all(reader)) == expected
+    assert reader.files.link.capacity == 0  # nothing grew: the bound was the start
+    assert 0 < reader.peak_buffered <= bound + HEAD_BLOCK
+    await leaks.check()
