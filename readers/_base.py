@@ -64,10 +64,13 @@ class Reader(ABC):
         """Keep this reader's storage connections open for the block, across reads: the loader holds
         it over an epoch, so the next epoch's read, started ahead while this one's last batches
         decode, takes over warm connections instead of opening new ones (each read's own session
-        would close them as it ends). A no-op for readers with nothing remote."""
-        storage = getattr(self, "storage", None)
-        session = getattr(storage, "session", None)
-        return session() if session is not None else contextlib.nullcontext()
+        would close them as it ends).
+
+        The default holds nothing, for readers with nothing remote; a reader that reads through a
+        store overrides it to return its storage's ``session()``. Overridden rather than found by
+        attribute name, so that a reader keeping its storage under another name cannot go without
+        unnoticed (tests/readers/test_reader_connections_override.py checks the public readers)."""
+        return contextlib.nullcontext()
 
 
 def epoch_order(

@@ -146,6 +146,14 @@ class FileReader(IndexedReader):
             out.append(Sample(keys[i], fields, paths[i], i, error=error))
         return out
 
+    def connections(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """The storage's session when the files are objects in a store (``Reader.connections``);
+        local files hold no connection."""
+        if not self._fetch_on_loop:  # fetched on the loop exactly when they are objects in a store
+            return super().connections()
+        assert self.storage is not None
+        return self.storage.session()
+
     @contextlib.asynccontextmanager
     async def _io_session(self) -> AsyncIterator[None]:
         assert self.storage is not None

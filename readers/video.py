@@ -169,6 +169,12 @@ class VideoReader(IndexedReader):
                     data[v] = ReadError(f"cannot read member {path.name!r}: {exc}", source=path.shard)
         return self._samples(indices, data)
 
+    def connections(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """The storage's session for videos in a store (``Reader.connections``); local ones hold none."""
+        if self.storage is None:  # only ``video()`` over URLs or ``store=`` gives a reader storage
+            return super().connections()
+        return self.storage.session()
+
     def _io_session(self) -> Any:
         assert self.storage is not None
         return self.storage.session()

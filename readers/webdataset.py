@@ -283,6 +283,14 @@ class WebDatasetReader(Reader):
         size = self.shuffle_buffer if self.shuffle else 0
         return ShuffleBuffer(size, Draws(key), position=position, initial=self.shuffle_initial)
 
+    def connections(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """The storage's session when any shard is read through a store (``Reader.connections``);
+        local and ``pipe:`` shards hold no connection."""
+        # The same test as the downloads', which open a session of their own only then.
+        if self.storage is None or not any(self.files.remote):
+            return super().connections()
+        return self.storage.session()
+
     async def read(
         self, epoch: int, *, start: int = 0, seed: int = 0, history: Sequence[tuple[int, int]] = ()
     ) -> AsyncIterator[list[Sample]]:
