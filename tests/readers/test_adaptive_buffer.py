@@ -31,13 +31,18 @@ def _far_shard(root) -> list[tuple[str, bytes]]:
     return samples
 
 
+async def _read_far(slow, kind, **options):
+    """The far shard read whole by a webdataset reader with ``options``: every sample once, in order."""
+    expected = _far_shard(slow.root)
+    reader = readers.webdataset(slow.source(kind, FAR), chunk_size=4, storage_options={"retry": RETRY}, **options)
+    assert _pairs(await _read_all(reader)) == expected
+    return reader, expected
+
+
 @pytest.mark.parametrize("kind", ["s3", "http"])
 async def test_a_far_store_grows_the_buffer_up_to_buffer_bytes_and_no_further(slow, kind, leaks):
-    expected = _far_shard(slow.root)
     bound = 32 << 20
-    reader = readers.webdataset(slow.source(kind, FAR), buffer_bytes=bound, chunk_size=4,
-                                storage_options={"retry": RETRY})
-    assert _pairs(await _read_all(reader)) == expected  # every sample once, in order
+    reader, expected = await _read_far(slow, kind, buffer_bytes=bound)
     link = reader.files.link
     assert START_CAPACITY < link.capacity <= bound  # it grew, within the bound
     assert 0 < reader.peak_buffered <= bound + HEAD_BLOCK
@@ -50,11 +55,17 @@ async def test_a_far_store_grows_the_buffer_up_to_buffer_bytes_and_no_further(sl
 
 @pytest.mark.parametrize("kind", ["s3", "http"])
 async def test_a_bound_at_or_under_the_start_is_the_buffer_throughout(slow, kind, leaks):
-    expected = _far_shard(slow.root)
     bound = 4 << 20
-    reader = readers.webdataset(slow.source(kind, FAR), buffer_bytes=bound, chunk_size=4,
-                                storage_options={"retry": RETRY})
-    assert _pairs(await _read_all(reader)) == expected
+    reader, _ = await _read_far(slow, kind, buffer_bytes=bound)
     assert reader.files.link.capacity == 0  # nothing grew: the bound was the start
     assert 0 < reader.peak_buffered <= bound + HEAD_BLOCK
+    await leaks.check()
+
+
+@pytest.mark.parametrize("kind", ["s3", "http"])
+async def test_the_default_bound_is_64_mib_and_a_far_store_finds_it(slow, kind, leaks):
+    reader, _ = await _read_far(slow, kind)
+    assert reader.files.buffer_bytes == 64 << 20
+    assert START_CAPACITY < reader.files.link.capacity <= 64 << 20
+    assert 0 < reader.peak_buffered <= (64 << 20) + HEAD_BLOCK
     await leaks.check()
