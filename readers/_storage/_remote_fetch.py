@@ -402,6 +402,11 @@ class Fetcher:
             self._mark = (time.monotonic(), self.file.tell(), self.file.waited)
         if self.link.leader() is not self:
             return
+        if self.file.capacity < self.link.capacity:
+            # A download opened before an earlier one grew the bound (read ahead of it) takes the
+            # lead: it starts with what that one grew to, as it does with the GETs (``link.pieces``,
+            # which its own smaller span would cap).
+            self._raise_capacity(self.link.capacity)
         # Up to what the read's downloads came to; then, while the thread still waits, what its
         # pace needs, measured again.
         if self.want < self.link.pieces and self._more():
@@ -421,10 +426,11 @@ class Fetcher:
         if not self.can_grow():
             self.link.handed_over()
 
-    def _raise_capacity(self) -> None:
-        """Double the buffer bound, up to ``max_capacity``; later downloads of the read start there."""
+    def _raise_capacity(self, to: int | None = None) -> None:
+        """Double the buffer bound (or raise it ``to`` that), up to ``max_capacity``; later downloads
+        of the read start there."""
         with self._cond:
-            grown = min(self.file.max_capacity, 2 * self.file.capacity)
+            grown = min(self.file.max_capacity, to if to is not None else 2 * self.file.capacity)
             if grown <= self.file.capacity:
                 return
             self.file.capacity = grown
