@@ -72,7 +72,9 @@ class RemoteFile:
         self.tee = tee
         self._teed: list[tuple[int, memoryview]] = []
         # ``capacity`` bounds the buffer now; the download may raise it up to ``max_capacity``
-        # while the thread waits on a far store (``Fetcher.grow``). Both are read under the lock.
+        # while the thread waits on a far store (``Fetcher.grow``), never lowers it (a restart after
+        # a long seek keeps it). Only the loop writes it, under the lock; the loop reads it without
+        # (it is the writer), the thread only under the lock (``_wake``).
         self.capacity, self.jump = capacity, jump
         self.max_capacity = max(capacity, max_capacity or capacity)
         self._cond = threading.Condition()

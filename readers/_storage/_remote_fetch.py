@@ -2,7 +2,7 @@
 
 A store that answers each GET after a latency and caps each connection's bandwidth makes one GET
 too slow for a parser: while the thread waits for bytes (20 ms of waiting since the last look),
-the download gains ranged GETs of the segments ahead. Segments are ``capacity / 8``, 1 to 4 MiB
+the download gains ranged GETs of the segments ahead. Segments are ``max_capacity / 8``, 1 to 4 MiB
 (``segment_bytes``; why 4 at most: ``_MAX_SEGMENT``). How many GETs come from what the read's
 downloads observed (their ``Link``): the first-byte latency ``L`` and a connection's bandwidth ``B``
 (both taken before the read's own GETs load the CPU and the network), and the parser's pace ``R``
@@ -180,7 +180,10 @@ class Fetcher:
         self.retries = 0  # faults survived (reported in the reader's stats)
         self.peak = 0  # most bytes buffered at once
         self.want = 1  # GETs in flight wanted now
-        self.segment = segment_bytes(file.max_capacity)  # bytes per ranged GET, whatever the bound grows to
+        # Bytes per ranged GET, whatever the bound grows to: 4 MiB at the default 64 MiB bound, so an
+        # object with less than two segments (8 MiB) past its streamed GET's position gains no
+        # ranged GET, and its bound does not grow (``can_grow``); at an 8 MiB bound, 1 MiB and 2 MiB.
+        self.segment = segment_bytes(file.max_capacity)
         self._mark: tuple[float, int, float] | None = None  # (time, bytes read, seconds waited) at the last look
         self._loop: asyncio.AbstractEventLoop | None = None
         self._room: asyncio.Event | None = None

@@ -509,6 +509,9 @@ static int decode_batch(hr_decoder* d, const hr_parsed* p, int m, const int32_t*
     params.struct_type = NVIMGCODEC_STRUCTURE_TYPE_DECODE_PARAMS;
     params.struct_size = sizeof(params);
     params.apply_exif_orientation = exif;
+    /* gpu's share comes after the engine's in engine_first order: the windows offered to the engine
+       and not given to it (baseline JPEGs), largest first, then the others, largest first. A start()
+       that fails leaves its items failed (status FAIL), the others decode: ok says a call was made. */
     if (d->gpu) {
         if (!offered) /* no engine share: the windows were not sorted */
             qsort(d->items, (size_t)k, sizeof(hr_item), engine_first);
