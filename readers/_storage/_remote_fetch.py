@@ -3,7 +3,7 @@
 A store that answers each GET after a latency and caps each connection's bandwidth makes one GET
 too slow for a parser: while the thread waits for bytes (20 ms of waiting since the last look),
 the download gains ranged GETs of the segments ahead. Segments are ``max_capacity / 8``, 1 to 4 MiB
-(``segment_bytes``; why 4 at most: ``_MAX_SEGMENT``). How many GETs come from what the read's
+(``segment_bytes``; why 4 at most: ``_MAX_SEGMENT``), and an eighth of the object at most. How many GETs come from what the read's
 downloads observed (their ``Link``): the first-byte latency ``L`` and a connection's bandwidth ``B``
 (both taken before the read's own GETs load the CPU and the network), and the parser's pace ``R``
 (bytes it read per second of not waiting, a wait going on counted as waiting). By Little's law
@@ -180,9 +180,9 @@ class Fetcher:
         self.retries = 0  # faults survived (reported in the reader's stats)
         self.peak = 0  # most bytes buffered at once
         self.want = 1  # GETs in flight wanted now
-        # Bytes per ranged GET, whatever the bound grows to: 4 MiB at the default 64 MiB bound, so an
-        # object with less than two segments (8 MiB) past its streamed GET's position gains no
-        # ranged GET, and its bound does not grow (``can_grow``); at an 8 MiB bound, 1 MiB and 2 MiB.
+        # Bytes per ranged GET, whatever the bound grows to (4 MiB at the default 64 MiB bound), and
+        # an eighth of the object at most once its size is known (``_sized``): a 6 MiB shard gets
+        # 1 MiB segments, not less than two 4 MiB ones past its streamed GET and none at all.
         self.segment = segment_bytes(file.max_capacity)
         self._mark: tuple[float, int, float] | None = None  # (time, bytes read, seconds waited) at the last look
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -210,6 +210,7 @@ class Fetcher:
         if remembered is not None:
             self.size, self._etag = remembered
             self.unconfirmed = True
+            self._sized(self.size)
         try:
             await self._download()
         except BaseExceptionGroup as group:  # from the pieces' task group: its first error
@@ -346,8 +347,15 @@ class Fetcher:
             self.size = size
             self.unconfirmed = False
             self._cond.notify_all()
+        self._sized(size)
         if self._etag is not None:
             self.link.remember(self.file.identity, size, self._etag)
+
+    def _sized(self, size: int) -> None:
+        """The object's size is known, before any ranged GET: segments of an eighth of it at most
+        (``segment_bytes`` of it), so a small object still splits into several."""
+        if self._planned is None or self._planned == size:  # no ranged GET planned yet
+            self.segment = min(segment_bytes(self.file.max_capacity), segment_bytes(size))
 
     def _forget(self) -> _Jump:
         """The remembered size and ETag were refused: forgotten, and the download starts again

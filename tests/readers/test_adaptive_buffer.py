@@ -69,3 +69,23 @@ async def test_the_default_bound_is_64_mib_and_a_far_store_finds_it(slow, kind, 
     assert START_CAPACITY < reader.files.link.capacity <= 64 << 20
     assert 0 < reader.peak_buffered <= (64 << 20) + HEAD_BLOCK
     await leaks.check()
+
+
+@pytest.mark.parametrize("kind", ["s3", "http"])
+async def test_a_small_far_shard_still_gains_ranged_gets_at_the_default_bound(slow, kind, leaks):
+    # A 6 MiB shard: at the 64 MiB bound's 4 MiB segments it would have less than two segments past
+    # its first GET and stream on that one connection (20 MB/s here); segments are an eighth of the
+    # object at most (1 MiB here, as at the old 8 MiB default), so it gains ranged GETs.
+    rng = np.random.default_rng(6)
+    samples = [(f"{i:04d}", rng.integers(0, 256, 256 << 10, dtype=np.uint8).tobytes()) for i in range(24)]
+    path = slow.root / "grow" / "small-0.tar"
+    if not path.exists():
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(tar_bytes([(f"{key}.bin", data) for key, data in samples]))
+    reader = readers.webdataset(slow.source(kind, "grow/small-0.tar"), chunk_size=4, storage_options={"retry": RETRY})
+    await slow.idle()  # the peaks from here
+    before = slow.stats()["requests"]
+    assert _pairs(await _read_all(reader)) == samples
+    stats = slow.stats()
+    assert stats["requests"] - before > 2 and stats["peak_answering"] > 1  # ranged GETs, answered at once
+    await leaks.check()
