@@ -74,7 +74,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i, f, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_size_t
     lib.hr_instance_create.argtypes, lib.hr_instance_create.restype = [ctypes.c_char_p, ctypes.c_char_p, sz], p
     lib.hr_instance_destroy.argtypes, lib.hr_instance_destroy.restype = [p], None
-    lib.hr_decoder_create.argtypes = [p, i, i, i, f, f, f, i, ctypes.c_char_p, ctypes.c_char_p, sz]
+    lib.hr_decoder_create.argtypes = [p, i, i, i, f, f, f, i, i, ctypes.c_char_p, ctypes.c_char_p, sz]
     lib.hr_decoder_create.restype = p
     lib.hr_parsed_create.argtypes, lib.hr_parsed_create.restype = [], p
     lib.hr_parsed_destroy.argtypes, lib.hr_parsed_destroy.restype = [p], None
@@ -151,7 +151,8 @@ class BatchDecoder:
     is left out of that chain: with it, fuzzed JPEGs hung a decode now and then). ``options`` go to
     nvImageCodec's decoder as they are (e.g. ``"nvjpeg_cuda_decoder:hybrid_huffman_threshold=0"``).
     ``gpu_load``: the share of each batch (the windows next in size after the engine's) given to a
-    second CUDA decoder that runs every Huffman stage on the GPU (0: none, no second decoder).
+    second CUDA decoder that runs every Huffman stage on the GPU (0: none, no second decoder), with
+    ``gpu_threads`` host threads (0: ``threads``).
     """
 
     def __init__(
@@ -162,6 +163,7 @@ class BatchDecoder:
         hw_load: float | str = 0.65,
         cuda_load: float = 1.0,
         gpu_load: float = 0.0,
+        gpu_threads: int = 0,
         channels: int = 3,
         exif: bool = True,
         options: str = "",
@@ -175,7 +177,8 @@ class BatchDecoder:
         adaptive = hw_load == "adaptive"
         share = 0.65 if adaptive else float(hw_load)
         handle = lib.hr_decoder_create(
-            _instance(lib), -1 if cpu_only else device, int(cpu_only), threads, share, cuda_load, gpu_load, int(adaptive),
+            _instance(lib), -1 if cpu_only else device, int(cpu_only), threads, share, cuda_load, gpu_load, gpu_threads,
+            int(adaptive),
             options.encode(), err, len(err)
         )
         if not handle:

@@ -107,7 +107,9 @@ class GpuTuning:
     has more pixels than this (``None``: nvImageCodec's own threshold, 1,000,000 pixels, above any
     ImageNet-sized image); ``gpu_huffman_load``, a share of each batch (the windows next in size
     after the hardware engine's) goes to a second CUDA decoder that does it for all its images (0:
-    none; the shim's alone, ``decode="python"`` has one decoder). On the H200, ``gpu_huffman_above=25_000`` trained at about the default's rate with 5-18%
+    none; the shim's alone, ``decode="python"`` has one decoder), with ``gpu_huffman_threads`` host
+    threads (``None``: as many as the lane's decoder; they mostly wait, as each keeps one image on
+    the GPU at a time). On the H200, ``gpu_huffman_above=25_000`` trained at about the default's rate with 5-18%
     fewer host cores an image, but validation (whole images) lost 1-13%: the GPU's Huffman decode
     keeps up with part of a batch, not all of it (docs/benchmarks.md, issue 22). ``nvimgcodec_options``: options for
     nvImageCodec's decoders, as its documentation spells them (for example
@@ -122,6 +124,7 @@ class GpuTuning:
     cuda_load: float = 1.0
     gpu_huffman_above: int | None = None
     gpu_huffman_load: float = 0.0
+    gpu_huffman_threads: int | None = None
     nvimgcodec_options: str = ""
     decode: Literal["shim", "python"] = "shim"
     launch: Literal["shim", "python"] = "shim"
@@ -131,6 +134,8 @@ class GpuTuning:
         object.__setattr__(self, "cuda_load", require_number("cuda_load", self.cuda_load, 0.0, 1.0, wanted="in [0, 1]"))
         object.__setattr__(self, "gpu_huffman_load",
                            require_number("gpu_huffman_load", self.gpu_huffman_load, 0.0, 1.0, wanted="in [0, 1]"))
+        if self.gpu_huffman_threads is not None:
+            object.__setattr__(self, "gpu_huffman_threads", require_int("gpu_huffman_threads", self.gpu_huffman_threads))
         if self.gpu_huffman_above is not None:
             object.__setattr__(self, "gpu_huffman_above", require_int("gpu_huffman_above", self.gpu_huffman_above, 0))
         if not isinstance(self.nvimgcodec_options, str):

@@ -56,6 +56,7 @@ class Lane:
             self.decoder = NativeDecoder(dev, threads=threads, hw_load=hw_load, channels=pipe.channels,
                                          exif=pipe.decode.exif, budget=lane_budget(pipe.decode.max_batch_bytes),
                                          cuda_load=tuning.cuda_load, gpu_load=tuning.gpu_huffman_load,
+                                         gpu_threads=tuning.gpu_huffman_threads or 0,
                                          options=tuning.decoder_options())
         else:
             # One decoder: gpu_huffman_load's second one is the shim's.

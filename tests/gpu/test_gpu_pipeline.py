@@ -223,6 +223,7 @@ HUFFMAN_ON_THE_GPU = {
     "gpu_huffman_above=0": ops.GpuTuning(gpu_huffman_above=0),  # the CUDA decoder: every image on the GPU
     "gpu_huffman_load=0.5": ops.GpuTuning(gpu_huffman_load=0.5),  # a second decoder: half of each batch
     "gpu_huffman_load=1": ops.GpuTuning(gpu_huffman_load=1.0),
+    "gpu_huffman_load=0.5, 8 threads": ops.GpuTuning(gpu_huffman_load=0.5, gpu_huffman_threads=8),
 }
 
 

@@ -75,11 +75,11 @@ def test_whole_images_and_windows_equal_pillow(decoder, rng):
         np.testing.assert_array_equal(outs[j], _pillow(blobs[i])[y0:y1, x0:x1])
 
 
-@pytest.mark.parametrize("gpu_load", [0.5, 1.0])
-def test_a_huffman_share_for_the_gpu_leaves_the_cpu_decoder_as_it_was(decoder, rng, gpu_load):
+@pytest.mark.parametrize(("gpu_load", "gpu_threads"), [(0.5, 0), (1.0, 3)])
+def test_a_huffman_share_for_the_gpu_leaves_the_cpu_decoder_as_it_was(decoder, rng, gpu_load, gpu_threads):
     # gpu_load asks for a second, GPU-Huffman CUDA decoder; the CPU-only decoder has no GPU, so it
     # makes none and decodes every image itself, Pillow's pixels, as with gpu_load 0.
-    dec = decoder(gpu_load=gpu_load)
+    dec = decoder(gpu_load=gpu_load, gpu_threads=gpu_threads)
     blobs = [encode(random_image(rng, int(rng.integers(17, 120)), int(rng.integers(17, 120))), "JPEG") for _ in range(8)]
     info, pick, boxes, status, outs = _decode(dec, blobs, [None] * 8)
     assert status.tolist() == [1] * 8

@@ -149,8 +149,8 @@ static nvimgcodecDecoder_t make_decoder(nvimgcodecInstance_t instance, int devic
    backend in the chain, fuzzed JPEGs hung a decode now and then on the H100 (2 of 40 slices of
    1,000; none without it). adaptive: hw_load is where the share starts. */
 hr_decoder* hr_decoder_create(nvimgcodecInstance_t instance, int device_id, int cpu_only, int threads,
-                              float hw_load, float cuda_load, float gpu_load, int adaptive, const char* options, char* err,
-                              size_t errlen)
+                              float hw_load, float cuda_load, float gpu_load, int gpu_threads, int adaptive,
+                              const char* options, char* err, size_t errlen)
 {
     hr_decoder* d = (hr_decoder*)calloc(1, sizeof(hr_decoder));
     if (!d) {
@@ -183,7 +183,10 @@ hr_decoder* hr_decoder_create(nvimgcodecInstance_t instance, int device_id, int 
             char* gpu_options = (char*)malloc(len);
             if (gpu_options) {
                 snprintf(gpu_options, len, "%s %s", options ? options : "", threshold);
-                d->gpu = make_decoder(instance, device_id, 2, kinds, loads, threads, gpu_options, err, errlen);
+                /* Its threads mostly wait for the GPU (each keeps one image there at a time), so it may
+                   have more than the host decoder: gpu_threads, or as many when 0. */
+                d->gpu = make_decoder(instance, device_id, 2, kinds, loads, gpu_threads > 0 ? gpu_threads : threads,
+                                      gpu_options, err, errlen);
                 free(gpu_options);
             }
             if (!d->gpu) {
