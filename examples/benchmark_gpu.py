@@ -479,28 +479,32 @@ def main() -> None:
         runners[f"hw{hw}"] = (f"headrace (train, hw_load={hw})", lambda hw=float(hw): bench_headrace(
             root, ops.training(224, dtype="float16"), args.batch, args.epochs, args.lanes, hw))
         rows.append(f"hw{hw}")
+    def tuned_row(key: str, kind: str, label: str, setup: dict) -> None:
+        """The train (or validation) row set up otherwise (``setup``: lanes, hw_load, threads,
+        tuning; those left out as the other rows have them); --interleave runs it side by side."""
+        make = pipelines[kind][1]
+        pipelines[key] = (label, lambda: (make(), setup))
+        runners[key] = (label, lambda: bench_headrace(
+            root, make(), args.batch, args.epochs, setup.get("lanes", args.lanes), setup.get("hw_load", 0.65),
+            setup.get("threads"), tuning=setup.get("tuning")))
+        rows.append(key)
+
     for variant in filter(None, args.variants.split(",")):
-        # [val:]lanes:hw_load[:decoder threads per lane]: the train (or validation) row set up otherwise
         kind, spec = ("val", variant[4:]) if variant.startswith("val:") else ("train", variant)
         n, hw, *more = spec.split(":")
         threads, dispatch, huffman, gpu_share, gpu_threads = (more + [None] * 5)[:5]
-        hw_load = hw if hw == "adaptive" else float(hw)
-        label = (f"headrace ({kind}, {n} lanes, hw_load={hw}" + (f", {threads} threads" if threads else "")
-                 + (f", {dispatch} dispatch" if dispatch else "")
-                 + (f", GPU Huffman above {huffman}" if huffman else "")
-                 + (f", GPU Huffman share {gpu_share}" if gpu_share else "")
-                 + (f", {gpu_threads} GPU-Huffman threads" if gpu_threads else "") + ")")
-        make = pipelines[kind][1]
+        named = [(threads, f"{threads} threads"), (dispatch, f"{dispatch} dispatch"),
+                 (huffman, f"GPU Huffman above {huffman}"), (gpu_share, f"GPU Huffman share {gpu_share}"),
+                 (gpu_threads, f"{gpu_threads} GPU-Huffman threads")]
+        label = ", ".join([f"headrace ({kind}", f"{n} lanes", f"hw_load={hw}"] + [text for value, text in named if value]) + ")"
         tuning = {**({"dispatch": dispatch} if dispatch else {}),
                   **({"gpu_huffman_above": None if huffman == "none" else int(huffman)} if huffman else {}),
                   **({"gpu_huffman_load": float(gpu_share)} if gpu_share else {}),
                   **({"gpu_huffman_threads": int(gpu_threads)} if gpu_threads else {})}
-        setup = {"lanes": int(n), "hw_load": hw_load, "threads": int(threads) if threads else None,
-                 "tuning": ops.GpuTuning(**tuning) if tuning else None}
-        pipelines[variant] = (label, lambda make=make, setup=setup: (make(), setup))  # --interleave runs it side by side
-        runners[variant] = (label, lambda make=make, s=setup: bench_headrace(
-            root, make(), args.batch, args.epochs, s["lanes"], s["hw_load"], s["threads"], tuning=s["tuning"]))
-        rows.append(variant)
+        tuned_row(variant, kind, label, {"lanes": int(n), "hw_load": hw if hw == "adaptive" else float(hw),
+                                         "threads": int(threads) if threads else None,
+                                         "tuning": ops.GpuTuning(**tuning) if tuning else None})
+
     def train_with(key: str, label: str, tuning: ops.GpuTuning) -> None:  # the train row, tuned
         runners[key] = (f"headrace (train, {label})", lambda: bench_headrace(
             root, ops.training(224, dtype="float16"), args.batch, args.epochs, args.lanes, tuning=tuning))
@@ -509,15 +513,9 @@ def main() -> None:
     for cl in filter(None, args.cuda_loads.split(",")):
         train_with(f"cuda{cl}", f"cuda_load={cl}", ops.GpuTuning(cuda_load=float(cl)))
     for k, options in enumerate(filter(None, args.options_variants.split(";"))):
-        # [val:]OPTIONS: the train (or validation) row with these decoder options; --interleave runs it side by side
+        # [val:]OPTIONS: the train (or validation) row with these decoder options
         kind, options = ("val", options[4:]) if options.startswith("val:") else ("train", options)
-        label = f"headrace ({kind}, {options})"
-        setup = {"tuning": ops.GpuTuning(nvimgcodec_options=options)}
-        make = pipelines[kind][1]
-        pipelines[f"options{k}"] = (label, lambda make=make, setup=setup: (make(), setup))
-        runners[f"options{k}"] = (label, lambda make=make, s=setup: bench_headrace(
-            root, make(), args.batch, args.epochs, args.lanes, tuning=s["tuning"]))
-        rows.append(f"options{k}")
+        tuned_row(f"options{k}", kind, f"headrace ({kind}, {options})", {"tuning": ops.GpuTuning(nvimgcodec_options=options)})
     if args.without_run_ahead:
         runners["no_ahead"] = ("headrace (train, epochs not run ahead)", lambda: bench_headrace(
             root, ops.training(224, dtype="float16"), args.batch, args.epochs, args.lanes, run_ahead=False))
