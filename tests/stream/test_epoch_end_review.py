@@ -32,6 +32,16 @@ def _through_json(state: dict) -> dict:
     return json.loads(json.dumps(state))
 
 
+async def _resumed(make, state: dict) -> tuple[int, list]:
+    """A fresh loader from ``make`` given ``state`` (through JSON): its epoch, and its next pass's batches."""
+    loader = make()
+    loader.load_state_dict(_through_json(state))
+    try:
+        return loader.epoch, [_view(b) async for b in loader]
+    finally:
+        await loader.aclose()
+
+
 async def _state_after_break(make, cut: int, settle: str) -> dict:
     """The state after a ``break`` at batch ``cut``, taken once the event loop ran (``sleep``) or
     the garbage collector ran too (``gc``)."""
@@ -58,13 +68,9 @@ async def test_a_break_at_the_last_batch_then_an_await_still_says_epoch_end(data
     per_epoch = await _uninterrupted(make)
     state = await _state_after_break(make, len(per_epoch[0]), settle)
     assert state["epoch_end"] is True, {k: v for k, v in state.items() if k != "source"}
-    loader = make()
-    loader.load_state_dict(_through_json(state))
-    try:
-        assert loader.epoch == 1
-        assert [_view(b) async for b in loader] == per_epoch[1]
-    finally:
-        await loader.aclose()
+    epoch, batches = await _resumed(make, state)
+    assert epoch == 1
+    assert batches == per_epoch[1]
 
 
 @pytest.mark.parametrize("kind", [*UNSIZED, "files", "webdataset"])
@@ -85,13 +91,9 @@ async def test_a_sync_break_at_the_last_batch_says_epoch_end(data, kind):
     finally:
         await loader.aclose()
     assert state["epoch_end"] is True and state["epoch"] == 0
-    fresh = make()
-    fresh.load_state_dict(_through_json(state))
-    try:
-        assert fresh.epoch == 1
-        assert [_view(b) async for b in fresh] == per_epoch[1]
-    finally:
-        await fresh.aclose()
+    epoch, batches = await _resumed(make, state)
+    assert epoch == 1
+    assert batches == per_epoch[1]
 
 
 async def test_a_break_before_the_last_batch_is_not_epoch_end_after_teardown(data):
@@ -100,12 +102,8 @@ async def test_a_break_before_the_last_batch_is_not_epoch_end_after_teardown(dat
     per_epoch = await _uninterrupted(make)
     state = await _state_after_break(make, len(per_epoch[0]) - 1, "gc")
     assert state["epoch_end"] is False and state["epoch"] == 0
-    loader = make()
-    loader.load_state_dict(_through_json(state))
-    try:
-        assert [_view(b) async for b in loader] == per_epoch[0][-1:]
-    finally:
-        await loader.aclose()
+    _, batches = await _resumed(make, state)
+    assert batches == per_epoch[0][-1:]
 
 
 def _webdataset_loader(d, rank: int, world: int) -> Loader:
