@@ -20,15 +20,20 @@ from test_storage_latency import HEAD_BLOCK, RETRY, _pairs, slow, slow_server  #
 FAR = "grow/far-0.tar"
 
 
-def _far_shard(root) -> list[tuple[str, bytes]]:
-    """A 48 MiB shard (192 samples of 256 KiB) in the served folder, written once; its (key, bytes)."""
-    rng = np.random.default_rng(5)
-    samples = [(f"{i:04d}", rng.integers(0, 256, 256 << 10, dtype=np.uint8).tobytes()) for i in range(192)]
-    path = root / FAR
+def _served_shard(root, name: str, count: int, seed: int) -> list[tuple[str, bytes]]:
+    """A shard of ``count`` samples of 256 KiB at ``name`` in the served folder, written once; its (key, bytes)."""
+    rng = np.random.default_rng(seed)
+    samples = [(f"{i:04d}", rng.integers(0, 256, 256 << 10, dtype=np.uint8).tobytes()) for i in range(count)]
+    path = root / name
     if not path.exists():
         path.parent.mkdir(exist_ok=True)
         path.write_bytes(tar_bytes([(f"{key}.bin", data) for key, data in samples]))
     return samples
+
+
+def _far_shard(root) -> list[tuple[str, bytes]]:
+    """The 48 MiB shard (192 samples)."""
+    return _served_shard(root, FAR, 192, 5)
 
 
 async def _read_far(slow, kind, **options):
@@ -76,12 +81,7 @@ async def test_a_small_far_shard_still_gains_ranged_gets_at_the_default_bound(sl
     # A 6 MiB shard: at the 64 MiB bound's 4 MiB segments it would have less than two segments past
     # its first GET and stream on that one connection (20 MB/s here); segments are an eighth of the
     # object at most (1 MiB here, as at the old 8 MiB default), so it gains ranged GETs.
-    rng = np.random.default_rng(6)
-    samples = [(f"{i:04d}", rng.integers(0, 256, 256 << 10, dtype=np.uint8).tobytes()) for i in range(24)]
-    path = slow.root / "grow" / "small-0.tar"
-    if not path.exists():
-        path.parent.mkdir(exist_ok=True)
-        path.write_bytes(tar_bytes([(f"{key}.bin", data) for key, data in samples]))
+    samples = _served_shard(slow.root, "grow/small-0.tar", 24, 6)
     reader = readers.webdataset(slow.source(kind, "grow/small-0.tar"), chunk_size=4, storage_options={"retry": RETRY})
     before = slow.stats()["requests"]  # the peaks: from the fixture's idle() (another here would start a thread)
     assert _pairs(await _read_all(reader)) == samples
