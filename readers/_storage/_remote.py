@@ -223,7 +223,10 @@ class RemoteFile:
                     if self._eof:
                         break
                     self._check()
-                    began, faults, flowing = time.monotonic(), self.fetcher.retries, self._flowing
+                    # Not while a piece recovers from a fault: a wait that begins in its backoff
+                    # sees no new fault by its end, yet it waits out the fault, not a slow link.
+                    began, faults = time.monotonic(), self.fetcher.retries
+                    flowing = self._flowing and not self.fetcher.recovering
                     self._waiting = began
                     try:
                         self._cond.wait()
@@ -231,8 +234,9 @@ class RemoteFile:
                         self._waiting = None
                     waited = time.monotonic() - began
                     self._waited += waited
-                    # Bytes flowed before and after, and no fault meanwhile: the download is too slow.
-                    if flowing and self._flowing and self.fetcher.retries == faults:
+                    # Bytes flowed before and after, no fault meanwhile and none being recovered
+                    # from at either end: the download is too slow.
+                    if flowing and self._flowing and not self.fetcher.recovering and self.fetcher.retries == faults:
                         self._starved += waited
                     continue
                 offset, block, _ = self._blocks[0]

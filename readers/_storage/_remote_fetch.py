@@ -160,13 +160,14 @@ def segment_bytes(capacity: int) -> int:
 class _Piece:
     """Bytes ``[pos, end)`` of the object still to come from one GET (``end`` None: to the object's end)."""
 
-    __slots__ = ("done", "end", "held", "pos", "reserved", "streamed")
+    __slots__ = ("done", "end", "held", "pos", "recovering", "reserved", "streamed")
 
     def __init__(self, pos: int, end: int | None) -> None:
         self.pos, self.end, self.done = pos, end, False
         self.held: list[tuple[int, memoryview]] = []  # received before it was the head
         self.reserved = 0  # bytes counted for the block the client assembles for it now
         self.streamed = False  # read block by block even where the body could give it whole
+        self.recovering = False  # failed, and no block has come since (counted in ``Fetcher.recovering``)
 
 
 class Fetcher:
@@ -178,6 +179,10 @@ class Fetcher:
         self._cond = cond
         self.size: int | None = None  # the object's size, from the first answer
         self.retries = 0  # faults survived (reported in the reader's stats)
+        # Pieces between a failure and their next block (or their end): the backoff and the retry's
+        # first byte. A parser's wait for bytes meanwhile is the fault's, not the link being slow
+        # (``RemoteFile.read`` does not count it as starved). Written under the lock.
+        self.recovering = 0
         self.peak = 0  # most bytes buffered at once
         self.want = 1  # GETs in flight wanted now
         # Bytes per ranged GET, whatever the bound grows to (4 MiB at the default 64 MiB bound), and
@@ -268,7 +273,7 @@ class Fetcher:
                         if self.unconfirmed and isinstance(exc, StoreFault) and not exc.retryable:
                             raise self._forget() from None  # the object changed, or is gone: ask plainly
                         failures += 1
-                        await self._backoff(exc, failures)
+                        await self._backoff(piece, exc, failures)
                         continue
                     self.link.answered(loop.time() - asked)
                     if self.unconfirmed and (body.size, body.etag or self._etag) != (self.size, self._etag):
@@ -303,13 +308,14 @@ class Fetcher:
                     failures += 1
                     if whole and isinstance(exc, TimeoutError):
                         piece.streamed = True  # its progress unseen: the retry streams, block by block
-                    await self._backoff(exc, failures)
+                    await self._backoff(piece, exc, failures)
                     continue
                 if not block:
                     break
                 if not waited:  # bytes the socket held while the piece waited would overstate the link
                     self.link.received(len(block), loop.time() - asked)
                 failures = 0  # progress: the budget is for failures in a row
+                self._recovered(piece)  # before the thread sees the block: its wait ends with none recovering
                 end = piece.end if piece.end is not None else body.size
                 if piece.pos + len(block) > end:  # a cut piece, or a server that ignored the range's end
                     block = block[: end - piece.pos]
@@ -317,6 +323,7 @@ class Fetcher:
                 piece.pos += len(block)
                 self.grow()
         finally:
+            self._recovered(piece)
             if body is not None:
                 await _drop(body)
         if not self.file.closed:
@@ -519,12 +526,23 @@ class Fetcher:
         self._pieces.clear()
         self._running = 0
 
-    async def _backoff(self, exc: BaseException, failures: int) -> None:
-        self.retries += 1
+    async def _backoff(self, piece: _Piece, exc: BaseException, failures: int) -> None:
+        with self._cond:
+            self.retries += 1
+            if not piece.recovering:
+                piece.recovering = True
+                self.recovering += 1
         self.file.forget_starved()  # waiting out a fault is not a download too slow: no more GETs for it
         fault = exc if isinstance(exc, StoreFault) else StoreFault(
             f"stalled: nothing within {self.retry.timeout:g} s", retryable=True)
         await backoff_or_raise(fault, failures, self.retry, self.file.name, "GET")
+
+    def _recovered(self, piece: _Piece) -> None:
+        """The piece brought a block after its failure, or ended: no longer recovering."""
+        if piece.recovering:
+            with self._cond:
+                piece.recovering = False
+                self.recovering -= 1
 
     def _whole(self, piece: _Piece) -> bool:
         """Read this piece's range in one go: a later segment (its bytes wait for the ones before
