@@ -110,7 +110,9 @@ class GpuTuning:
     none; the shim's alone, ``decode="python"`` has one decoder), with ``gpu_huffman_threads`` host
     threads (``None``: as many as the lane's decoder; they mostly wait, as each keeps one image on
     the GPU at a time). On the H200, ``gpu_huffman_above=25_000`` trained at about the default's rate with 5-18%
-    fewer host cores an image, but validation (whole images) lost 1-13%: the GPU's Huffman decode
+    fewer host cores an image, but validation (whole images) lost 1-13%; ``gpu_huffman_load=0.2``
+    trained at 0.97-1.04 of the default's rate with 13-18% fewer host cores an image, validation
+    lost 8-11%, and 8 GPU-Huffman threads were slower than the lane's 4: the GPU's Huffman decode
     keeps up with part of a batch, not all of it (docs/benchmarks.md, issue 22). ``nvimgcodec_options``: options for
     nvImageCodec's decoders, as its documentation spells them (for example
     ``"nvjpeg_cuda_decoder:hybrid_huffman_threshold=0"``). ``decode``: ``"shim"`` (one GIL-free call
