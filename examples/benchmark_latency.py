@@ -430,9 +430,13 @@ class TrainingEpochs:
         # Each epoch's rate between its 10% and 90% marks: without the epoch's start (first GETs,
         # 50 ms each at the latency rows) and its tail, which weigh on short epochs.
         self.steady: list[float] = []
+        # Each epoch's first and last 10% of images: seconds taken, and seconds beyond what the
+        # steady rate would take (where the S3 rows lose to local disk: the start, or the tail).
+        self.edges: list[dict[str, float]] = []
 
     async def _epoch(self) -> int:
         images = 0
+        began = time.perf_counter()
         marks: list[tuple[float, int]] = []
         self.lag.start()
         async for batch in self.loader:
@@ -440,6 +444,7 @@ class TrainingEpochs:
             marks.append((time.perf_counter(), images))
         self.lags.append(await self.lag.stop())
         self.steady.append(_steady_rate(marks))
+        self.edges.append(_edges(began, marks, self.steady[-1]))
         metrics = self.loader.stats().epoch_metrics
         self.metrics.append(metrics.summary() if metrics is not None else "")
         return images
@@ -455,6 +460,19 @@ class TrainingEpochs:
     def close(self) -> None:
         self.loop.run_until_complete(self.loader.aclose())
         self.loop.close()
+
+
+def _edges(began: float, marks: list[tuple[float, int]], steady: float) -> dict[str, float]:
+    """Seconds to the batch passing 10% of the epoch's images (from the epoch's start) and from the
+    one passing 90% to the end, and each less what the steady rate would take for those images."""
+    if not marks or steady <= 0:
+        return {}
+    total = marks[-1][1]
+    first = next(m for m in marks if m[1] >= total * 0.1)
+    last = next(m for m in marks if m[1] >= total * 0.9)
+    head, tail = first[0] - began, marks[-1][0] - last[0]
+    return {"first_batch_s": round(marks[0][0] - began, 4), "head_s": round(head, 4), "tail_s": round(tail, 4),
+            "head_extra_s": round(head - first[1] / steady, 4), "tail_extra_s": round(tail - (total - last[1]) / steady, 4)}
 
 
 def _steady_rate(marks: list[tuple[float, int]]) -> float:
@@ -584,7 +602,8 @@ def run_row(args: argparse.Namespace) -> None:
     if pipeline_row:
         # The cores each kind of thread kept busy over the timed epochs, and the loop's lag in each.
         result.update(warmup_seconds=warmup, epoch_samples_per_s=epoch_rates, cores_by_thread=cores_by_thread,
-                      loop_lag=read.lags[1:], epoch_metrics=read.metrics[1:], epoch_steady_samples_per_s=read.steady[1:])
+                      loop_lag=read.lags[1:], epoch_metrics=read.metrics[1:], epoch_steady_samples_per_s=read.steady[1:],
+                      epoch_edges=read.edges[1:])
         if getattr(read.reader, "peak_buffered", 0):  # shards over a store: one download's peak load
             result["peak_load_mb"] = read.reader.peak_buffered / 2**20
         if args.pipeline == "cuda":
@@ -675,6 +694,11 @@ def print_pipeline_table(results: list[dict], label: dict[str, str], bounds: dic
         steady = r.get("epoch_steady_samples_per_s")
         if steady:
             gpu += f"; between 10% and 90% of each epoch {', '.join(f'{x:,.0f}' for x in steady)} images/s"
+        edges = [e for e in r.get("epoch_edges") or [] if e]
+        if edges:
+            gpu += "; each epoch's first batch, first 10% and last 10% in ms (beyond the steady rate): " + ", ".join(
+                f"{1e3 * e['first_batch_s']:.0f}, {1e3 * e['head_s']:.0f} (+{1e3 * e['head_extra_s']:.0f}), "
+                f"{1e3 * e['tail_s']:.0f} (+{1e3 * e['tail_extra_s']:.0f})" for e in edges)
         print(f"{r['row']} {r['where']}: epochs {', '.join(f'{x:,.0f}' for x in r['epoch_samples_per_s'])} images/s "
               f"(rounds {', '.join(f'{x:,}' for x in r['all_samples_per_s'])}); setup {r['setup_seconds']:.1f} s, "
               f"warm-up epoch {r['warmup_seconds']:.1f} s, process {r['process_seconds']:.0f} s{gpu}")
