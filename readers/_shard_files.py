@@ -84,17 +84,37 @@ class ShardFiles:
         # What the epochs' downloads observed of the store (latency, bandwidth, GETs a download came
         # to, the parser's pace): kept across epochs, so each epoch's first shard starts grown.
         self.link = Link()
+        # While ``held_session()`` is held (the loader holds it over each epoch): the next read's
+        # first shard, its download started as this read asks for its last one (``samples``'
+        # ``then``), so the next epoch's first batch need not wait a first-byte latency and the
+        # GETs' ramp after this epoch's last bytes. ``_next`` owns such downloads until a read
+        # takes one over (``warmed`` counts those) or the session ends.
+        self._next: Downloads | None = None
+        self._holders = 0
+        self._warm: dict[int, RemoteFile] = {}
+        self.warmed = 0
 
-    def _source(self, shard: int, downloads: Downloads,
-                writes: CacheWrites | None = None) -> str | RemoteFile | BinaryIO | PipeShard:
+    def __copy__(self) -> ShardFiles:
+        """A copy (a rank's part of the reader: ``shard()``) with its own counters, and no held
+        session or download started for its next read: those are the original's."""
+        part = object.__new__(type(self))
+        part.__dict__.update(self.__dict__)
+        part._next, part._holders, part._warm = None, 0, {}
+        return part
+
+    def _source(self, shard: int, downloads: Downloads, writes: CacheWrites | None = None,
+                warm: dict[int, RemoteFile] | None = None) -> str | RemoteFile | BinaryIO | PipeShard:
         """A local shard's path; a remote shard's cached copy, open, or its download (with
-        ``writes``, copied into the cache as it is read); a command's output (``pipe:``), not yet
-        started."""
+        ``writes``, copied into the cache as it is read; from ``warm``, the one started ahead by
+        the read before); a command's output (``pipe:``), not yet started."""
         path = self.shards[shard]
         if is_pipe(path):
             return PipeShard(path[len(PIPE):], self.names[shard])
         if not self.remote[shard]:
             return path
+        if warm and shard in warm:
+            self.warmed += 1
+            return warm.pop(shard)
         if writes is not None and self.cache is not None:
             # Named by the URL as given, query string and all; a key of an explicit store, by its URL.
             identity = path if is_url(path) else self.names[shard]
@@ -141,10 +161,59 @@ class ShardFiles:
                     self.retries += downloads.retries
                     self.peak_buffered = max(self.peak_buffered, downloads.peak)
 
-    async def samples(self, jobs: list[ShardJob], held: int = 0) -> AsyncIterator[list[Sample]]:
+    @contextlib.asynccontextmanager
+    async def held_session(self) -> AsyncIterator[None]:
+        """The storage's session (``Reader.connections``), and while it is held, a read that asks
+        for its last shard starts the next read's first one (see ``samples``). Downloads started
+        so and not taken over by a read are stopped and awaited when the last holder leaves."""
+        assert self.storage is not None
+        async with self.storage.session():
+            self._holders += 1
+            if self._next is None:
+                self._next = Downloads(self.storage, self.buffer_bytes, self.link)
+            try:
+                yield
+            finally:
+                self._holders -= 1
+                if self._holders == 0 and self._next is not None:
+                    nxt, self._next = self._next, None
+                    self._warm.clear()
+                    try:
+                        await nxt.aclose()
+                    finally:
+                        self.retries += nxt.retries
+                        self.peak_buffered = max(self.peak_buffered, nxt.peak)
+
+    def _start_next(self, job: ShardJob | None) -> None:
+        """Start downloading ``job``'s shard for the next read (only in a held session, for a shard
+        through a store and not through the cache: the cache's copy is written as a read parses)."""
+        nxt = self._next
+        if nxt is None or job is None or not self.remote[job.shard] or self.cache is not None:
+            return
+        for remote in self._warm.values():  # one left from a read that had no next read
+            remote.close_from_loop()
+        self._warm = {job.shard: nxt.open(self.shards[job.shard], job.shard)}
+
+    def _take_warm(self, downloads: Downloads) -> dict[int, RemoteFile]:
+        """The downloads started ahead for this read, now owned by its ``downloads``."""
+        warm, self._warm = self._warm, {}
+        if self._next is None:
+            return {}
+        warm = {shard: remote for shard, remote in warm.items() if remote in self._next.files}
+        for remote in warm.values():
+            self._next.hand_over(remote, downloads)
+        return warm
+
+    async def samples(self, jobs: list[ShardJob], held: int = 0,
+                      then: Callable[[], ShardJob | None] | None = None) -> AsyncIterator[list[Sample]]:
         """The jobs' samples in order; ``read_ahead`` shards beyond the current one are read meanwhile.
         ``held``: how many samples the caller keeps at once (a shuffle buffer), for the pool that
-        recycles the samples' memory (``SamplePool``)."""
+        recycles the samples' memory (``SamplePool``). ``then``: the next read's first job (the
+        next epoch's), whose download starts as this read asks for its last shard, in a held
+        session (``held_session``); the next read takes it over if its first job reads that shard.
+        Where reading is the limit, the loader's run ahead starts the next epoch only once this read
+        is done, and over a store 50 ms away its first batch then came ~130 ms after the
+        consumer asked, against ~30 ms from local disk (docs/benchmarks.md, issue 21)."""
         loop = asyncio.get_running_loop()
         if self._pool is None:  # the fields a read holds at once, a sample's two largest counted (an image, a mask)
             self._pool = SamplePool(2 * (held + (self.read_ahead + 1) * 3 * self.chunk_size) + 1024)
@@ -154,15 +223,22 @@ class ShardFiles:
         todo = iter(jobs)
         writes = CacheWrites(self.buffer_bytes) if self.cache is not None else None
         async with self.downloads() as downloads:
+            warm = self._take_warm(downloads) if self._warm else {}
             try:
                 while True:
                     while len(running) <= self.read_ahead:
                         job = next(todo, None)
                         if job is None:
+                            if then is not None:
+                                self._start_next(then())
+                                then = None
                             break
                         feed = Feed(loop, capacity=2)
-                        source = self._source(job.shard, downloads, writes)
+                        source = self._source(job.shard, downloads, writes, warm)
                         running.append((feed, pool.submit(self._parse, job, feed, source, samples), source))
+                    for remote in warm.values():  # started for a first job this read does not have
+                        remote.close_from_loop()
+                    warm = {}
                     if not running:
                         return
                     item = await running[0][0].get()

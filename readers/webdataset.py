@@ -32,7 +32,7 @@ import bisect
 import contextlib
 import copy
 import os
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, Self
 
 import numpy as np
@@ -289,7 +289,7 @@ class WebDatasetReader(Reader):
         # The same test as the downloads', which open a session of their own only then.
         if self.storage is None or not any(self.files.remote):
             return super().connections()
-        return self.storage.session()
+        return self.files.held_session()
 
     async def read(
         self, epoch: int, *, start: int = 0, seed: int = 0, history: Sequence[tuple[int, int]] = ()
@@ -366,20 +366,25 @@ class WebDatasetReader(Reader):
         limit = None if stop is None else stop - start
         if limit == 0:
             return
-        async with contextlib.aclosing(self._buffered(jobs, buf, slot_of, start, limit)) as stream:
+        # The natural stream to its end: the next epoch's first shard may start downloading as
+        # this read asks for its last one (``ShardFiles.samples``' ``then``).
+        then = None if stop is not None or self.resampled else (lambda: next(iter(self._jobs(epoch + 1, seed)), None))
+        async with contextlib.aclosing(self._buffered(jobs, buf, slot_of, start, limit, then)) as stream:
             async for chunk in stream:
                 yield chunk
 
     async def _buffered(self, jobs: list[ShardJob], buf: ShuffleBuffer, slot_of: dict[int, int], start: int,
-                        limit: int | None) -> AsyncIterator[list[Sample]]:
+                        limit: int | None, then: Callable[[], ShardJob | None] | None = None
+                        ) -> AsyncIterator[list[Sample]]:
         """The jobs' samples through ``buf``, numbered from ``start``; at most ``limit`` of them.
 
         ``slot_of`` (resuming): the buffer slot of each held sample, by its ``position`` as the jobs
-        number it; those samples come first and fill their slots instead of being pushed.
+        number it; those samples come first and fill their slots instead of being pushed. ``then``:
+        the next read's first job (``ShardFiles.samples``).
         """
         emitted = 0
         out: list[Sample] = []
-        async with contextlib.aclosing(self.files.samples(jobs, buf.size)) as chunks:
+        async with contextlib.aclosing(self.files.samples(jobs, buf.size, then)) as chunks:
             async for chunk in chunks:
                 for s in chunk:
                     if slot_of:  # resuming: the first samples to come are the buffer's held ones
@@ -520,7 +525,8 @@ def webdataset(
     waits on the store with every GET that allows in flight (later shards and epochs start from what
     it grew to), and at most ``buffer_bytes``, counting what the
     HTTP client holds for each ranged GET it has in flight (a full buffer stops reading the socket),
-    so the reader holds about ``(read_ahead + 1) * buffer_bytes`` plus the samples in flight, however
+    so the reader holds about ``(read_ahead + 1) * buffer_bytes`` (one more at an epoch's end in a
+    loader: the next epoch's first shard starts downloading as this one asks for its last) plus the samples in flight, however
     large the shards (a parser copies a chunk's members out of the downloaded blocks at once, letting
     the GIL go: until then it keeps the blocks they lie in, about a chunk's bytes plus a block of up to
     ``buffer_bytes / 8``). The process may show up to as much again in freed blocks the allocator keeps

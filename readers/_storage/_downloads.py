@@ -57,6 +57,12 @@ class Downloads:
         self.tasks.append(asyncio.get_running_loop().create_task(remote.fill(), name=f"headrace:storage:{n}"))
         return remote
 
+    def hand_over(self, remote: RemoteFile, to: Downloads) -> None:
+        """Move a running download to ``to``, which owns it from now on (stops and awaits it)."""
+        i = self.files.index(remote)
+        to.files.append(self.files.pop(i))
+        to.tasks.append(self.tasks.pop(i))
+
     def stop(self) -> None:
         """Stop every download and wake every thread waiting for bytes (its read raises)."""
         for remote in self.files:
