@@ -44,7 +44,8 @@ imports, clients and readers are made, and an S3 prefix listed, before the clock
     python examples/benchmark_latency.py --images 2048 --rows headrace   # a quick look
     python examples/benchmark_latency.py --rows headrace-download --rounds 5   # downloads alone, no parse
 
-With ``--pipeline cuda`` (or ``cpu``) the rows are the training pipeline instead of the reader alone:
+With ``--pipeline cuda`` (or ``cpu``) the rows are the training pipeline instead of the reader alone
+(``none``: the same Loader with nothing decoded, its batches the sample keys):
 ``headrace.Loader(reader, pipeline=ops.training(224, dtype="float16"))`` (the Loader's defaults: on
 cuda 4 lanes sharing the cores, ``hw_load=0.65``) fed by the same headrace readers, shuffled,
 from local disk and over S3 at the same server settings: shards (``buffer_bytes=--buffer-mb``) and
@@ -55,6 +56,7 @@ configured to buffer. MB/s counts the JPEG bytes of the images delivered.
 
     python examples/benchmark_latency.py --pipeline cuda      # 16384 images, 2 timed epochs a row
     python examples/benchmark_latency.py --pipeline cpu --images 512 --batch 64   # tried without a GPU
+    python examples/benchmark_latency.py --pipeline none --rows shards --images 4096 --shard-mb 25   # the loader's reading alone
 
 It prints a table and writes JSON to ``examples/results/``.
 """
@@ -417,8 +419,13 @@ class TrainingEpochs:
 
         self.cuda = args.pipeline == "cuda"
         self.reader = reader
-        self.loader = headrace.Loader(reader, batch_size=args.batch, pipeline=ops.training(224, dtype="float16"),
-                                      device=args.pipeline)  # the defaults, as a user's loader
+        if args.pipeline == "none":  # the loader's reading alone: batches of sample keys, nothing decoded,
+            # running ahead between epochs as the GPU path does by default
+            self.loader = headrace.Loader(reader, batch_size=args.batch, device="cpu", run_ahead=True,
+                                          pipeline=ops.Pipeline(image=None, label=None, fields=[]))
+        else:
+            self.loader = headrace.Loader(reader, batch_size=args.batch, pipeline=ops.training(224, dtype="float16"),
+                                          device=args.pipeline)  # the defaults, as a user's loader
         # Every epoch delivers every image once, so its JPEG bytes are the images' sizes summed.
         sizes = [p.stat().st_size for p in (serve / "images").rglob("*.jpg")]
         self.mean_bytes = sum(sizes) / len(sizes)
@@ -566,6 +573,10 @@ def run_row(args: argparse.Namespace) -> None:
             pass
 
         S3Store._disconnect = keep
+    if args.no_next_epoch_start:  # measurement only: as before the next epoch's first shard started early
+        from headrace.readers._shard_files import ShardFiles
+
+        ShardFiles._start_next = lambda self, job: None
     start = time.perf_counter()
     read = ROWS[args.row](serve, args.url, args.where, args)  # imports, clients, a bucket listed: off the clock
     setup = time.perf_counter() - start
@@ -606,6 +617,8 @@ def run_row(args: argparse.Namespace) -> None:
                       epoch_edges=read.edges[1:])
         if getattr(read.reader, "peak_buffered", 0):  # shards over a store: one download's peak load
             result["peak_load_mb"] = read.reader.peak_buffered / 2**20
+            # Epochs whose first shard was downloading before their read began (the epoch before started it).
+            result["epochs_started_early"] = getattr(read.reader.files, "warmed", 0)
         if args.pipeline == "cuda":
             import torch
 
@@ -691,6 +704,8 @@ def print_pipeline_table(results: list[dict], label: dict[str, str], bounds: dic
         gpu = f", peak torch GPU memory {r['peak_gpu_mib_torch']:.0f} MiB" if "peak_gpu_mib_torch" in r else ""
         if "peak_load_mb" in r:
             gpu += f", one download's peak load {r['peak_load_mb']:.0f} MiB (bound {r['config_buffer_mb']} MiB)"
+        if "epochs_started_early" in r:
+            gpu += f", epochs whose first shard the epoch before started: {r['epochs_started_early']}"
         steady = r.get("epoch_steady_samples_per_s")
         if steady:
             gpu += f"; between 10% and 90% of each epoch {', '.join(f'{x:,.0f}' for x in steady)} images/s"
@@ -753,6 +768,8 @@ def measure(key: tuple[str, str, str], url: str, serve: Path, args: argparse.Nam
         cmd += ["--reader-epochs", str(args.reader_epochs)]
     if args.keep_connections:
         cmd += ["--keep-connections"]
+    if args.no_next_epoch_start:
+        cmd += ["--no-next-epoch-start"]
     if args.pipeline:
         cmd += ["--pipeline", args.pipeline, "--epochs", str(args.epochs), "--batch", str(args.batch)]
     started = time.perf_counter()
@@ -819,8 +836,12 @@ def main() -> None:
     parser.add_argument("--rows", default="all", help="all, or a comma list of: headrace,webdataset,litdata,streaming,"
                         "dataloader,client or of whole row names (headrace-shards: the shard rows alone) "
                         "(with --pipeline: shards,objects)")
-    parser.add_argument("--pipeline", choices=("cuda", "cpu"), default=None,
-                        help="the rows run headrace's training pipeline on this device, not the reader alone")
+    parser.add_argument("--pipeline", choices=("cuda", "cpu", "none"), default=None,
+                        help="the rows run headrace's training pipeline on this device, not the reader alone "
+                        "(none: the Loader's batches of sample keys, nothing decoded: its reading alone)")
+    parser.add_argument("--no-next-epoch-start", action="store_true", help="measurement only, --pipeline shard "
+                        "rows: the next epoch's first shard does not start downloading during this epoch's read "
+                        "(before 978544d), for an A/B")
     parser.add_argument("--epochs", type=int, default=2, help="--pipeline: timed epochs a row, after one warm-up")
     parser.add_argument("--batch", type=int, default=256, help="--pipeline: batch size")
     parser.add_argument("--row-timeout", type=float, default=None, help="seconds a row's process may run (default: no limit)")
