@@ -7,13 +7,15 @@ started so and not taken over is stopped, and nothing is left open. No test asse
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 import pytest
 
-from headrace import Loader, ops, readers
+from headrace import Loader, StorageError, ops, readers
 
-from test_storage import WDS, _read_all, _same
+from test_storage import RETRY as FAST
+from test_storage import WDS, _read_all, _same, _url
 from test_storage_latency import RETRY, slow, slow_server  # noqa: F401 - fixtures
 
 SEED = 3
@@ -129,3 +131,43 @@ async def test_a_ranks_part_has_its_own_session_state(slow, leaks):
         assert part.files._warm == {} and part.files._next is None and part.files._holders == 0
         assert reader.files._warm  # the original's started download is its own
     await leaks.check()
+
+
+@pytest.mark.parametrize("kind", ["s3", "http"])
+@pytest.mark.parametrize("start", [1, 29])
+async def test_a_resume_inside_the_started_shard_reads_on_from_there(slow, kind, start, leaks):
+    big = readers.webdataset(slow.source(kind, "big/big-0.tar"), counts="scan", buffer_bytes=2 << 20,
+                             storage_options={"retry": RETRY})
+    whole = await _read_all(big, epoch=1)
+    async with big.connections():
+        await _read_all(big, epoch=0)
+        assert big.files._warm  # one shard: epoch 1's first, started as epoch 0 asked for it
+        await asyncio.sleep(0.3)  # some of it downloaded before the resumed read seeks past it
+        resumed = await _read_all(big, epoch=1, start=start)
+        assert big.files.warmed == 1
+        _same(resumed, whole[start:])
+    await leaks.check()
+
+
+async def test_the_started_shards_failure_is_its_epochs_named_and_typed(s3_env, leaks):
+    reader = readers.webdataset(_url(s3_env, "s3", WDS), shuffle=True, shuffle_buffer=20, seed=SEED,
+                                storage_options={"retry": FAST})
+    first = reader._jobs(1, SEED)[0].shard
+    name = reader.shards[first].rsplit("/", 1)[1]
+    # Epoch 0 reads that shard cleanly; every GET of it after that answers 500.
+    s3_env.faults("s3", {"match": name, "faults": [None], "then": {"kind": "status", "status": 500}})
+    loader = _loader(reader, run_ahead=True)
+    try:
+        assert await _keys(loader) == await _local_keys_at(s3_env.root, 0)
+        with pytest.raises(StorageError) as raised:
+            await _keys(loader)
+        assert name in str(raised.value)
+    finally:
+        await loader.aclose()
+        s3_env.faults("s3")
+    await leaks.check()
+
+
+async def _local_keys_at(root, epoch: int) -> list[str]:
+    local = readers.webdataset(str(root / WDS), shuffle=True, shuffle_buffer=20, seed=SEED)
+    return [s.key for s in await _read_all(local, epoch=epoch, seed=SEED)]
