@@ -573,10 +573,13 @@ def run_row(args: argparse.Namespace) -> None:
             pass
 
         S3Store._disconnect = keep
-    if args.no_next_epoch_start:  # measurement only: as before the next epoch's first shard started early
+    # Measurement only: no next-epoch shard started early (before 978544d), or its first only (978544d).
+    if args.no_next_epoch_start or args.next_epoch_first_only:
         from headrace.readers._shard_files import ShardFiles
 
-        ShardFiles._start_next = lambda self, job: None
+        start_next = ShardFiles._start_next
+        room = 0 if args.no_next_epoch_start else 1
+        ShardFiles._start_next = lambda self, jobs, free: start_next(self, jobs, min(free, room))
     start = time.perf_counter()
     read = ROWS[args.row](serve, args.url, args.where, args)  # imports, clients, a bucket listed: off the clock
     setup = time.perf_counter() - start
@@ -617,8 +620,8 @@ def run_row(args: argparse.Namespace) -> None:
                       epoch_edges=read.edges[1:])
         if getattr(read.reader, "peak_buffered", 0):  # shards over a store: one download's peak load
             result["peak_load_mb"] = read.reader.peak_buffered / 2**20
-            # Epochs whose first shard was downloading before their read began (the epoch before started it).
-            result["epochs_started_early"] = getattr(read.reader.files, "warmed", 0)
+            # Shards whose download began before their epoch's read did (the epoch before started them).
+            result["shards_started_early"] = getattr(read.reader.files, "warmed", 0)
         if args.pipeline == "cuda":
             import torch
 
@@ -704,8 +707,8 @@ def print_pipeline_table(results: list[dict], label: dict[str, str], bounds: dic
         gpu = f", peak torch GPU memory {r['peak_gpu_mib_torch']:.0f} MiB" if "peak_gpu_mib_torch" in r else ""
         if "peak_load_mb" in r:
             gpu += f", one download's peak load {r['peak_load_mb']:.0f} MiB (bound {r['config_buffer_mb']} MiB)"
-        if "epochs_started_early" in r:
-            gpu += f", epochs whose first shard the epoch before started: {r['epochs_started_early']}"
+        if "shards_started_early" in r:
+            gpu += f", shards the epoch before started: {r['shards_started_early']}"
         steady = r.get("epoch_steady_samples_per_s")
         if steady:
             gpu += f"; between 10% and 90% of each epoch {', '.join(f'{x:,.0f}' for x in steady)} images/s"
@@ -770,6 +773,8 @@ def measure(key: tuple[str, str, str], url: str, serve: Path, args: argparse.Nam
         cmd += ["--keep-connections"]
     if args.no_next_epoch_start:
         cmd += ["--no-next-epoch-start"]
+    if args.next_epoch_first_only:
+        cmd += ["--next-epoch-first-only"]
     if args.pipeline:
         cmd += ["--pipeline", args.pipeline, "--epochs", str(args.epochs), "--batch", str(args.batch)]
     started = time.perf_counter()
@@ -842,6 +847,9 @@ def main() -> None:
     parser.add_argument("--no-next-epoch-start", action="store_true", help="measurement only, --pipeline shard "
                         "rows: the next epoch's first shard does not start downloading during this epoch's read "
                         "(before 978544d), for an A/B")
+    parser.add_argument("--next-epoch-first-only", action="store_true", help="measurement only, --pipeline shard "
+                        "rows: only the next epoch's first shard starts downloading during this epoch's read, not its "
+                        "first read_ahead + 1 (978544d), for an A/B")
     parser.add_argument("--epochs", type=int, default=2, help="--pipeline: timed epochs a row, after one warm-up")
     parser.add_argument("--batch", type=int, default=256, help="--pipeline: batch size")
     parser.add_argument("--row-timeout", type=float, default=None, help="seconds a row's process may run (default: no limit)")

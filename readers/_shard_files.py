@@ -85,10 +85,10 @@ class ShardFiles:
         # to, the parser's pace): kept across epochs, so each epoch's first shard starts grown.
         self.link = Link()
         # While ``held_session()`` is held (the loader holds it over each epoch): the next read's
-        # first shard, its download started as this read asks for its last one (``samples``'
-        # ``then``), so the next epoch's first batch need not wait a first-byte latency and the
-        # GETs' ramp after this epoch's last bytes. ``_next`` owns such downloads until a read
-        # takes one over (``warmed`` counts those) or the session ends.
+        # first shards, their downloads started as this read's last shards free their places
+        # (``samples``' ``then``), so the next epoch's first batches need not wait a first-byte
+        # latency and the GETs' ramp after this epoch's last bytes. ``_next`` owns such downloads
+        # until a read takes them over (``warmed`` counts those) or the session ends.
         self._next: Downloads | None = None
         self._holders = 0
         self._warm: dict[int, RemoteFile] = {}
@@ -184,15 +184,26 @@ class ShardFiles:
                         self.retries += nxt.retries
                         self.peak_buffered = max(self.peak_buffered, nxt.peak)
 
-    def _start_next(self, job: ShardJob | None) -> None:
-        """Start downloading ``job``'s shard for the next read (only in a held session, for a shard
-        through a store and not through the cache: the cache's copy is written as a read parses)."""
-        nxt = self._next
-        if nxt is None or job is None or not self.remote[job.shard] or self.cache is not None:
-            return
-        for remote in self._warm.values():  # one left from a read that had no next read
+    def _drop_warm(self) -> None:
+        """Stop the downloads started for a next read that did not come (or read another order)."""
+        for remote in self._warm.values():
             remote.close_from_loop()
-        self._warm = {job.shard: nxt.open(self.shards[job.shard], job.shard)}
+        self._warm = {}
+
+    def _start_next(self, jobs: Iterator[ShardJob], room: int) -> None:
+        """Start downloading the next read's shards from ``jobs`` while ``room`` places are free (only
+        in a held session, for shards through a store and not through the cache: the cache's copy
+        is written as a read parses). A shard of the next read's first ``read_ahead + 1`` that is
+        local takes no place, as its read opens no download for it."""
+        nxt = self._next
+        if nxt is None or self.cache is not None:
+            return
+        while room > len(self._warm):
+            job = next(jobs, None)
+            if job is None:
+                return
+            if self.remote[job.shard]:
+                self._warm[job.shard] = nxt.open(self.shards[job.shard], job.shard)
 
     def _take_warm(self, downloads: Downloads) -> dict[int, RemoteFile]:
         """The downloads started ahead for this read, now owned by its ``downloads``."""
@@ -205,15 +216,18 @@ class ShardFiles:
         return warm
 
     async def samples(self, jobs: list[ShardJob], held: int = 0,
-                      then: Callable[[], ShardJob | None] | None = None) -> AsyncIterator[list[Sample]]:
+                      then: Callable[[], list[ShardJob]] | None = None) -> AsyncIterator[list[Sample]]:
         """The jobs' samples in order; ``read_ahead`` shards beyond the current one are read meanwhile.
         ``held``: how many samples the caller keeps at once (a shuffle buffer), for the pool that
-        recycles the samples' memory (``SamplePool``). ``then``: the next read's first job (the
-        next epoch's), whose download starts as this read asks for its last shard, in a held
-        session (``held_session``); the next read takes it over if its first job reads that shard.
-        Where reading is the limit, the loader's run ahead starts the next epoch only once this read
-        is done, and over a store 50 ms away its first batch then came ~130 ms after the
-        consumer asked, against ~30 ms from local disk (docs/benchmarks.md, issue 21)."""
+        recycles the samples' memory (``SamplePool``). ``then``: the next read's jobs (the next
+        epoch's). In a held session (``held_session``), once this read has no shard left to open,
+        each place its last shards free goes to a download of the next read's first ``read_ahead
+        + 1`` (those the next read opens at once), so the downloads stay within ``read_ahead + 1``;
+        the next read takes over those its first jobs read. Where reading is the limit, the
+        loader's run ahead starts the next epoch only once this read is done, and over a store
+        50 ms away its first batch then came ~130 ms after the consumer asked, against ~30 ms from
+        local disk; one shard started so was not enough where it held fewer samples than the
+        shuffle buffer's initial fill (docs/benchmarks.md, issue 21)."""
         loop = asyncio.get_running_loop()
         if self._pool is None:  # the fields a read holds at once, a sample's two largest counted (an image, a mask)
             self._pool = SamplePool(2 * (held + (self.read_ahead + 1) * 3 * self.chunk_size) + 1024)
@@ -222,6 +236,7 @@ class ShardFiles:
         running: deque[tuple[Feed, concurrent.futures.Future[None], object]] = deque()
         todo = iter(jobs)
         writes = CacheWrites(self.buffer_bytes) if self.cache is not None else None
+        following: Iterator[ShardJob] | None = None  # the next read's first jobs, once this read has opened its last
         async with self.downloads() as downloads:
             warm = self._take_warm(downloads) if self._warm else {}
             try:
@@ -229,9 +244,11 @@ class ShardFiles:
                     while len(running) <= self.read_ahead:
                         job = next(todo, None)
                         if job is None:
-                            if then is not None:
-                                self._start_next(then())
-                                then = None
+                            if then is not None and self._next is not None:
+                                self._drop_warm()  # left from a read that had no next read
+                                following, then = iter(then()[:self.read_ahead + 1]), None
+                            if following is not None:
+                                self._start_next(following, self.read_ahead + 1 - len(running))
                             break
                         feed = Feed(loop, capacity=2)
                         source = self._source(job.shard, downloads, writes, warm)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import copy
+import functools
 import os
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, Self
@@ -366,21 +367,21 @@ class WebDatasetReader(Reader):
         limit = None if stop is None else stop - start
         if limit == 0:
             return
-        # The natural stream to its end: the next epoch's first shard may start downloading as
-        # this read asks for its last one (``ShardFiles.samples``' ``then``).
-        then = None if stop is not None or self.resampled else (lambda: next(iter(self._jobs(epoch + 1, seed)), None))
+        # The natural stream to its end: the next epoch's first shards may start downloading as
+        # this read's last ones free their places (``ShardFiles.samples``' ``then``).
+        then = None if stop is not None or self.resampled else functools.partial(self._jobs, epoch + 1, seed)
         async with contextlib.aclosing(self._buffered(jobs, buf, slot_of, start, limit, then)) as stream:
             async for chunk in stream:
                 yield chunk
 
     async def _buffered(self, jobs: list[ShardJob], buf: ShuffleBuffer, slot_of: dict[int, int], start: int,
-                        limit: int | None, then: Callable[[], ShardJob | None] | None = None
+                        limit: int | None, then: Callable[[], list[ShardJob]] | None = None
                         ) -> AsyncIterator[list[Sample]]:
         """The jobs' samples through ``buf``, numbered from ``start``; at most ``limit`` of them.
 
         ``slot_of`` (resuming): the buffer slot of each held sample, by its ``position`` as the jobs
         number it; those samples come first and fill their slots instead of being pushed. ``then``:
-        the next read's first job (``ShardFiles.samples``).
+        the next read's jobs (``ShardFiles.samples``).
         """
         emitted = 0
         out: list[Sample] = []
@@ -525,8 +526,8 @@ def webdataset(
     waits on the store with every GET that allows in flight (later shards and epochs start from what
     it grew to), and at most ``buffer_bytes``, counting what the
     HTTP client holds for each ranged GET it has in flight (a full buffer stops reading the socket),
-    so the reader holds about ``(read_ahead + 1) * buffer_bytes`` (one more at an epoch's end in a
-    loader: the next epoch's first shard starts downloading as this one asks for its last) plus the samples in flight, however
+    so the reader holds about ``(read_ahead + 1) * buffer_bytes`` (in a loader that runs ahead, the
+    next epoch's first shards download in the places this epoch's last ones free) plus the samples in flight, however
     large the shards (a parser copies a chunk's members out of the downloaded blocks at once, letting
     the GIL go: until then it keeps the blocks they lie in, about a chunk's bytes plus a block of up to
     ``buffer_bytes / 8``). The process may show up to as much again in freed blocks the allocator keeps

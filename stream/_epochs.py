@@ -146,7 +146,7 @@ class Epochs:
                 await run.aclose()
                 run = self.active = _Run(self.cfg, run.epoch, run.start, run.first_batch, run.history)
                 run.consumer_inside = run.entered = True
-            await self._begin(run)
+            await self._begin(run, hold_connections=run_ahead)
             if progress:
                 bar = EpochProgress(run, self._epoch_length(), run.first_batch)
             run.start_runner()
@@ -179,14 +179,17 @@ class Epochs:
         finally:
             await self._end(run, completed, bar)
 
-    async def _begin(self, run: _Run) -> None:
+    async def _begin(self, run: _Run, *, hold_connections: bool) -> None:
         """Before an epoch's first batch: tear down a loop left without closing and any stale run
-        ahead, and start the epoch's clock (once, also when an iteration resumes it)."""
+        ahead, and start the epoch's clock (once, also when an iteration resumes it). With
+        ``hold_connections`` (running ahead), hold the reader's connections over the epoch for the
+        next epoch's read; without, they would be let go at the epoch's end, before that read, and
+        a webdataset reader's downloads started for it (``ShardFiles.held_session``) fetched for nothing."""
         abandoned, self._abandoned = self._abandoned, None
         if abandoned is not None:
             await self._stop_early(abandoned)
         await self._close_ahead()
-        if self._connections is None:
+        if hold_connections and self._connections is None:
             stack = contextlib.AsyncExitStack()
             await stack.enter_async_context(self.cfg.reader.connections())
             self._connections = stack

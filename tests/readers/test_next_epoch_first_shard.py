@@ -1,14 +1,17 @@
-"""The next epoch's first shard starts downloading as this epoch's read asks for its last shard, while
-the reader's connections are held (the Loader holds them over each epoch): where reading is the limit,
-the loader's run ahead starts the next epoch only once this read is done, and over a store 50 ms away
-its first batch then waited a first-byte latency and the GETs' ramp (~130 ms on the H200, against
-~30 ms from local disk; docs/benchmarks.md). A read outside a held session starts nothing; a download
-started so and not taken over is stopped, and nothing is left open. No test asserts a time."""
+"""The next epoch's first shards start downloading as this epoch's last shards free their places,
+while the reader's connections are held (the Loader holds them over each epoch): where reading is the
+limit, the loader's run ahead starts the next epoch only once this read is done, and over a store 50 ms
+away its first batch then waited a first-byte latency and the GETs' ramp (~130 ms on the H200, against
+~30 ms from local disk; docs/benchmarks.md). The next read's first ``read_ahead + 1`` shards (those it
+opens at once) are started, never more downloads at once than a read keeps. A read outside a held
+session starts nothing; a download started so and not taken over is stopped, and nothing is left
+open. No test asserts a time."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 
 import pytest
 
@@ -54,23 +57,29 @@ async def test_each_epoch_run_ahead_takes_over_its_first_shard_started_by_the_ep
         await loader.aclose()
     await leaks.check()  # before idle(): its to_thread may start a second default-executor thread
     await slow.idle()
-    # Epochs 1 and 2 began on a download started in the epoch before; so did epoch 3, where its run
-    # had started ahead (then thrown away by aclose) before the last batch of epoch 2 was taken.
-    assert reader.files.warmed in (2, 3)
+    # Epochs 1 and 2 began on the three downloads (read_ahead + 1) started in the epoch before; so
+    # did epoch 3, where its run had started ahead (then thrown away by aclose) before the last
+    # batch of epoch 2 was taken.
+    assert reader.files.warmed in (6, 9)
     assert slow.stats()["open"] == 0
 
 
-async def test_without_run_ahead_the_download_started_for_the_next_epoch_is_stopped(slow, leaks):
+async def test_without_run_ahead_nothing_is_started_for_the_next_epoch(slow, leaks):
     reader = _remote(slow, "s3")
     loader = _loader(reader, run_ahead=False)
     try:
         for epoch in range(2):
-            assert await _keys(loader) == await _local_keys(slow, epoch)
+            keys = []
+            async for batch in loader:
+                keys += batch.sample_keys
+                # Not held: the epoch's end would let go of the connections before the next read
+                # began, and stop the downloads started for it, fetched for nothing.
+                assert reader.files._next is None and reader.files._warm == {}
+            assert keys == await _local_keys(slow, epoch)
     finally:
         await loader.aclose()
     await leaks.check()
     await slow.idle()
-    # The loader lets go of the connections at each epoch's end, and with them the started download.
     assert reader.files.warmed == 0
     assert slow.stats()["open"] == 0
 
@@ -84,19 +93,45 @@ async def test_a_read_outside_a_held_session_starts_nothing_for_the_next(slow, l
 
 async def test_a_next_read_of_another_epoch_drops_the_started_download_and_reads_its_own(slow, leaks):
     reader = _remote(slow, "s3")
-    first = reader._jobs(1, SEED)[0].shard
-    # An epoch none of whose first read_ahead + 1 shards (those its read opens at once) is epoch 1's first.
-    other = next(e for e in range(2, 50) if first not in [job.shard for job in reader._jobs(e, SEED)[:3]])
+    firsts = [job.shard for job in reader._jobs(1, SEED)[:3]]
+    # An epoch none of whose first read_ahead + 1 shards (those its read opens at once) is among epoch 1's.
+    other = next(e for e in range(2, 50) if not set(firsts) & {job.shard for job in reader._jobs(e, SEED)[:3]})
     async with reader.connections():
         _same(await _read_all(reader, epoch=0, seed=SEED), await _read_all(_local(slow), epoch=0, seed=SEED))
-        assert list(reader.files._warm) == [first]  # epoch 1's first shard, started
+        assert list(reader.files._warm) == firsts  # epoch 1's first read_ahead + 1 shards, started
         _same(await _read_all(reader, epoch=other, seed=SEED),
               await _read_all(_local(slow), epoch=other, seed=SEED))
         assert reader.files.warmed == 0  # not epoch 1: its download stopped unread
         _same(await _read_all(reader, epoch=other + 1, seed=SEED),
               await _read_all(_local(slow), epoch=other + 1, seed=SEED))
-        assert reader.files.warmed == 1  # the epoch after ``other``: started by ``other``'s read
+        assert reader.files.warmed == 3  # the epoch after ``other``: started by ``other``'s read
     assert reader.files._warm == {} and reader.files._next is None
+    await leaks.check()
+    await slow.idle()
+    assert slow.stats()["open"] == 0
+
+
+def _downloads_running() -> int:
+    """Shard downloads whose task is still running on this loop (not their ranged GETs)."""
+    return sum(1 for t in asyncio.all_tasks() if re.fullmatch(r"headrace:storage:\d+", t.get_name()) and not t.done())
+
+
+@pytest.mark.parametrize("read_ahead", [0, 1])
+async def test_the_downloads_started_for_the_next_read_keep_within_a_reads_places(slow, read_ahead, leaks):
+    reader = readers.webdataset(slow.source("s3", WDS), shuffle=True, shuffle_buffer=20, seed=SEED,
+                                read_ahead=read_ahead, storage_options={"retry": RETRY})
+    most = 0
+    async with reader.connections():
+        async with contextlib.aclosing(reader.read(0, seed=SEED)) as stream:
+            keys = []
+            async for chunk in stream:
+                keys += [s.key for s in chunk]
+                most = max(most, _downloads_running())
+        assert keys == await _local_keys(slow, 0)
+        assert list(reader.files._warm) == [job.shard for job in reader._jobs(1, SEED)[:read_ahead + 1]]
+        assert [s.key for s in await _read_all(reader, epoch=1, seed=SEED)] == await _local_keys(slow, 1)
+        assert reader.files.warmed == read_ahead + 1
+    assert 0 < most <= read_ahead + 1
     await leaks.check()
     await slow.idle()
     assert slow.stats()["open"] == 0
