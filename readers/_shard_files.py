@@ -226,8 +226,9 @@ class ShardFiles:
         the next read takes over those its first jobs read. Where reading is the limit, the
         loader's run ahead starts the next epoch only once this read is done, and over a store
         50 ms away its first batch then came ~130 ms after the consumer asked, against ~30 ms from
-        local disk; one shard started so was not enough where it held fewer samples than the
-        shuffle buffer's initial fill (docs/benchmarks.md, issue 21)."""
+        local disk; one shard started so was not enough where it held fewer samples than the first
+        batch took in (565 against 612: the shuffle buffer's initial 100, then two in for each of
+        256 out while it grows; docs/benchmarks.md, issue 21)."""
         loop = asyncio.get_running_loop()
         if self._pool is None:  # the fields a read holds at once, a sample's two largest counted (an image, a mask)
             self._pool = SamplePool(2 * (held + (self.read_ahead + 1) * 3 * self.chunk_size) + 1024)
