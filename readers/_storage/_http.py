@@ -15,7 +15,7 @@ from typing import Any
 from headrace._errors import ConfigError
 
 from ._base import Body, Store, StoreFault, progressed, redact_url, scrub, seconds_option
-from ._obstore import BLOCK, HELD_PER_GET, ObstoreBody, fault, open_body, read_whole
+from ._obstore import BLOCK, HELD_PER_GET, ObstoreBody, fault, open_body, prepare_runtime, read_whole
 
 __all__ = ["HttpStore"]
 
@@ -152,6 +152,7 @@ class HttpStore(Store):
     def _obstore(self, origin: str) -> Any:
         store = self._obstores.get(origin)
         if store is None:
+            prepare_runtime()
             from obstore.store import HTTPStore
 
             client = {"allow_http": True, "connect_timeout": datetime.timedelta(seconds=self._connect_timeout),

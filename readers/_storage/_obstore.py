@@ -1,15 +1,20 @@
 """What the S3 and HTTP stores share when obstore (Rust ``object_store``) makes their GETs: the body
-that hands a download's bytes to the loop, and the ``StoreFault`` an obstore error means."""
+that hands a download's bytes to the loop, the ``StoreFault`` an obstore error means, and the size of
+the runtime its GETs run on."""
 
 from __future__ import annotations
 
+import atexit
+import os
 import re
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from ._base import Body, StoreFault, progressed, scrub
 
-__all__ = ["BLOCK", "HELD_PER_GET", "WHOLE_MAX", "ObstoreBody", "fault", "open_body", "read_whole"]
+__all__ = ["BLOCK", "HELD_PER_GET", "RUNTIME_THREADS", "WHOLE_MAX", "ObstoreBody", "fault", "open_body",
+           "prepare_runtime", "read_whole"]
 
 # Blocks handed from the download to the parser thread. Each costs a loop iteration, and while a
 # parser holds the GIL the loop waits for it (up to the 5 ms switch interval): over the in-memory
@@ -26,6 +31,38 @@ HELD_PER_GET = BLOCK + BLOCK // 2
 WHOLE_MAX = 4 * BLOCK
 
 _STATUS = re.compile(r"status code: (\d{3})")
+
+# obstore runs every GET on one tokio runtime a process, which tokio sizes at one worker thread a
+# core. A worker that allocates a GET's blocks gets a glibc malloc arena of its own and keeps its
+# high-water mark there, so memory grows with the workers, not with the bytes in flight: with 16
+# workers the 2-core VM's streamed shards held 296-351 MB past local disk (the reader's bound: 384),
+# with 4 workers 223-254 MB and 10-30% more samples a second (docs/storage.md). A reader's GETs keep
+# about one core of them busy (0.5-0.9 at 17-23k samples/s), so 4 leave room.
+RUNTIME_THREADS = 4
+_RUNTIME_ENV = "TOKIO_WORKER_THREADS"
+# A runtime thread hands each result to the event loop (``call_soon_threadsafe``, which writes to the
+# loop's wake-up socket with the GIL let go) and then takes the GIL back. If the program ends in
+# between, Python before 3.14 ends that thread with ``pthread_exit`` when it asks for the GIL, which
+# aborts the process through Rust's frames (SIGABRT, exit status 134, after all the work was done):
+# 12 in 120 runs of a script that read one object over S3 and one over HTTP and returned (pyo3#4874,
+# cpython#87135). Waiting this long at exit, before Python starts finalizing, lets such a hand-off
+# finish: 0 in 240.
+_SETTLE_SECONDS = 0.05
+_prepared = False
+
+
+def prepare_runtime() -> None:
+    """Before the first obstore store is made: at most ``RUNTIME_THREADS`` workers for its runtime
+    (unless ``TOKIO_WORKER_THREADS`` already says how many: tokio reads it when the runtime starts,
+    once a process, and a runtime already running keeps its size), and the wait at exit above."""
+    global _prepared
+    if _prepared:
+        return
+    _prepared = True
+    if _RUNTIME_ENV not in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        os.environ[_RUNTIME_ENV] = str(max(1, min(RUNTIME_THREADS, cores)))
+    atexit.register(time.sleep, _SETTLE_SECONDS)
 
 
 def fault(exc: BaseException, secrets: Iterable[str | None], missing: str = "no such object") -> StoreFault:

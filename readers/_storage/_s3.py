@@ -12,7 +12,7 @@ from typing import Any
 from headrace._errors import ConfigError
 
 from ._base import Body, ObjectInfo, Store, StoreFault, redact_url, seconds_option
-from ._obstore import HELD_PER_GET, fault, open_body, read_whole
+from ._obstore import HELD_PER_GET, fault, open_body, prepare_runtime, read_whole
 
 __all__ = ["S3Store"]
 
@@ -65,6 +65,7 @@ class S3Store(Store):
 
     def _store(self) -> Any:
         if self._client is None:
+            prepare_runtime()
             from obstore.store import S3Store as _ObS3Store
             config = {k: v for k, v in self._options.items()
                       if k not in ("allow_http", "credential_provider", "connect_timeout")}
