@@ -5,6 +5,7 @@ the runtime its GETs run on."""
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import re
 import time
@@ -48,17 +49,13 @@ _RUNTIME_ENV = "TOKIO_WORKER_THREADS"
 # cpython#87135). Waiting this long at exit, before Python starts finalizing, lets such a hand-off
 # finish: 0 in 240.
 _SETTLE_SECONDS = 0.05
-_prepared = False
 
 
+@functools.cache  # once a process, as the runtime itself
 def prepare_runtime() -> None:
     """Before the first obstore store is made: at most ``RUNTIME_THREADS`` workers for its runtime
     (unless ``TOKIO_WORKER_THREADS`` already says how many: tokio reads it when the runtime starts,
     once a process, and a runtime already running keeps its size), and the wait at exit above."""
-    global _prepared
-    if _prepared:
-        return
-    _prepared = True
     if _RUNTIME_ENV not in os.environ:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         os.environ[_RUNTIME_ENV] = str(max(1, min(RUNTIME_THREADS, cores)))
