@@ -18,8 +18,6 @@ Shared by the CPU and GPU paths so that the same bytes get the same verdict on b
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import struct
 import threading
 import traceback
@@ -28,6 +26,7 @@ from collections import deque
 from typing import Any
 
 from headrace._errors import DecodeError
+from headrace._heap import trim_heap
 
 from ._exif import flat_bytes
 
@@ -286,19 +285,6 @@ class _Grant:
         self._budget._release(self._grant, self._n)
 
 
-def _load_malloc_trim():
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
-
-
-_malloc_trim = _load_malloc_trim()
-
-
 def _trim_heap() -> None:
     """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``; elsewhere nothing).
 
@@ -309,8 +295,7 @@ def _trim_heap() -> None:
     a 610 MiB budget held one image at a time peaked at 950 MiB on two threads. Trimming when a
     large grant ends keeps the resident size to what the budget holds (ops/README.md).
     """
-    if _malloc_trim is not None:
-        _malloc_trim(0)
+    trim_heap()
 
 
 def release_frames(exc: BaseException, *, keep_text: bool = False) -> BaseException:

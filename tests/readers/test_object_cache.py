@@ -250,3 +250,31 @@ def test_a_copy_cut_short_by_the_file_system_is_not_kept(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["0", "1", "True"]  # given up at the first failure, nothing kept
     assert _copies(tmp_path) == {}
+
+
+async def test_each_read_hands_its_freed_heap_back_on_the_cache_threads(s3_env, image_folder, tmp_path, monkeypatch,
+                                                                         leaks):
+    # Why: an epoch that reads the copies back (on the cache's threads) after one that fetched them
+    # (on the client's threads) held both allocator high-water marks; the read's end trims them.
+    import sys
+    import threading
+
+    from headrace._heap import trim_heap
+
+    module = sys.modules["headrace.readers.files"]
+    trims: list[str] = []
+
+    def counted() -> None:
+        trims.append(threading.current_thread().name)
+        trim_heap()  # the real one: glibc's malloc_trim here
+
+    monkeypatch.setattr(module, "trim_heap", counted)
+    reader = _remote(s3_env, "s3", image_folder, chunk_size=16, cache_dir=tmp_path / "cache")
+    await _read_all(reader, epoch=0)
+    await _read_all(reader, epoch=1)
+    assert reader.cache.hits == OBJECTS
+    async with contextlib.aclosing(reader.read(2)) as stream:  # left early: trimmed all the same
+        async for _ in stream:
+            break
+    assert len(trims) == 3 and all(name.startswith("headrace-io-cache") for name in trims), trims
+    await leaks.check()
