@@ -574,6 +574,14 @@ def run_row(args: argparse.Namespace) -> None:
 
         S3Store._disconnect = keep
     # Measurement only: no next-epoch shard started early (before 978544d), or its first only (978544d).
+    if args.scan_releasing_gil:  # measurement only: the scan through ctypes.CDLL, the GIL let go around it
+        from headrace.readers import _read_files
+
+        lib = _read_files._load()
+        if lib is not None:
+            scan = lib.hr_tar_scan
+            scan.argtypes, scan.restype = lib.tar_scan.argtypes, lib.tar_scan.restype
+            lib.tar_scan = scan
     if args.no_next_epoch_start or args.next_epoch_first_only:
         from headrace.readers._shard_files import ShardFiles
 
@@ -775,6 +783,8 @@ def measure(key: tuple[str, str, str], url: str, serve: Path, args: argparse.Nam
         cmd += ["--no-next-epoch-start"]
     if args.next_epoch_first_only:
         cmd += ["--next-epoch-first-only"]
+    if args.scan_releasing_gil:
+        cmd += ["--scan-releasing-gil"]
     if args.pipeline:
         cmd += ["--pipeline", args.pipeline, "--epochs", str(args.epochs), "--batch", str(args.batch)]
     started = time.perf_counter()
@@ -850,6 +860,8 @@ def main() -> None:
     parser.add_argument("--next-epoch-first-only", action="store_true", help="measurement only, --pipeline shard "
                         "rows: only the next epoch's first shard starts downloading during this epoch's read, not its "
                         "first read_ahead + 1 (978544d), for an A/B")
+    parser.add_argument("--scan-releasing-gil", action="store_true", help="measurement only: the tar header scan "
+                        "lets the GIL go around each call, as before it was called with the GIL held, for an A/B")
     parser.add_argument("--epochs", type=int, default=2, help="--pipeline: timed epochs a row, after one warm-up")
     parser.add_argument("--batch", type=int, default=256, help="--pipeline: batch size")
     parser.add_argument("--row-timeout", type=float, default=None, help="seconds a row's process may run (default: no limit)")
