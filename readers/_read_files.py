@@ -61,9 +61,9 @@ def _load() -> ctypes.CDLL | None:
                 # Through PyDLL, the GIL held: a scan of a window's headers takes ~3.5 µs, and a
                 # thread that lets the GIL go, however briefly, waits to take it back behind the
                 # threads that took it meanwhile (up to the 5 ms switch interval). Profiled on an
-                # H200 with the streamed pipeline, the shard parser spent more of its time at this
-                # call than in any other but the waits for bytes; on the 2-core VM, 9 samples in 10
-                # there were waits for the GIL.
+                # H200 with the streamed pipeline, this call was the shard parsers' most-sampled line
+                # outside their waits (docs/benchmarks.md); on the 2-core VM, 105 of its 112
+                # samples there were in handing the GIL over and taking it back, 7 in the scan.
                 lib.tar_scan = ctypes.PyDLL(str(target)).hr_tar_scan
                 lib.tar_scan.argtypes, lib.tar_scan.restype = [p, ctypes.c_int64, ctypes.c_int64, p], ctypes.c_int64
                 lib.read_chunk = None
