@@ -573,7 +573,6 @@ def run_row(args: argparse.Namespace) -> None:
             pass
 
         S3Store._disconnect = keep
-    # Measurement only: no next-epoch shard started early (before 978544d), or its first only (978544d).
     if args.scan_releasing_gil:  # measurement only: the scan through ctypes.CDLL, the GIL let go around it
         from headrace.readers import _read_files
 
@@ -582,6 +581,7 @@ def run_row(args: argparse.Namespace) -> None:
             scan = lib.hr_tar_scan
             scan.argtypes, scan.restype = lib.tar_scan.argtypes, lib.tar_scan.restype
             lib.tar_scan = scan
+    # Measurement only: no next-epoch shard started early (before 978544d), or its first only (978544d).
     if args.no_next_epoch_start or args.next_epoch_first_only:
         from headrace.readers._shard_files import ShardFiles
 

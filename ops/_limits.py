@@ -265,7 +265,14 @@ class ByteBudget:
 
     def _release(self, grant: int, asked: int) -> None:
         if asked >= TRIM_AT:
-            _trim_heap()
+            # glibc serves a worker thread's allocations from that thread's arena and, once it has
+            # freed a block as large as a decoded image, raises its threshold for using mmap (up to
+            # 32 MiB). The 16 MiB blocks Pillow allocates an image in then come from the arena, and
+            # their pages stay with the process after they are freed: each thread that decoded a
+            # large image kept it resident, and a 610 MiB budget held one image at a time peaked at
+            # 950 MiB on two threads. Trimming when a large grant ends keeps the resident size to
+            # what the budget holds (ops/README.md).
+            trim_heap()
         if grant:
             with self._cond:
                 self._free += grant
@@ -283,19 +290,6 @@ class _Grant:
 
     def __exit__(self, *exc) -> None:
         self._budget._release(self._grant, self._n)
-
-
-def _trim_heap() -> None:
-    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``; elsewhere nothing).
-
-    Why: glibc serves a worker thread's allocations from that thread's arena and, once it has freed
-    a block as large as a decoded image, raises its threshold for using mmap (up to 32 MiB). The
-    16 MiB blocks Pillow allocates an image in then come from the arena, and their pages stay with
-    the process after they are freed: each thread that decoded a large image kept it resident, and
-    a 610 MiB budget held one image at a time peaked at 950 MiB on two threads. Trimming when a
-    large grant ends keeps the resident size to what the budget holds (ops/README.md).
-    """
-    trim_heap()
 
 
 def release_frames(exc: BaseException, *, keep_text: bool = False) -> BaseException:

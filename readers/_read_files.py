@@ -64,11 +64,12 @@ def _load() -> ctypes.CDLL | None:
                 # H200 with the streamed pipeline, this call was the shard parsers' most-sampled line
                 # outside their waits (docs/benchmarks.md); on the 2-core VM, 105 of its 112
                 # samples there were in handing the GIL over and taking it back, 7 in the scan.
-                lib.tar_scan = ctypes.PyDLL(str(target)).hr_tar_scan
+                with_gil = ctypes.PyDLL(str(target))  # the same library, its calls keeping the GIL
+                lib.tar_scan = with_gil.hr_tar_scan
                 lib.tar_scan.argtypes, lib.tar_scan.restype = [p, ctypes.c_int64, ctypes.c_int64, p], ctypes.c_int64
                 lib.read_chunk = None
                 if with_python:  # holds the GIL when called, and lets it go around its I/O itself
-                    read_chunk = ctypes.PyDLL(str(target)).hr_read_chunk
+                    read_chunk = with_gil.hr_read_chunk
                     read_chunk.argtypes, read_chunk.restype = [ctypes.c_int, p], ctypes.py_object
                     lib.read_chunk = read_chunk
             _state["lib"] = lib

@@ -35,7 +35,8 @@ from headrace.ops import (
 )
 from headrace.ops._geometry import output_error, output_pixels
 from headrace.ops import _pillow
-from headrace.ops._limits import ByteBudget, _trim_heap, claimed_size, too_few_bits
+from headrace._heap import trim_heap
+from headrace.ops._limits import ByteBudget, claimed_size, too_few_bits
 
 MiB = 1 << 20
 DEFAULT_PIXELS = 2**26
@@ -54,7 +55,7 @@ def _resident_after_trim() -> int:
     import gc
 
     gc.collect()
-    _trim_heap()  # the budget's own trim (glibc's malloc_trim; elsewhere nothing)
+    trim_heap()  # the budget's own trim (glibc's malloc_trim; elsewhere nothing)
     return _status("VmRSS")
 
 
