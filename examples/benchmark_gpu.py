@@ -14,6 +14,7 @@ the GPU, unless the row says otherwise):
   DALI (--dali-threads 4,8)  NVIDIA DALI: file reader, mixed decode (image_random_crop; validation:
                              whole image), resize, crop_mirror_normalize float16 NCHW, DALIGenericIterator
   --rows train_stage         the train row with a trivial ops.MapBatch added (what a user stage costs)
+  --rows train_mix           the train row with RandomErasing(0.25), MixUp(0.2) and CutMix(1.0, p=0.5) after it
   --rows train_noop          the train row with an ops.MapBatch that returns the batch as it is
   --rows train_lookup        the train row with an async ops.Map awaiting 1 ms per sample, concurrency=64
 Each row: one warm-up epoch, then the median of --epochs epochs. headrace rows also report the
@@ -452,6 +453,9 @@ def main() -> None:
         "val": ("headrace (validation)", lambda: ops.validation(224, dtype="float16")),
         "train_stage": ("headrace (train + a batch stage)",
                         lambda: _staged(ops.training(224, dtype="float16"), ops.MapBatch(_touch))),
+        "train_mix": ("headrace (train + erasing, MixUp, CutMix)",
+                      lambda: ops.Pipeline([*ops.training(224, dtype="float16").ops, ops.RandomErasing(0.25),
+                                            ops.MixUp(0.2, num_classes=100), ops.CutMix(1.0, num_classes=100, p=0.5)])),
         "train_noop": ("headrace (train + a no-op batch stage)",
                        lambda: _staged(ops.training(224, dtype="float16"), ops.MapBatch(_pass))),
         "train_lookup": ("headrace (train + 1 ms async lookup, 64)",

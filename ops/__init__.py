@@ -8,6 +8,8 @@ from ._boxes import source_boxes
 from ._pipeline import IMAGE_EXTENSIONS, Pipeline, training, validation
 from ._random import uniforms
 from ._stages import Filter, Map, MapBatch
+from ._mix import CutMix, MixUp
+from ._erase import RandomErasing
 from ._video import DecodeClip, decode_frames, video_pipeline
 from ._post_spec import ColorTwist, GaussianBlur, PostOp, Rotate, WarpAffine
 from ._spec import (
@@ -34,6 +36,7 @@ __all__ = [
     "ColorTwist",
     "CpuExecutor",
     "CudaExecutor",
+    "CutMix",
     "Decode",
     "DecodeClip",
     "Filter",
@@ -42,12 +45,14 @@ __all__ = [
     "GpuTuning",
     "Map",
     "MapBatch",
+    "MixUp",
     "Normalize",
     "Op",
     "Pipeline",
     "PostOp",
     "Processed",
     "RandomCrop",
+    "RandomErasing",
     "RandomIoUCrop",
     "RandomResize",
     "RandomResizedCrop",

@@ -52,14 +52,17 @@ def stage_rng(seed: int, epoch: int, position: int, index: int) -> np.random.Gen
 
 
 def batch_extras(stage: MapBatch, position: int, *, seed: int, epoch: int, index: int,
-                 keys: Callable[[], list[str]]) -> dict[str, Any]:
+                 keys: Callable[[], list[str]], layout: str) -> dict[str, Any]:
     """The keyword arguments ``stage``'s function asked for by name: ``rng`` (keyed by the batch's
-    index), ``keys`` (the keys of the batch's rows, ``keys()``)."""
+    index), ``keys`` (the keys of the batch's rows, ``keys()``), ``layout`` (the pipeline's image
+    layout)."""
     extras: dict[str, Any] = {}
     if stage.wants_rng:
         extras["rng"] = stage_rng(seed, epoch, position, index)
     if stage.wants_keys:
         extras["keys"] = keys()
+    if stage.wants_layout:
+        extras["layout"] = layout
     return extras
 
 

@@ -254,7 +254,8 @@ class StagedExecutor:
     async def _map_batch(self, stage: MapBatch, batch: SampleBatch, samples: list[Sample], data: dict[str, Any],
                          kept: list[int], ready: Any, failures: dict[int, LoaderError]) -> tuple[dict[str, Any], list[int], Any]:
         extras = batch_extras(stage, self.pipeline.stage_position(stage), seed=self.seed, epoch=batch.epoch,
-                              index=batch.index, keys=lambda: [samples[i].key for i in kept])
+                              index=batch.index, keys=lambda: [samples[i].key for i in kept],
+                              layout=self.pipeline.layout)
         try:
             if stage.is_async:
                 out = await stage.fn(data, **extras)

@@ -16,7 +16,8 @@ A function whose signature has an ``rng`` parameter gets a ``numpy.random.Genera
 built-in ops key theirs: a seed gives the same results whatever the thread count or resume point.
 A ``Map`` or ``Filter`` whose function has a ``key`` (or ``index``) parameter gets the sample's key
 (or its index in the data set), for a lookup by key; a ``MapBatch`` with a ``keys`` parameter gets
-the keys of the batch's rows.
+the keys of the batch's rows, one with a ``layout`` parameter the pipeline's image layout (``"CHW"``
+or ``"HWC"``: which dimensions of ``batch["image"]`` are the rows and columns).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class Stage:
         self.wants_key = "key" in params
         self.wants_keys = "keys" in params
         self.wants_index = "index" in params
+        self.wants_layout = "layout" in params
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name})"

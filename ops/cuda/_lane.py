@@ -262,7 +262,8 @@ class Lane:
             stage = lane_stage.stage
             try:
                 extras = batch_extras(stage, lane_stage.position, seed=owner.seed, epoch=batch.epoch, index=batch.index,
-                                      keys=lambda: [batch.samples[row].key for row in result.kept])
+                                      keys=lambda: [batch.samples[row].key for row in result.kept],
+                                      layout=owner.pipeline.layout)
                 result.data = checked_batch(stage.fn(result.data, **extras), rows=len(result.kept))
             except Exception as exc:
                 result.failures.extend((row, stage_failure(stage, batch.samples[row], exc)) for row in result.kept)

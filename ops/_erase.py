@@ -1,0 +1,130 @@
+"""RandomErasing: a random box of each image of a batch filled (Zhong et al., 2020), as torchvision's
+``transforms.v2.RandomErasing`` draws it.
+
+A ``MapBatch`` stage, like MixUp and CutMix: it stands after the last built-in op, on the batch
+(normalized, as in torchvision's recipes, where it comes after ``Normalize``), and runs wherever a
+``MapBatch`` runs, in the GPU lane on its stream with no host wait. Each row's box is drawn on the
+host from the stage's ``rng`` (keyed by seed, epoch, the stage's place and the batch's index, a
+fixed number of draws a row), so a seed erases the same boxes on either device, with any thread
+count, and after a resume. The boxes reach the device through pinned memory, without a wait.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from headrace._errors import ConfigError
+
+from ._post_spec import _finite
+from ._spec import _float2
+from ._stages import MapBatch
+
+__all__ = ["RandomErasing"]
+
+_TRIES = 10  # torchvision's: a row whose ten boxes all miss the image is left as it is
+
+
+class RandomErasing(MapBatch):
+    """Erase a random box of each image with probability ``p``: torchvision's ``RandomErasing``.
+
+    Per image: a box of ``scale`` (a range) of the image's area and an aspect ratio drawn
+    log-uniformly from ``ratio``, its sides rounded, placed uniformly where it fits; ten tries, and
+    an image none of them fits is left alone. ``value`` fills it: a number, one per channel, or
+    ``"random"``, a standard normal value per pixel (torchvision's; on uint8 images, with no
+    ``Normalize``, uniform levels 0-255 instead). On normalized images the default 0 is the
+    dataset mean's colour. Works in place on the batch's images, in their layout (the stage's
+    ``layout``). Images of different sizes (ops that do not end in one size) are an error.
+    """
+
+    def __init__(self, p: float = 0.5, scale: tuple[float, float] = (0.02, 0.33), ratio: tuple[float, float] = (0.3, 3.3),
+                 value: float | Sequence[float] | str = 0.0) -> None:
+        self.p = _finite(p, "RandomErasing: p")
+        if not 0.0 <= self.p <= 1.0:
+            raise ConfigError(f"RandomErasing: p must be in [0, 1], got {p!r}")
+        self.scale = _float2(scale, "RandomErasing: scale")
+        self.ratio = _float2(ratio, "RandomErasing: ratio")
+        if not (0.0 <= self.scale[0] <= self.scale[1] <= 1.0):
+            raise ConfigError(f"RandomErasing: scale must be a pair 0 <= lo <= hi <= 1 of the image's area, got {scale!r}")
+        if not (math.isfinite(self.ratio[1]) and 0.0 < self.ratio[0] <= self.ratio[1]):
+            raise ConfigError(f"RandomErasing: ratio must be a pair 0 < lo <= hi, got {ratio!r}")
+        if isinstance(value, str):
+            if value != "random":
+                raise ConfigError(f"RandomErasing: value must be a number, one per channel, or 'random', got {value!r}")
+            self.value: tuple[float, ...] | str = value
+        else:
+            values = value if isinstance(value, Sequence) else (value,)
+            self.value = tuple(_finite(v, "RandomErasing: value") for v in values)
+            if not self.value:
+                raise ConfigError("RandomErasing: value must be a number, one per channel, or 'random', got ()")
+        super().__init__(self._erase, name="RandomErasing")
+
+    def __repr__(self) -> str:
+        value = repr(self.value) if isinstance(self.value, str) else (
+            f"{self.value[0]:g}" if len(self.value) == 1 else repr(self.value))
+        return f"RandomErasing(p={self.p:g}, scale={self.scale}, ratio={self.ratio}, value={value})"
+
+    def boxes(self, rng: np.random.Generator, n: int, h: int, w: int) -> np.ndarray:
+        """(n, 4) int64 ``y0, x0, y1, x1`` per row (an empty box: not erased), from ``rng``'s draws:
+        ``n`` for ``p``, then ``n`` x 10 tries of four (area, log aspect, top, left)."""
+        erase = rng.random(n) < self.p
+        u = rng.random((n, _TRIES, 4))
+        area = h * w * (self.scale[0] + (self.scale[1] - self.scale[0]) * u[..., 0])
+        low, high = math.log(self.ratio[0]), math.log(self.ratio[1])
+        aspect = np.exp(low + (high - low) * u[..., 1])
+        bh = np.rint(np.sqrt(area * aspect)).astype(np.int64)
+        bw = np.rint(np.sqrt(area / aspect)).astype(np.int64)
+        fits = (bh < h) & (bw < w)
+        top = (u[..., 2] * (h - bh + 1)).astype(np.int64)
+        left = (u[..., 3] * (w - bw + 1)).astype(np.int64)
+        first = fits.argmax(axis=1)
+        rows = np.arange(n)
+        erase &= fits[rows, first]
+        y0, x0 = top[rows, first], left[rows, first]
+        out = np.stack([y0, x0, y0 + bh[rows, first], x0 + bw[rows, first]], axis=1)
+        out[~erase] = 0
+        return out
+
+    def _erase(self, batch: dict[str, Any], rng: np.random.Generator, layout: str) -> dict[str, Any]:
+        images = batch.get("image")
+        if not isinstance(images, torch.Tensor) or images.dim() != 4:
+            got = f"a {images.dim()}-d tensor" if isinstance(images, torch.Tensor) else type(images).__name__
+            raise TypeError(f"RandomErasing needs the batch's images as one [B, C, H, W] or [B, H, W, C] tensor, "
+                            f"got {got} (ops that do not end in one size give a list)")
+        chw = layout == "CHW"
+        n, (h, w), c = len(images), images.shape[2:4] if chw else images.shape[1:3], images.shape[1 if chw else 3]
+        boxes = self.boxes(rng, n, h, w)
+        seed = int(rng.integers(1 << 62))  # drawn always: the draws do not depend on the images
+        if not boxes.any():
+            return batch
+        device = images.device
+        table = torch.from_numpy(boxes)
+        table = table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
+        ys = torch.arange(h, device=device)
+        xs = torch.arange(w, device=device)
+        y0, x0, y1, x1 = (table[:, k, None] for k in range(4))
+        inside = ((ys >= y0) & (ys < y1))[:, :, None] & ((xs >= x0) & (xs < x1))[:, None, :]  # [B, H, W]
+        inside = inside[:, None] if chw else inside[..., None]
+        images.copy_(torch.where(inside, self._fill(images, c, chw, seed), images))
+        return batch
+
+    def _fill(self, images: torch.Tensor, channels: int, chw: bool, seed: int) -> torch.Tensor | float | int:
+        if self.value == "random":
+            generator = torch.Generator(device=images.device).manual_seed(seed)
+            if images.is_floating_point():
+                return torch.randn(images.shape, generator=generator, device=images.device, dtype=images.dtype)
+            return torch.randint(0, 256, images.shape, generator=generator, device=images.device, dtype=images.dtype)
+        if len(self.value) not in (1, channels):
+            raise ValueError(f"RandomErasing: value has {len(self.value)} levels for images of {channels} channels")
+        levels = [v if images.is_floating_point() else int(min(max(round(v), 0), 255)) for v in self.value]
+        if len(set(levels)) == 1:
+            return levels[0]
+        # Filled on the device, a launch a channel: a table copied from ordinary host memory could wait.
+        fill = images.new_empty(channels)
+        for k, level in enumerate(levels):
+            fill[k].fill_(level)
+        return fill.view(channels, 1, 1) if chw else fill.view(1, 1, channels)
