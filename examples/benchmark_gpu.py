@@ -15,6 +15,8 @@ the GPU, unless the row says otherwise):
                              whole image), resize, crop_mirror_normalize float16 NCHW, DALIGenericIterator
   --rows train_stage         the train row with a trivial ops.MapBatch added (what a user stage costs)
   --rows train_mix           the train row with RandomErasing(0.25), MixUp(0.2) and CutMix(1.0, p=0.5) after it
+                             (train_mix_side: off the lane; train_erase, train_mixup, train_cutmix: each alone;
+                             train_gpuwork: six in-place passes over the images, GPU time without host work)
   --rows train_noop          the train row with an ops.MapBatch that returns the batch as it is
   --rows train_lookup        the train row with an async ops.Map awaiting 1 ms per sample, concurrency=64
 Each row: one warm-up epoch, then the median of --epochs epochs. headrace rows also report the
@@ -298,6 +300,21 @@ async def _lookup(fields: dict) -> dict:
     return fields
 
 
+def _mixed(*stages, fields=()):
+    """The train row with batch augmentations after it (RandomErasing, MixUp and CutMix by default);
+    ``fields`` other than none keep them off the lane (a thread and a stream of their own)."""
+    stages = stages or (ops.RandomErasing(0.25), ops.MixUp(0.2, num_classes=100), ops.CutMix(1.0, num_classes=100, p=0.5))
+    return ops.Pipeline([*ops.training(224, dtype="float16").ops, *stages], fields=fields)
+
+
+def _gpu_work(batch: dict) -> dict:
+    """GPU work with few Python calls: six in-place passes over the batch's images (about the bytes
+    the three augmentations move), to tell their GPU time from their host time."""
+    for _ in range(6):
+        batch["image"].mul_(1.0)
+    return batch
+
+
 def _staged(pipeline, stage):
     """``pipeline`` with ``stage`` added where it goes (a Map before Decode, a MapBatch at the end)."""
     listed = list(pipeline.listed)
@@ -453,9 +470,12 @@ def main() -> None:
         "val": ("headrace (validation)", lambda: ops.validation(224, dtype="float16")),
         "train_stage": ("headrace (train + a batch stage)",
                         lambda: _staged(ops.training(224, dtype="float16"), ops.MapBatch(_touch))),
-        "train_mix": ("headrace (train + erasing, MixUp, CutMix)",
-                      lambda: ops.Pipeline([*ops.training(224, dtype="float16").ops, ops.RandomErasing(0.25),
-                                            ops.MixUp(0.2, num_classes=100), ops.CutMix(1.0, num_classes=100, p=0.5)])),
+        "train_mix": ("headrace (train + erasing, MixUp, CutMix)", lambda: _mixed()),
+        "train_mix_side": ("headrace (train + erasing, MixUp, CutMix, off the lane)", lambda: _mixed(fields=("cls",))),
+        "train_erase": ("headrace (train + erasing)", lambda: _mixed(ops.RandomErasing(0.25))),
+        "train_mixup": ("headrace (train + MixUp)", lambda: _mixed(ops.MixUp(0.2, num_classes=100))),
+        "train_cutmix": ("headrace (train + CutMix)", lambda: _mixed(ops.CutMix(1.0, num_classes=100))),
+        "train_gpuwork": ("headrace (train + 6 in-place multiplies)", lambda: _mixed(ops.MapBatch(_gpu_work))),
         "train_noop": ("headrace (train + a no-op batch stage)",
                        lambda: _staged(ops.training(224, dtype="float16"), ops.MapBatch(_pass))),
         "train_lookup": ("headrace (train + 1 ms async lookup, 64)",

@@ -49,6 +49,7 @@ class _Mix(MapBatch):
             raise ConfigError(f"{kind}: p must be in [0, 1], got {p!r}")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(f"{kind}: label_smoothing must be in [0, 1), got {label_smoothing!r}")
+        self._classes: dict[torch.device, torch.Tensor] = {}  # arange(num_classes) per device, made once
         super().__init__(self._mix, name=kind)
 
     def __repr__(self) -> str:
@@ -94,16 +95,22 @@ class _Mix(MapBatch):
             raise TypeError(f"{kind} needs class indices ([B] integers) or soft labels ([B, {k}] floats), "
                             f"got {labels.dtype} of shape {tuple(labels.shape)}")
         labels = labels.to(device=device, dtype=torch.int64)
-        valid = (labels >= 0) & (labels < k)
-        if labels.device.type == "cpu" and not bool(valid.all()):
-            row = int((~valid).nonzero()[0, 0])
-            raise ValueError(f"{kind}: label {int(labels[row])} of sample {keys[row]!r} (row {row}) is not in "
-                             f"[0, num_classes={k})")
+        if labels.device.type == "cpu":
+            valid = (labels >= 0) & (labels < k)
+            if not bool(valid.all()):
+                row = int((~valid).nonzero()[0, 0])
+                raise ValueError(f"{kind}: label {int(labels[row])} of sample {keys[row]!r} (row {row}) is not in "
+                                 f"[0, num_classes={k})")
+        # Few torch calls: on the GPU path they run in the lane, and each one's host time is the lane's.
+        classes = self._classes.get(device)
+        if classes is None:
+            classes = self._classes[device] = torch.arange(k, device=device)
         off = self.label_smoothing / k
-        hot = labels[:, None] == torch.arange(k, device=device)
-        soft = torch.where(hot, 1.0 - self.label_smoothing + off, off).to(torch.float32)
-        # On the GPU, a label out of range (unchecked there: no host wait) gives a NaN row, not a wrong one.
-        return torch.where(valid[:, None], soft, math.nan)
+        hot = labels[:, None] == classes
+        soft = torch.where(hot, 1.0 - self.label_smoothing + off, off)
+        soft = soft if soft.dtype == torch.float32 else soft.float()  # torch's default float dtype, unless changed
+        # A row without its class (a label out of range: unchecked on the GPU, no host wait there) is NaN, not a wrong one.
+        return torch.where(hot.any(1, keepdim=True), soft, math.nan)
 
 
 class MixUp(_Mix):
