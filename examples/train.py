@@ -3,10 +3,14 @@
     python examples/train.py --epochs 2 --max-batches 4                  # trains, saves a checkpoint per batch
     python examples/train.py --epochs 2 --max-batches 4 --stop-after 3   # "crashes" after its 3rd batch
     python examples/train.py --epochs 2 --max-batches 4 --resume         # continues exactly where it stopped
+    python examples/train.py --epochs 2 --max-batches 4 --mixup 0.2 --cutmix 1.0   # mixed batches, soft labels
 
 The checkpoint holds the model, the optimizer and ``loader.state_dict()``; a new loader with the
 same arguments and ``load_state_dict()`` yields exactly the batches the uninterrupted run would
-have yielded next, mid-epoch included. Runs on a CPU in well under a minute.
+have yielded next, mid-epoch included. With ``--mixup`` and ``--cutmix`` the batches are mixed
+(``ops.MixUp``, ``ops.CutMix``: each applied to half the batches) and the labels are soft; the mixes
+are drawn from the loader's seed, so a resume mixes as the uninterrupted run would. Runs on a CPU in
+well under a minute.
 """
 
 from __future__ import annotations
@@ -50,8 +54,14 @@ def make_loader(args: argparse.Namespace) -> headrace.Loader:
         # whole, so the loader's epoch count, len() and resume work as in a full run.
         pick = np.sort(np.random.default_rng(0).permutation(len(reader.paths))[: args.max_batches * args.batch_size])
         reader = readers.files([reader.paths[i] for i in pick], [reader.labels[i] for i in pick], shuffle=True)
-    return headrace.Loader(reader, batch_size=args.batch_size, pipeline=ops.training(args.size),
-                           num_threads=args.threads, seed=args.seed)
+    mixing = []
+    if args.mixup:
+        mixing.append(ops.MixUp(args.mixup, num_classes=args.classes, p=0.5))
+    if args.cutmix:
+        mixing.append(ops.CutMix(args.cutmix, num_classes=args.classes, p=0.5))
+    pipeline = ops.Pipeline([*ops.training(args.size).ops, *mixing])
+    return headrace.Loader(reader, batch_size=args.batch_size, pipeline=pipeline, num_threads=args.threads,
+                           seed=args.seed)
 
 
 def save(path: Path, model: nn.Module, opt: torch.optim.Optimizer, loader: headrace.Loader, step: int) -> None:
@@ -78,7 +88,7 @@ async def train(args: argparse.Namespace) -> None:
 
     def train_step(images: torch.Tensor, labels: torch.Tensor) -> float:
         model.train()
-        loss = nn.functional.cross_entropy(model(images), labels)
+        loss = nn.functional.cross_entropy(model(images), labels)  # class indices, or mixed soft labels
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -118,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--checkpoint", default=".data/train/checkpoint.pt")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
     p.add_argument("--stop-after", type=int, default=None, help="stop after this many steps (to try --resume)")
+    p.add_argument("--mixup", type=float, default=0.0, help="MixUp's alpha, on half the batches (0: none)")
+    p.add_argument("--cutmix", type=float, default=0.0, help="CutMix's alpha, on half the batches (0: none)")
     asyncio.run(train(p.parse_args(argv)))
 
 
