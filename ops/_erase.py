@@ -38,7 +38,13 @@ class RandomErasing(MapBatch):
     ``"random"``, a standard normal value per pixel (torchvision's; on uint8 images, with no
     ``Normalize``, uniform levels 0-255 instead). On normalized images the default 0 is the
     dataset mean's colour. Works in place on the batch's images, in their layout (the stage's
-    ``layout``). Images of different sizes (ops that do not end in one size) are an error.
+    ``layout``). Labels are left alone.
+
+    Raises ``ConfigError`` when made with ``p`` outside [0, 1], ``scale`` not within [0, 1],
+    ``ratio`` not positive, or a ``value`` that is neither finite numbers nor ``"random"``. In a
+    loader, a batch whose images are a list (ops that do not end in one size), or whose channels
+    do not match ``value``'s levels, fails each of its samples with a ``TransformError`` naming
+    the stage.
     """
 
     def __init__(self, p: float = 0.5, scale: tuple[float, float] = (0.02, 0.33), ratio: tuple[float, float] = (0.3, 3.3),

@@ -120,8 +120,15 @@ class MixUp(_Mix):
     Put it after the ops: ``ops.Pipeline([*ops.training(224).ops, ops.MixUp(0.2, num_classes=1000)])``.
     ``p`` is the chance that a batch is mixed (its labels are soft either way, so every batch has
     the same form); ``label_smoothing`` smooths the one-hot labels first. Float images mix in
-    place, in their own dtype; uint8 ones (no ``Normalize``) in float32, rounded. What it needs and
-    raises: see the module's notes (``headrace.ops._mix``).
+    place, in their own dtype; uint8 ones (no ``Normalize``) in float32, rounded.
+
+    Raises ``ConfigError`` when made with ``alpha <= 0``, ``num_classes < 1``, ``p`` outside
+    [0, 1] or ``label_smoothing`` outside [0, 1). In a loader, a batch whose images are a list
+    (ops that do not end in one size), that has no labels (``label=None``), or whose labels are
+    not class indices or ``[B, num_classes]`` soft labels fails each of its samples with a
+    ``TransformError`` naming the stage; so does a label outside ``[0, num_classes)`` on the CPU,
+    naming the sample. On the GPU such a label is not read back (the lane would wait for the GPU):
+    its row's target, and its pair's, are NaN.
     """
 
     def __init__(self, alpha: float = 1.0, *, num_classes: int, p: float = 1.0, label_smoothing: float = 0.0) -> None:
@@ -141,7 +148,7 @@ class CutMix(_Mix):
     Once a batch: ``lam ~ Beta(alpha, alpha)``, a centre drawn uniformly over the image, and a box
     of sides ``sqrt(1 - lam)`` times the image's around it, cut at the edges (torchvision's
     ``CutMix``); the labels mix by the share of the image left uncovered. The box is written in
-    place. Arguments as ``MixUp``'s.
+    place. Arguments, errors and the GPU's NaN targets as ``MixUp``'s.
     """
 
     def __init__(self, alpha: float = 1.0, *, num_classes: int, p: float = 1.0, label_smoothing: float = 0.0) -> None:
