@@ -11,7 +11,7 @@ from ._stages import Filter, Map, MapBatch
 from ._mix import CutMix, MixUp
 from ._erase import RandomErasing
 from ._video import DecodeClip, decode_frames, video_pipeline
-from ._post_spec import ColorTwist, GaussianBlur, PostOp, Rotate, WarpAffine
+from ._post_spec import ColorTwist, GaussianBlur, PostOp, RandomGrayscale, Rotate, WarpAffine
 from ._spec import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -53,6 +53,7 @@ __all__ = [
     "Processed",
     "RandomCrop",
     "RandomErasing",
+    "RandomGrayscale",
     "RandomIoUCrop",
     "RandomResize",
     "RandomResizedCrop",

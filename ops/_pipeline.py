@@ -40,7 +40,7 @@ class Pipeline:
     ``ops`` must start with ``Decode`` (one is added if missing) and may end with one ``Normalize``;
     between them go first the geometry ops (``image_ops``: ``Resize``, ``RandomResize``,
     ``CenterCrop``, ``RandomCrop``, ``RandomResizedCrop`` and ``Flip``, in any order), then the post ops (``post_ops``:
-    ``ColorTwist``, ``Rotate``, ``WarpAffine`` and ``GaussianBlur``, in any order), which work on
+    ``ColorTwist``, ``RandomGrayscale``, ``Rotate``, ``WarpAffine`` and ``GaussianBlur``, in any order), which work on
     the uint8 image the geometry made. An op's random numbers are keyed by its index in ``ops``.
     ``image`` names the field(s) holding the encoded image (default: the first field whose name is
     an image extension); ``label`` names the field holding the class as ASCII digits (WebDataset's
@@ -215,7 +215,7 @@ class Pipeline:
 
 # The rule on op order, as the error messages state it.
 _ORDER = ("the allowed order is Decode (added when missing), then the geometry ops (Resize, RandomResize, "
-          "CenterCrop, RandomCrop, RandomResizedCrop, RandomIoUCrop, Flip), then ColorTwist, Rotate, WarpAffine, "
+          "CenterCrop, RandomCrop, RandomResizedCrop, RandomIoUCrop, Flip), then ColorTwist, RandomGrayscale, Rotate, WarpAffine, "
           "GaussianBlur, then at most one Normalize, last")
 
 

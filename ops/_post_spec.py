@@ -21,7 +21,7 @@ from headrace._errors import ConfigError, is_int
 
 from ._spec import Op, _float2
 
-__all__ = ["ColorTwist", "GaussianBlur", "PostOp", "Rotate", "WarpAffine"]
+__all__ = ["ColorMatrix", "ColorTwist", "GaussianBlur", "PostOp", "RandomGrayscale", "Rotate", "WarpAffine"]
 
 
 class PostOp(Op):
@@ -64,20 +64,45 @@ def _draw(lo_hi: tuple[float, float], u: np.ndarray) -> np.ndarray:
     return lo_hi[0] + (lo_hi[1] - lo_hi[0]) * u
 
 
+def _probability(value: object, what: str) -> float:
+    p = _finite(value, what)
+    if not 0.0 <= p <= 1.0:
+        raise ConfigError(f"{what} must be in [0, 1], got {value!r}")
+    return p
+
+
+def _applied(op: PostOp, u: np.ndarray) -> np.ndarray | None:
+    """Which rows an op with ``p`` < 1 applies to (its last uniform below ``p``: torchvision's
+    ``RandomApply``), or None with ``p`` = 1 (then it draws no uniform for it)."""
+    p = op.p  # type: ignore[attr-defined]
+    if p >= 1.0:
+        return None
+    return np.asarray(u, dtype=np.float64).reshape(-1, op.randoms)[:, -1] < p
+
+
 # RGB -> YIQ (NTSC, DALI's matrix) and its exact inverse (DALI rounds the inverse to 3 decimals).
 _RGB2YIQ = np.array([[0.299, 0.587, 0.114], [0.596, -0.274, -0.321], [0.211, -0.523, 0.311]])
 _YIQ2RGB = np.linalg.inv(_RGB2YIQ)
 GREY = 128.0  # contrast pivots around this level (DALI's half range for uint8), not the image mean
 
 
+class ColorMatrix(PostOp):
+    """A post op that maps each pixel through an affine colour transform of its sample:
+    ``tables`` is ``(matrices,)``, (n, 3, 4) ``[M | o]`` for RGB and (n, 1, 2) for gray (float64),
+    applied as ``round(M x + o)`` by the same code on both paths (the GPU's colour kernel)."""
+
+
 @dataclass(frozen=True)
-class ColorTwist(PostOp):
+class ColorTwist(ColorMatrix):
     """Random brightness, contrast, saturation and hue, as one linear colour transform per sample.
 
     Arguments follow torchvision's ``ColorJitter``: a number f draws a factor uniformly from
     ``[max(0, 1 - f), 1 + f]`` (brightness, contrast, saturation) or a hue shift from ``[-f, f]``
     turns (f in [0, 0.5]); a pair ``(lo, hi)`` gives the range itself (hue within [-0.5, 0.5]).
     Each sample draws its own four values (``randoms = 4``). The attributes hold the ranges.
+    ``p`` below 1 applies the twist to that share of the samples only, each drawing a fifth
+    uniform for it (torchvision's ``RandomApply([ColorJitter(...)], p)``); the others keep their
+    colours exactly.
 
     The transform is DALI's ``color_twist``, so it is per pixel and fuses: with brightness b,
     contrast c, saturation s and hue h (turns), for an RGB pixel x (0..255)::
@@ -96,6 +121,7 @@ class ColorTwist(PostOp):
     contrast: float | tuple[float, float] = 0.0
     saturation: float | tuple[float, float] = 0.0
     hue: float | tuple[float, float] = 0.0
+    p: float = 1.0
     randoms: int = field(default=4, init=False)
 
     def __post_init__(self) -> None:
@@ -103,12 +129,19 @@ class ColorTwist(PostOp):
             value = _jitter(getattr(self, name), f"ColorTwist: {name}", centre=1.0, low=0.0, high=math.inf)
             object.__setattr__(self, name, value)
         object.__setattr__(self, "hue", _jitter(self.hue, "ColorTwist: hue", centre=0.0, low=-0.5, high=0.5, most=0.5))
+        object.__setattr__(self, "p", _probability(self.p, "ColorTwist: p"))
+        object.__setattr__(self, "randoms", 4 if self.p >= 1.0 else 5)  # p = 1 draws what it drew before p existed
 
     def params(self, u: np.ndarray) -> np.ndarray:
-        """(n, 4) float64: brightness, contrast, saturation and hue (turns) per sample, from (n, 4) uniforms."""
-        u = np.asarray(u, dtype=np.float64).reshape(-1, 4)
+        """(n, 4) float64: brightness, contrast, saturation and hue (turns) per sample, from (n,
+        ``randoms``) uniforms; (1, 1, 1, 0), no change, for the samples ``p`` leaves alone."""
+        u = np.asarray(u, dtype=np.float64).reshape(-1, self.randoms)
         ranges = (self.brightness, self.contrast, self.saturation, self.hue)
-        return np.stack([_draw(r, u[:, k]) for k, r in enumerate(ranges)], axis=1)
+        out = np.stack([_draw(r, u[:, k]) for k, r in enumerate(ranges)], axis=1)
+        applied = _applied(self, u)
+        if applied is not None:
+            out[~applied] = (1.0, 1.0, 1.0, 0.0)
+        return out
 
     @staticmethod
     def matrices(factors: np.ndarray, channels: int) -> np.ndarray:
@@ -132,6 +165,38 @@ class ColorTwist(PostOp):
     def tables(self, u, h, w, channels):
         """``(matrices,)``: see ``matrices``."""
         return (self.matrices(self.params(u), channels),)
+
+
+# torchvision's rgb_to_grayscale weights (ITU-R 601-2 luma).
+_GRAY = np.array([0.2989, 0.587, 0.114])
+
+
+@dataclass(frozen=True)
+class RandomGrayscale(ColorMatrix):
+    """Turn an image gray, keeping its three channels, with probability ``p`` (one uniform per
+    sample): torchvision's ``RandomGrayscale``. Each channel becomes ``0.2989 R + 0.587 G +
+    0.114 B`` (torchvision's weights), rounded once, half up: within 1 level of torchvision's
+    float result. A one-channel image is already gray and is left as it is.
+    """
+
+    p: float = 0.1
+    randoms: int = field(default=1, init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "p", _probability(self.p, "RandomGrayscale: p"))
+
+    def tables(self, u, h, w, channels):
+        """``(matrices,)``: the gray map for the samples drawn, the identity for the others."""
+        n = len(np.asarray(h).reshape(-1))
+        if channels == 1:
+            out = np.zeros((n, 1, 2))
+            out[:, 0, 0] = 1.0
+            return (out,)
+        applied = np.asarray(u, dtype=np.float64).reshape(-1)[:n] < self.p
+        out = np.zeros((n, 3, 4))
+        out[:, :, :3] = np.eye(3)
+        out[applied, :, :3] = _GRAY
+        return (out,)
 
 
 def _fill(value: object, what: str) -> tuple[float, ...]:
@@ -262,11 +327,15 @@ class GaussianBlur(PostOp):
     uniform; the same sigma both ways). Weights are ``exp(-t^2 / (2 sigma^2))`` at the integer
     offsets t, normalised to sum 1; borders reflect without repeating the edge pixel (torch's
     "reflect": index -1 reads 1), repeatedly where the kernel is wider than the image (torchvision
-    raises there). Separable, computed in float32, rounded once (half up) to uint8.
+    raises there). Separable, computed in float32, rounded once (half up) to uint8. ``p`` below 1
+    blurs that share of the samples only, each drawing a second uniform for it (torchvision's
+    ``RandomApply([GaussianBlur(...)], p)``); the others get the identity kernel and keep their
+    pixels exactly.
     """
 
     kernel_size: int | tuple[int, int]
     sigma: float | tuple[float, float] = (0.1, 2.0)
+    p: float = 1.0
     randoms: int = field(default=1, init=False)
 
     def __post_init__(self) -> None:
@@ -279,12 +348,21 @@ class GaussianBlur(PostOp):
         if not (math.isfinite(pair[1]) and 0.0 < pair[0] <= pair[1]):
             raise ConfigError(f"GaussianBlur: sigma must be positive, or a pair 0 < lo <= hi, got {self.sigma!r}")
         object.__setattr__(self, "sigma", pair)
+        object.__setattr__(self, "p", _probability(self.p, "GaussianBlur: p"))
+        object.__setattr__(self, "randoms", 1 if self.p >= 1.0 else 2)  # p = 1 draws what it drew before p existed
 
     def params(self, u: np.ndarray) -> np.ndarray:
-        """(n,) sigmas from (n, 1) uniforms."""
-        return _draw(self.sigma, np.asarray(u, dtype=np.float64).reshape(-1))
+        """(n,) sigmas from (n, ``randoms``) uniforms."""
+        return _draw(self.sigma, np.asarray(u, dtype=np.float64).reshape(-1, self.randoms)[:, 0])
 
     def tables(self, u, h, w, channels):
-        """``(wx (n, kx), wy (n, ky))``: each sample's horizontal and vertical weights."""
+        """``(wx (n, kx), wy (n, ky))``: each sample's horizontal and vertical weights (a lone 1 at
+        the centre for the samples ``p`` leaves alone)."""
         sigmas = self.params(u)
-        return gaussian_weights(sigmas, self.kernel_size[0]), gaussian_weights(sigmas, self.kernel_size[1])
+        wx, wy = gaussian_weights(sigmas, self.kernel_size[0]), gaussian_weights(sigmas, self.kernel_size[1])
+        applied = _applied(self, u)
+        if applied is not None:
+            for weights in (wx, wy):
+                weights[~applied] = 0.0
+                weights[~applied, weights.shape[1] // 2] = 1.0
+        return wx, wy

@@ -102,6 +102,7 @@ PUBLIC = {
         "Processed",
         "RandomCrop",
         "RandomErasing",
+        "RandomGrayscale",
         "RandomIoUCrop",
         "RandomResize",
         "RandomResizedCrop",

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .._geometry import index_affine
-from .._post_spec import ColorTwist, GaussianBlur, PostOp, _Warp
+from .._post_spec import ColorMatrix, GaussianBlur, PostOp, _Warp
 
 __all__ = ["apply", "apply_tables", "blur", "color_twist", "reflect", "warp"]
 
@@ -115,7 +115,7 @@ def blur(x: torch.Tensor, wx: np.ndarray, wy: np.ndarray) -> torch.Tensor:
 
 def apply_tables(x: torch.Tensor, op: PostOp, tables: tuple[np.ndarray, ...], row: int = 0) -> torch.Tensor:
     """One post op on HWC uint8 ``x`` with row ``row`` of the op's ``tables``."""
-    if isinstance(op, ColorTwist):
+    if isinstance(op, ColorMatrix):
         return color_twist(x, tables[0][row])
     if isinstance(op, _Warp):
         return warp(x, index_affine(tables[0][row])[0], tables[1])

@@ -25,7 +25,7 @@ import torch
 
 from .._geometry import index_affine
 from .._pipeline import Pipeline
-from .._post_spec import ColorTwist, GaussianBlur, PostOp, _Warp
+from .._post_spec import ColorMatrix, GaussianBlur, PostOp, _Warp
 from ._post_kernels import FINISH_TYPES, module
 
 __all__ = ["PostOps", "blur_table", "chain", "color_table", "describe", "finish", "table_layout", "warp_table"]
@@ -112,7 +112,7 @@ def chain(ops: Sequence[PostOp], inplace: bool) -> list[tuple[int, int]]:
     warp or a blur writes into the other buffer."""
     steps, cur = [], -1
     for op in ops:
-        if isinstance(op, ColorTwist) and (cur >= 0 or inplace):
+        if isinstance(op, ColorMatrix) and (cur >= 0 or inplace):
             dst = cur
         else:
             dst = 0 if cur != 0 else 1
@@ -235,9 +235,9 @@ class PostOps:
                     self._launch("blur_cols", rows, t_ptr, t_stride, d_ptr, d_stride, par, (ky, par.shape[1], kx))
                 elif isinstance(op, _Warp):
                     self._launch("warp_affine", rows, s_ptr, s_stride, d_ptr, d_stride, warp_table(*tab), ())
-                elif isinstance(op, ColorTwist):
+                elif isinstance(op, ColorMatrix):
                     if self.channels not in (1, 3):
-                        raise ValueError(f"ColorTwist takes 1 or 3 channels, got {self.channels}")
+                        raise ValueError(f"{type(op).__name__} takes 1 or 3 channels, got {self.channels}")
                     self._launch("color_twist", rows, s_ptr, s_stride, d_ptr, d_stride, color_table(tab[0], self.channels), ())
                 else:
                     raise TypeError(f"not a post op: {op!r}")

@@ -22,7 +22,7 @@ import torch
 from PIL import Image
 
 from headrace import Loader, ops, readers
-from headrace.ops import ColorTwist, Decode, GaussianBlur, Normalize, Pipeline, Rotate, WarpAffine
+from headrace.ops import ColorTwist, Decode, GaussianBlur, Normalize, Pipeline, RandomGrayscale, Rotate, WarpAffine
 from headrace.ops.cpu import _post as _cpu_post
 from headrace.ops.cuda._post import PostOps, describe
 
@@ -98,6 +98,10 @@ OPS = {
     "warp-affine": (WarpAffine([[0.7, 0.3, 5.25], [-0.2, 1.3, -3.5]], fill=(250, 0, 99)), "warp"),
     "blur": (GaussianBlur((5, 9), sigma=(0.1, 3.0)), "blur"),
     "blur-wide": (GaussianBlur(31, sigma=(4.0, 9.0)), "blur"),
+    # p < 1: the same kernels, identity tables for the samples left alone
+    "color-p": (ColorTwist(0.8, 0.8, 0.9, 0.5, p=0.5), "color"),
+    "grayscale": (RandomGrayscale(0.5), "color"),
+    "blur-p": (GaussianBlur((5, 9), sigma=(0.1, 3.0), p=0.5), "blur"),
 }
 
 
