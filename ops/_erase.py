@@ -20,7 +20,8 @@ import torch
 
 from headrace._errors import ConfigError
 
-from ._post_spec import _finite
+from ._mix import batch_images
+from ._post_spec import _finite, _probability
 from ._spec import _float2
 from ._stages import MapBatch
 
@@ -49,9 +50,7 @@ class RandomErasing(MapBatch):
 
     def __init__(self, p: float = 0.5, scale: tuple[float, float] = (0.02, 0.33), ratio: tuple[float, float] = (0.3, 3.3),
                  value: float | Sequence[float] | str = 0.0) -> None:
-        self.p = _finite(p, "RandomErasing: p")
-        if not 0.0 <= self.p <= 1.0:
-            raise ConfigError(f"RandomErasing: p must be in [0, 1], got {p!r}")
+        self.p = _probability(p, "RandomErasing: p")
         self.scale = _float2(scale, "RandomErasing: scale")
         self.ratio = _float2(ratio, "RandomErasing: ratio")
         if not (0.0 <= self.scale[0] <= self.scale[1] <= 1.0):
@@ -96,11 +95,7 @@ class RandomErasing(MapBatch):
         return out
 
     def _erase(self, batch: dict[str, Any], rng: np.random.Generator, layout: str) -> dict[str, Any]:
-        images = batch.get("image")
-        if not isinstance(images, torch.Tensor) or images.dim() != 4:
-            got = f"a {images.dim()}-d tensor" if isinstance(images, torch.Tensor) else type(images).__name__
-            raise TypeError(f"RandomErasing needs the batch's images as one [B, C, H, W] or [B, H, W, C] tensor, "
-                            f"got {got} (ops that do not end in one size give a list)")
+        images = batch_images(batch, "RandomErasing")
         chw = layout == "CHW"
         n, (h, w), c = len(images), images.shape[2:4] if chw else images.shape[1:3], images.shape[1 if chw else 3]
         boxes = self.boxes(rng, n, h, w)

@@ -28,7 +28,7 @@ import torch
 
 from headrace._errors import ConfigError, require_int
 
-from ._post_spec import _finite
+from ._post_spec import _finite, _probability
 from ._stages import MapBatch
 
 __all__ = ["CutMix", "MixUp"]
@@ -43,10 +43,8 @@ class _Mix(MapBatch):
         if self.alpha <= 0:
             raise ConfigError(f"{kind}: alpha must be positive (the Beta distribution's), got {alpha!r}")
         self.num_classes = require_int(f"{kind}: num_classes", num_classes)
-        self.p = _finite(p, f"{kind}: p")
+        self.p = _probability(p, f"{kind}: p")
         self.label_smoothing = _finite(label_smoothing, f"{kind}: label_smoothing")
-        if not 0.0 <= self.p <= 1.0:
-            raise ConfigError(f"{kind}: p must be in [0, 1], got {p!r}")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(f"{kind}: label_smoothing must be in [0, 1), got {label_smoothing!r}")
         self._classes: dict[torch.device, torch.Tensor] = {}  # arange(num_classes) per device, made once
@@ -75,10 +73,7 @@ class _Mix(MapBatch):
 
     def _columns(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         kind = type(self).__name__
-        images, labels = batch.get("image"), batch.get("label")
-        if not isinstance(images, torch.Tensor) or images.dim() != 4:
-            raise TypeError(f"{kind} needs the batch's images as one [B, C, H, W] or [B, H, W, C] tensor, got "
-                            f"{_described(images)} (ops that do not end in one size give a list)")
+        images, labels = batch_images(batch, kind), batch.get("label")
         if not isinstance(labels, torch.Tensor):
             raise TypeError(f"{kind} needs the batch's labels, got {_described(labels)} (a pipeline with "
                             "label=None has none)")
@@ -164,6 +159,15 @@ class CutMix(_Mix):
         box = images.narrow(rows, y0, y1 - y0).narrow(cols, x0, x1 - x0)
         box.copy_(box.roll(1, 0))  # roll makes a copy: no row reads a box already overwritten
         return images, 1.0 - (x1 - x0) * (y1 - y0) / (w * h)
+
+
+def batch_images(batch: dict[str, Any], kind: str) -> torch.Tensor:
+    """The batch's images as one 4-d tensor, for the batch stage ``kind``; TypeError otherwise."""
+    images = batch.get("image")
+    if not isinstance(images, torch.Tensor) or images.dim() != 4:
+        raise TypeError(f"{kind} needs the batch's images as one [B, C, H, W] or [B, H, W, C] tensor, got "
+                        f"{_described(images)} (ops that do not end in one size give a list)")
+    return images
 
 
 def _described(value: object) -> str:
