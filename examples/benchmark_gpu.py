@@ -17,6 +17,9 @@ the GPU, unless the row says otherwise):
   --rows train_mix           the train row with RandomErasing(0.25), MixUp(0.2) and CutMix(1.0, p=0.5) after it
                              (train_mix_side: off the lane; train_erase, train_mixup, train_cutmix: each alone;
                              train_gpuwork: six in-place passes over the images, GPU time without host work)
+  --rows train_randaug       the train row with RandAugment() (2 ops, magnitude 9) before Normalize
+                             (train_trivial: TrivialAugmentWide(); dataloader_randaug: the DataLoader row with
+                             torchvision's RandAugment() in its workers, the usual way to get it)
   --rows train_noop          the train row with an ops.MapBatch that returns the batch as it is
   --rows train_lookup        the train row with an async ops.Map awaiting 1 ms per sample, concurrency=64
 Each row: one warm-up epoch, then the median of --epochs epochs. headrace rows also report the
@@ -322,11 +325,18 @@ def _staged(pipeline, stage):
     return ops.Pipeline(listed, image=pipeline.image_fields, label=pipeline.label_field)
 
 
-def bench_dataloader(files, batch: int, epochs: int, workers: int) -> dict:
+def _augmented(*post):
+    """The train row with post ops (``RandAugment``, say) on the uint8 crop, before Normalize."""
+    listed = list(ops.training(224, dtype="float16").ops)
+    return ops.Pipeline([*listed[:-1], *post, listed[-1]])
+
+
+def bench_dataloader(files, batch: int, epochs: int, workers: int, randaugment: bool = False) -> dict:
     from PIL import Image
     from torchvision.transforms import v2
 
-    tf = v2.Compose([v2.RandomResizedCrop(224, antialias=True), v2.RandomHorizontalFlip(), v2.PILToTensor(),
+    augment = [v2.RandAugment()] if randaugment else []
+    tf = v2.Compose([v2.RandomResizedCrop(224, antialias=True), v2.RandomHorizontalFlip(), *augment, v2.PILToTensor(),
                      v2.ToDtype(torch.float32, scale=True), v2.Normalize(ops.IMAGENET_MEAN, ops.IMAGENET_STD)])
 
     class Folder(torch.utils.data.Dataset):
@@ -476,6 +486,8 @@ def main() -> None:
         "train_mixup": ("headrace (train + MixUp)", lambda: _mixed(ops.MixUp(0.2, num_classes=100))),
         "train_cutmix": ("headrace (train + CutMix)", lambda: _mixed(ops.CutMix(1.0, num_classes=100))),
         "train_gpuwork": ("headrace (train + 6 in-place multiplies)", lambda: _mixed(ops.MapBatch(_gpu_work))),
+        "train_randaug": ("headrace (train + RandAugment)", lambda: _augmented(ops.RandAugment())),
+        "train_trivial": ("headrace (train + TrivialAugmentWide)", lambda: _augmented(ops.TrivialAugmentWide())),
         "train_noop": ("headrace (train + a no-op batch stage)",
                        lambda: _staged(ops.training(224, dtype="float16"), ops.MapBatch(_pass))),
         "train_lookup": ("headrace (train + 1 ms async lookup, 64)",
@@ -487,6 +499,8 @@ def main() -> None:
         "sizes": ("headrace (decode, resize 256, own sizes)", lambda: bench_headrace(
             root, ops.Pipeline([ops.Decode(), ops.Resize(256), ops.Normalize(dtype="float16")]), args.batch, args.epochs, args.lanes)),
         "dataloader": (f"DataLoader ({workers} workers) + PIL + tv v2", lambda: bench_dataloader(files, args.batch, args.epochs, workers)),
+        "dataloader_randaug": (f"DataLoader ({workers} workers) + PIL + tv v2 RandAugment",
+                               lambda: bench_dataloader(files, args.batch, args.epochs, workers, randaugment=True)),
         "torchvision": ("torchvision decode_jpeg(cuda) + v2", lambda: bench_torchvision_gpu(files, args.batch, args.epochs)),
         "nvimgcodec": ("nvImageCodec decode only (whole)", lambda: bench_nvimgcodec(files, args.batch, args.epochs)),
         "reader": ("files reader alone (no decode)", lambda: bench_reader(root, args.epochs)),

@@ -60,6 +60,10 @@ def figures(height: int, width: int) -> list[Figure]:
                       "WarpAffine(zoom 0.8, fill=(40, 90, 160))"),)),
         Figure("gaussian_blur", ops.GaussianBlur(9, sigma=1.5), "GaussianBlur(9, sigma=1.5)",
                more=((ops.GaussianBlur(21, sigma=4.0), "GaussianBlur(21, sigma=4)"),)),
+        Figure("tone_curves", ops.RandomPosterize(2, p=1.0), "RandomPosterize(2)",
+               more=((ops.RandomSolarize(128, p=1.0), "RandomSolarize(128)"), (ops.RandomEqualize(p=1.0), "RandomEqualize()"),
+                     (ops.RandomAdjustSharpness(4.0, p=1.0), "RandomAdjustSharpness(4)"))),
+        Figure("rand_augment", ops.RandAugment(magnitude=15), "RandAugment(magnitude=15)", requests=4),
         Figure("normalize", ops.Normalize(), "Normalize(), as x * std + mean"),
     ]
 

@@ -10,6 +10,17 @@ from ._random import uniforms
 from ._stages import Filter, Map, MapBatch
 from ._mix import CutMix, MixUp
 from ._erase import RandomErasing
+from ._auto_augment import RandAugment, TrivialAugmentWide
+from ._tone import (
+    RandomAdjustSharpness,
+    RandomAutocontrast,
+    RandomEqualize,
+    RandomInvert,
+    RandomPosterize,
+    RandomSolarize,
+    Sharpness,
+    ToneCurve,
+)
 from ._video import DecodeClip, decode_frames, video_pipeline
 from ._post_spec import ColorTwist, GaussianBlur, PostOp, RandomGrayscale, Rotate, WarpAffine
 from ._spec import (
@@ -50,6 +61,13 @@ __all__ = [
     "Op",
     "Pipeline",
     "PostOp",
+    "RandAugment",
+    "RandomAdjustSharpness",
+    "RandomAutocontrast",
+    "RandomEqualize",
+    "RandomInvert",
+    "RandomPosterize",
+    "RandomSolarize",
     "Processed",
     "RandomCrop",
     "RandomErasing",
@@ -59,6 +77,9 @@ __all__ = [
     "RandomResizedCrop",
     "Resize",
     "Rotate",
+    "Sharpness",
+    "ToneCurve",
+    "TrivialAugmentWide",
     "WarpAffine",
     "crop_mirror_normalize",
     "cuda_available",

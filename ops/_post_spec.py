@@ -39,6 +39,16 @@ class PostOp(Op):
     def tables(self, u: np.ndarray | None, h: np.ndarray, w: np.ndarray, channels: int) -> tuple[np.ndarray, ...]:
         raise NotImplementedError
 
+    def steps(self, u: np.ndarray | None, h: np.ndarray, w: np.ndarray, channels: int) -> list[Step]:
+        """The passes that make this op on a batch, in order: each a primitive op (a ``ColorMatrix``,
+        warp, ``GaussianBlur``, ``ToneCurve`` or ``Sharpness``) and its tables. One pass, the op
+        itself, for all but the ops made of others (``RandAugment``), which leave out the passes
+        no sample of the batch needs."""
+        return [(self, self.tables(u, h, w, channels))]
+
+
+Step = tuple[PostOp, tuple[np.ndarray, ...]]
+
 
 def _finite(value: object, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):

@@ -1,4 +1,5 @@
-"""The CPU path's post ops (colour twist, affine warp, Gaussian blur) on uint8 HWC tensors.
+"""The CPU path's post ops (colour twist, affine warp, Gaussian blur, tone curves, sharpness) on
+uint8 HWC tensors.
 
 Each op takes the per-sample tables its spec computes (``PostOp.tables``: the same float64 numbers
 the GPU kernels get) and works in float32 on channel planes (elementwise work on interleaved RGB
@@ -20,8 +21,9 @@ import torch.nn.functional as F
 
 from .._geometry import index_affine
 from .._post_spec import ColorMatrix, GaussianBlur, PostOp, _Warp
+from .._tone import Sharpness, ToneCurve, blend, needs_histograms, smoothed, tone_tables
 
-__all__ = ["apply", "apply_tables", "blur", "color_twist", "reflect", "warp"]
+__all__ = ["apply", "apply_tables", "blur", "color_twist", "histograms", "reflect", "sharpen", "tone", "warp"]
 
 
 def reflect(i: np.ndarray, n: int) -> np.ndarray:
@@ -113,14 +115,40 @@ def blur(x: torch.Tensor, wx: np.ndarray, wy: np.ndarray) -> torch.Tensor:
     return _round_u8(out)
 
 
+def histograms(x: np.ndarray) -> np.ndarray:
+    """(C, 256) int64 level counts of each channel of HWC uint8 ``x`` (what ``tone_tables`` reads)."""
+    return np.stack([np.bincount(x[..., k].reshape(-1), minlength=256) for k in range(x.shape[2])])
+
+
+def tone(x: torch.Tensor, params: np.ndarray) -> torch.Tensor:
+    """HWC uint8 ``x`` through the tone curve of ``params`` (one ``(kind, value)`` row): each
+    channel's level looked up in its table (``tone_tables``)."""
+    h, w, c = x.shape
+    pixels = x.numpy()
+    params = np.asarray(params, dtype=np.float64).reshape(1, 2)
+    hist = histograms(pixels)[None] if needs_histograms(params) else None
+    table = tone_tables(params, hist, c)[0]  # (C, 256)
+    return torch.from_numpy(np.take_along_axis(table.T, pixels.reshape(-1, c).astype(np.intp), axis=0).reshape(h, w, c))
+
+
+def sharpen(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """HWC uint8 ``x`` blended with its smoothed self by ``factor`` (``Sharpness``)."""
+    pixels = x.numpy()
+    return torch.from_numpy(blend(pixels, smoothed(pixels), factor))
+
+
 def apply_tables(x: torch.Tensor, op: PostOp, tables: tuple[np.ndarray, ...], row: int = 0) -> torch.Tensor:
-    """One post op on HWC uint8 ``x`` with row ``row`` of the op's ``tables``."""
+    """One primitive post op (a step of ``PostOp.steps``) on HWC uint8 ``x`` with row ``row`` of its ``tables``."""
     if isinstance(op, ColorMatrix):
         return color_twist(x, tables[0][row])
     if isinstance(op, _Warp):
         return warp(x, index_affine(tables[0][row])[0], tables[1])
     if isinstance(op, GaussianBlur):
         return blur(x, tables[0][row], tables[1][row])
+    if isinstance(op, ToneCurve):
+        return tone(x.contiguous(), tables[0][row])
+    if isinstance(op, Sharpness):
+        return sharpen(x.contiguous(), float(tables[0][row]))
     raise TypeError(f"not a post op: {op!r}")
 
 
@@ -129,5 +157,6 @@ def apply(x: torch.Tensor, ops: Sequence[PostOp], randoms: Sequence[np.ndarray |
     for this sample (or None). Returns a new tensor (``x`` itself when ``ops`` is empty)."""
     h, w = np.array([x.shape[0]]), np.array([x.shape[1]])
     for op, u in zip(ops, randoms):
-        x = apply_tables(x, op, op.tables(u, h, w, x.shape[2]))
+        for step, tables in op.steps(u, h, w, x.shape[2]):
+            x = apply_tables(x, step, tables)
     return x

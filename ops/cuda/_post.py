@@ -1,4 +1,5 @@
-"""The GPU path's post ops: colour twist, warps and blur, one kernel launch a batch each, then finish.
+"""The GPU path's post ops: colour twist, warps, blur, tone curves and sharpness, a few kernel
+launches a batch each (``PostOp.steps``: the passes of ops such as ``RandAugment``), then finish.
 
 ``PostOps`` belongs to a lane: it launches on the lane's CuPy stream and allocates its outputs with
 torch on that stream (docs/gpu-notes.md §3: ``record_stream`` ignores memory torch did not allocate). Images
@@ -7,9 +8,11 @@ the op's numbers) that ``_post.py`` packs into pinned host memory and copies to 
 asynchronously. The numbers are the CPU path's (``PostOp.tables``), so both draw the same
 parameters for a sample.
 
-Buffers: the colour twist works in place once a buffer is ours; a warp or a blur writes into a
-second buffer (two uint8 buffers take turns); the blur's horizontal pass writes float32 scratch
-that its vertical pass reads, rounding once at the end, as the CPU path does.
+Buffers: the colour twist and tone curves work in place once a buffer is ours; a warp, a blur or
+sharpness writes into a second buffer (two uint8 buffers take turns); the blur's horizontal pass
+writes float32 scratch that its vertical pass reads, rounding once at the end, as the CPU path
+does. A tone curve builds each sample's tables on the device (from the image's level counts where
+the curve is read off the image), then looks every pixel up.
 
 Host waits: the only one is in ``_Tables.upload``, for the event of the launch that used the same
 pinned buffer ``_RING`` launches ago (long passed, in practice). Nothing else synchronises.
@@ -25,16 +28,18 @@ import torch
 
 from .._geometry import index_affine
 from .._pipeline import Pipeline
-from .._post_spec import ColorMatrix, GaussianBlur, PostOp, _Warp
+from .._post_spec import ColorMatrix, GaussianBlur, PostOp, Step, _Warp
+from .._tone import Sharpness, ToneCurve, needs_histograms
 from ._post_kernels import FINISH_TYPES, module
 
 __all__ = ["PostOps", "blur_table", "chain", "color_table", "describe", "finish", "table_layout", "warp_table"]
 
-# Pinned table buffers per PostOps, used in turn: a batch takes one per op (two for a blur), and a
+# Pinned table buffers per PostOps, used in turn: a batch takes one per launch (a blur two, a tone curve up to three), and a
 # lane runs at most two batches ahead of the GPU, so 32 leaves the wait in _Tables.upload idle.
-_RING = 32
+_RING = 64
 _MAX_Z = 65535  # CUDA's limit on gridDim.z: larger batches launch in slices
 _BLOCK = (32, 8, 1)
+_HISTOGRAM_BLOCKS = 8  # blocks counting one sample's levels (each adds its counts to the sample's once)
 
 # --- pure NumPy: what the kernels read (tested on the CPU) --------------------------------------
 
@@ -108,11 +113,11 @@ def table_layout(n: int, width: int) -> tuple[int, int, int]:
 def chain(ops: Sequence[PostOp], inplace: bool) -> list[tuple[int, int]]:
     """Which buffer each op reads and writes: -1 is the input, 0 and 1 our two uint8 buffers.
 
-    The colour twist writes where it reads once that is ours (or the input, with ``inplace``); a
-    warp or a blur writes into the other buffer."""
+    The colour twist and tone curves write where they read once that is ours (or the input, with
+    ``inplace``); a warp, a blur or sharpness writes into the other buffer."""
     steps, cur = [], -1
     for op in ops:
-        if isinstance(op, ColorMatrix) and (cur >= 0 or inplace):
+        if isinstance(op, (ColorMatrix, ToneCurve)) and (cur >= 0 or inplace):
             dst = cur
         else:
             dst = 0 if cur != 0 else 1
@@ -189,11 +194,12 @@ class PostOps:
             self.mean = cupy.asarray(np.resize(mean, c))
             self.inv_std = cupy.asarray(np.resize(inv, c))
 
-    def tables(self, rows: np.ndarray, indices: np.ndarray, epoch: int) -> list[tuple[np.ndarray, ...]]:
-        """Each post op's per-sample tables for images ``rows`` (from ``describe``) of samples ``indices``."""
+    def tables(self, rows: np.ndarray, indices: np.ndarray, epoch: int) -> list[Step]:
+        """The passes (``PostOp.steps`` of each post op, in order) for images ``rows`` (from
+        ``describe``) of samples ``indices``: primitive ops and their per-sample tables."""
         us = self.pipeline.post_uniforms(self.seed, epoch, np.asarray(indices, dtype=np.int64))
         h, w = rows[:, 1], rows[:, 2]
-        return [op.tables(u, h, w, self.channels) for op, u in zip(self.ops, us)]
+        return [step for op, u in zip(self.ops, us) for step in op.steps(u, h, w, self.channels)]
 
     def apply(self, images: Any, indices: np.ndarray, epoch: int, *, inplace: bool = False) -> Any:
         """The post ops on ``images`` (see ``describe``) of the samples ``indices`` in ``epoch``.
@@ -204,12 +210,13 @@ class PostOps:
         rows = describe(images)
         return self.apply_tables(images, self.tables(rows, indices, epoch), inplace=inplace, rows=rows)
 
-    def apply_tables(self, images: Any, tables: list[tuple[np.ndarray, ...]], *, inplace: bool = False,
+    def apply_tables(self, images: Any, steps: list[Step], *, inplace: bool = False,
                      rows: np.ndarray | None = None) -> Any:
-        """``apply`` with given tables (``PostOp.tables`` of each op, n rows each)."""
+        """``apply`` with given passes (primitive ops and their tables, n rows each; ``tables``)."""
         rows = describe(images) if rows is None else rows
-        if not self.ops or len(rows) == 0:
+        if not steps or len(rows) == 0:
             return images
+        ops = [op for op, _ in steps]
         if np.any(rows[:, 4] != self.channels):
             raise ValueError(f"images must have {self.channels} channels (the pipeline's)")
         sizes = rows[:, 1] * rows[:, 2] * self.channels
@@ -218,7 +225,7 @@ class PostOps:
         with torch.cuda.stream(self.stream):
             bufs: list[torch.Tensor | None] = [None, None]
             scratch = None
-            for (src, dst), op, tab in zip(chain(self.ops, inplace), self.ops, tables):
+            for (src, dst), (op, tab) in zip(chain(ops, inplace), steps):
                 for k in (src, dst):
                     if k >= 0 and bufs[k] is None:
                         bufs[k] = torch.empty(total, dtype=torch.uint8, device=self.device)
@@ -239,9 +246,14 @@ class PostOps:
                     if self.channels not in (1, 3):
                         raise ValueError(f"{type(op).__name__} takes 1 or 3 channels, got {self.channels}")
                     self._launch("color_twist", rows, s_ptr, s_stride, d_ptr, d_stride, color_table(tab[0], self.channels), ())
+                elif isinstance(op, ToneCurve):
+                    self._tone(rows, s_ptr, s_stride, d_ptr, d_stride, tab[0])
+                elif isinstance(op, Sharpness):
+                    par = np.asarray(tab[0], dtype=np.float32).reshape(-1, 1)
+                    self._launch("sharpen", rows, s_ptr, s_stride, d_ptr, d_stride, par, ())
                 else:
                     raise TypeError(f"not a post op: {op!r}")
-            last = chain(self.ops, inplace)[-1][1]
+            last = chain(ops, inplace)[-1][1]
         out = bufs[last] if last >= 0 else None
         if out is None:  # a lone in-place colour twist
             return images
@@ -260,23 +272,47 @@ class PostOps:
             return rows[:, 0], rows[:, 3]
         return bufs[k].data_ptr() + offsets, rows[:, 2] * self.channels
 
-    def _launch(self, name: str, rows, src, src_stride, dst, dst_stride, par: np.ndarray, extra: tuple) -> None:
+    def _tone(self, rows, s_ptr, s_stride, d_ptr, d_stride, params: np.ndarray) -> None:
+        """A tone curve: level counts where the curve reads the image, each sample's tables, the lookup."""
+        n, c = len(rows), self.channels
+        params = np.asarray(params, dtype=np.float64).reshape(n, 2)
+        plane = c * 256
+        luts = torch.empty(n * plane, dtype=torch.uint8, device=self.device)
+        lut_ptrs = luts.data_ptr() + plane * np.arange(n, dtype=np.int64)
+        zeros = np.zeros(n, dtype=np.int64)
+        hist_ptrs = zeros
+        if needs_histograms(params):
+            hist = torch.zeros(n * plane, dtype=torch.int32, device=self.device)
+            hist_ptrs = hist.data_ptr() + 4 * plane * np.arange(n, dtype=np.int64)
+            self._launch("histogram", rows, s_ptr, s_stride, hist_ptrs, zeros, np.zeros((n, 1), np.float32), (),
+                         grid=lambda lo, hi: (_HISTOGRAM_BLOCKS, 1, hi - lo), block=(256, 1, 1))
+        self._launch("tone_build", rows, hist_ptrs, zeros, lut_ptrs, zeros, params.astype(np.float32), (),
+                     grid=lambda lo, hi: (1, 1, hi - lo), block=(256, 1, 1))
+        self._launch("tone_apply", rows, s_ptr, s_stride, d_ptr, d_stride, np.zeros((n, 1), np.float32),
+                     lambda lo: (np.uint64(luts.data_ptr()), np.int32(lo)))
+
+    def _launch(self, name: str, rows, src, src_stride, dst, dst_stride, par: np.ndarray, extra, *,
+                grid=None, block=_BLOCK) -> None:
+        """One kernel over the batch, in slices of at most ``_MAX_Z`` samples. ``extra``: the
+        kernel's further int arguments, or a function of a slice's first sample giving its
+        arguments (typed); ``grid``: a function of a slice's (lo, hi) (default: its images' pixels)."""
         n = len(rows)
         ptrs = np.empty((n, 2), dtype=np.uint64)
         ptrs[:, 0], ptrs[:, 1] = src, dst
         meta = np.empty((n, 4), dtype=np.int32)
         meta[:, 0], meta[:, 1], meta[:, 2], meta[:, 3] = rows[:, 1], rows[:, 2], src_stride, dst_stride
         kernel = self._function(name)
-        args = tuple(np.int32(v) for v in extra)
         for lo in range(0, n, _MAX_Z):
             hi = min(n, lo + _MAX_Z)
             tables = self._tables[self._turn % _RING]
             self._turn += 1
             d_ptrs, d_meta, d_par = tables.upload(self.cp_stream, ptrs[lo:hi], meta[lo:hi], np.ascontiguousarray(par[lo:hi]))
-            grid = ((int(rows[lo:hi, 2].max()) + _BLOCK[0] - 1) // _BLOCK[0],
-                    (int(rows[lo:hi, 1].max()) + _BLOCK[1] - 1) // _BLOCK[1], hi - lo)
+            args = extra(lo) if callable(extra) else tuple(np.int32(v) for v in extra)
+            dims = grid(lo, hi) if grid is not None else (
+                (int(rows[lo:hi, 2].max()) + block[0] - 1) // block[0],
+                (int(rows[lo:hi, 1].max()) + block[1] - 1) // block[1], hi - lo)
             with self.cp_stream:
-                kernel(grid, _BLOCK, (d_ptrs, d_meta, d_par, *args))
+                kernel(dims, block, (d_ptrs, d_meta, d_par, *args))
             tables.record(self.cp_stream)
 
     def finish(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,10 @@
-"""CUDA source of the post-op kernels: colour twist, affine warp, separable Gaussian blur, finish.
+"""CUDA source of the post-op kernels: colour twist, affine warp, separable Gaussian blur, tone
+curves (histogram, tone_build, tone_apply), sharpness, finish.
 
 Each kernel is one launch for a whole batch of images of different sizes: thread (x, y) of block
 z makes output pixel (x, y), all channels, of sample z, and returns when (x, y) lies outside that
-sample. Per-sample tables (device memory, filled from pinned host memory by ``_post.py``):
+sample (``histogram`` and ``tone_build`` have grids of their own, given above each). Per-sample
+tables (device memory, filled from pinned host memory by ``_post.py``):
 
 - ``ptrs[2 z]``, ``ptrs[2 z + 1]``: source and destination addresses (uint64);
 - ``meta[4 z .. 4 z + 3]``: height, width, source row stride, destination row stride (bytes);
@@ -162,6 +164,154 @@ extern "C" __global__ void blur_cols(const u64* ptrs, const int* meta, const flo
     for (int c = 0; c < CH; ++c) d[c] = (u8)round_u8(acc[c]);
 }
 
+// Level counts of each channel: hist (CH x 256 ints at ptrs[2 z + 1], zeroed) += the image's.
+// Grid (blocks a sample, 1, n) of 256 threads; each block counts a stride of pixels in shared
+// memory, then adds its counts to the sample's (few global atomics: one per level a block saw).
+extern "C" __global__ void histogram(const u64* ptrs, const int* meta, const float* par)
+{
+    __shared__ unsigned int counts[CH * 256];
+    const int b = blockIdx.z;
+    const int* m = meta + 4 * b;
+    const int H = m[0], W = m[1];
+    for (int i = threadIdx.x; i < CH * 256; i += blockDim.x) counts[i] = 0;
+    __syncthreads();
+    const u8* s = (const u8*)ptrs[2 * b];
+    const long long pixels = (long long)H * W;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < pixels; i += (long long)gridDim.x * blockDim.x) {
+        const u8* p = s + (i / W) * m[2] + (i % W) * CH;
+#pragma unroll
+        for (int c = 0; c < CH; ++c) atomicAdd(&counts[c * 256 + p[c]], 1u);
+    }
+    __syncthreads();
+    unsigned int* out = (unsigned int*)ptrs[2 * b + 1];
+    for (int i = threadIdx.x; i < CH * 256; i += blockDim.x)
+        if (counts[i]) atomicAdd(&out[i], counts[i]);
+}
+
+// Tone tables (ops/_tone.py tone_tables, operation for operation): CH x 256 levels at
+// ptrs[2 z + 1] from par[2 z .. 2 z + 1] = (kind, value) and, for the kinds read off the image
+// (kind >= 5), the level counts at ptrs[2 z]. One block of 256 threads a sample; thread v makes level v.
+extern "C" __global__ void tone_build(const u64* ptrs, const int* meta, const float* par)
+{
+    __shared__ int counts[CH * 256];
+    __shared__ long long cdf[CH * 256];
+    __shared__ int lo[CH], hi[CH];
+    __shared__ long long step[CH];
+    __shared__ float mean;
+    const int b = blockIdx.z;
+    const int v = threadIdx.x;
+    const int kind = (int)par[2 * b];
+    const float value = par[2 * b + 1];
+    u8* lut = (u8*)ptrs[2 * b + 1];
+    if (kind >= 5) {
+        const int* h = (const int*)ptrs[2 * b];
+        for (int c = 0; c < CH; ++c) counts[c * 256 + v] = h[c * 256 + v];
+        __syncthreads();
+        if (v < CH) {  // one thread a channel: its running sum, darkest and brightest level
+            const int c = v;
+            long long run = 0;
+            int first = -1, last = -1;
+            for (int k = 0; k < 256; ++k) {
+                const int n = counts[c * 256 + k];
+                run += n;
+                cdf[c * 256 + k] = run;
+                if (n > 0) { if (first < 0) first = k; last = k; }
+            }
+            lo[c] = first < 0 ? 0 : first;
+            hi[c] = last < 0 ? 0 : last;
+            step[c] = (run - (last < 0 ? 0 : counts[c * 256 + last])) / 255;
+        }
+        __syncthreads();
+        if (v == 0) {  // the mean gray level, in double as tone_tables computes it
+            double sums[CH];
+            for (int c = 0; c < CH; ++c) {
+                double t = 0.0;
+                for (int k = 0; k < 256; ++k) t = __dadd_rn(t, __dmul_rn((double)k, (double)counts[c * 256 + k]));
+                sums[c] = t;
+            }
+            double count = (double)(cdf[255] > 0 ? cdf[255] : 1);
+#if CH >= 3
+            const double total = __dadd_rn(__dadd_rn(__dmul_rn(0.2989, sums[0]), __dmul_rn(0.587, sums[1])),
+                                           __dmul_rn(0.114, sums[2]));
+#else
+            const double total = sums[0];
+#endif
+            mean = (float)__ddiv_rn(total, count);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int c = 0; c < CH; ++c) {
+        int out = v;
+        switch (kind) {
+        case 1: out = v & ((255 << (8 - (int)value)) & 255); break;            // posterize
+        case 2: out = ((float)v >= value) ? 255 - v : v; break;                 // solarize
+        case 3: out = 255 - v; break;                                           // invert
+        case 4: out = (int)round_u8(__fmul_rn(value, (float)v)); break;         // brightness
+        case 5: out = (int)round_u8(__fadd_rn(__fmul_rn(value, (float)v),       // contrast
+                                              __fmul_rn(__fsub_rn(1.0f, value), mean))); break;
+        case 6: {                                                               // autocontrast
+            const int span = hi[c] - lo[c];
+            if (span > 0) out = min(max((2 * 255 * (v - lo[c]) + span) / (2 * span), 0), 255);
+            break;
+        }
+        case 7: {                                                               // equalize
+            const long long st = step[c];
+            if (st > 0) out = v == 0 ? 0 : (int)min((cdf[c * 256 + v - 1] + st / 2) / st, 255LL);
+            break;
+        }
+        default: break;
+        }
+        lut[c * 256 + v] = (u8)out;
+    }
+}
+
+// Each channel's level through its sample's table: luts + (z0 + z) * CH * 256 (from tone_build).
+// Source and destination may be the same buffer.
+extern "C" __global__ void tone_apply(const u64* ptrs, const int* meta, const float* par, const u8* luts, const int z0)
+{
+    const int x = blockIdx.x * blockDim.x + threadIdx.x;
+    const int y = blockIdx.y * blockDim.y + threadIdx.y;
+    const int b = blockIdx.z;
+    const int* m = meta + 4 * b;
+    if (x >= m[1] || y >= m[0]) return;
+    const u8* s = (const u8*)ptrs[2 * b] + (long long)y * m[2] + (long long)x * CH;
+    u8* d = (u8*)ptrs[2 * b + 1] + (long long)y * m[3] + (long long)x * CH;
+    const u8* lut = luts + (long long)(z0 + b) * CH * 256;
+#pragma unroll
+    for (int c = 0; c < CH; ++c) d[c] = lut[c * 256 + s[c]];
+}
+
+// adjust_sharpness: par[z] = factor f. Off the border the smoothed pixel is
+// round((8 neighbours + 5 centre) / 13), in integers; on it, the pixel itself; the output is
+// round(f v + (1 - f) smoothed) in float32. Source != destination.
+extern "C" __global__ void sharpen(const u64* ptrs, const int* meta, const float* par)
+{
+    const int x = blockIdx.x * blockDim.x + threadIdx.x;
+    const int y = blockIdx.y * blockDim.y + threadIdx.y;
+    const int b = blockIdx.z;
+    const int* m = meta + 4 * b;
+    const int H = m[0], W = m[1];
+    if (x >= W || y >= H) return;
+    const u8* s = (const u8*)ptrs[2 * b];
+    const u8* p = s + (long long)y * m[2] + (long long)x * CH;
+    u8* d = (u8*)ptrs[2 * b + 1] + (long long)y * m[3] + (long long)x * CH;
+    const float f = par[b];
+    const float g = __fsub_rn(1.0f, f);
+    const bool border = x == 0 || y == 0 || x == W - 1 || y == H - 1;
+#pragma unroll
+    for (int c = 0; c < CH; ++c) {
+        int smooth = p[c];
+        if (!border) {
+            int t = 4 * p[c];
+            for (int dy = -1; dy <= 1; ++dy)
+                for (int dx = -1; dx <= 1; ++dx) t += s[(long long)(y + dy) * m[2] + (long long)(x + dx) * CH + c];
+            smooth = (2 * t + 13) / 26;
+        }
+        d[c] = (u8)round_u8(__fadd_rn(__fmul_rn(f, (float)p[c]), __fmul_rn(g, (float)smooth)));
+    }
+}
+
 // Normalize + layout + dtype of a contiguous N x H x W x CH uint8 batch: (x - mean) * inv_std
 // (mean and inv_std already scaled to 0..255), to N x CH x H x W (chw) or N x H x W x CH.
 __device__ __forceinline__ void store(float* p, float v) { *p = v; }
@@ -205,7 +355,8 @@ def source(channels: int) -> str:
 @functools.cache
 def module(channels: int):
     """The compiled ``cupy.RawModule`` for ``channels``; compiled once per process (CuPy also caches
-    the binary on disk). Functions: color_twist, warp_affine, blur_rows, blur_cols, finish_<dtype>."""
+    the binary on disk). Functions: color_twist, warp_affine, blur_rows, blur_cols, histogram, tone_build,
+    tone_apply, sharpen, finish_<dtype>."""
     import cupy
 
     return cupy.RawModule(code=source(channels), options=("--std=c++17",))

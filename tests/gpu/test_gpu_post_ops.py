@@ -1,4 +1,5 @@
-"""The post-op kernels (colour twist, warps, blur, finish) against the CPU path, on real CUDA.
+"""The post-op kernels (colour twist, warps, blur, tone curves, sharpness, finish) against the CPU
+path, on real CUDA.
 
 Bounds, per op, GPU kernel against ``_cpu_post`` on the same tables (both round once, half up):
 - colour twist: 1 level (float32 both; the CPU's matrix product and the kernel's expression may
@@ -8,6 +9,10 @@ Bounds, per op, GPU kernel against ``_cpu_post`` on the same tables (both round 
   pixel boundary on one side and not on the other changes the value by at most 255 * 1e-4 levels
   before rounding, so no special case is needed (Pillow's hard edge would need one);
 - blur: 1 level (the same operations in the same order: 0 expected, barring FMA contraction);
+- tone curves: exact (the tables are built from the same counts in the same integer and float
+  operations, then looked up);
+- sharpness: exact (integer smoothing, then the same float32 operations, no FMA);
+- RandAugment and TrivialAugmentWide with one round: each sample's one op, so that op's bound (1);
 - finish: exact for float32, and for float16/bfloat16 (the same float32 value, one rounding).
 """
 
@@ -26,7 +31,7 @@ from headrace.ops import ColorTwist, Decode, GaussianBlur, Normalize, Pipeline, 
 from headrace.ops.cpu import _post as _cpu_post
 from headrace.ops.cuda._post import PostOps, describe
 
-BOUND = {"color": 1, "warp": 1, "blur": 1}
+BOUND = {"color": 1, "warp": 1, "blur": 1, "tone": 0, "sharpness": 0, "policy": 1}
 
 
 def _image(rng, h, w, c):
@@ -64,21 +69,22 @@ def _gpu(pipeline, stream, arrays, tables, *, as_tensor=False, inplace=False):
     return [o.cpu().numpy() for o in out], images
 
 
-def _cpu(pipeline, arrays, tables):
+def _cpu(pipeline, arrays, steps):
     out = []
     for i, a in enumerate(arrays):
         x = torch.from_numpy(a)
-        for op, tab in zip(pipeline.post_ops, tables):
+        for op, tab in steps:
             x = _cpu_post.apply_tables(x, op, tab, row=i)
         out.append(x.numpy())
     return out
 
 
 def _tables(pipeline, arrays, seed=5, epoch=1):
+    """The batch's passes (``PostOp.steps``): primitive ops and their tables."""
     h = np.array([a.shape[0] for a in arrays])
     w = np.array([a.shape[1] for a in arrays])
     us = pipeline.post_uniforms(seed, epoch, np.arange(len(arrays)))
-    return [op.tables(u, h, w, pipeline.channels) for op, u in zip(pipeline.post_ops, us)]
+    return [step for op, u in zip(pipeline.post_ops, us) for step in op.steps(u, h, w, pipeline.channels)]
 
 
 def _compare(name, got, ref, bound):
@@ -102,6 +108,15 @@ OPS = {
     "color-p": (ColorTwist(0.8, 0.8, 0.9, 0.5, p=0.5), "color"),
     "grayscale": (RandomGrayscale(0.5), "color"),
     "blur-p": (GaussianBlur((5, 9), sigma=(0.1, 3.0), p=0.5), "blur"),
+    "posterize": (ops.RandomPosterize(3), "tone"),
+    "solarize": (ops.RandomSolarize(100.5), "tone"),
+    "invert": (ops.RandomInvert(), "tone"),
+    "autocontrast": (ops.RandomAutocontrast(), "tone"),
+    "equalize": (ops.RandomEqualize(), "tone"),
+    "sharpen": (ops.RandomAdjustSharpness(2.0), "sharpness"),
+    "soften": (ops.RandomAdjustSharpness(0.2, p=1.0), "sharpness"),
+    "randaugment-1": (ops.RandAugment(num_ops=1, magnitude=15, fill=(20, 90, 160)), "policy"),
+    "trivialaugment": (ops.TrivialAugmentWide(fill=(20, 90, 160)), "policy"),
 }
 
 
@@ -109,7 +124,7 @@ OPS = {
 @pytest.mark.parametrize("channels", [3, 1])
 def test_kernel_matches_cpu_on_random_images_of_random_sizes(name, channels, stream):
     op, kind = OPS[name]
-    if channels == 1 and isinstance(op, (Rotate, WarpAffine)):
+    if channels == 1 and isinstance(op, (Rotate, WarpAffine, ops.RandAugment, ops.TrivialAugmentWide)):
         op = dataclasses.replace(op, fill=op.fill[:1])
     pipeline = Pipeline([Decode("gray" if channels == 1 else "rgb"), op])
     rng = np.random.default_rng(abs(hash((name, channels))) % 2**32)
@@ -126,6 +141,9 @@ IDENTITY = {
     "warp-identity": WarpAffine([[1, 0, 0], [0, 1, 0]], fill=9),
     "blur-1": GaussianBlur(1),
     "blur-tiny-sigma": GaussianBlur(3, sigma=0.1),  # outer weights 2e-22: no effect on uint8
+    "posterize-8": ops.RandomPosterize(8, p=1.0),
+    "sharpness-1": ops.RandomAdjustSharpness(1.0, p=1.0),
+    "randaugment-0": ops.RandAugment(num_ops=0),
 }
 
 
@@ -271,3 +289,75 @@ async def test_whole_pipeline_on_gpu_matches_cpu(folder):
     levels = (gpu - cpu).abs() * torch.tensor(ops.IMAGENET_STD).view(1, 3, 1, 1) * 255
     print(f"whole pipeline GPU vs CPU: max {levels.max():.2f} levels, mean {levels.mean():.4f}")
     assert levels.max() <= 6.01 and levels.mean() < 0.25
+
+
+def test_tone_curves_read_off_the_image_on_a_batch_tensor_in_place(stream):
+    # Autocontrast, equalize and contrast count each sample's levels on the device; a batch
+    # tensor, in place, and samples that are flat (max = min: left alone) or of two levels.
+    rng = np.random.default_rng(13)
+    arrays = [_image(rng, 40, 56, 3) for _ in range(10)]
+    arrays[0][:] = 77
+    arrays[1] = np.where(rng.random((40, 56, 3)) < 0.5, 10, 240).astype(np.uint8)
+    for op in (ops.RandomAutocontrast(p=1.0), ops.RandomEqualize(p=1.0)):
+        pipeline = Pipeline([op])
+        steps = _tables(pipeline, arrays)
+        got, _ = _gpu(pipeline, stream, arrays, steps, as_tensor=True, inplace=True)
+        _compare(f"{type(op).__name__} batch", got, _cpu(pipeline, arrays, steps), 0)
+    assert np.array_equal(got[0], arrays[0])
+
+
+def test_contrast_and_brightness_tone_tables_match(stream):
+    from headrace.ops._tone import BRIGHTNESS, CONTRAST, ToneCurve
+
+    class Fixed(ToneCurve):
+        def tables(self, u, h, w, channels):
+            rows = np.zeros((len(h), 2))
+            rows[::2] = (CONTRAST, 1.7)
+            rows[1::2] = (BRIGHTNESS, 0.63)
+            return (rows,)
+
+    rng = np.random.default_rng(14)
+    for channels in (3, 1):
+        arrays = _images(rng, 30, channels)
+        pipeline = Pipeline([Decode("gray" if channels == 1 else "rgb"), Fixed()])
+        steps = _tables(pipeline, arrays)
+        got, _ = _gpu(pipeline, stream, arrays, steps)
+        _compare(f"contrast/brightness C={channels}", got, _cpu(pipeline, arrays, steps), 0)
+
+
+def test_two_rounds_of_randaugment_through_the_chain(stream):
+    # Two rounds: a warp's 1-level difference can move a later equalize or solarize step, so
+    # single values may differ more; nearly all agree within a level.
+    pipeline = Pipeline([Decode(), ops.RandomResizedCrop(48), ops.RandAugment(num_ops=2, magnitude=12)])
+    rng = np.random.default_rng(15)
+    arrays = [_image(rng, 48, 48, 3) for _ in range(64)]
+    indices = np.arange(64)
+    post = PostOps(pipeline, stream, seed=5)
+    x = torch.from_numpy(np.stack(arrays)).cuda()
+    torch.cuda.synchronize()
+    out = post.apply(x, indices, 2, inplace=True)
+    stream.synchronize()
+    assert out.shape == x.shape
+    us = pipeline.post_uniforms(5, 2, indices)
+    ref = np.stack([_cpu_post.apply(torch.from_numpy(a), pipeline.post_ops, [u[i : i + 1] for u in us]).numpy()
+                    for i, a in enumerate(arrays)])
+    d = np.abs(out.cpu().numpy().astype(int) - ref.astype(int))
+    print(f"RandAugment x2: max {d.max()} levels, {(d > 1).mean():.2e} of values beyond 1")
+    assert (d > 1).mean() < 1e-3
+    assert not np.array_equal(ref, np.stack(arrays))
+
+
+async def test_randaugment_through_the_gpu_loader_is_repeatable_and_near_the_cpu(folder):
+    # PNG: both paths decode the same pixels; the geometry before RandAugment differs by up to 2
+    # levels (test_gpu_pipeline.py), which a later tone curve can move further: compare means.
+    pipeline = Pipeline([Decode(), ops.RandomResizedCrop(64), ops.RandAugment(), ops.TrivialAugmentWide()], layout="HWC")
+    runs = {}
+    for device in ("cuda", "cuda", "cpu"):
+        async with Loader(readers.files(folder), batch_size=16, pipeline=pipeline, device=device, seed=4) as loader:
+            runs.setdefault(device, []).append(torch.cat([b["image"].cpu() async for b in loader]))
+    first, second = runs["cuda"]
+    assert first.shape == (48, 64, 64, 3) and first.dtype == torch.uint8
+    assert torch.equal(first, second)  # the same seed, the same bytes
+    diff = (first.float() - runs["cpu"][0].float()).abs()
+    print(f"RandAugment + TrivialAugmentWide GPU vs CPU: mean {diff.mean():.3f} levels, {(diff > 2).float().mean():.2e} beyond 2")
+    assert diff.mean() < 1.0

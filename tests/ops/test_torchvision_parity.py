@@ -1,0 +1,80 @@
+"""The tone curves, sharpness and each op of RandAugment against torchvision itself, where it is
+installed (the GPU machine has it; CI's machine does not, and skips this file).
+
+Exact where both compute the same integers (posterize, solarize, invert, equalize, the whole-pixel
+translations); within 1 level where torchvision truncates a float and we round it (autocontrast,
+sharpness, brightness, colour, contrast) or samples bilinearly at a shifted point (shear, rotate)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from headrace import ops
+from headrace.ops.cpu import _post
+
+F = pytest.importorskip("torchvision.transforms.v2.functional")
+autoaugment = pytest.importorskip("torchvision.transforms.autoaugment")
+InterpolationMode = pytest.importorskip("torchvision.transforms").InterpolationMode
+
+
+def _image(rng, h, w, c, lo=0, hi=256, smooth=False):
+    x = torch.from_numpy(rng.integers(lo, hi, (h, w, c), dtype=np.uint8))
+    if smooth:  # bilinear against nearest differs less on a smooth image
+        x = torch.nn.functional.avg_pool2d(x.permute(2, 0, 1)[None].float(), 5, 1, 2)[0].round().to(torch.uint8)
+        x = x.permute(1, 2, 0).contiguous()
+    return x
+
+
+def _ours(x, op, u=None):
+    return _post.apply(x, [op], [np.zeros((1, op.randoms)) if u is None else u])
+
+
+def _theirs(x, fn, *args):
+    return fn(x.permute(2, 0, 1).contiguous(), *args).permute(1, 2, 0)
+
+
+def _worst(a, b):
+    return int((a.int() - b.int()).abs().max())
+
+
+CASES = [
+    (lambda: ops.RandomPosterize(3, p=1.0), lambda x: _theirs(x, F.posterize, 3), 0),
+    (lambda: ops.RandomSolarize(128.5, p=1.0), lambda x: _theirs(x, F.solarize, 128.5), 0),
+    (lambda: ops.RandomInvert(p=1.0), lambda x: _theirs(x, F.invert), 0),
+    (lambda: ops.RandomEqualize(p=1.0), lambda x: _theirs(x, F.equalize), 0),
+    (lambda: ops.RandomAutocontrast(p=1.0), lambda x: _theirs(x, F.autocontrast), 1),
+    (lambda: ops.RandomAdjustSharpness(2.0, p=1.0), lambda x: _theirs(x, F.adjust_sharpness, 2.0), 1),
+    (lambda: ops.RandomAdjustSharpness(0.3, p=1.0), lambda x: _theirs(x, F.adjust_sharpness, 0.3), 1),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("channels", [3, 1])
+@pytest.mark.parametrize("levels", [(0, 256), (40, 200), (100, 101), (0, 2)], ids=["full", "narrow", "flat", "two"])
+def test_each_op_is_torchvisions(case, channels, levels):
+    make, reference, bound = CASES[case]
+    x = _image(np.random.default_rng(case), 37, 53, channels, *levels)
+    assert _worst(_ours(x, make()), reference(x)) <= bound
+
+
+NAMES = ["Identity", "ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate", "Brightness", "Color", "Contrast",
+         "Sharpness", "Posterize", "Solarize", "AutoContrast", "Equalize"]
+EXACT = {"Identity", "TranslateX", "TranslateY", "Posterize", "Solarize", "Equalize"}
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("negative", [False, True])
+def test_each_randaugment_op_is_torchvisions_apply_op(name, negative):
+    x = _image(np.random.default_rng(2), 48, 64, 3, smooth=True)
+    assert list(autoaugment.RandAugment()._augmentation_space(31, (48, 64))) == NAMES
+    magnitudes, signed = autoaugment.RandAugment()._augmentation_space(31, (48, 64))[name]
+    m = float(magnitudes[9]) if magnitudes.ndim > 0 else 0.0
+    if signed and negative:
+        m = -m
+    u = np.array([[(NAMES.index(name) + 0.5) / len(NAMES), 0.75 if negative else 0.25]])
+    ours = _ours(x, ops.RandAugment(num_ops=1, magnitude=9), u)
+    theirs = autoaugment._apply_op(x.permute(2, 0, 1), name, m, interpolation=InterpolationMode.BILINEAR,
+                                   fill=None).permute(1, 2, 0)
+    assert _worst(ours, theirs) <= (0 if name in EXACT else 1)
