@@ -10,7 +10,7 @@ from ._random import uniforms
 from ._stages import Filter, Map, MapBatch
 from ._mix import CutMix, MixUp
 from ._erase import RandomErasing
-from ._auto_augment import RandAugment, TrivialAugmentWide
+from ._auto_augment import AutoAugment, RandAugment, TrivialAugmentWide
 from ._tone import (
     RandomAdjustSharpness,
     RandomAutocontrast,
@@ -40,6 +40,7 @@ from ._spec import (
 )
 
 __all__ = [
+    "AutoAugment",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "IMAGE_EXTENSIONS",

@@ -1,5 +1,5 @@
-"""Automatic augmentation policies: torchvision's ``RandAugment`` and ``TrivialAugmentWide`` as
-post ops that each sample of a batch draws on its own.
+"""Automatic augmentation policies: torchvision's ``AutoAugment``, ``RandAugment`` and
+``TrivialAugmentWide`` as post ops that each sample of a batch draws on its own.
 
 Each sample picks an op and a magnitude per round; a batch is then a mix of shears, rotations,
 tone curves and colour changes. Rather than split the batch by op, each round becomes at most four
@@ -27,13 +27,14 @@ from ._tone import (
     CONTRAST,
     EQUALIZE,
     GRAY_WEIGHTS,
+    INVERT,
     POSTERIZE,
     SOLARIZE,
     Sharpness,
     ToneCurve,
 )
 
-__all__ = ["RandAugment", "TrivialAugmentWide"]
+__all__ = ["AutoAugment", "RandAugment", "TrivialAugmentWide"]
 
 # Magnitudes of one op: (bins, heights, widths) -> (n, bins) float64, or None for an op without one.
 Magnitudes = Callable[[int, np.ndarray, np.ndarray], np.ndarray | None]
@@ -95,6 +96,100 @@ _TRIVIAL_AUGMENT_WIDE: dict[str, tuple[Magnitudes, bool]] = {
 }
 
 
+# AutoAugment's space: RandAugment's without Identity, with Invert (torchvision's order).
+_AUTO_AUGMENT: dict[str, tuple[Magnitudes, bool]] = {
+    **{name: entry for name, entry in _RAND_AUGMENT.items() if name != "Identity"},
+    "Invert": (_none, False),
+}
+
+# The learned sub-policies, torchvision's AutoAugmentPolicy tables: each a pair of (op, probability,
+# magnitude bin of 10, or None).
+_SubPolicy = tuple[tuple[str, float, int | None], tuple[str, float, int | None]]
+_POLICIES: dict[str, tuple[_SubPolicy, ...]] = {
+    "imagenet": (
+        (("Posterize", 0.4, 8), ("Rotate", 0.6, 9)),
+        (("Solarize", 0.6, 5), ("AutoContrast", 0.6, None)),
+        (("Equalize", 0.8, None), ("Equalize", 0.6, None)),
+        (("Posterize", 0.6, 7), ("Posterize", 0.6, 6)),
+        (("Equalize", 0.4, None), ("Solarize", 0.2, 4)),
+        (("Equalize", 0.4, None), ("Rotate", 0.8, 8)),
+        (("Solarize", 0.6, 3), ("Equalize", 0.6, None)),
+        (("Posterize", 0.8, 5), ("Equalize", 1.0, None)),
+        (("Rotate", 0.2, 3), ("Solarize", 0.6, 8)),
+        (("Equalize", 0.6, None), ("Posterize", 0.4, 6)),
+        (("Rotate", 0.8, 8), ("Color", 0.4, 0)),
+        (("Rotate", 0.4, 9), ("Equalize", 0.6, None)),
+        (("Equalize", 0.0, None), ("Equalize", 0.8, None)),
+        (("Invert", 0.6, None), ("Equalize", 1.0, None)),
+        (("Color", 0.6, 4), ("Contrast", 1.0, 8)),
+        (("Rotate", 0.8, 8), ("Color", 1.0, 2)),
+        (("Color", 0.8, 8), ("Solarize", 0.8, 7)),
+        (("Sharpness", 0.4, 7), ("Invert", 0.6, None)),
+        (("ShearX", 0.6, 5), ("Equalize", 1.0, None)),
+        (("Color", 0.4, 0), ("Equalize", 0.6, None)),
+        (("Equalize", 0.4, None), ("Solarize", 0.2, 4)),
+        (("Solarize", 0.6, 5), ("AutoContrast", 0.6, None)),
+        (("Invert", 0.6, None), ("Equalize", 1.0, None)),
+        (("Color", 0.6, 4), ("Contrast", 1.0, 8)),
+        (("Equalize", 0.8, None), ("Equalize", 0.6, None)),
+    ),
+    "cifar10": (
+        (("Invert", 0.1, None), ("Contrast", 0.2, 6)),
+        (("Rotate", 0.7, 2), ("TranslateX", 0.3, 9)),
+        (("Sharpness", 0.8, 1), ("Sharpness", 0.9, 3)),
+        (("ShearY", 0.5, 8), ("TranslateY", 0.7, 9)),
+        (("AutoContrast", 0.5, None), ("Equalize", 0.9, None)),
+        (("ShearY", 0.2, 7), ("Posterize", 0.3, 7)),
+        (("Color", 0.4, 3), ("Brightness", 0.6, 7)),
+        (("Sharpness", 0.3, 9), ("Brightness", 0.7, 9)),
+        (("Equalize", 0.6, None), ("Equalize", 0.5, None)),
+        (("Contrast", 0.6, 7), ("Sharpness", 0.6, 5)),
+        (("Color", 0.7, 7), ("TranslateX", 0.5, 8)),
+        (("Equalize", 0.3, None), ("AutoContrast", 0.4, None)),
+        (("TranslateY", 0.4, 3), ("Sharpness", 0.2, 6)),
+        (("Brightness", 0.9, 6), ("Color", 0.2, 8)),
+        (("Solarize", 0.5, 2), ("Invert", 0.0, None)),
+        (("Equalize", 0.2, None), ("AutoContrast", 0.6, None)),
+        (("Equalize", 0.2, None), ("Equalize", 0.6, None)),
+        (("Color", 0.9, 9), ("Equalize", 0.6, None)),
+        (("AutoContrast", 0.8, None), ("Solarize", 0.2, 8)),
+        (("Brightness", 0.1, 3), ("Color", 0.7, 0)),
+        (("Solarize", 0.4, 5), ("AutoContrast", 0.9, None)),
+        (("TranslateY", 0.9, 9), ("TranslateY", 0.7, 9)),
+        (("AutoContrast", 0.9, None), ("Solarize", 0.8, 3)),
+        (("Equalize", 0.8, None), ("Invert", 0.1, None)),
+        (("TranslateY", 0.7, 9), ("AutoContrast", 0.9, None)),
+    ),
+    "svhn": (
+        (("ShearX", 0.9, 4), ("Invert", 0.2, None)),
+        (("ShearY", 0.9, 8), ("Invert", 0.7, None)),
+        (("Equalize", 0.6, None), ("Solarize", 0.6, 6)),
+        (("Invert", 0.9, None), ("Equalize", 0.6, None)),
+        (("Equalize", 0.6, None), ("Rotate", 0.9, 3)),
+        (("ShearX", 0.9, 4), ("AutoContrast", 0.8, None)),
+        (("ShearY", 0.9, 8), ("Invert", 0.4, None)),
+        (("ShearY", 0.9, 5), ("Solarize", 0.2, 6)),
+        (("Invert", 0.9, None), ("AutoContrast", 0.8, None)),
+        (("Equalize", 0.6, None), ("Rotate", 0.9, 3)),
+        (("ShearX", 0.9, 4), ("Solarize", 0.3, 3)),
+        (("ShearY", 0.8, 8), ("Invert", 0.7, None)),
+        (("Equalize", 0.9, None), ("TranslateY", 0.6, 6)),
+        (("Invert", 0.9, None), ("Equalize", 0.6, None)),
+        (("Contrast", 0.3, 3), ("Rotate", 0.8, 4)),
+        (("Invert", 0.8, None), ("TranslateY", 0.0, 2)),
+        (("ShearY", 0.7, 6), ("Solarize", 0.4, 8)),
+        (("Invert", 0.6, None), ("Rotate", 0.8, 4)),
+        (("ShearY", 0.3, 7), ("TranslateX", 0.9, 3)),
+        (("ShearX", 0.1, 6), ("Invert", 0.6, None)),
+        (("Solarize", 0.7, 2), ("TranslateY", 0.6, 7)),
+        (("ShearY", 0.8, 4), ("Invert", 0.8, None)),
+        (("ShearX", 0.7, 9), ("TranslateY", 0.8, 3)),
+        (("ShearY", 0.8, 5), ("AutoContrast", 0.7, None)),
+        (("ShearX", 0.7, 2), ("Invert", 0.1, None)),
+    ),
+}
+
+
 @dataclass(frozen=True)
 class _PassWarp(_Warp):
     fill: tuple[float, ...] = (0.0,)
@@ -150,6 +245,7 @@ def _round_passes(names: list[str], magnitude: np.ndarray, h: np.ndarray, w: np.
     i = np.flatnonzero(name == "Solarize")
     tone[i, 0], tone[i, 1] = SOLARIZE, magnitude[i]
     tone[name == "AutoContrast", 0] = AUTOCONTRAST
+    tone[name == "Invert", 0] = INVERT
     tone[name == "Equalize", 0] = EQUALIZE
     if tone[:, 0].any():
         steps.append((_TONE, (tone,)))
@@ -189,20 +285,28 @@ class _Policy(PostOp):
     def round_steps(self, u: np.ndarray, bins: int, magnitude_bin: np.ndarray, h, w, channels) -> list[Step]:
         """One round's passes from (n, 2) uniforms (op, sign) and each sample's magnitude bin."""
         names = list(self.space)
-        n = len(u)
         index = np.minimum((u[:, 0] * len(names)).astype(np.int64), len(names) - 1)
         chosen = [names[k] for k in index]
-        magnitude = np.zeros(n)
-        for k in np.unique(index):
-            table, signed = self.space[names[k]]
-            rows = np.flatnonzero(index == k)
+        magnitude = self.magnitudes(chosen, bins, magnitude_bin, u[:, 1] >= 0.5, h, w)
+        return _round_passes(chosen, magnitude, h, w, channels, _PassWarp(self.fill))
+
+    def magnitudes(self, names: list[str], bins: int, magnitude_bin: np.ndarray, negative: np.ndarray, h, w) -> np.ndarray:
+        """(n,) signed magnitudes: sample i's op ``names[i]`` at its bin, negated where ``negative``
+        and the op is signed (0 for ops without a magnitude, and for names outside the space)."""
+        name = np.asarray(names)
+        magnitude = np.zeros(len(names))
+        for op in np.unique(name):
+            if op not in self.space:
+                continue
+            table, signed = self.space[op]
+            rows = np.flatnonzero(name == op)
             values = table(bins, h[rows], w[rows])
             if values is None:
                 continue
             magnitude[rows] = values[np.arange(len(rows)), magnitude_bin[rows]]
             if signed:
-                magnitude[rows] *= np.where(u[rows, 1] < 0.5, 1.0, -1.0)
-        return _round_passes(chosen, magnitude, h, w, channels, _PassWarp(self.fill))
+                magnitude[rows] *= np.where(negative[rows], -1.0, 1.0)
+        return magnitude
 
     def tables(self, u, h, w, channels):
         raise TypeError(f"{type(self).__name__} is made of several passes: use steps()")
@@ -277,3 +381,43 @@ class TrivialAugmentWide(_Policy):
         bins = self.num_magnitude_bins
         magnitude_bin = np.minimum((u[:, 2] * bins).astype(np.int64), bins - 1)
         return self.round_steps(u[:, :2], bins, magnitude_bin, h, w, channels)
+
+
+@dataclass(frozen=True)
+class AutoAugment(_Policy):
+    """torchvision's ``AutoAugment``: every sample draws one of the 25 sub-policies learned on
+    ``policy`` (``"imagenet"``, ``"cifar10"`` or ``"svhn"``: torchvision's ``AutoAugmentPolicy``
+    tables), then applies its two ops in turn, each with its probability, at its magnitude bin out
+    of 10, with a random sign where the op has one. Five uniforms per sample (sub-policy, the two
+    probabilities, the two signs). The ops are ``RandAugment``'s and ``Invert``; warps sample
+    bilinearly and results round, as there. Raises ConfigError for another policy or a bad ``fill``.
+    """
+
+    policy: str = "imagenet"
+    fill: float | tuple[float, ...] = 0
+    randoms: int = field(default=5, init=False)
+    space: ClassVar[dict[str, tuple[Magnitudes, bool]]] = _AUTO_AUGMENT
+
+    def __post_init__(self) -> None:
+        policy = getattr(self.policy, "value", self.policy)  # torchvision's AutoAugmentPolicy enum too
+        if not isinstance(policy, str) or policy.lower() not in _POLICIES:
+            raise ConfigError(f"AutoAugment: policy must be one of {sorted(_POLICIES)}, got {self.policy!r}")
+        object.__setattr__(self, "policy", policy.lower())
+        object.__setattr__(self, "fill", _fill(self.fill, "AutoAugment: fill"))
+
+    def steps(self, u, h, w, channels):
+        h, w = np.asarray(h).reshape(-1), np.asarray(w).reshape(-1)
+        u = np.asarray(u, dtype=np.float64).reshape(-1, 5)
+        table = _POLICIES[self.policy]
+        chosen = np.minimum((u[:, 0] * len(table)).astype(np.int64), len(table) - 1)
+        out: list[Step] = []
+        for r in range(2):
+            names, bins = [], np.zeros(len(h), dtype=np.int64)
+            for i, k in enumerate(chosen):
+                name, p, magnitude_bin = table[k][r]
+                names.append(name if u[i, 1 + r] <= p else "Identity")  # torchvision: applied when rand <= p
+                bins[i] = magnitude_bin or 0
+            negative = u[:, 3 + r] < 0.5  # torchvision: signs[i] == 0 negates
+            magnitude = self.magnitudes(names, 10, bins, negative, h, w)
+            out += _round_passes(names, magnitude, h, w, channels, _PassWarp(self.fill))
+        return out

@@ -78,6 +78,7 @@ PUBLIC = {
         "webdataset",
     ],
     "headrace.ops": [
+        "AutoAugment",
         "CenterCrop",
         "ColorTwist",
         "CpuExecutor",

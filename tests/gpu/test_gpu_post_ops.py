@@ -325,10 +325,12 @@ def test_contrast_and_brightness_tone_tables_match(stream):
         _compare(f"contrast/brightness C={channels}", got, _cpu(pipeline, arrays, steps), 0)
 
 
-def test_two_rounds_of_randaugment_through_the_chain(stream):
+@pytest.mark.parametrize("policy", [ops.RandAugment(num_ops=2, magnitude=12), ops.AutoAugment("imagenet"),
+                                    ops.AutoAugment("svhn")], ids=["randaugment-2", "autoaugment", "autoaugment-svhn"])
+def test_two_rounds_of_a_policy_through_the_chain(policy, stream):
     # Two rounds: a warp's 1-level difference can move a later equalize or solarize step, so
     # single values may differ more; nearly all agree within a level.
-    pipeline = Pipeline([Decode(), ops.RandomResizedCrop(48), ops.RandAugment(num_ops=2, magnitude=12)])
+    pipeline = Pipeline([Decode(), ops.RandomResizedCrop(48), policy])
     rng = np.random.default_rng(15)
     arrays = [_image(rng, 48, 48, 3) for _ in range(64)]
     indices = np.arange(64)
@@ -342,7 +344,7 @@ def test_two_rounds_of_randaugment_through_the_chain(stream):
     ref = np.stack([_cpu_post.apply(torch.from_numpy(a), pipeline.post_ops, [u[i : i + 1] for u in us]).numpy()
                     for i, a in enumerate(arrays)])
     d = np.abs(out.cpu().numpy().astype(int) - ref.astype(int))
-    print(f"RandAugment x2: max {d.max()} levels, {(d > 1).mean():.2e} of values beyond 1")
+    print(f"{policy!r}: max {d.max()} levels, {(d > 1).mean():.2e} of values beyond 1")
     assert (d > 1).mean() < 1e-3
     assert not np.array_equal(ref, np.stack(arrays))
 
@@ -350,7 +352,8 @@ def test_two_rounds_of_randaugment_through_the_chain(stream):
 async def test_randaugment_through_the_gpu_loader_is_repeatable_and_near_the_cpu(folder):
     # PNG: both paths decode the same pixels; the geometry before RandAugment differs by up to 2
     # levels (test_gpu_pipeline.py), which a later tone curve can move further: compare means.
-    pipeline = Pipeline([Decode(), ops.RandomResizedCrop(64), ops.RandAugment(), ops.TrivialAugmentWide()], layout="HWC")
+    pipeline = Pipeline([Decode(), ops.RandomResizedCrop(64), ops.RandAugment(), ops.TrivialAugmentWide(), ops.AutoAugment()],
+                        layout="HWC")
     runs = {}
     for device in ("cuda", "cuda", "cpu"):
         async with Loader(readers.files(folder), batch_size=16, pipeline=pipeline, device=device, seed=4) as loader:

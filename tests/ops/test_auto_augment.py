@@ -352,7 +352,8 @@ async def _loaded(*post, seed: int = 5, channels: int = 3) -> dict[str, torch.Te
         return {key: image for b in [b async for b in loader] for key, image in zip(b.sample_keys, b["image"])}
 
 
-@pytest.mark.parametrize("make", [lambda: ops.RandAugment(), lambda: ops.TrivialAugmentWide()], ids=["ra", "ta"])
+@pytest.mark.parametrize("make", [lambda: ops.RandAugment(), lambda: ops.TrivialAugmentWide(), lambda: ops.AutoAugment()],
+                         ids=["ra", "ta", "aa"])
 async def test_loader_is_seeded_and_keeps_shape_and_dtype(make):
     plain = await _loaded()
     first, second, other = await _loaded(make()), await _loaded(make()), await _loaded(make(), seed=6)
@@ -419,3 +420,52 @@ def test_good_arguments_are_kept():
     assert (ra.num_ops, ra.magnitude, ra.num_magnitude_bins, ra.fill) == (3, 30, 31, (1.0, 2.0, 3.0))
     assert ops.RandAugment(magnitude=0, num_magnitude_bins=2).magnitude == 0
     assert ops.TrivialAugmentWide(num_magnitude_bins=2).num_magnitude_bins == 2
+
+
+# --- AutoAugment -------------------------------------------------------------------------------------------
+
+
+def _subpolicy(k: int, draws=(0.0, 0.0), signs=(0.75, 0.75), policies: int = 25) -> np.ndarray:
+    return np.array([[(k + 0.5) / policies, *draws, *signs]])
+
+
+def test_autoaugment_applies_a_subpolicys_two_ops_in_turn():
+    a = random_image(np.random.default_rng(61), H, W, 3)
+    x = torch.from_numpy(a)
+    op = ops.AutoAugment("imagenet")
+    assert op.randoms == 5 and op.moves_pixels
+    # Sub-policy 13 is (Invert, 0.6), (Equalize, 1.0): invert, then equalize the inverted image.
+    both = _post.apply(x, [op], [_subpolicy(13)]).numpy()
+    assert _diff(both, tv_equalize(255 - a)) == 0
+    # A draw above an op's probability leaves that op out: 0.7 > 0.6 skips the invert.
+    assert _diff(_post.apply(x, [op], [_subpolicy(13, draws=(0.7, 0.0))]).numpy(), tv_equalize(a)) == 0
+    # Sub-policy 3 is (Posterize 0.6, bin 7), (Posterize 0.6, bin 6): 5 bits, then 6 bits.
+    assert _diff(_post.apply(x, [op], [_subpolicy(3)]).numpy(), a & 0xF8) == 0
+    # Sub-policy 12's first op has p = 0 and its second 0.8: above both draws, nothing happens.
+    assert op.steps(_subpolicy(12, draws=(0.5, 0.9)), np.array([H]), np.array([W]), 3) == []
+
+
+def test_autoaugment_signs_and_magnitudes():
+    a = random_image(np.random.default_rng(62), H, W, 3)
+    x = torch.from_numpy(a)
+    # SVHN sub-policy 20 is (Solarize 0.7, bin 2), (TranslateY 0.6, bin 7); the space has 10 bins.
+    op = ops.AutoAugment("svhn")
+    shift = int(150.0 / 331.0 * H * 7 / 9)
+    down = _post.apply(x, [op], [_subpolicy(20, draws=(0.9, 0.0), signs=(0.75, 0.75))]).numpy()
+    up = _post.apply(x, [op], [_subpolicy(20, draws=(0.9, 0.0), signs=(0.75, 0.25))]).numpy()
+    assert _diff(down, ref_translate(a, 0, shift)) == 0
+    assert _diff(up, ref_translate(a, 0, -shift)) == 0
+    solarized = _post.apply(x, [op], [_subpolicy(20, draws=(0.0, 0.9))]).numpy()
+    threshold = 255.0 - 2 * 255.0 / 9
+    assert _diff(solarized, np.where(a >= threshold, 255 - a, a).astype(np.uint8)) == 0
+
+
+@pytest.mark.parametrize("policy", ["imagenet", "cifar10", "svhn", "SVHN"])
+def test_autoaugment_policies_by_name(policy):
+    assert ops.AutoAugment(policy).policy == policy.lower()
+
+
+@pytest.mark.parametrize("bad", [{"policy": "coco"}, {"policy": 3}, {"fill": 300}])
+def test_autoaugment_bad_arguments(bad):
+    with pytest.raises(ConfigError, match="AutoAugment"):
+        ops.AutoAugment(**bad)

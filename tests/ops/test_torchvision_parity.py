@@ -3,7 +3,8 @@ installed (the GPU machine has it; CI's machine does not, and skips this file).
 
 Exact where both compute the same integers (posterize, solarize, invert, equalize, the whole-pixel
 translations); within 1 level where torchvision truncates a float and we round it (autocontrast,
-sharpness, brightness, colour, contrast) or samples bilinearly at a shifted point (shear, rotate)."""
+sharpness, brightness, colour, contrast) or samples bilinearly at a shifted point (shear, rotate);
+within 2 for colour at AutoAugment's larger factors."""
 
 from __future__ import annotations
 
@@ -78,3 +79,35 @@ def test_each_randaugment_op_is_torchvisions_apply_op(name, negative):
     theirs = autoaugment._apply_op(x.permute(2, 0, 1), name, m, interpolation=InterpolationMode.BILINEAR,
                                    fill=None).permute(1, 2, 0)
     assert _worst(ours, theirs) <= (0 if name in EXACT else 1)
+
+
+@pytest.mark.parametrize("policy", ["imagenet", "cifar10", "svhn"])
+def test_autoaugment_tables_and_each_step_are_torchvisions(policy):
+    from headrace.ops import _auto_augment
+
+    tv = autoaugment.AutoAugment(autoaugment.AutoAugmentPolicy(policy), interpolation=InterpolationMode.BILINEAR)
+    assert [tuple(map(tuple, sub)) for sub in tv.policies] == list(_auto_augment._POLICIES[policy])
+    space = tv._augmentation_space(10, (48, 64))
+    assert list(space) == list(_auto_augment._AUTO_AUGMENT)
+    x = _image(np.random.default_rng(3), 48, 64, 3, smooth=True)
+    op = ops.AutoAugment(policy)
+    # Op by op: torchvision's op on our previous output (a chain amplifies a level's difference
+    # wherever a later solarize or equalize has a threshold).
+    for k, sub in enumerate(tv.policies):
+        for signs in ((0.25, 0.75), (0.75, 0.25)):
+            current = x
+            for i, (name, p, magnitude_bin) in enumerate(sub):
+                draws = [2.0, 2.0]  # above any p: not applied
+                draws[i] = 0.5 * p  # applied (rand <= p) for this op alone; p = 0 applies at 0 only
+                ours = _ours(current, op, np.array([[(k + 0.5) / len(tv.policies), *draws, *signs]]))
+                magnitudes, signed = space[name]
+                m = float(magnitudes[magnitude_bin]) if magnitudes.ndim > 0 else 0.0
+                if signed and signs[i] < 0.5:
+                    m = -m
+                theirs = autoaugment._apply_op(current.permute(2, 0, 1), name, m,
+                                               interpolation=InterpolationMode.BILINEAR, fill=None).permute(1, 2, 0)
+                # Colour at factors up to 1.9: torchvision blends with a gray it truncated, so a
+                # level of gray becomes up to 0.9 levels more before the final rounding.
+                bound = 0 if name in EXACT | {"Invert"} else 2 if name == "Color" else 1
+                assert _worst(ours, theirs) <= bound, (policy, k, name)
+                current = ours
