@@ -18,7 +18,8 @@ the GPU, unless the row says otherwise):
                              (train_mix_side: off the lane; train_erase, train_mixup, train_cutmix: each alone;
                              train_gpuwork: six in-place passes over the images, GPU time without host work)
   --rows train_randaug       the train row with RandAugment() (2 ops, magnitude 9) before Normalize
-                             (train_trivial: TrivialAugmentWide(); train_autoaug: AutoAugment(); dataloader_randaug: the DataLoader row with
+                             (train_trivial: TrivialAugmentWide(); train_autoaug: AutoAugment(); train_timm:
+                             TimmRandAugment("rand-m9-mstd0.5-inc1"); dataloader_randaug: the DataLoader row with
                              torchvision's RandAugment() in its workers, the usual way to get it)
   --rows train_noop          the train row with an ops.MapBatch that returns the batch as it is
   --rows train_lookup        the train row with an async ops.Map awaiting 1 ms per sample, concurrency=64
@@ -489,6 +490,7 @@ def main() -> None:
         "train_randaug": ("headrace (train + RandAugment)", lambda: _augmented(ops.RandAugment())),
         "train_trivial": ("headrace (train + TrivialAugmentWide)", lambda: _augmented(ops.TrivialAugmentWide())),
         "train_autoaug": ("headrace (train + AutoAugment)", lambda: _augmented(ops.AutoAugment())),
+        "train_timm": ("headrace (train + timm rand-m9-mstd0.5-inc1)", lambda: _augmented(ops.TimmRandAugment())),
         "train_noop": ("headrace (train + a no-op batch stage)",
                        lambda: _staged(ops.training(224, dtype="float16"), ops.MapBatch(_pass))),
         "train_lookup": ("headrace (train + 1 ms async lookup, 64)",

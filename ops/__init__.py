@@ -11,6 +11,7 @@ from ._stages import Filter, Map, MapBatch
 from ._mix import CutMix, MixUp
 from ._erase import RandomErasing
 from ._auto_augment import AutoAugment, RandAugment, TrivialAugmentWide
+from ._timm_augment import TimmRandAugment
 from ._tone import (
     RandomAdjustSharpness,
     RandomAutocontrast,
@@ -79,6 +80,7 @@ __all__ = [
     "Resize",
     "Rotate",
     "Sharpness",
+    "TimmRandAugment",
     "ToneCurve",
     "TrivialAugmentWide",
     "WarpAffine",

@@ -11,7 +11,6 @@ passes within a round does not change its result.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -20,19 +19,8 @@ import numpy as np
 
 from headrace._errors import ConfigError, is_int
 
-from ._post_spec import ColorMatrix, PostOp, Step, _fill, _Warp, rotation_affine
-from ._tone import (
-    AUTOCONTRAST,
-    BRIGHTNESS,
-    CONTRAST,
-    EQUALIZE,
-    GRAY_WEIGHTS,
-    INVERT,
-    POSTERIZE,
-    SOLARIZE,
-    Sharpness,
-    ToneCurve,
-)
+from ._passes import PassWarp, round_passes
+from ._post_spec import PostOp, Step, _fill
 
 __all__ = ["AutoAugment", "RandAugment", "TrivialAugmentWide"]
 
@@ -190,82 +178,6 @@ _POLICIES: dict[str, tuple[_SubPolicy, ...]] = {
 }
 
 
-@dataclass(frozen=True)
-class _PassWarp(_Warp):
-    fill: tuple[float, ...] = (0.0,)
-
-
-class _PassTone(ToneCurve):
-    pass
-
-
-class _PassColor(ColorMatrix):
-    pass
-
-
-class _PassSharpness(Sharpness):
-    pass
-
-
-_TONE = _PassTone()
-_COLOR = _PassColor()
-_SHARPNESS = _PassSharpness()
-
-
-def _round_passes(names: list[str], magnitude: np.ndarray, h: np.ndarray, w: np.ndarray, channels: int,
-                  warp: _PassWarp) -> list[Step]:
-    """The passes of one round in which sample i applies op ``names[i]`` with ``magnitude[i]``
-    (signed), as torchvision's ``_apply_op`` does; passes no sample needs are left out."""
-    n = len(names)
-    name = np.asarray(names)
-    steps: list[Step] = []
-
-    affine = np.zeros((n, 2, 3))
-    affine[:, 0, 0] = affine[:, 1, 1] = 1.0
-    for i in np.flatnonzero(name == "ShearX"):  # input x = x + m y: torchvision's shear about the corner
-        affine[i, 0, 1] = magnitude[i]
-    for i in np.flatnonzero(name == "ShearY"):
-        affine[i, 1, 0] = magnitude[i]
-    for i in np.flatnonzero(name == "TranslateX"):  # whole pixels (torchvision's int()), towards +x for m > 0
-        affine[i, 0, 2] = -math.trunc(magnitude[i])
-    for i in np.flatnonzero(name == "TranslateY"):
-        affine[i, 1, 2] = -math.trunc(magnitude[i])
-    if len(i := np.flatnonzero(name == "Rotate")):
-        affine[i] = rotation_affine(magnitude[i], h[i], w[i])
-    geometric = np.isin(name, ("ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate"))
-    if geometric.any():
-        steps.append((warp, (affine, warp.fill_values(channels))))
-
-    tone = np.zeros((n, 2))
-    for op, kind in (("Brightness", BRIGHTNESS), ("Contrast", CONTRAST)):
-        i = np.flatnonzero(name == op)
-        tone[i, 0], tone[i, 1] = kind, 1.0 + magnitude[i]
-    i = np.flatnonzero(name == "Posterize")
-    tone[i, 0], tone[i, 1] = POSTERIZE, np.trunc(magnitude[i])
-    i = np.flatnonzero(name == "Solarize")
-    tone[i, 0], tone[i, 1] = SOLARIZE, magnitude[i]
-    tone[name == "AutoContrast", 0] = AUTOCONTRAST
-    tone[name == "Invert", 0] = INVERT
-    tone[name == "Equalize", 0] = EQUALIZE
-    if tone[:, 0].any():
-        steps.append((_TONE, (tone,)))
-
-    color = name == "Color"
-    if color.any() and channels == 3:
-        # torchvision's adjust_saturation: blend with the gray image, f x + (1 - f) gray(x).
-        f = 1.0 + magnitude
-        matrices = np.zeros((n, 3, 4))
-        matrices[:, :, :3] = np.eye(3)
-        gray = np.asarray(GRAY_WEIGHTS, dtype=np.float64)
-        matrices[color, :, :3] = f[color, None, None] * np.eye(3) + (1.0 - f[color])[:, None, None] * gray
-        steps.append((_COLOR, (matrices,)))
-
-    sharp = name == "Sharpness"
-    if sharp.any():
-        steps.append((_SHARPNESS, (np.where(sharp, 1.0 + magnitude, 1.0),)))
-    return steps
-
-
 def _whole(value: object, what: str, low: int) -> int:
     if not is_int(value) or int(value) < low:  # type: ignore[call-overload]
         raise ConfigError(f"{what} must be an int of at least {low}, got {value!r}")
@@ -288,7 +200,7 @@ class _Policy(PostOp):
         index = np.minimum((u[:, 0] * len(names)).astype(np.int64), len(names) - 1)
         chosen = [names[k] for k in index]
         magnitude = self.magnitudes(chosen, bins, magnitude_bin, u[:, 1] >= 0.5, h, w)
-        return _round_passes(chosen, magnitude, h, w, channels, _PassWarp(self.fill))
+        return round_passes(chosen, magnitude, h, w, channels, PassWarp(self.fill))
 
     def magnitudes(self, names: list[str], bins: int, magnitude_bin: np.ndarray, negative: np.ndarray, h, w) -> np.ndarray:
         """(n,) signed magnitudes: sample i's op ``names[i]`` at its bin, negated where ``negative``
@@ -419,5 +331,5 @@ class AutoAugment(_Policy):
                 bins[i] = magnitude_bin or 0
             negative = u[:, 3 + r] < 0.5  # torchvision: signs[i] == 0 negates
             magnitude = self.magnitudes(names, 10, bins, negative, h, w)
-            out += _round_passes(names, magnitude, h, w, channels, _PassWarp(self.fill))
+            out += round_passes(names, magnitude, h, w, channels, PassWarp(self.fill))
         return out

@@ -33,16 +33,16 @@ __all__ = [
 ]
 
 # Kinds of tone curve (column 0 of a ToneCurve's parameters; the GPU kernel's switch uses the same numbers).
-IDENTITY, POSTERIZE, SOLARIZE, INVERT, BRIGHTNESS, CONTRAST, AUTOCONTRAST, EQUALIZE = range(8)
-# The kinds read off the image (READS_IMAGE <= kind): they need its histograms.
-READS_IMAGE = CONTRAST
+IDENTITY, POSTERIZE, SOLARIZE, INVERT, BRIGHTNESS, CONTRAST, AUTOCONTRAST, EQUALIZE, SOLARIZE_ADD = range(9)
+# The kinds read off the image: they need its histograms (the kernel's test: 5 <= kind <= 7).
+READS_IMAGE = (CONTRAST, AUTOCONTRAST, EQUALIZE)
 # torchvision's rgb_to_grayscale weights.
 GRAY_WEIGHTS = (0.2989, 0.587, 0.114)
 
 
 def needs_histograms(params: np.ndarray) -> bool:
     """Whether any sample's curve is read off its image (its histograms must be counted first)."""
-    return bool(np.any(np.asarray(params)[:, 0] >= READS_IMAGE))
+    return bool(np.isin(np.asarray(params)[:, 0], READS_IMAGE).any())
 
 
 def _round_u8(v: np.ndarray) -> np.ndarray:
@@ -57,6 +57,7 @@ def tone_tables(params: np.ndarray, histograms: np.ndarray | None, channels: int
     darkest and brightest level, N the pixel count):
 
     - posterize b bits: ``v & (255 << (8 - b))``; solarize t: ``255 - v`` where ``v >= t``; invert: ``255 - v``;
+      solarize-add a (timm's): ``min(255, v + a)`` where ``v < 128``;
     - brightness f: ``round(f v)``; contrast f: ``round(f v + (1 - f) m)`` (float32), m the mean
       gray level ``(0.2989 R + 0.587 G + 0.114 B) / N`` from the channel sums, in float64 then
       float32 (torchvision blends with the mean of its gray image, whose levels it truncates
@@ -88,7 +89,10 @@ def tone_tables(params: np.ndarray, histograms: np.ndarray | None, channels: int
     if len(i := rows(BRIGHTNESS)):
         f = value[i, None].astype(np.float32)
         out[i] = _round_u8(f * v.astype(np.float32))[:, None, :]
-    if not np.any(kind >= READS_IMAGE):
+    if len(i := rows(SOLARIZE_ADD)):
+        add = value[i, None].astype(np.int64)
+        out[i] = np.where(v < 128, np.minimum(v + add, 255), v).astype(np.uint8)[:, None, :]
+    if not np.isin(kind, READS_IMAGE).any():
         return out
     if histograms is None:
         raise ValueError("tone_tables: these curves are read off the image; its histograms are needed")

@@ -117,6 +117,7 @@ PUBLIC = {
         "Resize",
         "Rotate",
         "Sharpness",
+        "TimmRandAugment",
         "ToneCurve",
         "TrivialAugmentWide",
         "WarpAffine",

@@ -190,7 +190,7 @@ extern "C" __global__ void histogram(const u64* ptrs, const int* meta, const flo
 
 // Tone tables (ops/_tone.py tone_tables, operation for operation): CH x 256 levels at
 // ptrs[2 z + 1] from par[2 z .. 2 z + 1] = (kind, value) and, for the kinds read off the image
-// (kind >= 5), the level counts at ptrs[2 z]. One block of 256 threads a sample; thread v makes level v.
+// (5 <= kind <= 7), the level counts at ptrs[2 z]. One block of 256 threads a sample; thread v makes level v.
 extern "C" __global__ void tone_build(const u64* ptrs, const int* meta, const float* par)
 {
     __shared__ int counts[CH * 256];
@@ -203,7 +203,7 @@ extern "C" __global__ void tone_build(const u64* ptrs, const int* meta, const fl
     const int kind = (int)par[2 * b];
     const float value = par[2 * b + 1];
     u8* lut = (u8*)ptrs[2 * b + 1];
-    if (kind >= 5) {
+    if (kind >= 5 && kind <= 7) {
         const int* h = (const int*)ptrs[2 * b];
         for (int c = 0; c < CH; ++c) counts[c * 256 + v] = h[c * 256 + v];
         __syncthreads();
@@ -255,6 +255,7 @@ extern "C" __global__ void tone_build(const u64* ptrs, const int* meta, const fl
             if (span > 0) out = min(max((2 * 255 * (v - lo[c]) + span) / (2 * span), 0), 255);
             break;
         }
+        case 8: out = v < 128 ? min(v + (int)value, 255) : v; break;           // solarize-add (timm's)
         case 7: {                                                               // equalize
             const long long st = step[c];
             if (st > 0) out = v == 0 ? 0 : (int)min((cdf[c * 256 + v - 1] + st / 2) / st, 255LL);

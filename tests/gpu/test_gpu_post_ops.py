@@ -306,14 +306,15 @@ def test_tone_curves_read_off_the_image_on_a_batch_tensor_in_place(stream):
     assert np.array_equal(got[0], arrays[0])
 
 
-def test_contrast_and_brightness_tone_tables_match(stream):
-    from headrace.ops._tone import BRIGHTNESS, CONTRAST, ToneCurve
+def test_contrast_brightness_and_solarize_add_tone_tables_match(stream):
+    from headrace.ops._tone import BRIGHTNESS, CONTRAST, SOLARIZE_ADD, ToneCurve
 
     class Fixed(ToneCurve):
         def tables(self, u, h, w, channels):
             rows = np.zeros((len(h), 2))
-            rows[::2] = (CONTRAST, 1.7)
-            rows[1::2] = (BRIGHTNESS, 0.63)
+            rows[::3] = (CONTRAST, 1.7)
+            rows[1::3] = (BRIGHTNESS, 0.63)
+            rows[2::3] = (SOLARIZE_ADD, 77)
             return (rows,)
 
     rng = np.random.default_rng(14)
@@ -322,11 +323,12 @@ def test_contrast_and_brightness_tone_tables_match(stream):
         pipeline = Pipeline([Decode("gray" if channels == 1 else "rgb"), Fixed()])
         steps = _tables(pipeline, arrays)
         got, _ = _gpu(pipeline, stream, arrays, steps)
-        _compare(f"contrast/brightness C={channels}", got, _cpu(pipeline, arrays, steps), 0)
+        _compare(f"contrast/brightness/solarize-add C={channels}", got, _cpu(pipeline, arrays, steps), 0)
 
 
 @pytest.mark.parametrize("policy", [ops.RandAugment(num_ops=2, magnitude=12), ops.AutoAugment("imagenet"),
-                                    ops.AutoAugment("svhn")], ids=["randaugment-2", "autoaugment", "autoaugment-svhn"])
+                                    ops.AutoAugment("svhn"), ops.TimmRandAugment("rand-m9-mstd0.5-inc1-p1.0")],
+                         ids=["randaugment-2", "autoaugment", "autoaugment-svhn", "timm"])
 def test_two_rounds_of_a_policy_through_the_chain(policy, stream):
     # Two rounds: a warp's 1-level difference can move a later equalize or solarize step, so
     # single values may differ more; nearly all agree within a level.
@@ -352,8 +354,8 @@ def test_two_rounds_of_a_policy_through_the_chain(policy, stream):
 async def test_randaugment_through_the_gpu_loader_is_repeatable_and_near_the_cpu(folder):
     # PNG: both paths decode the same pixels; the geometry before RandAugment differs by up to 2
     # levels (test_gpu_pipeline.py), which a later tone curve can move further: compare means.
-    pipeline = Pipeline([Decode(), ops.RandomResizedCrop(64), ops.RandAugment(), ops.TrivialAugmentWide(), ops.AutoAugment()],
-                        layout="HWC")
+    pipeline = Pipeline([Decode(), ops.RandomResizedCrop(64), ops.RandAugment(), ops.TrivialAugmentWide(), ops.AutoAugment(),
+                         ops.TimmRandAugment()], layout="HWC")
     runs = {}
     for device in ("cuda", "cuda", "cpu"):
         async with Loader(readers.files(folder), batch_size=16, pipeline=pipeline, device=device, seed=4) as loader:

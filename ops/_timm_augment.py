@@ -1,0 +1,175 @@
+"""timm's RandAugment, from the config string its users already have (``rand-m9-mstd0.5-inc1``,
+the DeiT, Swin and ConvNeXt recipes), as a post op each sample draws on its own.
+
+timm's variant differs from torchvision's (``_auto_augment.py``): each of the ``n`` layers applies
+its op only with probability ``p``, the magnitude gets Gaussian noise per draw (``mstd``), the
+"increasing" op set grows every op's strength with the magnitude, and warps fill with the
+ImageNet mean. Each layer becomes the same batch-wide passes as torchvision's policies
+(``_passes.py``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from headrace._errors import ConfigError
+
+from ._passes import PassWarp, round_passes
+from ._post_spec import PostOp, Step, _fill
+from ._spec import IMAGENET_MEAN
+
+__all__ = ["TimmRandAugment"]
+
+LEVEL_DENOM = 10.0  # timm's magnitude scale: M10 is the full strength of an op
+
+# timm's op sets, in its order (a sample's op index counts in it).
+_PLAIN = ("AutoContrast", "Equalize", "Invert", "Rotate", "Posterize", "Solarize", "SolarizeAdd", "Color",
+          "Contrast", "Brightness", "Sharpness", "ShearX", "ShearY", "TranslateXRel", "TranslateYRel")
+_INCREASING = ("AutoContrast", "Equalize", "Invert", "Rotate", "PosterizeIncreasing", "SolarizeIncreasing",
+               "SolarizeAdd", "ColorIncreasing", "ContrastIncreasing", "BrightnessIncreasing", "SharpnessIncreasing",
+               "ShearX", "ShearY", "TranslateXRel", "TranslateYRel")
+_ENHANCE = {"Color", "Contrast", "Brightness", "Sharpness"}
+
+# timm's create_transform fills warps with the dataset mean in levels: (124, 116, 104) for ImageNet.
+IMAGENET_FILL = tuple(min(255, round(255 * m)) for m in IMAGENET_MEAN)
+
+
+def _arguments(op: str, level: np.ndarray, negative: np.ndarray, h: np.ndarray, w: np.ndarray) -> tuple[str, np.ndarray]:
+    """timm's ``LEVEL_TO_ARG`` for one op over samples: the pass op's name and its magnitude
+    (``round_passes``' convention: factors as f - 1, translations in input pixels)."""
+    fraction = level / LEVEL_DENOM
+    sign = np.where(negative, -1.0, 1.0)
+    if op in ("AutoContrast", "Equalize", "Invert"):
+        return op, np.zeros_like(level)
+    if op == "Rotate":
+        return op, sign * fraction * 30.0
+    if op in ("ShearX", "ShearY"):
+        return op, sign * fraction * 0.3
+    if op in ("TranslateXRel", "TranslateYRel"):  # a share of the width (height), not whole pixels
+        side = w if op == "TranslateXRel" else h
+        return "ShiftX" if op == "TranslateXRel" else "ShiftY", sign * fraction * 0.45 * side
+    if op == "Posterize":
+        return op, np.trunc(fraction * 4)
+    if op == "PosterizeIncreasing":
+        return "Posterize", 4 - np.trunc(fraction * 4)
+    if op == "Solarize":
+        return op, np.minimum(256, np.trunc(fraction * 256))
+    if op == "SolarizeIncreasing":
+        return "Solarize", 256 - np.minimum(256, np.trunc(fraction * 256))
+    if op == "SolarizeAdd":
+        return op, np.minimum(128, np.trunc(fraction * 110))
+    if op in _ENHANCE:  # factor in [0.1, 1.9]
+        return op, fraction * 1.8 + 0.1 - 1.0
+    base = op.removesuffix("Increasing")
+    if base in _ENHANCE:  # 1 +- 0.9 fraction, at least 0.1
+        return base, np.maximum(0.1, 1.0 + sign * fraction * 0.9) - 1.0
+    raise AssertionError(op)
+
+
+def _number(value: str, what: str, kind: type) -> float:
+    try:
+        return kind(value)
+    except ValueError:
+        raise ConfigError(f"TimmRandAugment: {what} must be a number, got {value!r}") from None
+
+
+@dataclass(frozen=True)
+class TimmRandAugment(PostOp):
+    """timm's ``rand_augment_transform(config)``: ``n`` layers (default 2), each applying, with
+    probability ``p`` (0.5), one op drawn uniformly (with replacement) from timm's 15 at magnitude
+    ``m`` (10) out of 10, the magnitude drawn per sample and layer from a Gaussian of std ``mstd``
+    (0; over 100: uniform in [0, m]) and clipped to [0, ``mmax``] (10). ``inc1`` takes the ops
+    whose strength increases with the magnitude (``PosterizeIncreasing``...), as the DeiT recipe's
+    ``rand-m9-mstd0.5-inc1`` does. Config sections: ``m``, ``n``, ``p``, ``mstd``, ``mmax``,
+    ``inc``; timm's weighted op sets (``t...``) are not offered.
+
+    ``fill`` is the level where a warp reads outside the image: timm's ``create_transform`` passes
+    the dataset mean, (124, 116, 104) for ImageNet's, the default here. Five uniforms per sample and
+    layer (op, probability, sign, two for the magnitude's noise). Differences from timm's PIL ops:
+    warps sample bilinearly (timm draws bilinear or bicubic), results round where PIL truncates,
+    and gray uses torchvision's weights; a level or so apart. ``inc0`` means the plain ops (timm
+    reads any ``inc`` as increasing). Raises ConfigError for a config timm would not take.
+    """
+
+    config: str = "rand-m9-mstd0.5-inc1"
+    fill: float | tuple[float, ...] = IMAGENET_FILL
+    magnitude: float = field(default=10.0, init=False)
+    num_layers: int = field(default=2, init=False)
+    prob: float = field(default=0.5, init=False)
+    magnitude_std: float = field(default=0.0, init=False)
+    magnitude_max: float = field(default=LEVEL_DENOM, init=False)
+    increasing: bool = field(default=False, init=False)
+    randoms: int = field(default=10, init=False)
+    moves_pixels = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.config, str) or self.config.split("-")[0] != "rand":
+            raise ConfigError(f"TimmRandAugment: config must start with 'rand' (timm's RandAugment), got {self.config!r}")
+        for section in self.config.split("-")[1:]:
+            key, value = (re.split(r"(\d.*)", section) + [""])[:2]
+            if key == "m":
+                object.__setattr__(self, "magnitude", _number(value, "m", float))
+            elif key == "n":
+                object.__setattr__(self, "num_layers", int(_number(value, "n", int)))
+            elif key == "p":
+                object.__setattr__(self, "prob", _number(value, "p", float))
+            elif key == "mstd":
+                std = _number(value, "mstd", float)
+                object.__setattr__(self, "magnitude_std", math.inf if std > 100 else std)
+            elif key == "mmax":
+                object.__setattr__(self, "magnitude_max", _number(value, "mmax", float))
+            elif key == "inc":
+                object.__setattr__(self, "increasing", bool(int(_number(value, "inc", int))))
+            else:
+                raise ConfigError(f"TimmRandAugment: unknown section {section!r} in {self.config!r} "
+                                  "(m, n, p, mstd, mmax and inc are understood)")
+        if self.num_layers < 0 or not 0.0 <= self.prob <= 1.0 or self.magnitude < 0 or self.magnitude_std < 0:
+            raise ConfigError(f"TimmRandAugment: {self.config!r} needs n >= 0, p in [0, 1], m >= 0 and mstd >= 0")
+        object.__setattr__(self, "fill", _fill(self.fill, "TimmRandAugment: fill"))
+        object.__setattr__(self, "randoms", 5 * self.num_layers)
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        """timm's op names this config draws from, in its order."""
+        return _INCREASING if self.increasing else _PLAIN
+
+    def levels(self, noise_a: np.ndarray, noise_b: np.ndarray) -> np.ndarray:
+        """Each draw's magnitude: ``m``, with Gaussian noise (Box-Muller on two uniforms) or
+        uniform in [0, m] (``mstd`` over 100), clipped to [0, ``mmax``]."""
+        level = np.full(len(noise_a), self.magnitude)
+        if math.isinf(self.magnitude_std):
+            level = noise_a * self.magnitude
+        elif self.magnitude_std > 0:
+            gauss = np.sqrt(-2.0 * np.log1p(-noise_a)) * np.cos(2.0 * math.pi * noise_b)
+            level = level + self.magnitude_std * gauss
+        return np.clip(level, 0.0, self.magnitude_max)
+
+    def steps(self, u, h, w, channels):
+        if self.num_layers == 0:
+            return []
+        h, w = np.asarray(h).reshape(-1), np.asarray(w).reshape(-1)
+        u = np.asarray(u, dtype=np.float64).reshape(-1, self.num_layers, 5)
+        ops = self.ops
+        out: list[Step] = []
+        for layer in range(self.num_layers):
+            d = u[:, layer]
+            index = np.minimum((d[:, 0] * len(ops)).astype(np.int64), len(ops) - 1)
+            applied = d[:, 1] <= self.prob  # timm skips a layer when random() > p
+            level = self.levels(d[:, 3], d[:, 4])
+            names = ["Identity"] * len(h)
+            magnitude = np.zeros(len(h))
+            for k in np.unique(index[applied]):
+                rows = np.flatnonzero(applied & (index == k))
+                name, values = _arguments(ops[k], level[rows], d[rows, 2] > 0.5, h[rows], w[rows])
+                magnitude[rows] = values
+                for i in rows:
+                    names[i] = name
+            out += round_passes(names, magnitude, h, w, channels, PassWarp(self.fill))
+        return out
+
+    def tables(self, u, h, w, channels):
+        raise TypeError("TimmRandAugment is made of several passes: use steps()")

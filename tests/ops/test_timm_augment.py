@@ -1,0 +1,106 @@
+"""``ops.TimmRandAugment``: timm's config strings, its magnitude noise and per-layer probability,
+its ops that torchvision's RandAugment lacks (solarize-add, the increasing posterize), on the CPU
+path through a Loader over real JPEGs. (Each op against timm itself: test_timm_parity.py.)"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from ops_refs import random_image
+from sample_data import jpeg_bytes
+
+from headrace import ConfigError, Loader, ops, readers
+from headrace.ops.cpu import _post
+
+H, W = 40, 56
+
+
+def _forced(op, slot: int, applied: float = 0.0, sign: float = 0.25) -> np.ndarray:
+    """Uniforms for one layer: op ``slot``, drawn below p, positive sign, no magnitude noise."""
+    return np.array([[(slot + 0.5) / len(op.ops), applied, sign, 0.0, 0.0]])
+
+
+def test_the_config_string_is_read_as_timm_reads_it():
+    deit = ops.TimmRandAugment("rand-m9-mstd0.5-inc1")
+    assert (deit.magnitude, deit.num_layers, deit.prob, deit.magnitude_std, deit.increasing) == (9, 2, 0.5, 0.5, True)
+    assert deit.randoms == 10 and deit.moves_pixels and deit.fill == (124.0, 116.0, 104.0)
+    other = ops.TimmRandAugment("rand-n3-m5-p0.3-mmax12-inc0", fill=0)
+    assert (other.magnitude, other.num_layers, other.prob, other.magnitude_max, other.increasing) == (5, 3, 0.3, 12, False)
+    assert other.ops[4] == "Posterize" and deit.ops[4] == "PosterizeIncreasing"
+    assert math.isinf(ops.TimmRandAugment("rand-m9-mstd101").magnitude_std)  # over 100: uniform
+    assert ops.TimmRandAugment("rand").magnitude == 10  # timm's defaults: M10, two layers
+
+
+@pytest.mark.parametrize("config", ["augmix-m3", "rand-x1", "rand-tweights", "rand-mfoo", "rand-p1.5", "rand-n-1", 7])
+def test_configs_timm_would_refuse_are_config_errors(config):
+    with pytest.raises(ConfigError, match="TimmRandAugment"):
+        ops.TimmRandAugment(config)
+
+
+def test_the_magnitude_noise_is_gaussian_and_clipped():
+    u = np.random.default_rng(1).random((20000, 2))
+    noisy = ops.TimmRandAugment("rand-m5-mstd2").levels(u[:, 0], u[:, 1])
+    assert abs(noisy.mean() - 5.0) < 0.05 and abs(noisy.std() - 2.0) < 0.05  # clipping at 0 and 10 is 1% of draws
+    assert noisy.min() >= 0.0 and noisy.max() <= 10.0
+    clipped = ops.TimmRandAugment("rand-m9-mstd3").levels(u[:, 0], u[:, 1])
+    assert clipped.max() == 10.0 and (clipped == 10.0).mean() > 0.3
+    uniform = ops.TimmRandAugment("rand-m8-mstd200").levels(u[:, 0], u[:, 1])
+    assert uniform.min() >= 0 and uniform.max() <= 8 and abs(uniform.mean() - 4.0) < 0.1
+    assert np.all(ops.TimmRandAugment("rand-m7").levels(u[:, 0], u[:, 1]) == 7.0)
+
+
+def test_solarize_add_and_the_increasing_posterize():
+    a = random_image(np.random.default_rng(2), H, W, 3)
+    x = torch.from_numpy(a)
+    op = ops.TimmRandAugment("rand-m10-n1-inc1")
+    add = _post.apply(x, [op], [_forced(op, op.ops.index("SolarizeAdd"))]).numpy()
+    v = a.astype(int)
+    assert np.array_equal(add, np.where(v < 128, np.minimum(v + 110, 255), v).astype(np.uint8))  # min(128, int(110))
+    op9 = ops.TimmRandAugment("rand-m9-n1-inc1")
+    posterized = _post.apply(x, [op9], [_forced(op9, op9.ops.index("PosterizeIncreasing"))]).numpy()
+    assert np.array_equal(posterized, a & 0x80)  # 4 - int(3.6) = 1 bit
+
+
+def test_a_layer_applies_its_op_only_below_p_and_translates_by_a_share_of_the_side():
+    a = random_image(np.random.default_rng(3), H, W, 3)
+    x = torch.from_numpy(a)
+    op = ops.TimmRandAugment("rand-m10-n1-p0.4", fill=(1, 2, 3))
+    slot = op.ops.index("TranslateXRel")
+    assert op.steps(_forced(op, slot, applied=0.41), np.array([H]), np.array([W]), 3) == []
+    moved = _post.apply(x, [op], [_forced(op, slot, applied=0.39)]).numpy()
+    # 0.45 W = 25.2 input pixels: the content moves left, the right edge reads fill.
+    assert np.array_equal(moved[:, -1], np.broadcast_to(np.array([1, 2, 3], np.uint8), (H, 3)))
+    expected = 0.8 * a[:, 25].astype(float) + 0.2 * a[:, 26]  # column 0 reads 0.5 + 25.2 - 0.5 = 25.2
+    assert np.abs(moved[:, 0].astype(float) - expected).max() <= 1.0
+
+
+def _items() -> list[dict]:
+    rng = np.random.default_rng(71)
+    return [{"__key__": f"s{i:03d}", "jpg": jpeg_bytes(rng, 40 + i % 7, 44 + i % 5), "cls": i % 3} for i in range(48)]
+
+
+async def _loaded(*post, seed: int = 5) -> list[torch.Tensor]:
+    pipe = ops.Pipeline([ops.Decode(), ops.RandomResizedCrop(32), *post], layout="HWC")
+    loader = Loader(readers.sequence(_items()), batch_size=16, pipeline=pipe, device="cpu", num_threads=2, seed=seed)
+    async with loader:
+        return [image for b in [b async for b in loader] for image in b["image"]]
+
+
+async def test_through_the_loader_seeded():
+    plain = await _loaded()
+    first, second, other = (await _loaded(ops.TimmRandAugment()), await _loaded(ops.TimmRandAugment()),
+                            await _loaded(ops.TimmRandAugment(), seed=6))
+    assert all(image.shape == (32, 32, 3) and image.dtype == torch.uint8 for image in first)
+    assert all(torch.equal(p, q) for p, q in zip(first, second))
+    assert sum(not torch.equal(p, q) for p, q in zip(first, other)) > 24
+    # Two layers at p = 0.5: a quarter of the samples draw neither and come out as they went in.
+    untouched = sum(torch.equal(p, q) for p, q in zip(first, plain))
+    assert 3 <= untouched <= 24
+
+
+def test_boxes_refuse_it():
+    with pytest.raises(ConfigError, match="moves pixels"):
+        ops.Pipeline([ops.Decode(), ops.Resize(64), ops.TimmRandAugment()], label=None, boxes="boxes")
