@@ -19,8 +19,8 @@ import numpy as np
 
 from headrace._errors import ConfigError, is_int
 
-from ._passes import PassWarp, round_passes
-from ._post_spec import PostOp, Step, _fill
+from ._passes import MultiPass, PassWarp, round_passes
+from ._post_spec import Step, _fill
 
 __all__ = ["AutoAugment", "RandAugment", "TrivialAugmentWide"]
 
@@ -184,10 +184,9 @@ def _whole(value: object, what: str, low: int) -> int:
     return int(value)  # type: ignore[call-overload]
 
 
-class _Policy(PostOp):
+class _Policy(MultiPass):
     """An op drawn per sample from a space of ops, in rounds."""
 
-    moves_pixels: ClassVar[bool] = True
     space: ClassVar[dict[str, tuple[Magnitudes, bool]]]
     fill: tuple[float, ...]
 
@@ -219,9 +218,6 @@ class _Policy(PostOp):
             if signed:
                 magnitude[rows] *= np.where(negative[rows], -1.0, 1.0)
         return magnitude
-
-    def tables(self, u, h, w, channels):
-        raise TypeError(f"{type(self).__name__} is made of several passes: use steps()")
 
 
 @dataclass(frozen=True)

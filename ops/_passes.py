@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
-from ._post_spec import ColorMatrix, Step, _Warp, rotation_affine
+from ._post_spec import ColorMatrix, PostOp, Step, _Warp, rotation_affine
 from ._tone import (
     AUTOCONTRAST,
     BRIGHTNESS,
@@ -26,12 +27,22 @@ from ._tone import (
     ToneCurve,
 )
 
-__all__ = ["GEOMETRIC", "PassWarp", "round_passes"]
+__all__ = ["GEOMETRIC", "MultiPass", "PassWarp", "round_passes"]
 
 # The ops that move pixels (the warp pass); "ShiftX"/"ShiftY" read the input m pixels further
 # along (timm's translations, not whole pixels), "TranslateX"/"TranslateY" move the image by
 # int(m) (torchvision's).
 GEOMETRIC = ("ShearX", "ShearY", "TranslateX", "TranslateY", "ShiftX", "ShiftY", "Rotate")
+
+
+class MultiPass(PostOp):
+    """A post op made of several passes a batch (``steps``), not one table: the policies. They
+    may warp, so boxes and masks cannot follow them."""
+
+    moves_pixels: ClassVar[bool] = True
+
+    def tables(self, u, h, w, channels):
+        raise TypeError(f"{type(self).__name__} is made of several passes: use steps()")
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ import numpy as np
 
 from headrace._errors import ConfigError
 
-from ._passes import PassWarp, round_passes
-from ._post_spec import PostOp, Step, _fill
+from ._passes import MultiPass, PassWarp, round_passes
+from ._post_spec import Step, _fill
 from ._spec import IMAGENET_MEAN
 
 __all__ = ["TimmRandAugment"]
@@ -78,7 +78,7 @@ def _number(value: str, what: str, kind: type) -> float:
 
 
 @dataclass(frozen=True)
-class TimmRandAugment(PostOp):
+class TimmRandAugment(MultiPass):
     """timm's ``rand_augment_transform(config)``: ``n`` layers (default 2), each applying, with
     probability ``p`` (0.5), one op drawn uniformly (with replacement) from timm's 15 at magnitude
     ``m`` (10) out of 10, the magnitude drawn per sample and layer from a Gaussian of std ``mstd``
@@ -104,7 +104,6 @@ class TimmRandAugment(PostOp):
     magnitude_max: float = field(default=LEVEL_DENOM, init=False)
     increasing: bool = field(default=False, init=False)
     randoms: int = field(default=10, init=False)
-    moves_pixels = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.config, str) or self.config.split("-")[0] != "rand":
@@ -170,6 +169,3 @@ class TimmRandAugment(PostOp):
                     names[i] = name
             out += round_passes(names, magnitude, h, w, channels, PassWarp(self.fill))
         return out
-
-    def tables(self, u, h, w, channels):
-        raise TypeError("TimmRandAugment is made of several passes: use steps()")
