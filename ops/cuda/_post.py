@@ -8,8 +8,11 @@ the op's numbers) that ``_post.py`` packs into pinned host memory and copies to 
 asynchronously. The numbers are the CPU path's (``PostOp.tables``), so both draw the same
 parameters for a sample.
 
-Buffers: the colour twist and tone curves work in place once a buffer is ours; a warp, a blur or
-sharpness writes into a second buffer (two uint8 buffers take turns); the blur's horizontal pass
+Buffers: a pass launches over the samples it changes only (a sample ``p`` left alone, or one that
+drew another kind of pass in a policy's round, is skipped), so each sample's pixels move between
+the input and two uint8 buffers on their own (``route``): the colour twist and tone curves work in
+place once a buffer is ours; a warp, a blur or sharpness writes into the other buffer; a batch
+tensor's samples are gathered into one buffer at the end. The blur's horizontal pass
 writes float32 scratch that its vertical pass reads, rounding once at the end, as the CPU path
 does. A tone curve builds each sample's tables on the device (from the image's level counts where
 the curve is read off the image), then looks every pixel up.
@@ -20,7 +23,6 @@ pinned buffer ``_RING`` launches ago (long passed, in practice). Nothing else sy
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -29,10 +31,10 @@ import torch
 from .._geometry import index_affine
 from .._pipeline import Pipeline
 from .._post_spec import ColorMatrix, GaussianBlur, PostOp, Step, _Warp
-from .._tone import Sharpness, ToneCurve, needs_histograms
+from .._tone import IDENTITY, Sharpness, ToneCurve, needs_histograms
 from ._post_kernels import FINISH_TYPES, module
 
-__all__ = ["PostOps", "blur_table", "chain", "color_table", "describe", "finish", "table_layout", "warp_table"]
+__all__ = ["PostOps", "blur_table", "changed", "color_table", "describe", "finish", "route", "table_layout", "warp_table"]
 
 # Pinned table buffers per PostOps, used in turn: a batch takes one per launch (a blur two, a tone curve up to three), and a
 # lane runs at most two batches ahead of the GPU, so 32 leaves the wait in _Tables.upload idle.
@@ -110,20 +112,42 @@ def table_layout(n: int, width: int) -> tuple[int, int, int]:
     return meta, par, par + ((4 * n * width + 15) // 16) * 16
 
 
-def chain(ops: Sequence[PostOp], inplace: bool) -> list[tuple[int, int]]:
-    """Which buffer each op reads and writes: -1 is the input, 0 and 1 our two uint8 buffers.
+def changed(op: PostOp, tables: tuple[np.ndarray, ...]) -> np.ndarray:
+    """(n,) bool: the samples a pass changes. The others hold the identity (a sample ``p`` left
+    alone, or one that drew another kind of pass in a policy's round), which the kernels would
+    copy exactly: they are left out of the launch."""
+    if isinstance(op, ColorMatrix):
+        m = np.asarray(tables[0])
+        identity = np.eye(m.shape[1], m.shape[2])
+        return ~np.all(m == identity, axis=(1, 2))
+    if isinstance(op, _Warp):
+        return ~np.all(np.asarray(tables[0]) == np.eye(2, 3), axis=(1, 2))
+    if isinstance(op, GaussianBlur):
+        def delta(w: np.ndarray) -> np.ndarray:
+            centre = np.zeros(w.shape[1])
+            centre[w.shape[1] // 2] = 1.0
+            return np.all(w == centre, axis=1)
+        return ~(delta(np.asarray(tables[0])) & delta(np.asarray(tables[1])))
+    if isinstance(op, ToneCurve):
+        return np.asarray(tables[0])[:, 0] != IDENTITY
+    if isinstance(op, Sharpness):
+        return np.asarray(tables[0]).reshape(-1) != 1.0
+    raise TypeError(f"not a post op: {op!r}")
 
-    The colour twist and tone curves write where they read once that is ours (or the input, with
-    ``inplace``); a warp, a blur or sharpness writes into the other buffer."""
-    steps, cur = [], -1
-    for op in ops:
-        if isinstance(op, (ColorMatrix, ToneCurve)) and (cur >= 0 or inplace):
-            dst = cur
-        else:
-            dst = 0 if cur != 0 else 1
-        steps.append((cur, dst))
-        cur = dst
-    return steps
+
+def route(op: PostOp, where: np.ndarray, active: np.ndarray, inplace: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Which buffer each of the samples ``active`` reads and writes in this pass: -1 is the input,
+    0 and 1 our two uint8 buffers; ``where`` (n,) says where each sample's pixels are now and is
+    updated. Each sample keeps its own place, so a pass that changes a few samples moves only
+    those. The colour and tone passes write where they read once that is ours (or the input,
+    with ``inplace``); a warp, a blur or sharpness writes into the other buffer."""
+    src = where[active]
+    if isinstance(op, (ColorMatrix, ToneCurve)):
+        dst = np.where((src >= 0) | inplace, src, 0)
+    else:
+        dst = np.where(src == 0, 1, 0)
+    where[active] = dst
+    return src, dst
 
 
 # --- device side ---------------------------------------------------------------------------------
@@ -212,54 +236,71 @@ class PostOps:
 
     def apply_tables(self, images: Any, steps: list[Step], *, inplace: bool = False,
                      rows: np.ndarray | None = None) -> Any:
-        """``apply`` with given passes (primitive ops and their tables, n rows each; ``tables``)."""
+        """``apply`` with given passes (primitive ops and their tables, n rows each; ``tables``).
+
+        Each pass launches over the samples it changes (``changed``), each sample's pixels moving
+        between the input and two buffers on their own (``route``); at the end a batch tensor's
+        samples are gathered into one buffer."""
         rows = describe(images) if rows is None else rows
         if not steps or len(rows) == 0:
             return images
-        ops = [op for op, _ in steps]
         if np.any(rows[:, 4] != self.channels):
             raise ValueError(f"images must have {self.channels} channels (the pipeline's)")
+        n = len(rows)
         sizes = rows[:, 1] * rows[:, 2] * self.channels
         offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
         total = int(sizes.sum())
+        where = np.full(n, -1)
         with torch.cuda.stream(self.stream):
             bufs: list[torch.Tensor | None] = [None, None]
             scratch = None
-            for (src, dst), (op, tab) in zip(chain(ops, inplace), steps):
-                for k in (src, dst):
-                    if k >= 0 and bufs[k] is None:
+            for op, tab in steps:
+                active = np.flatnonzero(changed(op, tab))
+                if not len(active):
+                    continue
+                src, dst = route(op, where, active, inplace)
+                for k in (0, 1):
+                    if bufs[k] is None and (np.any(src == k) or np.any(dst == k)):
                         bufs[k] = torch.empty(total, dtype=torch.uint8, device=self.device)
-                s_ptr, s_stride = self._where(rows, bufs, src, offsets)
-                d_ptr, d_stride = self._where(rows, bufs, dst, offsets)
+                sub = rows[active]
+                s_ptr, s_stride = self._where(rows, bufs, src, offsets, active)
+                d_ptr, d_stride = self._where(rows, bufs, dst, offsets, active)
                 if isinstance(op, GaussianBlur):
                     if scratch is None:
                         scratch = torch.empty(total, dtype=torch.float32, device=self.device)
-                    t_ptr = scratch.data_ptr() + 4 * offsets
-                    t_stride = 4 * rows[:, 2] * self.channels
-                    par = blur_table(*tab)
+                    t_ptr = scratch.data_ptr() + 4 * offsets[active]
+                    t_stride = 4 * sub[:, 2] * self.channels
+                    par = blur_table(tab[0][active], tab[1][active])
                     kx, ky = op.kernel_size
-                    self._launch("blur_rows", rows, s_ptr, s_stride, t_ptr, t_stride, par, (kx, par.shape[1]))
-                    self._launch("blur_cols", rows, t_ptr, t_stride, d_ptr, d_stride, par, (ky, par.shape[1], kx))
+                    self._launch("blur_rows", sub, s_ptr, s_stride, t_ptr, t_stride, par, (kx, par.shape[1]))
+                    self._launch("blur_cols", sub, t_ptr, t_stride, d_ptr, d_stride, par, (ky, par.shape[1], kx))
                 elif isinstance(op, _Warp):
-                    self._launch("warp_affine", rows, s_ptr, s_stride, d_ptr, d_stride, warp_table(*tab), ())
+                    self._launch("warp_affine", sub, s_ptr, s_stride, d_ptr, d_stride, warp_table(tab[0][active], tab[1]), ())
                 elif isinstance(op, ColorMatrix):
                     if self.channels not in (1, 3):
                         raise ValueError(f"{type(op).__name__} takes 1 or 3 channels, got {self.channels}")
-                    self._launch("color_twist", rows, s_ptr, s_stride, d_ptr, d_stride, color_table(tab[0], self.channels), ())
+                    self._launch("color_twist", sub, s_ptr, s_stride, d_ptr, d_stride,
+                                 color_table(tab[0][active], self.channels), ())
                 elif isinstance(op, ToneCurve):
-                    self._tone(rows, s_ptr, s_stride, d_ptr, d_stride, tab[0])
+                    self._tone(sub, s_ptr, s_stride, d_ptr, d_stride, tab[0][active])
                 elif isinstance(op, Sharpness):
-                    par = np.asarray(tab[0], dtype=np.float32).reshape(-1, 1)
-                    self._launch("sharpen", rows, s_ptr, s_stride, d_ptr, d_stride, par, ())
+                    par = np.asarray(tab[0], dtype=np.float32).reshape(-1, 1)[active]
+                    self._launch("sharpen", sub, s_ptr, s_stride, d_ptr, d_stride, par, ())
                 else:
                     raise TypeError(f"not a post op: {op!r}")
-            last = chain(ops, inplace)[-1][1]
-        out = bufs[last] if last >= 0 else None
-        if out is None:  # a lone in-place colour twist
-            return images
-        if isinstance(images, torch.Tensor):
-            return out.view(images.shape)
-        return [out[o : o + s].view(int(h), int(w), self.channels) for o, s, h, w in zip(offsets, sizes, rows[:, 1], rows[:, 2])]
+            if np.all(where == -1):  # nothing changed, or only in place in the input
+                return images
+            if not isinstance(images, torch.Tensor):
+                return [images[i] if k < 0 else bufs[k][o : o + s].view(int(h), int(w), self.channels)
+                        for i, (k, o, s, h, w) in enumerate(zip(where, offsets, sizes, rows[:, 1], rows[:, 2]))]
+            # One batch tensor: gather the samples into the buffer that holds most of them.
+            target = 0 if bufs[1] is None or (bufs[0] is not None and np.sum(where == 0) >= np.sum(where == 1)) else 1
+            others = np.flatnonzero(where != target)
+            if len(others):
+                s_ptr, s_stride = self._where(rows, bufs, where[others], offsets, others)
+                d_ptr, d_stride = self._where(rows, bufs, np.full(len(others), target), offsets, others)
+                self._launch("copy_pixels", rows[others], s_ptr, s_stride, d_ptr, d_stride, np.zeros((len(others), 1), np.float32), ())
+        return bufs[target].view(images.shape)
 
     def _function(self, name: str):
         fn = self._functions.get(name)
@@ -267,10 +308,16 @@ class PostOps:
             fn = self._functions[name] = self._module.get_function(name)
         return fn
 
-    def _where(self, rows, bufs, k: int, offsets) -> tuple[np.ndarray, np.ndarray]:
-        if k < 0:
-            return rows[:, 0], rows[:, 3]
-        return bufs[k].data_ptr() + offsets, rows[:, 2] * self.channels
+    def _where(self, rows, bufs, which: np.ndarray, offsets, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Addresses and row strides of ``samples`` in the places ``which`` (-1 the input, else a buffer)."""
+        ptr = rows[samples, 0].copy()
+        stride = rows[samples, 3].copy()
+        for k in (0, 1):
+            mine = which == k
+            if np.any(mine):
+                ptr[mine] = bufs[k].data_ptr() + offsets[samples[mine]]
+                stride[mine] = rows[samples[mine], 2] * self.channels
+        return ptr, stride
 
     def _tone(self, rows, s_ptr, s_stride, d_ptr, d_stride, params: np.ndarray) -> None:
         """A tone curve: level counts where the curve reads the image, each sample's tables, the lookup."""

@@ -1,5 +1,5 @@
 """CUDA source of the post-op kernels: colour twist, affine warp, separable Gaussian blur, tone
-curves (histogram, tone_build, tone_apply), sharpness, finish.
+curves (histogram, tone_build, tone_apply), sharpness, a copy, finish.
 
 Each kernel is one launch for a whole batch of images of different sizes: thread (x, y) of block
 z makes output pixel (x, y), all channels, of sample z, and returns when (x, y) lies outside that
@@ -313,6 +313,20 @@ extern "C" __global__ void sharpen(const u64* ptrs, const int* meta, const float
     }
 }
 
+// A plain copy of each sample's pixels (gathering a batch's samples into one buffer).
+extern "C" __global__ void copy_pixels(const u64* ptrs, const int* meta, const float* par)
+{
+    const int x = blockIdx.x * blockDim.x + threadIdx.x;
+    const int y = blockIdx.y * blockDim.y + threadIdx.y;
+    const int b = blockIdx.z;
+    const int* m = meta + 4 * b;
+    if (x >= m[1] || y >= m[0]) return;
+    const u8* s = (const u8*)ptrs[2 * b] + (long long)y * m[2] + (long long)x * CH;
+    u8* d = (u8*)ptrs[2 * b + 1] + (long long)y * m[3] + (long long)x * CH;
+#pragma unroll
+    for (int c = 0; c < CH; ++c) d[c] = s[c];
+}
+
 // Normalize + layout + dtype of a contiguous N x H x W x CH uint8 batch: (x - mean) * inv_std
 // (mean and inv_std already scaled to 0..255), to N x CH x H x W (chw) or N x H x W x CH.
 __device__ __forceinline__ void store(float* p, float v) { *p = v; }
@@ -357,7 +371,7 @@ def source(channels: int) -> str:
 def module(channels: int):
     """The compiled ``cupy.RawModule`` for ``channels``; compiled once per process (CuPy also caches
     the binary on disk). Functions: color_twist, warp_affine, blur_rows, blur_cols, histogram, tone_build,
-    tone_apply, sharpen, finish_<dtype>."""
+    tone_apply, sharpen, copy_pixels, finish_<dtype>."""
     import cupy
 
     return cupy.RawModule(code=source(channels), options=("--std=c++17",))

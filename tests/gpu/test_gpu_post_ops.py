@@ -366,3 +366,26 @@ async def test_randaugment_through_the_gpu_loader_is_repeatable_and_near_the_cpu
     diff = (first.float() - runs["cpu"][0].float()).abs()
     print(f"RandAugment + TrivialAugmentWide GPU vs CPU: mean {diff.mean():.3f} levels, {(diff > 2).float().mean():.2e} beyond 2")
     assert diff.mean() < 1.0
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_a_batch_tensor_whose_passes_skip_some_samples(inplace, stream):
+    # Each pass launches over the samples it changes: after these, the samples sit in the input
+    # and in either buffer, and the batch is gathered into one tensor at the end.
+    pipeline = Pipeline([Decode(), ops.CenterCrop(40), ops.RandomSolarize(90, p=0.5), GaussianBlur(5, p=0.5),
+                         ops.RandomGrayscale(0.3), Rotate(15, fill=7)])
+    rng = np.random.default_rng(16)
+    arrays = [_image(rng, 40, 40, 3) for _ in range(32)]
+    arrays[5] = np.full((40, 40, 3), 3, np.uint8)
+    x = torch.from_numpy(np.stack(arrays)).cuda()
+    torch.cuda.synchronize()
+    steps = _tables(pipeline, arrays)
+    # No rotation for the first eight samples: some of them are left alone by every pass.
+    steps[-1][1][0][:8] = np.eye(2, 3)
+    post = PostOps(pipeline, stream, seed=5)
+    out = post.apply_tables(x, steps, inplace=inplace)
+    stream.synchronize()
+    assert isinstance(out, torch.Tensor) and out.shape == x.shape and out.is_contiguous()
+    if not inplace:
+        assert np.array_equal(x.cpu().numpy(), np.stack(arrays))  # the input is left as it was
+    _compare(f"skipping passes inplace={inplace}", list(out.cpu().numpy()), _cpu(pipeline, arrays, steps), 3)

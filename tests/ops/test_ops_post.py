@@ -17,7 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
-from headrace import ConfigError
+from headrace import ConfigError, ops
 from headrace.ops import (
     CenterCrop,
     ColorTwist,
@@ -408,8 +408,32 @@ def test_describe_takes_address_tuples():
         _cuda_post.describe([(1000, 0, 5, 15, 3)])
 
 
-def test_buffer_chain():
+def test_each_sample_moves_between_the_buffers_on_its_own():
     c, w, b = ColorTwist(0.1), Rotate(5), GaussianBlur(3)
-    assert _cuda_post.chain([c, w, c, b, w], inplace=False) == [(-1, 0), (0, 1), (1, 1), (1, 0), (0, 1)]
-    assert _cuda_post.chain([c, b], inplace=True) == [(-1, -1), (-1, 0)]
-    assert _cuda_post.chain([w, w, w], inplace=True) == [(-1, 0), (0, 1), (1, 0)]
+    where = np.full(4, -1)
+    # A colour pass on samples 0 and 1: out of the input into buffer 0 (not in place in the input).
+    assert [a.tolist() for a in _cuda_post.route(c, where, np.array([0, 1]), inplace=False)] == [[-1, -1], [0, 0]]
+    # A warp on samples 1 and 2: each into the buffer it is not in.
+    assert [a.tolist() for a in _cuda_post.route(w, where, np.array([1, 2]), inplace=False)] == [[0, -1], [1, 0]]
+    # A colour pass on all: in place where the pixels are ours, out of the input for sample 3.
+    assert [a.tolist() for a in _cuda_post.route(c, where, np.arange(4), inplace=False)] == [[0, 1, 0, -1], [0, 1, 0, 0]]
+    assert where.tolist() == [0, 1, 0, 0]
+    # With inplace, the colour pass writes into the input; a blur still needs a buffer.
+    where = np.full(2, -1)
+    assert [a.tolist() for a in _cuda_post.route(c, where, np.arange(2), inplace=True)] == [[-1, -1], [-1, -1]]
+    assert [a.tolist() for a in _cuda_post.route(b, where, np.array([1]), inplace=True)] == [[-1], [0]]
+
+
+def test_the_samples_a_pass_changes():
+    u = np.array([[0.1, 0.2, 0.3, 0.4, 0.9], [0.1, 0.2, 0.3, 0.4, 0.1]])  # ColorTwist p=0.5: the last uniform decides
+    h, w = np.array([8, 8]), np.array([9, 9])
+    twist = ColorTwist(0.4, 0.4, 0.4, 0.1, p=0.5)
+    assert _cuda_post.changed(twist, twist.tables(u, h, w, 3)).tolist() == [False, True]
+    blur = GaussianBlur(5, p=0.5)
+    assert _cuda_post.changed(blur, blur.tables(u[:, [0, 4]], h, w, 3)).tolist() == [False, True]
+    rotate = ops.Rotate((0, 10))
+    assert _cuda_post.changed(rotate, rotate.tables(np.array([[0.0], [0.5]]), h, w, 3)).tolist() == [False, True]
+    solarize = ops.RandomSolarize(100, p=0.5)
+    assert _cuda_post.changed(solarize, solarize.tables(np.array([[0.7], [0.2]]), h, w, 3)).tolist() == [False, True]
+    sharp = ops.RandomAdjustSharpness(2.0, p=0.5)
+    assert _cuda_post.changed(sharp, sharp.tables(np.array([[0.7], [0.2]]), h, w, 3)).tolist() == [False, True]
