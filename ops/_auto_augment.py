@@ -11,7 +11,7 @@ passes within a round does not change its result.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -19,34 +19,61 @@ import numpy as np
 
 from headrace._errors import ConfigError, is_int
 
-from ._passes import MultiPass, PassWarp, round_passes
+from ._passes import CODE, OPS as CODES, MultiPass, PassWarp, codes, round_passes
 from ._post_spec import Step, _fill
 
 __all__ = ["AutoAugment", "RandAugment", "TrivialAugmentWide"]
 
-# Magnitudes of one op: (bins, heights, widths) -> (n, bins) float64, or None for an op without one.
-Magnitudes = Callable[[int, np.ndarray, np.ndarray], np.ndarray | None]
+@dataclass(frozen=True)
+class _Range:
+    """An op's magnitudes over the bins: ``linspace(lo, hi, bins)``, times ``scale`` and the
+    image's height (``side`` 0) or width (1) for the translations, or torchvision's posterize
+    bits ``8 - round(arange(bins) / ((bins - 1) / posterize))`` (rounding half to even, as torch)."""
+
+    lo: float = 0.0
+    hi: float = 0.0
+    side: int = -1
+    scale: float = 1.0
+    posterize: int = 0
+
+    def values(self, bins: int) -> np.ndarray:
+        if self.posterize:
+            return 8 - np.round(np.arange(bins) / ((bins - 1) / self.posterize))
+        return np.linspace(self.lo, self.hi, bins)
 
 
-def _linspace(lo: float, hi: float) -> Magnitudes:
-    return lambda bins, h, w: np.broadcast_to(np.linspace(lo, hi, bins), (len(h), bins))
+def _linspace(lo: float, hi: float) -> _Range:
+    return _Range(lo, hi)
 
 
-def _posterize(levels: int) -> Magnitudes:
-    # torchvision: 8 - (arange(bins) / ((bins - 1) / levels)).round(), rounding half to even as torch does.
-    return lambda bins, h, w: np.broadcast_to(8 - np.round(np.arange(bins) / ((bins - 1) / levels)), (len(h), bins))
+def _posterize(levels: int) -> _Range:
+    return _Range(posterize=levels)
 
 
-def _translate(side: int) -> Magnitudes:
+def _translate(side: int) -> _Range:
     # 150/331 of the image's width (side 1) or height (side 0), per sample.
-    def magnitudes(bins, h, w):
-        return (np.asarray((h, w)[side], dtype=np.float64).reshape(-1, 1) * (150.0 / 331.0)) * np.linspace(0, 1, bins)
-
-    return magnitudes
+    return _Range(0.0, 1.0, side=side, scale=150.0 / 331.0)
 
 
-def _none(bins, h, w):
-    return None
+_none = None
+Magnitudes = _Range | None
+
+
+@functools.cache
+def _magnitude_tables(space: tuple[tuple[str, tuple[Magnitudes, bool]], ...], bins: int):
+    """A space's magnitudes as arrays, once per (space, bins): the (codes,) row of each op code
+    in the space (-1 outside it), the (K, bins) values (0 for ops without a magnitude), and per
+    row whether it is signed, which side scales it (-1: none) and by how much."""
+    rows = np.full(len(CODES), -1)
+    table = np.zeros((len(space), bins))
+    signed, side, scale = np.zeros(len(space), bool), np.full(len(space), -1), np.ones(len(space))
+    for k, (name, (magnitudes, is_signed)) in enumerate(space):
+        rows[CODE[name]] = k
+        if magnitudes is not None:
+            table[k] = magnitudes.values(bins)
+            side[k], scale[k] = magnitudes.side, magnitudes.scale
+        signed[k] = is_signed
+    return rows, table, signed, side, scale
 
 
 # name: (magnitudes, signed), in torchvision's order (a sample's op index counts in it).
@@ -195,29 +222,22 @@ class _Policy(MultiPass):
 
     def round_steps(self, u: np.ndarray, bins: int, magnitude_bin: np.ndarray, h, w, channels) -> list[Step]:
         """One round's passes from (n, 2) uniforms (op, sign) and each sample's magnitude bin."""
-        names = list(self.space)
-        index = np.minimum((u[:, 0] * len(names)).astype(np.int64), len(names) - 1)
-        chosen = [names[k] for k in index]
-        magnitude = self.magnitudes(chosen, bins, magnitude_bin, u[:, 1] >= 0.5, h, w)
-        return round_passes(chosen, magnitude, h, w, channels, PassWarp(self.fill))
+        space = codes(self.space)
+        op = space[np.minimum((u[:, 0] * len(space)).astype(np.int64), len(space) - 1)]
+        magnitude = self.magnitudes(op, bins, magnitude_bin, u[:, 1] >= 0.5, h, w)
+        return round_passes(op, magnitude, h, w, channels, PassWarp(self.fill))
 
-    def magnitudes(self, names: list[str], bins: int, magnitude_bin: np.ndarray, negative: np.ndarray, h, w) -> np.ndarray:
-        """(n,) signed magnitudes: sample i's op ``names[i]`` at its bin, negated where ``negative``
-        and the op is signed (0 for ops without a magnitude, and for names outside the space)."""
-        name = np.asarray(names)
-        magnitude = np.zeros(len(names))
-        for op in np.unique(name):
-            if op not in self.space:
-                continue
-            table, signed = self.space[op]
-            rows = np.flatnonzero(name == op)
-            values = table(bins, h[rows], w[rows])
-            if values is None:
-                continue
-            magnitude[rows] = values[np.arange(len(rows)), magnitude_bin[rows]]
-            if signed:
-                magnitude[rows] *= np.where(negative[rows], -1.0, 1.0)
-        return magnitude
+    def magnitudes(self, op: np.ndarray, bins: int, magnitude_bin: np.ndarray, negative: np.ndarray, h, w) -> np.ndarray:
+        """(n,) signed magnitudes: sample i's op (code ``op[i]``) at its bin, negated where
+        ``negative`` and the op is signed (0 for ops without a magnitude, or outside the space)."""
+        rows, table, signed, side, scale = _magnitude_tables(tuple(self.space.items()), bins)
+        k = rows[op]
+        inside = k >= 0
+        k = np.maximum(k, 0)
+        values = table[k, magnitude_bin]
+        values = np.where(side[k] == 0, (h * scale[k]) * values, np.where(side[k] == 1, (w * scale[k]) * values, values))
+        values = np.where(signed[k] & negative, -values, values)
+        return np.where(inside, values, 0.0)
 
 
 @dataclass(frozen=True)
@@ -291,6 +311,16 @@ class TrivialAugmentWide(_Policy):
         return self.round_steps(u[:, :2], bins, magnitude_bin, h, w, channels)
 
 
+@functools.cache
+def _policy_arrays(policy: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A policy's table as (25, 2) arrays: op codes, probabilities, magnitude bins (0 for None)."""
+    table = _POLICIES[policy]
+    op = np.array([[CODE[name] for name, _, _ in sub] for sub in table])
+    p = np.array([[prob for _, prob, _ in sub] for sub in table])
+    bins = np.array([[b or 0 for _, _, b in sub] for sub in table])
+    return op, p, bins
+
+
 @dataclass(frozen=True)
 class AutoAugment(_Policy):
     """torchvision's ``AutoAugment``: every sample draws one of the 25 sub-policies learned on
@@ -316,16 +346,12 @@ class AutoAugment(_Policy):
     def steps(self, u, h, w, channels):
         h, w = np.asarray(h).reshape(-1), np.asarray(w).reshape(-1)
         u = np.asarray(u, dtype=np.float64).reshape(-1, 5)
-        table = _POLICIES[self.policy]
-        chosen = np.minimum((u[:, 0] * len(table)).astype(np.int64), len(table) - 1)
+        op, p, bins = _policy_arrays(self.policy)
+        chosen = np.minimum((u[:, 0] * len(op)).astype(np.int64), len(op) - 1)
         out: list[Step] = []
         for r in range(2):
-            names, bins = [], np.zeros(len(h), dtype=np.int64)
-            for i, k in enumerate(chosen):
-                name, p, magnitude_bin = table[k][r]
-                names.append(name if u[i, 1 + r] <= p else "Identity")  # torchvision: applied when rand <= p
-                bins[i] = magnitude_bin or 0
-            negative = u[:, 3 + r] < 0.5  # torchvision: signs[i] == 0 negates
-            magnitude = self.magnitudes(names, 10, bins, negative, h, w)
-            out += round_passes(names, magnitude, h, w, channels, PassWarp(self.fill))
+            # torchvision: an op applies when rand <= p; signs[i] == 0 negates.
+            drawn = np.where(u[:, 1 + r] <= p[chosen, r], op[chosen, r], CODE["Identity"])
+            magnitude = self.magnitudes(drawn, 10, bins[chosen, r], u[:, 3 + r] < 0.5, h, w)
+            out += round_passes(drawn, magnitude, h, w, channels, PassWarp(self.fill))
         return out

@@ -6,7 +6,6 @@ the samples that drew another kind. A pass no sample needs is left out.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -27,12 +26,28 @@ from ._tone import (
     ToneCurve,
 )
 
-__all__ = ["GEOMETRIC", "MultiPass", "PassWarp", "round_passes"]
+__all__ = ["CODE", "GEOMETRIC", "OPS", "MultiPass", "PassWarp", "codes", "round_passes"]
 
-# The ops that move pixels (the warp pass); "ShiftX"/"ShiftY" read the input m pixels further
-# along (timm's translations, not whole pixels), "TranslateX"/"TranslateY" move the image by
-# int(m) (torchvision's).
-GEOMETRIC = ("ShearX", "ShearY", "TranslateX", "TranslateY", "ShiftX", "ShiftY", "Rotate")
+# The ops a policy's round is made of, by code (an index here): policies hand round_passes
+# integer codes, so a batch's passes come from a few array operations, not a loop over samples
+# (this runs in a GPU lane's thread, holding the GIL, for every batch).
+OPS = ("Identity", "ShearX", "ShearY", "TranslateX", "TranslateY", "ShiftX", "ShiftY", "Rotate", "Brightness",
+       "Color", "Contrast", "Sharpness", "Posterize", "Solarize", "SolarizeAdd", "AutoContrast", "Equalize", "Invert")
+CODE = {name: code for code, name in enumerate(OPS)}
+# "ShiftX"/"ShiftY" read the input m pixels further along (timm's translations, not whole pixels);
+# "TranslateX"/"TranslateY" move the image by int(m) (torchvision's).
+GEOMETRIC = np.array([CODE[n] for n in ("ShearX", "ShearY", "TranslateX", "TranslateY", "ShiftX", "ShiftY", "Rotate")])
+# Each code's tone kind (IDENTITY for the others) and how its magnitude becomes the curve's value.
+_TONE_KIND = np.zeros(len(OPS), dtype=np.int64)
+for _name, _kind in (("Brightness", BRIGHTNESS), ("Contrast", CONTRAST), ("Posterize", POSTERIZE), ("Solarize", SOLARIZE),
+                     ("SolarizeAdd", SOLARIZE_ADD), ("AutoContrast", AUTOCONTRAST), ("Equalize", EQUALIZE),
+                     ("Invert", INVERT)):
+    _TONE_KIND[CODE[_name]] = _kind
+
+
+def codes(names) -> np.ndarray:
+    """Integer codes of op names (a list, or an array of them)."""
+    return np.array([CODE[name] for name in names], dtype=np.int64)
 
 
 class MultiPass(PostOp):
@@ -67,62 +82,52 @@ _COLOR = _PassColor()
 _SHARPNESS = _PassSharpness()
 
 
-def round_passes(names: list[str], magnitude: np.ndarray, h: np.ndarray, w: np.ndarray, channels: int,
+def round_passes(op: np.ndarray, magnitude: np.ndarray, h: np.ndarray, w: np.ndarray, channels: int,
                  warp: PassWarp) -> list[Step]:
-    """The passes of one round in which sample i applies op ``names[i]`` with ``magnitude[i]``
-    (signed), as torchvision's ``_apply_op`` does (names outside ``GEOMETRIC`` and the tone,
-    colour and sharpness ops below are the identity); passes no sample needs are left out."""
-    n = len(names)
-    name = np.asarray(names)
+    """The passes of one round in which sample i applies op ``op[i]`` (a code of ``OPS``) with
+    ``magnitude[i]`` (signed), as torchvision's ``_apply_op`` does; passes no sample needs are
+    left out."""
+    op = np.asarray(op, dtype=np.int64)
+    n = len(op)
     steps: list[Step] = []
 
-    affine = np.zeros((n, 2, 3))
-    affine[:, 0, 0] = affine[:, 1, 1] = 1.0
-    for i in np.flatnonzero(name == "ShearX"):  # input x = x + m y: torchvision's shear about the corner
-        affine[i, 0, 1] = magnitude[i]
-    for i in np.flatnonzero(name == "ShearY"):
-        affine[i, 1, 0] = magnitude[i]
-    for i in np.flatnonzero(name == "TranslateX"):  # whole pixels (torchvision's int()), towards +x for m > 0
-        affine[i, 0, 2] = -math.trunc(magnitude[i])
-    for i in np.flatnonzero(name == "TranslateY"):
-        affine[i, 1, 2] = -math.trunc(magnitude[i])
-    for i in np.flatnonzero(name == "ShiftX"):
-        affine[i, 0, 2] = magnitude[i]
-    for i in np.flatnonzero(name == "ShiftY"):
-        affine[i, 1, 2] = magnitude[i]
-    if len(i := np.flatnonzero(name == "Rotate")):
-        affine[i] = rotation_affine(magnitude[i], h[i], w[i])
-    geometric = np.isin(name, GEOMETRIC)
+    def where(name: str) -> np.ndarray:
+        return op == CODE[name]
+
+    geometric = np.isin(op, GEOMETRIC)
     if geometric.any():
+        affine = np.zeros((n, 2, 3))
+        affine[:, 0, 0] = affine[:, 1, 1] = 1.0
+        shear_x, shear_y = where("ShearX"), where("ShearY")
+        affine[shear_x, 0, 1] = magnitude[shear_x]  # input x = x + m y: torchvision's shear about the corner
+        affine[shear_y, 1, 0] = magnitude[shear_y]
+        for name, axis in (("TranslateX", 0), ("TranslateY", 1)):  # whole pixels (torchvision's int()), to +x for m > 0
+            rows = where(name)
+            affine[rows, axis, 2] = -np.trunc(magnitude[rows])
+        for name, axis in (("ShiftX", 0), ("ShiftY", 1)):
+            rows = where(name)
+            affine[rows, axis, 2] = magnitude[rows]
+        if (rows := where("Rotate")).any():
+            affine[rows] = rotation_affine(magnitude[rows], h[rows], w[rows])
         steps.append((warp, (affine, warp.fill_values(channels))))
 
-    tone = np.zeros((n, 2))
-    for op, kind in (("Brightness", BRIGHTNESS), ("Contrast", CONTRAST)):
-        i = np.flatnonzero(name == op)
-        tone[i, 0], tone[i, 1] = kind, 1.0 + magnitude[i]
-    i = np.flatnonzero(name == "Posterize")
-    tone[i, 0], tone[i, 1] = POSTERIZE, np.trunc(magnitude[i])
-    i = np.flatnonzero(name == "Solarize")
-    tone[i, 0], tone[i, 1] = SOLARIZE, magnitude[i]
-    i = np.flatnonzero(name == "SolarizeAdd")
-    tone[i, 0], tone[i, 1] = SOLARIZE_ADD, magnitude[i]
-    tone[name == "AutoContrast", 0] = AUTOCONTRAST
-    tone[name == "Invert", 0] = INVERT
-    tone[name == "Equalize", 0] = EQUALIZE
-    if tone[:, 0].any():
-        steps.append((_TONE, (tone,)))
+    kind = _TONE_KIND[op]
+    if kind.any():
+        value = np.where((kind == BRIGHTNESS) | (kind == CONTRAST), 1.0 + magnitude, magnitude)
+        value = np.where(kind == POSTERIZE, np.trunc(magnitude), value)
+        steps.append((_TONE, (np.stack([kind.astype(np.float64), np.where(kind > 0, value, 0.0)], axis=1),)))
 
-    color = name == "Color"
+    color = where("Color")
     if color.any() and channels == 3:
         # torchvision's adjust_saturation: blend with the gray image, f x + (1 - f) gray(x).
-        f = 1.0 + magnitude
+        f = 1.0 + magnitude[color]
         matrices = np.zeros((n, 3, 4))
         matrices[:, :, :3] = np.eye(3)
         gray = np.asarray(GRAY_WEIGHTS, dtype=np.float64)
-        matrices[color, :, :3] = f[color, None, None] * np.eye(3) + (1.0 - f[color])[:, None, None] * gray
+        matrices[color, :, :3] = f[:, None, None] * np.eye(3) + (1.0 - f)[:, None, None] * gray
         steps.append((_COLOR, (matrices,)))
 
-    sharp = name == "Sharpness"
+    sharp = where("Sharpness")
     if sharp.any():
         steps.append((_SHARPNESS, (np.where(sharp, 1.0 + magnitude, 1.0),)))
     return steps

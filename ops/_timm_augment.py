@@ -18,7 +18,7 @@ import numpy as np
 
 from headrace._errors import ConfigError
 
-from ._passes import MultiPass, PassWarp, round_passes
+from ._passes import CODE, MultiPass, PassWarp, round_passes
 from ._post_spec import Step, _fill
 from ._spec import IMAGENET_MEAN
 
@@ -32,42 +32,50 @@ _PLAIN = ("AutoContrast", "Equalize", "Invert", "Rotate", "Posterize", "Solarize
 _INCREASING = ("AutoContrast", "Equalize", "Invert", "Rotate", "PosterizeIncreasing", "SolarizeIncreasing",
                "SolarizeAdd", "ColorIncreasing", "ContrastIncreasing", "BrightnessIncreasing", "SharpnessIncreasing",
                "ShearX", "ShearY", "TranslateXRel", "TranslateYRel")
-_ENHANCE = {"Color", "Contrast", "Brightness", "Sharpness"}
 
 # timm's create_transform fills warps with the dataset mean in levels: (124, 116, 104) for ImageNet.
 IMAGENET_FILL = tuple(min(255, round(255 * m)) for m in IMAGENET_MEAN)
 
 
-def _arguments(op: str, level: np.ndarray, negative: np.ndarray, h: np.ndarray, w: np.ndarray) -> tuple[str, np.ndarray]:
-    """timm's ``LEVEL_TO_ARG`` for one op over samples: the pass op's name and its magnitude
-    (``round_passes``' convention: factors as f - 1, translations in input pixels)."""
-    fraction = level / LEVEL_DENOM
-    sign = np.where(negative, -1.0, 1.0)
-    if op in ("AutoContrast", "Equalize", "Invert"):
-        return op, np.zeros_like(level)
-    if op == "Rotate":
-        return op, sign * fraction * 30.0
-    if op in ("ShearX", "ShearY"):
-        return op, sign * fraction * 0.3
-    if op in ("TranslateXRel", "TranslateYRel"):  # a share of the width (height), not whole pixels
-        side = w if op == "TranslateXRel" else h
-        return "ShiftX" if op == "TranslateXRel" else "ShiftY", sign * fraction * 0.45 * side
-    if op == "Posterize":
-        return op, np.trunc(fraction * 4)
-    if op == "PosterizeIncreasing":
-        return "Posterize", 4 - np.trunc(fraction * 4)
-    if op == "Solarize":
-        return op, np.minimum(256, np.trunc(fraction * 256))
-    if op == "SolarizeIncreasing":
-        return "Solarize", 256 - np.minimum(256, np.trunc(fraction * 256))
-    if op == "SolarizeAdd":
-        return op, np.minimum(128, np.trunc(fraction * 110))
-    if op in _ENHANCE:  # factor in [0.1, 1.9]
-        return op, fraction * 1.8 + 0.1 - 1.0
-    base = op.removesuffix("Increasing")
-    if base in _ENHANCE:  # 1 +- 0.9 fraction, at least 0.1
-        return base, np.maximum(0.1, 1.0 + sign * fraction * 0.9) - 1.0
-    raise AssertionError(op)
+# timm's LEVEL_TO_ARG as rules over a whole batch (f = level / 10, s = the random sign, +-1), in
+# round_passes' convention (factors as f - 1, translations in input pixels): each op names the pass
+# op it becomes and its rule.
+_RULES = (
+    ("none", lambda f, s, h, w: np.zeros_like(f)),
+    ("rotate", lambda f, s, h, w: s * f * 30.0),
+    ("shear", lambda f, s, h, w: s * f * 0.3),
+    ("shift_x", lambda f, s, h, w: s * f * 0.45 * w),  # a share of the width, not whole pixels
+    ("shift_y", lambda f, s, h, w: s * f * 0.45 * h),
+    ("posterize", lambda f, s, h, w: np.trunc(f * 4)),
+    ("posterize_inc", lambda f, s, h, w: 4 - np.trunc(f * 4)),
+    ("solarize", lambda f, s, h, w: np.minimum(256, np.trunc(f * 256))),
+    ("solarize_inc", lambda f, s, h, w: 256 - np.minimum(256, np.trunc(f * 256))),
+    ("solarize_add", lambda f, s, h, w: np.minimum(128, np.trunc(f * 110))),
+    ("enhance", lambda f, s, h, w: f * 1.8 + 0.1 - 1.0),  # factor in [0.1, 1.9]
+    ("enhance_inc", lambda f, s, h, w: np.maximum(0.1, 1.0 + s * f * 0.9) - 1.0),  # 1 +- 0.9 f, at least 0.1
+)
+_RULE = {name: k for k, (name, _) in enumerate(_RULES)}
+_OPS = {  # timm's name: (pass op, rule)
+    "AutoContrast": ("AutoContrast", "none"), "Equalize": ("Equalize", "none"), "Invert": ("Invert", "none"),
+    "Rotate": ("Rotate", "rotate"), "ShearX": ("ShearX", "shear"), "ShearY": ("ShearY", "shear"),
+    "TranslateXRel": ("ShiftX", "shift_x"), "TranslateYRel": ("ShiftY", "shift_y"),
+    "Posterize": ("Posterize", "posterize"), "PosterizeIncreasing": ("Posterize", "posterize_inc"),
+    "Solarize": ("Solarize", "solarize"), "SolarizeIncreasing": ("Solarize", "solarize_inc"),
+    "SolarizeAdd": ("SolarizeAdd", "solarize_add"),
+    **{name: (name, "enhance") for name in ("Color", "Contrast", "Brightness", "Sharpness")},
+    **{name + "Increasing": (name, "enhance_inc") for name in ("Color", "Contrast", "Brightness", "Sharpness")},
+}
+
+
+def _arguments(ops: tuple[str, ...], index: np.ndarray, level: np.ndarray, negative: np.ndarray, h: np.ndarray,
+               w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """timm's ``LEVEL_TO_ARG`` for sample i's op ``ops[index[i]]`` at ``level[i]``: the pass ops'
+    codes and magnitudes, every rule computed over the batch and each sample's picked."""
+    code = np.array([CODE[_OPS[name][0]] for name in ops])
+    rule = np.array([_RULE[_OPS[name][1]] for name in ops])
+    f, s = level / LEVEL_DENOM, np.where(negative, -1.0, 1.0)
+    values = np.stack([fn(f, s, h, w) for _, fn in _RULES])
+    return code[index], values[rule[index], np.arange(len(index))]
 
 
 def _number(value: str, what: str, kind: type) -> float:
@@ -159,13 +167,7 @@ class TimmRandAugment(MultiPass):
             index = np.minimum((d[:, 0] * len(ops)).astype(np.int64), len(ops) - 1)
             applied = d[:, 1] <= self.prob  # timm skips a layer when random() > p
             level = self.levels(d[:, 3], d[:, 4])
-            names = ["Identity"] * len(h)
-            magnitude = np.zeros(len(h))
-            for k in np.unique(index[applied]):
-                rows = np.flatnonzero(applied & (index == k))
-                name, values = _arguments(ops[k], level[rows], d[rows, 2] > 0.5, h[rows], w[rows])
-                magnitude[rows] = values
-                for i in rows:
-                    names[i] = name
-            out += round_passes(names, magnitude, h, w, channels, PassWarp(self.fill))
+            op, magnitude = _arguments(ops, index, level, d[:, 2] > 0.5, h.astype(np.float64), w.astype(np.float64))
+            op = np.where(applied, op, CODE["Identity"])
+            out += round_passes(op, magnitude, h, w, channels, PassWarp(self.fill))
         return out
