@@ -36,7 +36,7 @@ OPS = ("Identity", "ShearX", "ShearY", "TranslateX", "TranslateY", "ShiftX", "Sh
 CODE = {name: code for code, name in enumerate(OPS)}
 # "ShiftX"/"ShiftY" read the input m pixels further along (timm's translations, not whole pixels);
 # "TranslateX"/"TranslateY" move the image by int(m) (torchvision's).
-GEOMETRIC = np.array([CODE[n] for n in ("ShearX", "ShearY", "TranslateX", "TranslateY", "ShiftX", "ShiftY", "Rotate")])
+GEOMETRIC = np.isin(OPS, ("ShearX", "ShearY", "TranslateX", "TranslateY", "ShiftX", "ShiftY", "Rotate"))  # by code
 # Each code's tone kind (IDENTITY for the others) and how its magnitude becomes the curve's value.
 _TONE_KIND = np.zeros(len(OPS), dtype=np.int64)
 for _name, _kind in (("Brightness", BRIGHTNESS), ("Contrast", CONTRAST), ("Posterize", POSTERIZE), ("Solarize", SOLARIZE),
@@ -94,7 +94,7 @@ def round_passes(op: np.ndarray, magnitude: np.ndarray, h: np.ndarray, w: np.nda
     def where(name: str) -> np.ndarray:
         return op == CODE[name]
 
-    geometric = np.isin(op, GEOMETRIC)
+    geometric = GEOMETRIC[op]
     if geometric.any():
         affine = np.zeros((n, 2, 3))
         affine[:, 0, 0] = affine[:, 1, 1] = 1.0

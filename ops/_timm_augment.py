@@ -10,6 +10,7 @@ ImageNet mean. Each layer becomes the same batch-wide passes as torchvision's po
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -67,12 +68,17 @@ _OPS = {  # timm's name: (pass op, rule)
 }
 
 
+@functools.cache
+def _op_arrays(ops: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Each op's pass-op code and rule index."""
+    return np.array([CODE[_OPS[name][0]] for name in ops]), np.array([_RULE[_OPS[name][1]] for name in ops])
+
+
 def _arguments(ops: tuple[str, ...], index: np.ndarray, level: np.ndarray, negative: np.ndarray, h: np.ndarray,
                w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """timm's ``LEVEL_TO_ARG`` for sample i's op ``ops[index[i]]`` at ``level[i]``: the pass ops'
     codes and magnitudes, every rule computed over the batch and each sample's picked."""
-    code = np.array([CODE[_OPS[name][0]] for name in ops])
-    rule = np.array([_RULE[_OPS[name][1]] for name in ops])
+    code, rule = _op_arrays(ops)
     f, s = level / LEVEL_DENOM, np.where(negative, -1.0, 1.0)
     values = np.stack([fn(f, s, h, w) for _, fn in _RULES])
     return code[index], values[rule[index], np.arange(len(index))]
