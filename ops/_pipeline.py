@@ -12,6 +12,7 @@ from headrace._errors import ConfigError, require_int
 
 from ._random import uniforms
 from ._post_spec import PostOp
+from ._timm_augment import TimmRandAugment
 from ._stages import MapBatch, Stage
 from ._spec import (
     IMAGENET_MEAN,
@@ -336,13 +337,29 @@ def training(
     mean: Sequence[float] = IMAGENET_MEAN,
     std: Sequence[float] = IMAGENET_STD,
     dtype: str | torch.dtype = torch.float32,
+    auto_augment: str | PostOp | None = None,
     **kwargs,
 ) -> Pipeline:
-    """The ImageNet training pipeline: decode → random resized crop → flip → normalize (NCHW)."""
-    return Pipeline(
-        [Decode(), RandomResizedCrop(size, scale, ratio), Flip(flip), Normalize(mean, std, dtype=dtype)],
-        **kwargs,
-    )
+    """The ImageNet training pipeline: decode → random resized crop → flip → normalize (NCHW).
+
+    ``auto_augment`` adds an augmentation policy between the flip and the normalize, as timm's
+    ``create_transform(auto_augment=...)`` does: a timm config string (``"rand-m9-mstd0.5-inc1"``:
+    ``TimmRandAugment``, its warps filling with ``mean`` in levels, as timm's) or a post op
+    (``RandAugment()``, ``AutoAugment()``...). Raises ConfigError for a string that is not timm's
+    RandAugment (timm's ``augmix`` and AutoAugment strings are not offered: pass ``AutoAugment()``).
+    """
+    listed: list[Op] = [Decode(), RandomResizedCrop(size, scale, ratio), Flip(flip)]
+    if isinstance(auto_augment, str):
+        if not auto_augment.startswith("rand"):
+            raise ConfigError(f"training: auto_augment {auto_augment!r} is not timm's RandAugment ('rand-...'); "
+                              "for torchvision's policies pass ops.AutoAugment(), ops.RandAugment() or ops.TrivialAugmentWide()")
+        fill = tuple(min(255, round(255 * m)) for m in mean)
+        listed.append(TimmRandAugment(auto_augment, fill=fill))
+    elif isinstance(auto_augment, PostOp):
+        listed.append(auto_augment)
+    elif auto_augment is not None:
+        raise ConfigError(f"training: auto_augment must be a timm config string or a post op, got {auto_augment!r}")
+    return Pipeline([*listed, Normalize(mean, std, dtype=dtype)], **kwargs)
 
 
 def validation(

@@ -104,3 +104,18 @@ async def test_through_the_loader_seeded():
 def test_boxes_refuse_it():
     with pytest.raises(ConfigError, match="moves pixels"):
         ops.Pipeline([ops.Decode(), ops.Resize(64), ops.TimmRandAugment()], label=None, boxes="boxes")
+
+
+def test_training_takes_timms_auto_augment_string_or_a_policy():
+    pipe = ops.training(224, auto_augment="rand-m9-mstd0.5-inc1")
+    (policy,) = pipe.post_ops
+    assert isinstance(policy, ops.TimmRandAugment) and policy.config == "rand-m9-mstd0.5-inc1"
+    assert policy.fill == (124.0, 116.0, 104.0)  # timm's img_mean from the mean
+    assert [type(op).__name__ for op in pipe.ops] == ["Decode", "RandomResizedCrop", "Flip", "TimmRandAugment", "Normalize"]
+    gray = ops.training(32, auto_augment="rand-m5", mean=(0.5,), std=(0.25,))
+    assert gray.post_ops[0].fill == (128.0,)
+    assert ops.training(32, auto_augment=ops.AutoAugment()).post_ops == (ops.AutoAugment(),)
+    assert ops.training(32).post_ops == ()
+    for bad in ("augmix-m3", "v0", 3):
+        with pytest.raises(ConfigError, match="auto_augment"):
+            ops.training(32, auto_augment=bad)
