@@ -4,13 +4,15 @@
     python examples/train.py --epochs 2 --max-batches 4 --stop-after 3   # "crashes" after its 3rd batch
     python examples/train.py --epochs 2 --max-batches 4 --resume         # continues exactly where it stopped
     python examples/train.py --epochs 2 --max-batches 4 --mixup 0.2 --cutmix 1.0   # mixed batches, soft labels
+    python examples/train.py --epochs 2 --max-batches 4 --aa rand-m9-mstd0.5-inc1  # timm's RandAugment, per sample
 
 The checkpoint holds the model, the optimizer and ``loader.state_dict()``; a new loader with the
 same arguments and ``load_state_dict()`` yields exactly the batches the uninterrupted run would
 have yielded next, mid-epoch included. With ``--mixup`` and ``--cutmix`` the batches are mixed
 (``ops.MixUp``, ``ops.CutMix``: each applied to half the batches) and the labels are soft; the mixes
-are drawn from the loader's seed, so a resume mixes as the uninterrupted run would. Runs on a CPU in
-well under a minute.
+are drawn from the loader's seed, so a resume mixes as the uninterrupted run would. ``--aa`` takes
+timm's RandAugment config string (``ops.training(auto_augment=...)``), drawn from the seed as well.
+Runs on a CPU in well under a minute.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def make_loader(args: argparse.Namespace) -> headrace.Loader:
         mixing.append(ops.MixUp(args.mixup, num_classes=args.classes, p=0.5))
     if args.cutmix:
         mixing.append(ops.CutMix(args.cutmix, num_classes=args.classes, p=0.5))
-    pipeline = ops.Pipeline([*ops.training(args.size).ops, *mixing])
+    pipeline = ops.Pipeline([*ops.training(args.size, auto_augment=args.aa).ops, *mixing])
     return headrace.Loader(reader, batch_size=args.batch_size, pipeline=pipeline, num_threads=args.threads,
                            seed=args.seed)
 
@@ -130,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stop-after", type=int, default=None, help="stop after this many steps (to try --resume)")
     p.add_argument("--mixup", type=float, default=0.0, help="MixUp's alpha, on half the batches (0: none)")
     p.add_argument("--cutmix", type=float, default=0.0, help="CutMix's alpha, on half the batches (0: none)")
+    p.add_argument("--aa", default=None, help="timm's RandAugment config, e.g. rand-m9-mstd0.5-inc1 (default: none)")
     asyncio.run(train(p.parse_args(argv)))
 
 
