@@ -37,7 +37,7 @@ CODE = {name: code for code, name in enumerate(OPS)}
 # "ShiftX"/"ShiftY" read the input m pixels further along (timm's translations, not whole pixels);
 # "TranslateX"/"TranslateY" move the image by int(m) (torchvision's).
 GEOMETRIC = np.isin(OPS, ("ShearX", "ShearY", "TranslateX", "TranslateY", "ShiftX", "ShiftY", "Rotate"))  # by code
-# Each code's tone kind (IDENTITY for the others) and how its magnitude becomes the curve's value.
+# Each code's tone kind (IDENTITY, 0, for the codes that are not tone curves).
 _TONE_KIND = np.zeros(len(OPS), dtype=np.int64)
 for _name, _kind in (("Brightness", BRIGHTNESS), ("Contrast", CONTRAST), ("Posterize", POSTERIZE), ("Solarize", SOLARIZE),
                      ("SolarizeAdd", SOLARIZE_ADD), ("AutoContrast", AUTOCONTRAST), ("Equalize", EQUALIZE),
