@@ -79,6 +79,25 @@ def jpeg_bytes(rng: np.random.Generator, h: int, w: int, quality: int = 90) -> b
     return buf.getvalue()
 
 
+def jpeg_items(n: int, seed: int, height: int, width: int) -> list[dict]:
+    """n samples of real JPEGs (``__key__`` s000..., ``jpg``, ``cls`` = i % 3), of sizes
+    ``height + i % 7`` by ``width + i % 5``."""
+    rng = np.random.default_rng(seed)
+    return [{"__key__": f"s{i:03d}", "jpg": jpeg_bytes(rng, height + i % 7, width + i % 5), "cls": i % 3} for i in range(n)]
+
+
+async def cropped_images(items: list[dict], *post, size: int, seed: int = 5, channels: int = 3,
+                         shuffle: bool = True) -> dict:
+    """Each sample's uint8 HWC image (by key, in the order the loader gave them) after Decode,
+    ``RandomResizedCrop(size)`` and the ops ``post``, through a CPU Loader with 2 threads."""
+    from headrace import Loader, ops, readers
+
+    pipe = ops.Pipeline([ops.Decode("gray" if channels == 1 else "rgb"), ops.RandomResizedCrop(size), *post], layout="HWC")
+    reader = readers.sequence(items, shuffle=True, seed=1) if shuffle else readers.sequence(items)
+    async with Loader(reader, batch_size=16, pipeline=pipe, device="cpu", num_threads=2, seed=seed) as loader:
+        return {key: image for b in [b async for b in loader] for key, image in zip(b.sample_keys, b["image"])}
+
+
 def tar_bytes(members: list[tuple[str, bytes]]) -> bytes:
     """An uncompressed tar archive of ``(name, data)`` members, in order."""
     buf = io.BytesIO()

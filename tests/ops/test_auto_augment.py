@@ -20,9 +20,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from ops_refs import random_image
-from sample_data import jpeg_bytes
+from sample_data import cropped_images, jpeg_items
 
-from headrace import ConfigError, Loader, ops, readers
+from headrace import ConfigError, ops
 from headrace.ops._post_spec import ColorMatrix, _Warp
 from headrace.ops.cpu import _post
 
@@ -339,17 +339,8 @@ def test_trivial_augment_draws_the_magnitude_bin():
 N = 48
 
 
-def _items() -> list[dict]:
-    rng = np.random.default_rng(53)
-    return [{"__key__": f"s{i:03d}", "jpg": jpeg_bytes(rng, 40 + i % 7, 44 + i % 5), "cls": i % 3} for i in range(N)]
-
-
 async def _loaded(*post, seed: int = 5, channels: int = 3) -> dict[str, torch.Tensor]:
-    pipe = ops.Pipeline([ops.Decode("gray" if channels == 1 else "rgb"), ops.RandomResizedCrop(32), *post], layout="HWC")
-    loader = Loader(readers.sequence(_items(), shuffle=True, seed=1), batch_size=16, pipeline=pipe, device="cpu",
-                    num_threads=2, seed=seed)
-    async with loader:
-        return {key: image for b in [b async for b in loader] for key, image in zip(b.sample_keys, b["image"])}
+    return await cropped_images(jpeg_items(N, 53, 40, 44), *post, size=32, seed=seed, channels=channels)
 
 
 @pytest.mark.parametrize("make", [lambda: ops.RandAugment(), lambda: ops.TrivialAugmentWide(), lambda: ops.AutoAugment()],

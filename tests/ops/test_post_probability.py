@@ -8,24 +8,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from sample_data import jpeg_bytes
+from sample_data import cropped_images, jpeg_items
 
-from headrace import ConfigError, Loader, ops, readers
+from headrace import ConfigError, ops
 
 N = 96
 
 
-def _items() -> list[dict]:
-    rng = np.random.default_rng(31)
-    return [{"__key__": f"s{i:03d}", "jpg": jpeg_bytes(rng, 30 + i % 7, 36 + i % 5), "cls": i % 3} for i in range(N)]
-
-
 async def _images(*post, channels: int = 3) -> dict[str, torch.Tensor]:
-    pipe = ops.Pipeline([ops.Decode("gray" if channels == 1 else "rgb"), ops.RandomResizedCrop(20), *post], layout="HWC")
-    loader = Loader(readers.sequence(_items(), shuffle=True, seed=1), batch_size=16, pipeline=pipe, device="cpu",
-                    num_threads=2, seed=5)
-    async with loader:
-        return {key: image for b in [b async for b in loader] for key, image in zip(b.sample_keys, b["image"])}
+    return await cropped_images(jpeg_items(N, 31, 30, 36), *post, size=20, channels=channels)
 
 
 @pytest.mark.parametrize("make", [

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 from ops_refs import random_image
-from sample_data import jpeg_bytes
+from sample_data import cropped_images, jpeg_items
 
-from headrace import ConfigError, Loader, ops, readers
+from headrace import ConfigError, ops
 from headrace.ops.cpu import _post
 
 H, W = 40, 56
@@ -77,16 +77,8 @@ def test_a_layer_applies_its_op_only_below_p_and_translates_by_a_share_of_the_si
     assert np.abs(moved[:, 0].astype(float) - expected).max() <= 1.0
 
 
-def _items() -> list[dict]:
-    rng = np.random.default_rng(71)
-    return [{"__key__": f"s{i:03d}", "jpg": jpeg_bytes(rng, 40 + i % 7, 44 + i % 5), "cls": i % 3} for i in range(48)]
-
-
 async def _loaded(*post, seed: int = 5) -> list[torch.Tensor]:
-    pipe = ops.Pipeline([ops.Decode(), ops.RandomResizedCrop(32), *post], layout="HWC")
-    loader = Loader(readers.sequence(_items()), batch_size=16, pipeline=pipe, device="cpu", num_threads=2, seed=seed)
-    async with loader:
-        return [image for b in [b async for b in loader] for image in b["image"]]
+    return list((await cropped_images(jpeg_items(48, 71, 40, 44), *post, size=32, seed=seed, shuffle=False)).values())
 
 
 async def test_through_the_loader_seeded():

@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from ops_refs import batch, random_image, sample
-from sample_data import jpeg_bytes
+from sample_data import cropped_images, jpeg_bytes, jpeg_items
 
-from headrace import ConfigError, Loader, ops, readers
+from headrace import ConfigError, ops
 from headrace.ops._tone import BRIGHTNESS, CONTRAST, tone_tables
 from headrace.ops.cpu import _post
 
@@ -310,17 +310,8 @@ def test_contrast_uses_the_gray_weights_not_the_channel_means():
 N = 96
 
 
-def _items() -> list[dict]:
-    rng = np.random.default_rng(47)
-    return [{"__key__": f"s{i:03d}", "jpg": jpeg_bytes(rng, 30 + i % 7, 36 + i % 5), "cls": i % 3} for i in range(N)]
-
-
 async def _loaded(*post, seed: int = 5, channels: int = 3) -> dict[str, torch.Tensor]:
-    pipe = ops.Pipeline([ops.Decode("gray" if channels == 1 else "rgb"), ops.RandomResizedCrop(20), *post], layout="HWC")
-    loader = Loader(readers.sequence(_items(), shuffle=True, seed=1), batch_size=16, pipeline=pipe, device="cpu",
-                    num_threads=2, seed=seed)
-    async with loader:
-        return {key: image for b in [b async for b in loader] for key, image in zip(b.sample_keys, b["image"])}
+    return await cropped_images(jpeg_items(N, 47, 30, 36), *post, size=20, seed=seed, channels=channels)
 
 
 # (make(p), exact reference of the drawn op, tolerance against it)
