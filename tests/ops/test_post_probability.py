@@ -5,7 +5,6 @@ both happen, about as often as p says; the gray images are torchvision's gray wi
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from sample_data import cropped_images, jpeg_items
