@@ -13,6 +13,7 @@ GPU kernel repeats operation for operation, so both paths give the same bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 
@@ -200,47 +201,39 @@ class RandomSolarize(ToneCurve):
 
 
 @dataclass(frozen=True)
-class RandomInvert(ToneCurve):
-    """Invert every level (``255 - v``) with probability ``p``: torchvision's ``RandomInvert``."""
+class _DrawnCurve(ToneCurve):
+    """A tone curve of one ``kind`` without parameters, applied with probability ``p`` (one
+    uniform per sample)."""
 
     p: float = 0.5
     randoms: int = field(default=1, init=False)
+    kind: ClassVar[int] = IDENTITY
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "p", _probability(self.p, "RandomInvert: p"))
+        object.__setattr__(self, "p", _probability(self.p, f"{type(self).__name__}: p"))
 
     def tables(self, u, h, w, channels):
-        return (_kind_rows(INVERT, 0.0, _drawn(self.p, u)),)
+        return (_kind_rows(self.kind, 0.0, _drawn(self.p, u)),)
 
 
-@dataclass(frozen=True)
-class RandomAutocontrast(ToneCurve):
+class RandomInvert(_DrawnCurve):
+    """Invert every level (``255 - v``) with probability ``p``: torchvision's ``RandomInvert``."""
+
+    kind = INVERT
+
+
+class RandomAutocontrast(_DrawnCurve):
     """Stretch each channel so its darkest level becomes 0 and its brightest 255, with probability
     ``p``: torchvision's ``RandomAutocontrast`` (which truncates where this rounds: within 1 level)."""
 
-    p: float = 0.5
-    randoms: int = field(default=1, init=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "p", _probability(self.p, "RandomAutocontrast: p"))
-
-    def tables(self, u, h, w, channels):
-        return (_kind_rows(AUTOCONTRAST, 0.0, _drawn(self.p, u)),)
+    kind = AUTOCONTRAST
 
 
-@dataclass(frozen=True)
-class RandomEqualize(ToneCurve):
+class RandomEqualize(_DrawnCurve):
     """Equalize each channel's histogram with probability ``p``: torchvision's ``RandomEqualize``
     (its exact table: the same bytes)."""
 
-    p: float = 0.5
-    randoms: int = field(default=1, init=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "p", _probability(self.p, "RandomEqualize: p"))
-
-    def tables(self, u, h, w, channels):
-        return (_kind_rows(EQUALIZE, 0.0, _drawn(self.p, u)),)
+    kind = EQUALIZE
 
 
 @dataclass(frozen=True)
