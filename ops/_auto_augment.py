@@ -42,20 +42,6 @@ class _Range:
         return np.linspace(self.lo, self.hi, bins)
 
 
-def _linspace(lo: float, hi: float) -> _Range:
-    return _Range(lo, hi)
-
-
-def _posterize(levels: int) -> _Range:
-    return _Range(posterize=levels)
-
-
-def _translate(side: int) -> _Range:
-    # 150/331 of the image's width (side 1) or height (side 0), per sample.
-    return _Range(0.0, 1.0, side=side, scale=150.0 / 331.0)
-
-
-_none = None
 Magnitudes = _Range | None
 
 
@@ -76,45 +62,35 @@ def _magnitude_tables(space: tuple[tuple[str, tuple[Magnitudes, bool]], ...], bi
     return rows, table, signed, side, scale
 
 
-# name: (magnitudes, signed), in torchvision's order (a sample's op index counts in it).
-_RAND_AUGMENT: dict[str, tuple[Magnitudes, bool]] = {
-    "Identity": (_none, False),
-    "ShearX": (_linspace(0.0, 0.3), True),
-    "ShearY": (_linspace(0.0, 0.3), True),
-    "TranslateX": (_translate(1), True),
-    "TranslateY": (_translate(0), True),
-    "Rotate": (_linspace(0.0, 30.0), True),
-    "Brightness": (_linspace(0.0, 0.9), True),
-    "Color": (_linspace(0.0, 0.9), True),
-    "Contrast": (_linspace(0.0, 0.9), True),
-    "Sharpness": (_linspace(0.0, 0.9), True),
-    "Posterize": (_posterize(4), False),
-    "Solarize": (_linspace(255.0, 0.0), False),
-    "AutoContrast": (_none, False),
-    "Equalize": (_none, False),
-}
-_TRIVIAL_AUGMENT_WIDE: dict[str, tuple[Magnitudes, bool]] = {
-    "Identity": (_none, False),
-    "ShearX": (_linspace(0.0, 0.99), True),
-    "ShearY": (_linspace(0.0, 0.99), True),
-    "TranslateX": (_linspace(0.0, 32.0), True),
-    "TranslateY": (_linspace(0.0, 32.0), True),
-    "Rotate": (_linspace(0.0, 135.0), True),
-    "Brightness": (_linspace(0.0, 0.99), True),
-    "Color": (_linspace(0.0, 0.99), True),
-    "Contrast": (_linspace(0.0, 0.99), True),
-    "Sharpness": (_linspace(0.0, 0.99), True),
-    "Posterize": (_posterize(6), False),
-    "Solarize": (_linspace(255.0, 0.0), False),
-    "AutoContrast": (_none, False),
-    "Equalize": (_none, False),
-}
+def _space(shear: float, translate_x: _Range, translate_y: _Range, rotate: float, enhance: float,
+           posterize: int) -> dict[str, tuple[Magnitudes, bool]]:
+    """torchvision's op space at these largest magnitudes: name -> (magnitudes, signed), in its
+    order (a sample's op index counts in it)."""
+    return {
+        "Identity": (None, False),
+        "ShearX": (_Range(0.0, shear), True),
+        "ShearY": (_Range(0.0, shear), True),
+        "TranslateX": (translate_x, True),
+        "TranslateY": (translate_y, True),
+        "Rotate": (_Range(0.0, rotate), True),
+        **{name: (_Range(0.0, enhance), True) for name in ("Brightness", "Color", "Contrast", "Sharpness")},
+        "Posterize": (_Range(posterize=posterize), False),
+        "Solarize": (_Range(255.0, 0.0), False),
+        "AutoContrast": (None, False),
+        "Equalize": (None, False),
+    }
+
+
+# Translations: 150/331 of the image's width (side 1) or height (side 0); TrivialAugmentWide's are 32 pixels.
+_RAND_AUGMENT = _space(0.3, _Range(0.0, 1.0, side=1, scale=150.0 / 331.0), _Range(0.0, 1.0, side=0, scale=150.0 / 331.0),
+                       30.0, 0.9, 4)
+_TRIVIAL_AUGMENT_WIDE = _space(0.99, _Range(0.0, 32.0), _Range(0.0, 32.0), 135.0, 0.99, 6)
 
 
 # AutoAugment's space: RandAugment's without Identity, with Invert (torchvision's order).
 _AUTO_AUGMENT: dict[str, tuple[Magnitudes, bool]] = {
     **{name: entry for name, entry in _RAND_AUGMENT.items() if name != "Identity"},
-    "Invert": (_none, False),
+    "Invert": (None, False),
 }
 
 # The learned sub-policies, torchvision's AutoAugmentPolicy tables: each a pair of (op, probability,
