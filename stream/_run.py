@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -273,10 +274,10 @@ class _Run:
         try:
             executor = await self.cfg.executor()
             async with asyncio.TaskGroup() as tg:
-                tg.create_task(_noted(self._read(), "read"), name="loader:read")
-                tg.create_task(_noted(self._batch(), "batch"), name="loader:batch")
-                tg.create_task(_noted(self._dispatch(tg, executor), "dispatch"), name="loader:dispatch")
-                tg.create_task(_noted(self._emit(), "emit"), name="loader:emit")
+                tg.create_task(_noted(self._read, "read"), name="loader:read")
+                tg.create_task(_noted(self._batch, "batch"), name="loader:batch")
+                tg.create_task(_noted(functools.partial(self._dispatch, tg, executor), "dispatch"), name="loader:dispatch")
+                tg.create_task(_noted(self._emit, "emit"), name="loader:emit")
         except BaseExceptionGroup as group:
             leaves = _leaves(group)
             if all(isinstance(e, asyncio.CancelledError) for e in leaves):
@@ -420,9 +421,12 @@ class _Run:
         )
 
 
-async def _noted(coro: Awaitable[None], stage: str) -> None:
+async def _noted(stage_fn: Callable[[], Awaitable[None]], stage: str) -> None:
+    """Run a stage, noting its name on what it raises. It takes the stage's function, not its
+    coroutine: a task cancelled before its first step (Ctrl-C just as an epoch starts) never runs
+    this body, and a coroutine made beforehand would be dropped unawaited, with a RuntimeWarning."""
     try:
-        await coro
+        await stage_fn()
     except Exception as exc:
         exc.add_note(f"in headrace stage {stage!r}")
         raise

@@ -285,3 +285,39 @@ def test_sync_refuses_a_progress_that_is_not_a_bool_or_none(image_folder, wrong)
         loader.sync(progress=wrong)
     with pytest.raises(ConfigError, match="progress must be True or False"):
         Loader(readers.files(image_folder), batch_size=8, device="cpu", progress=wrong)
+
+
+async def test_a_stage_cancelled_before_its_first_step_leaves_no_coroutine_unawaited():
+    # Ctrl-C just as an epoch starts cancels the stage tasks before they run: the stage's
+    # coroutine must not exist yet, or it is dropped unawaited ("coroutine '_Run._read' was never
+    # awaited", seen in the demo's SIGINT test).
+    import gc
+    import warnings
+
+    from headrace import _run
+
+    started = []
+
+    async def stage() -> None:
+        started.append(True)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        task = asyncio.get_running_loop().create_task(_run._noted(stage, "read"))
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        del task
+        gc.collect()
+    assert not started
+    assert not [w for w in caught if "never awaited" in str(w.message)]
+    # Run to its end, it runs the stage from its function, and notes the stage on what it raises.
+    await _run._noted(stage, "read")
+    assert started == [True]
+
+    async def failing() -> None:
+        raise ValueError("bad")
+
+    with pytest.raises(ValueError) as info:
+        await _run._noted(failing, "batch")
+    assert "in headrace stage 'batch'" in info.value.__notes__
