@@ -83,6 +83,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hr_driver_load.argtypes, lib.hr_driver_load.restype = [ctypes.c_char_p, sz], i
     lib.hr_decode_launch.argtypes = [p, p, i, p, p, p, i, i, p, p, ctypes.POINTER(Launch)]
     lib.hr_decode_launch.restype = i
+    lib.hr_run_plan.argtypes, lib.hr_run_plan.restype = [p, p], i  # (hr_plan*, stream): _plan.py
 
 
 class Launch(ctypes.Structure):

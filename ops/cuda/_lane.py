@@ -147,8 +147,7 @@ class Lane:
             return None, decoded
         ok = np.arange(n)
         if self.out.post is not None:
-            out = self.out.post_ops(out, prep, ok)
-            stage.ready.record(self.stream)
+            out = self.out.post_ops(out, prep, ok, ready=stage.ready)
         data: dict[str, Any] = {"image": out}
         if labels is not None:
             data["label"] = labels

@@ -96,14 +96,20 @@ class LaneOutput:
         images = list(map(out.as_strided, shapes.tolist(), strides.tolist(), offsets.tolist()))
         return out, images, offsets
 
-    def post_ops(self, images: Any, prep: Prepared, ok: np.ndarray) -> Any:
+    def post_ops(self, images: Any, prep: Prepared, ok: np.ndarray, ready: torch.cuda.Event | None = None) -> Any:
+        """The post ops and the finish on the rows ``ok``; ``ready`` recorded after them (if given)."""
         if len(ok) == 0:  # nothing survived: the output's final form, empty
-            return [] if isinstance(images, list) else self.post.finish(images)
-        indices = prep.indices if len(ok) == len(prep.rows) else prep.indices[ok]
-        images = self.post.apply(images, indices, prep.batch.epoch, inplace=True)
-        if isinstance(images, list):  # sizes differ: each image finished on its own
-            return [self.post.finish(image[None])[0] for image in images]
-        return self.post.finish(images)
+            images = [] if isinstance(images, list) else self.post.finish(images)
+        elif isinstance(images, list):  # sizes differ: each image finished on its own
+            indices = prep.indices if len(ok) == len(prep.rows) else prep.indices[ok]
+            images = self.post.apply(images, indices, prep.batch.epoch, inplace=True)
+            images = [self.post.finish(image[None])[0] for image in images]
+        else:  # the passes and the finish in one plan, which records the event too
+            indices = prep.indices if len(ok) == len(prep.rows) else prep.indices[ok]
+            return self.post.apply(images, indices, prep.batch.epoch, inplace=True, finish=True, ready=ready)
+        if ready is not None:
+            ready.record(self.stream)
+        return images
 
     def launch(self, out: torch.Tensor, tables, stage: Staging, pointers: np.ndarray, row_strides: np.ndarray,
                 prep: Prepared, ok: np.ndarray, offsets: np.ndarray | None, lap) -> None:

@@ -389,3 +389,43 @@ def test_a_batch_tensor_whose_passes_skip_some_samples(inplace, stream):
     if not inplace:
         assert np.array_equal(x.cpu().numpy(), np.stack(arrays))  # the input is left as it was
     _compare(f"skipping passes inplace={inplace}", list(out.cpu().numpy()), _cpu(pipeline, arrays, steps), 3)
+
+
+def _policy_batch(seed, n=48, size=48):
+    pipeline = Pipeline([Decode(), ops.RandomResizedCrop(size), ops.RandAugment(num_ops=3), GaussianBlur(5, p=0.5),
+                         Normalize(dtype="float16")])
+    rng = np.random.default_rng(seed)
+    return pipeline, torch.from_numpy(np.stack([_image(rng, size, size, 3) for _ in range(n)]))
+
+
+def test_a_plan_issued_through_cupy_gives_the_shims_bytes(stream):
+    # The same plan (tables, launches, zeroing) issued by the decode shim in one call, or call by
+    # call through CuPy: the same kernels on the same tables, so the same bytes, batch after batch
+    # (more batches than the plan's pinned blocks, which are reused).
+    from headrace.ops.cuda import _plan
+
+    assert _plan._shim() is not None, "the GPU machine builds the shim: the native path must be the one tested"
+    pipeline, x = _policy_batch(17)
+    native, python = PostOps(pipeline, stream, seed=5), PostOps(pipeline, stream, seed=5, native=False)
+    for epoch in range(6):
+        outs = []
+        for post in (native, python):
+            xd = x.cuda()
+            torch.cuda.synchronize()
+            ready = torch.cuda.Event()
+            outs.append(post.apply(xd, np.arange(48), epoch, inplace=True, finish=True, ready=ready))
+            ready.synchronize()
+        assert outs[0].dtype == torch.float16 and outs[0].shape == (48, 3, 48, 48)
+        assert torch.equal(outs[0], outs[1]), epoch
+
+
+def test_apply_with_finish_is_apply_then_finish(stream):
+    pipeline, x = _policy_batch(18)
+    post = PostOps(pipeline, stream, seed=5)
+    xd = x.cuda()
+    torch.cuda.synchronize()
+    together = post.apply(xd, np.arange(48), 1, finish=True)
+    apart = post.finish(post.apply(xd, np.arange(48), 1))
+    stream.synchronize()
+    assert torch.equal(together, apart)
+    assert torch.equal(xd.cpu(), x)  # not in place: the input is left as it was

@@ -588,6 +588,7 @@ typedef int (*hr_cu_launch)(void*, unsigned, unsigned, unsigned, unsigned, unsig
 typedef int (*hr_cu_copy)(unsigned long long, const void*, size_t, void*);
 typedef int (*hr_cu_event)(void*, void*);
 typedef int (*hr_cu_sync)(void*);
+typedef int (*hr_cu_memset)(unsigned long long, unsigned char, size_t, void*);
 
 static struct {
     int loaded;
@@ -595,6 +596,7 @@ static struct {
     hr_cu_copy copy;
     hr_cu_event record;
     hr_cu_sync sync;
+    hr_cu_memset memset;
 } driver;
 
 /* 1 when the driver's entry points resolved (once per process; the caller serialises the first call). */
@@ -608,8 +610,9 @@ int hr_driver_load(char* err, size_t errlen)
         driver.copy = (hr_cu_copy)dlsym(lib, "cuMemcpyHtoDAsync_v2");
         driver.record = (hr_cu_event)dlsym(lib, "cuEventRecord");
         driver.sync = (hr_cu_sync)dlsym(lib, "cuEventSynchronize");
+        driver.memset = (hr_cu_memset)dlsym(lib, "cuMemsetD8Async");
     }
-    driver.loaded = (lib && driver.launch && driver.copy && driver.record && driver.sync) ? 1 : -1;
+    driver.loaded = (lib && driver.launch && driver.copy && driver.record && driver.sync && driver.memset) ? 1 : -1;
     if (driver.loaded < 0 && err && errlen)
         snprintf(err, errlen, "the CUDA driver's entry points did not resolve: %s", lib ? "missing symbols" : dlerror());
     return driver.loaded > 0;
@@ -708,6 +711,61 @@ int hr_decode_launch(hr_decoder* d, const hr_parsed* p, int m, const int32_t* pi
     l->seconds[0] = t1 - t0;
     l->seconds[1] = t2 - t1;
     return ok ? 1 + launched : 0;
+}
+
+/* One step of a plan: a kernel launch, or (function NULL) zeroing `size` bytes at device address `dst`. */
+typedef struct {
+    void* function;
+    unsigned grid[3];
+    unsigned block[3];
+    void** params;
+    unsigned long long dst;
+    size_t size;
+} hr_step;
+
+/* A batch's post-op work as data (ops/cuda/_plan.py): host-wait for wait_event (the last reader of
+   the pinned block), copy `size` bytes of tables from `src` into the pinned block `pinned` and up to
+   `device`, run the steps in order, record the events; all on `stream`, in one call without the GIL:
+   from Python each of these calls would drop the GIL and wait to take it back. */
+typedef struct {
+    void* wait_event;
+    const void* src;
+    void* pinned;
+    unsigned long long device;
+    size_t size;
+    const hr_step* steps;
+    int n_steps;
+    void* events[2];      /* recorded after the steps (NULL: none) */
+    int cuda_error;       /* out: the driver's error code when a call failed, else 0 */
+} hr_plan;
+
+/* 1 when every call succeeded; else 0, with plan->cuda_error set (the steps after it not issued). */
+int hr_run_plan(hr_plan* plan, void* stream)
+{
+    int e = 0;
+    if (driver.loaded <= 0) {
+        plan->cuda_error = -1;
+        return 0;
+    }
+    if (plan->wait_event)
+        e = driver.sync(plan->wait_event);
+    if (!e && plan->size) {
+        memcpy(plan->pinned, plan->src, plan->size);
+        e = driver.copy(plan->device, plan->pinned, plan->size, stream);
+    }
+    for (int i = 0; !e && i < plan->n_steps; ++i) {
+        const hr_step* s = &plan->steps[i];
+        if (s->function)
+            e = driver.launch(s->function, s->grid[0], s->grid[1], s->grid[2], s->block[0], s->block[1], s->block[2], 0,
+                              stream, s->params, NULL);
+        else
+            e = driver.memset(s->dst, 0, s->size, stream);
+    }
+    for (int k = 0; !e && k < 2; ++k)
+        if (plan->events[k])
+            e = driver.record(plan->events[k], stream);
+    plan->cuda_error = e;
+    return !e;
 }
 
 void hr_decoder_destroy(hr_decoder* d)
