@@ -8,6 +8,10 @@ for here) runs twice: alone, then beside a thread spinning pure Python, which ke
 whole switch interval each time it gets it. The extra time a batch, over the switch interval, is
 the hand-offs a batch. Before ``ops/_gil.py`` it was ~26 (docs/benchmarks.md, issue 21).
 
+The last rows are a lane's host work for the post ops of a batch of 224 x 224 crops (``RandAugment``,
+``TimmRandAugment``): their passes drawn (``post_steps``), laid out (``BatchPasses``) and built into
+the plan the shim issues, with made-up device addresses (nothing runs on a GPU).
+
     python examples/benchmark_prep_handoffs.py
 """
 import sys
@@ -20,6 +24,8 @@ from headrace import ops
 from headrace._sample import Sample, SampleBatch
 from headrace.ops._geometry import plan_batch, roi_batch
 from headrace.ops._random import uniforms
+from headrace.ops.cuda._plan import Plan
+from headrace.ops.cuda._post_passes import BatchPasses, post_steps
 from headrace.ops.cuda._prep import kernel_tables, prepare
 
 N = 256
@@ -76,10 +82,28 @@ def seconds_a_batch(work, beside_a_spinner, batches):
     return took
 
 
+def post_planning(policy):
+    pipeline = ops.Pipeline([*pipe.ops[:-1], policy, pipe.ops[-1]])
+    rows = np.empty((N, 5), dtype=np.int64)
+    rows[:, 0] = (1 << 40) + np.arange(N) * 224 * 224 * 3
+    rows[:, 1:] = (224, 224, 224 * 3, 3)
+    epochs = iter(range(1_000_000))
+
+    def work():
+        steps = post_steps(pipeline, 0, next(epochs), indices, rows[:, 1], rows[:, 2])
+        plan = Plan()
+        BatchPasses(rows, steps, 3, True).launches(plan, 1 << 41, lambda name: 1, gather=True)
+        plan.arrays(1 << 42)
+        plan.blob()
+    return work
+
+
 interval = sys.getswitchinterval()
 print(f"batch of {N}, switch interval {interval * 1e3:g} ms")
 for name, work in {"random draws": draws, "plan (draws, windows, regions, tables)": plan,
-                   "prepare past the header parse": prep}.items():
+                   "prepare past the header parse": prep,
+                   "post ops' planning, RandAugment()": post_planning(ops.RandAugment()),
+                   "post ops' planning, TimmRandAugment()": post_planning(ops.TimmRandAugment())}.items():
     alone, beside = seconds_a_batch(work, False, 200), seconds_a_batch(work, True, 40)
     print(f"{name:40s} alone {alone * 1e3:6.2f} ms, beside a spinning thread {beside * 1e3:7.2f} ms: "
           f"~{max(beside - alone, 0) / interval:.1f} hand-offs a batch")

@@ -1,0 +1,243 @@
+"""The host side of a batch's GPU post ops, NumPy only (tested without a GPU): which samples each
+pass changes, where each sample's pixels go, the device memory the passes need, and the launches
+of the batch's ``Plan`` once that memory's address is known.
+
+``PostOps`` (``_post.py``) allocates the memory and issues the plan; everything here runs on the
+lane's thread before that, so it is the lane's host time a batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from .._geometry import index_affine
+from .._pipeline import Pipeline
+from .._post_spec import ColorMatrix, GaussianBlur, PostOp, Step, _Warp
+from .._tone import IDENTITY, Sharpness, ToneCurve, needs_histograms
+from ._plan import Plan
+
+__all__ = ["BatchPasses", "blur_table", "changed", "color_table", "post_steps", "route", "warp_table"]
+
+_MAX_Z = 65535  # CUDA's limit on gridDim.z: larger batches launch in slices
+BLOCK = (32, 8, 1)
+_HISTOGRAM_BLOCKS = 8  # blocks counting one sample's levels (each adds its counts to the sample's once)
+
+
+def post_steps(pipeline: Pipeline, seed: int, epoch: int, indices: np.ndarray, heights: np.ndarray,
+               widths: np.ndarray) -> list[Step]:
+    """The passes (``PostOp.steps`` of each post op, in order) of samples ``indices`` in ``epoch``,
+    their images ``heights`` x ``widths``: primitive ops and their per-sample tables."""
+    us = pipeline.post_uniforms(seed, epoch, np.asarray(indices, dtype=np.int64))
+    return [step for op, u in zip(pipeline.post_ops, us) for step in op.steps(u, heights, widths, pipeline.channels)]
+
+
+def color_table(matrices: np.ndarray, channels: int) -> np.ndarray:
+    """(n, 12) float32 colour tables: ``[M | o]`` row-major for RGB; gain and offset at 0 and 3 for gray."""
+    m = np.asarray(matrices, dtype=np.float64)
+    out = np.zeros((len(m), 12), dtype=np.float32)
+    if channels == 1:
+        out[:, 0], out[:, 3] = m[:, 0, 0], m[:, 0, 1]
+    else:
+        out[:] = m.reshape(len(m), 12)
+    return out
+
+
+def warp_table(affine: np.ndarray, fill: np.ndarray) -> np.ndarray:
+    """(n, 10) float32 warp tables: the index-coordinate matrix (``index_affine``), then 4 fill levels."""
+    a = index_affine(affine)
+    out = np.zeros((len(a), 10), dtype=np.float32)
+    out[:, :6] = a.reshape(len(a), 6)
+    f = np.asarray(fill, dtype=np.float32).reshape(-1)
+    out[:, 6 : 6 + len(f)] = f
+    return out
+
+
+def blur_table(wx: np.ndarray, wy: np.ndarray) -> np.ndarray:
+    """(n, kx + ky) float32 blur tables: row weights, then column weights."""
+    return np.concatenate([np.asarray(wx, dtype=np.float32), np.asarray(wy, dtype=np.float32)], axis=1)
+
+
+def changed(op: PostOp, tables: tuple[np.ndarray, ...]) -> np.ndarray:
+    """(n,) bool: the samples a pass changes. The others hold the identity (a sample ``p`` left
+    alone, or one that drew another kind of pass in a policy's round), which the kernels would
+    copy exactly: they are left out of the launch."""
+    if isinstance(op, ColorMatrix):
+        m = np.asarray(tables[0])
+        identity = np.eye(m.shape[1], m.shape[2])
+        return ~np.all(m == identity, axis=(1, 2))
+    if isinstance(op, _Warp):
+        return ~np.all(np.asarray(tables[0]) == np.eye(2, 3), axis=(1, 2))
+    if isinstance(op, GaussianBlur):
+        def delta(w: np.ndarray) -> np.ndarray:
+            centre = np.zeros(w.shape[1])
+            centre[w.shape[1] // 2] = 1.0
+            return np.all(w == centre, axis=1)
+        return ~(delta(np.asarray(tables[0])) & delta(np.asarray(tables[1])))
+    if isinstance(op, ToneCurve):
+        return np.asarray(tables[0])[:, 0] != IDENTITY
+    if isinstance(op, Sharpness):
+        return np.asarray(tables[0]).reshape(-1) != 1.0
+    raise TypeError(f"not a post op: {op!r}")
+
+
+def route(op: PostOp, where: np.ndarray, active: np.ndarray, inplace: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Which buffer each of the samples ``active`` reads and writes in this pass: -1 is the input,
+    0 and 1 our two uint8 buffers; ``where`` (n,) says where each sample's pixels are now and is
+    updated. Each sample keeps its own place, so a pass that changes a few samples moves only
+    those. The colour and tone passes write where they read once that is ours (or the input,
+    with ``inplace``); a warp, a blur or sharpness writes into the other buffer."""
+    src = where[active]
+    if isinstance(op, (ColorMatrix, ToneCurve)):
+        dst = np.where((src >= 0) | inplace, src, 0)
+    else:
+        dst = np.where(src == 0, 1, 0)
+    where[active] = dst
+    return src, dst
+
+
+
+class BatchPasses:
+    """A batch's passes laid out on the host: ``where`` each sample's pixels end (-1 the input, else
+    buffer 0 or 1), the device memory they need (``size`` bytes, in one allocation), and
+    ``launches``, which adds the passes' launches to a plan once that memory's address is known.
+
+    ``rows`` are ``describe``'s (address, height, width, row stride, channels); ``steps`` the
+    batch's passes (``PostOps.tables``).
+    """
+
+    def __init__(self, rows: np.ndarray, steps: list[Step], channels: int, inplace: bool) -> None:
+        self.rows, self.channels = rows, channels
+        n = len(rows)
+        self.sizes = rows[:, 1] * rows[:, 2] * channels
+        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
+        self.total = int(self.sizes.sum())
+        self.where = np.full(n, -1)
+        self.passes = []
+        for op, tab in steps if n else ():
+            active = np.flatnonzero(changed(op, tab))
+            if len(active):
+                self.passes.append((op, tab, active, *route(op, self.where, active, inplace)))
+        used = set()
+        for _, _, _, src, dst in self.passes:
+            used.update(int(k) for k in np.unique(np.concatenate([src, dst])) if k >= 0)
+        blur = any(isinstance(p[0], GaussianBlur) for p in self.passes)
+        tone = any(isinstance(p[0], ToneCurve) for p in self.passes)
+        self.size, self._at = 0, {}
+        for name, nbytes in ((0, self.total if 0 in used else 0), (1, self.total if 1 in used else 0),
+                             ("scratch", 4 * self.total if blur else 0), ("luts", n * channels * 256 if tone else 0),
+                             ("histograms", 4 * n * channels * 256 if tone else 0)):
+            if nbytes:
+                self._at[name] = self.size
+                self.size += -(-nbytes // 256) * 256
+        self.base = 0
+
+    @property
+    def changes(self) -> bool:
+        """Some sample's pixels leave the input (a batch tensor is then gathered into a buffer)."""
+        return bool(np.any(self.where != -1))
+
+    def at(self, k: int | str) -> int:
+        """The offset of buffer ``k`` (0 or 1) or of a temporary in the allocation."""
+        return self._at[k]
+
+    def launches(self, plan: Plan, base: int, function: Callable[[str], int], *, gather: bool) -> int | None:
+        """Add the passes' launches to ``plan``, the allocation at device address ``base``;
+        ``function`` gives a kernel's CUfunction by name. ``gather`` (a batch tensor): the samples
+        are then gathered into the buffer that holds most of them, which is returned (None when no
+        sample left the input)."""
+        self.base, self._function = base, function
+        for op, tab, active, src, dst in self.passes:
+            self._add_pass(plan, op, tab, active, src, dst)
+        if not gather or not self.changes:
+            return None
+        where = self.where
+        counts = [np.sum(where == k) for k in (0, 1)]
+        target = 0 if counts[0] >= counts[1] and 0 in self._at else 1
+        others = np.flatnonzero(where != target)
+        if len(others):
+            s_ptr, s_stride = self._where(where[others], others)
+            d_ptr, d_stride = self._where(np.full(len(others), target), others)
+            self._launch(plan, "copy_pixels", self.rows[others], s_ptr, s_stride, d_ptr, d_stride,
+                         np.zeros((len(others), 1), np.float32), ())
+        return target
+
+    def _add_pass(self, plan: Plan, op, tab, active, src, dst) -> None:
+        sub = self.rows[active]
+        s_ptr, s_stride = self._where(src, active)
+        d_ptr, d_stride = self._where(dst, active)
+        if isinstance(op, GaussianBlur):
+            t_ptr = self.base + self._at["scratch"] + 4 * self.offsets[active]
+            t_stride = 4 * sub[:, 2] * self.channels
+            par = blur_table(tab[0][active], tab[1][active])
+            kx, ky = op.kernel_size
+            self._launch(plan, "blur_rows", sub, s_ptr, s_stride, t_ptr, t_stride, par, (kx, par.shape[1]))
+            self._launch(plan, "blur_cols", sub, t_ptr, t_stride, d_ptr, d_stride, par, (ky, par.shape[1], kx))
+        elif isinstance(op, _Warp):
+            self._launch(plan, "warp_affine", sub, s_ptr, s_stride, d_ptr, d_stride, warp_table(tab[0][active], tab[1]), ())
+        elif isinstance(op, ColorMatrix):
+            if self.channels not in (1, 3):
+                raise ValueError(f"{type(op).__name__} takes 1 or 3 channels, got {self.channels}")
+            self._launch(plan, "color_twist", sub, s_ptr, s_stride, d_ptr, d_stride,
+                         color_table(tab[0][active], self.channels), ())
+        elif isinstance(op, ToneCurve):
+            self._tone(plan, sub, s_ptr, s_stride, d_ptr, d_stride, tab[0][active])
+        elif isinstance(op, Sharpness):
+            par = np.asarray(tab[0], dtype=np.float32).reshape(-1, 1)[active]
+            self._launch(plan, "sharpen", sub, s_ptr, s_stride, d_ptr, d_stride, par, ())
+        else:
+            raise TypeError(f"not a post op: {op!r}")
+
+    def _where(self, which: np.ndarray, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Addresses and row strides of ``samples`` in the places ``which`` (-1 the input, else a buffer)."""
+        rows = self.rows
+        ptr = rows[samples, 0].copy()
+        stride = rows[samples, 3].copy()
+        for k in (0, 1):
+            mine = which == k
+            if np.any(mine):
+                ptr[mine] = self.base + self._at[k] + self.offsets[samples[mine]]
+                stride[mine] = rows[samples[mine], 2] * self.channels
+        return ptr, stride
+
+    def _tone(self, plan: Plan, rows, s_ptr, s_stride, d_ptr, d_stride, params: np.ndarray) -> None:
+        """A tone curve: level counts where the curve reads the image, each sample's tables, the lookup.
+        The passes of a batch share the tables' memory: they run in order on the stream."""
+        n, c = len(rows), self.channels
+        params = np.asarray(params, dtype=np.float64).reshape(n, 2)
+        plane = c * 256
+        luts, histograms = self.base + self._at["luts"], self.base + self._at["histograms"]
+        lut_ptrs = luts + plane * np.arange(n, dtype=np.int64)
+        zeros = np.zeros(n, dtype=np.int64)
+        hist_ptrs = zeros
+        if needs_histograms(params):
+            plan.zero(histograms, 4 * plane * n)
+            hist_ptrs = histograms + 4 * plane * np.arange(n, dtype=np.int64)
+            self._launch(plan, "histogram", rows, s_ptr, s_stride, hist_ptrs, zeros, np.zeros((n, 1), np.float32), (),
+                         grid=lambda lo, hi: (_HISTOGRAM_BLOCKS, 1, hi - lo), block=(256, 1, 1))
+        self._launch(plan, "tone_build", rows, hist_ptrs, zeros, lut_ptrs, zeros, params.astype(np.float32), (),
+                     grid=lambda lo, hi: (1, 1, hi - lo), block=(256, 1, 1))
+        self._launch(plan, "tone_apply", rows, s_ptr, s_stride, d_ptr, d_stride, np.zeros((n, 1), np.float32),
+                     lambda lo: (np.uint64(luts), np.int32(lo)))
+
+    def _launch(self, plan: Plan, name: str, rows, src, src_stride, dst, dst_stride, par: np.ndarray, extra, *,
+                grid=None, block=BLOCK) -> None:
+        """One kernel over the batch, in slices of at most ``_MAX_Z`` samples, added to ``plan``.
+        ``extra``: the kernel's further int arguments, or a function of a slice's first sample giving
+        its arguments (typed); ``grid``: a function of a slice's (lo, hi) (default: its images' pixels)."""
+        n = len(rows)
+        ptrs = np.empty((n, 2), dtype=np.uint64)
+        ptrs[:, 0], ptrs[:, 1] = src, dst
+        meta = np.empty((n, 4), dtype=np.int32)
+        meta[:, 0], meta[:, 1], meta[:, 2], meta[:, 3] = rows[:, 1], rows[:, 2], src_stride, dst_stride
+        par = np.asarray(par, dtype=np.float32)
+        function = self._function(name)
+        for lo in range(0, n, _MAX_Z):
+            hi = min(n, lo + _MAX_Z)
+            args = extra(lo) if callable(extra) else tuple(np.int32(v) for v in extra)
+            dims = grid(lo, hi) if grid is not None else (
+                (int(rows[lo:hi, 2].max()) + block[0] - 1) // block[0],
+                (int(rows[lo:hi, 1].max()) + block[1] - 1) // block[1], hi - lo)
+            plan.launch(function, dims, block, plan.table(ptrs[lo:hi]), plan.table(meta[lo:hi]), plan.table(par[lo:hi]),
+                        *args)
