@@ -12,7 +12,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .._geometry import index_affine
 from .._pipeline import Pipeline
 from .._post_spec import ColorMatrix, GaussianBlur, PostOp, Step, _Warp
 from .._tone import IDENTITY, Sharpness, ToneCurve, needs_histograms
@@ -36,27 +35,40 @@ def post_steps(pipeline: Pipeline, seed: int, epoch: int, indices: np.ndarray, h
 def color_table(matrices: np.ndarray, channels: int) -> np.ndarray:
     """(n, 12) float32 colour tables: ``[M | o]`` row-major for RGB; gain and offset at 0 and 3 for gray."""
     m = np.asarray(matrices, dtype=np.float64)
-    out = np.zeros((len(m), 12), dtype=np.float32)
+    flat = m.reshape(len(m), -1)
     if channels == 1:
-        out[:, 0], out[:, 3] = m[:, 0, 0], m[:, 0, 1]
-    else:
-        out[:] = m.reshape(len(m), 12)
-    return out
+        return _columns(len(m), 12, {0: flat[:, 0], 3: flat[:, 1]})
+    return _columns(len(m), 12, {j: flat[:, j] for j in range(12)})
 
 
 def warp_table(affine: np.ndarray, fill: np.ndarray) -> np.ndarray:
-    """(n, 10) float32 warp tables: the index-coordinate matrix (``index_affine``), then 4 fill levels."""
-    a = index_affine(affine)
-    out = np.zeros((len(a), 10), dtype=np.float32)
-    out[:, :6] = a.reshape(len(a), 6)
+    """(n, 10) float32 warp tables: the index-coordinate matrix (``index_affine``: the half-pixel
+    shifts folded into the translation in float64), then 4 fill levels."""
+    a = np.asarray(affine, dtype=np.float64).reshape(-1, 6)
+    cols = {}
+    for r in (0, 1):
+        x, y, t = a[:, 3 * r], a[:, 3 * r + 1], a[:, 3 * r + 2]
+        cols.update({3 * r: x, 3 * r + 1: y, 3 * r + 2: t + (0.5 * (x + y) - 0.5)})
     f = np.asarray(fill, dtype=np.float32).reshape(-1)
-    out[:, 6 : 6 + len(f)] = f
-    return out
+    cols.update({6 + j: f[j] for j in range(len(f))})
+    return _columns(len(a), 10, cols)
 
 
 def blur_table(wx: np.ndarray, wy: np.ndarray) -> np.ndarray:
     """(n, kx + ky) float32 blur tables: row weights, then column weights."""
-    return np.concatenate([np.asarray(wx, dtype=np.float32), np.asarray(wy, dtype=np.float32)], axis=1)
+    wx, wy = np.asarray(wx), np.asarray(wy)
+    kx = wx.shape[1]
+    return _columns(len(wx), kx + wy.shape[1], {**{j: wx[:, j] for j in range(kx)},
+                                               **{kx + j: wy[:, j] for j in range(wy.shape[1])}})
+
+
+def _columns(n: int, width: int, cols: dict) -> np.ndarray:
+    """An (n, width) float32 table filled a column at a time from ``cols`` (the rest 0): copies of n
+    elements keep the GIL where a whole table's cast of more than 500 would let it go (``ops/_gil.py``)."""
+    out = np.empty((n, width), dtype=np.float32)
+    for j in range(width):
+        out[:, j] = cols.get(j, 0.0)
+    return out
 
 
 def changed(op: PostOp, tables: tuple[np.ndarray, ...]) -> np.ndarray:
@@ -65,21 +77,35 @@ def changed(op: PostOp, tables: tuple[np.ndarray, ...]) -> np.ndarray:
     copy exactly: they are left out of the launch."""
     if isinstance(op, ColorMatrix):
         m = np.asarray(tables[0])
-        identity = np.eye(m.shape[1], m.shape[2])
-        return ~np.all(m == identity, axis=(1, 2))
+        return _differs(m, np.eye(m.shape[1], m.shape[2]))
     if isinstance(op, _Warp):
-        return ~np.all(np.asarray(tables[0]) == np.eye(2, 3), axis=(1, 2))
+        return _differs(np.asarray(tables[0]), np.eye(2, 3))
     if isinstance(op, GaussianBlur):
-        def delta(w: np.ndarray) -> np.ndarray:
-            centre = np.zeros(w.shape[1])
-            centre[w.shape[1] // 2] = 1.0
-            return np.all(w == centre, axis=1)
-        return ~(delta(np.asarray(tables[0])) & delta(np.asarray(tables[1])))
+        wx, wy = np.asarray(tables[0]), np.asarray(tables[1])
+        return _differs(wx, _delta(wx.shape[1])) | _differs(wy, _delta(wy.shape[1]))
     if isinstance(op, ToneCurve):
         return np.asarray(tables[0])[:, 0] != IDENTITY
     if isinstance(op, Sharpness):
         return np.asarray(tables[0]).reshape(-1) != 1.0
     raise TypeError(f"not a post op: {op!r}")
+
+
+def _delta(k: int) -> np.ndarray:
+    centre = np.zeros(k)
+    centre[k // 2] = 1.0
+    return centre
+
+
+def _differs(a: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    """(n,) bool: row i of ``a`` (n, ...) differs from ``ref`` (``a``'s trailing shape) somewhere.
+    A column at a time: each loop runs over n elements, and NumPy keeps the GIL for loops of up to
+    500 (``ops/_gil.py``; a lane that lets it go waits to take it back)."""
+    flat = a.reshape(len(a), -1)
+    ref = np.broadcast_to(ref, a.shape[1:]).reshape(-1)
+    out = flat[:, 0] != ref[0]
+    for j in range(1, flat.shape[1]):
+        out |= flat[:, j] != ref[j]
+    return out
 
 
 def route(op: PostOp, where: np.ndarray, active: np.ndarray, inplace: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -115,13 +141,13 @@ class BatchPasses:
         self.total = int(self.sizes.sum())
         self.where = np.full(n, -1)
         self.passes = []
+        # Samples are picked by boolean masks, not index arrays: NumPy gathers by an index array
+        # with the GIL let go, whatever its size (``ops/_gil.py``).
         for op, tab in steps if n else ():
-            active = np.flatnonzero(changed(op, tab))
-            if len(active):
+            active = changed(op, tab)
+            if active.any():
                 self.passes.append((op, tab, active, *route(op, self.where, active, inplace)))
-        used = set()
-        for _, _, _, src, dst in self.passes:
-            used.update(int(k) for k in np.unique(np.concatenate([src, dst])) if k >= 0)
+        used = {k for k in (0, 1) if any((src == k).any() or (dst == k).any() for _, _, _, src, dst in self.passes)}
         blur = any(isinstance(p[0], GaussianBlur) for p in self.passes)
         tone = any(isinstance(p[0], ToneCurve) for p in self.passes)
         self.size, self._at = 0, {}
@@ -153,22 +179,22 @@ class BatchPasses:
         if not gather or not self.changes:
             return None
         where = self.where
-        counts = [np.sum(where == k) for k in (0, 1)]
+        counts = [np.count_nonzero(where == k) for k in (0, 1)]
         target = 0 if counts[0] >= counts[1] and 0 in self._at else 1
-        others = np.flatnonzero(where != target)
-        if len(others):
-            s_ptr, s_stride = self._where(where[others], others)
-            d_ptr, d_stride = self._where(np.full(len(others), target), others)
-            self._launch(plan, "copy_pixels", self.rows[others], s_ptr, s_stride, d_ptr, d_stride,
-                         np.zeros((len(others), 1), np.float32), ())
+        others = where != target
+        if others.any():
+            rows, offsets = self.rows[others], self.offsets[others]
+            s_ptr, s_stride = self._where(where[others], rows, offsets)
+            d_ptr, d_stride = self._where(np.full(len(rows), target), rows, offsets)
+            self._launch(plan, "copy_pixels", rows, s_ptr, s_stride, d_ptr, d_stride, np.full((len(rows), 1), 0, np.float32), ())
         return target
 
     def _add_pass(self, plan: Plan, op, tab, active, src, dst) -> None:
-        sub = self.rows[active]
-        s_ptr, s_stride = self._where(src, active)
-        d_ptr, d_stride = self._where(dst, active)
+        sub, offsets = self.rows[active], self.offsets[active]
+        s_ptr, s_stride = self._where(src, sub, offsets)
+        d_ptr, d_stride = self._where(dst, sub, offsets)
         if isinstance(op, GaussianBlur):
-            t_ptr = self.base + self._at["scratch"] + 4 * self.offsets[active]
+            t_ptr = self.base + self._at["scratch"] + 4 * offsets
             t_stride = 4 * sub[:, 2] * self.channels
             par = blur_table(tab[0][active], tab[1][active])
             kx, ky = op.kernel_size
@@ -189,16 +215,16 @@ class BatchPasses:
         else:
             raise TypeError(f"not a post op: {op!r}")
 
-    def _where(self, which: np.ndarray, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Addresses and row strides of ``samples`` in the places ``which`` (-1 the input, else a buffer)."""
-        rows = self.rows
-        ptr = rows[samples, 0].copy()
-        stride = rows[samples, 3].copy()
+    def _where(self, which: np.ndarray, rows: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Addresses and row strides of the samples ``rows`` (at ``offsets`` in a buffer) in the
+        places ``which`` (-1 the input, else a buffer)."""
+        ptr = rows[:, 0].copy()
+        stride = rows[:, 3].copy()
         for k in (0, 1):
             mine = which == k
-            if np.any(mine):
-                ptr[mine] = self.base + self._at[k] + self.offsets[samples[mine]]
-                stride[mine] = rows[samples[mine], 2] * self.channels
+            if mine.any():
+                ptr[mine] = self.base + self._at[k] + offsets[mine]
+                stride[mine] = rows[:, 2][mine] * self.channels
         return ptr, stride
 
     def _tone(self, plan: Plan, rows, s_ptr, s_stride, d_ptr, d_stride, params: np.ndarray) -> None:
@@ -209,16 +235,16 @@ class BatchPasses:
         plane = c * 256
         luts, histograms = self.base + self._at["luts"], self.base + self._at["histograms"]
         lut_ptrs = luts + plane * np.arange(n, dtype=np.int64)
-        zeros = np.zeros(n, dtype=np.int64)
+        zeros = np.full(n, 0, dtype=np.int64)  # np.zeros lets the GIL go around a calloc of 1 KiB or more
         hist_ptrs = zeros
         if needs_histograms(params):
             plan.zero(histograms, 4 * plane * n)
             hist_ptrs = histograms + 4 * plane * np.arange(n, dtype=np.int64)
-            self._launch(plan, "histogram", rows, s_ptr, s_stride, hist_ptrs, zeros, np.zeros((n, 1), np.float32), (),
+            self._launch(plan, "histogram", rows, s_ptr, s_stride, hist_ptrs, zeros, np.full((n, 1), 0, np.float32), (),
                          grid=lambda lo, hi: (_HISTOGRAM_BLOCKS, 1, hi - lo), block=(256, 1, 1))
-        self._launch(plan, "tone_build", rows, hist_ptrs, zeros, lut_ptrs, zeros, params.astype(np.float32), (),
+        self._launch(plan, "tone_build", rows, hist_ptrs, zeros, lut_ptrs, zeros, _columns(n, 2, {0: params[:, 0], 1: params[:, 1]}), (),
                      grid=lambda lo, hi: (1, 1, hi - lo), block=(256, 1, 1))
-        self._launch(plan, "tone_apply", rows, s_ptr, s_stride, d_ptr, d_stride, np.zeros((n, 1), np.float32),
+        self._launch(plan, "tone_apply", rows, s_ptr, s_stride, d_ptr, d_stride, np.full((n, 1), 0, np.float32),
                      lambda lo: (np.uint64(luts), np.int32(lo)))
 
     def _launch(self, plan: Plan, name: str, rows, src, src_stride, dst, dst_stride, par: np.ndarray, extra, *,
