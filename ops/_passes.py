@@ -82,6 +82,17 @@ _COLOR = _PassColor()
 _SHARPNESS = _PassSharpness()
 
 
+def _filled(shape: tuple[int, ...], each: np.ndarray) -> np.ndarray:
+    """An array of ``shape`` whose every row is ``each``, filled a column at a time: ``np.zeros`` of
+    1 KiB or more lets the GIL go around its ``calloc``, and whole-array loops over 500 elements do
+    (``ops/_gil.py``), which a lane planning its post ops then waits to take back."""
+    out = np.empty(shape)
+    flat, each = out.reshape(shape[0], each.size), each.reshape(-1)
+    for j in range(len(each)):
+        flat[:, j] = each[j]
+    return out
+
+
 def round_passes(op: np.ndarray, magnitude: np.ndarray, h: np.ndarray, w: np.ndarray, channels: int,
                  warp: PassWarp) -> list[Step]:
     """The passes of one round in which sample i applies op ``op[i]`` (a code of ``OPS``) with
@@ -96,8 +107,7 @@ def round_passes(op: np.ndarray, magnitude: np.ndarray, h: np.ndarray, w: np.nda
 
     geometric = GEOMETRIC[op]
     if geometric.any():
-        affine = np.zeros((n, 2, 3))
-        affine[:, 0, 0] = affine[:, 1, 1] = 1.0
+        affine = _filled((n, 2, 3), np.eye(2, 3))
         shear_x, shear_y = where("ShearX"), where("ShearY")
         affine[shear_x, 0, 1] = magnitude[shear_x]  # input x = x + m y: torchvision's shear about the corner
         affine[shear_y, 1, 0] = magnitude[shear_y]
@@ -121,8 +131,7 @@ def round_passes(op: np.ndarray, magnitude: np.ndarray, h: np.ndarray, w: np.nda
     if color.any() and channels == 3:
         # torchvision's adjust_saturation: blend with the gray image, f x + (1 - f) gray(x).
         f = 1.0 + magnitude[color]
-        matrices = np.zeros((n, 3, 4))
-        matrices[:, :, :3] = np.eye(3)
+        matrices = _filled((n, 3, 4), np.eye(3, 4))
         gray = np.asarray(GRAY_WEIGHTS, dtype=np.float64)
         matrices[color, :, :3] = f[:, None, None] * np.eye(3) + (1.0 - f)[:, None, None] * gray
         steps.append((_COLOR, (matrices,)))
