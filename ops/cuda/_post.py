@@ -33,7 +33,7 @@ from .._pipeline import Pipeline
 from .._post_spec import Step
 from ._plan import Plan, PlanSlots
 from ._post_kernels import FINISH_TYPES, module
-from ._post_passes import _MAX_Z, BLOCK, BatchPasses, blur_table, changed, color_table, post_steps, route, warp_table
+from ._post_passes import MAX_Z, BLOCK, BatchPasses, blur_table, changed, color_table, post_steps, route, warp_table
 
 __all__ = ["PostOps", "blur_table", "changed", "color_table", "describe", "finish", "route", "warp_table"]
 
@@ -193,8 +193,8 @@ class PostOps:
         function = self._function(f"finish_{_DTYPE_NAMES[norm.dtype]}")
         grid_xy = ((w + BLOCK[0] - 1) // BLOCK[0], (h + BLOCK[1] - 1) // BLOCK[1])
         step_in, step_out = h * w * c, h * w * c * out.element_size()
-        for lo in range(0, n, _MAX_Z):
-            hi = min(n, lo + _MAX_Z)
+        for lo in range(0, n, MAX_Z):
+            hi = min(n, lo + MAX_Z)
             plan.launch(function, (*grid_xy, hi - lo), BLOCK, np.uint64(address + lo * step_in),
                         np.uint64(out.data_ptr() + lo * step_out), np.int32(h), np.int32(w),
                         np.int32(norm.layout == "CHW"), np.uint64(self.mean.data.ptr), np.uint64(self.inv_std.data.ptr))

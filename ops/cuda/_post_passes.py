@@ -19,7 +19,7 @@ from ._plan import Plan
 
 __all__ = ["BatchPasses", "blur_table", "changed", "color_table", "post_steps", "route", "warp_table"]
 
-_MAX_Z = 65535  # CUDA's limit on gridDim.z: larger batches launch in slices
+MAX_Z = 65535  # CUDA's limit on gridDim.z: larger batches launch in slices
 BLOCK = (32, 8, 1)
 _HISTOGRAM_BLOCKS = 8  # blocks counting one sample's levels (each adds its counts to the sample's once)
 
@@ -109,9 +109,9 @@ def _differs(a: np.ndarray, ref: np.ndarray) -> np.ndarray:
 
 
 def route(op: PostOp, where: np.ndarray, active: np.ndarray, inplace: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Which buffer each of the samples ``active`` reads and writes in this pass: -1 is the input,
-    0 and 1 our two uint8 buffers; ``where`` (n,) says where each sample's pixels are now and is
-    updated. Each sample keeps its own place, so a pass that changes a few samples moves only
+    """Which buffer each of the samples ``active`` (a mask, or indices) reads and writes in this
+    pass: -1 is the input, 0 and 1 our two uint8 buffers; ``where`` (n,) says where each sample's
+    pixels are now and is updated. Each sample keeps its own place, so a pass that changes a few samples moves only
     those. The colour and tone passes write where they read once that is ours (or the input,
     with ``inplace``); a warp, a blur or sharpness writes into the other buffer."""
     src = where[active]
@@ -249,7 +249,7 @@ class BatchPasses:
 
     def _launch(self, plan: Plan, name: str, rows, src, src_stride, dst, dst_stride, par: np.ndarray, extra, *,
                 grid=None, block=BLOCK) -> None:
-        """One kernel over the batch, in slices of at most ``_MAX_Z`` samples, added to ``plan``.
+        """One kernel over the batch, in slices of at most ``MAX_Z`` samples, added to ``plan``.
         ``extra``: the kernel's further int arguments, or a function of a slice's first sample giving
         its arguments (typed); ``grid``: a function of a slice's (lo, hi) (default: its images' pixels)."""
         n = len(rows)
@@ -259,8 +259,8 @@ class BatchPasses:
         meta[:, 0], meta[:, 1], meta[:, 2], meta[:, 3] = rows[:, 1], rows[:, 2], src_stride, dst_stride
         par = np.asarray(par, dtype=np.float32)
         function = self._function(name)
-        for lo in range(0, n, _MAX_Z):
-            hi = min(n, lo + _MAX_Z)
+        for lo in range(0, n, MAX_Z):
+            hi = min(n, lo + MAX_Z)
             args = extra(lo) if callable(extra) else tuple(np.int32(v) for v in extra)
             dims = grid(lo, hi) if grid is not None else (
                 (int(rows[lo:hi, 2].max()) + block[0] - 1) // block[0],
