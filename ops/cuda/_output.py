@@ -98,15 +98,14 @@ class LaneOutput:
 
     def post_ops(self, images: Any, prep: Prepared, ok: np.ndarray, ready: torch.cuda.Event | None = None) -> Any:
         """The post ops and the finish on the rows ``ok``; ``ready`` recorded after them (if given)."""
+        indices = prep.indices if len(ok) == len(prep.rows) else prep.indices[ok]
+        if len(ok) and not isinstance(images, list):  # the passes and the finish in one plan, with the event
+            return self.post.apply(images, indices, prep.batch.epoch, inplace=True, finish=True, ready=ready)
         if len(ok) == 0:  # nothing survived: the output's final form, empty
             images = [] if isinstance(images, list) else self.post.finish(images)
-        elif isinstance(images, list):  # sizes differ: each image finished on its own
-            indices = prep.indices if len(ok) == len(prep.rows) else prep.indices[ok]
+        else:  # sizes differ: each image finished on its own
             images = self.post.apply(images, indices, prep.batch.epoch, inplace=True)
             images = [self.post.finish(image[None])[0] for image in images]
-        else:  # the passes and the finish in one plan, which records the event too
-            indices = prep.indices if len(ok) == len(prep.rows) else prep.indices[ok]
-            return self.post.apply(images, indices, prep.batch.epoch, inplace=True, finish=True, ready=ready)
         if ready is not None:
             ready.record(self.stream)
         return images

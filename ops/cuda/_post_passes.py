@@ -157,7 +157,7 @@ class BatchPasses:
             if nbytes:
                 self._at[name] = self.size
                 self.size += -(-nbytes // 256) * 256
-        self.base = 0
+        self.base, self._function = 0, None  # set by ``launches``
 
     @property
     def changes(self) -> bool:
