@@ -8,12 +8,13 @@ for here) runs twice: alone, then beside a thread spinning pure Python, which ke
 whole switch interval each time it gets it. The extra time a batch, over the switch interval, is
 the hand-offs a batch. Before ``ops/_gil.py`` it was ~26 (docs/benchmarks.md, issue 21).
 
-The last rows are a lane's host work for the post ops of a batch of 224 x 224 crops (``RandAugment``,
-``TimmRandAugment``): their passes drawn (``post_steps``), laid out (``BatchPasses``) and built into
-the plan the shim issues, with made-up device addresses (nothing runs on a GPU).
+The last rows are the prep thread's host work for the post ops of a batch of 224 x 224 crops
+(``RandAugment``, ``TimmRandAugment``; ``plan_post``): their passes drawn, laid out and built into
+the plan the shim issues, its addresses named (nothing runs on a GPU).
 
     python examples/benchmark_prep_handoffs.py
 """
+import collections
 import sys
 import threading
 import time
@@ -24,8 +25,7 @@ from headrace import ops
 from headrace._sample import Sample, SampleBatch
 from headrace.ops._geometry import plan_batch, roi_batch
 from headrace.ops._random import uniforms
-from headrace.ops.cuda._plan import Plan
-from headrace.ops.cuda._post_passes import BatchPasses, post_steps
+from headrace.ops.cuda._post_passes import plan_post
 from headrace.ops.cuda._prep import kernel_tables, prepare
 
 N = 256
@@ -59,7 +59,7 @@ batch = SampleBatch([Sample(f"k{i}", {"jpg": blob, "cls": b"3"}, "src", i, i) fo
 
 
 def prep():
-    prepare(batch, pipe, Headers(), 0, {"parse": 0.0, "plan": 0.0})
+    prepare(batch, pipe, Headers(), 0, collections.Counter())
 
 
 def seconds_a_batch(work, beside_a_spinner, batches):
@@ -84,17 +84,10 @@ def seconds_a_batch(work, beside_a_spinner, batches):
 
 def post_planning(policy):
     pipeline = ops.Pipeline([*pipe.ops[:-1], policy, pipe.ops[-1]])
-    rows = np.empty((N, 5), dtype=np.int64)
-    rows[:, 0] = (1 << 40) + np.arange(N) * 224 * 224 * 3
-    rows[:, 1:] = (224, 224, 224 * 3, 3)
     epochs = iter(range(1_000_000))
 
-    def work():
-        steps = post_steps(pipeline, 0, next(epochs), indices, rows[:, 1], rows[:, 2])
-        plan = Plan()
-        BatchPasses(rows, steps, 3, True).launches(plan, 1 << 41, lambda name: 1, gather=True)
-        plan.arrays(1 << 42)
-        plan.blob()
+    def work():  # what the prep thread does for a batch of the GPU path (``plan_post``)
+        plan_post(pipeline, 0, next(epochs), indices, (224, 224))
     return work
 
 

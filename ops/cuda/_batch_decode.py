@@ -84,6 +84,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hr_decode_launch.argtypes = [p, p, i, p, p, p, i, i, p, p, ctypes.POINTER(Launch)]
     lib.hr_decode_launch.restype = i
     lib.hr_run_plan.argtypes, lib.hr_run_plan.restype = [p, p], i  # (hr_plan*, stream): _plan.py
+    lib.hr_relocate_plan.argtypes, lib.hr_relocate_plan.restype = [p], None  # (hr_plan*)
 
 
 class Launch(ctypes.Structure):

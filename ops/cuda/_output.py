@@ -98,7 +98,12 @@ class LaneOutput:
 
     def post_ops(self, images: Any, prep: Prepared, ok: np.ndarray, ready: torch.cuda.Event | None = None) -> Any:
         """The post ops and the finish on the rows ``ok``; ``ready`` recorded after them (if given)."""
-        indices = prep.indices if len(ok) == len(prep.rows) else prep.indices[ok]
+        every = len(ok) == len(prep.rows)
+        planned = prep.post
+        if every and planned is not None and isinstance(images, torch.Tensor) and tuple(images.shape) == planned.input_shape \
+                and images.is_contiguous():  # planned in the prep thread: allocate, relocate, issue
+            return self.post.run_planned(images, planned, ready=ready)
+        indices = prep.indices if every else prep.indices[ok]
         if len(ok) and not isinstance(images, list):  # the passes and the finish in one plan, with the event
             return self.post.apply(images, indices, prep.batch.epoch, inplace=True, finish=True, ready=ready)
         if len(ok) == 0:  # nothing survived: the output's final form, empty

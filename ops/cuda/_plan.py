@@ -9,17 +9,45 @@ training row 35-50% of its images/s (docs/benchmarks.md, thirtieth session). Bui
 the batch goes up in one call of the decode shim (``hr_run_plan`` in ``_native/batch_decode.c``:
 wait for the slot's last reader, copy the tables up, launch, record) that runs without the GIL;
 where the shim cannot reach the CUDA driver, the same plan runs through CuPy, call by call.
+
+A plan may be built before its memory exists (in the prep thread, ahead of the lane: its host work
+then leaves the lane's critical path). It names addresses in spaces (``address``: the tables'
+device block, the batch's input, the passes' workspace, the output), and kernels by name; running
+it relocates the addresses and resolves the names.
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["Plan", "PlanSlots", "TableRef"]
+__all__ = ["INPUT", "OUTPUT", "Plan", "PlanSlots", "TABLES", "TableRef", "WORK", "address", "relocate"]
+
+# Address spaces: a plan's address is (space << 56) | offset until it runs, then the space's base
+# plus the offset. Device and host addresses never set the top byte (x86-64 and CUDA's unified
+# addresses stay below 2**57), so space 0 is a real address (or NULL) and is left alone.
+TABLES, INPUT, WORK, OUTPUT = 1, 2, 3, 4
+_SHIFT = 56
+_SPACES = 5  # bases[0] is unused
+
+
+def address(space: int, offset: Any = 0) -> Any:
+    """An address ``offset`` bytes into ``space`` (an int, or an int64 array of offsets)."""
+    if isinstance(offset, np.ndarray):
+        return (np.int64(space) << _SHIFT) + offset.astype(np.int64)
+    return (int(space) << _SHIFT) + int(offset)
+
+
+def relocate(values: np.ndarray, bases: np.ndarray) -> None:
+    """Addresses in ``values`` (uint64, in place) made real: each space's base plus the offset."""
+    space = (values >> np.uint64(_SHIFT)).astype(np.int64)
+    named = (space > 0) & (space < _SPACES)
+    if named.any():
+        values[named] = bases[space[named]] + (values[named] & np.uint64((1 << _SHIFT) - 1))
 
 # hr_step: a launch (function, grid, block, params) or, with function 0, zeroing size bytes at dst.
 _STEP = np.dtype([("function", np.uint64), ("grid", np.uint32, 3), ("block", np.uint32, 3), ("params", np.uint64),
@@ -41,6 +69,11 @@ class _RunPlan(ctypes.Structure):
         ("n_steps", ctypes.c_int),
         ("events", ctypes.c_void_p * 2),
         ("cuda_error", ctypes.c_int),
+        ("relocs", ctypes.c_void_p),
+        ("n_relocs", ctypes.c_int),
+        ("values", ctypes.c_void_p),
+        ("n_values", ctypes.c_int),
+        ("bases", ctypes.c_uint64 * _SPACES),
     ]
 
 
@@ -50,30 +83,39 @@ class TableRef(int):
 
 class Plan:
     """Tables and steps of one batch, in order. Arguments are ``TableRef`` (a table's device
-    address), ``np.uint64`` (8 bytes: addresses), ``np.int32`` or ``np.float32`` (4 bytes)."""
+    address), ``np.uint64`` (8 bytes: addresses, real or ``address``'s), ``np.int32`` or
+    ``np.float32`` (4 bytes). Kernels are named; ``compile`` lays the plan out once (any thread,
+    no CUDA), ``PlanSlots.run`` issues it."""
 
     def __init__(self) -> None:
         self._tables: list[tuple[int, np.ndarray]] = []
+        self._relocs: list[tuple[int, int]] = []
         self.size = 0
         self._steps: list[tuple[Any, ...]] = []
+        self.compiled: _Compiled | None = None
 
     def __len__(self) -> int:
         return len(self._steps)
 
-    def table(self, array: np.ndarray) -> TableRef:
-        """``array``'s bytes go up with the plan; returns the argument that addresses them."""
+    def table(self, array: np.ndarray, *, addresses: bool = False) -> TableRef:
+        """``array``'s bytes go up with the plan; returns the argument that addresses them.
+        ``addresses``: a uint64 array whose values may be ``address``'s, relocated when it runs."""
         array = np.ascontiguousarray(array)
         offset = self.size
         self._tables.append((offset, array))
+        if addresses:
+            if array.dtype != np.uint64:
+                raise TypeError(f"a table of addresses must be uint64, got {array.dtype}")
+            self._relocs.append((offset, array.size))
         self.size += -(-array.nbytes // _ALIGN) * _ALIGN
         return TableRef(offset)
 
-    def launch(self, function: int, grid: tuple[int, int, int], block: tuple[int, int, int], *args: Any) -> None:
-        self._steps.append((int(function), grid, block, args))
+    def launch(self, kernel: str, grid: tuple[int, int, int], block: tuple[int, int, int], *args: Any) -> None:
+        self._steps.append((kernel, grid, block, args))
 
     def zero(self, address: int, size: int) -> None:
         """Zero ``size`` bytes of device memory at ``address`` (in order with the launches)."""
-        self._steps.append((0, int(address), int(size)))
+        self._steps.append((None, int(address), int(size)))
 
     def blob(self) -> np.ndarray:
         """The tables' bytes, laid out as ``table`` placed them (read-only). Joined as ``bytes``:
@@ -86,25 +128,31 @@ class Plan:
         parts.append(bytes(self.size - at))
         return np.frombuffer(b"".join(parts), dtype=np.uint8)
 
-    def arrays(self, device: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The steps as ``hr_step`` rows, with the tables at ``device``; and the argument values and
-        their addresses (``params``), which must stay alive while the steps are issued."""
-        n_args = sum(len(s[3]) for s in self._steps if s[0])
+    def compile(self) -> _Compiled:
+        """The plan laid out for the shim (once; later calls return the same): its steps as
+        ``hr_step`` rows with addresses still named, the argument values and their addresses
+        (``params``), the blob, and the runs of addresses in the blob to relocate."""
+        if self.compiled is not None:
+            return self.compiled
+        n_args = sum(len(s[3]) for s in self._steps if s[0] is not None)
         values = np.zeros(max(n_args, 1), dtype=np.uint64)
         params = np.zeros(max(n_args, 1), dtype=np.uint64)
         steps = np.zeros(len(self._steps), dtype=_STEP)
         base, slot = values.ctypes.data, 0
         as_int32, as_float32 = values.view(np.int32), values.view(np.float32)
+        kernels, launches = [], []
         for i, step in enumerate(self._steps):
-            if not step[0]:
+            if step[0] is None:
                 steps[i]["dst"], steps[i]["size"] = step[1], step[2]
                 continue
-            function, grid, block, args = step
-            steps[i]["function"], steps[i]["grid"], steps[i]["block"] = function, grid, block
+            kernel, grid, block, args = step
+            kernels.append(kernel)
+            launches.append(i)
+            steps[i]["grid"], steps[i]["block"] = grid, block
             steps[i]["params"] = params.ctypes.data + 8 * slot
             for arg in args:
                 if isinstance(arg, TableRef):
-                    values[slot] = device + int(arg)
+                    values[slot] = address(TABLES, int(arg))
                 elif isinstance(arg, np.int32):
                     as_int32[2 * slot] = arg  # the slot's first 4 bytes: little-endian
                 elif isinstance(arg, np.float32):
@@ -115,7 +163,26 @@ class Plan:
                     raise TypeError(f"a kernel argument must be TableRef, np.uint64, np.int32 or np.float32, got {arg!r}")
                 params[slot] = base + 8 * slot
                 slot += 1
-        return steps, values, params
+        relocs = np.array(self._relocs or [(0, 0)], dtype=np.uint64).reshape(-1, 2)
+        self.compiled = _Compiled(steps, values, params, self.blob(), relocs[: len(self._relocs)],
+                                  kernels, np.array(launches, dtype=np.int64))
+        return self.compiled
+
+
+class _Compiled:
+    """A plan laid out (``Plan.compile``); the arrays must stay alive while it is issued."""
+
+    def __init__(self, steps: np.ndarray, values: np.ndarray, params: np.ndarray, blob: np.ndarray,
+                 relocs: np.ndarray, kernels: list[str], launches: np.ndarray) -> None:
+        self.steps, self.values, self.params, self.blob = steps, values, params, blob
+        self.relocs = relocs  # (k, 2) uint64: a run's byte offset in the blob, its count of addresses
+        self.kernels = kernels  # the launches' kernel names, in order
+        self.launches = launches  # the launches' rows in ``steps``
+
+    def resolve(self, function: Callable[[str], int]) -> None:
+        """The launches' CUfunctions, by name (``function``), into ``steps``."""
+        if len(self.kernels):
+            self.steps["function"][self.launches] = [function(name) for name in self.kernels]
 
 
 class _Slot:
@@ -140,9 +207,12 @@ class PlanSlots:
         self._slots = [_Slot(self._torch_stream) for _ in range(count)]
         self._turn = 0
 
-    def run(self, plan: Plan, *, ready: torch.cuda.Event | None = None, native: bool = True) -> None:
-        """Issue ``plan`` on the stream, then record ``ready`` (if given). ``native``: through the shim
-        when it reaches the CUDA driver, else (or False) through CuPy."""
+    def run(self, plan: Plan, function: Callable[[str], int], *, bases: dict[int, int] | None = None,
+            ready: torch.cuda.Event | None = None, native: bool = True) -> None:
+        """Issue ``plan`` on the stream, then record ``ready`` (if given). ``function`` gives a kernel's
+        CUfunction by name; ``bases`` the base of each address space the plan names (``INPUT``,
+        ``WORK``, ``OUTPUT``; the tables' is the slot's). ``native``: through the shim when it
+        reaches the CUDA driver, else (or False) through CuPy."""
         slot = self._slots[self._turn % len(self._slots)]
         self._turn += 1
         if plan.size > slot.capacity or slot.device is None:
@@ -153,33 +223,47 @@ class PlanSlots:
             slot.pinned = cupyx.empty_pinned((slot.capacity,), dtype=np.uint8)
             with self.stream:  # CuPy's pools are per stream: the block belongs to this one
                 slot.device = self.cupy.empty((slot.capacity,), dtype=self.cupy.uint8)
-        device = slot.device.data.ptr
-        steps, values, params = plan.arrays(device)
-        blob = plan.blob()
+        compiled = plan.compile()
+        compiled.resolve(function)
+        base = [0] * _SPACES
+        base[TABLES] = slot.device.data.ptr
+        for space, at in (bases or {}).items():
+            base[space] = at
         lib = _shim() if native else None
         if lib is not None:
-            run = _RunPlan(wait_event=slot.event.cuda_event, src=blob.ctypes.data, pinned=slot.pinned.ctypes.data,
-                           device=device, size=plan.size, steps=steps.ctypes.data, n_steps=len(steps))
+            relocs = compiled.relocs
+            run = _RunPlan(wait_event=slot.event.cuda_event, src=compiled.blob.ctypes.data, pinned=slot.pinned.ctypes.data,
+                           device=base[TABLES], size=plan.size, steps=compiled.steps.ctypes.data, n_steps=len(compiled.steps),
+                           relocs=relocs.ctypes.data, n_relocs=len(relocs), values=compiled.values.ctypes.data,
+                           n_values=len(compiled.values))
             run.events[0] = slot.event.cuda_event
             run.events[1] = ready.cuda_event if ready is not None else None
+            run.bases[:] = base
             if not lib.hr_run_plan(ctypes.addressof(run), self.stream.ptr):
                 raise RuntimeError(f"a CUDA call of the post ops failed (CUresult {run.cuda_error})")
             return
-        self._run_python(plan, slot, steps, blob, device, ready)
+        self._run_python(plan.size, compiled, slot, np.array(base, dtype=np.uint64), ready)
 
-    def _run_python(self, plan: Plan, slot: _Slot, steps: np.ndarray, blob: np.ndarray, device: int,
+    def _run_python(self, size: int, compiled: _Compiled, slot: _Slot, bases: np.ndarray,
                     ready: torch.cuda.Event | None) -> None:
+        """``hr_run_plan``'s work, call by call through CuPy."""
         runtime, driver = self.cupy.cuda.runtime, self.cupy.cuda.driver
         slot.event.synchronize()
-        if plan.size:
-            slot.pinned[: plan.size] = blob
-            runtime.memcpyAsync(device, slot.pinned.ctypes.data, plan.size, runtime.memcpyHostToDevice, self.stream.ptr)
-        for s in steps:
+        relocate(compiled.values, bases)
+        if size:
+            slot.pinned[:size] = compiled.blob
+            for offset, count in compiled.relocs.tolist():
+                relocate(slot.pinned[offset : offset + 8 * count].view(np.uint64), bases)
+            runtime.memcpyAsync(int(bases[TABLES]), slot.pinned.ctypes.data, size, runtime.memcpyHostToDevice,
+                                self.stream.ptr)
+        for s in compiled.steps:
             if s["function"]:
                 (gx, gy, gz), (bx, by, bz) = (int(v) for v in s["grid"]), (int(v) for v in s["block"])
                 driver.launchKernel(int(s["function"]), gx, gy, gz, bx, by, bz, 0, self.stream.ptr, int(s["params"]), 0)
             else:
-                runtime.memsetAsync(int(s["dst"]), 0, int(s["size"]), self.stream.ptr)
+                dst = np.array([s["dst"]], dtype=np.uint64)
+                relocate(dst, bases)
+                runtime.memsetAsync(int(dst[0]), 0, int(s["size"]), self.stream.ptr)
         slot.event.record(self._torch_stream)
         if ready is not None:
             ready.record(self._torch_stream)

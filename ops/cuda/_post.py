@@ -31,9 +31,10 @@ import torch
 
 from .._pipeline import Pipeline
 from .._post_spec import Step
-from ._plan import Plan, PlanSlots
+from ._plan import INPUT, OUTPUT, WORK, Plan, PlanSlots
 from ._post_kernels import FINISH_TYPES, module
-from ._post_passes import MAX_Z, BLOCK, BatchPasses, blur_table, changed, color_table, post_steps, route, warp_table
+from ._post_passes import (BatchPasses, PlannedPost, blur_table, changed, color_table, finish_launch, post_steps, route,
+                           warp_table)
 
 __all__ = ["PostOps", "blur_table", "changed", "color_table", "describe", "finish", "route", "warp_table"]
 
@@ -103,13 +104,6 @@ class PostOps:
         self._module = module(self.channels)
         self._functions: dict[str, int] = {}
         self._slots = PlanSlots(cupy, stream)
-        norm = pipeline.normalize
-        c = self.channels
-        mean = np.array(norm.mean if norm else (0.0,), dtype=np.float32) * 255.0
-        inv = 1.0 / (np.array(norm.std if norm else (1.0,), dtype=np.float32) * 255.0)
-        with stream:
-            self.mean = cupy.asarray(np.resize(mean, c))
-            self.inv_std = cupy.asarray(np.resize(inv, c))
 
     def tables(self, rows: np.ndarray, indices: np.ndarray, epoch: int) -> list[Step]:
         """The passes (``PostOp.steps`` of each post op, in order) for images ``rows`` (from
@@ -149,7 +143,7 @@ class PostOps:
         plan = Plan()
         with torch.cuda.stream(self.stream):
             memory = torch.empty(passes.size, dtype=torch.uint8, device=self.device) if passes.size else None
-            target = passes.launches(plan, memory.data_ptr() if memory is not None else 0, self._function, gather=batch)
+            target = passes.launches(plan, memory.data_ptr() if memory is not None else 0, gather=batch)
             result, address = images, (int(rows[0, 0]) if len(rows) else 0)
 
             def buffer(k: int, offset: int, size: int) -> torch.Tensor:
@@ -168,14 +162,26 @@ class PostOps:
             elif finish:  # no Normalize: torch lays the batch out, after the plan
                 if result is None:
                     result = buffer(target, 0, passes.total).view(images.shape)
-                self._slots.run(plan, native=self.native)
+                self._slots.run(plan, self._function, native=self.native)
                 result = self.finish(result)
                 if ready is not None:
                     ready.record(self.stream)
                 return result
             if len(plan) or ready is not None:
-                self._slots.run(plan, ready=ready, native=self.native)
+                self._slots.run(plan, self._function, ready=ready, native=self.native)
         return result
+
+    def run_planned(self, images: torch.Tensor, planned: PlannedPost, *, ready: torch.cuda.Event | None = None
+                    ) -> torch.Tensor:
+        """``apply(..., finish=True)`` with the plan made ahead (``plan_post``) for ``images``, a
+        contiguous uint8 [N, H, W, C] batch of its ``input_shape``: here only the workspace and the
+        output are allocated and the plan issued, with its addresses relocated into them."""
+        with torch.cuda.stream(self.stream):
+            work = torch.empty(planned.work, dtype=torch.uint8, device=self.device) if planned.work else None
+            out = torch.empty(planned.out_shape, dtype=planned.dtype, device=self.device)
+            bases = {INPUT: images.data_ptr(), WORK: work.data_ptr() if work is not None else 0, OUTPUT: out.data_ptr()}
+            self._slots.run(planned.plan, self._function, bases=bases, ready=ready, native=self.native)
+        return out
 
     def _function(self, name: str) -> int:
         fn = self._functions.get(name)
@@ -185,19 +191,12 @@ class PostOps:
         return fn
 
     def _finish_into(self, plan: Plan, address: int, shape: tuple[int, ...]) -> torch.Tensor:
-        """The finish kernel (the pipeline has a Normalize) on the contiguous uint8 [N, H, W, C] batch
-        at ``address``, added to ``plan``; returns its output, allocated on the stream."""
+        """The finish kernel (the pipeline has a Normalize) on the contiguous uint8 [N, H, W, C] batch at
+        ``address``, added to ``plan``; returns its output, allocated on the stream."""
         norm = self.pipeline.normalize
         n, h, w, c = shape
         out = torch.empty((n, c, h, w) if norm.layout == "CHW" else (n, h, w, c), dtype=norm.dtype, device=self.device)
-        function = self._function(f"finish_{_DTYPE_NAMES[norm.dtype]}")
-        grid_xy = ((w + BLOCK[0] - 1) // BLOCK[0], (h + BLOCK[1] - 1) // BLOCK[1])
-        step_in, step_out = h * w * c, h * w * c * out.element_size()
-        for lo in range(0, n, MAX_Z):
-            hi = min(n, lo + MAX_Z)
-            plan.launch(function, (*grid_xy, hi - lo), BLOCK, np.uint64(address + lo * step_in),
-                        np.uint64(out.data_ptr() + lo * step_out), np.int32(h), np.int32(w),
-                        np.int32(norm.layout == "CHW"), np.uint64(self.mean.data.ptr), np.uint64(self.inv_std.data.ptr))
+        finish_launch(plan, norm, address, out.data_ptr(), shape)
         return out
 
     def finish(self, x: torch.Tensor) -> torch.Tensor:
@@ -211,12 +210,12 @@ class PostOps:
             plan = Plan()
             out = self._finish_into(plan, x.data_ptr(), tuple(x.shape))
             if len(plan):
-                self._slots.run(plan, native=self.native)
+                self._slots.run(plan, self._function, native=self.native)
             return out
 
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-assert set(_DTYPE_NAMES.values()) == set(FINISH_TYPES)
+# finish_launch names the kernel after Normalize's dtype: one kernel for each dtype it allows.
+assert {str(d).removeprefix("torch.") for d in (torch.float32, torch.float16, torch.bfloat16)} == set(FINISH_TYPES)
 
 
 def finish(x: torch.Tensor, pipeline: Pipeline, stream=None) -> torch.Tensor:

@@ -8,16 +8,16 @@ lane's thread before that, so it is the lane's host time a batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 
 from .._pipeline import Pipeline
 from .._post_spec import ColorMatrix, GaussianBlur, PostOp, Step, _Warp
+from .._spec import Normalize
 from .._tone import IDENTITY, Sharpness, ToneCurve, needs_histograms
-from ._plan import Plan
+from ._plan import INPUT, OUTPUT, WORK, Plan, address
 
-__all__ = ["BatchPasses", "blur_table", "changed", "color_table", "post_steps", "route", "warp_table"]
+__all__ = ["BatchPasses", "PlannedPost", "blur_table", "changed", "color_table", "finish_launch", "plan_post", "post_steps",
+           "route", "warp_table"]
 
 MAX_Z = 65535  # CUDA's limit on gridDim.z: larger batches launch in slices
 BLOCK = (32, 8, 1)
@@ -157,7 +157,7 @@ class BatchPasses:
             if nbytes:
                 self._at[name] = self.size
                 self.size += -(-nbytes // 256) * 256
-        self.base, self._function = 0, None  # set by ``launches``
+        self.base = 0  # set by ``launches``
 
     @property
     def changes(self) -> bool:
@@ -168,12 +168,11 @@ class BatchPasses:
         """The offset of buffer ``k`` (0 or 1) or of a temporary in the allocation."""
         return self._at[k]
 
-    def launches(self, plan: Plan, base: int, function: Callable[[str], int], *, gather: bool) -> int | None:
-        """Add the passes' launches to ``plan``, the allocation at device address ``base``;
-        ``function`` gives a kernel's CUfunction by name. ``gather`` (a batch tensor): the samples
-        are then gathered into the buffer that holds most of them, which is returned (None when no
-        sample left the input)."""
-        self.base, self._function = base, function
+    def launches(self, plan: Plan, base: int, *, gather: bool) -> int | None:
+        """Add the passes' launches to ``plan``, the allocation at device address ``base`` (real, or
+        named: ``_plan.address``). ``gather`` (a batch tensor): the samples are then gathered into
+        the buffer that holds most of them, which is returned (None when no sample left the input)."""
+        self.base = base
         for op, tab, active, src, dst in self.passes:
             self._add_pass(plan, op, tab, active, src, dst)
         if not gather or not self.changes:
@@ -258,12 +257,60 @@ class BatchPasses:
         meta = np.empty((n, 4), dtype=np.int32)
         meta[:, 0], meta[:, 1], meta[:, 2], meta[:, 3] = rows[:, 1], rows[:, 2], src_stride, dst_stride
         par = np.asarray(par, dtype=np.float32)
-        function = self._function(name)
         for lo in range(0, n, MAX_Z):
             hi = min(n, lo + MAX_Z)
             args = extra(lo) if callable(extra) else tuple(np.int32(v) for v in extra)
             dims = grid(lo, hi) if grid is not None else (
                 (int(rows[lo:hi, 2].max()) + block[0] - 1) // block[0],
                 (int(rows[lo:hi, 1].max()) + block[1] - 1) // block[1], hi - lo)
-            plan.launch(function, dims, block, plan.table(ptrs[lo:hi]), plan.table(meta[lo:hi]), plan.table(par[lo:hi]),
-                        *args)
+            plan.launch(name, dims, block, plan.table(ptrs[lo:hi], addresses=True), plan.table(meta[lo:hi]),
+                        plan.table(par[lo:hi]), *args)
+
+
+def finish_launch(plan: Plan, normalize: Normalize, src: int, dst: int, shape: tuple[int, int, int, int]) -> None:
+    """The finish kernel (``normalize``'s arithmetic, layout and dtype) from the contiguous uint8
+    [N, H, W, C] batch at ``src`` into ``dst`` (addresses, real or named), added to ``plan``: the
+    CPU path's ``_finish``. Its mean and 1 / std go up as tables of the plan."""
+    n, h, w, c = shape
+    mean = np.resize(np.array(normalize.mean, dtype=np.float32) * 255.0, c).astype(np.float32)
+    inv_std = np.resize(1.0 / (np.array(normalize.std, dtype=np.float32) * 255.0), c).astype(np.float32)
+    kernel = "finish_" + str(normalize.dtype).removeprefix("torch.")
+    mean_at, inv_std_at = plan.table(mean), plan.table(inv_std)
+    grid_xy = ((w + BLOCK[0] - 1) // BLOCK[0], (h + BLOCK[1] - 1) // BLOCK[1])
+    step_in, step_out = h * w * c, h * w * c * normalize.dtype.itemsize
+    for lo in range(0, n, MAX_Z):
+        hi = min(n, lo + MAX_Z)
+        plan.launch(kernel, (*grid_xy, hi - lo), BLOCK, np.uint64(src + lo * step_in), np.uint64(dst + lo * step_out),
+                    np.int32(h), np.int32(w), np.int32(normalize.layout == "CHW"), mean_at, inv_std_at)
+
+
+class PlannedPost:
+    """A batch's post ops and finish planned ahead of its pixels (``plan_post``), for the lane's
+    uint8 [N, H, W, C] output of ``input_shape``: the plan, the workspace it needs (``work``
+    bytes) and the output it writes (``out_shape`` of ``dtype``)."""
+
+    def __init__(self, plan: Plan, work: int, input_shape: tuple[int, ...], out_shape: tuple[int, ...], dtype) -> None:
+        self.plan, self.work = plan, work
+        self.input_shape, self.out_shape, self.dtype = input_shape, out_shape, dtype
+
+
+def plan_post(pipeline: Pipeline, seed: int, epoch: int, indices: np.ndarray, size: tuple[int, int]) -> PlannedPost | None:
+    """The post ops and finish of the samples ``indices`` in ``epoch``, their images all ``size``
+    (h, w), planned in the prep thread before the lane decodes them: their host work (the policies'
+    draws, the tables, the plan's layout; ~1-2 ms a batch of 256) then runs beside the lanes instead
+    of in them. None where the lane plans itself: no post ops, no Normalize, or no samples."""
+    norm = pipeline.normalize
+    n = len(indices)
+    if not pipeline.post_ops or norm is None or n == 0:
+        return None
+    (h, w), c = size, pipeline.channels
+    rows = np.empty((n, 5), dtype=np.int64)
+    rows[:, 0] = address(INPUT) + np.arange(n, dtype=np.int64) * (h * w * c)
+    rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 4] = h, w, w * c, c
+    passes = BatchPasses(rows, post_steps(pipeline, seed, epoch, indices, rows[:, 1], rows[:, 2]), c, inplace=True)
+    plan = Plan()
+    target = passes.launches(plan, address(WORK), gather=True)
+    src = address(WORK, passes.at(target)) if target is not None else address(INPUT)
+    finish_launch(plan, norm, src, address(OUTPUT), (n, h, w, c))
+    plan.compile()
+    return PlannedPost(plan, passes.size, (n, h, w, c), (n, c, h, w) if norm.layout == "CHW" else (n, h, w, c), norm.dtype)

@@ -42,6 +42,7 @@ from .._limits import MAX_SIDE, ByteBudget, pixel_error, too_few_bits
 from .._pipeline import Pipeline
 from .._iou_crop import op_randoms
 from .._results import check_fields, image_field, read_failure, sample_label
+from ._post_passes import PlannedPost, plan_post
 
 __all__ = ["PillowThreads", "Prepared", "cut_short", "kernel_tables", "lane_budget", "parts", "prepare", "too_short"]
 
@@ -69,6 +70,7 @@ class Prepared:
     geo: np.ndarray
     parts: list[tuple[int, int]] | None  # row ranges decoded one after another; None: the batch at once
     recycle: Callable[[Any], None] | None = None  # gives ``token`` back to its header reader
+    post: PlannedPost | None = None  # the post ops planned for every row at the fixed output size (``plan_post``)
 
     def release(self) -> None:
         """Give the parsed headers back (once; later calls do nothing)."""
@@ -219,8 +221,12 @@ def _plan(batch, pipe, seed, rows, data, labels, failures, token, info, recycle,
     meta, geo = kernel_tables(plans, regions)
     keep = kept.tolist()
     pillow = _decode_windows(opened, keep, regions, pipe, threads)
+    t2 = time.perf_counter()
+    size = pipe.output_size() if pipe.post_ops else None
+    post = plan_post(pipe, seed, batch.epoch, indices, size) if size is not None else None
     seconds["parse"] += t1 - t0
-    seconds["plan"] += time.perf_counter() - t1
+    seconds["plan"] += t2 - t1
+    seconds["post_plan"] += time.perf_counter() - t2
     return Prepared(
         batch=batch,
         rows=[rows[i] for i in keep],
@@ -236,6 +242,7 @@ def _plan(batch, pipe, seed, rows, data, labels, failures, token, info, recycle,
         geo=geo,
         parts=parts(regions, pipe.channels, lane_budget(pipe.decode.max_batch_bytes)),
         recycle=recycle,
+        post=post,
     )
 
 

@@ -6,6 +6,8 @@ what the whole-array formulas give; ``examples/benchmark_prep_handoffs.py`` coun
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import pytest
 
@@ -93,7 +95,7 @@ def test_the_prep_thread_plans_a_batch_as_the_whole_array_forms_do():
             pass
 
     pipe = ops.training(224)
-    prepared = prepare(batch, pipe, Headers(), 0, {"parse": 0.0, "plan": 0.0})
+    prepared = prepare(batch, pipe, Headers(), 0, collections.Counter())
     assert not prepared.failures and len(prepared.rows) == n and prepared.on_gpu.all()
     randoms = [_uniforms_whole(0, 0, pos, np.arange(n), op.randoms) if op.randoms else None
                for pos, op in enumerate(pipe.image_ops, 1)]

@@ -5,13 +5,15 @@ GPU; the kernels on these plans are tested in tests/gpu/test_gpu_post_ops.py."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from headrace.ops import ColorTwist, Rotate
-from headrace.ops.cuda._plan import Plan
-from headrace.ops.cuda._post_passes import BatchPasses
+from headrace.ops import (AutoAugment, ColorTwist, GaussianBlur, Pipeline, RandAugment, Rotate, TimmRandAugment,
+                          TrivialAugmentWide, training)
+from headrace.ops.cuda._plan import Plan, relocate
+from headrace.ops.cuda._post_passes import BatchPasses, finish_launch, plan_post, post_steps
 
-DEVICE, BASE = 1 << 44, 1 << 40  # the plan's tables, the allocation: made-up addresses
-FUNCTIONS = {"color_twist": 11, "warp_affine": 12, "copy_pixels": 13}
+BASE = 1 << 40  # the allocation: a made-up address
+TABLES = np.array([0, 1 << 44, 0, 0, 0], dtype=np.uint64)  # the plan's tables' block, by address space
 
 
 def _rows(sizes):
@@ -19,17 +21,22 @@ def _rows(sizes):
     return rows  # the input's rows are padded (stride 3 w + 4): ours are packed
 
 
-def _launches(plan: Plan):
-    """Each launch as (kernel, ptrs (n, 2), meta (n, 4)), read from the blob through its arguments."""
-    steps, values, _ = plan.arrays(DEVICE)
-    blob, out, slot = plan.blob(), [], 0
-    inverse = {v: k for k, v in FUNCTIONS.items()}
-    for s in steps:
-        ptrs_at, meta_at = int(values[slot]) - DEVICE, int(values[slot + 1]) - DEVICE
-        n = int(s["grid"][2])
+def _launches(plan: Plan, bases: np.ndarray = TABLES):
+    """Each launch as (kernel, ptrs (n, 2), meta (n, 4)), read from the blob through its arguments,
+    its addresses relocated to ``bases`` as the shim would."""
+    compiled = plan.compile()
+    blob = compiled.blob.copy()
+    for offset, count in compiled.relocs.tolist():
+        relocate(blob[offset : offset + 8 * count].view(np.uint64), bases)
+    values = compiled.values.copy()
+    relocate(values, bases)
+    out, slot = [], 0  # each launch's first three arguments are its tables: ptrs, meta, params
+    for kernel, row in zip(compiled.kernels, compiled.launches.tolist()):
+        ptrs_at, meta_at = int(values[slot]) - int(bases[1]), int(values[slot + 1]) - int(bases[1])
+        n = int(compiled.steps[row]["grid"][2])
         ptrs = blob[ptrs_at : ptrs_at + 16 * n].view(np.uint64).reshape(n, 2)
         meta = blob[meta_at : meta_at + 16 * n].view(np.int32).reshape(n, 4)
-        out.append((inverse[int(s["function"])], ptrs.tolist(), meta.tolist()))
+        out.append((kernel, ptrs.tolist(), meta.tolist()))
         slot += 3
     return out
 
@@ -47,7 +54,7 @@ def test_each_sample_moves_on_its_own_and_the_batch_is_gathered():
     buf0, buf1 = BASE, BASE + 512  # 276 bytes a buffer, each 256-aligned
     assert passes.size == 1024 and (passes.at(0), passes.at(1)) == (0, 512)
     plan = Plan()
-    target = passes.launches(plan, BASE, FUNCTIONS.__getitem__, gather=True)
+    target = passes.launches(plan, BASE, gather=True)
     assert passes.where.tolist() == [0, 0, 1] and target == 0
     colour_launch, warp, gather = _launches(plan)
     # colour: samples 0 and 2, from the input into buffer 0 (not in place)
@@ -67,7 +74,7 @@ def test_in_place_colour_and_nothing_to_gather():
     passes = BatchPasses(rows, [(ColorTwist(0.4), (matrices,))], 3, inplace=True)
     assert passes.size == 0 and not passes.changes  # written where it lies: no buffer at all
     plan = Plan()
-    assert passes.launches(plan, 0, FUNCTIONS.__getitem__, gather=True) is None
+    assert passes.launches(plan, 0, gather=True) is None
     ((kernel, ptrs, _),) = _launches(plan)
     assert kernel == "color_twist" and ptrs == [[0x7000, 0x7000], [0x8000, 0x8000]]
 
@@ -76,5 +83,46 @@ def test_no_pass_changes_anything():
     rows = _rows([(3, 3)])
     passes = BatchPasses(rows, [(ColorTwist(0.4), (np.eye(3, 4)[None],))], 3, inplace=False)
     plan = Plan()
-    assert passes.launches(plan, 0, FUNCTIONS.__getitem__, gather=True) is None
+    assert passes.launches(plan, 0, gather=True) is None
     assert len(plan) == 0 and passes.size == 0
+
+
+def _relocated(plan: Plan, bases: np.ndarray):
+    """What the shim issues for ``plan`` at ``bases``: kernels, grids, blocks, argument values, tables."""
+    compiled = plan.compile()
+    blob = compiled.blob.copy()
+    for offset, count in compiled.relocs.tolist():
+        relocate(blob[offset : offset + 8 * count].view(np.uint64), bases)
+    values = compiled.values.copy()
+    relocate(values, bases)
+    steps = compiled.steps.copy()
+    steps["params"] = 0  # host addresses of each plan's own argument array
+    dst = steps["dst"].copy()
+    relocate(dst, bases)
+    steps["dst"] = dst
+    return compiled.kernels, steps.tobytes(), values.tolist(), blob.tobytes()
+
+
+@pytest.mark.parametrize("post", [RandAugment(), TrivialAugmentWide(), AutoAugment(), TimmRandAugment(),
+                                  ColorTwist(0.4, 0.4, 0.4, 0.1), GaussianBlur(5, p=0.5), Rotate(30)],
+                         ids=lambda op: type(op).__name__)
+def test_a_batch_planned_ahead_issues_what_the_lane_would_plan(post):
+    # plan_post (the prep thread, before the pixels exist) against the lane's planning with real
+    # addresses (PostOps.apply_tables): after relocation, the same launches, arguments and tables.
+    listed = list(training(32, dtype="float16").ops)
+    pipeline = Pipeline([*listed[:-1], post, listed[-1]])
+    n, h, w, c = 40, 32, 32, 3
+    image_at, work_at, out_at, tables_at = 1 << 41, 1 << 42, 1 << 43, 1 << 44
+    bases = np.array([0, tables_at, image_at, work_at, out_at], dtype=np.uint64)
+    for epoch in range(3):
+        indices = np.arange(n, dtype=np.int64) * 7 + epoch
+        planned = plan_post(pipeline, 11, epoch, indices, (h, w))
+        assert planned.input_shape == (n, h, w, c) and planned.out_shape == (n, c, h, w)
+        rows = np.array([(image_at + i * h * w * c, h, w, w * c, c) for i in range(n)], dtype=np.int64)
+        passes = BatchPasses(rows, post_steps(pipeline, 11, epoch, indices, rows[:, 1], rows[:, 2]), c, inplace=True)
+        plan = Plan()
+        target = passes.launches(plan, work_at, gather=True)
+        finish_launch(plan, pipeline.normalize, work_at + passes.at(target) if target is not None else image_at, out_at,
+                      (n, h, w, c))
+        assert planned.work == passes.size
+        assert _relocated(planned.plan, bases) == _relocated(plan, bases)

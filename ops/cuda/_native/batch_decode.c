@@ -713,6 +713,9 @@ int hr_decode_launch(hr_decoder* d, const hr_parsed* p, int m, const int32_t* pi
     return ok ? 1 + launched : 0;
 }
 
+#define HR_SPACES 5       /* address spaces of a plan (ops/cuda/_plan.py); 0 is real addresses */
+#define HR_SPACE_SHIFT 56
+
 /* One step of a plan: a kernel launch, or (function NULL) zeroing `size` bytes at device address `dst`. */
 typedef struct {
     void* function;
@@ -726,7 +729,11 @@ typedef struct {
 /* A batch's post-op work as data (ops/cuda/_plan.py): host-wait for wait_event (the last reader of
    the pinned block), copy `size` bytes of tables from `src` into the pinned block `pinned` and up to
    `device`, run the steps in order, record the events; all on `stream`, in one call without the GIL:
-   from Python each of these calls would drop the GIL and wait to take it back. */
+   from Python each of these calls would drop the GIL and wait to take it back.
+   A plan may have been built before its memory existed (in the prep thread): its addresses are then
+   named, (space << 56) | offset, and made real here from `bases` (space 0, a real address or NULL,
+   is left alone). They are the runs `relocs` of the tables (offset in bytes, count), the argument
+   `values` (in place) and the zeroing steps' `dst`. */
 typedef struct {
     void* wait_event;
     const void* src;
@@ -737,7 +744,34 @@ typedef struct {
     int n_steps;
     void* events[2];      /* recorded after the steps (NULL: none) */
     int cuda_error;       /* out: the driver's error code when a call failed, else 0 */
+    const unsigned long long* relocs;
+    int n_relocs;
+    unsigned long long* values;
+    int n_values;
+    unsigned long long bases[HR_SPACES];
 } hr_plan;
+
+static unsigned long long relocated(unsigned long long v, const unsigned long long* bases)
+{
+    unsigned long long space = v >> HR_SPACE_SHIFT;
+    return space > 0 && space < HR_SPACES ? bases[space] + (v & ((1ULL << HR_SPACE_SHIFT) - 1)) : v;
+}
+
+/* The tables copied from `src` into the pinned block, and the plan's named addresses made real there
+   and in its argument values (needs no driver: tests/ops/test_cuda_plan.py calls it on its own). */
+void hr_relocate_plan(hr_plan* plan)
+{
+    for (int i = 0; i < plan->n_values; ++i)
+        plan->values[i] = relocated(plan->values[i], plan->bases);
+    if (!plan->size)
+        return;
+    memcpy(plan->pinned, plan->src, plan->size);
+    for (int r = 0; r < plan->n_relocs; ++r) {
+        unsigned long long* run = (unsigned long long*)((char*)plan->pinned + plan->relocs[2 * r]);
+        for (unsigned long long j = 0; j < plan->relocs[2 * r + 1]; ++j)
+            run[j] = relocated(run[j], plan->bases);
+    }
+}
 
 /* 1 when every call succeeded; else 0, with plan->cuda_error set (the steps after it not issued). */
 int hr_run_plan(hr_plan* plan, void* stream)
@@ -749,17 +783,17 @@ int hr_run_plan(hr_plan* plan, void* stream)
     }
     if (plan->wait_event)
         e = driver.sync(plan->wait_event);
-    if (!e && plan->size) {
-        memcpy(plan->pinned, plan->src, plan->size);
+    if (!e)
+        hr_relocate_plan(plan);
+    if (!e && plan->size)
         e = driver.copy(plan->device, plan->pinned, plan->size, stream);
-    }
     for (int i = 0; !e && i < plan->n_steps; ++i) {
         const hr_step* s = &plan->steps[i];
         if (s->function)
             e = driver.launch(s->function, s->grid[0], s->grid[1], s->grid[2], s->block[0], s->block[1], s->block[2], 0,
                               stream, s->params, NULL);
         else
-            e = driver.memset(s->dst, 0, s->size, stream);
+            e = driver.memset(relocated(s->dst, plan->bases), 0, s->size, stream);
     }
     for (int k = 0; !e && k < 2; ++k)
         if (plan->events[k])
