@@ -134,39 +134,47 @@ class Plan:
         (``params``), the blob, and the runs of addresses in the blob to relocate."""
         if self.compiled is not None:
             return self.compiled
-        n_args = sum(len(s[3]) for s in self._steps if s[0] is not None)
-        values = np.zeros(max(n_args, 1), dtype=np.uint64)
-        params = np.zeros(max(n_args, 1), dtype=np.uint64)
-        steps = np.zeros(len(self._steps), dtype=_STEP)
-        base, slot = values.ctypes.data, 0
-        as_int32, as_float32 = values.view(np.int32), values.view(np.float32)
-        kernels, launches = [], []
+        # Built as Python lists, then one array each: an element of a structured array costs
+        # microseconds to set, and a plan has ~100 arguments.
+        rows: list[tuple[Any, ...]] = []
+        words: list[int] = []  # each argument's 8 bytes, as an int (scalars in the low 4: little-endian)
+        kernels, launches, slots = [], [], []
         for i, step in enumerate(self._steps):
             if step[0] is None:
-                steps[i]["dst"], steps[i]["size"] = step[1], step[2]
+                rows.append((0, _NO_DIMS, _NO_DIMS, 0, step[1], step[2]))
                 continue
             kernel, grid, block, args = step
             kernels.append(kernel)
             launches.append(i)
-            steps[i]["grid"], steps[i]["block"] = grid, block
-            steps[i]["params"] = params.ctypes.data + 8 * slot
-            for arg in args:
-                if isinstance(arg, TableRef):
-                    values[slot] = address(TABLES, int(arg))
-                elif isinstance(arg, np.int32):
-                    as_int32[2 * slot] = arg  # the slot's first 4 bytes: little-endian
-                elif isinstance(arg, np.float32):
-                    as_float32[2 * slot] = arg
-                elif isinstance(arg, np.uint64):
-                    values[slot] = arg
-                else:
-                    raise TypeError(f"a kernel argument must be TableRef, np.uint64, np.int32 or np.float32, got {arg!r}")
-                params[slot] = base + 8 * slot
-                slot += 1
+            slots.append(len(words))
+            rows.append((0, grid, block, 0, 0, 0))
+            words.extend(map(_word, args))
+        values = np.array(words or [0], dtype=np.uint64)
+        # CUDA's kernelParams: per launch, the address of an array of pointers to its arguments.
+        params = np.uint64(values.ctypes.data) + np.uint64(8) * np.arange(len(values), dtype=np.uint64)
+        steps = np.array(rows, dtype=_STEP)
+        if launches:
+            steps["params"][launches] = params.ctypes.data + 8 * np.array(slots, dtype=np.uint64)
         relocs = np.array(self._relocs or [(0, 0)], dtype=np.uint64).reshape(-1, 2)
         self.compiled = _Compiled(steps, values, params, self.blob(), relocs[: len(self._relocs)],
                                   kernels, np.array(launches, dtype=np.int64))
         return self.compiled
+
+
+_NO_DIMS = (0, 0, 0)
+
+
+def _word(arg: Any) -> int:
+    """A kernel argument's 8 bytes (``Plan``'s types), as the shim hands them to CUDA."""
+    if isinstance(arg, TableRef):
+        return address(TABLES, int(arg))
+    if isinstance(arg, np.int32):
+        return int(arg) & 0xFFFF_FFFF
+    if isinstance(arg, np.float32):
+        return int(arg.view(np.uint32))
+    if isinstance(arg, np.uint64):
+        return int(arg)
+    raise TypeError(f"a kernel argument must be TableRef, np.uint64, np.int32 or np.float32, got {arg!r}")
 
 
 class _Compiled:
