@@ -34,6 +34,12 @@ _INCREASING = ("AutoContrast", "Equalize", "Invert", "Rotate", "PosterizeIncreas
                "SolarizeAdd", "ColorIncreasing", "ContrastIncreasing", "BrightnessIncreasing", "SharpnessIncreasing",
                "ShearX", "ShearY", "TranslateXRel", "TranslateYRel")
 
+# timm's only weighted op set (``w0``), by the plain set's names; it weighs the increasing set's ops by
+# position, as timm does (its ``_select_rand_weights`` reads the plain names whatever the set).
+_CHOICE_WEIGHTS_0 = {"Rotate": 0.3, "ShearX": 0.2, "ShearY": 0.2, "TranslateXRel": 0.1, "TranslateYRel": 0.1,
+                     "Color": 0.025, "Sharpness": 0.025, "AutoContrast": 0.025, "Solarize": 0.005, "SolarizeAdd": 0.005,
+                     "Contrast": 0.005, "Brightness": 0.005, "Equalize": 0.005, "Posterize": 0.0, "Invert": 0.0}
+
 # timm's create_transform fills warps with the dataset mean in levels: (124, 116, 104) for ImageNet.
 IMAGENET_FILL = tuple(min(255, round(255 * m)) for m in IMAGENET_MEAN)
 
@@ -99,7 +105,9 @@ class TimmRandAugment(MultiPass):
     (0; over 100: uniform in [0, m]) and clipped to [0, ``mmax``] (10). ``inc1`` takes the ops
     whose strength increases with the magnitude (``PosterizeIncreasing``...), as the DeiT recipe's
     ``rand-m9-mstd0.5-inc1`` does. Config sections: ``m``, ``n``, ``p``, ``mstd``, ``mmax``,
-    ``inc``; timm's weighted op sets (``t...``) are not offered.
+    ``inc``, and ``w0``: timm's weighted op choice (its one set of weights, mostly the warps; never
+    posterize or invert), each layer a different op, as timm's ``np.random.choice`` without
+    replacement draws them.
 
     ``fill`` is the level where a warp reads outside the image: timm's ``create_transform`` passes
     the dataset mean, (124, 116, 104) for ImageNet's, the default here. Five uniforms per sample and
@@ -117,6 +125,7 @@ class TimmRandAugment(MultiPass):
     magnitude_std: float = field(default=0.0, init=False)
     magnitude_max: float = field(default=LEVEL_DENOM, init=False)
     increasing: bool = field(default=False, init=False)
+    weighted: bool = field(default=False, init=False)
     randoms: int = field(default=10, init=False)
 
     def __post_init__(self) -> None:
@@ -137,11 +146,18 @@ class TimmRandAugment(MultiPass):
                 object.__setattr__(self, "magnitude_max", _number(value, "mmax", float))
             elif key == "inc":
                 object.__setattr__(self, "increasing", bool(int(_number(value, "inc", int))))
+            elif key == "w":
+                if _number(value, "w", int) != 0:
+                    raise ConfigError(f"TimmRandAugment: timm has one set of op weights, w0; got {section!r}")
+                object.__setattr__(self, "weighted", True)
             else:
                 raise ConfigError(f"TimmRandAugment: unknown section {section!r} in {self.config!r} "
-                                  "(m, n, p, mstd, mmax and inc are understood)")
+                                  "(m, n, p, mstd, mmax, inc and w are understood)")
         if self.num_layers < 0 or not 0.0 <= self.prob <= 1.0 or self.magnitude < 0 or self.magnitude_std < 0:
             raise ConfigError(f"TimmRandAugment: {self.config!r} needs n >= 0, p in [0, 1], m >= 0 and mstd >= 0")
+        if self.weighted and self.num_layers > np.count_nonzero(self.choice_weights):
+            raise ConfigError(f"TimmRandAugment: {self.config!r} draws {self.num_layers} different ops a sample, "
+                              f"but w0 weighs only {np.count_nonzero(self.choice_weights)} above zero")
         object.__setattr__(self, "fill", _fill(self.fill, "TimmRandAugment: fill"))
         object.__setattr__(self, "randoms", 5 * self.num_layers)
 
@@ -149,6 +165,34 @@ class TimmRandAugment(MultiPass):
     def ops(self) -> tuple[str, ...]:
         """timm's op names this config draws from, in its order."""
         return _INCREASING if self.increasing else _PLAIN
+
+    @property
+    def choice_weights(self) -> np.ndarray | None:
+        """Each op's chance of being drawn (``ops``' order) with ``w0``, else None (uniform)."""
+        if not self.weighted:
+            return None
+        weights = np.array([_CHOICE_WEIGHTS_0[name] for name in _PLAIN])
+        return weights / weights.sum()
+
+    def _indices(self, u: np.ndarray) -> list[np.ndarray]:
+        """Each layer's op indices (n each) from its first uniform: uniform with replacement, or with
+        ``w0`` by weight, a sample's ops all different (each layer drawn among the ops it has not
+        drawn yet). A layer at a time: loops of n elements keep the GIL (``_gil.py``)."""
+        count = len(self.ops)
+        if not self.weighted:
+            return [np.minimum((u[:, layer, 0] * count).astype(np.int64), count - 1) for layer in range(self.num_layers)]
+        weights = [np.full(len(u), w) for w in self.choice_weights]  # a column an op
+        out = []
+        for layer in range(self.num_layers):
+            point = u[:, layer, 0] * sum(weights)
+            index, below = np.zeros(len(u), dtype=np.int64), np.zeros(len(u))
+            for column in weights[:-1]:  # the first op whose cumulative weight passes the point
+                below += column
+                index += below <= point
+            out.append(index)
+            for j, column in enumerate(weights):
+                column[index == j] = 0.0
+        return out
 
     def levels(self, noise_a: np.ndarray, noise_b: np.ndarray) -> np.ndarray:
         """Each draw's magnitude: ``m``, with Gaussian noise (Box-Muller on two uniforms) or
@@ -167,10 +211,11 @@ class TimmRandAugment(MultiPass):
         h, w = np.asarray(h).reshape(-1), np.asarray(w).reshape(-1)
         u = np.asarray(u, dtype=np.float64).reshape(-1, self.num_layers, 5)
         ops = self.ops
+        indices = self._indices(u)
         out: list[Step] = []
         for layer in range(self.num_layers):
             d = u[:, layer]
-            index = np.minimum((d[:, 0] * len(ops)).astype(np.int64), len(ops) - 1)
+            index = indices[layer]
             applied = d[:, 1] <= self.prob  # timm skips a layer when random() > p
             level = self.levels(d[:, 3], d[:, 4])
             op, magnitude = _arguments(ops, index, level, d[:, 2] > 0.5, h.astype(np.float64), w.astype(np.float64))

@@ -40,6 +40,46 @@ def test_configs_timm_would_refuse_are_config_errors(config):
         ops.TimmRandAugment(config)
 
 
+# timm's _RAND_CHOICE_WEIGHTS_0 over its plain op set, normalised (they sum to 1.0 already).
+TIMM_W0 = {"AutoContrast": 0.025, "Equalize": 0.005, "Invert": 0.0, "Rotate": 0.3, "Posterize": 0.0, "Solarize": 0.005,
+           "SolarizeAdd": 0.005, "Color": 0.025, "Contrast": 0.005, "Brightness": 0.005, "Sharpness": 0.025,
+           "ShearX": 0.2, "ShearY": 0.2, "TranslateXRel": 0.1, "TranslateYRel": 0.1}
+
+
+def test_w0_weighs_the_ops_as_timm_does_by_position_in_either_set():
+    plain, increasing = ops.TimmRandAugment("rand-m9-w0"), ops.TimmRandAugment("rand-m9-mstd0.5-inc1-w0")
+    assert plain.weighted and increasing.weighted and not ops.TimmRandAugment("rand-m9").weighted
+    assert ops.TimmRandAugment("rand-m9").choice_weights is None
+    want = np.array([TIMM_W0[name] for name in plain.ops])
+    assert np.allclose(plain.choice_weights, want / want.sum())
+    assert np.array_equal(increasing.choice_weights, plain.choice_weights)  # "PosterizeIncreasing" weighs as "Posterize"
+    with pytest.raises(ConfigError, match="one set of op weights"):
+        ops.TimmRandAugment("rand-m9-w1")
+    with pytest.raises(ConfigError, match="13 above zero"):  # 14 different ops a sample, 13 weighed above zero
+        ops.TimmRandAugment("rand-n14-w0")
+    assert ops.TimmRandAugment("rand-n13-w0").num_layers == 13
+
+
+def test_w0_draws_each_samples_ops_by_weight_and_without_replacement():
+    # timm: np.random.choice(ops, n, replace=False, p=weights) per image. Against NumPy's own draw.
+    op = ops.TimmRandAugment("rand-m9-n3-w0")
+    u = np.random.default_rng(7).random((20000, 3, 5))
+    first, second, third = op._indices(u)
+    drawn = np.stack([first, second, third], axis=1)
+    assert np.all((first != second) & (second != third) & (first != third))
+    assert not np.isin(drawn, [op.ops.index("Invert"), op.ops.index("Posterize")]).any()
+    rng = np.random.default_rng(8)
+    numpy_draws = np.array([rng.choice(15, 3, replace=False, p=op.choice_weights) for _ in range(20000)])
+    for layer in range(3):
+        ours = np.bincount(drawn[:, layer], minlength=15) / len(drawn)
+        theirs = np.bincount(numpy_draws[:, layer], minlength=15) / len(numpy_draws)
+        assert np.abs(ours - theirs).max() < 0.02, layer  # a frequency of 0.3 varies by 0.003 at this many draws
+    # Without w0, the same uniforms pick uniformly and with replacement, as before.
+    uniform = ops.TimmRandAugment("rand-m9-n3")._indices(u)
+    assert np.array_equal(uniform[0], np.minimum((u[:, 0, 0] * 15).astype(np.int64), 14))
+    assert (uniform[0] == uniform[1]).mean() > 0.05
+
+
 def test_the_magnitude_noise_is_gaussian_and_clipped():
     u = np.random.default_rng(1).random((20000, 2))
     noisy = ops.TimmRandAugment("rand-m5-mstd2").levels(u[:, 0], u[:, 1])

@@ -38,6 +38,7 @@ def _image() -> np.ndarray:
 def test_the_op_sets_are_timms():
     assert list(_PLAIN) == list(augment._RAND_TRANSFORMS)
     assert list(_INCREASING) == list(augment._RAND_INCREASING_TRANSFORMS)
+    assert np.allclose(ops.TimmRandAugment("rand-m9-inc1-w0").choice_weights, augment._select_rand_weights(0))
 
 
 @pytest.mark.parametrize("increasing", [True, False], ids=["inc1", "inc0"])
