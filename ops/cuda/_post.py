@@ -33,8 +33,8 @@ from .._pipeline import Pipeline
 from .._post_spec import Step
 from ._plan import INPUT, OUTPUT, WORK, Plan, PlanSlots
 from ._post_kernels import FINISH_TYPES, module
-from ._post_passes import (BatchPasses, PlannedPost, blur_table, changed, color_table, finish_launch, post_steps, route,
-                           warp_table)
+from ._post_passes import (BatchPasses, PlannedPost, blur_table, changed, color_table, finish_launch, finish_own_sizes,
+                           packed_layout, post_steps, route, warp_table)
 
 __all__ = ["PostOps", "blur_table", "changed", "color_table", "describe", "finish", "route", "warp_table"]
 
@@ -198,6 +198,23 @@ class PostOps:
         out = torch.empty((n, c, h, w) if norm.layout == "CHW" else (n, h, w, c), dtype=norm.dtype, device=self.device)
         finish_launch(plan, norm, address, out.data_ptr(), shape)
         return out
+
+    def finish_each(self, images: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``finish`` of each uint8 [h, w, C] image of a list (sizes may differ), in one plan: the
+        results are views into one allocation, as the lane's images of their own sizes are. One
+        plan rather than one an image: each is a call that lets the GIL go (``_plan.py``)."""
+        norm = self.pipeline.normalize
+        if norm is None or not images:  # the layout alone: torch's views and copies
+            return [self.finish(image[None])[0] for image in images]
+        with torch.cuda.stream(self.stream):
+            images = [image if image.is_contiguous() else image.contiguous() for image in images]
+            rows = describe(images)
+            shapes, strides, _ = packed_layout(rows[:, 1], rows[:, 2], rows[:, 4], norm.layout == "CHW")
+            out = torch.empty(int((rows[:, 1] * rows[:, 2] * rows[:, 4]).sum()), dtype=norm.dtype, device=self.device)
+            plan = Plan()
+            starts = finish_own_sizes(plan, norm, rows, out.data_ptr())
+            self._slots.run(plan, self._function, native=self.native)
+        return list(map(out.as_strided, shapes.tolist(), strides.tolist(), starts.tolist()))
 
     def finish(self, x: torch.Tensor) -> torch.Tensor:
         """Normalize, layout and dtype of a contiguous uint8 [N, H, W, C] batch, on the stream, as the

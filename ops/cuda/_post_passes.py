@@ -14,10 +14,10 @@ from .._pipeline import Pipeline
 from .._post_spec import ColorMatrix, GaussianBlur, PostOp, Step, _Warp
 from .._spec import Normalize
 from .._tone import IDENTITY, Sharpness, ToneCurve, needs_histograms
-from ._plan import INPUT, OUTPUT, WORK, Plan, address
+from ._plan import INPUT, OUTPUT, WORK, Plan, TableRef, address
 
-__all__ = ["BatchPasses", "PlannedPost", "blur_table", "changed", "color_table", "finish_launch", "plan_post", "post_steps",
-           "route", "warp_table"]
+__all__ = ["BatchPasses", "PlannedPost", "blur_table", "changed", "color_table", "finish_launch", "finish_own_sizes",
+           "packed_layout", "plan_post", "post_steps", "route", "warp_table"]
 
 MAX_Z = 65535  # CUDA's limit on gridDim.z: larger batches launch in slices
 BLOCK = (32, 8, 1)
@@ -267,21 +267,48 @@ class BatchPasses:
                         plan.table(par[lo:hi]), *args)
 
 
-def finish_launch(plan: Plan, normalize: Normalize, src: int, dst: int, shape: tuple[int, int, int, int]) -> None:
+def finish_launch(plan: Plan, normalize: Normalize, src: int, dst: int, shape: tuple[int, int, int, int],
+                  tables: tuple[TableRef, TableRef] | None = None) -> tuple[TableRef, TableRef]:
     """The finish kernel (``normalize``'s arithmetic, layout and dtype) from the contiguous uint8
     [N, H, W, C] batch at ``src`` into ``dst`` (addresses, real or named), added to ``plan``: the
-    CPU path's ``_finish``. Its mean and 1 / std go up as tables of the plan."""
+    CPU path's ``_finish``. Its mean and 1 / std go up as tables of the plan (``tables``: those an
+    earlier call returned, for images finished one by one in one plan); returns them."""
     n, h, w, c = shape
-    mean = np.resize(np.array(normalize.mean, dtype=np.float32) * 255.0, c).astype(np.float32)
-    inv_std = np.resize(1.0 / (np.array(normalize.std, dtype=np.float32) * 255.0), c).astype(np.float32)
+    if tables is None:
+        mean = np.resize(np.array(normalize.mean, dtype=np.float32) * 255.0, c).astype(np.float32)
+        inv_std = np.resize(1.0 / (np.array(normalize.std, dtype=np.float32) * 255.0), c).astype(np.float32)
+        tables = plan.table(mean), plan.table(inv_std)
     kernel = "finish_" + str(normalize.dtype).removeprefix("torch.")
-    mean_at, inv_std_at = plan.table(mean), plan.table(inv_std)
     grid_xy = ((w + BLOCK[0] - 1) // BLOCK[0], (h + BLOCK[1] - 1) // BLOCK[1])
     step_in, step_out = h * w * c, h * w * c * normalize.dtype.itemsize
     for lo in range(0, n, MAX_Z):
         hi = min(n, lo + MAX_Z)
         plan.launch(kernel, (*grid_xy, hi - lo), BLOCK, np.uint64(src + lo * step_in), np.uint64(dst + lo * step_out),
-                    np.int32(h), np.int32(w), np.int32(normalize.layout == "CHW"), mean_at, inv_std_at)
+                    np.int32(h), np.int32(w), np.int32(normalize.layout == "CHW"), *tables)
+    return tables
+
+
+def packed_layout(h: np.ndarray, w: np.ndarray, c: np.ndarray, chw: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Images of their own sizes packed one after another in one allocation, each laid out CHW or
+    HWC: their shapes and strides (n, 3) and their starts (n,), in elements."""
+    sizes = h * w * c
+    ones = np.ones_like(h)
+    if chw:
+        return np.stack([c, h, w], 1), np.stack([h * w, w, ones], 1), np.cumsum(sizes) - sizes
+    return np.stack([h, w, c], 1), np.stack([w * c, c, ones], 1), np.cumsum(sizes) - sizes
+
+
+def finish_own_sizes(plan: Plan, normalize: Normalize, rows: np.ndarray, dst: int) -> np.ndarray:
+    """The finish of images of their own sizes (``describe``'s ``rows``, packed rows), each into its
+    place (``packed_layout``) in one output at ``dst``, all in one plan; returns their starts in it
+    (elements)."""
+    h, w, c = rows[:, 1], rows[:, 2], rows[:, 4]
+    _, _, starts = packed_layout(h, w, c, normalize.layout == "CHW")
+    itemsize = normalize.dtype.itemsize
+    tables = None
+    for address, hi, wi, ci, start in zip(rows[:, 0].tolist(), h.tolist(), w.tolist(), c.tolist(), starts.tolist()):
+        tables = finish_launch(plan, normalize, address, dst + start * itemsize, (1, hi, wi, ci), tables)
+    return starts
 
 
 class PlannedPost:

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
-from headrace.ops import (AutoAugment, ColorTwist, GaussianBlur, Pipeline, RandAugment, Rotate, TimmRandAugment,
+from headrace.ops import (AutoAugment, ColorTwist, GaussianBlur, Normalize, Pipeline, RandAugment, Rotate, TimmRandAugment,
                           TrivialAugmentWide, training)
 from headrace.ops.cuda._plan import Plan, relocate
-from headrace.ops.cuda._post_passes import BatchPasses, finish_launch, plan_post, post_steps
+from headrace.ops.cuda._post_passes import (BatchPasses, finish_launch, finish_own_sizes, packed_layout, plan_post,
+                                            post_steps)
 
 BASE = 1 << 40  # the allocation: a made-up address
 TABLES = np.array([0, 1 << 44, 0, 0, 0], dtype=np.uint64)  # the plan's tables' block, by address space
@@ -126,3 +128,32 @@ def test_a_batch_planned_ahead_issues_what_the_lane_would_plan(post):
                       (n, h, w, c))
         assert planned.work == passes.size
         assert _relocated(planned.plan, bases) == _relocated(plan, bases)
+
+
+@pytest.mark.parametrize("layout", ["CHW", "HWC"])
+def test_images_of_their_own_sizes_are_finished_in_one_plan_into_one_allocation(layout):
+    # Three images, each into its place in one output: one launch each, the mean and 1 / std tables
+    # shared, the places those of packed_layout (what the lane's views are made from).
+    norm = Normalize(dtype="float16", layout=layout)
+    sizes = [(5, 7), (3, 2), (40, 33)]
+    rows = np.array([(0x10000 * (i + 1), h, w, 3 * w, 3) for i, (h, w) in enumerate(sizes)], dtype=np.int64)
+    out_at = 1 << 42
+    plan = Plan()
+    starts = finish_own_sizes(plan, norm, rows, out_at)
+    assert starts.tolist() == [0, 5 * 7 * 3, 5 * 7 * 3 + 3 * 2 * 3]
+    compiled = plan.compile()
+    assert compiled.kernels == ["finish_float16"] * 3 and plan.size == 32  # two tables of 3 floats, once
+    values = compiled.values.reshape(3, 7)  # each launch: src, dst, h, w, chw, mean, 1 / std
+    assert values[:, 0].tolist() == rows[:, 0].tolist()
+    assert values[:, 1].tolist() == [out_at + 2 * int(s) for s in starts]
+    assert (values[:, 2:5] & 0xFFFF_FFFF).tolist() == [[h, w, layout == "CHW"] for h, w in sizes]
+    assert len({tuple(v) for v in values[:, 5:].tolist()}) == 1
+    assert [tuple(compiled.steps[i]["grid"]) for i in range(3)] == [(1, 1, 1), (1, 1, 1), (2, 5, 1)]
+    # The views: each image's elements where the kernel wrote them, in the layout asked for.
+    images = [torch.arange(h * w * 3, dtype=torch.float32).reshape(h, w, 3) + 1000 * i for i, (h, w) in enumerate(sizes)]
+    laid = [image.permute(2, 0, 1) if layout == "CHW" else image for image in images]
+    packed = torch.cat([image.contiguous().reshape(-1) for image in laid])
+    shapes, strides, starts_again = packed_layout(rows[:, 1], rows[:, 2], rows[:, 4], layout == "CHW")
+    assert starts_again.tolist() == starts.tolist()
+    views = list(map(packed.as_strided, shapes.tolist(), strides.tolist(), starts.tolist()))
+    assert all(torch.equal(view, image) for view, image in zip(views, laid))
