@@ -28,8 +28,9 @@ import torch
 __all__ = ["INPUT", "OUTPUT", "Plan", "PlanSlots", "TABLES", "TableRef", "WORK", "address", "relocate"]
 
 # Address spaces: a plan's address is (space << 56) | offset until it runs, then the space's base
-# plus the offset. Device and host addresses never set the top byte (x86-64 and CUDA's unified
-# addresses stay below 2**57), so space 0 is a real address (or NULL) and is left alone.
+# plus the offset. Device and host addresses never set the top byte (user space on x86-64 ends below
+# 2**56 even with 5-level paging, and CUDA's unified addresses are in it), so space 0 is a real
+# address (or NULL) and is left alone.
 TABLES, INPUT, WORK, OUTPUT = 1, 2, 3, 4
 _SHIFT = 56
 _SPACES = 5  # bases[0] is unused
@@ -48,6 +49,7 @@ def relocate(values: np.ndarray, bases: np.ndarray) -> None:
     named = (space > 0) & (space < _SPACES)
     if named.any():
         values[named] = bases[space[named]] + (values[named] & np.uint64((1 << _SHIFT) - 1))
+
 
 # hr_step: a launch (function, grid, block, params) or, with function 0, zeroing size bytes at dst.
 _STEP = np.dtype([("function", np.uint64), ("grid", np.uint32, 3), ("block", np.uint32, 3), ("params", np.uint64),
@@ -85,7 +87,7 @@ class Plan:
     """Tables and steps of one batch, in order. Arguments are ``TableRef`` (a table's device
     address), ``np.uint64`` (8 bytes: addresses, real or ``address``'s), ``np.int32`` or
     ``np.float32`` (4 bytes). Kernels are named; ``compile`` lays the plan out once (any thread,
-    no CUDA), ``PlanSlots.run`` issues it."""
+    no CUDA), ``PlanSlots.run`` issues it, once: its argument values are relocated in place."""
 
     def __init__(self) -> None:
         self._tables: list[tuple[int, np.ndarray]] = []
