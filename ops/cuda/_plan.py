@@ -189,6 +189,12 @@ class _Compiled:
         self.kernels = kernels  # the launches' kernel names, in order
         self.launches = launches  # the launches' rows in ``steps``
 
+    def relocate_tables(self, tables: np.ndarray, bases: np.ndarray) -> None:
+        """The runs of addresses in ``tables``, a copy of the blob (uint8), made real at ``bases``
+        (``hr_relocate_plan`` does the same in the shim)."""
+        for offset, count in self.relocs.tolist():
+            relocate(tables[offset : offset + 8 * count].view(np.uint64), bases)
+
     def resolve(self, function: Callable[[str], int]) -> None:
         """The launches' CUfunctions, by name (``function``), into ``steps``."""
         if len(self.kernels):
@@ -262,8 +268,7 @@ class PlanSlots:
         relocate(compiled.values, bases)
         if size:
             slot.pinned[:size] = compiled.blob
-            for offset, count in compiled.relocs.tolist():
-                relocate(slot.pinned[offset : offset + 8 * count].view(np.uint64), bases)
+            compiled.relocate_tables(slot.pinned[:size], bases)
             runtime.memcpyAsync(int(bases[TABLES]), slot.pinned.ctypes.data, size, runtime.memcpyHostToDevice,
                                 self.stream.ptr)
         for s in compiled.steps:

@@ -89,8 +89,7 @@ def test_named_addresses_are_relocated_in_the_tables_and_arguments():
     plan, want = _named_plan()
     compiled = plan.compile()
     pinned = compiled.blob.copy()
-    for offset, count in compiled.relocs.tolist():
-        relocate(pinned[offset : offset + 8 * count].view(np.uint64), BASES)
+    compiled.relocate_tables(pinned, BASES)
     assert pinned[16:56].view(np.uint64).tolist() == want.tolist()
     assert pinned[:8].view(np.float32).tolist() == [1.5, 2.5]
     relocate(compiled.values, BASES)

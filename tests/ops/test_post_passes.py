@@ -23,15 +23,21 @@ def _rows(sizes):
     return rows  # the input's rows are padded (stride 3 w + 4): ours are packed
 
 
+def _issued(plan: Plan, bases: np.ndarray):
+    """``plan`` laid out, with its tables and argument values relocated to ``bases`` as the shim
+    relocates them (copies: the plan itself keeps its named addresses)."""
+    compiled = plan.compile()
+    blob = compiled.blob.copy()
+    compiled.relocate_tables(blob, bases)
+    values = compiled.values.copy()
+    relocate(values, bases)
+    return compiled, blob, values
+
+
 def _launches(plan: Plan, bases: np.ndarray = TABLES):
     """Each launch as (kernel, ptrs (n, 2), meta (n, 4)), read from the blob through its arguments,
     its addresses relocated to ``bases`` as the shim would."""
-    compiled = plan.compile()
-    blob = compiled.blob.copy()
-    for offset, count in compiled.relocs.tolist():
-        relocate(blob[offset : offset + 8 * count].view(np.uint64), bases)
-    values = compiled.values.copy()
-    relocate(values, bases)
+    compiled, blob, values = _issued(plan, bases)
     out, slot = [], 0  # each launch's first three arguments are its tables: ptrs, meta, params
     for kernel, row in zip(compiled.kernels, compiled.launches.tolist()):
         ptrs_at, meta_at = int(values[slot]) - int(bases[1]), int(values[slot + 1]) - int(bases[1])
@@ -91,12 +97,7 @@ def test_no_pass_changes_anything():
 
 def _relocated(plan: Plan, bases: np.ndarray):
     """What the shim issues for ``plan`` at ``bases``: kernels, grids, blocks, argument values, tables."""
-    compiled = plan.compile()
-    blob = compiled.blob.copy()
-    for offset, count in compiled.relocs.tolist():
-        relocate(blob[offset : offset + 8 * count].view(np.uint64), bases)
-    values = compiled.values.copy()
-    relocate(values, bases)
+    compiled, blob, values = _issued(plan, bases)
     steps = compiled.steps.copy()
     steps["params"] = 0  # host addresses of each plan's own argument array
     dst = steps["dst"].copy()
