@@ -12,7 +12,9 @@ the GPU, unless the row says otherwise):
   torchvision decode_jpeg    decode_jpeg(device="cuda") batched, torchvision v2 transforms per image
   nvImageCodec decode only   whole images, one synchronous decode call per batch, no transforms
   DALI (--dali-threads 4,8)  NVIDIA DALI: file reader, mixed decode (image_random_crop; validation:
-                             whole image), resize, crop_mirror_normalize float16 NCHW, DALIGenericIterator
+                             whole image), resize, crop_mirror_normalize float16 NCHW, DALIGenericIterator;
+                             --dali-rows randaug,trivial,autoaug: its train pipeline with DALI's own
+                             auto_aug policy on the 224 crop, the peer of train_randaug and the others
   --rows train_stage         the train row with a trivial ops.MapBatch added (what a user stage costs)
   --rows train_mix           the train row with RandomErasing(0.25), MixUp(0.2) and CutMix(1.0, p=0.5) after it
                              (train_mix_side: off the lane; train_erase, train_mixup, train_cutmix: each alone;
@@ -34,6 +36,8 @@ cores per 1,000 images/s; whole runs of one row moved 10-25% within an H100 leas
 
     python examples/benchmark_gpu.py --images 16384 --epochs 12 --interleave --rows train,train_noop,train_stage
     python examples/benchmark_gpu.py --images 16384 --epochs 8 --interleave --rows train,val --dali-threads 4,8,12,16 --repeat 2
+    python examples/benchmark_gpu.py --images 16384 --epochs 6 --interleave --rows train,train_randaug,train_autoaug \
+        --dali-threads 8,12 --dali-rows train,randaug,autoaug
 """
 
 from __future__ import annotations
@@ -230,11 +234,36 @@ def _mean_by_thread(epochs: list[dict[str, float]]) -> dict[str, float]:
     return {name: round(c, 3) for name, c in sorted(mean.items(), key=lambda kv: -kv[1])}
 
 
-def _dali_epochs(files, batch: int, threads: int, train: bool = True) -> tuple[Any, Any]:
+# DALI's pipelines by kind: its label in the table, and the policy of ``nvidia.dali.auto_aug`` that the
+# training pipeline applies to the uint8 224 x 224 crop before crop_mirror_normalize (None: none).
+DALI_KINDS = {
+    "train": ("train", None),
+    "val": ("validation", None),
+    "randaug": ("train + RandAugment", "rand_augment"),
+    "trivial": ("train + TrivialAugmentWide", "trivial_augment"),
+    "autoaug": ("train + AutoAugment", "auto_augment"),
+}
+
+
+def _dali_policy(module: str, images):
+    """DALI's own GPU implementation of the policy the headrace row of the same name runs, at
+    torchvision's settings (RandAugment: 2 ops at magnitude 9 of 31 bins; AutoAugment: the ImageNet
+    policy); translations up to DALI's default 100 pixels at the top bin, torchvision's 0.45 of 224."""
+    from nvidia.dali.auto_aug import auto_augment, rand_augment, trivial_augment
+
+    if module == "rand_augment":
+        return rand_augment.rand_augment(images, n=2, m=9)
+    if module == "trivial_augment":
+        return trivial_augment.trivial_augment_wide(images)
+    return auto_augment.auto_augment_image_net(images)
+
+
+def _dali_epochs(files, batch: int, threads: int, kind: str = "train") -> tuple[Any, Any]:
     """NVIDIA DALI on the same files and pipeline: file reader, mixed (GPU) decode with its random
     crop, resize 224, crop_mirror_normalize to float16 NCHW (validation: whole-image decode, resize
-    shorter side 256, centre crop 224); DALIGenericIterator, as its ImageNet example has it. Its
-    (run one epoch, close) pair."""
+    shorter side 256, centre crop 224; the augmented kinds: ``DALI_KINDS``' policy after the resize,
+    a pipeline with conditionals as ``nvidia.dali.auto_aug`` needs); DALIGenericIterator, as its
+    ImageNet example has it. Its (run one epoch, close) pair."""
     from nvidia.dali import fn, pipeline_def, types
     from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
@@ -242,14 +271,18 @@ def _dali_epochs(files, batch: int, threads: int, train: bool = True) -> tuple[A
     labels = [label for _, label in files]
     mean = [0.485 * 255, 0.456 * 255, 0.406 * 255]
     std = [0.229 * 255, 0.224 * 255, 0.225 * 255]
+    train = kind != "val"
+    policy = DALI_KINDS[kind][1]
 
-    @pipeline_def
+    @pipeline_def(enable_conditionals=policy is not None)
     def pipe():
         jpegs, label = fn.readers.file(files=paths, labels=labels, random_shuffle=train, name="Reader")
         if train:
             images = fn.decoders.image_random_crop(jpegs, device="mixed", output_type=types.RGB,
                                                    random_area=[0.08, 1.0], random_aspect_ratio=[0.75, 4 / 3])
             images = fn.resize(images, resize_x=224, resize_y=224)
+            if policy is not None:
+                images = _dali_policy(policy, images)
             mirror = fn.random.coin_flip(probability=0.5)
             images = fn.crop_mirror_normalize(images, dtype=types.FLOAT16, output_layout="CHW", mean=mean, std=std,
                                               mirror=mirror)
@@ -279,8 +312,8 @@ def _dali_epochs(files, batch: int, threads: int, train: bool = True) -> tuple[A
     return epoch, close
 
 
-def bench_dali(files, batch: int, epochs: int, threads: int, train: bool = True) -> dict:
-    epoch, close = _dali_epochs(files, batch, threads, train)
+def bench_dali(files, batch: int, epochs: int, threads: int, kind: str = "train") -> dict:
+    epoch, close = _dali_epochs(files, batch, threads, kind)
     try:
         return _timed_epochs(epoch, epochs)
     finally:
@@ -449,7 +482,9 @@ def main() -> None:
                     help="also run headrace (train) with these shares of the non-hardware part for the CUDA decoder (the rest on the CPU), e.g. 0.9,0.8")
     ap.add_argument("--hw-loads", default="", help="also run headrace (train) at these hw_load values, e.g. 0,1")
     ap.add_argument("--dali-threads", default="", help="also run NVIDIA DALI with these thread counts, e.g. 4,8,12,16")
-    ap.add_argument("--dali-rows", default="train,val", help="which DALI pipelines --dali-threads runs")
+    ap.add_argument("--dali-rows", default="train,val",
+                    help="which DALI pipelines --dali-threads runs: train, val, and the train pipeline with DALI's "
+                         "auto_aug policies randaug, trivial, autoaug (beside train_randaug, train_trivial, train_autoaug)")
     ap.add_argument("--data", default=".data/bench-gpu")
     ap.add_argument("--photos", default=None, help="an .npz of photographs (for machines without scikit-image)")
     ap.add_argument("--rows", default="train,val,dataloader,torchvision,nvimgcodec")
@@ -508,12 +543,15 @@ def main() -> None:
         "nvimgcodec": ("nvImageCodec decode only (whole)", lambda: bench_nvimgcodec(files, args.batch, args.epochs)),
         "reader": ("files reader alone (no decode)", lambda: bench_reader(root, args.epochs)),
     }
-    dali: dict[str, tuple[int, bool]] = {}  # DALI rows: (threads, train)
+    dali: dict[str, tuple[int, str]] = {}  # DALI rows: (threads, kind)
+    unknown = set(filter(None, args.dali_rows.split(","))) - set(DALI_KINDS)
+    if unknown:
+        ap.error(f"--dali-rows: {', '.join(sorted(unknown))} not among {', '.join(DALI_KINDS)}")
     for threads in filter(None, args.dali_threads.split(",")):
-        for kind, train in (("train", True), ("val", False)):
-            dali[f"dali_{kind}{threads}"] = (int(threads), train)
-            runners[f"dali_{kind}{threads}"] = (f"DALI ({'train' if train else 'validation'}, {threads} threads)",
-                                                lambda t=int(threads), train=train: bench_dali(files, args.batch, args.epochs, t, train))
+        for kind, (label, _) in DALI_KINDS.items():
+            dali[f"dali_{kind}{threads}"] = (int(threads), kind)
+            runners[f"dali_{kind}{threads}"] = (f"DALI ({label}, {threads} threads)",
+                                                lambda t=int(threads), kind=kind: bench_dali(files, args.batch, args.epochs, t, kind))
             if kind in args.dali_rows.split(","):
                 rows.append(f"dali_{kind}{threads}")
     for hw in filter(None, args.hw_loads.split(",")):
@@ -594,7 +632,9 @@ def main() -> None:
         loop_busy = f"{r['main_thread_busy']:.0%}" if "main_thread_busy" in r and name.startswith("headrace") else "-"
         cores = f"{r['cores_busy']:.1f}" if "cores_busy" in r else "-"  # not measured per row when interleaved
         print(f"{name:44} {r['images_per_s']:>10,.0f} {ratio:>14} {ratio2:>16} {cores:>11} {loop_busy:>10}")
-    for kind, ours in (("train", "headrace (train)"), ("validation", "headrace (validation)")):
+    peers = {"train": "train", "validation": "val", "train + RandAugment": "train_randaug",
+             "train + TrivialAugmentWide": "train_trivial", "train + AutoAugment": "train_autoaug"}
+    for kind, ours in ((kind, pipelines[key][0]) for kind, key in peers.items()):
         for suffix in [""] + [f" #{turn + 1}" for turn in range(1, args.repeat)]:  # each turn on its own
             theirs = {k: v for k, v in results.items()
                       if k.startswith(f"DALI ({kind},") and k.endswith("threads)" + suffix)}
