@@ -34,11 +34,22 @@ _INCREASING = ("AutoContrast", "Equalize", "Invert", "Rotate", "PosterizeIncreas
                "SolarizeAdd", "ColorIncreasing", "ContrastIncreasing", "BrightnessIncreasing", "SharpnessIncreasing",
                "ShearX", "ShearY", "TranslateXRel", "TranslateYRel")
 
-# timm's only weighted op set (``w0``), by the plain set's names; it weighs the increasing set's ops by
-# position, as timm does (its ``_select_rand_weights`` reads the plain names whatever the set).
+# Older timm's only weighted op set (``w0``), by the plain set's names; it weighs the increasing set's
+# ops by position, as timm does (its weights are looked up by the plain names whatever the set).
 _CHOICE_WEIGHTS_0 = {"Rotate": 0.3, "ShearX": 0.2, "ShearY": 0.2, "TranslateXRel": 0.1, "TranslateYRel": 0.1,
                      "Color": 0.025, "Sharpness": 0.025, "AutoContrast": 0.025, "Solarize": 0.005, "SolarizeAdd": 0.005,
                      "Contrast": 0.005, "Brightness": 0.005, "Equalize": 0.005, "Posterize": 0.0, "Invert": 0.0}
+
+# Later timm's named op sets with weights (``t<name>``; it dropped ``w``): the ops are the dict's keys,
+# in its order, each drawn with its weight over the sum.
+_WEIGHTED_SETS = {
+    "weights": {"Rotate": 3, "ShearX": 2, "ShearY": 2, "TranslateXRel": 1, "TranslateYRel": 1, "ColorIncreasing": 0.25,
+                "SharpnessIncreasing": 0.25, "AutoContrast": 0.25, "SolarizeIncreasing": 0.05, "SolarizeAdd": 0.05,
+                "ContrastIncreasing": 0.05, "BrightnessIncreasing": 0.05, "Equalize": 0.05, "PosterizeIncreasing": 0.05,
+                "Invert": 0.05},
+}
+# Its 3-Augment sets (DeiT III) need ops the passes do not have (Desaturate, timm's GaussianBlur).
+_UNBUILT_SETS = ("3a", "3aw")
 
 # timm's create_transform fills warps with the dataset mean in levels: (124, 116, 104) for ImageNet.
 IMAGENET_FILL = tuple(min(255, round(255 * m)) for m in IMAGENET_MEAN)
@@ -105,9 +116,10 @@ class TimmRandAugment(MultiPass):
     (0; over 100: uniform in [0, m]) and clipped to [0, ``mmax``] (10). ``inc1`` takes the ops
     whose strength increases with the magnitude (``PosterizeIncreasing``...), as the DeiT recipe's
     ``rand-m9-mstd0.5-inc1`` does. Config sections: ``m``, ``n``, ``p``, ``mstd``, ``mmax``,
-    ``inc``, and ``w0``: timm's weighted op choice (its one set of weights, mostly the warps; never
-    posterize or invert), each layer a different op, as timm's ``np.random.choice`` without
-    replacement draws them.
+    ``inc``, ``w0`` (older timm's weighted op choice: its one set of weights, mostly the warps, never
+    posterize or invert) and ``tweights`` (later timm's, which dropped ``w``: the increasing ops,
+    all weighted, the warps most). With weights each layer draws a different op, as timm's
+    ``np.random.choice`` without replacement does.
 
     ``fill`` is the level where a warp reads outside the image: timm's ``create_transform`` passes
     the dataset mean, (124, 116, 104) for ImageNet's, the default here. Five uniforms per sample and
@@ -125,7 +137,8 @@ class TimmRandAugment(MultiPass):
     magnitude_std: float = field(default=0.0, init=False)
     magnitude_max: float = field(default=LEVEL_DENOM, init=False)
     increasing: bool = field(default=False, init=False)
-    weighted: bool = field(default=False, init=False)
+    weighted: bool = field(default=False, init=False)  # w0
+    transforms: str = field(default="", init=False)  # t<name>: one of _WEIGHTED_SETS
     randoms: int = field(default=10, init=False)
 
     def __post_init__(self) -> None:
@@ -150,38 +163,62 @@ class TimmRandAugment(MultiPass):
                 if _number(value, "w", int) != 0:
                     raise ConfigError(f"TimmRandAugment: timm has one set of op weights, w0; got {section!r}")
                 object.__setattr__(self, "weighted", True)
+            elif section.startswith("t"):  # a name, not a number: timm reads the rest of the section
+                self._set_transforms(section[1:])
             else:
                 raise ConfigError(f"TimmRandAugment: unknown section {section!r} in {self.config!r} "
-                                  "(m, n, p, mstd, mmax, inc and w are understood)")
+                                  "(m, n, p, mstd, mmax, inc, w and t are understood)")
+        if self.weighted and self.transforms:
+            raise ConfigError(f"TimmRandAugment: {self.config!r} has both w0 (older timm's weights) and "
+                              f"t{self.transforms} (later timm's, which has no w): give one")
         if self.num_layers < 0 or not 0.0 <= self.prob <= 1.0 or self.magnitude < 0 or self.magnitude_std < 0:
             raise ConfigError(f"TimmRandAugment: {self.config!r} needs n >= 0, p in [0, 1], m >= 0 and mstd >= 0")
-        if self.weighted and self.num_layers > np.count_nonzero(self.choice_weights):
+        weights = self.choice_weights
+        if weights is not None and self.num_layers > np.count_nonzero(weights):
             raise ConfigError(f"TimmRandAugment: {self.config!r} draws {self.num_layers} different ops a sample, "
-                              f"but w0 weighs only {np.count_nonzero(self.choice_weights)} above zero")
+                              f"but its weights have only {np.count_nonzero(weights)} above zero")
         object.__setattr__(self, "fill", _fill(self.fill, "TimmRandAugment: fill"))
         object.__setattr__(self, "randoms", 5 * self.num_layers)
+
+    def _set_transforms(self, name: str) -> None:
+        if name in _UNBUILT_SETS:
+            raise ConfigError(f"TimmRandAugment: timm's op set t{name} (3-Augment: Desaturate, GaussianBlur) "
+                              f"is not implemented; {', '.join('t' + n for n in _WEIGHTED_SETS)} and the default sets are")
+        if name not in _WEIGHTED_SETS:
+            # timm itself would take the default set for a name it does not know: a typo passes there.
+            raise ConfigError(f"TimmRandAugment: unknown op set t{name} in {self.config!r} "
+                              f"(known: {', '.join('t' + n for n in _WEIGHTED_SETS)})")
+        object.__setattr__(self, "transforms", name)
 
     @property
     def ops(self) -> tuple[str, ...]:
         """timm's op names this config draws from, in its order."""
+        if self.transforms:
+            return tuple(_WEIGHTED_SETS[self.transforms])
         return _INCREASING if self.increasing else _PLAIN
 
     @property
     def choice_weights(self) -> np.ndarray | None:
-        """Each op's chance of being drawn (``ops``' order) with ``w0``, else None (uniform)."""
-        if not self.weighted:
+        """Each op's chance of being drawn (``ops``' order) with ``w0`` or a ``t`` set of weights,
+        else None (uniform)."""
+        if self.transforms:
+            weights = np.array(list(_WEIGHTED_SETS[self.transforms].values()), dtype=np.float64)
+        elif self.weighted:
+            weights = np.array([_CHOICE_WEIGHTS_0[name] for name in _PLAIN])
+        else:
             return None
-        weights = np.array([_CHOICE_WEIGHTS_0[name] for name in _PLAIN])
         return weights / weights.sum()
 
     def _indices(self, u: np.ndarray) -> list[np.ndarray]:
         """Each layer's op indices (n each) from its first uniform: uniform with replacement, or with
-        ``w0`` by weight, a sample's ops all different (each layer drawn among the ops it has not
-        drawn yet). A layer at a time: loops of n elements keep the GIL (``_gil.py``)."""
+        weights (``w0``, ``tweights``) by weight, a sample's ops all different (each layer drawn
+        among the ops it has not drawn yet). A layer at a time: loops of n elements keep the GIL
+        (``_gil.py``)."""
         count = len(self.ops)
-        if not self.weighted:
+        choice = self.choice_weights
+        if choice is None:
             return [np.minimum((u[:, layer, 0] * count).astype(np.int64), count - 1) for layer in range(self.num_layers)]
-        weights = [np.full(len(u), w) for w in self.choice_weights]  # a column an op
+        weights = [np.full(len(u), w) for w in choice]  # a column an op
         out = []
         for layer in range(self.num_layers):
             point = u[:, layer, 0] * sum(weights)

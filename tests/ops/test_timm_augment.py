@@ -34,7 +34,8 @@ def test_the_config_string_is_read_as_timm_reads_it():
     assert ops.TimmRandAugment("rand").magnitude == 10  # timm's defaults: M10, two layers
 
 
-@pytest.mark.parametrize("config", ["augmix-m3", "rand-x1", "rand-tweights", "rand-mfoo", "rand-p1.5", "rand-n-1", 7])
+@pytest.mark.parametrize("config", ["augmix-m3", "rand-x1", "rand-tfoo", "rand-t3a", "rand-w0-tweights", "rand-mfoo",
+                                    "rand-p1.5", "rand-n-1", 7])
 def test_configs_timm_would_refuse_are_config_errors(config):
     with pytest.raises(ConfigError, match="TimmRandAugment"):
         ops.TimmRandAugment(config)
@@ -78,6 +79,43 @@ def test_w0_draws_each_samples_ops_by_weight_and_without_replacement():
     uniform = ops.TimmRandAugment("rand-m9-n3")._indices(u)
     assert np.array_equal(uniform[0], np.minimum((u[:, 0, 0] * 15).astype(np.int64), 14))
     assert (uniform[0] == uniform[1]).mean() > 0.05
+
+
+# Later timm's _RAND_WEIGHTED_0 (``tweights``): its own op order, every op weighted.
+TIMM_TWEIGHTS = {"Rotate": 3, "ShearX": 2, "ShearY": 2, "TranslateXRel": 1, "TranslateYRel": 1, "ColorIncreasing": 0.25,
+                 "SharpnessIncreasing": 0.25, "AutoContrast": 0.25, "SolarizeIncreasing": 0.05, "SolarizeAdd": 0.05,
+                 "ContrastIncreasing": 0.05, "BrightnessIncreasing": 0.05, "Equalize": 0.05, "PosterizeIncreasing": 0.05,
+                 "Invert": 0.05}
+
+
+@pytest.mark.parametrize("config", ["rand-m9-tweights", "rand-m9-mstd0.5-inc1-tweights", "rand-m9-inc0-tweights"])
+def test_tweights_draws_later_timms_weighted_set_whatever_inc_says(config):
+    op = ops.TimmRandAugment(config)
+    assert op.transforms == "weights" and not op.weighted
+    assert op.ops == tuple(TIMM_TWEIGHTS)  # the set's own order: an op index counts in it
+    want = np.array(list(TIMM_TWEIGHTS.values()))
+    assert np.allclose(op.choice_weights, want / want.sum())
+    u = np.random.default_rng(3).random((20000, 2, 5))
+    first, second = op._indices(u)
+    assert np.all(first != second)  # without replacement, as with w0
+    share = np.bincount(first, minlength=15) / len(first)
+    assert abs(share[op.ops.index("Rotate")] - 3 / want.sum()) < 0.015
+    assert ops.TimmRandAugment("rand-n15-tweights").num_layers == 15  # every op weighs above zero
+    with pytest.raises(ConfigError, match="15 above zero"):
+        ops.TimmRandAugment("rand-n16-tweights")
+
+
+def test_a_tweights_op_is_the_same_op_of_the_default_set():
+    # The weighted set only reorders and weighs timm's ops: its Rotate (first, 3 of ~10.15 of the
+    # weight, so a first uniform of 0.1 draws it) is the increasing set's Rotate (slot 3 of 15).
+    a = random_image(np.random.default_rng(4), H, W, 3)
+    x = torch.from_numpy(a)
+    weighted, default = ops.TimmRandAugment("rand-m9-n1-tweights"), ops.TimmRandAugment("rand-m9-n1-inc1")
+    u = np.array([[0.1, 0.0, 0.25, 0.0, 0.0]])
+    assert weighted._indices(u[:, None])[0].tolist() == [weighted.ops.index("Rotate")]
+    rotated = _post.apply(x, [weighted], [u]).numpy()
+    assert np.array_equal(rotated, _post.apply(x, [default], [_forced(default, default.ops.index("Rotate"))]).numpy())
+    assert not np.array_equal(rotated, a)
 
 
 def test_the_magnitude_noise_is_gaussian_and_clipped():

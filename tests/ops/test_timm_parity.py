@@ -38,7 +38,22 @@ def _image() -> np.ndarray:
 def test_the_op_sets_are_timms():
     assert list(_PLAIN) == list(augment._RAND_TRANSFORMS)
     assert list(_INCREASING) == list(augment._RAND_INCREASING_TRANSFORMS)
-    assert np.allclose(ops.TimmRandAugment("rand-m9-inc1-w0").choice_weights, augment._select_rand_weights(0))
+
+
+@pytest.mark.parametrize("config", ["rand-m9-inc1-w0", "rand-m9-tweights", "rand-m9-mstd0.5-inc1-tweights"])
+def test_the_weighted_choice_is_timms(config):
+    # Read off timm's own transform: older timm takes w0 (and computes its weights in a helper
+    # later releases dropped) and passes over a t section; later timm takes t<name> and refuses w.
+    try:
+        theirs = augment.rand_augment_transform(config, {})
+    except AssertionError:
+        theirs = None
+    if theirs is None or theirs.choice_weights is None:
+        pytest.skip(f"this timm has no weights for {config!r} (older timm has w0, later timm t<name>)")
+    ours = ops.TimmRandAugment(config)
+    assert [getattr(op, "name", name) for op, name in zip(theirs.ops, ours.ops)] == list(ours.ops)
+    assert len(theirs.ops) == len(ours.ops)
+    assert np.allclose(theirs.choice_weights, ours.choice_weights)
 
 
 @pytest.mark.parametrize("increasing", [True, False], ids=["inc1", "inc0"])
