@@ -327,8 +327,9 @@ def test_contrast_brightness_and_solarize_add_tone_tables_match(stream):
 
 
 @pytest.mark.parametrize("policy", [ops.RandAugment(num_ops=2, magnitude=12), ops.AutoAugment("imagenet"),
-                                    ops.AutoAugment("svhn"), ops.TimmRandAugment("rand-m9-mstd0.5-inc1-p1.0")],
-                         ids=["randaugment-2", "autoaugment", "autoaugment-svhn", "timm"])
+                                    ops.AutoAugment("svhn"), ops.TimmRandAugment("rand-m9-mstd0.5-inc1-p1.0"),
+                                    ops.TimmRandAugment("rand-m9-mstd0.5-p1.0-tweights")],
+                         ids=["randaugment-2", "autoaugment", "autoaugment-svhn", "timm", "timm-tweights"])
 def test_two_rounds_of_a_policy_through_the_chain(policy, stream):
     # Two rounds: a warp's 1-level difference can move a later equalize or solarize step, so
     # single values may differ more; nearly all agree within a level.
