@@ -24,6 +24,7 @@ from ._tone import (
 )
 from ._video import DecodeClip, decode_frames, video_pipeline
 from ._post_spec import ColorTwist, GaussianBlur, PostOp, RandomGrayscale, Rotate, WarpAffine
+from ._random_affine import RandomAffine
 from ._spec import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -65,6 +66,7 @@ __all__ = [
     "PostOp",
     "RandAugment",
     "RandomAdjustSharpness",
+    "RandomAffine",
     "RandomAutocontrast",
     "RandomEqualize",
     "RandomInvert",

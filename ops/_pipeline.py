@@ -41,7 +41,8 @@ class Pipeline:
     ``ops`` must start with ``Decode`` (one is added if missing) and may end with one ``Normalize``;
     between them go first the geometry ops (``image_ops``: ``Resize``, ``RandomResize``,
     ``CenterCrop``, ``RandomCrop``, ``RandomResizedCrop`` and ``Flip``, in any order), then the post ops (``post_ops``:
-    ``ColorTwist``, ``RandomGrayscale``, ``Rotate``, ``WarpAffine`` and ``GaussianBlur``, in any order), which work on
+    ``ColorTwist``, ``RandomGrayscale``, ``Rotate``, ``RandomAffine``, ``WarpAffine``, ``GaussianBlur``, the tone
+    curves and the policies, in any order), which work on
     the uint8 image the geometry made. An op's random numbers are keyed by its index in ``ops``.
     ``image`` names the field(s) holding the encoded image (default: the first field whose name is
     an image extension); ``label`` names the field holding the class as ASCII digits (WebDataset's
@@ -216,8 +217,9 @@ class Pipeline:
 
 # The rule on op order, as the error messages state it.
 _ORDER = ("the allowed order is Decode (added when missing), then the geometry ops (Resize, RandomResize, "
-          "CenterCrop, RandomCrop, RandomResizedCrop, RandomIoUCrop, Flip), then ColorTwist, RandomGrayscale, Rotate, WarpAffine, "
-          "GaussianBlur, then at most one Normalize, last")
+          "CenterCrop, RandomCrop, RandomResizedCrop, RandomIoUCrop, Flip), then the post ops (ColorTwist, RandomGrayscale, "
+          "Rotate, RandomAffine, WarpAffine, GaussianBlur, the tone curves, the augmentation policies), then at most one "
+          "Normalize, last")
 
 
 def _op_list(ops: object) -> list:

@@ -4,7 +4,7 @@ path, on real CUDA.
 Bounds, per op, GPU kernel against ``_cpu_post`` on the same tables (both round once, half up):
 - colour twist: 1 level (float32 both; the CPU's matrix product and the kernel's expression may
   round a value that lies within ~1e-5 of a half level differently);
-- warp (Rotate, WarpAffine): 1 level. Each neighbour outside the image reads the fill, so the
+- warp (Rotate, RandomAffine, WarpAffine): 1 level. Each neighbour outside the image reads the fill, so the
   result is continuous in the sample point: a point that lands within float error (1e-4 px) of a
   pixel boundary on one side and not on the other changes the value by at most 255 * 1e-4 levels
   before rounding, so no special case is needed (Pillow's hard edge would need one);
@@ -102,6 +102,8 @@ OPS = {
     "rotate": (Rotate(180, fill=(10, 200, 30)), "warp"),
     "rotate-small": (Rotate((-10, 10), fill=127), "warp"),
     "warp-affine": (WarpAffine([[0.7, 0.3, 5.25], [-0.2, 1.3, -3.5]], fill=(250, 0, 99)), "warp"),
+    "random-affine": (ops.RandomAffine(30, translate=(0.1, 0.2), scale=(0.8, 1.2), shear=(-10, 10, -5, 5),
+                                       fill=(10, 200, 30)), "warp"),
     "blur": (GaussianBlur((5, 9), sigma=(0.1, 3.0)), "blur"),
     "blur-wide": (GaussianBlur(31, sigma=(4.0, 9.0)), "blur"),
     # p < 1: the same kernels, identity tables for the samples left alone
@@ -124,7 +126,7 @@ OPS = {
 @pytest.mark.parametrize("channels", [3, 1])
 def test_kernel_matches_cpu_on_random_images_of_random_sizes(name, channels, stream):
     op, kind = OPS[name]
-    if channels == 1 and isinstance(op, (Rotate, WarpAffine, ops.RandAugment, ops.TrivialAugmentWide)):
+    if channels == 1 and isinstance(op, (Rotate, WarpAffine, ops.RandomAffine, ops.RandAugment, ops.TrivialAugmentWide)):
         op = dataclasses.replace(op, fill=op.fill[:1])
     pipeline = Pipeline([Decode("gray" if channels == 1 else "rgb"), op])
     rng = np.random.default_rng(abs(hash((name, channels))) % 2**32)
@@ -366,6 +368,22 @@ async def test_randaugment_through_the_gpu_loader_is_repeatable_and_near_the_cpu
     assert torch.equal(first, second)  # the same seed, the same bytes
     diff = (first.float() - runs["cpu"][0].float()).abs()
     print(f"RandAugment + TrivialAugmentWide GPU vs CPU: mean {diff.mean():.3f} levels, {(diff > 2).float().mean():.2e} beyond 2")
+    assert diff.mean() < 1.0
+
+
+async def test_random_affine_through_the_gpu_loader_is_repeatable_and_near_the_cpu(folder):
+    # A warp alone after the crop: the crops differ by up to 2 levels between the paths, which
+    # the warp's bilinear weights carry over; compare means, as above.
+    pipeline = Pipeline([Decode(), ops.RandomResizedCrop(64), ops.RandomAffine(25, translate=(0.1, 0.1), scale=(0.8, 1.2),
+                                                                           shear=8, fill=(124, 116, 104))], layout="HWC")
+    runs = {}
+    for device in ("cuda", "cuda", "cpu"):
+        async with Loader(readers.files(folder), batch_size=16, pipeline=pipeline, device=device, seed=4) as loader:
+            runs.setdefault(device, []).append(torch.cat([b["image"].cpu() async for b in loader]))
+    first, second = runs["cuda"]
+    assert first.shape == (48, 64, 64, 3) and torch.equal(first, second)
+    diff = (first.float() - runs["cpu"][0].float()).abs()
+    print(f"RandomAffine GPU vs CPU: mean {diff.mean():.3f} levels, {(diff > 2).float().mean():.2e} beyond 2")
     assert diff.mean() < 1.0
 
 

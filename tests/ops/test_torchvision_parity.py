@@ -111,3 +111,24 @@ def test_autoaugment_tables_and_each_step_are_torchvisions(policy):
                 bound = 0 if name in EXACT | {"Invert"} else 2 if name == "Color" else 1
                 assert _worst(ours, theirs) <= bound, (policy, k, name)
                 current = ours
+
+
+@pytest.mark.parametrize("angle,translate,scale,shear", [(25.0, (3, -2), 1.0, (0.0, 0.0)), (-40.0, (0, 0), 1.3, (10.0, -5.0)),
+                                                         (0.0, (0, 0), 0.8, (0.0, 20.0)), (170.0, (-4, 5), 0.9, (-12.0, 0.0))])
+def test_random_affines_matrix_is_torchvisions_affine(angle, translate, scale, shear):
+    # RandomAffine's matrix for one draw against F.affine with bilinear sampling, where the sample
+    # point has its four neighbours inside the image: at the edge torchvision blends its fill with
+    # a weight it applies twice (value x mask + fill x (1 - mask)), headrace once.
+    from headrace.ops._random_affine import inverse_affine
+
+    h, w, fill = 48, 64, [20, 90, 160]
+    x = _image(np.random.default_rng(9), h, w, 3, smooth=True)
+    theirs = _theirs(x, lambda img: F.affine(img, angle=angle, translate=list(translate), scale=scale, shear=list(shear),
+                                             interpolation=InterpolationMode.BILINEAR, fill=fill))
+    m = inverse_affine(*(np.array([v]) for v in (angle, *translate, scale, *shear)), np.array([h]), np.array([w]))[0]
+    ours = _post.apply(x, [ops.WarpAffine(m.tolist(), fill=fill)], [None])
+    ys, xs = np.mgrid[0:h, 0:w] + 0.5
+    sx, sy = m[0, 0] * xs + m[0, 1] * ys + m[0, 2] - 0.5, m[1, 0] * xs + m[1, 1] * ys + m[1, 2] - 0.5
+    inside = torch.from_numpy((sx >= 0.01) & (sx <= w - 1.01) & (sy >= 0.01) & (sy <= h - 1.01))
+    assert inside.sum() > h * w // 4
+    assert _worst(ours[inside], theirs[inside]) <= 1
