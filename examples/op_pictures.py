@@ -55,6 +55,8 @@ def figures(height: int, width: int) -> list[Figure]:
         Figure("color_twist", ops.ColorTwist(brightness=0.4, contrast=0.4, saturation=0.8, hue=0.2),
                "ColorTwist(0.4, 0.4, 0.8, 0.2)", requests=2),
         Figure("rotate", ops.Rotate(30), "Rotate(30)", requests=2),
+        Figure("random_affine", ops.RandomAffine(20, translate=(0.1, 0.1), scale=(0.8, 1.1), shear=10),
+               "RandomAffine(20, (0.1, 0.1), (0.8, 1.1), 10)", requests=2),
         Figure("warp_affine", ops.WarpAffine([[1, shear, -shear * height / 2], [0, 1, 0]]), "WarpAffine(shear 0.35)",
                more=((ops.WarpAffine([[1.25, 0, -0.125 * width], [0, 1.25, -0.125 * height]], fill=(40, 90, 160)),
                       "WarpAffine(zoom 0.8, fill=(40, 90, 160))"),)),
