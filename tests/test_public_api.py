@@ -103,6 +103,7 @@ PUBLIC = {
         "Processed",
         "RandAugment",
         "RandomAdjustSharpness",
+        "RandomAffine",
         "RandomAutocontrast",
         "RandomCrop",
         "RandomEqualize",
