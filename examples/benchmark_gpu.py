@@ -21,7 +21,8 @@ the GPU, unless the row says otherwise):
                              train_gpuwork: six in-place passes over the images, GPU time without host work)
   --rows train_randaug       the train row with RandAugment() (2 ops, magnitude 9) before Normalize
                              (train_trivial: TrivialAugmentWide(); train_autoaug: AutoAugment(); train_timm:
-                             TimmRandAugment("rand-m9-mstd0.5-inc1"); dataloader_randaug: the DataLoader row with
+                             TimmRandAugment("rand-m9-mstd0.5-inc1"); train_affine: RandomAffine(15, (0.1, 0.1),
+                             (0.9, 1.1), 10); dataloader_randaug: the DataLoader row with
                              torchvision's RandAugment() in its workers, the usual way to get it)
   --rows train_noop          the train row with an ops.MapBatch that returns the batch as it is
   --rows train_lookup        the train row with an async ops.Map awaiting 1 ms per sample, concurrency=64
@@ -522,6 +523,8 @@ def main() -> None:
         "train_mixup": ("headrace (train + MixUp)", lambda: _mixed(ops.MixUp(0.2, num_classes=100))),
         "train_cutmix": ("headrace (train + CutMix)", lambda: _mixed(ops.CutMix(1.0, num_classes=100))),
         "train_gpuwork": ("headrace (train + 6 in-place multiplies)", lambda: _mixed(ops.MapBatch(_gpu_work))),
+        "train_affine": ("headrace (train + RandomAffine)", lambda: _augmented(
+            ops.RandomAffine(15, translate=(0.1, 0.1), scale=(0.9, 1.1), shear=10))),
         "train_randaug": ("headrace (train + RandAugment)", lambda: _augmented(ops.RandAugment())),
         "train_trivial": ("headrace (train + TrivialAugmentWide)", lambda: _augmented(ops.TrivialAugmentWide())),
         "train_autoaug": ("headrace (train + AutoAugment)", lambda: _augmented(ops.AutoAugment())),
