@@ -86,6 +86,26 @@ UPRIGHT = {
 # --- torchvision's geometry rules -----------------------------------------------------------------
 
 
+def ref_warp(a: np.ndarray, m: np.ndarray, fill) -> np.ndarray:
+    """Output pixel (x, y) reads m @ (x + .5, y + .5, 1); bilinear over pixel centres; outside
+    neighbours read fill."""
+    h, w, c = a.shape
+    ys, xs = np.mgrid[0:h, 0:w] + 0.5
+    sx = m[0, 0] * xs + m[0, 1] * ys + m[0, 2] - 0.5
+    sy = m[1, 0] * xs + m[1, 1] * ys + m[1, 2] - 0.5
+    x0, y0 = np.floor(sx), np.floor(sy)
+    ax, ay = (sx - x0)[..., None], (sy - y0)[..., None]
+    x0, y0 = x0.astype(np.int64), y0.astype(np.int64)
+    f = np.resize(np.asarray(fill, dtype=np.float64), c)
+
+    def px(yy, xx):
+        inside = (xx >= 0) & (xx < w) & (yy >= 0) & (yy < h)
+        return np.where(inside[..., None], a[yy.clip(0, h - 1), xx.clip(0, w - 1)].astype(np.float64), f)
+
+    v = (1 - ay) * ((1 - ax) * px(y0, x0) + ax * px(y0, x0 + 1)) + ay * ((1 - ax) * px(y0 + 1, x0) + ax * px(y0 + 1, x0 + 1))
+    return np.clip(np.floor(v + 0.5), 0, 255)
+
+
 def tv_resize_size(h: int, w: int, size: int | None, max_size: int | None = None) -> tuple[int, int]:
     """torchvision ``_compute_resized_output_size`` (v2) for an int size or None: short side = size,
     the long side capped at ``max_size``; with size None the long side = ``max_size``."""

@@ -36,7 +36,7 @@ from headrace.ops._geometry import index_affine
 from headrace.ops.cpu import _post as _cpu_post
 from headrace.ops.cuda import _post as _cuda_post
 
-from ops_refs import batch, random_image, sample
+from ops_refs import batch, random_image, ref_warp, sample
 
 # --- float64 references, from the documented formulas --------------------------------------------
 
@@ -56,26 +56,6 @@ def ref_color(a: np.ndarray, b: float, c: float, s: float, h: float) -> np.ndarr
         yiq[..., 2] = s * (-np.sin(t) * i + np.cos(t) * q)
         rgb = yiq @ np.linalg.inv(RGB2YIQ).T
         v = b * (c * (rgb - 128.0) + 128.0)
-    return np.clip(np.floor(v + 0.5), 0, 255)
-
-
-def ref_warp(a: np.ndarray, m: np.ndarray, fill) -> np.ndarray:
-    """Output pixel (x, y) reads m @ (x + .5, y + .5, 1); bilinear over pixel centres; outside
-    neighbours read fill."""
-    h, w, c = a.shape
-    ys, xs = np.mgrid[0:h, 0:w] + 0.5
-    sx = m[0, 0] * xs + m[0, 1] * ys + m[0, 2] - 0.5
-    sy = m[1, 0] * xs + m[1, 1] * ys + m[1, 2] - 0.5
-    x0, y0 = np.floor(sx), np.floor(sy)
-    ax, ay = (sx - x0)[..., None], (sy - y0)[..., None]
-    x0, y0 = x0.astype(np.int64), y0.astype(np.int64)
-    f = np.resize(np.asarray(fill, dtype=np.float64), c)
-
-    def px(yy, xx):
-        inside = (xx >= 0) & (xx < w) & (yy >= 0) & (yy < h)
-        return np.where(inside[..., None], a[yy.clip(0, h - 1), xx.clip(0, w - 1)].astype(np.float64), f)
-
-    v = (1 - ay) * ((1 - ax) * px(y0, x0) + ax * px(y0, x0 + 1)) + ay * ((1 - ax) * px(y0 + 1, x0) + ax * px(y0 + 1, x0 + 1))
     return np.clip(np.floor(v + 0.5), 0, 255)
 
 

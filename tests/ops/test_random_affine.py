@@ -11,9 +11,8 @@ import math
 import numpy as np
 import pytest
 import torch
-from ops_refs import random_image
+from ops_refs import random_image, ref_warp
 from sample_data import cropped_images, jpeg_items
-from test_ops_post import ref_warp
 
 from headrace import ConfigError, ops
 from headrace.ops._post_spec import rotation_affine
