@@ -22,8 +22,9 @@ the GPU, unless the row says otherwise):
   --rows train_randaug       the train row with RandAugment() (2 ops, magnitude 9) before Normalize
                              (train_trivial: TrivialAugmentWide(); train_autoaug: AutoAugment(); train_timm:
                              TimmRandAugment("rand-m9-mstd0.5-inc1"); train_affine: RandomAffine(15, (0.1, 0.1),
-                             (0.9, 1.1), 10); dataloader_randaug: the DataLoader row with
-                             torchvision's RandAugment() in its workers, the usual way to get it)
+                             (0.9, 1.1), 10); train_augmix: AugMix(); dataloader_randaug, dataloader_augmix:
+                             the DataLoader row with torchvision's RandAugment() or AugMix() in its workers,
+                             the usual way to get them)
   --rows train_noop          the train row with an ops.MapBatch that returns the batch as it is
   --rows train_lookup        the train row with an async ops.Map awaiting 1 ms per sample, concurrency=64
 Each row: one warm-up epoch, then the median of --epochs epochs. headrace rows also report the
@@ -366,11 +367,13 @@ def _augmented(*post):
     return ops.Pipeline([*listed[:-1], *post, listed[-1]])
 
 
-def bench_dataloader(files, batch: int, epochs: int, workers: int, randaugment: bool = False) -> dict:
+def bench_dataloader(files, batch: int, epochs: int, workers: int, augment: str | None = None) -> dict:
+    """The DataLoader row; ``augment`` names a torchvision v2 policy its workers apply to the PIL crop
+    (``"RandAugment"``, ``"AugMix"``), at its defaults."""
     from PIL import Image
     from torchvision.transforms import v2
 
-    augment = [v2.RandAugment()] if randaugment else []
+    augment = [getattr(v2, augment)()] if augment else []
     tf = v2.Compose([v2.RandomResizedCrop(224, antialias=True), v2.RandomHorizontalFlip(), *augment, v2.PILToTensor(),
                      v2.ToDtype(torch.float32, scale=True), v2.Normalize(ops.IMAGENET_MEAN, ops.IMAGENET_STD)])
 
@@ -529,6 +532,7 @@ def main() -> None:
         "train_trivial": ("headrace (train + TrivialAugmentWide)", lambda: _augmented(ops.TrivialAugmentWide())),
         "train_autoaug": ("headrace (train + AutoAugment)", lambda: _augmented(ops.AutoAugment())),
         "train_timm": ("headrace (train + timm rand-m9-mstd0.5-inc1)", lambda: _augmented(ops.TimmRandAugment())),
+        "train_augmix": ("headrace (train + AugMix)", lambda: _augmented(ops.AugMix())),
         "train_noop": ("headrace (train + a no-op batch stage)",
                        lambda: _staged(ops.training(224, dtype="float16"), ops.MapBatch(_pass))),
         "train_lookup": ("headrace (train + 1 ms async lookup, 64)",
@@ -541,7 +545,9 @@ def main() -> None:
             root, ops.Pipeline([ops.Decode(), ops.Resize(256), ops.Normalize(dtype="float16")]), args.batch, args.epochs, args.lanes)),
         "dataloader": (f"DataLoader ({workers} workers) + PIL + tv v2", lambda: bench_dataloader(files, args.batch, args.epochs, workers)),
         "dataloader_randaug": (f"DataLoader ({workers} workers) + PIL + tv v2 RandAugment",
-                               lambda: bench_dataloader(files, args.batch, args.epochs, workers, randaugment=True)),
+                               lambda: bench_dataloader(files, args.batch, args.epochs, workers, augment="RandAugment")),
+        "dataloader_augmix": (f"DataLoader ({workers} workers) + PIL + tv v2 AugMix",
+                              lambda: bench_dataloader(files, args.batch, args.epochs, workers, augment="AugMix")),
         "torchvision": ("torchvision decode_jpeg(cuda) + v2", lambda: bench_torchvision_gpu(files, args.batch, args.epochs)),
         "nvimgcodec": ("nvImageCodec decode only (whole)", lambda: bench_nvimgcodec(files, args.batch, args.epochs)),
         "reader": ("files reader alone (no decode)", lambda: bench_reader(root, args.epochs)),

@@ -11,6 +11,7 @@ from ._stages import Filter, Map, MapBatch
 from ._mix import CutMix, MixUp
 from ._erase import RandomErasing
 from ._auto_augment import AutoAugment, RandAugment, TrivialAugmentWide
+from ._augmix import AugMix
 from ._timm_augment import TimmRandAugment
 from ._tone import (
     RandomAdjustSharpness,
@@ -42,6 +43,7 @@ from ._spec import (
 )
 
 __all__ = [
+    "AugMix",
     "AutoAugment",
     "IMAGENET_MEAN",
     "IMAGENET_STD",

@@ -28,17 +28,18 @@ __all__ = ["AutoAugment", "RandAugment", "TrivialAugmentWide"]
 class _Range:
     """An op's magnitudes over the bins: ``linspace(lo, hi, bins)``, times ``scale`` and the
     image's height (``side`` 0) or width (1) for the translations, or torchvision's posterize
-    bits ``8 - round(arange(bins) / ((bins - 1) / posterize))`` (rounding half to even, as torch)."""
+    bits ``bits - round(arange(bins) / ((bins - 1) / posterize))`` (rounding half to even, as torch)."""
 
     lo: float = 0.0
     hi: float = 0.0
     side: int = -1
     scale: float = 1.0
     posterize: int = 0
+    bits: int = 8  # the posterize bits of bin 0 (AugMix's space counts down from 4)
 
     def values(self, bins: int) -> np.ndarray:
         if self.posterize:
-            return 8 - np.round(np.arange(bins) / ((bins - 1) / self.posterize))
+            return self.bits - np.round(np.arange(bins) / ((bins - 1) / self.posterize))
         return np.linspace(self.lo, self.hi, bins)
 
 

@@ -78,6 +78,7 @@ PUBLIC = {
         "webdataset",
     ],
     "headrace.ops": [
+        "AugMix",
         "AutoAugment",
         "CenterCrop",
         "ColorTwist",

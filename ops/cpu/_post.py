@@ -20,10 +20,11 @@ import torch
 import torch.nn.functional as F
 
 from .._geometry import index_affine
-from .._post_spec import ColorMatrix, GaussianBlur, PostOp, _Warp
+from .._passes import MixPass
+from .._post_spec import ColorMatrix, GaussianBlur, PostOp, Step, _Warp
 from .._tone import Sharpness, ToneCurve, blend, needs_histograms, smoothed, tone_tables
 
-__all__ = ["apply", "apply_tables", "blur", "color_twist", "histograms", "reflect", "sharpen", "tone", "warp"]
+__all__ = ["apply", "apply_tables", "blur", "color_twist", "histograms", "reflect", "run_steps", "sharpen", "tone", "warp"]
 
 
 def reflect(i: np.ndarray, n: int) -> np.ndarray:
@@ -155,11 +156,32 @@ def apply_tables(x: torch.Tensor, op: PostOp, tables: tuple[np.ndarray, ...], ro
     raise TypeError(f"not a post op: {op!r}")
 
 
+def run_steps(x: torch.Tensor, steps: Sequence[Step], row: int = 0) -> torch.Tensor:
+    """A sample's passes in order (``PostOp.steps``, row ``row`` of their tables) on HWC uint8 ``x``.
+
+    The mixing stages (``MixPass``) keep the origin and a float32 accumulator: ``start`` sets it to
+    w x image, ``add`` adds w x image (a multiply, then an add, each rounded: the GPU kernel's
+    order) and goes back to the origin, ``end`` truncates it to uint8, as torchvision's AugMix."""
+    origin, mix = x, None
+    for op, tables in steps:
+        if not isinstance(op, MixPass):
+            x = apply_tables(x, op, tables, row)
+            continue
+        weight = torch.tensor(float(tables[0][row]), dtype=torch.float32)
+        if op.stage == "start":
+            origin, mix = x, _planes(x).mul_(weight)
+        elif op.stage == "add":
+            mix.add_(_planes(x).mul_(weight))
+            x = origin
+        else:  # the weights sum to 1, so the mix lies in 0..255 bar float rounding: clamped
+            x = mix.clamp_(0.0, 255.0).to(torch.uint8).permute(1, 2, 0)
+    return x
+
+
 def apply(x: torch.Tensor, ops: Sequence[PostOp], randoms: Sequence[np.ndarray | None]) -> torch.Tensor:
     """The post ops in order on one HWC uint8 image; ``randoms[k]`` is op k's (1, randoms) uniforms
     for this sample (or None). Returns a new tensor (``x`` itself when ``ops`` is empty)."""
     h, w = np.array([x.shape[0]]), np.array([x.shape[1]])
     for op, u in zip(ops, randoms):
-        for step, tables in op.steps(u, h, w, x.shape[2]):
-            x = apply_tables(x, step, tables)
+        x = run_steps(x, op.steps(u, h, w, x.shape[2]))
     return x

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._passes import MixPass
 from .._pipeline import Pipeline
 from .._post_spec import ColorMatrix, GaussianBlur, PostOp, Step, _Warp
 from .._spec import Normalize
@@ -17,7 +18,7 @@ from .._tone import IDENTITY, Sharpness, ToneCurve, needs_histograms
 from ._plan import INPUT, OUTPUT, WORK, Plan, TableRef, address
 
 __all__ = ["BatchPasses", "PlannedPost", "blur_table", "changed", "color_table", "finish_launch", "finish_own_sizes",
-           "packed_layout", "plan_post", "post_steps", "route", "warp_table"]
+           "packed_layout", "plan_post", "post_steps", "route", "route_mix", "warp_table"]
 
 MAX_Z = 65535  # CUDA's limit on gridDim.z: larger batches launch in slices
 BLOCK = (32, 8, 1)
@@ -108,19 +109,46 @@ def _differs(a: np.ndarray, ref: np.ndarray) -> np.ndarray:
     return out
 
 
-def route(op: PostOp, where: np.ndarray, active: np.ndarray, inplace: bool) -> tuple[np.ndarray, np.ndarray]:
+def route(op: PostOp, where: np.ndarray, active: np.ndarray, inplace: bool, *, chain: bool = False
+          ) -> tuple[np.ndarray, np.ndarray]:
     """Which buffer each of the samples ``active`` (a mask, or indices) reads and writes in this
     pass: -1 is the input, 0 and 1 our two uint8 buffers; ``where`` (n,) says where each sample's
     pixels are now and is updated. Each sample keeps its own place, so a pass that changes a few samples moves only
     those. The colour and tone passes write where they read once that is ours (or the input,
-    with ``inplace``); a warp, a blur or sharpness writes into the other buffer."""
+    with ``inplace``); a warp, a blur or sharpness writes into the other buffer.
+
+    ``chain``: a pass of one of ``AugMix``'s chains, which must leave the origin (wherever it is)
+    as it is for the next chain: it writes into the chain's own buffers, 2 and 3, in the same way."""
     src = where[active]
-    if isinstance(op, (ColorMatrix, ToneCurve)):
+    if chain:
+        ours = src >= 2
+        if isinstance(op, (ColorMatrix, ToneCurve)):
+            dst = np.where(ours, src, 2)
+        else:
+            dst = np.where(src == 2, 3, 2)
+    elif isinstance(op, (ColorMatrix, ToneCurve)):
         dst = np.where((src >= 0) | inplace, src, 0)
     else:
         dst = np.where(src == 0, 1, 0)
     where[active] = dst
     return src, dst
+
+
+def route_mix(op: MixPass, where: np.ndarray, origin: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A mixing stage's places (every sample takes part): ``start`` reads the image, which becomes the
+    origin; ``add`` reads a chain's result and puts the image back at the origin; ``end`` writes the
+    mix into the uint8 buffer the origin is not in. Returns (origin, src, dst); ``where`` is updated."""
+    if op.stage == "start":
+        origin = where.copy()
+        return origin, origin, origin
+    if origin is None:
+        raise ValueError(f"a {op.stage!r} mixing stage before its start")
+    src = where.copy()
+    if op.stage == "add":
+        where[:] = origin
+        return origin, src, src
+    where[:] = np.where(origin == 0, 1, 0)
+    return origin, where.copy(), where.copy()
 
 
 
@@ -141,17 +169,26 @@ class BatchPasses:
         self.total = int(self.sizes.sum())
         self.where = np.full(n, -1)
         self.passes = []
+        origin = None  # within a mix (AugMix): where each sample's original is, kept for every chain
         # Samples are picked by boolean masks, not index arrays: NumPy gathers by an index array
         # with the GIL let go, whatever its size (``ops/_gil.py``).
         for op, tab in steps if n else ():
+            if isinstance(op, MixPass):
+                origin, src, dst = route_mix(op, self.where, origin)
+                self.passes.append((op, tab, np.ones(n, dtype=bool), src, dst))
+                origin = None if op.stage == "end" else origin
+                continue
             active = changed(op, tab)
             if active.any():
-                self.passes.append((op, tab, active, *route(op, self.where, active, inplace)))
-        used = {k for k in (0, 1) if any((src == k).any() or (dst == k).any() for _, _, _, src, dst in self.passes)}
+                self.passes.append((op, tab, active, *route(op, self.where, active, inplace, chain=origin is not None)))
+        used = {k for k in range(4) if any((src == k).any() or (dst == k).any() for _, _, _, src, dst in self.passes)}
         blur = any(isinstance(p[0], GaussianBlur) for p in self.passes)
         tone = any(isinstance(p[0], ToneCurve) for p in self.passes)
+        mix = any(isinstance(p[0], MixPass) for p in self.passes)
         self.size, self._at = 0, {}
         for name, nbytes in ((0, self.total if 0 in used else 0), (1, self.total if 1 in used else 0),
+                             (2, self.total if 2 in used else 0), (3, self.total if 3 in used else 0),
+                             ("mix", 4 * self.total if mix else 0),
                              ("scratch", 4 * self.total if blur else 0), ("luts", n * channels * 256 if tone else 0),
                              ("histograms", 4 * n * channels * 256 if tone else 0)):
             if nbytes:
@@ -165,7 +202,7 @@ class BatchPasses:
         return bool(np.any(self.where != -1))
 
     def at(self, k: int | str) -> int:
-        """The offset of buffer ``k`` (0 or 1) or of a temporary in the allocation."""
+        """The offset of buffer ``k`` (0 to 3) or of a temporary in the allocation."""
         return self._at[k]
 
     def launches(self, plan: Plan, base: int, *, gather: bool) -> int | None:
@@ -192,7 +229,15 @@ class BatchPasses:
         sub, offsets = self.rows[active], self.offsets[active]
         s_ptr, s_stride = self._where(src, sub, offsets)
         d_ptr, d_stride = self._where(dst, sub, offsets)
-        if isinstance(op, GaussianBlur):
+        if isinstance(op, MixPass):
+            m_ptr = self.base + self._at["mix"] + 4 * offsets
+            m_stride = 4 * sub[:, 2] * self.channels
+            if op.stage == "end":
+                self._launch(plan, "mix_out", sub, m_ptr, m_stride, d_ptr, d_stride, np.full((len(sub), 1), 0, np.float32), ())
+            else:
+                self._launch(plan, "mix_add", sub, s_ptr, s_stride, m_ptr, m_stride,
+                             np.asarray(tab[0], dtype=np.float32).reshape(-1, 1), (int(op.stage == "add"),))
+        elif isinstance(op, GaussianBlur):
             t_ptr = self.base + self._at["scratch"] + 4 * offsets
             t_stride = 4 * sub[:, 2] * self.channels
             par = blur_table(tab[0][active], tab[1][active])
@@ -219,7 +264,7 @@ class BatchPasses:
         places ``which`` (-1 the input, else a buffer)."""
         ptr = rows[:, 0].copy()
         stride = rows[:, 3].copy()
-        for k in (0, 1):
+        for k in range(4):
             mine = which == k
             if mine.any():
                 ptr[mine] = self.base + self._at[k] + offsets[mine]

@@ -70,13 +70,7 @@ def _gpu(pipeline, stream, arrays, tables, *, as_tensor=False, inplace=False):
 
 
 def _cpu(pipeline, arrays, steps):
-    out = []
-    for i, a in enumerate(arrays):
-        x = torch.from_numpy(a)
-        for op, tab in steps:
-            x = _cpu_post.apply_tables(x, op, tab, row=i)
-        out.append(x.numpy())
-    return out
+    return [_cpu_post.run_steps(torch.from_numpy(a), steps, row=i).numpy() for i, a in enumerate(arrays)]
 
 
 def _tables(pipeline, arrays, seed=5, epoch=1):
@@ -330,8 +324,10 @@ def test_contrast_brightness_and_solarize_add_tone_tables_match(stream):
 
 @pytest.mark.parametrize("policy", [ops.RandAugment(num_ops=2, magnitude=12), ops.AutoAugment("imagenet"),
                                     ops.AutoAugment("svhn"), ops.TimmRandAugment("rand-m9-mstd0.5-inc1-p1.0"),
-                                    ops.TimmRandAugment("rand-m9-mstd0.5-p1.0-tweights")],
-                         ids=["randaugment-2", "autoaugment", "autoaugment-svhn", "timm", "timm-tweights"])
+                                    ops.TimmRandAugment("rand-m9-mstd0.5-p1.0-tweights"), ops.AugMix(),
+                                    ops.AugMix(severity=10, mixture_width=4, alpha=0.5, fill=(20, 90, 160))],
+                         ids=["randaugment-2", "autoaugment", "autoaugment-svhn", "timm", "timm-tweights", "augmix",
+                              "augmix-wide"])
 def test_two_rounds_of_a_policy_through_the_chain(policy, stream):
     # Two rounds: a warp's 1-level difference can move a later equalize or solarize step, so
     # single values may differ more; nearly all agree within a level.
@@ -352,6 +348,60 @@ def test_two_rounds_of_a_policy_through_the_chain(policy, stream):
     print(f"{policy!r}: max {d.max()} levels, {(d > 1).mean():.2e} of values beyond 1")
     assert (d > 1).mean() < 1e-3
     assert not np.array_equal(ref, np.stack(arrays))
+
+
+@pytest.mark.parametrize("channels", [3, 1])
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_a_mix_of_exact_passes_is_the_cpus_to_the_byte(as_tensor, channels, stream):
+    # AugMix's stages around tone curves (exact on both paths): the mix kernels' arithmetic is the
+    # CPU path's (a multiply, then an add, each rounded; truncated at the end), so the same bytes.
+    from headrace.ops._passes import MIX_ADD, MIX_END, MIX_START, PassWarp, codes, round_passes
+
+    rng = np.random.default_rng(30 + channels)
+    arrays = [_image(rng, 40, 40, channels) for _ in range(24)] if as_tensor else _images(rng, 40, channels)
+    n = len(arrays)
+    h, w = np.array([a.shape[0] for a in arrays]), np.array([a.shape[1] for a in arrays])
+    weights = rng.dirichlet([0.7, 0.7, 0.7], n)
+
+    def tone(name, value):
+        return round_passes(codes([name] * n), np.full(n, value), h, w, channels, PassWarp())
+
+    steps = [(MIX_START, (weights[:, 0],)), *tone("Posterize", 3.0), (MIX_ADD, (weights[:, 1],)), *tone("Solarize", 100.0),
+             *tone("Equalize", 0.0), (MIX_ADD, (weights[:, 2],)), (MIX_END, (np.zeros(n),))]
+    pipeline = Pipeline([Decode("gray" if channels == 1 else "rgb"), ops.AugMix()])
+    got, images = _gpu(pipeline, stream, arrays, steps, as_tensor=as_tensor, inplace=True)
+    _compare(f"mix C={channels} tensor={as_tensor}", got, _cpu(pipeline, arrays, steps), 0)
+    assert all(np.array_equal(i.cpu().numpy(), a) for i, a in zip(images, arrays))  # the originals were kept
+
+
+@pytest.mark.parametrize("channels", [3, 1])
+def test_augmix_on_images_of_their_own_sizes_is_near_the_cpu(channels, stream):
+    # Whole chains (warps, then tone curves whose thresholds a warp's 1-level difference can cross):
+    # nearly all values within a level of the CPU path's.
+    op = ops.AugMix(severity=8, fill=(20, 90, 160)[:channels])
+    pipeline = Pipeline([Decode("gray" if channels == 1 else "rgb"), op])
+    rng = np.random.default_rng(40 + channels)
+    arrays = _images(rng, 40, channels)
+    steps = _tables(pipeline, arrays)
+    got, _ = _gpu(pipeline, stream, arrays, steps)
+    ref = _cpu(pipeline, arrays, steps)
+    d = np.concatenate([np.abs(g.astype(int) - r.astype(int)).reshape(-1) for g, r in zip(got, ref)])
+    print(f"AugMix own sizes C={channels}: max {d.max()} levels, {(d > 1).mean():.2e} of values beyond 1")
+    assert all(g.shape == r.shape and g.dtype == np.uint8 for g, r in zip(got, ref))
+    assert (d > 1).mean() < 1e-3
+
+
+async def test_augmix_through_the_gpu_loader_is_repeatable_and_near_the_cpu(folder):
+    pipeline = Pipeline([Decode(), ops.RandomResizedCrop(64), ops.AugMix()], layout="HWC")
+    runs = {}
+    for device in ("cuda", "cuda", "cpu"):
+        async with Loader(readers.files(folder), batch_size=16, pipeline=pipeline, device=device, seed=4) as loader:
+            runs.setdefault(device, []).append(torch.cat([b["image"].cpu() async for b in loader]))
+    first, second = runs["cuda"]
+    assert first.shape == (48, 64, 64, 3) and torch.equal(first, second)
+    diff = (first.float() - runs["cpu"][0].float()).abs()
+    print(f"AugMix GPU vs CPU: mean {diff.mean():.3f} levels, {(diff > 2).float().mean():.2e} beyond 2")
+    assert diff.mean() < 1.0
 
 
 async def test_randaugment_through_the_gpu_loader_is_repeatable_and_near_the_cpu(folder):

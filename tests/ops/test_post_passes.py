@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from headrace.ops import (AutoAugment, ColorTwist, GaussianBlur, Normalize, Pipeline, RandAugment, Rotate, TimmRandAugment,
-                          TrivialAugmentWide, training)
+from headrace.ops import (AugMix, AutoAugment, ColorTwist, GaussianBlur, Normalize, Pipeline, RandAugment, Rotate,
+                          TimmRandAugment, TrivialAugmentWide, training)
 from headrace.ops.cuda._plan import Plan, relocate
 from headrace.ops.cuda._post_passes import (BatchPasses, finish_launch, finish_own_sizes, packed_layout, plan_post,
                                             post_steps)
@@ -106,7 +106,7 @@ def _relocated(plan: Plan, bases: np.ndarray):
     return compiled.kernels, steps.tobytes(), values.tolist(), blob.tobytes()
 
 
-@pytest.mark.parametrize("post", [RandAugment(), TrivialAugmentWide(), AutoAugment(), TimmRandAugment(),
+@pytest.mark.parametrize("post", [RandAugment(), TrivialAugmentWide(), AutoAugment(), TimmRandAugment(), AugMix(),
                                   ColorTwist(0.4, 0.4, 0.4, 0.1), GaussianBlur(5, p=0.5), Rotate(30)],
                          ids=lambda op: type(op).__name__)
 def test_a_batch_planned_ahead_issues_what_the_lane_would_plan(post):

@@ -132,3 +132,77 @@ def test_random_affines_matrix_is_torchvisions_affine(angle, translate, scale, s
     inside = torch.from_numpy((sx >= 0.01) & (sx <= w - 1.01) & (sy >= 0.01) & (sy <= h - 1.01))
     assert inside.sum() > h * w // 4
     assert _worst(ours[inside], theirs[inside]) <= 1
+
+
+AUGMIX_NAMES = ["ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate", "Posterize", "Solarize", "AutoContrast",
+                "Equalize", "Brightness", "Color", "Contrast", "Sharpness"]
+_NO_MAGNITUDE = {"AutoContrast", "Equalize"}
+_UNSIGNED = {"Posterize", "Solarize"} | _NO_MAGNITUDE
+
+
+def _torchvision_augmix(x, op, u, monkeypatch):
+    """torchvision's AugMix on HWC uint8 ``x`` with the draws our uniforms ``u`` (1, randoms) make:
+    its ``torch.randint`` calls answered in its order (each chain's depth, then per op its index,
+    bin and sign), its two Dirichlet draws our weights (its tests overwrite ``_sample_dirichlet`` too)."""
+    tv = autoaugment.AugMix(severity=op.severity, mixture_width=op.mixture_width, chain_depth=op.chain_depth,
+                            alpha=op.alpha, all_ops=op.all_ops, interpolation=InterpolationMode.BILINEAR)
+    names = list(tv._augmentation_space(10, tuple(x.shape[:2])))
+    assert names == (AUGMIX_NAMES if op.all_ops else AUGMIX_NAMES[:9])
+    original, chains = op.weights(u)
+    depth = op.chain_depth if op.chain_depth > 0 else 3
+    per_chain = 1 + 3 * depth
+    answers = []
+    for i in range(op.mixture_width):
+        row = u[0, i * per_chain : (i + 1) * per_chain]
+        d = op.chain_depth if op.chain_depth > 0 else 1 + min(int(row[0] * 3), 2)
+        if op.chain_depth <= 0:
+            answers.append(d)
+        for r in range(d):
+            k = min(int(row[1 + 3 * r] * len(names)), len(names) - 1)
+            answers.append(k)
+            if names[k] not in _NO_MAGNITUDE:
+                answers.append(min(int(row[2 + 3 * r] * op.severity), op.severity - 1))
+            if names[k] not in _UNSIGNED:
+                answers.append(int(row[3 + 3 * r] >= 0.5))
+    dirichlets = [torch.tensor([[original[0], 1.0 - original[0]]], dtype=torch.float32),
+                  torch.tensor(chains / chains.sum(axis=1, keepdims=True), dtype=torch.float32)]
+    monkeypatch.setattr(tv, "_sample_dirichlet", lambda params: dirichlets.pop(0))
+    monkeypatch.setattr(torch, "randint", lambda *a, **k: torch.tensor([answers.pop(0)]))
+    out = tv(x.permute(2, 0, 1).contiguous()).permute(1, 2, 0)
+    monkeypatch.undo()
+    assert not answers and not dirichlets  # every draw torchvision made was one of ours, and no more
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_augmix_of_one_op_chains_without_warps_is_torchvisions(seed, monkeypatch):
+    # Chains of one op each, the warps left out: each chain within a level of torchvision's (two for
+    # colour), so the mix, which both truncate, within 3.
+    op = ops.AugMix(severity=10, mixture_width=3, chain_depth=1)
+    x = _image(np.random.default_rng(seed), 48, 64, 3, smooth=True)
+    rng = np.random.default_rng(100 + seed)
+    u = rng.random((1, op.randoms))
+    for i in range(3):  # op uniforms into the last eight ops of the space: posterize onwards
+        u[0, 4 * i + 1] = (5 + rng.random() * 8) / 13
+    ours = _post.apply(x, [op], [u])
+    theirs = _torchvision_augmix(x, op, u, monkeypatch)
+    assert _worst(ours, theirs) <= 3
+
+
+@pytest.mark.parametrize("make", [lambda: ops.AugMix(), lambda: ops.AugMix(severity=7, mixture_width=4, alpha=0.5)],
+                         ids=["default", "wide"])
+def test_augmix_is_torchvisions_on_average(make, monkeypatch):
+    # Whole chains with warps: torchvision blends its fill at the image's edge with a weight it applies
+    # twice (see RandomAffine above) and a level's difference can cross a later threshold, so compare
+    # the mean and the share of large differences.
+    op = make()
+    diffs = []
+    for seed in range(8):
+        x = _image(np.random.default_rng(seed), 96, 128, 3, smooth=True)
+        u = np.random.default_rng(200 + seed).random((1, op.randoms))
+        ours = _post.apply(x, [op], [u])
+        theirs = _torchvision_augmix(x, op, u, monkeypatch)
+        diffs.append((ours.int() - theirs.int()).abs().float())
+    d = torch.stack(diffs)
+    print(f"AugMix against torchvision: mean {d.mean():.3f} levels, {(d > 3).float().mean():.2e} beyond 3")
+    assert d.mean() < 0.5 and (d > 3).float().mean() < 0.02

@@ -1,0 +1,166 @@
+"""torchvision's ``AugMix`` as a post op each sample draws on its own: a few chains of one to three
+ops, each run from the original image, mixed with it by Dirichlet and Beta weights.
+
+A chain's round is the batch-wide passes of the other policies (``_passes.round_passes``: each
+sample applies the op it drew, or the identity once its chain is shorter); the mixing is three
+``MixPass`` stages around the chains, which the executors run on a float32 accumulator.
+
+The weights come from Gamma variates made of the sample's uniform numbers (``gamma``), so a
+sample's mix is the same on every executor and in every batching, as its ops are.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from headrace._errors import ConfigError
+
+from ._auto_augment import Magnitudes, _Policy, _Range, _whole
+from ._passes import CODE, MIX_ADD, MIX_END, MIX_START, PassWarp, codes, round_passes
+from ._post_spec import Step, _fill
+
+__all__ = ["AugMix", "gamma"]
+
+_PARAMETER_MAX = 10  # torchvision's bins: severity s draws a bin from the first s of them
+_RANDOM_DEPTH = 3  # a chain of random depth has one to three ops
+_TRIES = 6  # Marsaglia-Tsang proposals per Gamma variate: all six rejected has probability below 1e-7
+
+# torchvision's AugMix space, in its order (a sample's op index counts in it); ``all_ops`` adds the
+# four enhancements. Translations reach a third of the image's width or height.
+_AUGMIX_BASE: dict[str, tuple[Magnitudes, bool]] = {
+    "ShearX": (_Range(0.0, 0.3), True),
+    "ShearY": (_Range(0.0, 0.3), True),
+    "TranslateX": (_Range(0.0, 1.0, side=1, scale=1.0 / 3.0), True),
+    "TranslateY": (_Range(0.0, 1.0, side=0, scale=1.0 / 3.0), True),
+    "Rotate": (_Range(0.0, 30.0), True),
+    "Posterize": (_Range(posterize=4, bits=4), False),
+    "Solarize": (_Range(255.0, 0.0), False),
+    "AutoContrast": (None, False),
+    "Equalize": (None, False),
+}
+_AUGMIX_ALL = {**_AUGMIX_BASE, **{name: (_Range(0.0, 0.9), True) for name in ("Brightness", "Color", "Contrast", "Sharpness")}}
+
+
+def gamma(alpha: float, u: np.ndarray) -> np.ndarray:
+    """(n,) Gamma(alpha, 1) variates from (n, k) uniforms in [0, 1): ``k`` is 1 for alpha 1 (an
+    exponential), else ``1 + 3 * _TRIES``: Marsaglia and Tsang's method (a normal from two
+    uniforms by Box-Muller, a third to accept), boosted by ``u ** (1 / alpha)`` below 1. A row
+    whose every proposal is rejected takes the mode of the boosted variate (probability < 1e-7)."""
+    u = np.asarray(u, dtype=np.float64)
+    if alpha == 1.0:
+        return -np.log1p(-u[:, 0])
+    a = alpha if alpha >= 1.0 else alpha + 1.0
+    d = a - 1.0 / 3.0
+    c = 1.0 / math.sqrt(9.0 * d)
+    out = np.full(len(u), d)
+    pending = np.ones(len(u), dtype=bool)
+    for t in range(_TRIES):
+        u1, u2, u3 = u[:, 1 + 3 * t], u[:, 2 + 3 * t], u[:, 3 + 3 * t]
+        x = np.sqrt(-2.0 * np.log1p(-u1)) * np.cos(2.0 * math.pi * u2)
+        v = (1.0 + c * x) ** 3
+        with np.errstate(invalid="ignore", divide="ignore"):
+            ok = (v > 0) & (np.log1p(-u3) < 0.5 * x * x + d - d * v + d * np.log(np.where(v > 0, v, 1.0)))
+        take = pending & ok
+        out[take] = d * v[take]
+        pending &= ~ok
+    if alpha < 1.0:
+        out *= (1.0 - u[:, 0]) ** (1.0 / alpha)  # 1 - u lies in (0, 1]
+    return out
+
+
+@dataclass(frozen=True)
+class AugMix(_Policy):
+    """torchvision's ``AugMix``: ``mixture_width`` chains, each of ``chain_depth`` ops (one to three,
+    drawn, when it is not positive) drawn uniformly from torchvision's space (shears, translations
+    up to a third of the image, rotation, posterize, solarize, autocontrast, equalize; with
+    ``all_ops`` brightness, color, contrast and sharpness too), each op at a bin drawn from the
+    first ``severity`` of 10 and a random sign where it has one. Every chain starts from the
+    original; the result is ``m0 x original + m1 sum_i w_i x chain_i`` with ``(m0, m1)`` drawn
+    from Dirichlet(alpha, alpha) and ``w`` from Dirichlet(alpha, ..., alpha), truncated to uint8.
+
+    Each sample draws its own chains and weights. As the other policies, warps sample bilinearly
+    (torchvision's AugMix default) and an op's result rounds where torchvision truncates: within a
+    level. ``fill`` is the level (or one per channel) where a warp reads outside the image. Boxes
+    and masks cannot follow it. Raises ConfigError for arguments out of range.
+    """
+
+    severity: int = 3
+    mixture_width: int = 3
+    chain_depth: int = -1
+    alpha: float = 1.0
+    all_ops: bool = True
+    fill: float | tuple[float, ...] = 0
+    randoms: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        severity = _whole(self.severity, "AugMix: severity", 1)
+        if severity > _PARAMETER_MAX:
+            raise ConfigError(f"AugMix: severity must be in [1, {_PARAMETER_MAX}], got {self.severity!r}")
+        object.__setattr__(self, "severity", severity)
+        object.__setattr__(self, "mixture_width", _whole(self.mixture_width, "AugMix: mixture_width", 1))
+        if isinstance(self.chain_depth, bool) or not isinstance(self.chain_depth, numbers.Integral):
+            raise ConfigError(f"AugMix: chain_depth must be an int (not positive: one to three ops, drawn), "
+                              f"got {self.chain_depth!r}")
+        object.__setattr__(self, "chain_depth", int(self.chain_depth))
+        alpha = self.alpha
+        if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0 < alpha < math.inf:
+            raise ConfigError(f"AugMix: alpha must be a positive finite number, got {alpha!r}")
+        object.__setattr__(self, "alpha", float(alpha))
+        if not isinstance(self.all_ops, bool):
+            raise ConfigError(f"AugMix: all_ops must be a bool, got {self.all_ops!r}")
+        object.__setattr__(self, "fill", _fill(self.fill, "AugMix: fill"))
+        object.__setattr__(self, "randoms", self.mixture_width * self._chain_randoms
+                           + (self.mixture_width + 2) * self._gamma_randoms)
+
+    @property
+    def space(self) -> dict[str, tuple[Magnitudes, bool]]:  # type: ignore[override]
+        return _AUGMIX_ALL if self.all_ops else _AUGMIX_BASE
+
+    @property
+    def _depth(self) -> int:
+        return self.chain_depth if self.chain_depth > 0 else _RANDOM_DEPTH
+
+    @property
+    def _chain_randoms(self) -> int:
+        return 1 + 3 * self._depth  # the depth, then each op's (op, bin, sign)
+
+    @property
+    def _gamma_randoms(self) -> int:
+        return 1 if self.alpha == 1.0 else 1 + 3 * _TRIES
+
+    def weights(self, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The samples' mixing weights from their uniforms: (n,) for the original and (n, width)
+        for the chains (the chains' Dirichlet weights times the Beta weight of the mix)."""
+        u = np.asarray(u, dtype=np.float64)
+        k, g = self.mixture_width * self._chain_randoms, self._gamma_randoms
+        draws = [gamma(self.alpha, u[:, k + j * g : k + (j + 1) * g]) for j in range(self.mixture_width + 2)]
+        beta = draws[0] + draws[1]
+        chains = np.stack(draws[2:], axis=1)
+        chains = chains / chains.sum(axis=1, keepdims=True) * (draws[1] / beta)[:, None]
+        return draws[0] / beta, chains
+
+    def steps(self, u, h, w, channels):
+        h, w = np.asarray(h).reshape(-1), np.asarray(w).reshape(-1)
+        u = np.asarray(u, dtype=np.float64).reshape(len(h), self.randoms)
+        original, chains = self.weights(u)
+        warp = PassWarp(self.fill)
+        space = codes(self.space)
+        out: list[Step] = [(MIX_START, (original,))]
+        for i in range(self.mixture_width):
+            draws = u[:, i * self._chain_randoms : (i + 1) * self._chain_randoms]
+            depth = (np.full(len(h), self.chain_depth) if self.chain_depth > 0
+                     else 1 + np.minimum((draws[:, 0] * _RANDOM_DEPTH).astype(np.int64), _RANDOM_DEPTH - 1))
+            for r in range(self._depth):
+                op_u, bin_u, sign_u = draws[:, 1 + 3 * r], draws[:, 2 + 3 * r], draws[:, 3 + 3 * r]
+                magnitude_bin = np.minimum((bin_u * self.severity).astype(np.int64), self.severity - 1)
+                op = space[np.minimum((op_u * len(space)).astype(np.int64), len(space) - 1)]
+                op = np.where(r < depth, op, CODE["Identity"])  # the chain has ended for this sample
+                magnitude = self.magnitudes(op, _PARAMETER_MAX, magnitude_bin, sign_u >= 0.5, h, w)
+                out += round_passes(op, magnitude, h, w, channels, warp)
+            out.append((MIX_ADD, (chains[:, i],)))
+        out.append((MIX_END, (np.zeros(len(h)),)))
+        return out

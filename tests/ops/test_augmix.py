@@ -1,0 +1,270 @@
+"""AugMix on the CPU path, and its passes on the GPU path's host side.
+
+The uniforms each sample draws are forced to pick each op of torchvision's AugMix space at a bin,
+and the pass it becomes is checked against torchvision's magnitudes (written out here from its
+``_augmentation_space(10, (h, w))``); the chains' depths; the mix against a float32 sum written out
+here (each chain run from the original, truncated at the end); the weights' distributions (Gamma
+variates made of uniforms, against their moments and NumPy's own Beta); a Loader over real JPEGs;
+the GPU path's routing of a mix (the original kept for every chain); arguments. torchvision itself
+is in tests/ops/test_torchvision_parity.py (where it is installed), the kernels in tests/gpu.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from ops_refs import random_image
+from sample_data import cropped_images, jpeg_items
+
+from headrace import ConfigError, ops
+from headrace.ops._augmix import gamma
+from headrace.ops._passes import MixPass
+from headrace.ops._post_spec import ColorMatrix, _Warp
+from headrace.ops.cpu import _post
+from headrace.ops.cuda._plan import Plan
+from headrace.ops.cuda._post_passes import BatchPasses
+
+H, W = 48, 64
+# torchvision's AugMix space with all_ops, in its order; magnitude at bin b of 10 (t = b / 9).
+NAMES = ["ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate", "Posterize", "Solarize", "AutoContrast", "Equalize",
+         "Brightness", "Color", "Contrast", "Sharpness"]
+SIGNED = {"ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate", "Brightness", "Color", "Contrast", "Sharpness"}
+
+
+def tv_magnitude(name: str, b: int, h: int = H, w: int = W) -> float:
+    t = b / 9
+    return {"ShearX": 0.3 * t, "ShearY": 0.3 * t, "TranslateX": w / 3 * t, "TranslateY": h / 3 * t, "Rotate": 30 * t,
+            "Posterize": 4 - round(b / (9 / 4)), "Solarize": 255 * (1 - t), "Brightness": 0.9 * t, "Color": 0.9 * t,
+            "Contrast": 0.9 * t, "Sharpness": 0.9 * t}.get(name, 0.0)
+
+
+def _forced(op: ops.AugMix, chains: list[list[tuple[int, int, bool]]], depth_u: float = 0.0, weight_u: float = 0.5
+            ) -> np.ndarray:
+    """One sample's uniforms: chain i applies ``chains[i]``'s (op index, bin, negative) in turn."""
+    u = np.full(op.randoms, weight_u)
+    per_chain = op.randoms - (op.mixture_width + 2) * (1 if op.alpha == 1.0 else 19)
+    per_chain //= op.mixture_width
+    for i, chain in enumerate(chains):
+        row = u[i * per_chain : (i + 1) * per_chain]
+        row[0] = depth_u
+        for r, (k, b, negative) in enumerate(chain):
+            row[1 + 3 * r : 4 + 3 * r] = ((k + 0.5) / len(NAMES), (b + 0.5) / op.severity, 0.75 if negative else 0.25)
+    return u[None]
+
+
+def _chain_passes(steps):
+    """The passes between the mixing stages: one list per chain."""
+    chains, current = [], None
+    for op, tables in steps:
+        if isinstance(op, MixPass):
+            if op.stage == "add":
+                chains.append(current)
+            current = []
+        else:
+            current.append((op, tables))
+    return chains
+
+
+@pytest.mark.parametrize("negative", [False, True])
+@pytest.mark.parametrize("k, name", list(enumerate(NAMES)), ids=NAMES)
+def test_each_forced_op_is_the_pass_of_torchvisions_magnitude(k, name, negative):
+    op = ops.AugMix(severity=10, mixture_width=1, chain_depth=1)
+    b = 7
+    steps = op.steps(_forced(op, [[(k, b, negative)]]), np.array([H]), np.array([W]), 3)
+    ((pass_op, tables),) = _chain_passes(steps)[0]
+    m = tv_magnitude(name, b) * (-1 if negative and name in SIGNED else 1)
+    if name in ("ShearX", "ShearY"):
+        assert isinstance(pass_op, _Warp)
+        assert tables[0][0][(0, 1) if name == "ShearX" else (1, 0)] == pytest.approx(m)
+    elif name in ("TranslateX", "TranslateY"):
+        assert tables[0][0][0 if name == "TranslateX" else 1, 2] == -np.trunc(m)  # whole pixels, as torchvision's int()
+    elif name == "Rotate":
+        assert isinstance(pass_op, _Warp) and not np.allclose(tables[0][0], np.eye(2, 3))
+    elif name == "Color":
+        assert isinstance(pass_op, ColorMatrix)
+        assert tables[0][0][0, 0] == pytest.approx((1 + m) + (1 - (1 + m)) * 0.2989)
+    elif name == "Sharpness":
+        assert isinstance(pass_op, ops.Sharpness) and tables[0][0] == pytest.approx(1 + m)
+    else:
+        assert isinstance(pass_op, ops.ToneCurve)
+        value = tables[0][0, 1]
+        expected = {"Posterize": m, "Solarize": m, "Brightness": 1 + m, "Contrast": 1 + m}.get(name, 0.0)
+        assert value == pytest.approx(expected)
+
+
+def test_posterize_counts_down_from_4_bits_and_reaches_0():
+    assert [tv_magnitude("Posterize", b) for b in range(10)] == [4, 4, 3, 3, 2, 2, 1, 1, 0, 0]
+    op = ops.AugMix(severity=10, mixture_width=1, chain_depth=1)
+    levels = torch.from_numpy(np.arange(256, dtype=np.uint8).reshape(16, 16, 1).repeat(3, axis=2))
+    for b, bits in ((0, 4), (9, 0)):
+        steps = op.steps(_forced(op, [[(NAMES.index("Posterize"), b, False)]]), np.array([16]), np.array([16]), 3)
+        ((_, (table,)),) = _chain_passes(steps)[0]
+        assert table[0, 1] == bits
+        out = _post.apply_tables(levels, *_chain_passes(steps)[0][0])
+        assert np.array_equal(out.numpy()[..., 0].reshape(-1), np.arange(256) & ((0xFF << (8 - bits)) & 0xFF))
+
+
+def test_the_bin_is_drawn_from_the_first_severity_bins():
+    op = ops.AugMix(severity=2, mixture_width=1, chain_depth=1)
+    brightness = NAMES.index("Brightness")
+    values = set()
+    for bin_u in np.linspace(0.0, 0.999, 25):
+        u = _forced(op, [[(brightness, 0, False)]])
+        u[0, 2] = bin_u
+        ((_, (table,)),) = _chain_passes(op.steps(u, np.array([H]), np.array([W]), 3))[0]
+        values.add(round(float(table[0, 1]), 6))
+    assert values == {1.0, round(1 + 0.9 / 9, 6)}  # bins 0 and 1 only
+
+
+@pytest.mark.parametrize("depth_u, depth", [(0.1, 1), (0.5, 2), (0.9, 3)])
+def test_a_random_depth_chain_applies_one_to_three_ops(depth_u, depth):
+    op = ops.AugMix(severity=10, mixture_width=2)
+    chain = [(NAMES.index("ShearX"), 9, False), (NAMES.index("Solarize"), 9, False), (NAMES.index("Color"), 9, False)]
+    steps = op.steps(_forced(op, [chain, chain], depth_u=depth_u), np.array([H]), np.array([W]), 3)
+    assert [len(c) for c in _chain_passes(steps)] == [depth, depth]
+    stages = [o.stage for o, _ in steps if isinstance(o, MixPass)]
+    assert stages == ["start", "add", "add", "end"]
+
+
+def test_a_fixed_depth_applies_that_many_ops():
+    op = ops.AugMix(severity=10, mixture_width=3, chain_depth=4)
+    chain = [(NAMES.index(name), 9, False) for name in ("ShearX", "Solarize", "Color", "Sharpness")]
+    steps = op.steps(_forced(op, [chain] * 3, depth_u=0.0), np.array([H]), np.array([W]), 3)
+    assert [len(c) for c in _chain_passes(steps)] == [4, 4, 4]
+
+
+def _images(n: int, channels: int = 3) -> list[np.ndarray]:
+    rng = np.random.default_rng(7 + channels)
+    return [random_image(rng, H, W, channels) for _ in range(n)]
+
+
+@pytest.mark.parametrize("channels", [3, 1])
+@pytest.mark.parametrize("make", [lambda: ops.AugMix(), lambda: ops.AugMix(severity=10, mixture_width=4, alpha=0.5),
+                                  lambda: ops.AugMix(chain_depth=2, all_ops=False, fill=(20, 90, 160))],
+                         ids=["default", "severe-wide", "base-ops"])
+def test_the_mix_is_each_chain_from_the_original_weighted_and_truncated(make, channels):
+    op = make()
+    n = 12
+    images = _images(n, channels)
+    u = ops.uniforms(3, 1, 0, np.arange(n), op.randoms)
+    steps = op.steps(u, np.full(n, H), np.full(n, W), channels)
+    original, chains = op.weights(u)
+    for i, a in enumerate(images):
+        mix = np.float32(original[i]) * a.astype(np.float32)
+        for c, passes in enumerate(_chain_passes(steps)):
+            x = torch.from_numpy(a)
+            for pass_op, tables in passes:
+                x = _post.apply_tables(x, pass_op, tables, row=i)
+            mix = mix + np.float32(chains[i, c]) * x.numpy().astype(np.float32)
+        expected = np.trunc(np.clip(mix, 0, 255)).astype(np.uint8)
+        got = _post.apply(torch.from_numpy(a), [op], [u[i : i + 1]]).numpy()
+        assert np.array_equal(got, expected), i
+        # and each sample of the batch's steps gives what it gets alone
+        assert np.array_equal(_post.run_steps(torch.from_numpy(a), steps, row=i).numpy(), got)
+
+
+def test_weights_sum_to_one_and_have_the_dirichlet_moments():
+    n = 40_000
+    for alpha in (0.3, 1.0, 2.5):
+        op = ops.AugMix(alpha=alpha, mixture_width=3)
+        original, chains = op.weights(ops.uniforms(9, 0, 0, np.arange(n), op.randoms))
+        np.testing.assert_allclose(original + chains.sum(axis=1), 1.0, atol=1e-12)
+        assert (original > 0).all() and (chains >= 0).all()
+        # original ~ Beta(alpha, alpha): mean 1/2, variance 1 / (4 (2 alpha + 1)); against NumPy's own
+        # Beta by quantiles too.
+        assert abs(original.mean() - 0.5) < 0.01
+        assert original.var() == pytest.approx(1 / (4 * (2 * alpha + 1)), rel=0.05)
+        reference = np.random.default_rng(0).beta(alpha, alpha, n)
+        qs = np.linspace(0.05, 0.95, 19)
+        assert np.abs(np.quantile(original, qs) - np.quantile(reference, qs)).max() < 0.02
+        # each chain: Dirichlet(alpha x 3) times the Beta's other part: mean 1/6
+        assert np.abs(chains.mean(axis=0) - 1 / 6).max() < 0.01
+
+
+@pytest.mark.parametrize("alpha", [0.2, 0.7, 1.0, 1.6, 4.0])
+def test_gamma_from_uniforms_has_the_moments(alpha):
+    k = 1 if alpha == 1.0 else 19
+    u = ops.uniforms(4, 0, 0, np.arange(60_000), k)
+    g = gamma(alpha, u)
+    assert (g > 0).all() and np.isfinite(g).all()
+    assert g.mean() == pytest.approx(alpha, rel=0.03)
+    assert g.var() == pytest.approx(alpha, rel=0.06)
+
+
+async def test_loader_is_seeded_and_keeps_shape_and_dtype():
+    items = jpeg_items(40, 53, 40, 44)
+    plain = await cropped_images(items, size=32, seed=5)
+    first = await cropped_images(items, ops.AugMix(), size=32, seed=5)
+    second = await cropped_images(items, ops.AugMix(), size=32, seed=5)
+    other = await cropped_images(items, ops.AugMix(), size=32, seed=6)
+    assert first.keys() == plain.keys() and len(first) == 40
+    assert all(image.shape == (32, 32, 3) and image.dtype == torch.uint8 for image in first.values())
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    assert sum(not torch.equal(first[k], other[k]) for k in first) > 30
+    assert sum(not torch.equal(first[k], plain[k]) for k in first) > 30
+
+
+def test_the_gpu_passes_keep_the_original_for_every_chain():
+    # The host side of the GPU path: no chain's pass writes where the sample's original lies, each
+    # chain's mix_add reads where that chain left the sample, and the mix lands in a buffer of ours.
+    op = ops.AugMix(severity=10, mixture_width=3)
+    n = 24
+    rows = np.array([(0x10000 * (i + 1), H, W, 3 * W, 3) for i in range(n)], dtype=np.int64)
+    steps = op.steps(ops.uniforms(2, 0, 0, np.arange(n), op.randoms), rows[:, 1], rows[:, 2], 3)
+    for inplace in (False, True):
+        passes = BatchPasses(rows, steps, 3, inplace)
+        origin = None
+        where = np.full(n, -1)
+        kernels = []
+        for pass_op, _, active, src, dst in passes.passes:
+            if isinstance(pass_op, MixPass):
+                kernels.append("mix_out" if pass_op.stage == "end" else "mix_add")
+                if pass_op.stage == "start":
+                    origin = where.copy()
+                    assert np.array_equal(src, origin)
+                elif pass_op.stage == "add":
+                    assert np.array_equal(src, where)
+                    where = origin.copy()
+                else:
+                    assert set(dst.tolist()) <= {0, 1} and not (dst == origin).any()
+                    where, origin = dst.copy(), None
+                continue
+            assert np.array_equal(src, where[active])
+            assert origin is not None and (dst >= 2).all()  # a chain: its own buffers only
+            where[active] = dst
+        assert np.array_equal(where, passes.where) and set(where.tolist()) <= {0, 1}
+        assert kernels == ["mix_add"] * 4 + ["mix_out"]
+        plan = Plan()
+        passes.launches(plan, 1 << 40, gather=True)
+        assert "mix_add" in plan.compile().kernels and "mix_out" in plan.compile().kernels
+
+
+def test_boxes_refuse_it():
+    with pytest.raises(ConfigError, match="moves pixels"):
+        ops.Pipeline([ops.RandomResizedCrop(32), ops.AugMix()], label=None, boxes="boxes")
+
+
+def test_training_takes_it_as_a_post_op():
+    pipe = ops.training(32, auto_augment=ops.AugMix())
+    assert any(isinstance(op, ops.AugMix) for op in pipe.post_ops)
+
+
+def test_randoms():
+    assert ops.AugMix().randoms == 3 * 10 + 5  # three chains of (depth, 3 x (op, bin, sign)), five exponentials
+    assert ops.AugMix(chain_depth=1, mixture_width=2).randoms == 2 * 4 + 4
+    assert ops.AugMix(alpha=0.5).randoms == 30 + 5 * 19
+    assert ops.AugMix().moves_pixels
+
+
+BAD = [
+    {"severity": 0}, {"severity": 11}, {"severity": 2.5}, {"mixture_width": 0}, {"mixture_width": "3"},
+    {"chain_depth": 1.5}, {"chain_depth": True}, {"alpha": 0}, {"alpha": -1.0}, {"alpha": float("inf")},
+    {"alpha": float("nan")}, {"alpha": "1"}, {"all_ops": 1}, {"fill": 300}, {"fill": (1, 2, 3, 4, 5)},
+]
+
+
+@pytest.mark.parametrize("bad", BAD, ids=[f"{next(iter(b))}-{i}" for i, b in enumerate(BAD)])
+def test_bad_arguments_raise_config_error_naming_the_op(bad):
+    with pytest.raises(ConfigError, match="AugMix"):
+        ops.AugMix(**bad)
