@@ -9,6 +9,10 @@ event loop factory, rank detection) stays importable from its own module, e.g.
 
 from __future__ import annotations
 
+from ._nvjpeg import preload as _preload_nvjpeg
+
+_preload_nvjpeg()  # first, before another package maps its own libnvjpeg (_nvjpeg.py says why)
+
 from ._batcher import LastBatch
 from ._channel import ChannelStats
 from ._errors import (

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from headrace import _nvjpeg
 from headrace._errors import LoaderError
 
 from .. import _pillow
@@ -225,6 +226,8 @@ class Lane:
         if decoded is not None:
             pointers[on_gpu], row_strides[on_gpu] = decoded.pointers, decoded.row_strides
             done[on_gpu] = decoded.status == 1
+            if len(decoded.status) and not done.any() and np.all(decoded.status == _nvjpeg.ENCODING_UNSUPPORTED):
+                _nvjpeg.warn_unusable(len(decoded.status))  # bound to another package's libnvjpeg
         uploads = []
         for k in np.flatnonzero(~done).tolist():  # Pillow's pixels, uploaded
             i = int(rows[k])

@@ -98,3 +98,58 @@ def test_damaged_jpegs_in_many_batches_on_two_lanes_end_decoded_or_failed():
         results = list(pool.map(lane, [1, 2]))
     print("controls decoded, damaged failed:", results)
     assert all(controls > 0 for controls, _ in results)
+
+
+_ORDER_SCRIPT = """
+import asyncio, sys, warnings
+first = sys.argv[1]
+if first == "torchvision":
+    import torchvision.io
+import headrace
+from headrace import _nvjpeg, ops, readers
+if first == "headrace":
+    import torchvision.io
+torchvisions = [p for p in _nvjpeg.mapped() if "torchvision" in p]
+
+async def main():
+    async with headrace.Loader(readers.files(sys.argv[2]), batch_size=32, pipeline=ops.training(64), device="cuda") as loader:
+        n = sum([b.size async for b in loader])
+        return n, loader.stats().lanes.get("cpu_fallback", 0)
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    n, fallback = asyncio.run(main())
+unusable = sum("encoding unsupported" in str(w.message) for w in caught)
+import glob, torch
+data = open(sorted(glob.glob(sys.argv[2] + "/cls/*.jpg"))[0], "rb").read()
+decoded = torchvision.io.decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), device="cuda")
+print(n, int(fallback), unusable, len(torchvisions), tuple(decoded.shape))
+"""
+
+
+@pytest.mark.parametrize("first", ["headrace", "torchvision"])
+def test_import_order_beside_torchvisions_libnvjpeg(first, tmp_path):
+    # torchvision bundles its own libnvjpeg; nvImageCodec takes whichever copy was loaded first.
+    # headrace imported first loads nvImageCodec's copy (every image decodes on the GPU, and
+    # torchvision's decode_jpeg still works); torchvision first: every GPU decode fails, the images
+    # decode on the CPU, and one RuntimeWarning says why.
+    pytest.importorskip("torchvision")
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(3)
+    (tmp_path / "cls").mkdir()
+    for i in range(48):
+        (tmp_path / "cls" / f"{i:03d}.jpg").write_bytes(_jpeg(rng, 80 + i, 96))
+    done = subprocess.run([sys.executable, "-c", _ORDER_SCRIPT, first, str(tmp_path)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    n, fallback, unusable, torchvisions, shape = done.stdout.split(maxsplit=4)
+    print(first, done.stdout)
+    assert int(n) == 48 and shape.strip() == "(3, 80, 96)"
+    if int(torchvisions) == 0:
+        pytest.skip("this torchvision bundles no libnvjpeg of its own")
+    if first == "headrace":
+        assert int(fallback) == 0 and int(unusable) == 0
+    else:
+        assert int(fallback) >= 48 and int(unusable) == 1
