@@ -1,9 +1,10 @@
 """torchvision's ``AugMix`` as a post op each sample draws on its own: a few chains of one to three
 ops, each run from the original image, mixed with it by Dirichlet and Beta weights.
 
-A chain's round is the batch-wide passes of the other policies (``_passes.round_passes``: each
-sample applies the op it drew, or the identity once its chain is shorter); the mixing is three
-``MixPass`` stages around the chains, which the executors run on a float32 accumulator.
+Each chain is a row of its own (a batch of n samples has n x width chains), so a round of every
+chain is the batch-wide passes of the other policies (``_passes.round_passes``: each row applies
+the op it drew, or the identity once its chain is shorter); one ``MixPass`` holds the chains'
+passes and the weights, and the executors mix the chains with the original in one step.
 
 The weights come from Gamma variates made of the sample's uniform numbers (``gamma``), so a
 sample's mix is the same on every executor and in every batching, as its ops are.
@@ -20,7 +21,7 @@ import numpy as np
 from headrace._errors import ConfigError
 
 from ._auto_augment import Magnitudes, _Policy, _Range, _whole
-from ._passes import CODE, MIX_ADD, MIX_END, MIX_START, PassWarp, codes, round_passes
+from ._passes import CODE, MIX, PassWarp, codes, round_passes
 from ._post_spec import Step, _fill
 
 __all__ = ["AugMix", "gamma"]
@@ -145,22 +146,23 @@ class AugMix(_Policy):
 
     def steps(self, u, h, w, channels):
         h, w = np.asarray(h).reshape(-1), np.asarray(w).reshape(-1)
-        u = np.asarray(u, dtype=np.float64).reshape(len(h), self.randoms)
+        n, width = len(h), self.mixture_width
+        u = np.asarray(u, dtype=np.float64).reshape(n, self.randoms)
         original, chains = self.weights(u)
+        # The chains as rows of their own (row i W + c: sample i's chain c), so that a round of every
+        # chain of the batch is one set of passes, not one a chain.
+        draws = u[:, : width * self._chain_randoms].reshape(n * width, self._chain_randoms)
+        rows_h, rows_w = np.repeat(h, width), np.repeat(w, width)
+        depth = (np.full(n * width, self.chain_depth) if self.chain_depth > 0
+                 else 1 + np.minimum((draws[:, 0] * _RANDOM_DEPTH).astype(np.int64), _RANDOM_DEPTH - 1))
         warp = PassWarp(self.fill)
         space = codes(self.space)
-        out: list[Step] = [(MIX_START, (original,))]
-        for i in range(self.mixture_width):
-            draws = u[:, i * self._chain_randoms : (i + 1) * self._chain_randoms]
-            depth = (np.full(len(h), self.chain_depth) if self.chain_depth > 0
-                     else 1 + np.minimum((draws[:, 0] * _RANDOM_DEPTH).astype(np.int64), _RANDOM_DEPTH - 1))
-            for r in range(self._depth):
-                op_u, bin_u, sign_u = draws[:, 1 + 3 * r], draws[:, 2 + 3 * r], draws[:, 3 + 3 * r]
-                magnitude_bin = np.minimum((bin_u * self.severity).astype(np.int64), self.severity - 1)
-                op = space[np.minimum((op_u * len(space)).astype(np.int64), len(space) - 1)]
-                op = np.where(r < depth, op, CODE["Identity"])  # the chain has ended for this sample
-                magnitude = self.magnitudes(op, _PARAMETER_MAX, magnitude_bin, sign_u >= 0.5, h, w)
-                out += round_passes(op, magnitude, h, w, channels, warp)
-            out.append((MIX_ADD, (chains[:, i],)))
-        out.append((MIX_END, (np.zeros(len(h)),)))
-        return out
+        chain_steps: list[Step] = []
+        for r in range(self._depth):
+            op_u, bin_u, sign_u = draws[:, 1 + 3 * r], draws[:, 2 + 3 * r], draws[:, 3 + 3 * r]
+            magnitude_bin = np.minimum((bin_u * self.severity).astype(np.int64), self.severity - 1)
+            op = space[np.minimum((op_u * len(space)).astype(np.int64), len(space) - 1)]
+            op = np.where(r < depth, op, CODE["Identity"])  # the chain has ended for this row
+            magnitude = self.magnitudes(op, _PARAMETER_MAX, magnitude_bin, sign_u >= 0.5, rows_h, rows_w)
+            chain_steps += round_passes(op, magnitude, rows_h, rows_w, channels, warp)
+        return [(MIX, (np.column_stack([original, chains]), chain_steps))]

@@ -26,8 +26,7 @@ from ._tone import (
     ToneCurve,
 )
 
-__all__ = ["CODE", "GEOMETRIC", "MIX_ADD", "MIX_END", "MIX_START", "OPS", "MixPass", "MultiPass", "PassWarp", "codes",
-           "round_passes"]
+__all__ = ["CODE", "GEOMETRIC", "MIX", "OPS", "MixPass", "MultiPass", "PassWarp", "codes", "round_passes"]
 
 # The ops a policy's round is made of, by code (an index here): policies hand round_passes
 # integer codes, so a batch's passes come from a few array operations, not a loop over samples
@@ -68,20 +67,18 @@ class PassWarp(_Warp):
 
 @dataclass(frozen=True)
 class MixPass(PostOp):
-    """A pass of a policy that mixes images of one sample (``AugMix``), made of three stages around
-    its chains of ordinary passes. ``start``: the image becomes the origin and a float32
-    accumulator is set to weight x image; ``add``: weight x the image (a chain's result) is added,
-    and the image is the origin again, for the next chain; ``end``: the accumulator, truncated to
-    uint8 as torchvision's ``.to(torch.uint8)``, becomes the image. Tables: ``(weights,)``, (n,)
-    float64 (``end``: unused). Every sample takes part (none holds an identity)."""
-
-    stage: str = "start"
+    """The pass of a policy that mixes images of one sample (``AugMix``): tables ``(weights,
+    chains)``, where ``weights`` is (n, W + 1) float64 (the original's weight, then each chain's)
+    and ``chains`` the passes of the W chains as rows of their own: row ``i W + c`` is sample i's
+    chain c, run from sample i's image as the pass finds it. The result is ``weights[i, 0] x
+    original + sum_c weights[i, 1 + c] x chain c`` in float32 (each multiply and add rounded, in
+    that order), truncated to uint8 as torchvision's ``.to(torch.uint8)``. Every sample takes part."""
 
     def tables(self, u, h, w, channels):
         raise TypeError("MixPass is a pass of a policy's steps(), not an op of a pipeline")
 
 
-MIX_START, MIX_ADD, MIX_END = MixPass("start"), MixPass("add"), MixPass("end")
+MIX = MixPass()
 
 
 class _PassTone(ToneCurve):

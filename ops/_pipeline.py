@@ -348,13 +348,15 @@ def training(
     ``create_transform(auto_augment=...)`` does: a timm config string (``"rand-m9-mstd0.5-inc1"``:
     ``TimmRandAugment``, its warps filling with ``mean`` in levels, as timm's) or a post op
     (``RandAugment()``, ``AutoAugment()``...). Raises ConfigError for a string that is not timm's
-    RandAugment (timm's ``augmix`` and AutoAugment strings are not offered: pass ``AutoAugment()``).
+    RandAugment (timm's ``augmix`` and AutoAugment strings are not offered: pass ``AugMix()`` or
+    ``AutoAugment()``, torchvision's).
     """
     listed: list[Op] = [Decode(), RandomResizedCrop(size, scale, ratio), Flip(flip)]
     if isinstance(auto_augment, str):
         if not auto_augment.startswith("rand"):
             raise ConfigError(f"training: auto_augment {auto_augment!r} is not timm's RandAugment ('rand-...'); "
-                              "for torchvision's policies pass ops.AutoAugment(), ops.RandAugment() or ops.TrivialAugmentWide()")
+                              "for torchvision's policies pass ops.AutoAugment(), ops.RandAugment(), ops.TrivialAugmentWide() "
+                              "or ops.AugMix()")
         fill = tuple(min(255, round(255 * m)) for m in mean)
         listed.append(TimmRandAugment(auto_augment, fill=fill))
     elif isinstance(auto_augment, PostOp):

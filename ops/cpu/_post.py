@@ -159,22 +159,21 @@ def apply_tables(x: torch.Tensor, op: PostOp, tables: tuple[np.ndarray, ...], ro
 def run_steps(x: torch.Tensor, steps: Sequence[Step], row: int = 0) -> torch.Tensor:
     """A sample's passes in order (``PostOp.steps``, row ``row`` of their tables) on HWC uint8 ``x``.
 
-    The mixing stages (``MixPass``) keep the origin and a float32 accumulator: ``start`` sets it to
-    w x image, ``add`` adds w x image (a multiply, then an add, each rounded: the GPU kernel's
-    order) and goes back to the origin, ``end`` truncates it to uint8, as torchvision's AugMix."""
-    origin, mix = x, None
+    A ``MixPass`` (AugMix) runs each chain's passes from ``x`` (rows ``row W + c`` of its chains'
+    tables) and mixes them with ``x`` in float32: w0 x, then + w_c chain_c, a multiply and an add
+    each rounded (the GPU kernel's order), truncated to uint8 as torchvision's AugMix."""
     for op, tables in steps:
         if not isinstance(op, MixPass):
             x = apply_tables(x, op, tables, row)
             continue
-        weight = torch.tensor(float(tables[0][row]), dtype=torch.float32)
-        if op.stage == "start":
-            origin, mix = x, _planes(x).mul_(weight)
-        elif op.stage == "add":
-            mix.add_(_planes(x).mul_(weight))
-            x = origin
-        else:  # the weights sum to 1, so the mix lies in 0..255 bar float rounding: clamped
-            x = mix.clamp_(0.0, 255.0).to(torch.uint8).permute(1, 2, 0)
+        weights, chains = tables
+        width = weights.shape[1] - 1
+        mix = _planes(x).mul_(torch.tensor(float(weights[row, 0]), dtype=torch.float32))
+        for c in range(width):
+            chain = run_steps(x, chains, row * width + c)
+            mix.add_(_planes(chain).mul_(torch.tensor(float(weights[row, 1 + c]), dtype=torch.float32)))
+        # The weights sum to 1, so the mix lies in 0..255 but for float rounding: clamped.
+        x = mix.clamp_(0.0, 255.0).to(torch.uint8).permute(1, 2, 0)
     return x
 
 

@@ -16,10 +16,10 @@ place once a buffer is ours; a warp, a blur or sharpness writes into the other b
 tensor's samples are gathered into one buffer at the end. The blur's horizontal pass
 writes float32 scratch that its vertical pass reads, rounding once at the end, as the CPU path
 does. A tone curve builds each sample's tables on the device (from the image's level counts where
-the curve is read off the image), then looks every pixel up. AugMix's chains each start from the
-sample's original, so their passes write into two more uint8 buffers of their own, and each
-chain's result is added, weighted, into a float32 accumulator (``mix_add``) that becomes the
-image, truncated, at the end (``mix_out``).
+the curve is read off the image), then looks every pixel up. AugMix's chains are rows of their own
+(a batch of n samples, n x width chains), laid out as a batch of their own in the same
+allocation, their input each sample's pixels where the mix finds them; one kernel then mixes each
+sample's chains with it (``mix_chains``).
 
 Host waits: the only one is the plan's, for the event of the plan that used the same pinned block
 four batches ago (long passed, in practice). Nothing else synchronises.

@@ -1,5 +1,5 @@
 """CUDA source of the post-op kernels: colour twist, affine warp, separable Gaussian blur, tone
-curves (histogram, tone_build, tone_apply), sharpness, AugMix's mix (mix_add, mix_out), a copy, finish.
+curves (histogram, tone_build, tone_apply), sharpness, AugMix's mix (mix_chains), a copy, finish.
 
 Each kernel is one launch for a whole batch of images of different sizes: thread (x, y) of block
 z makes output pixel (x, y), all channels, of sample z, and returns when (x, y) lies outside that
@@ -313,37 +313,31 @@ extern "C" __global__ void sharpen(const u64* ptrs, const int* meta, const float
     }
 }
 
-// AugMix's mix, into a float32 accumulator (the destination; its row stride in bytes): par[z] = the
-// weight w; acc = w x (accumulate: acc + w x), the multiply and the add each rounded (the CPU path's order).
-extern "C" __global__ void mix_add(const u64* ptrs, const int* meta, const float* par, const int accumulate)
+// AugMix's mix of each sample's W chains with its original. ptrs: W + 2 a sample (the original, the
+// destination, the chains); meta: 4 + W (height, width, the original's and the destination's row
+// strides, each chain's); par: W + 1 weights (the original's first). w0 x, then + w_c chain_c, each
+// multiply and add rounded (the CPU path's order), truncated to uint8 as torchvision's .to(uint8).
+extern "C" __global__ void mix_chains(const u64* ptrs, const int* meta, const float* par, const int W)
 {
     const int x = blockIdx.x * blockDim.x + threadIdx.x;
     const int y = blockIdx.y * blockDim.y + threadIdx.y;
     const int b = blockIdx.z;
-    const int* m = meta + 4 * b;
+    const int* m = meta + (4 + W) * b;
     if (x >= m[1] || y >= m[0]) return;
-    const u8* s = (const u8*)ptrs[2 * b] + (long long)y * m[2] + (long long)x * CH;
-    float* d = (float*)((u8*)ptrs[2 * b + 1] + (long long)y * m[3]) + (long long)x * CH;
-    const float w = par[b];
+    const u64* p = ptrs + (W + 2) * b;
+    const float* w = par + (W + 1) * b;
+    const u8* s = (const u8*)p[0] + (long long)y * m[2] + (long long)x * CH;
+    float acc[CH];
 #pragma unroll
-    for (int c = 0; c < CH; ++c) {
-        const float v = __fmul_rn((float)s[c], w);
-        d[c] = accumulate ? __fadd_rn(d[c], v) : v;
+    for (int c = 0; c < CH; ++c) acc[c] = __fmul_rn((float)s[c], w[0]);
+    for (int k = 0; k < W; ++k) {
+        const u8* q = (const u8*)p[2 + k] + (long long)y * m[4 + k] + (long long)x * CH;
+#pragma unroll
+        for (int c = 0; c < CH; ++c) acc[c] = __fadd_rn(acc[c], __fmul_rn((float)q[c], w[1 + k]));
     }
-}
-
-// The accumulator (the source, float32) to uint8, truncated as torchvision's .to(torch.uint8); clamped.
-extern "C" __global__ void mix_out(const u64* ptrs, const int* meta, const float* par)
-{
-    const int x = blockIdx.x * blockDim.x + threadIdx.x;
-    const int y = blockIdx.y * blockDim.y + threadIdx.y;
-    const int b = blockIdx.z;
-    const int* m = meta + 4 * b;
-    if (x >= m[1] || y >= m[0]) return;
-    const float* s = (const float*)((const u8*)ptrs[2 * b] + (long long)y * m[2]) + (long long)x * CH;
-    u8* d = (u8*)ptrs[2 * b + 1] + (long long)y * m[3] + (long long)x * CH;
+    u8* d = (u8*)p[1] + (long long)y * m[3] + (long long)x * CH;
 #pragma unroll
-    for (int c = 0; c < CH; ++c) d[c] = (u8)truncf(fminf(fmaxf(s[c], 0.0f), 255.0f));
+    for (int c = 0; c < CH; ++c) d[c] = (u8)truncf(fminf(fmaxf(acc[c], 0.0f), 255.0f));
 }
 
 // A plain copy of each sample's pixels (gathering a batch's samples into one buffer).
@@ -404,7 +398,7 @@ def source(channels: int) -> str:
 def module(channels: int):
     """The compiled ``cupy.RawModule`` for ``channels``; compiled once per process (CuPy also caches
     the binary on disk). Functions: color_twist, warp_affine, blur_rows, blur_cols, histogram, tone_build,
-    tone_apply, sharpen, mix_add, mix_out, copy_pixels, finish_<dtype>."""
+    tone_apply, sharpen, mix_chains, copy_pixels, finish_<dtype>."""
     import cupy
 
     return cupy.RawModule(code=source(channels), options=("--std=c++17",))

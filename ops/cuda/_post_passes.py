@@ -18,7 +18,7 @@ from .._tone import IDENTITY, Sharpness, ToneCurve, needs_histograms
 from ._plan import INPUT, OUTPUT, WORK, Plan, TableRef, address
 
 __all__ = ["BatchPasses", "PlannedPost", "blur_table", "changed", "color_table", "finish_launch", "finish_own_sizes",
-           "packed_layout", "plan_post", "post_steps", "route", "route_mix", "warp_table"]
+           "packed_layout", "plan_post", "post_steps", "route", "warp_table"]
 
 MAX_Z = 65535  # CUDA's limit on gridDim.z: larger batches launch in slices
 BLOCK = (32, 8, 1)
@@ -109,47 +109,20 @@ def _differs(a: np.ndarray, ref: np.ndarray) -> np.ndarray:
     return out
 
 
-def route(op: PostOp, where: np.ndarray, active: np.ndarray, inplace: bool, *, chain: bool = False
-          ) -> tuple[np.ndarray, np.ndarray]:
+def route(op: PostOp, where: np.ndarray, active: np.ndarray, inplace: bool) -> tuple[np.ndarray, np.ndarray]:
     """Which buffer each of the samples ``active`` (a mask, or indices) reads and writes in this
     pass: -1 is the input, 0 and 1 our two uint8 buffers; ``where`` (n,) says where each sample's
     pixels are now and is updated. Each sample keeps its own place, so a pass that changes a few samples moves only
     those. The colour and tone passes write where they read once that is ours (or the input,
-    with ``inplace``); a warp, a blur or sharpness writes into the other buffer.
-
-    ``chain``: a pass of one of ``AugMix``'s chains, which must leave the origin (wherever it is)
-    as it is for the next chain: it writes into the chain's own buffers, 2 and 3, in the same way."""
+    with ``inplace``); a warp, a blur or sharpness writes into the other buffer; AugMix's mix
+    writes into the buffer its input is not in."""
     src = where[active]
-    if chain:
-        ours = src >= 2
-        if isinstance(op, (ColorMatrix, ToneCurve)):
-            dst = np.where(ours, src, 2)
-        else:
-            dst = np.where(src == 2, 3, 2)
-    elif isinstance(op, (ColorMatrix, ToneCurve)):
+    if isinstance(op, (ColorMatrix, ToneCurve)):
         dst = np.where((src >= 0) | inplace, src, 0)
     else:
         dst = np.where(src == 0, 1, 0)
     where[active] = dst
     return src, dst
-
-
-def route_mix(op: MixPass, where: np.ndarray, origin: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A mixing stage's places (every sample takes part): ``start`` reads the image, which becomes the
-    origin; ``add`` reads a chain's result and puts the image back at the origin; ``end`` writes the
-    mix into the uint8 buffer the origin is not in. Returns (origin, src, dst); ``where`` is updated."""
-    if op.stage == "start":
-        origin = where.copy()
-        return origin, origin, origin
-    if origin is None:
-        raise ValueError(f"a {op.stage!r} mixing stage before its start")
-    src = where.copy()
-    if op.stage == "add":
-        where[:] = origin
-        return origin, src, src
-    where[:] = np.where(origin == 0, 1, 0)
-    return origin, where.copy(), where.copy()
-
 
 
 class BatchPasses:
@@ -169,26 +142,26 @@ class BatchPasses:
         self.total = int(self.sizes.sum())
         self.where = np.full(n, -1)
         self.passes = []
-        origin = None  # within a mix (AugMix): where each sample's original is, kept for every chain
+        chains = []  # AugMix's: each mix's chains, laid out as a batch of their own (a row a chain)
         # Samples are picked by boolean masks, not index arrays: NumPy gathers by an index array
         # with the GIL let go, whatever its size (``ops/_gil.py``).
         for op, tab in steps if n else ():
             if isinstance(op, MixPass):
-                origin, src, dst = route_mix(op, self.where, origin)
-                self.passes.append((op, tab, np.ones(n, dtype=bool), src, dst))
-                origin = None if op.stage == "end" else origin
+                weights, chain_steps = tab
+                # The chains' input (-1) is each sample's place when the mix starts, set in launches().
+                chains.append(BatchPasses(np.repeat(rows, weights.shape[1] - 1, axis=0), chain_steps, channels, False))
+                active = np.ones(n, dtype=bool)
+                self.passes.append((op, (weights, chains[-1]), active, *route(op, self.where, active, inplace)))
                 continue
             active = changed(op, tab)
             if active.any():
-                self.passes.append((op, tab, active, *route(op, self.where, active, inplace, chain=origin is not None)))
-        used = {k for k in range(4) if any((src == k).any() or (dst == k).any() for _, _, _, src, dst in self.passes)}
+                self.passes.append((op, tab, active, *route(op, self.where, active, inplace)))
+        used = {k for k in (0, 1) if any((src == k).any() or (dst == k).any() for _, _, _, src, dst in self.passes)}
         blur = any(isinstance(p[0], GaussianBlur) for p in self.passes)
         tone = any(isinstance(p[0], ToneCurve) for p in self.passes)
-        mix = any(isinstance(p[0], MixPass) for p in self.passes)
         self.size, self._at = 0, {}
         for name, nbytes in ((0, self.total if 0 in used else 0), (1, self.total if 1 in used else 0),
-                             (2, self.total if 2 in used else 0), (3, self.total if 3 in used else 0),
-                             ("mix", 4 * self.total if mix else 0),
+                             *((("chains", j), c.size) for j, c in enumerate(chains)),
                              ("scratch", 4 * self.total if blur else 0), ("luts", n * channels * 256 if tone else 0),
                              ("histograms", 4 * n * channels * 256 if tone else 0)):
             if nbytes:
@@ -202,7 +175,7 @@ class BatchPasses:
         return bool(np.any(self.where != -1))
 
     def at(self, k: int | str) -> int:
-        """The offset of buffer ``k`` (0 to 3) or of a temporary in the allocation."""
+        """The offset of buffer ``k`` (0 or 1) or of a temporary in the allocation."""
         return self._at[k]
 
     def launches(self, plan: Plan, base: int, *, gather: bool) -> int | None:
@@ -210,8 +183,13 @@ class BatchPasses:
         named: ``_plan.address``). ``gather`` (a batch tensor): the samples are then gathered into
         the buffer that holds most of them, which is returned (None when no sample left the input)."""
         self.base = base
+        mixes = 0
         for op, tab, active, src, dst in self.passes:
-            self._add_pass(plan, op, tab, active, src, dst)
+            if isinstance(op, MixPass):
+                self._mix(plan, tab, src, dst, self._at[("chains", mixes)])
+                mixes += 1
+            else:
+                self._add_pass(plan, op, tab, active, src, dst)
         if not gather or not self.changes:
             return None
         where = self.where
@@ -229,15 +207,7 @@ class BatchPasses:
         sub, offsets = self.rows[active], self.offsets[active]
         s_ptr, s_stride = self._where(src, sub, offsets)
         d_ptr, d_stride = self._where(dst, sub, offsets)
-        if isinstance(op, MixPass):
-            m_ptr = self.base + self._at["mix"] + 4 * offsets
-            m_stride = 4 * sub[:, 2] * self.channels
-            if op.stage == "end":
-                self._launch(plan, "mix_out", sub, m_ptr, m_stride, d_ptr, d_stride, np.full((len(sub), 1), 0, np.float32), ())
-            else:
-                self._launch(plan, "mix_add", sub, s_ptr, s_stride, m_ptr, m_stride,
-                             np.asarray(tab[0], dtype=np.float32).reshape(-1, 1), (int(op.stage == "add"),))
-        elif isinstance(op, GaussianBlur):
+        if isinstance(op, GaussianBlur):
             t_ptr = self.base + self._at["scratch"] + 4 * offsets
             t_stride = 4 * sub[:, 2] * self.channels
             par = blur_table(tab[0][active], tab[1][active])
@@ -259,12 +229,31 @@ class BatchPasses:
         else:
             raise TypeError(f"not a post op: {op!r}")
 
+    def _mix(self, plan: Plan, tab, src: np.ndarray, dst: np.ndarray, at: int) -> None:
+        """AugMix's mix: the chains' passes (a batch of their own at ``at`` in the allocation, their
+        input each sample's place ``src``), then one launch that mixes every sample's chains with it
+        into ``dst`` (``mix_chains``)."""
+        weights, chains = tab
+        width = weights.shape[1] - 1
+        s_ptr, s_stride = self._where(src, self.rows, self.offsets)
+        chains.rows[:, 0], chains.rows[:, 3] = np.repeat(s_ptr, width), np.repeat(s_stride, width)
+        chains.launches(plan, self.base + at, gather=False)
+        c_ptr, c_stride = chains._where(chains.where, chains.rows, chains.offsets)
+        d_ptr, d_stride = self._where(dst, self.rows, self.offsets)
+        n = len(self.rows)
+        ptrs = np.empty((n, width + 2), dtype=np.uint64)
+        ptrs[:, 0], ptrs[:, 1], ptrs[:, 2:] = s_ptr, d_ptr, c_ptr.reshape(n, width)
+        meta = np.empty((n, width + 4), dtype=np.int32)
+        meta[:, 0], meta[:, 1], meta[:, 2], meta[:, 3] = self.rows[:, 1], self.rows[:, 2], s_stride, d_stride
+        meta[:, 4:] = c_stride.reshape(n, width)
+        self._launch_tables(plan, "mix_chains", self.rows, ptrs, meta, weights, (width,))
+
     def _where(self, which: np.ndarray, rows: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Addresses and row strides of the samples ``rows`` (at ``offsets`` in a buffer) in the
         places ``which`` (-1 the input, else a buffer)."""
         ptr = rows[:, 0].copy()
         stride = rows[:, 3].copy()
-        for k in range(4):
+        for k in (0, 1):
             mine = which == k
             if mine.any():
                 ptr[mine] = self.base + self._at[k] + offsets[mine]
@@ -301,6 +290,13 @@ class BatchPasses:
         ptrs[:, 0], ptrs[:, 1] = src, dst
         meta = np.empty((n, 4), dtype=np.int32)
         meta[:, 0], meta[:, 1], meta[:, 2], meta[:, 3] = rows[:, 1], rows[:, 2], src_stride, dst_stride
+        self._launch_tables(plan, name, rows, ptrs, meta, par, extra, grid=grid, block=block)
+
+    @staticmethod
+    def _launch_tables(plan: Plan, name: str, rows, ptrs: np.ndarray, meta: np.ndarray, par, extra, *, grid=None,
+                       block=BLOCK) -> None:
+        """``_launch`` with its per-sample tables made: addresses (n, k), ints (n, m), floats."""
+        n = len(rows)
         par = np.asarray(par, dtype=np.float32)
         for lo in range(0, n, MAX_Z):
             hi = min(n, lo + MAX_Z)

@@ -353,21 +353,20 @@ def test_two_rounds_of_a_policy_through_the_chain(policy, stream):
 @pytest.mark.parametrize("channels", [3, 1])
 @pytest.mark.parametrize("as_tensor", [False, True])
 def test_a_mix_of_exact_passes_is_the_cpus_to_the_byte(as_tensor, channels, stream):
-    # AugMix's stages around tone curves (exact on both paths): the mix kernels' arithmetic is the
-    # CPU path's (a multiply, then an add, each rounded; truncated at the end), so the same bytes.
-    from headrace.ops._passes import MIX_ADD, MIX_END, MIX_START, PassWarp, codes, round_passes
+    # AugMix's mix of chains made of tone curves (exact on both paths): the mix kernel's arithmetic
+    # is the CPU path's (a multiply, then an add, each rounded; truncated at the end), so the same
+    # bytes. Two chains a sample: posterize; solarize then equalize.
+    from headrace.ops._passes import MIX, PassWarp, codes, round_passes
 
     rng = np.random.default_rng(30 + channels)
     arrays = [_image(rng, 40, 40, channels) for _ in range(24)] if as_tensor else _images(rng, 40, channels)
     n = len(arrays)
     h, w = np.array([a.shape[0] for a in arrays]), np.array([a.shape[1] for a in arrays])
-    weights = rng.dirichlet([0.7, 0.7, 0.7], n)
-
-    def tone(name, value):
-        return round_passes(codes([name] * n), np.full(n, value), h, w, channels, PassWarp())
-
-    steps = [(MIX_START, (weights[:, 0],)), *tone("Posterize", 3.0), (MIX_ADD, (weights[:, 1],)), *tone("Solarize", 100.0),
-             *tone("Equalize", 0.0), (MIX_ADD, (weights[:, 2],)), (MIX_END, (np.zeros(n),))]
+    rows_h, rows_w = np.repeat(h, 2), np.repeat(w, 2)
+    chain_steps = []
+    for names, value in ((["Posterize", "Solarize"], [3.0, 100.0]), (["Identity", "Equalize"], [0.0, 0.0])):
+        chain_steps += round_passes(codes(names * n), np.tile(value, n), rows_h, rows_w, channels, PassWarp())
+    steps = [(MIX, (rng.dirichlet([0.7, 0.7, 0.7], n), chain_steps))]
     pipeline = Pipeline([Decode("gray" if channels == 1 else "rgb"), ops.AugMix()])
     got, images = _gpu(pipeline, stream, arrays, steps, as_tensor=as_tensor, inplace=True)
     _compare(f"mix C={channels} tensor={as_tensor}", got, _cpu(pipeline, arrays, steps), 0)

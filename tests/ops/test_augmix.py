@@ -23,7 +23,7 @@ from headrace.ops._passes import MixPass
 from headrace.ops._post_spec import ColorMatrix, _Warp
 from headrace.ops.cpu import _post
 from headrace.ops.cuda._plan import Plan
-from headrace.ops.cuda._post_passes import BatchPasses
+from headrace.ops.cuda._post_passes import BatchPasses, changed
 
 H, W = 48, 64
 # torchvision's AugMix space with all_ops, in its order; magnitude at bin b of 10 (t = b / 9).
@@ -53,17 +53,19 @@ def _forced(op: ops.AugMix, chains: list[list[tuple[int, int, bool]]], depth_u: 
     return u[None]
 
 
-def _chain_passes(steps):
-    """The passes between the mixing stages: one list per chain."""
-    chains, current = [], None
-    for op, tables in steps:
-        if isinstance(op, MixPass):
-            if op.stage == "add":
-                chains.append(current)
-            current = []
-        else:
-            current.append((op, tables))
-    return chains
+def _mix(steps):
+    """The policy's one pass: its weights (n, W + 1) and its chains' passes (row i W + c)."""
+    ((op, (weights, chains)),) = steps
+    assert isinstance(op, MixPass)
+    return weights, chains
+
+
+def _chain_passes(steps, row: int = 0):
+    """Sample ``row``'s chains, each as the list of passes that change it (a pass holds the
+    identity for the rows that drew another kind, or whose chain has ended)."""
+    weights, chains = _mix(steps)
+    width = weights.shape[1] - 1
+    return [[(op, tables) for op, tables in chains if changed(op, tables)[row * width + c]] for c in range(width)]
 
 
 @pytest.mark.parametrize("negative", [False, True])
@@ -123,8 +125,8 @@ def test_a_random_depth_chain_applies_one_to_three_ops(depth_u, depth):
     chain = [(NAMES.index("ShearX"), 9, False), (NAMES.index("Solarize"), 9, False), (NAMES.index("Color"), 9, False)]
     steps = op.steps(_forced(op, [chain, chain], depth_u=depth_u), np.array([H]), np.array([W]), 3)
     assert [len(c) for c in _chain_passes(steps)] == [depth, depth]
-    stages = [o.stage for o, _ in steps if isinstance(o, MixPass)]
-    assert stages == ["start", "add", "add", "end"]
+    weights, chains = _mix(steps)
+    assert weights.shape == (1, 3) and all(len(tables[0]) == 2 for _, tables in chains)  # a row a chain
 
 
 def test_a_fixed_depth_applies_that_many_ops():
@@ -150,12 +152,14 @@ def test_the_mix_is_each_chain_from_the_original_weighted_and_truncated(make, ch
     u = ops.uniforms(3, 1, 0, np.arange(n), op.randoms)
     steps = op.steps(u, np.full(n, H), np.full(n, W), channels)
     original, chains = op.weights(u)
+    weights, chain_steps = _mix(steps)
+    np.testing.assert_array_equal(weights, np.column_stack([original, chains]))
     for i, a in enumerate(images):
         mix = np.float32(original[i]) * a.astype(np.float32)
-        for c, passes in enumerate(_chain_passes(steps)):
+        for c in range(op.mixture_width):
             x = torch.from_numpy(a)
-            for pass_op, tables in passes:
-                x = _post.apply_tables(x, pass_op, tables, row=i)
+            for pass_op, tables in chain_steps:  # every pass, the identity where the row drew another
+                x = _post.apply_tables(x, pass_op, tables, row=i * op.mixture_width + c)
             mix = mix + np.float32(chains[i, c]) * x.numpy().astype(np.float32)
         expected = np.trunc(np.clip(mix, 0, 255)).astype(np.uint8)
         got = _post.apply(torch.from_numpy(a), [op], [u[i : i + 1]]).numpy()
@@ -205,39 +209,34 @@ async def test_loader_is_seeded_and_keeps_shape_and_dtype():
     assert sum(not torch.equal(first[k], plain[k]) for k in first) > 30
 
 
-def test_the_gpu_passes_keep_the_original_for_every_chain():
-    # The host side of the GPU path: no chain's pass writes where the sample's original lies, each
-    # chain's mix_add reads where that chain left the sample, and the mix lands in a buffer of ours.
+def test_the_gpu_passes_run_the_chains_as_a_batch_from_each_samples_place():
+    # The host side of the GPU path: the chains are a batch of their own (a row a chain) whose
+    # input is each sample's place when the mix starts (here the output of a colour pass before
+    # it), in the allocation; one mix_chains launch reads each sample's place and its chains' and
+    # writes the other buffer.
+    from headrace.ops.cuda._plan import address, WORK
+
     op = ops.AugMix(severity=10, mixture_width=3)
-    n = 24
-    rows = np.array([(0x10000 * (i + 1), H, W, 3 * W, 3) for i in range(n)], dtype=np.int64)
-    steps = op.steps(ops.uniforms(2, 0, 0, np.arange(n), op.randoms), rows[:, 1], rows[:, 2], 3)
-    for inplace in (False, True):
-        passes = BatchPasses(rows, steps, 3, inplace)
-        origin = None
-        where = np.full(n, -1)
-        kernels = []
-        for pass_op, _, active, src, dst in passes.passes:
-            if isinstance(pass_op, MixPass):
-                kernels.append("mix_out" if pass_op.stage == "end" else "mix_add")
-                if pass_op.stage == "start":
-                    origin = where.copy()
-                    assert np.array_equal(src, origin)
-                elif pass_op.stage == "add":
-                    assert np.array_equal(src, where)
-                    where = origin.copy()
-                else:
-                    assert set(dst.tolist()) <= {0, 1} and not (dst == origin).any()
-                    where, origin = dst.copy(), None
-                continue
-            assert np.array_equal(src, where[active])
-            assert origin is not None and (dst >= 2).all()  # a chain: its own buffers only
-            where[active] = dst
-        assert np.array_equal(where, passes.where) and set(where.tolist()) <= {0, 1}
-        assert kernels == ["mix_add"] * 4 + ["mix_out"]
-        plan = Plan()
-        passes.launches(plan, 1 << 40, gather=True)
-        assert "mix_add" in plan.compile().kernels and "mix_out" in plan.compile().kernels
+    n, width = 8, 3
+    rows = np.array([(0x10000 * (i + 1), H, W, 3 * W + 4, 3) for i in range(n)], dtype=np.int64)  # padded input rows
+    colour = np.tile(np.eye(3, 4), (n, 1, 1))
+    colour[::2, 0, 0] = 1.5  # the even samples leave the input for buffer 0 before the mix
+    steps = [(ops.ColorTwist(0.4), (colour,)),
+             *op.steps(ops.uniforms(2, 0, 0, np.arange(n), op.randoms), rows[:, 1], rows[:, 2], 3)]
+    passes = BatchPasses(rows, steps, 3, inplace=False)
+    (_, (weights, chains), _, src, dst), = [p for p in passes.passes if isinstance(p[0], MixPass)]
+    assert src.tolist() == [0, -1] * (n // 2) and dst.tolist() == [1, 0] * (n // 2)
+    assert passes.where.tolist() == dst.tolist() and len(chains.rows) == n * width
+    plan = Plan()
+    base = address(WORK)
+    passes.launches(plan, base, gather=True)
+    compiled = plan.compile()
+    assert compiled.kernels[0] == "color_twist" and compiled.kernels[-2:] == ["mix_chains", "copy_pixels"]
+    # each chain row reads its sample's place: buffer 0 for the even samples, the input for the odd
+    place = np.where(src == 0, base + passes.at(0) + passes.offsets, rows[:, 0])
+    np.testing.assert_array_equal(chains.rows[:, 0], np.repeat(place, width))
+    np.testing.assert_array_equal(chains.rows[:, 3], np.repeat(np.where(src == 0, 3 * W, 3 * W + 4), width))
+    assert passes.size >= chains.size + passes.total  # the chains' batch lies in the allocation
 
 
 def test_boxes_refuse_it():
