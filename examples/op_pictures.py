@@ -66,6 +66,7 @@ def figures(height: int, width: int) -> list[Figure]:
                more=((ops.RandomSolarize(128, p=1.0), "RandomSolarize(128)"), (ops.RandomEqualize(p=1.0), "RandomEqualize()"),
                      (ops.RandomAdjustSharpness(4.0, p=1.0), "RandomAdjustSharpness(4)"))),
         Figure("rand_augment", ops.RandAugment(magnitude=15), "RandAugment(magnitude=15)", requests=4),
+        Figure("augmix", ops.AugMix(), "AugMix()", requests=4),
         Figure("normalize", ops.Normalize(), "Normalize(), as x * std + mean"),
     ]
 
