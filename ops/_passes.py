@@ -11,13 +11,14 @@ from typing import ClassVar
 
 import numpy as np
 
-from ._post_spec import ColorMatrix, PostOp, Step, _Warp, rotation_affine
+from ._post_spec import ColorMatrix, GaussianBlur, PostOp, Step, _Warp, rotation_affine
 from ._tone import (
     AUTOCONTRAST,
     BRIGHTNESS,
     CONTRAST,
     EQUALIZE,
     GRAY_WEIGHTS,
+    IDENTITY,
     INVERT,
     POSTERIZE,
     SOLARIZE,
@@ -26,7 +27,7 @@ from ._tone import (
     ToneCurve,
 )
 
-__all__ = ["CODE", "GEOMETRIC", "MIX", "OPS", "MixPass", "MultiPass", "PassWarp", "codes", "round_passes"]
+__all__ = ["CODE", "GEOMETRIC", "MIX", "OPS", "MixPass", "MultiPass", "PassWarp", "changed", "codes", "round_passes"]
 
 # The ops a policy's round is made of, by code (an index here): policies hand round_passes
 # integer codes, so a batch's passes come from a few array operations, not a loop over samples
@@ -156,3 +157,40 @@ def round_passes(op: np.ndarray, magnitude: np.ndarray, h: np.ndarray, w: np.nda
     if sharp.any():
         steps.append((_SHARPNESS, (np.where(sharp, 1.0 + magnitude, 1.0),)))
     return steps
+
+
+def changed(op: PostOp, tables: tuple[np.ndarray, ...]) -> np.ndarray:
+    """(n,) bool: the samples a pass changes. The others hold the identity (a sample ``p`` left
+    alone, or one that drew another kind of pass in a policy's round, or whose AugMix chain has
+    ended): the GPU path leaves them out of its launches, and the CPU path skips the pass for them."""
+    if isinstance(op, ColorMatrix):
+        m = np.asarray(tables[0])
+        return _differs(m, np.eye(m.shape[1], m.shape[2]))
+    if isinstance(op, _Warp):
+        return _differs(np.asarray(tables[0]), np.eye(2, 3))
+    if isinstance(op, GaussianBlur):
+        wx, wy = np.asarray(tables[0]), np.asarray(tables[1])
+        return _differs(wx, _delta(wx.shape[1])) | _differs(wy, _delta(wy.shape[1]))
+    if isinstance(op, ToneCurve):
+        return np.asarray(tables[0])[:, 0] != IDENTITY
+    if isinstance(op, Sharpness):
+        return np.asarray(tables[0]).reshape(-1) != 1.0
+    raise TypeError(f"not a post op: {op!r}")
+
+
+def _delta(k: int) -> np.ndarray:
+    centre = np.zeros(k)
+    centre[k // 2] = 1.0
+    return centre
+
+
+def _differs(a: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    """(n,) bool: row i of ``a`` (n, ...) differs from ``ref`` (``a``'s trailing shape) somewhere.
+    A column at a time: each loop runs over n elements, and NumPy keeps the GIL for loops of up to
+    500 (``ops/_gil.py``; a lane that lets it go waits to take it back)."""
+    flat = a.reshape(len(a), -1)
+    ref = np.broadcast_to(ref, a.shape[1:]).reshape(-1)
+    out = flat[:, 0] != ref[0]
+    for j in range(1, flat.shape[1]):
+        out |= flat[:, j] != ref[j]
+    return out

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .._geometry import index_affine
-from .._passes import MixPass
+from .._passes import MixPass, changed
 from .._post_spec import ColorMatrix, GaussianBlur, PostOp, Step, _Warp
 from .._tone import Sharpness, ToneCurve, blend, needs_histograms, smoothed, tone_tables
 
@@ -157,14 +157,16 @@ def apply_tables(x: torch.Tensor, op: PostOp, tables: tuple[np.ndarray, ...], ro
 
 
 def run_steps(x: torch.Tensor, steps: Sequence[Step], row: int = 0) -> torch.Tensor:
-    """A sample's passes in order (``PostOp.steps``, row ``row`` of their tables) on HWC uint8 ``x``.
+    """A sample's passes in order (``PostOp.steps``, row ``row`` of their tables) on HWC uint8 ``x``;
+    a pass whose row holds the identity (``changed``) is skipped, as the GPU path skips it.
 
     A ``MixPass`` (AugMix) runs each chain's passes from ``x`` (rows ``row W + c`` of its chains'
     tables) and mixes them with ``x`` in float32: w0 x, then + w_c chain_c, a multiply and an add
     each rounded (the GPU kernel's order), truncated to uint8 as torchvision's AugMix."""
     for op, tables in steps:
         if not isinstance(op, MixPass):
-            x = apply_tables(x, op, tables, row)
+            if changed(op, tables)[row]:  # a row holding the identity is left as it is, as on the GPU
+                x = apply_tables(x, op, tables, row)
             continue
         weights, chains = tables
         width = weights.shape[1] - 1

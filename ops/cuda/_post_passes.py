@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._passes import MixPass
+from .._passes import MixPass, changed
 from .._pipeline import Pipeline
 from .._post_spec import ColorMatrix, GaussianBlur, PostOp, Step, _Warp
 from .._spec import Normalize
-from .._tone import IDENTITY, Sharpness, ToneCurve, needs_histograms
+from .._tone import Sharpness, ToneCurve, needs_histograms
 from ._plan import INPUT, OUTPUT, WORK, Plan, TableRef, address
 
 __all__ = ["BatchPasses", "PlannedPost", "blur_table", "changed", "color_table", "finish_launch", "finish_own_sizes",
@@ -69,43 +69,6 @@ def _columns(n: int, width: int, cols: dict) -> np.ndarray:
     out = np.empty((n, width), dtype=np.float32)
     for j in range(width):
         out[:, j] = cols.get(j, 0.0)
-    return out
-
-
-def changed(op: PostOp, tables: tuple[np.ndarray, ...]) -> np.ndarray:
-    """(n,) bool: the samples a pass changes. The others hold the identity (a sample ``p`` left
-    alone, or one that drew another kind of pass in a policy's round), which the kernels would
-    copy exactly: they are left out of the launch."""
-    if isinstance(op, ColorMatrix):
-        m = np.asarray(tables[0])
-        return _differs(m, np.eye(m.shape[1], m.shape[2]))
-    if isinstance(op, _Warp):
-        return _differs(np.asarray(tables[0]), np.eye(2, 3))
-    if isinstance(op, GaussianBlur):
-        wx, wy = np.asarray(tables[0]), np.asarray(tables[1])
-        return _differs(wx, _delta(wx.shape[1])) | _differs(wy, _delta(wy.shape[1]))
-    if isinstance(op, ToneCurve):
-        return np.asarray(tables[0])[:, 0] != IDENTITY
-    if isinstance(op, Sharpness):
-        return np.asarray(tables[0]).reshape(-1) != 1.0
-    raise TypeError(f"not a post op: {op!r}")
-
-
-def _delta(k: int) -> np.ndarray:
-    centre = np.zeros(k)
-    centre[k // 2] = 1.0
-    return centre
-
-
-def _differs(a: np.ndarray, ref: np.ndarray) -> np.ndarray:
-    """(n,) bool: row i of ``a`` (n, ...) differs from ``ref`` (``a``'s trailing shape) somewhere.
-    A column at a time: each loop runs over n elements, and NumPy keeps the GIL for loops of up to
-    500 (``ops/_gil.py``; a lane that lets it go waits to take it back)."""
-    flat = a.reshape(len(a), -1)
-    ref = np.broadcast_to(ref, a.shape[1:]).reshape(-1)
-    out = flat[:, 0] != ref[0]
-    for j in range(1, flat.shape[1]):
-        out |= flat[:, j] != ref[j]
     return out
 
 
