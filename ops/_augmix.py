@@ -50,7 +50,8 @@ def gamma(alpha: float, u: np.ndarray) -> np.ndarray:
     """(n,) Gamma(alpha, 1) variates from (n, k) uniforms in [0, 1): ``k`` is 1 for alpha 1 (an
     exponential), else ``1 + 3 * _TRIES``: Marsaglia and Tsang's method (a normal from two
     uniforms by Box-Muller, a third to accept), boosted by ``u ** (1 / alpha)`` below 1. A row
-    whose every proposal is rejected takes the mode of the boosted variate (probability < 1e-7)."""
+    whose every proposal is rejected takes ``d = a - 1/3``, near the median of Gamma(a) for the
+    ``a`` the method draws from (probability below 1e-7)."""
     u = np.asarray(u, dtype=np.float64)
     if alpha == 1.0:
         return -np.log1p(-u[:, 0])

@@ -181,7 +181,7 @@ def run_steps(x: torch.Tensor, steps: Sequence[Step], row: int = 0) -> torch.Ten
 
 def apply(x: torch.Tensor, ops: Sequence[PostOp], randoms: Sequence[np.ndarray | None]) -> torch.Tensor:
     """The post ops in order on one HWC uint8 image; ``randoms[k]`` is op k's (1, randoms) uniforms
-    for this sample (or None). Returns a new tensor (``x`` itself when ``ops`` is empty)."""
+    for this sample (or None). Returns a new tensor (``x`` itself when no pass changes it)."""
     h, w = np.array([x.shape[0]]), np.array([x.shape[1]])
     for op, u in zip(ops, randoms):
         x = run_steps(x, op.steps(u, h, w, x.shape[2]))
