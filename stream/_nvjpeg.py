@@ -16,6 +16,7 @@ batch decodes nothing (``warn_unusable``), naming the copies and the import orde
 from __future__ import annotations
 
 import ctypes
+import importlib.metadata
 import importlib.util
 import sys
 import threading
@@ -27,8 +28,8 @@ __all__ = ["ENCODING_UNSUPPORTED", "mapped", "preload", "warn_unusable"]
 # nvimgcodecProcessingStatus_t: what every decode returned when bound to torchvision's copy.
 ENCODING_UNSUPPORTED = 0x23
 # Where nvImageCodec's extension looks for its libnvjpeg, relative to site-packages/nvidia (its
-# RPATH): the CUDA 13 wheels' shared folder, then the CUDA 12 nvjpeg wheel's.
-_WHEEL_FOLDERS = ("cu13/lib", "cu12/lib", "nvjpeg/lib")
+# RPATH): the CUDA wheels' shared folder of its CUDA major, then the nvjpeg wheel's own.
+_WHEEL_FOLDERS = ("cu{major}/lib", "nvjpeg/lib")
 
 _lock = threading.Lock()
 _loaded: ctypes.CDLL | None = None  # kept: the library stays mapped for the process's life
@@ -51,8 +52,23 @@ def mapped() -> list[str]:
     return sorted(seen)
 
 
+def _cuda_major() -> int | None:
+    """The CUDA major version the installed nvImageCodec wheel was built for (its distribution's
+    name says it), or None: another copy of nvJPEG's major would be the wrong one to load first."""
+    for major in (13, 12):
+        try:
+            importlib.metadata.version(f"nvidia-nvimgcodec-cu{major}")
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return major
+    return None
+
+
 def _wheel_library() -> Path | None:
     """nvImageCodec's libnvjpeg from the nvidia wheels beside it, without importing nvImageCodec."""
+    major = _cuda_major()
+    if major is None:
+        return None
     try:
         spec = importlib.util.find_spec("nvidia.nvimgcodec")
     except (ImportError, ValueError):
@@ -61,7 +77,8 @@ def _wheel_library() -> Path | None:
         return None
     nvidia = Path(next(iter(spec.submodule_search_locations))).parent
     for folder in _WHEEL_FOLDERS:
-        for candidate in sorted((nvidia / folder).glob("libnvjpeg.so.[0-9]*")):
+        candidate = nvidia / folder.format(major=major) / f"libnvjpeg.so.{major}"
+        if candidate.is_file():
             return candidate
     return None
 

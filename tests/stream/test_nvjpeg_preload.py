@@ -84,18 +84,42 @@ def test_preload_without_the_wheel_or_a_loadable_library(copies):
     assert out == ["None []", "None []"]
 
 
-def test_the_wheels_copy_is_found_beside_nvimgcodec(tmp_path, monkeypatch):
+@pytest.mark.parametrize("major", [13, 12])
+def test_the_wheels_copy_of_nvimgcodecs_cuda_major_is_found_beside_it(major, tmp_path, monkeypatch):
     package = tmp_path / "nvidia" / "nvimgcodec"
     package.mkdir(parents=True)
     spec = SimpleNamespace(submodule_search_locations=[str(package)])
     monkeypatch.setattr(_nvjpeg.importlib.util, "find_spec", lambda name: spec)
+    monkeypatch.setattr(_nvjpeg, "_cuda_major", lambda: major)
     assert _nvjpeg._wheel_library() is None
-    for folder, name in (("nvjpeg/lib", "libnvjpeg.so.12"), ("cu13/lib", "libnvjpeg.so.13")):
-        (tmp_path / "nvidia" / folder).mkdir(parents=True)
+    other = 25 - major  # the other CUDA major's copy is never the one
+    for folder, name in ((f"cu{other}/lib", f"libnvjpeg.so.{other}"), ("nvjpeg/lib", f"libnvjpeg.so.{other}")):
+        (tmp_path / "nvidia" / folder).mkdir(parents=True, exist_ok=True)
         (tmp_path / "nvidia" / folder / name).write_bytes(b"")
-    assert _nvjpeg._wheel_library() == tmp_path / "nvidia" / "cu13" / "lib" / "libnvjpeg.so.13"  # the RPATH's order
+    assert _nvjpeg._wheel_library() is None
+    (tmp_path / "nvidia" / "nvjpeg" / "lib" / f"libnvjpeg.so.{major}").write_bytes(b"")
+    assert _nvjpeg._wheel_library() == tmp_path / "nvidia" / "nvjpeg" / "lib" / f"libnvjpeg.so.{major}"
+    (tmp_path / "nvidia" / f"cu{major}" / "lib").mkdir(parents=True)
+    (tmp_path / "nvidia" / f"cu{major}" / "lib" / f"libnvjpeg.so.{major}").write_bytes(b"")
+    assert _nvjpeg._wheel_library() == tmp_path / "nvidia" / f"cu{major}" / "lib" / f"libnvjpeg.so.{major}"  # RPATH order
     monkeypatch.setattr(_nvjpeg.importlib.util, "find_spec", lambda name: None)
     assert _nvjpeg._wheel_library() is None
+
+
+def test_the_cuda_major_is_the_nvimgcodec_distributions(monkeypatch):
+    installed = {"nvidia-nvimgcodec-cu12"}
+
+    def version(name):
+        if name not in installed:
+            raise _nvjpeg.importlib.metadata.PackageNotFoundError(name)
+        return "0.9.0"
+
+    monkeypatch.setattr(_nvjpeg.importlib.metadata, "version", version)
+    assert _nvjpeg._cuda_major() == 12
+    installed = {"nvidia-nvimgcodec-cu13"}
+    assert _nvjpeg._cuda_major() == 13
+    installed = set()
+    assert _nvjpeg._cuda_major() is None
 
 
 def test_the_warning_names_the_copies_once(monkeypatch):
