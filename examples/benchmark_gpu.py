@@ -236,14 +236,15 @@ def _mean_by_thread(epochs: list[dict[str, float]]) -> dict[str, float]:
     return {name: round(c, 3) for name, c in sorted(mean.items(), key=lambda kv: -kv[1])}
 
 
-# DALI's pipelines by kind: its label in the table, and the policy of ``nvidia.dali.auto_aug`` that the
-# training pipeline applies to the uint8 224 x 224 crop before crop_mirror_normalize (None: none).
+# DALI's pipelines by kind: its label in the table, the policy of ``nvidia.dali.auto_aug`` that the
+# training pipeline applies to the uint8 224 x 224 crop before crop_mirror_normalize (None: none),
+# and the headrace row it is the peer of.
 DALI_KINDS = {
-    "train": ("train", None),
-    "val": ("validation", None),
-    "randaug": ("train + RandAugment", "rand_augment"),
-    "trivial": ("train + TrivialAugmentWide", "trivial_augment"),
-    "autoaug": ("train + AutoAugment", "auto_augment"),
+    "train": ("train", None, "train"),
+    "val": ("validation", None, "val"),
+    "randaug": ("train + RandAugment", "rand_augment", "train_randaug"),
+    "trivial": ("train + TrivialAugmentWide", "trivial_augment", "train_trivial"),
+    "autoaug": ("train + AutoAugment", "auto_augment", "train_autoaug"),
 }
 
 
@@ -557,7 +558,7 @@ def main() -> None:
     if unknown:
         ap.error(f"--dali-rows: {', '.join(sorted(unknown))} not among {', '.join(DALI_KINDS)}")
     for threads in filter(None, args.dali_threads.split(",")):
-        for kind, (label, _) in DALI_KINDS.items():
+        for kind, (label, _, _) in DALI_KINDS.items():
             dali[f"dali_{kind}{threads}"] = (int(threads), kind)
             runners[f"dali_{kind}{threads}"] = (f"DALI ({label}, {threads} threads)",
                                                 lambda t=int(threads), kind=kind: bench_dali(files, args.batch, args.epochs, t, kind))
@@ -641,9 +642,7 @@ def main() -> None:
         loop_busy = f"{r['main_thread_busy']:.0%}" if "main_thread_busy" in r and name.startswith("headrace") else "-"
         cores = f"{r['cores_busy']:.1f}" if "cores_busy" in r else "-"  # not measured per row when interleaved
         print(f"{name:44} {r['images_per_s']:>10,.0f} {ratio:>14} {ratio2:>16} {cores:>11} {loop_busy:>10}")
-    peers = {"train": "train", "validation": "val", "train + RandAugment": "train_randaug",
-             "train + TrivialAugmentWide": "train_trivial", "train + AutoAugment": "train_autoaug"}
-    for kind, ours in ((kind, pipelines[key][0]) for kind, key in peers.items()):
+    for kind, ours in ((label, pipelines[key][0]) for label, _, key in DALI_KINDS.values()):
         for suffix in [""] + [f" #{turn + 1}" for turn in range(1, args.repeat)]:  # each turn on its own
             theirs = {k: v for k, v in results.items()
                       if k.startswith(f"DALI ({kind},") and k.endswith("threads)" + suffix)}

@@ -7,8 +7,6 @@ import sys
 import threading
 from typing import Any
 
-from headrace._nvjpeg import preload
-
 __all__ = ["nvimgcodec"]
 
 _import_lock = threading.Lock()
@@ -26,7 +24,6 @@ def nvimgcodec() -> Any:
     global _module
     with _import_lock:
         if _module is _UNSET:
-            preload()  # done when headrace was imported; here for a process that imported only this
             os.environ.setdefault("PYNVIMGCODEC_VERBOSITY", "0")
             try:
                 with _quiet_stderr():

@@ -226,7 +226,7 @@ class Lane:
         if decoded is not None:
             pointers[on_gpu], row_strides[on_gpu] = decoded.pointers, decoded.row_strides
             done[on_gpu] = decoded.status == 1
-            if len(decoded.status) and not done.any() and np.all(decoded.status == _nvjpeg.ENCODING_UNSUPPORTED):
+            if len(decoded.status) and np.all(decoded.status == _nvjpeg.ENCODING_UNSUPPORTED):
                 _nvjpeg.warn_unusable(len(decoded.status))  # bound to another package's libnvjpeg
         uploads = []
         for k in np.flatnonzero(~done).tolist():  # Pillow's pixels, uploaded

@@ -390,17 +390,24 @@ def test_augmix_on_images_of_their_own_sizes_is_near_the_cpu(channels, stream):
     assert (d > 1).mean() < 1e-3
 
 
-async def test_augmix_through_the_gpu_loader_is_repeatable_and_near_the_cpu(folder):
-    pipeline = Pipeline([Decode(), ops.RandomResizedCrop(64), ops.AugMix()], layout="HWC")
+async def _gpu_twice_and_cpu(folder, pipeline, name: str) -> torch.Tensor:
+    """The loader's images on the GPU path twice (the same seed, the same bytes) and on the CPU
+    path: returns their absolute difference, GPU against CPU, in levels."""
     runs = {}
     for device in ("cuda", "cuda", "cpu"):
         async with Loader(readers.files(folder), batch_size=16, pipeline=pipeline, device=device, seed=4) as loader:
             runs.setdefault(device, []).append(torch.cat([b["image"].cpu() async for b in loader]))
     first, second = runs["cuda"]
-    assert first.shape == (48, 64, 64, 3) and torch.equal(first, second)
+    assert first.shape == (48, 64, 64, 3) and first.dtype == torch.uint8
+    assert torch.equal(first, second)
     diff = (first.float() - runs["cpu"][0].float()).abs()
-    print(f"AugMix GPU vs CPU: mean {diff.mean():.3f} levels, {(diff > 2).float().mean():.2e} beyond 2")
-    assert diff.mean() < 1.0
+    print(f"{name} GPU vs CPU: mean {diff.mean():.3f} levels, {(diff > 2).float().mean():.2e} beyond 2")
+    return diff
+
+
+async def test_augmix_through_the_gpu_loader_is_repeatable_and_near_the_cpu(folder):
+    pipeline = Pipeline([Decode(), ops.RandomResizedCrop(64), ops.AugMix()], layout="HWC")
+    assert (await _gpu_twice_and_cpu(folder, pipeline, "AugMix")).mean() < 1.0
 
 
 async def test_randaugment_through_the_gpu_loader_is_repeatable_and_near_the_cpu(folder):
@@ -408,16 +415,7 @@ async def test_randaugment_through_the_gpu_loader_is_repeatable_and_near_the_cpu
     # levels (test_gpu_pipeline.py), which a later tone curve can move further: compare means.
     pipeline = Pipeline([Decode(), ops.RandomResizedCrop(64), ops.RandAugment(), ops.TrivialAugmentWide(), ops.AutoAugment(),
                          ops.TimmRandAugment()], layout="HWC")
-    runs = {}
-    for device in ("cuda", "cuda", "cpu"):
-        async with Loader(readers.files(folder), batch_size=16, pipeline=pipeline, device=device, seed=4) as loader:
-            runs.setdefault(device, []).append(torch.cat([b["image"].cpu() async for b in loader]))
-    first, second = runs["cuda"]
-    assert first.shape == (48, 64, 64, 3) and first.dtype == torch.uint8
-    assert torch.equal(first, second)  # the same seed, the same bytes
-    diff = (first.float() - runs["cpu"][0].float()).abs()
-    print(f"RandAugment + TrivialAugmentWide GPU vs CPU: mean {diff.mean():.3f} levels, {(diff > 2).float().mean():.2e} beyond 2")
-    assert diff.mean() < 1.0
+    assert (await _gpu_twice_and_cpu(folder, pipeline, "RandAugment + TrivialAugmentWide")).mean() < 1.0
 
 
 async def test_random_affine_through_the_gpu_loader_is_repeatable_and_near_the_cpu(folder):
@@ -425,15 +423,7 @@ async def test_random_affine_through_the_gpu_loader_is_repeatable_and_near_the_c
     # the warp's bilinear weights carry over; compare means, as above.
     pipeline = Pipeline([Decode(), ops.RandomResizedCrop(64), ops.RandomAffine(25, translate=(0.1, 0.1), scale=(0.8, 1.2),
                                                                            shear=8, fill=(124, 116, 104))], layout="HWC")
-    runs = {}
-    for device in ("cuda", "cuda", "cpu"):
-        async with Loader(readers.files(folder), batch_size=16, pipeline=pipeline, device=device, seed=4) as loader:
-            runs.setdefault(device, []).append(torch.cat([b["image"].cpu() async for b in loader]))
-    first, second = runs["cuda"]
-    assert first.shape == (48, 64, 64, 3) and torch.equal(first, second)
-    diff = (first.float() - runs["cpu"][0].float()).abs()
-    print(f"RandomAffine GPU vs CPU: mean {diff.mean():.3f} levels, {(diff > 2).float().mean():.2e} beyond 2")
-    assert diff.mean() < 1.0
+    assert (await _gpu_twice_and_cpu(folder, pipeline, "RandomAffine")).mean() < 1.0
 
 
 @pytest.mark.parametrize("inplace", [False, True])

@@ -43,8 +43,7 @@ def _forced(op: ops.AugMix, chains: list[list[tuple[int, int, bool]]], depth_u: 
             ) -> np.ndarray:
     """One sample's uniforms: chain i applies ``chains[i]``'s (op index, bin, negative) in turn."""
     u = np.full(op.randoms, weight_u)
-    per_chain = op.randoms - (op.mixture_width + 2) * (1 if op.alpha == 1.0 else 19)
-    per_chain //= op.mixture_width
+    per_chain = op._chain_randoms  # the depth, then (op, bin, sign) for each op slot
     for i, chain in enumerate(chains):
         row = u[i * per_chain : (i + 1) * per_chain]
         row[0] = depth_u
