@@ -13,6 +13,7 @@ from ._erase import RandomErasing
 from ._auto_augment import AutoAugment, RandAugment, TrivialAugmentWide
 from ._augmix import AugMix
 from ._timm_augment import TimmRandAugment
+from ._timm_augmix import TimmAugMix
 from ._tone import (
     RandomAdjustSharpness,
     RandomAutocontrast,
@@ -84,6 +85,7 @@ __all__ = [
     "Resize",
     "Rotate",
     "Sharpness",
+    "TimmAugMix",
     "TimmRandAugment",
     "ToneCurve",
     "TrivialAugmentWide",

@@ -24,10 +24,10 @@ from ._auto_augment import Magnitudes, _Policy, _Range, _whole
 from ._passes import CODE, MIX, PassWarp, codes, round_passes
 from ._post_spec import Step, _fill
 
-__all__ = ["AugMix", "gamma"]
+__all__ = ["AugMix", "chain_depths", "gamma", "gamma_randoms", "mix_weights"]
 
 _PARAMETER_MAX = 10  # torchvision's bins: severity s draws a bin from the first s of them
-_RANDOM_DEPTH = 3  # a chain of random depth has one to three ops
+RANDOM_DEPTH = 3  # a chain of random depth has one to three ops
 _TRIES = 6  # Marsaglia-Tsang proposals per Gamma variate: all six rejected has probability below 1e-7
 
 # torchvision's AugMix space, in its order (a sample's op index counts in it); ``all_ops`` adds the
@@ -72,6 +72,31 @@ def gamma(alpha: float, u: np.ndarray) -> np.ndarray:
     if alpha < 1.0:
         out *= (1.0 - u[:, 0]) ** (1.0 / alpha)  # 1 - u lies in (0, 1]
     return out
+
+
+def gamma_randoms(alpha: float) -> int:
+    """The uniforms ``gamma`` takes for one variate of Gamma(alpha)."""
+    return 1 if alpha == 1.0 else 1 + 3 * _TRIES
+
+
+def mix_weights(alpha: float, width: int, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """AugMix's weights from (n, (width + 2) x ``gamma_randoms(alpha)``) uniforms: (n,) for the
+    original and (n, width) for the chains, the chains' Dirichlet(alpha, ...) weights times the
+    mix's weight; the mix's and the original's are Dirichlet(alpha, alpha), a Beta pair."""
+    u = np.asarray(u, dtype=np.float64)
+    g = gamma_randoms(alpha)
+    draws = [gamma(alpha, u[:, j * g : (j + 1) * g]) for j in range(width + 2)]
+    beta = draws[0] + draws[1]
+    chains = np.stack(draws[2:], axis=1)
+    chains = chains / chains.sum(axis=1, keepdims=True) * (draws[1] / beta)[:, None]
+    return draws[0] / beta, chains
+
+
+def chain_depths(u: np.ndarray, chain_depth: int) -> np.ndarray:
+    """Each chain's number of ops: ``chain_depth`` when positive, else one to three from its uniform."""
+    if chain_depth > 0:
+        return np.full(len(u), chain_depth)
+    return 1 + np.minimum((np.asarray(u) * RANDOM_DEPTH).astype(np.int64), RANDOM_DEPTH - 1)
 
 
 @dataclass(frozen=True)
@@ -124,7 +149,7 @@ class AugMix(_Policy):
 
     @property
     def _depth(self) -> int:
-        return self.chain_depth if self.chain_depth > 0 else _RANDOM_DEPTH
+        return self.chain_depth if self.chain_depth > 0 else RANDOM_DEPTH
 
     @property
     def _chain_randoms(self) -> int:
@@ -132,18 +157,12 @@ class AugMix(_Policy):
 
     @property
     def _gamma_randoms(self) -> int:
-        return 1 if self.alpha == 1.0 else 1 + 3 * _TRIES
+        return gamma_randoms(self.alpha)
 
     def weights(self, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The samples' mixing weights from their uniforms: (n,) for the original and (n, width)
         for the chains (the chains' Dirichlet weights times the Beta weight of the mix)."""
-        u = np.asarray(u, dtype=np.float64)
-        k, g = self.mixture_width * self._chain_randoms, self._gamma_randoms
-        draws = [gamma(self.alpha, u[:, k + j * g : k + (j + 1) * g]) for j in range(self.mixture_width + 2)]
-        beta = draws[0] + draws[1]
-        chains = np.stack(draws[2:], axis=1)
-        chains = chains / chains.sum(axis=1, keepdims=True) * (draws[1] / beta)[:, None]
-        return draws[0] / beta, chains
+        return mix_weights(self.alpha, self.mixture_width, np.asarray(u)[:, self.mixture_width * self._chain_randoms :])
 
     def steps(self, u, h, w, channels):
         h, w = np.asarray(h).reshape(-1), np.asarray(w).reshape(-1)
@@ -154,8 +173,7 @@ class AugMix(_Policy):
         # chain of the batch is one set of passes, not one a chain.
         draws = u[:, : width * self._chain_randoms].reshape(n * width, self._chain_randoms)
         rows_h, rows_w = np.repeat(h, width), np.repeat(w, width)
-        depth = (np.full(n * width, self.chain_depth) if self.chain_depth > 0
-                 else 1 + np.minimum((draws[:, 0] * _RANDOM_DEPTH).astype(np.int64), _RANDOM_DEPTH - 1))
+        depth = chain_depths(draws[:, 0], self.chain_depth)
         warp = PassWarp(self.fill)
         space = codes(self.space)
         chain_steps: list[Step] = []

@@ -13,6 +13,7 @@ from headrace._errors import ConfigError, require_int
 from ._random import uniforms
 from ._post_spec import PostOp
 from ._timm_augment import TimmRandAugment
+from ._timm_augmix import TimmAugMix
 from ._stages import MapBatch, Stage
 from ._spec import (
     IMAGENET_MEAN,
@@ -346,19 +347,22 @@ def training(
 
     ``auto_augment`` adds an augmentation policy between the flip and the normalize, as timm's
     ``create_transform(auto_augment=...)`` does: a timm config string (``"rand-m9-mstd0.5-inc1"``:
-    ``TimmRandAugment``, its warps filling with ``mean`` in levels, as timm's) or a post op
-    (``RandAugment()``, ``AutoAugment()``...). Raises ConfigError for a string that is not timm's
-    RandAugment (timm's ``augmix`` and AutoAugment strings are not offered: pass ``AugMix()`` or
+    ``TimmRandAugment``; ``"augmix-m5-w4-d2"``: ``TimmAugMix``; their warps filling with ``mean``
+    in levels, as timm's) or a post op (``RandAugment()``, ``AutoAugment()``...). Raises
+    ConfigError for another string (timm's AutoAugment strings are not offered: pass
     ``AutoAugment()``, torchvision's).
     """
     listed: list[Op] = [Decode(), RandomResizedCrop(size, scale, ratio), Flip(flip)]
     if isinstance(auto_augment, str):
-        if not auto_augment.startswith("rand"):
-            raise ConfigError(f"training: auto_augment {auto_augment!r} is not timm's RandAugment ('rand-...'); "
-                              "for torchvision's policies pass ops.AutoAugment(), ops.RandAugment(), ops.TrivialAugmentWide() "
-                              "or ops.AugMix()")
         fill = tuple(min(255, round(255 * m)) for m in mean)
-        listed.append(TimmRandAugment(auto_augment, fill=fill))
+        if auto_augment.startswith("rand"):
+            listed.append(TimmRandAugment(auto_augment, fill=fill))
+        elif auto_augment.startswith("augmix"):
+            listed.append(TimmAugMix(auto_augment, fill=fill))
+        else:
+            raise ConfigError(f"training: auto_augment {auto_augment!r} is neither timm's RandAugment ('rand-...') "
+                              "nor its AugMix ('augmix-...'); for torchvision's policies pass ops.AutoAugment(), "
+                              "ops.RandAugment(), ops.TrivialAugmentWide() or ops.AugMix()")
     elif isinstance(auto_augment, PostOp):
         listed.append(auto_augment)
     elif auto_augment is not None:

@@ -55,23 +55,24 @@ _UNBUILT_SETS = ("3a", "3aw")
 IMAGENET_FILL = tuple(min(255, round(255 * m)) for m in IMAGENET_MEAN)
 
 
-# timm's LEVEL_TO_ARG as rules over a whole batch (f = level / 10, s = the random sign, +-1), in
-# round_passes' convention (factors as f - 1, translations in input pixels): each op names the pass
-# op it becomes and its rule.
+# timm's LEVEL_TO_ARG as rules over a whole batch (f = level / 10, s = the random sign, +-1, t =
+# hparams' translate_pct), in round_passes' convention (factors as f - 1, translations in input
+# pixels): each op names the pass op it becomes and its rule.
 _RULES = (
-    ("none", lambda f, s, h, w: np.zeros_like(f)),
-    ("rotate", lambda f, s, h, w: s * f * 30.0),
-    ("shear", lambda f, s, h, w: s * f * 0.3),
-    ("shift_x", lambda f, s, h, w: s * f * 0.45 * w),  # a share of the width, not whole pixels
-    ("shift_y", lambda f, s, h, w: s * f * 0.45 * h),
-    ("posterize", lambda f, s, h, w: np.trunc(f * 4)),
-    ("posterize_inc", lambda f, s, h, w: 4 - np.trunc(f * 4)),
-    ("solarize", lambda f, s, h, w: np.minimum(256, np.trunc(f * 256))),
-    ("solarize_inc", lambda f, s, h, w: 256 - np.minimum(256, np.trunc(f * 256))),
-    ("solarize_add", lambda f, s, h, w: np.minimum(128, np.trunc(f * 110))),
-    ("enhance", lambda f, s, h, w: f * 1.8 + 0.1 - 1.0),  # factor in [0.1, 1.9]
-    ("enhance_inc", lambda f, s, h, w: np.maximum(0.1, 1.0 + s * f * 0.9) - 1.0),  # 1 +- 0.9 f, at least 0.1
+    ("none", lambda f, s, h, w, t: np.zeros_like(f)),
+    ("rotate", lambda f, s, h, w, t: s * f * 30.0),
+    ("shear", lambda f, s, h, w, t: s * f * 0.3),
+    ("shift_x", lambda f, s, h, w, t: s * f * t * w),  # a share of the width, not whole pixels
+    ("shift_y", lambda f, s, h, w, t: s * f * t * h),
+    ("posterize", lambda f, s, h, w, t: np.trunc(f * 4)),
+    ("posterize_inc", lambda f, s, h, w, t: 4 - np.trunc(f * 4)),
+    ("solarize", lambda f, s, h, w, t: np.minimum(256, np.trunc(f * 256))),
+    ("solarize_inc", lambda f, s, h, w, t: 256 - np.minimum(256, np.trunc(f * 256))),
+    ("solarize_add", lambda f, s, h, w, t: np.minimum(128, np.trunc(f * 110))),
+    ("enhance", lambda f, s, h, w, t: f * 1.8 + 0.1 - 1.0),  # factor in [0.1, 1.9]
+    ("enhance_inc", lambda f, s, h, w, t: np.maximum(0.1, 1.0 + s * f * 0.9) - 1.0),  # 1 +- 0.9 f, at least 0.1
 )
+TRANSLATE_PCT = 0.45  # timm's default reach of TranslateXRel / YRel: 0.45 of the width or height
 _RULE = {name: k for k, (name, _) in enumerate(_RULES)}
 _OPS = {  # timm's name: (pass op, rule)
     "AutoContrast": ("AutoContrast", "none"), "Equalize": ("Equalize", "none"), "Invert": ("Invert", "none"),
@@ -91,14 +92,26 @@ def _op_arrays(ops: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
     return np.array([CODE[_OPS[name][0]] for name in ops]), np.array([_RULE[_OPS[name][1]] for name in ops])
 
 
-def _arguments(ops: tuple[str, ...], index: np.ndarray, level: np.ndarray, negative: np.ndarray, h: np.ndarray,
-               w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def arguments(ops: tuple[str, ...], index: np.ndarray, level: np.ndarray, negative: np.ndarray, h: np.ndarray,
+              w: np.ndarray, translate_pct: float = TRANSLATE_PCT) -> tuple[np.ndarray, np.ndarray]:
     """timm's ``LEVEL_TO_ARG`` for sample i's op ``ops[index[i]]`` at ``level[i]``: the pass ops'
     codes and magnitudes, every rule computed over the batch and each sample's picked."""
     code, rule = _op_arrays(ops)
     f, s = level / LEVEL_DENOM, np.where(negative, -1.0, 1.0)
-    values = np.stack([fn(f, s, h, w) for _, fn in _RULES])
+    values = np.stack([fn(f, s, h, w, translate_pct) for _, fn in _RULES])
     return code[index], values[rule[index], np.arange(len(index))]
+
+
+def levels(magnitude: float, std: float, maximum: float, noise_a: np.ndarray, noise_b: np.ndarray) -> np.ndarray:
+    """timm's ``AugmentOp`` magnitude for each draw: ``magnitude``, with Gaussian noise of ``std``
+    (Box-Muller on two uniforms) or uniform in [0, magnitude] (``std`` infinite), clipped to
+    [0, ``maximum``]."""
+    level = np.full(len(noise_a), float(magnitude))
+    if math.isinf(std):
+        level = noise_a * magnitude
+    elif std > 0:
+        level = level + std * np.sqrt(-2.0 * np.log1p(-noise_a)) * np.cos(2.0 * math.pi * noise_b)
+    return np.clip(level, 0.0, maximum)
 
 
 def _number(value: str, what: str, kind: type) -> float:
@@ -234,13 +247,7 @@ class TimmRandAugment(MultiPass):
     def levels(self, noise_a: np.ndarray, noise_b: np.ndarray) -> np.ndarray:
         """Each draw's magnitude: ``m``, with Gaussian noise (Box-Muller on two uniforms) or
         uniform in [0, m] (``mstd`` over 100), clipped to [0, ``mmax``]."""
-        level = np.full(len(noise_a), self.magnitude)
-        if math.isinf(self.magnitude_std):
-            level = noise_a * self.magnitude
-        elif self.magnitude_std > 0:
-            gauss = np.sqrt(-2.0 * np.log1p(-noise_a)) * np.cos(2.0 * math.pi * noise_b)
-            level = level + self.magnitude_std * gauss
-        return np.clip(level, 0.0, self.magnitude_max)
+        return levels(self.magnitude, self.magnitude_std, self.magnitude_max, noise_a, noise_b)
 
     def steps(self, u, h, w, channels):
         if self.num_layers == 0:
@@ -255,7 +262,7 @@ class TimmRandAugment(MultiPass):
             index = indices[layer]
             applied = d[:, 1] <= self.prob  # timm skips a layer when random() > p
             level = self.levels(d[:, 3], d[:, 4])
-            op, magnitude = _arguments(ops, index, level, d[:, 2] > 0.5, h.astype(np.float64), w.astype(np.float64))
+            op, magnitude = arguments(ops, index, level, d[:, 2] > 0.5, h.astype(np.float64), w.astype(np.float64))
             op = np.where(applied, op, CODE["Identity"])
             out += round_passes(op, magnitude, h, w, channels, PassWarp(self.fill))
         return out

@@ -325,9 +325,10 @@ def test_contrast_brightness_and_solarize_add_tone_tables_match(stream):
 @pytest.mark.parametrize("policy", [ops.RandAugment(num_ops=2, magnitude=12), ops.AutoAugment("imagenet"),
                                     ops.AutoAugment("svhn"), ops.TimmRandAugment("rand-m9-mstd0.5-inc1-p1.0"),
                                     ops.TimmRandAugment("rand-m9-mstd0.5-p1.0-tweights"), ops.AugMix(),
-                                    ops.AugMix(severity=10, mixture_width=4, alpha=0.5, fill=(20, 90, 160))],
+                                    ops.AugMix(severity=10, mixture_width=4, alpha=0.5, fill=(20, 90, 160)),
+                                    ops.TimmAugMix("augmix-m5-w4-d2"), ops.TimmAugMix("augmix-m9-mstd0.5-a0.5")],
                          ids=["randaugment-2", "autoaugment", "autoaugment-svhn", "timm", "timm-tweights", "augmix",
-                              "augmix-wide"])
+                              "augmix-wide", "timm-augmix", "timm-augmix-mstd"])
 def test_two_rounds_of_a_policy_through_the_chain(policy, stream):
     # Two rounds: a warp's 1-level difference can move a later equalize or solarize step, so
     # single values may differ more; nearly all agree within a level.
@@ -405,9 +406,10 @@ async def _gpu_twice_and_cpu(folder, pipeline, name: str) -> torch.Tensor:
     return diff
 
 
-async def test_augmix_through_the_gpu_loader_is_repeatable_and_near_the_cpu(folder):
-    pipeline = Pipeline([Decode(), ops.RandomResizedCrop(64), ops.AugMix()], layout="HWC")
-    assert (await _gpu_twice_and_cpu(folder, pipeline, "AugMix")).mean() < 1.0
+@pytest.mark.parametrize("policy", [ops.AugMix(), ops.TimmAugMix("augmix-m5-w4-d2")], ids=["torchvision", "timm"])
+async def test_augmix_through_the_gpu_loader_is_repeatable_and_near_the_cpu(folder, policy):
+    pipeline = Pipeline([Decode(), ops.RandomResizedCrop(64), policy], layout="HWC")
+    assert (await _gpu_twice_and_cpu(folder, pipeline, type(policy).__name__)).mean() < 1.0
 
 
 async def test_randaugment_through_the_gpu_loader_is_repeatable_and_near_the_cpu(folder):

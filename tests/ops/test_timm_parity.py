@@ -1,4 +1,4 @@
-"""``TimmRandAugment`` against timm's own ops (``timm.data.auto_augment``, on PIL images), where
+"""``TimmRandAugment`` and ``TimmAugMix`` against timm's own ops (``timm.data.auto_augment``, on PIL images), where
 timm is installed (the GPU machine has it; CI's machine does not, and skips this file).
 
 Each of the 15 ops (plain and increasing) is forced at one magnitude and sign, and compared with
@@ -17,6 +17,7 @@ from PIL import Image
 
 from headrace import ops
 from headrace.ops._timm_augment import _INCREASING, _PLAIN
+from headrace.ops._timm_augmix import AUGMIX_OPS
 from headrace.ops.cpu import _post
 
 augment = pytest.importorskip("timm.data.auto_augment")
@@ -82,3 +83,94 @@ def test_each_op_is_timms(increasing, slot, negative, magnitude):
         assert (diff > 2).mean() < 0.03 and np.median(diff) == 0, (name, args, (diff > 2).mean())
     else:
         assert int(diff.max()) <= (0 if name in EXACT else 2), (name, args, int(diff.max()))
+
+
+def test_the_augmix_op_set_is_timms():
+    assert list(AUGMIX_OPS) == list(augment._AUGMIX_TRANSFORMS)
+
+
+_SIGNED_AUGMIX = {"Rotate", "ShearX", "ShearY", "TranslateXRel", "TranslateYRel", "ColorIncreasing",
+                  "ContrastIncreasing", "BrightnessIncreasing", "SharpnessIncreasing"}
+
+
+def _timm_augmix(x: np.ndarray, op, u: np.ndarray, monkeypatch) -> np.ndarray:
+    """timm's AugMix (``augment_and_mix_transform(op.config, ...)``, as ``create_transform`` makes
+    it) on HWC uint8 ``x``, every draw it makes answered with ours from the uniforms ``u`` (1,
+    randoms): its Dirichlet and Beta weights, each chain's depth and ops, each op's magnitude and
+    sign. timm's mix shapes its sum (width, height): square images only."""
+    hparams = {"img_mean": FILL, "translate_pct": op.translate_pct, "interpolation": Image.BILINEAR}
+    theirs = augment.augment_and_mix_transform(op.config, hparams)
+    assert [o.name for o in theirs.ops] == list(AUGMIX_OPS)
+    original, chains = op.weights(u)
+    weights = [chains[0] / chains[0].sum()]
+    betas = [chains[0].sum()]  # timm's m: the mix's share, 1 - the original's
+    depths, choices, magnitudes, signs = [], [], [], []
+    per_chain = op._chain_randoms
+    for c in range(op.mixture_width):
+        row = u[0, c * per_chain : (c + 1) * per_chain]
+        depth = op.chain_depth if op.chain_depth > 0 else 1 + min(int(row[0] * 3), 2)
+        if op.chain_depth <= 0:
+            depths.append(depth)
+        ks = [min(int(row[1 + 4 * r] * 13), 12) for r in range(depth)]
+        choices.append(np.array([theirs.ops[k] for k in ks], dtype=object))
+        for r, k in enumerate(ks):
+            a, b = row[3 + 4 * r], row[4 + 4 * r]
+            if np.isinf(op.magnitude_std):
+                magnitudes.append(a * op.magnitude)
+            else:
+                magnitudes.append(op.magnitude + op.magnitude_std * np.sqrt(-2 * np.log1p(-a)) * np.cos(2 * np.pi * b))
+            if AUGMIX_OPS[k] in _SIGNED_AUGMIX:
+                signs.append(row[2 + 4 * r])  # timm negates when random() > 0.5, as ours
+    monkeypatch.setattr(np.random, "dirichlet", lambda *a, **k: weights.pop(0))
+    monkeypatch.setattr(np.random, "beta", lambda *a, **k: betas.pop(0))
+    monkeypatch.setattr(np.random, "randint", lambda *a, **k: depths.pop(0))
+    monkeypatch.setattr(np.random, "choice", lambda *a, **k: choices.pop(0))
+    monkeypatch.setattr(augment.random, "uniform", lambda *a: magnitudes.pop(0))
+    monkeypatch.setattr(augment.random, "gauss", lambda *a: magnitudes.pop(0))
+    monkeypatch.setattr(augment.random, "random", lambda: signs.pop(0))
+    out = np.asarray(theirs(Image.fromarray(x)))
+    monkeypatch.undo()
+    assert not (weights or betas or depths or choices or magnitudes or signs)  # every draw was one of ours
+    return out
+
+
+def _smooth(seed: int, size: int) -> np.ndarray:
+    x = torch.from_numpy(np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8))
+    x = torch.nn.functional.avg_pool2d(x.permute(2, 0, 1)[None].float(), 5, 1, 2)[0].round().to(torch.uint8)
+    return x.permute(1, 2, 0).contiguous().numpy()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_augmix_of_one_op_chains_without_warps_is_timms(seed, monkeypatch):
+    # Chains of one op each, the warps left out (the first nine ops): each chain within two
+    # levels of timm's, and timm truncates the chains' sum and then the blend where we truncate
+    # once, so the mix within 4.
+    op = ops.TimmAugMix("augmix-m9-w3-d1")
+    x = _smooth(seed, 48)
+    rng = np.random.default_rng(100 + seed)
+    u = rng.random((1, op.randoms))
+    for c in range(3):
+        u[0, 5 * c + 1] = rng.random() * 9 / 13
+    ours = _post.apply(torch.from_numpy(x), [op], [u]).numpy()
+    theirs = _timm_augmix(x, op, u, monkeypatch)
+    assert int(np.abs(ours.astype(int) - theirs.astype(int)).max()) <= 4
+
+
+@pytest.mark.parametrize("config", ["augmix", "augmix-m5-w4-d2", "augmix-m9-mstd0.5-a0.5"])
+def test_augmix_is_timms_on_average(config, monkeypatch):
+    # Whole chains with warps: the warps' one-pixel edge (test_each_op_is_timms) and a level's
+    # difference crossing a later threshold (equalize, solarize) differ more: the mean and the
+    # share of large differences. Ours lie about half a level above timm's on average: timm
+    # truncates the chains' sum, the blend and its colour ops, where we truncate the mix once and
+    # round the ops.
+    op = ops.TimmAugMix(config, fill=FILL)
+    diffs = []
+    for seed in range(8):
+        x = _smooth(seed, 96)
+        u = np.random.default_rng(200 + seed).random((1, op.randoms))
+        ours = _post.apply(torch.from_numpy(x), [op], [u]).numpy()
+        diffs.append(ours.astype(int) - _timm_augmix(x, op, u, monkeypatch).astype(int))
+    d = np.stack(diffs)
+    print(f"TimmAugMix {config} against timm: mean {d.mean():.3f} levels (absolute {np.abs(d).mean():.3f}), "
+          f"{(np.abs(d) > 3).mean():.2e} beyond 3")
+    assert 0 <= d.mean() < 0.6 and np.abs(d).mean() < 0.75 and (np.abs(d) > 3).mean() < 0.02
