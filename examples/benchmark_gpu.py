@@ -14,7 +14,8 @@ the GPU, unless the row says otherwise):
   DALI (--dali-threads 4,8)  NVIDIA DALI: file reader, mixed decode (image_random_crop; validation:
                              whole image), resize, crop_mirror_normalize float16 NCHW, DALIGenericIterator;
                              --dali-rows randaug,trivial,autoaug: its train pipeline with DALI's own
-                             auto_aug policy on the 224 crop, the peer of train_randaug and the others
+                             auto_aug policy on the 224 crop, the peer of train_randaug and the others;
+                             affine: fn.transforms + fn.warp_affine, the peer of train_affine
   --rows train_stage         the train row with a trivial ops.MapBatch added (what a user stage costs)
   --rows train_mix           the train row with RandomErasing(0.25), MixUp(0.2) and CutMix(1.0, p=0.5) after it
                              (train_mix_side: off the lane; train_erase, train_mixup, train_cutmix: each alone;
@@ -246,20 +247,41 @@ DALI_KINDS = {
     "randaug": ("train + RandAugment", "rand_augment", "train_randaug"),
     "trivial": ("train + TrivialAugmentWide", "trivial_augment", "train_trivial"),
     "autoaug": ("train + AutoAugment", "auto_augment", "train_autoaug"),
+    "affine": ("train + RandomAffine", "random_affine", "train_affine"),
 }
 
 
 def _dali_policy(module: str, images):
     """DALI's own GPU implementation of the policy the headrace row of the same name runs, at
     torchvision's settings (RandAugment: 2 ops at magnitude 9 of 31 bins; AutoAugment: the ImageNet
-    policy); translations up to DALI's default 100 pixels at the top bin, torchvision's 0.45 of 224."""
+    policy); translations up to DALI's default 100 pixels at the top bin, torchvision's 0.45 of 224.
+    ``random_affine``: ``_dali_random_affine``."""
     from nvidia.dali.auto_aug import auto_augment, rand_augment, trivial_augment
 
+    if module == "random_affine":
+        return _dali_random_affine(images)
     if module == "rand_augment":
         return rand_augment.rand_augment(images, n=2, m=9)
     if module == "trivial_augment":
         return trivial_augment.trivial_augment_wide(images)
     return auto_augment.auto_augment_image_net(images)
+
+
+def _dali_random_affine(images, size: int = 224):
+    """The train_affine row's ``RandomAffine(15, translate=(0.1, 0.1), scale=(0.9, 1.1), shear=10)``
+    as DALI composes it: a matrix a sample from ``fn.transforms`` (rotation, scale and x shear
+    about the centre, then a shift up to a tenth of the side), applied by ``fn.warp_affine``,
+    bilinear, filling with 0 as torchvision does."""
+    from nvidia.dali import fn, types
+
+    centre = [size / 2, size / 2]
+    scale = fn.random.uniform(range=[0.9, 1.1], shape=[1])
+    shear = fn.random.uniform(range=[-10.0, 10.0], shape=[1])
+    matrix = fn.transforms.rotation(angle=fn.random.uniform(range=[-15.0, 15.0]), center=centre)
+    matrix = fn.transforms.scale(matrix, scale=fn.cat(scale, scale), center=centre)
+    matrix = fn.transforms.shear(matrix, angles=fn.cat(shear, shear * 0.0), center=centre)
+    matrix = fn.transforms.translation(matrix, offset=fn.random.uniform(range=[-0.1 * size, 0.1 * size], shape=[2]))
+    return fn.warp_affine(images, matrix=matrix, fill_value=0, inverse_map=False, interp_type=types.INTERP_LINEAR)
 
 
 def _dali_epochs(files, batch: int, threads: int, kind: str = "train") -> tuple[Any, Any]:
