@@ -80,7 +80,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hr_parsed_destroy.argtypes, lib.hr_parsed_destroy.restype = [p], None
     lib.hr_parse.argtypes, lib.hr_parse.restype = [p, p, i, p, p, i, p], i
     lib.hr_decoder_destroy.argtypes, lib.hr_decoder_destroy.restype = [p], None
-    lib.hr_decoder_set_order.argtypes, lib.hr_decoder_set_order.restype = [p, i], None
     lib.hr_driver_load.argtypes, lib.hr_driver_load.restype = [ctypes.c_char_p, sz], i
     lib.hr_decode_launch.argtypes = [p, p, i, p, p, p, i, i, p, p, ctypes.POINTER(Launch)]
     lib.hr_decode_launch.restype = i
@@ -143,11 +142,6 @@ def _instance(lib: ctypes.CDLL) -> int:
         return _state["instance"]
 
 
-# Which images of a batch the hardware engine takes (the shim's HR_ORDER_*): the largest windows,
-# or the batch's first ones.
-_ENGINE_ORDERS = {"area": 0, "batch": 1}
-
-
 class BatchDecoder:
     """One nvImageCodec decoder driven through the shim. Not for two threads at once (a lane owns it).
 
@@ -175,7 +169,6 @@ class BatchDecoder:
         channels: int = 3,
         exif: bool = True,
         options: str = "",
-        engine_order: str = "area",
     ):
         lib = load()
         if lib is None:
@@ -193,7 +186,6 @@ class BatchDecoder:
         if not handle:
             raise RuntimeError(err.value.decode())
         self._handle = handle
-        lib.hr_decoder_set_order(handle, _ENGINE_ORDERS[engine_order])
         self.channels = channels
         self.exif = exif
 

@@ -121,10 +121,6 @@ class GpuTuning:
     ``"python"`` (launched from Python after the decode). ``dispatch``: ``"turn"`` (batch i to lane
     i mod lanes) or ``"free"`` (to the lane with the fewest batches queued: +2-8% in the decode
     floor on the H100, no difference the training pipeline's noise let us see; docs/benchmarks.md).
-    ``engine_order``: which images of a batch the hardware engine takes (its ``hw_load`` share,
-    the shim's decode only): ``"area"``, the largest windows (nvImageCodec's own order), or
-    ``"batch"``, the batch's first ones, sizes as the data has them (a validation window follows its
-    image's size, so by area the engine takes a batch's largest images).
     """
 
     cuda_load: float = 1.0
@@ -135,7 +131,6 @@ class GpuTuning:
     decode: Literal["shim", "python"] = "shim"
     launch: Literal["shim", "python"] = "shim"
     dispatch: Literal["turn", "free"] = "turn"
-    engine_order: Literal["area", "batch"] = "area"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cuda_load", require_number("cuda_load", self.cuda_load, 0.0, 1.0, wanted="in [0, 1]"))
@@ -152,8 +147,6 @@ class GpuTuning:
                 raise ConfigError(f"{name} must be 'shim' or 'python', got {getattr(self, name)!r}")
         if self.dispatch not in ("free", "turn"):
             raise ConfigError(f"dispatch must be 'free' or 'turn', got {self.dispatch!r}")
-        if self.engine_order not in ("area", "batch"):
-            raise ConfigError(f"engine_order must be 'area' or 'batch', got {self.engine_order!r}")
 
     def decoder_options(self) -> str:
         """The options string for nvImageCodec's decoders: ``gpu_huffman_above`` as its option,

@@ -40,7 +40,7 @@ typedef struct {
     nvimgcodecImage_t image;
     int j;         /* its index in the call's pick, region, out and status */
     int hw;        /* 1: offered to the hardware engine (a baseline JPEG), 2: given to it */
-    int64_t rank;  /* the engine takes the highest: its window's area, or minus its place (hr_decoder.order) */
+    int64_t area;  /* of its window: the engine takes the largest */
     nvimgcodecProcessingStatus_t status;
 } hr_item;
 
@@ -69,7 +69,6 @@ typedef struct {
     float hw_share;
     float gpu_share;          /* of each batch, the windows after the engine's, to `gpu` */
     int adaptive;             /* move hw_share batch by batch, towards no wait on the CUDA decoder */
-    int order;                /* which images the engine takes: HR_ORDER_AREA or HR_ORDER_BATCH */
     int capacity;
     nvimgcodecCodeStream_t* views; /* region views, reused between batches */
     hr_item* items;
@@ -77,11 +76,6 @@ typedef struct {
     nvimgcodecImage_t* images;
     nvimgcodecProcessingStatus_t* status;
 } hr_decoder;
-
-/* The engine's share of a batch: the images with the largest windows (nvImageCodec's own order), or
-   the first ones in the batch's order, whose sizes are what the data's are (a validation window
-   follows its image's size, so by area the engine would take a batch's largest images). */
-enum { HR_ORDER_AREA = 0, HR_ORDER_BATCH = 1 };
 
 static void set_error(char* err, size_t len, const char* what, int code)
 {
@@ -211,12 +205,6 @@ hr_decoder* hr_decoder_create(nvimgcodecInstance_t instance, int device_id, int 
         return NULL;
     }
     return d;
-}
-
-/* Which images of a batch the engine takes from now on: HR_ORDER_AREA or HR_ORDER_BATCH. */
-void hr_decoder_set_order(hr_decoder* d, int order)
-{
-    d->order = order == HR_ORDER_BATCH ? HR_ORDER_BATCH : HR_ORDER_AREA;
 }
 
 static void release_handles(nvimgcodecCodeStream_t* handles, int n)
@@ -436,21 +424,20 @@ static int setup_item(hr_decoder* d, const hr_parsed* p, int j, int k, const int
         it->source = d->views[k];
     }
     it->j = j;
-    it->rank = d->order == HR_ORDER_BATCH ? -(int64_t)j : (int64_t)(r[2] - r[0]) * (int64_t)(r[3] - r[1]);
+    it->area = (int64_t)(r[2] - r[0]) * (int64_t)(r[3] - r[1]);
     it->hw = d->hw && !d->cpu_only && pick[j] < p->capacity && p->encodings[pick[j]] == NVIMGCODEC_JPEG_ENCODING_BASELINE_DCT;
     it->status = NVIMGCODEC_PROCESSING_STATUS_UNKNOWN;
     return make_image(d, it, r, out[j], channels, exif, cuda_stream);
 }
 
-/* Offered to the engine first, then by rank: the larger windows first (nvImageCodec's own order), or
-   the batch's order. */
+/* Offered to the engine first, then the larger windows first (nvImageCodec's own order). */
 static int engine_first(const void* a, const void* b)
 {
     const hr_item* x = (const hr_item*)a;
     const hr_item* y = (const hr_item*)b;
     if (x->hw != y->hw)
         return y->hw - x->hw;
-    return (y->rank > x->rank) - (y->rank < x->rank);
+    return (y->area > x->area) - (y->area < x->area);
 }
 
 /* Start decoding items[0..n) with dec: NULL when nothing was started (each item then failed). */
@@ -526,7 +513,7 @@ static int decode_batch(hr_decoder* d, const hr_parsed* p, int m, const int32_t*
     params.struct_size = sizeof(params);
     params.apply_exif_orientation = exif;
     /* gpu's share comes after the engine's in engine_first order: the windows offered to the engine
-       and not given to it (baseline JPEGs), then the others, each in the engine's order. A start()
+       and not given to it (baseline JPEGs), largest first, then the others, largest first. A start()
        that fails leaves its items failed (status FAIL), the others decode: ok says a call was made. */
     if (d->gpu) {
         if (!offered) /* no engine share: the windows were not sorted */
