@@ -119,6 +119,7 @@ PUBLIC = {
         "Resize",
         "Rotate",
         "Sharpness",
+        "TimmAugMix",
         "TimmRandAugment",
         "ToneCurve",
         "TrivialAugmentWide",
