@@ -10,7 +10,7 @@ and the tensor it made with its values stretched over 0..255.
     .venv/bin/python examples/op_pictures.py            # needs the bench extra (scikit-image)
     .venv/bin/python examples/op_pictures.py --out /tmp/ops --photo astronaut
 
-The pictures are palette PNGs of at most 60 KB each. The seed is fixed, so a
+The pictures are palette PNGs of at most 90 KB each. The seed is fixed, so a
 rerun draws the same crops and angles.
 """
 
@@ -67,6 +67,7 @@ def figures(height: int, width: int) -> list[Figure]:
                      (ops.RandomAdjustSharpness(4.0, p=1.0), "RandomAdjustSharpness(4)"))),
         Figure("rand_augment", ops.RandAugment(magnitude=15), "RandAugment(magnitude=15)", requests=4),
         Figure("augmix", ops.AugMix(), "AugMix()", requests=4),
+        Figure("timm_augmix", ops.TimmAugMix("augmix-m5-w4-d2"), 'TimmAugMix("augmix-m5-w4-d2")', requests=4),
         Figure("normalize", ops.Normalize(), "Normalize(), as x * std + mean"),
     ]
 
