@@ -24,7 +24,7 @@ from ._auto_augment import Magnitudes, _Policy, _Range, _whole
 from ._passes import CODE, MIX, PassWarp, codes, round_passes
 from ._post_spec import Step, _fill
 
-__all__ = ["AugMix", "chain_depths", "gamma", "gamma_randoms", "mix_weights"]
+__all__ = ["AugMix", "chain_depths", "gamma", "gamma_randoms", "log_gamma", "mix_weights"]
 
 _PARAMETER_MAX = 10  # torchvision's bins: severity s draws a bin from the first s of them
 RANDOM_DEPTH = 3  # a chain of random depth has one to three ops
@@ -74,6 +74,30 @@ def gamma(alpha: float, u: np.ndarray) -> np.ndarray:
     return out
 
 
+def log_gamma(alpha: float, u: np.ndarray) -> np.ndarray:
+    """(n,) the logarithms of ``gamma(alpha, u)``'s variates, finite where a variate itself
+    underflows to 0: below alpha 1, ``u ** (1 / alpha)`` does for alpha near 0.01 about once in
+    a thousand draws. (-inf only where alpha is 1 and the uniform is exactly 0.)"""
+    u = np.asarray(u, dtype=np.float64)
+    with np.errstate(divide="ignore"):
+        if alpha == 1.0:
+            return np.log(-np.log1p(-u[:, 0]))
+        if alpha > 1.0:
+            return np.log(gamma(alpha, u))
+        return np.log(gamma(alpha + 1.0, u)) + np.log1p(-u[:, 0]) / alpha
+
+
+def _shares(logs: list[np.ndarray]) -> list[np.ndarray]:
+    """Each of ``logs``' variates over their sum, computed from their logarithms; equal shares
+    where every one is -inf."""
+    top = np.maximum.reduce(logs)
+    top = np.where(np.isfinite(top), top, 0.0)
+    parts = [np.exp(x - top) for x in logs]
+    total = sum(parts)
+    none = total == 0
+    return [np.where(none, 1.0 / len(parts), x / np.where(none, 1.0, total)) for x in parts]
+
+
 def gamma_randoms(alpha: float) -> int:
     """The uniforms ``gamma`` takes for one variate of Gamma(alpha)."""
     return 1 if alpha == 1.0 else 1 + 3 * _TRIES
@@ -88,8 +112,20 @@ def mix_weights(alpha: float, width: int, u: np.ndarray) -> tuple[np.ndarray, np
     draws = [gamma(alpha, u[:, j * g : (j + 1) * g]) for j in range(width + 2)]
     beta = draws[0] + draws[1]
     chains = np.stack(draws[2:], axis=1)
-    chains = chains / chains.sum(axis=1, keepdims=True) * (draws[1] / beta)[:, None]
-    return draws[0] / beta, chains
+    total = chains.sum(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        chains = chains / total * (draws[1] / beta)[:, None]
+        original = draws[0] / beta
+    # A Beta pair or the chains' Dirichlet all underflowed to 0 (alpha far below 1): those rows
+    # again from the variates' logarithms, the same weights without the 0 / 0.
+    degenerate = ~(beta > 0) | ~(total[:, 0] > 0)
+    if degenerate.any():
+        rows = u[degenerate]
+        logs = [log_gamma(alpha, rows[:, j * g : (j + 1) * g]) for j in range(width + 2)]
+        mine, mix = _shares(logs[:2])
+        original[degenerate] = mine
+        chains[degenerate] = np.stack(_shares(logs[2:]), axis=1) * mix[:, None]
+    return original, chains
 
 
 def chain_depths(u: np.ndarray, chain_depth: int) -> np.ndarray:

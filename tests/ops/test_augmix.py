@@ -186,6 +186,29 @@ def test_weights_sum_to_one_and_have_the_dirichlet_moments():
         assert np.abs(chains.mean(axis=0) - 1 / 6).max() < 0.01
 
 
+def test_weights_stay_finite_where_every_variate_of_a_dirichlet_underflows():
+    # Below alpha ~0.02 a variate u ** (1 / alpha) underflows to 0 about once in a thousand draws;
+    # a sample whose Beta pair (or whose chains) all did would get 0 / 0. Its weights come from the
+    # variates' logarithms instead, which give the direct formula's weights wherever that works.
+    from headrace.ops._augmix import _shares, gamma_randoms, log_gamma
+
+    op = ops.AugMix(alpha=0.01)
+    u = ops.uniforms(1, 0, 0, np.arange(300_000), op.randoms)
+    g, k = gamma_randoms(op.alpha), op.mixture_width * op._chain_randoms
+    pair = [gamma(op.alpha, u[:, k + j * g : k + (j + 1) * g]) for j in range(2)]
+    degenerate = (pair[0] + pair[1]) == 0
+    assert degenerate.sum() >= 1  # the draws this test was written against have some
+    original, chains = op.weights(u)
+    assert np.isfinite(original).all() and np.isfinite(chains).all() and (chains >= 0).all()
+    np.testing.assert_allclose(original + chains.sum(axis=1), 1.0, atol=1e-12)
+    # the logarithms' weights where the direct ones are defined: the same to rounding (closer to
+    # exact where the direct ones divide variates near the smallest float64s, weights below 1e-40)
+    fine = ~degenerate
+    logs = [log_gamma(op.alpha, u[fine][:, k + j * g : k + (j + 1) * g]) for j in range(op.mixture_width + 2)]
+    mine, _ = _shares(logs[:2])
+    np.testing.assert_allclose(mine, original[fine], rtol=1e-9, atol=1e-15)
+
+
 @pytest.mark.parametrize("alpha", [0.2, 0.7, 1.0, 1.6, 4.0])
 def test_gamma_from_uniforms_has_the_moments(alpha):
     k = 1 if alpha == 1.0 else 19
