@@ -193,11 +193,11 @@ def test_weights_stay_finite_where_every_variate_of_a_dirichlet_underflows():
     from headrace.ops._augmix import _shares, gamma_randoms, log_gamma
 
     op = ops.AugMix(alpha=0.01)
-    u = ops.uniforms(1, 0, 0, np.arange(300_000), op.randoms)
+    u = ops.uniforms(1, 0, 0, np.arange(220_000, 230_000), op.randoms)  # sample 224,596's pair underflows
     g, k = gamma_randoms(op.alpha), op.mixture_width * op._chain_randoms
     pair = [gamma(op.alpha, u[:, k + j * g : k + (j + 1) * g]) for j in range(2)]
     degenerate = (pair[0] + pair[1]) == 0
-    assert degenerate.sum() >= 1  # the draws this test was written against have some
+    assert degenerate.sum() == 1
     original, chains = op.weights(u)
     assert np.isfinite(original).all() and np.isfinite(chains).all() and (chains >= 0).all()
     np.testing.assert_allclose(original + chains.sum(axis=1), 1.0, atol=1e-12)
