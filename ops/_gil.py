@@ -7,7 +7,10 @@ thread, which plans every batch for all the lanes, those waits came to 15-20 ms 
 docs/benchmarks.md, issue 21). So the planning works on arrays of at most ``KEPT`` elements, makes
 zeroed arrays with ``zeros``, and indexes with slices or masks rather than index arrays (which NumPy
 gathers with the GIL let go, whatever their size): a batch of up to 500 samples is planned without
-giving up the GIL.
+giving up the GIL. AugMix's chains are planned as one batch of samples x width rows, which passes
+the limit (768 for 256 samples: ~60 hand-offs a batch beside a spinning thread); a batch a chain
+kept the GIL but cost twice the planning, and ran slower on the H200 (docs/benchmarks.md,
+thirty-fourth session).
 """
 
 from __future__ import annotations
