@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 
@@ -24,7 +25,7 @@ from ._auto_augment import Magnitudes, _Policy, _Range, _whole
 from ._passes import CODE, MIX, PassWarp, codes, round_passes
 from ._post_spec import Step, _fill
 
-__all__ = ["AugMix", "chain_depths", "gamma", "gamma_randoms", "log_gamma", "mix_weights"]
+__all__ = ["AugMix", "Chains", "chain_depths", "gamma", "gamma_randoms", "log_gamma", "mix_weights"]
 
 _PARAMETER_MAX = 10  # torchvision's bins: severity s draws a bin from the first s of them
 RANDOM_DEPTH = 3  # a chain of random depth has one to three ops
@@ -135,8 +136,60 @@ def chain_depths(u: np.ndarray, chain_depth: int) -> np.ndarray:
     return 1 + np.minimum((np.asarray(u) * RANDOM_DEPTH).astype(np.int64), RANDOM_DEPTH - 1)
 
 
+class Chains:
+    """What torchvision's and timm's AugMix share (``AugMix``, ``TimmAugMix``): ``mixture_width``
+    chains of ``chain_depth`` ops (one to three, drawn, when it is not positive), each chain a row
+    of its own, mixed with the original by ``mix_weights(alpha, ...)``. A kind says how many
+    uniforms an op of a chain takes (``step_randoms``) and which ops and magnitudes a round of
+    chains applies (``chain_round``). A sample's uniforms: each chain's depth and then its ops',
+    chain after chain, then the Gamma variates' (``chain_randoms``)."""
+
+    step_randoms: ClassVar[int]
+
+    @property
+    def _depth(self) -> int:
+        return self.chain_depth if self.chain_depth > 0 else RANDOM_DEPTH
+
+    @property
+    def _chain_randoms(self) -> int:
+        return 1 + self.step_randoms * self._depth  # the depth, then each op's
+
+    def chain_randoms(self) -> int:
+        """The uniforms a sample takes: its chains', then its weights'."""
+        return self.mixture_width * self._chain_randoms + (self.mixture_width + 2) * gamma_randoms(self.alpha)
+
+    def weights(self, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The samples' mixing weights from their uniforms: (n,) for the original and (n, width)
+        for the chains (the chains' Dirichlet weights times the Beta weight of the mix)."""
+        return mix_weights(self.alpha, self.mixture_width, np.asarray(u)[:, self.mixture_width * self._chain_randoms :])
+
+    def chain_round(self, d: np.ndarray, h: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The op codes (``_passes.CODE``) and signed magnitudes a round of chains applies, from
+        each chain's (rows, ``step_randoms``) uniforms of that round; ``h``, ``w`` its image's size."""
+        raise NotImplementedError
+
+    def steps(self, u, h, w, channels):
+        h, w = np.asarray(h).reshape(-1), np.asarray(w).reshape(-1)
+        n, width = len(h), self.mixture_width
+        u = np.asarray(u, dtype=np.float64).reshape(n, self.randoms)
+        original, chains = self.weights(u)
+        # The chains as rows of their own (row i W + c: sample i's chain c), so that a round of every
+        # chain of the batch is one set of passes, not one a chain.
+        draws = u[:, : width * self._chain_randoms].reshape(n * width, self._chain_randoms)
+        rows_h, rows_w = np.repeat(h, width), np.repeat(w, width)
+        depth = chain_depths(draws[:, 0], self.chain_depth)
+        warp = PassWarp(self.fill)
+        k = self.step_randoms
+        chain_steps: list[Step] = []
+        for r in range(self._depth):
+            op, magnitude = self.chain_round(draws[:, 1 + k * r : 1 + k * (r + 1)], rows_h, rows_w)
+            op = np.where(r < depth, op, CODE["Identity"])  # the chain has ended for this row
+            chain_steps += round_passes(op, magnitude, rows_h, rows_w, channels, warp)
+        return [(MIX, (np.column_stack([original, chains]), chain_steps))]
+
+
 @dataclass(frozen=True)
-class AugMix(_Policy):
+class AugMix(Chains, _Policy):
     """torchvision's ``AugMix``: ``mixture_width`` chains, each of ``chain_depth`` ops (one to three,
     drawn, when it is not positive) drawn uniformly from torchvision's space (shears, translations
     up to a third of the image, rotation, posterize, solarize, autocontrast, equalize; with
@@ -158,6 +211,7 @@ class AugMix(_Policy):
     all_ops: bool = True
     fill: float | tuple[float, ...] = 0
     randoms: int = field(default=0, init=False)
+    step_randoms: ClassVar[int] = 3  # an op's uniforms: which op, its bin, its sign
 
     def __post_init__(self) -> None:
         severity = _whole(self.severity, "AugMix: severity", 1)
@@ -176,48 +230,15 @@ class AugMix(_Policy):
         if not isinstance(self.all_ops, bool):
             raise ConfigError(f"AugMix: all_ops must be a bool, got {self.all_ops!r}")
         object.__setattr__(self, "fill", _fill(self.fill, "AugMix: fill"))
-        object.__setattr__(self, "randoms", self.mixture_width * self._chain_randoms
-                           + (self.mixture_width + 2) * self._gamma_randoms)
+        object.__setattr__(self, "randoms", self.chain_randoms())
 
     @property
     def space(self) -> dict[str, tuple[Magnitudes, bool]]:  # type: ignore[override]
         return _AUGMIX_ALL if self.all_ops else _AUGMIX_BASE
 
-    @property
-    def _depth(self) -> int:
-        return self.chain_depth if self.chain_depth > 0 else RANDOM_DEPTH
-
-    @property
-    def _chain_randoms(self) -> int:
-        return 1 + 3 * self._depth  # the depth, then each op's (op, bin, sign)
-
-    @property
-    def _gamma_randoms(self) -> int:
-        return gamma_randoms(self.alpha)
-
-    def weights(self, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The samples' mixing weights from their uniforms: (n,) for the original and (n, width)
-        for the chains (the chains' Dirichlet weights times the Beta weight of the mix)."""
-        return mix_weights(self.alpha, self.mixture_width, np.asarray(u)[:, self.mixture_width * self._chain_randoms :])
-
-    def steps(self, u, h, w, channels):
-        h, w = np.asarray(h).reshape(-1), np.asarray(w).reshape(-1)
-        n, width = len(h), self.mixture_width
-        u = np.asarray(u, dtype=np.float64).reshape(n, self.randoms)
-        original, chains = self.weights(u)
-        # The chains as rows of their own (row i W + c: sample i's chain c), so that a round of every
-        # chain of the batch is one set of passes, not one a chain.
-        draws = u[:, : width * self._chain_randoms].reshape(n * width, self._chain_randoms)
-        rows_h, rows_w = np.repeat(h, width), np.repeat(w, width)
-        depth = chain_depths(draws[:, 0], self.chain_depth)
-        warp = PassWarp(self.fill)
+    def chain_round(self, d, h, w):
+        op_u, bin_u, sign_u = d[:, 0], d[:, 1], d[:, 2]
+        magnitude_bin = np.minimum((bin_u * self.severity).astype(np.int64), self.severity - 1)
         space = codes(self.space)
-        chain_steps: list[Step] = []
-        for r in range(self._depth):
-            op_u, bin_u, sign_u = draws[:, 1 + 3 * r], draws[:, 2 + 3 * r], draws[:, 3 + 3 * r]
-            magnitude_bin = np.minimum((bin_u * self.severity).astype(np.int64), self.severity - 1)
-            op = space[np.minimum((op_u * len(space)).astype(np.int64), len(space) - 1)]
-            op = np.where(r < depth, op, CODE["Identity"])  # the chain has ended for this row
-            magnitude = self.magnitudes(op, _PARAMETER_MAX, magnitude_bin, sign_u >= 0.5, rows_h, rows_w)
-            chain_steps += round_passes(op, magnitude, rows_h, rows_w, channels, warp)
-        return [(MIX, (np.column_stack([original, chains]), chain_steps))]
+        op = space[np.minimum((op_u * len(space)).astype(np.int64), len(space) - 1)]
+        return op, self.magnitudes(op, _PARAMETER_MAX, magnitude_bin, sign_u >= 0.5, h, w)

@@ -114,11 +114,13 @@ def levels(magnitude: float, std: float, maximum: float, noise_a: np.ndarray, no
     return np.clip(level, 0.0, maximum)
 
 
-def _number(value: str, what: str, kind: type) -> float:
+def config_number(value: str, what: str, kind: type, owner: str = "TimmRandAugment") -> float:
+    """A timm config section's value as ``kind`` (int or float); ConfigError naming ``owner``
+    where it is not one."""
     try:
         return kind(value)
     except ValueError:
-        raise ConfigError(f"TimmRandAugment: {what} must be a number, got {value!r}") from None
+        raise ConfigError(f"{owner}: {what} must be {'an int' if kind is int else 'a number'}, got {value!r}") from None
 
 
 @dataclass(frozen=True)
@@ -160,20 +162,20 @@ class TimmRandAugment(MultiPass):
         for section in self.config.split("-")[1:]:
             key, value = (re.split(r"(\d.*)", section) + [""])[:2]
             if key == "m":
-                object.__setattr__(self, "magnitude", _number(value, "m", float))
+                object.__setattr__(self, "magnitude", config_number(value, "m", float))
             elif key == "n":
-                object.__setattr__(self, "num_layers", int(_number(value, "n", int)))
+                object.__setattr__(self, "num_layers", int(config_number(value, "n", int)))
             elif key == "p":
-                object.__setattr__(self, "prob", _number(value, "p", float))
+                object.__setattr__(self, "prob", config_number(value, "p", float))
             elif key == "mstd":
-                std = _number(value, "mstd", float)
+                std = config_number(value, "mstd", float)
                 object.__setattr__(self, "magnitude_std", math.inf if std > 100 else std)
             elif key == "mmax":
-                object.__setattr__(self, "magnitude_max", _number(value, "mmax", float))
+                object.__setattr__(self, "magnitude_max", config_number(value, "mmax", float))
             elif key == "inc":
-                object.__setattr__(self, "increasing", bool(int(_number(value, "inc", int))))
+                object.__setattr__(self, "increasing", bool(int(config_number(value, "inc", int))))
             elif key == "w":
-                if _number(value, "w", int) != 0:
+                if config_number(value, "w", int) != 0:
                     raise ConfigError(f"TimmRandAugment: timm has one set of op weights, w0; got {section!r}")
                 object.__setattr__(self, "weighted", True)
             elif section.startswith("t"):  # a name, not a number: timm reads the rest of the section

@@ -13,15 +13,16 @@ import math
 import numbers
 import re
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 
 from headrace._errors import ConfigError
 
-from ._augmix import RANDOM_DEPTH, chain_depths, gamma_randoms, mix_weights
-from ._passes import CODE, MIX, MultiPass, PassWarp, round_passes
-from ._post_spec import Step, _fill
-from ._timm_augment import IMAGENET_FILL, LEVEL_DENOM, arguments, levels
+from ._augmix import Chains
+from ._passes import MultiPass
+from ._post_spec import _fill
+from ._timm_augment import IMAGENET_FILL, LEVEL_DENOM, arguments, config_number, levels
 
 __all__ = ["TimmAugMix"]
 
@@ -29,18 +30,10 @@ __all__ = ["TimmAugMix"]
 AUGMIX_OPS = ("AutoContrast", "ColorIncreasing", "ContrastIncreasing", "BrightnessIncreasing", "SharpnessIncreasing",
               "Equalize", "Rotate", "PosterizeIncreasing", "SolarizeIncreasing", "ShearX", "ShearY", "TranslateXRel",
               "TranslateYRel")
-_STEP_RANDOMS = 4  # an op's uniforms: which op, its sign, two for its magnitude's noise
-
-
-def _section(value: str, what: str, kind: type) -> float:
-    try:
-        return kind(value)
-    except ValueError:
-        raise ConfigError(f"TimmAugMix: {what} must be {'an int' if kind is int else 'a number'}, got {value!r}") from None
 
 
 @dataclass(frozen=True)
-class TimmAugMix(MultiPass):
+class TimmAugMix(Chains, MultiPass):
     """timm's ``augment_and_mix_transform(config)``, as ``create_transform(auto_augment=config)``
     builds it: ``w`` chains (default 3), each of ``d`` ops (``d0`` or no ``d``: one to three,
     drawn) drawn uniformly with replacement from timm's 13 AugMix ops, each at a magnitude drawn
@@ -70,6 +63,7 @@ class TimmAugMix(MultiPass):
     blended: bool = field(default=False, init=False)
     magnitude_std: float = field(default=math.inf, init=False)  # timm's AugMix default: uniform in [0, m]
     randoms: int = field(default=0, init=False)
+    step_randoms: ClassVar[int] = 4  # an op's uniforms: which op, its sign, two for its magnitude's noise
 
     def __post_init__(self) -> None:
         if not isinstance(self.config, str) or self.config.split("-")[0] != "augmix":
@@ -77,17 +71,17 @@ class TimmAugMix(MultiPass):
         for section in self.config.split("-")[1:]:
             key, value = (re.split(r"(\d.*)", section) + [""])[:2]  # timm's reading: key, then from the first digit
             if key == "m":
-                object.__setattr__(self, "magnitude", int(_section(value, "m", int)))
+                object.__setattr__(self, "magnitude", int(config_number(value, "m", int, "TimmAugMix")))
             elif key == "w":
-                object.__setattr__(self, "mixture_width", int(_section(value, "w", int)))
+                object.__setattr__(self, "mixture_width", int(config_number(value, "w", int, "TimmAugMix")))
             elif key == "d":
-                object.__setattr__(self, "chain_depth", int(_section(value, "d", int)))
+                object.__setattr__(self, "chain_depth", int(config_number(value, "d", int, "TimmAugMix")))
             elif key == "a":
-                object.__setattr__(self, "alpha", _section(value, "a", float))
+                object.__setattr__(self, "alpha", config_number(value, "a", float, "TimmAugMix"))
             elif key == "b":
                 object.__setattr__(self, "blended", True)  # timm: bool(value), true for any value
             elif key == "mstd":
-                object.__setattr__(self, "magnitude_std", _section(value, "mstd", float))
+                object.__setattr__(self, "magnitude_std", config_number(value, "mstd", float, "TimmAugMix"))
             else:
                 raise ConfigError(f"TimmAugMix: unknown section {section!r} in {self.config!r} "
                                   "(m, w, d, a, b and mstd are understood)")
@@ -100,44 +94,15 @@ class TimmAugMix(MultiPass):
             raise ConfigError(f"TimmAugMix: translate_pct must be a number >= 0, got {pct!r}")
         object.__setattr__(self, "translate_pct", float(pct))
         object.__setattr__(self, "fill", _fill(self.fill, "TimmAugMix: fill"))
-        object.__setattr__(self, "randoms", self.mixture_width * self._chain_randoms
-                           + (self.mixture_width + 2) * gamma_randoms(self.alpha))
+        object.__setattr__(self, "randoms", self.chain_randoms())
 
     @property
     def ops(self) -> tuple[str, ...]:
         """timm's op names the chains draw from, in its order."""
         return AUGMIX_OPS
 
-    @property
-    def _depth(self) -> int:
-        return self.chain_depth if self.chain_depth > 0 else RANDOM_DEPTH
-
-    @property
-    def _chain_randoms(self) -> int:
-        return 1 + _STEP_RANDOMS * self._depth  # the depth, then each op's
-
-    def weights(self, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The samples' mixing weights from their uniforms: (n,) for the original (``1 - m'``) and
-        (n, width) for the chains (``m' x w_i``)."""
-        return mix_weights(self.alpha, self.mixture_width, np.asarray(u)[:, self.mixture_width * self._chain_randoms :])
-
-    def steps(self, u, h, w, channels):
-        h, w = np.asarray(h).reshape(-1), np.asarray(w).reshape(-1)
-        n, width = len(h), self.mixture_width
-        u = np.asarray(u, dtype=np.float64).reshape(n, self.randoms)
-        original, chains = self.weights(u)
-        # The chains as rows of their own (row i W + c: sample i's chain c), as AugMix's.
-        draws = u[:, : width * self._chain_randoms].reshape(n * width, self._chain_randoms)
-        rows_h, rows_w = np.repeat(h, width), np.repeat(w, width)
-        depth = chain_depths(draws[:, 0], self.chain_depth)
-        warp = PassWarp(self.fill)
-        chain_steps: list[Step] = []
-        for r in range(self._depth):
-            d = draws[:, 1 + _STEP_RANDOMS * r : 1 + _STEP_RANDOMS * (r + 1)]
-            index = np.minimum((d[:, 0] * len(AUGMIX_OPS)).astype(np.int64), len(AUGMIX_OPS) - 1)
-            level = levels(self.magnitude, self.magnitude_std, LEVEL_DENOM, d[:, 2], d[:, 3])
-            op, magnitude = arguments(AUGMIX_OPS, index, level, d[:, 1] > 0.5, rows_h.astype(np.float64),
-                                      rows_w.astype(np.float64), self.translate_pct)
-            op = np.where(r < depth, op, CODE["Identity"])  # the chain has ended for this row
-            chain_steps += round_passes(op, magnitude, rows_h, rows_w, channels, warp)
-        return [(MIX, (np.column_stack([original, chains]), chain_steps))]
+    def chain_round(self, d, h, w):
+        index = np.minimum((d[:, 0] * len(AUGMIX_OPS)).astype(np.int64), len(AUGMIX_OPS) - 1)
+        level = levels(self.magnitude, self.magnitude_std, LEVEL_DENOM, d[:, 2], d[:, 3])
+        return arguments(AUGMIX_OPS, index, level, d[:, 1] > 0.5, h.astype(np.float64), w.astype(np.float64),
+                         self.translate_pct)

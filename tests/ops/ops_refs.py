@@ -106,6 +106,24 @@ def ref_warp(a: np.ndarray, m: np.ndarray, fill) -> np.ndarray:
     return np.clip(np.floor(v + 0.5), 0, 255)
 
 
+def augmix_ref(a: np.ndarray, original: float, chains: np.ndarray, chain_steps, row: int) -> np.ndarray:
+    """AugMix's mix of sample ``row`` written out: each of its chains (row ``row W + c`` of the
+    chains' passes, each pass that changes it applied from the original ``a``), weighted and summed
+    with ``original x a`` in float32 in that order, truncated to uint8."""
+    from headrace.ops._passes import changed
+    from headrace.ops.cpu import _post
+
+    width = len(chains)
+    mix = np.float32(original) * a.astype(np.float32)
+    for c in range(width):
+        x = torch.from_numpy(a)
+        for pass_op, tables in chain_steps:
+            if changed(pass_op, tables)[row * width + c]:
+                x = _post.apply_tables(x, pass_op, tables, row=row * width + c)
+        mix = mix + np.float32(chains[c]) * x.numpy().astype(np.float32)
+    return np.trunc(np.clip(mix, 0, 255)).astype(np.uint8)
+
+
 def tv_resize_size(h: int, w: int, size: int | None, max_size: int | None = None) -> tuple[int, int]:
     """torchvision ``_compute_resized_output_size`` (v2) for an int size or None: short side = size,
     the long side capped at ``max_size``; with size None the long side = ``max_size``."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from ops_refs import random_image
+from ops_refs import augmix_ref, random_image
 from sample_data import cropped_images, jpeg_items
 
 from headrace import ConfigError, ops
@@ -154,14 +154,7 @@ def test_the_mix_is_each_chain_from_the_original_weighted_and_truncated(make, ch
     weights, chain_steps = _mix(steps)
     np.testing.assert_array_equal(weights, np.column_stack([original, chains]))
     for i, a in enumerate(images):
-        mix = np.float32(original[i]) * a.astype(np.float32)
-        for c in range(op.mixture_width):
-            x = torch.from_numpy(a)
-            for pass_op, tables in chain_steps:  # the passes that change this chain's row
-                if changed(pass_op, tables)[i * op.mixture_width + c]:
-                    x = _post.apply_tables(x, pass_op, tables, row=i * op.mixture_width + c)
-            mix = mix + np.float32(chains[i, c]) * x.numpy().astype(np.float32)
-        expected = np.trunc(np.clip(mix, 0, 255)).astype(np.uint8)
+        expected = augmix_ref(a, original[i], chains[i], chain_steps, i)
         got = _post.apply(torch.from_numpy(a), [op], [u[i : i + 1]]).numpy()
         assert np.array_equal(got, expected), i
         # and each sample of the batch's steps gives what it gets alone

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from ops_refs import random_image
+from ops_refs import augmix_ref, random_image
 from sample_data import cropped_images, jpeg_items
 
 from headrace import ConfigError, ops
@@ -147,16 +147,12 @@ def test_the_mix_is_the_chains_weighted_blended_with_the_original_and_truncated(
     u = ops.uniforms(3, 1, 0, np.arange(n), op.randoms)
     steps = op.steps(u, np.full(n, H), np.full(n, W), channels)
     original, chains = op.weights(u)
-    ((_, (weights, _)),) = steps
+    ((_, (weights, chain_steps)),) = steps
     np.testing.assert_array_equal(weights, np.column_stack([original, chains]))
     np.testing.assert_allclose(original, 1.0 - chains.sum(axis=1), atol=1e-12)  # blend(original, mix, m')
     np.testing.assert_array_equal(original, mix_weights(op.alpha, op.mixture_width, u[:, op.mixture_width * op._chain_randoms :])[0])
     for i, a in enumerate(images):
-        mix = np.float32(original[i]) * a.astype(np.float32)
-        for c in range(op.mixture_width):
-            chain = _chain_image(torch.from_numpy(a), steps, i * op.mixture_width + c)
-            mix = mix + np.float32(chains[i, c]) * chain.numpy().astype(np.float32)
-        expected = np.trunc(np.clip(mix, 0, 255)).astype(np.uint8)
+        expected = augmix_ref(a, original[i], chains[i], chain_steps, i)
         got = _post.apply(torch.from_numpy(a), [op], [u[i : i + 1]]).numpy()
         assert np.array_equal(got, expected), i
         assert np.array_equal(_post.run_steps(torch.from_numpy(a), steps, row=i).numpy(), got)
