@@ -32,16 +32,17 @@ files = sorted(glob.glob(f"{root}/*/*.jpg"))
 blobs = [open(f, "rb").read() for f in files]
 B = 256
 batches = [blobs[i:i + B] for i in range(0, len(blobs), B)]
-pipe = ops.training(224)
+PIPES = {"train": ops.training(224), "val": ops.validation(224)}
 
-def regions_for(info, k):
+def regions_for(info, k, pipe):
     idx = np.arange(k * B, k * B + len(info))
     rnd = [uniforms(0, 0, pos, idx, op.randoms) if op.randoms else None for pos, op in enumerate(pipe.image_ops, 1)]
     return roi_batch(plan_batch(info[:, 0], info[:, 1], pipe.image_ops, rnd), info[:, 0], info[:, 1]).astype(np.int32)
 
-def run(lanes, hw, threads, cuda_load=1.0, passes=3, mix=None, dynamic=False):
+def run(lanes, hw, threads, cuda_load=1.0, passes=3, mix=None, dynamic=False, split="share", windows="train"):
     """mix: each lane's own (hw_load, threads); dynamic: each lane takes the next batch when it is
-    free (a shared queue) instead of every lanes-th batch."""
+    free (a shared queue) instead of every lanes-th batch; split: BatchDecoder's; windows: the
+    training pipeline's crop windows, or validation's (centre)."""
     rates = []
     queue = {"next": iter(()), "lock": threading.Lock()}
 
@@ -63,7 +64,7 @@ def run(lanes, hw, threads, cuda_load=1.0, passes=3, mix=None, dynamic=False):
             torch.cuda.set_device(0); cupy.cuda.Device(0).use()
             s.stream = cupy.cuda.Stream(non_blocking=True)
             lane_hw, lane_threads = mix[s.i] if mix else (hw, threads)
-            s.dec = BatchDecoder(0, threads=lane_threads, hw_load=lane_hw, cuda_load=cuda_load)
+            s.dec = BatchDecoder(0, threads=lane_threads, hw_load=lane_hw, cuda_load=cuda_load, split=split)
             s.parsed = ParsedBatch()
             s.ws = [torch.empty(B * 224 * 224 * 3 * 8, dtype=torch.uint8, device="cuda") for _ in range(2)]
             s.ready.set()
@@ -72,7 +73,7 @@ def run(lanes, hw, threads, cuda_load=1.0, passes=3, mix=None, dynamic=False):
                 ev = [None, None]
                 for turn, k in enumerate(batch_numbers(s.i)):
                     info = s.parsed.parse(batches[k], exif=True)
-                    reg = regions_for(info, k)
+                    reg = regions_for(info, k, PIPES[windows])
                     h, w = reg[:, 2] - reg[:, 0], reg[:, 3] - reg[:, 1]
                     sizes = (h.astype(np.int64) * w * 3 + 255) // 256 * 256
                     slot = turn % 2
@@ -123,18 +124,26 @@ configs = [(1, 0.65, cores, 1.0), (2, 0.65, cores, 1.0), (2, "adaptive", cores, 
            (5, "mix", 0, 1.0, None, [(1.0, 1)] * 3 + [(0.0, (cores - 3) // 2)] * 2, True),
            (4, "mix", 0, 1.0, None, [(1.0, 1)] * 2 + [(0.0, (cores - 2) // 2)] * 2, True),
            (6, "mix", 0, 1.0, None, [(1.0, 1)] * 4 + [(0.0, (cores - 4) // 2)] * 2, True),
-           (6, "mix", 0, 1.0, None, [(1.0, 1)] * 3 + [(0.0, (cores - 3) // 3)] * 3, True)]
+           (6, "mix", 0, 1.0, None, [(1.0, 1)] * 3 + [(0.0, (cores - 3) // 3)] * 3, True),
+           # 36-41: the default lanes (4, hw_load 0.65, the threads shared), the batch shared or
+           # stolen (the engine and the CUDA decoder taking from its two ends), training's windows
+           # then validation's; 3 lanes stolen
+           (4, 0.65, cores // 4, 1.0, None, None, False, "share"), (4, 0.65, cores // 4, 1.0, None, None, False, "steal"),
+           (4, 0.65, cores // 4, 1.0, None, None, False, "share", "val"),
+           (4, 0.65, cores // 4, 1.0, None, None, False, "steal", "val"),
+           (3, 0.65, cores // 3, 1.0, None, None, False, "steal"), (3, 0.65, cores // 3, 1.0, None, None, False, "steal", "val")]
 only = sys.argv[2:]  # optional: the indices of the configurations to run
 for k, (lanes, hw, th, cl, *rest) in enumerate(configs):
     if only and str(k) not in only:
         continue
-    order, mix, dynamic = (list(rest) + [None, None, False])[:3]
+    order, mix, dynamic, split, windows = (list(rest) + [None, None, False, "share", "train"])[:5]
     if order:  # kept so that the numbers the docs cite still name the same configurations
         print(f"configuration {k}: the shim no longer takes a decode order (the engine takes the largest "
               "windows, batch_decode.c's engine_first); skipped", flush=True)
         continue
-    med, rates, busy = run(lanes, hw, th, cl, mix=mix, dynamic=dynamic)
+    med, rates, busy = run(lanes, hw, th, cl, mix=mix, dynamic=dynamic, split=split, windows=windows)
     how = f" mix={mix}" if mix else ""
+    how += f" split={split} windows={windows}" if k >= 36 else ""
     how += " (each lane takes the next batch)" if dynamic else ""
     print(f"decode floor lanes={lanes} hw={hw} threads={th} cuda_load={cl}{how}: {med:,.0f} img/s  "
           f"runs {[round(r) for r in rates]}  cores busy {busy:.1f} ({busy / med * 1000:.2f} per 1,000 img/s)", flush=True)
