@@ -59,8 +59,16 @@ def run(lanes, hw, threads, cuda_load=1.0, passes=3, mix=None, dynamic=False, sp
 
     class Lane(threading.Thread):
         def __init__(s, i):
-            super().__init__(); s.i = i; s.ready = threading.Event(); s.go = threading.Event(); s.done = threading.Event()
+            super().__init__(daemon=True)  # a lane that failed leaves the others waiting: do not wait for them at exit
+            s.i = i; s.ready = threading.Event(); s.go = threading.Event(); s.done = threading.Event(); s.error = None
         def run(s):
+            try:
+                s.work()
+            except BaseException as e:
+                s.error = e
+                s.ready.set(); s.done.set()
+                raise
+        def work(s):
             torch.cuda.set_device(0); cupy.cuda.Device(0).use()
             s.stream = cupy.cuda.Stream(non_blocking=True)
             lane_hw, lane_threads = mix[s.i] if mix else (hw, threads)
@@ -90,12 +98,18 @@ def run(lanes, hw, threads, cuda_load=1.0, passes=3, mix=None, dynamic=False, sp
     ls = [Lane(i) for i in range(lanes)]
     for l in ls: l.start()
     for l in ls: l.ready.wait()
+
+    def failed():
+        if any(l.error for l in ls):
+            raise SystemExit(f"a lane failed: {next(l.error for l in ls if l.error)!r}")
+    failed()
     busy = []  # host cores busy (process CPU time over wall time): what the rate costs the host
     for p in range(passes):
         queue["next"] = iter(range(len(batches)))
         t, cpu = time.perf_counter(), time.process_time()
         for l in ls: l.go.set()
         for l in ls: l.done.wait(); l.done.clear()
+        failed()
         dt = time.perf_counter() - t
         if p:
             rates.append(len(blobs) / dt)
@@ -132,11 +146,11 @@ configs = [(1, 0.65, cores, 1.0), (2, 0.65, cores, 1.0), (2, "adaptive", cores, 
            (4, 0.65, cores // 4, 1.0, None, None, False, "share", "val"),
            (4, 0.65, cores // 4, 1.0, None, None, False, "steal", "val"),
            (3, 0.65, cores // 3, 1.0, None, None, False, "steal"), (3, 0.65, cores // 3, 1.0, None, None, False, "steal", "val")]
-only = sys.argv[2:]  # optional: the indices of the configurations to run
-for k, (lanes, hw, th, cl, *rest) in enumerate(configs):
-    if only and str(k) not in only:
-        continue
-    order, mix, dynamic, split, windows = (list(rest) + [None, None, False, "share", "train"])[:5]
+# optional: the indices of the configurations to run, in that order (one may come again: turns)
+chosen = [int(k) for k in sys.argv[2:]] or range(len(configs))
+for k in chosen:
+    lanes, hw, th, cl, *rest = configs[k]
+    order, mix, dynamic, split, windows = (list(rest) + [None, None, False, "share", "train"][len(rest):])
     if order:  # kept so that the numbers the docs cite still name the same configurations
         print(f"configuration {k}: the shim no longer takes a decode order (the engine takes the largest "
               "windows, batch_decode.c's engine_first); skipped", flush=True)
