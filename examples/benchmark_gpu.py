@@ -490,7 +490,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--lanes", type=int, default=4, help="GPU lanes (the Loader's default)")
     ap.add_argument("--variants", default="",
-                    help="also run headrace (train, or validation with val:) with these [val:]LANES:HW_LOAD[:THREADS[:DISPATCH[:GPU_HUFFMAN_ABOVE[:GPU_HUFFMAN_LOAD[:GPU_HUFFMAN_THREADS[:SPLIT]]]]]] (decoder threads per lane; free or turn; pixels, or none; a share; threads; share or steal), e.g. 2:0.5,3:0.65:5,val:4:0.65:4:turn,4:0.55:4::25000,4:0.65::::0.15:8,val:4:0.65::::::steal; --interleave runs them side by side")
+                    help="also run headrace (train, or validation with val:) with these [val:]LANES:HW_LOAD[:THREADS[:DISPATCH[:GPU_HUFFMAN_ABOVE[:GPU_HUFFMAN_LOAD[:GPU_HUFFMAN_THREADS]]]]] (decoder threads per lane; free or turn; pixels, or none; a share; threads), e.g. 2:0.5,3:0.65:5,val:4:0.65:4:turn,4:0.55:4::25000,4:0.65::::0.15:8; --interleave runs them side by side")
     ap.add_argument("--io-threads", type=int, default=IO_THREADS, help="the files reader's I/O threads")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for the whole run (Python's default is 0.005 s)")
@@ -606,16 +606,15 @@ def main() -> None:
     for variant in filter(None, args.variants.split(",")):
         kind, spec = ("val", variant[4:]) if variant.startswith("val:") else ("train", variant)
         n, hw, *more = spec.split(":")
-        threads, dispatch, huffman, gpu_share, gpu_threads, split = (more + [None] * 6)[:6]
+        threads, dispatch, huffman, gpu_share, gpu_threads = (more + [None] * 5)[:5]
         named = [(threads, f"{threads} threads"), (dispatch, f"{dispatch} dispatch"),
                  (huffman, f"GPU Huffman above {huffman}"), (gpu_share, f"GPU Huffman share {gpu_share}"),
-                 (gpu_threads, f"{gpu_threads} GPU-Huffman threads"), (split, f"{split} split")]
+                 (gpu_threads, f"{gpu_threads} GPU-Huffman threads")]
         label = ", ".join([f"headrace ({kind}", f"{n} lanes", f"hw_load={hw}"] + [text for value, text in named if value]) + ")"
         tuning = {**({"dispatch": dispatch} if dispatch else {}),
                   **({"gpu_huffman_above": None if huffman == "none" else int(huffman)} if huffman else {}),
                   **({"gpu_huffman_load": float(gpu_share)} if gpu_share else {}),
-                  **({"gpu_huffman_threads": int(gpu_threads)} if gpu_threads else {}),
-                  **({"split": split} if split else {})}
+                  **({"gpu_huffman_threads": int(gpu_threads)} if gpu_threads else {})}
         tuned_row(variant, kind, label, {"lanes": int(n), "hw_load": hw if hw == "adaptive" else float(hw),
                                          "threads": int(threads) if threads else None,
                                          "tuning": ops.GpuTuning(**tuning) if tuning else None})

@@ -57,7 +57,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         return None, f"nvImageCodec's C header or library is missing under {package}"
     target, reason = native.build(
         "batch_decode", _SOURCE, inputs=(_HERE / "cuda_runtime_api.h", header),
-        flags=(f"-I{_HERE}", f"-I{header.parent}", f"-L{package}", "-l:libnvimgcodec.so.0", f"-Wl,-rpath,{package}", "-ldl", "-pthread"),
+        flags=(f"-I{_HERE}", f"-I{header.parent}", f"-L{package}", "-l:libnvimgcodec.so.0", f"-Wl,-rpath,{package}", "-ldl"),
     )
     if target is None:
         return None, reason
@@ -80,7 +80,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hr_parsed_destroy.argtypes, lib.hr_parsed_destroy.restype = [p], None
     lib.hr_parse.argtypes, lib.hr_parse.restype = [p, p, i, p, p, i, p], i
     lib.hr_decoder_destroy.argtypes, lib.hr_decoder_destroy.restype = [p], None
-    lib.hr_decoder_set_split.argtypes, lib.hr_decoder_set_split.restype = [p, i], None
     lib.hr_driver_load.argtypes, lib.hr_driver_load.restype = [ctypes.c_char_p, sz], i
     lib.hr_decode_launch.argtypes = [p, p, i, p, p, p, i, i, p, p, ctypes.POINTER(Launch)]
     lib.hr_decode_launch.restype = i
@@ -143,10 +142,6 @@ def _instance(lib: ctypes.CDLL) -> int:
         return _state["instance"]
 
 
-# How a batch is shared between the hardware engine and the CUDA decoder (the shim's HR_SPLIT_*).
-_SPLITS = {"share": 0, "steal": 1}
-
-
 class BatchDecoder:
     """One nvImageCodec decoder driven through the shim. Not for two threads at once (a lane owns it).
 
@@ -159,12 +154,7 @@ class BatchDecoder:
     nvImageCodec's decoder as they are (e.g. ``"nvjpeg_cuda_decoder:hybrid_huffman_threshold=0"``).
     ``gpu_load``: the share of each batch (the windows next in size after the engine's) given to a
     second CUDA decoder that runs every Huffman stage on the GPU (0: none, no second decoder), with
-    ``gpu_threads`` host threads (0: ``threads``). ``split``: ``"share"`` gives the engine
-    ``hw_load`` of each batch in one call and the CUDA decoder the rest in another; ``"steal"`` has
-    the two take chunks from the batch's two ends (the engine its largest windows, the CUDA decoder
-    its smallest, in a thread of the shim's own) until they meet, so neither waits on the other while
-    the batch has work left (``hw_load`` then only says whether the engine takes part, when above 0;
-    with ``gpu_load`` or ``"adaptive"`` the batch is shared).
+    ``gpu_threads`` host threads (0: ``threads``).
     """
 
     def __init__(
@@ -179,7 +169,6 @@ class BatchDecoder:
         channels: int = 3,
         exif: bool = True,
         options: str = "",
-        split: str = "share",
     ):
         lib = load()
         if lib is None:
@@ -197,7 +186,6 @@ class BatchDecoder:
         if not handle:
             raise RuntimeError(err.value.decode())
         self._handle = handle
-        lib.hr_decoder_set_split(handle, _SPLITS[split])
         self.channels = channels
         self.exif = exif
 

@@ -121,10 +121,6 @@ class GpuTuning:
     ``"python"`` (launched from Python after the decode). ``dispatch``: ``"turn"`` (batch i to lane
     i mod lanes) or ``"free"`` (to the lane with the fewest batches queued: +2-8% in the decode
     floor on the H100, no difference the training pipeline's noise let us see; docs/benchmarks.md).
-    ``split``: how each batch is shared between the hardware engine and the CUDA decoder (the
-    shim's): ``"share"`` (``hw_load`` of it to the engine, the rest to the CUDA decoder, each
-    one call that the lane waits for) or ``"steal"`` (the two take chunks from its two ends until
-    they meet, so the side that would be done first keeps working on the batch).
     """
 
     cuda_load: float = 1.0
@@ -135,7 +131,6 @@ class GpuTuning:
     decode: Literal["shim", "python"] = "shim"
     launch: Literal["shim", "python"] = "shim"
     dispatch: Literal["turn", "free"] = "turn"
-    split: Literal["share", "steal"] = "share"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cuda_load", require_number("cuda_load", self.cuda_load, 0.0, 1.0, wanted="in [0, 1]"))
@@ -152,8 +147,6 @@ class GpuTuning:
                 raise ConfigError(f"{name} must be 'shim' or 'python', got {getattr(self, name)!r}")
         if self.dispatch not in ("free", "turn"):
             raise ConfigError(f"dispatch must be 'free' or 'turn', got {self.dispatch!r}")
-        if self.split not in ("share", "steal"):
-            raise ConfigError(f"split must be 'share' or 'steal', got {self.split!r}")
 
     def decoder_options(self) -> str:
         """The options string for nvImageCodec's decoders: ``gpu_huffman_above`` as its option,

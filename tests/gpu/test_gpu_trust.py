@@ -72,11 +72,9 @@ PIPELINES = {
 }
 # The lane's ways: the shim's fused launch, the launch from Python, nvImageCodec's Python API; and
 # the Huffman stage on the GPU (nvJPEG's GPU-hybrid backend, fed damaged files only here): all the
-# CUDA decoder's images (engine failures retried there too), or a share of each batch to a second one;
-# and the batch stolen by the engine and the CUDA decoder from its two ends.
+# CUDA decoder's images (engine failures retried there too), or a share of each batch to a second one.
 LAUNCHES = {"shim": ops.GpuTuning(), "python": ops.GpuTuning(launch="python"), "pyapi": ops.GpuTuning(decode="python"),
-            "gpu-huffman": ops.GpuTuning(gpu_huffman_above=0), "gpu-huffman-share": ops.GpuTuning(gpu_huffman_load=0.35),
-            "steal": ops.GpuTuning(split="steal")}
+            "gpu-huffman": ops.GpuTuning(gpu_huffman_above=0), "gpu-huffman-share": ops.GpuTuning(gpu_huffman_load=0.35)}
 
 
 def _empty_output(images) -> bool:

@@ -19,7 +19,6 @@
 #include <string.h>
 #include <time.h>
 #include <dlfcn.h>
-#include <pthread.h>
 
 #include "nvimgcodec.h"
 
@@ -70,8 +69,6 @@ typedef struct {
     float hw_share;
     float gpu_share;          /* of each batch, the windows after the engine's, to `gpu` */
     int adaptive;             /* move hw_share batch by batch, towards no wait on the CUDA decoder */
-    int split;                /* how a batch is shared between the engine and the CUDA decoder: HR_SPLIT_* */
-    int threads;              /* the CUDA decoder's host threads */
     int capacity;
     nvimgcodecCodeStream_t* views; /* region views, reused between batches */
     hr_item* items;
@@ -79,14 +76,6 @@ typedef struct {
     nvimgcodecImage_t* images;
     nvimgcodecProcessingStatus_t* status;
 } hr_decoder;
-
-/* How a batch is shared between the engine and the CUDA decoder. HR_SPLIT_SHARE: hw_share of it to
-   the engine (its largest windows), the rest to the CUDA decoder, each one call. HR_SPLIT_STEAL: the
-   two take chunks from the two ends of the batch (the engine from the largest windows, the CUDA
-   decoder from the smallest) until they meet, so neither waits for the other while the batch has
-   work left; with one call per side, the side done first idles until the other is done, and its
-   host threads or engines stay unused by this lane meanwhile. */
-enum { HR_SPLIT_SHARE = 0, HR_SPLIT_STEAL = 1 };
 
 static void set_error(char* err, size_t len, const char* what, int code)
 {
@@ -173,7 +162,6 @@ hr_decoder* hr_decoder_create(nvimgcodecInstance_t instance, int device_id, int 
     d->hw_share = hw_load;
     d->gpu_share = gpu_load < 0.0f ? 0.0f : gpu_load > 1.0f ? 1.0f : gpu_load;
     d->adaptive = adaptive;
-    d->threads = threads > 0 ? threads : 1;
     if (cpu_only) {
         const nvimgcodecBackendKind_t kinds[1] = {NVIMGCODEC_BACKEND_KIND_CPU_ONLY};
         const float loads[1] = {1.0f};
@@ -217,12 +205,6 @@ hr_decoder* hr_decoder_create(nvimgcodecInstance_t instance, int device_id, int 
         return NULL;
     }
     return d;
-}
-
-/* How each batch is shared between the engine and the CUDA decoder from now on: HR_SPLIT_*. */
-void hr_decoder_set_split(hr_decoder* d, int split)
-{
-    d->split = split == HR_SPLIT_STEAL ? HR_SPLIT_STEAL : HR_SPLIT_SHARE;
 }
 
 static void release_handles(nvimgcodecCodeStream_t* handles, int n)
@@ -492,103 +474,6 @@ static void finish(hr_decoder* d, nvimgcodecFuture_t future, hr_item* items, int
 
 static double now(void);
 
-/* The calling thread's CUDA context, made current in the thread that runs the CUDA decoder's side
-   of a stolen split: nvImageCodec's decode call works on the caller's current device. Resolved from
-   libcuda at first use (not linked, as the launches below). */
-typedef int (*hr_cu_ctx_get)(void**);
-typedef int (*hr_cu_ctx_set)(void*);
-static hr_cu_ctx_get ctx_get;
-static hr_cu_ctx_set ctx_set;
-static pthread_once_t ctx_once = PTHREAD_ONCE_INIT;
-
-static void ctx_resolve(void)
-{
-    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (lib) {
-        ctx_get = (hr_cu_ctx_get)dlsym(lib, "cuCtxGetCurrent");
-        ctx_set = (hr_cu_ctx_set)dlsym(lib, "cuCtxSetCurrent");
-    }
-}
-
-/* One batch shared by stealing (HR_SPLIT_STEAL): items [0, offered) may go to the engine, the
-   engine takes from the front, the CUDA decoder from the back, under one lock. */
-typedef struct {
-    hr_decoder* d;
-    const nvimgcodecDecodeParams_t* params;
-    pthread_mutex_t lock;
-    int front;   /* the engine's items are [0, front) */
-    int back;    /* the CUDA decoder's are [back, k) */
-    int offered;
-    int chunk;   /* the CUDA decoder's take: a few images for each of its threads */
-    void* ctx;
-    int called;  /* a call of the CUDA decoder's side started */
-} hr_steal;
-
-static void* cuda_side(void* arg)
-{
-    hr_steal* s = (hr_steal*)arg;
-    if (s->ctx)
-        ctx_set(s->ctx);
-    for (;;) {
-        pthread_mutex_lock(&s->lock);
-        int hi = s->back, lo = s->back - s->chunk;
-        lo = lo > s->front ? lo : s->front;
-        s->back = lo;
-        pthread_mutex_unlock(&s->lock);
-        if (lo >= hi)
-            return NULL;
-        nvimgcodecFuture_t f = start(s->d, s->d->cuda, s->d->items + lo, hi - lo, s->params);
-        s->called |= f != NULL;
-        finish(s->d, f, s->d->items + lo, hi - lo);
-    }
-}
-
-/* Decode items [0, k) by stealing; the engine's side runs here, the CUDA decoder's in a thread of
-   its own. Returns how many items the engine took (all from the front, each marked hw = 2), or -1
-   when the thread could not start (nothing was decoded). *ok says whether any call started. The
-   engine takes half of what is left each time (fewer images a call as the two sides near each
-   other, so neither is left with a long last call), the CUDA decoder 4 images a thread. */
-static int decode_stealing(hr_decoder* d, int k, int offered, const nvimgcodecDecodeParams_t* params, int* ok)
-{
-    pthread_once(&ctx_once, ctx_resolve);
-    hr_steal s;
-    memset(&s, 0, sizeof(s));
-    s.d = d;
-    s.params = params;
-    s.back = k;
-    s.offered = offered;
-    s.chunk = 4 * d->threads;
-    if (!ctx_get || !ctx_set || ctx_get(&s.ctx) != 0)
-        s.ctx = NULL;
-    if (pthread_mutex_init(&s.lock, NULL) != 0)
-        return -1;
-    pthread_t thread;
-    if (pthread_create(&thread, NULL, cuda_side, &s) != 0) {
-        pthread_mutex_destroy(&s.lock);
-        return -1;
-    }
-    int engine_called = 0;
-    for (;;) {
-        pthread_mutex_lock(&s.lock);
-        int lo = s.front, left = s.back - s.front;
-        int hi = lo + (left + 1) / 2;
-        hi = hi < s.offered ? hi : s.offered;
-        s.front = hi > lo ? hi : lo;
-        pthread_mutex_unlock(&s.lock);
-        if (hi <= lo)
-            break;
-        for (int i = lo; i < hi; ++i)
-            d->items[i].hw = 2;
-        nvimgcodecFuture_t f = start(d, d->hw, d->items + lo, hi - lo, params);
-        engine_called |= f != NULL;
-        finish(d, f, d->items + lo, hi - lo);
-    }
-    pthread_join(thread, NULL);
-    pthread_mutex_destroy(&s.lock);
-    *ok = engine_called || s.called;
-    return s.front;
-}
-
 /* Decode m of the images parsed into p: pick[j] is the index given to hr_parse, region[4j..4j+3] the
  * window y0, x0, y1, x1 to decode (in displayed coordinates when exif; the whole image is just the
  * full window), out[j] the buffer for its (y1-y0) x (x1-x0) x channels uint8 pixels, rows packed.
@@ -636,34 +521,20 @@ static int decode_batch(hr_decoder* d, const hr_parsed* p, int m, const int32_t*
         n_gpu = (int)(d->gpu_share * (float)k + 0.5f);
         n_gpu = n_gpu < k - n_hw ? n_gpu : k - n_hw;
     }
-    int ok = 0, stolen = -1;
-    if (d->split == HR_SPLIT_STEAL && offered && n_hw && !d->gpu && !d->adaptive) {
-        for (int i = 0; i < n_hw; ++i)
-            d->items[i].hw = 1; /* the engine marks what it takes */
-        stolen = decode_stealing(d, k, offered, &params, &ok);
-        if (stolen < 0)
-            for (int i = 0; i < n_hw; ++i)
-                d->items[i].hw = 2; /* no thread: shared as below */
-        else
-            n_hw = stolen;
+    /* The CUDA decoders' shares run in their threads while the engine decodes its share here. */
+    int n_rest = k - n_hw - n_gpu;
+    nvimgcodecFuture_t rest = start(d, d->cuda, d->items + n_hw + n_gpu, n_rest, &params);
+    nvimgcodecFuture_t on_gpu = start(d, d->gpu, d->items + n_hw, n_gpu, &params);
+    int ok = rest != NULL || on_gpu != NULL || k - n_hw == 0;
+    if (n_hw) {
+        nvimgcodecFuture_t engine = start(d, d->hw, d->items, n_hw, &params);
+        finish(d, engine, d->items, n_hw);
+        ok |= engine != NULL;
     }
-    double waited = 0.0;
-    if (stolen < 0) {
-        /* The CUDA decoders' shares run in their threads while the engine decodes its share here. */
-        int n_rest = k - n_hw - n_gpu;
-        nvimgcodecFuture_t rest = start(d, d->cuda, d->items + n_hw + n_gpu, n_rest, &params);
-        nvimgcodecFuture_t on_gpu = start(d, d->gpu, d->items + n_hw, n_gpu, &params);
-        ok = rest != NULL || on_gpu != NULL || k - n_hw == 0;
-        if (n_hw) {
-            nvimgcodecFuture_t engine = start(d, d->hw, d->items, n_hw, &params);
-            finish(d, engine, d->items, n_hw);
-            ok |= engine != NULL;
-        }
-        double t0 = now();
-        finish(d, on_gpu, d->items + n_hw, n_gpu);
-        finish(d, rest, d->items + n_hw + n_gpu, n_rest);
-        waited = now() - t0;
-    }
+    double t0 = now();
+    finish(d, on_gpu, d->items + n_hw, n_gpu);
+    finish(d, rest, d->items + n_hw + n_gpu, n_rest);
+    double waited = now() - t0;
     if (n_hw && d->adaptive && k > n_hw) {
         /* Waiting on the CUDA decoder: the engine can take more; no wait: it may be the slower. */
         d->hw_share += waited > 0.002 ? 0.01f : -0.005f;
