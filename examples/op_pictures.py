@@ -68,6 +68,8 @@ def figures(height: int, width: int) -> list[Figure]:
         Figure("rand_augment", ops.RandAugment(magnitude=15), "RandAugment(magnitude=15)", requests=4),
         Figure("augmix", ops.AugMix(), "AugMix()", requests=4),
         Figure("timm_augmix", ops.TimmAugMix("augmix-m5-w4-d2"), 'TimmAugMix("augmix-m5-w4-d2")', requests=4),
+        Figure("timm_auto_augment", ops.TimmAutoAugment("original-mstd0.5"), 'TimmAutoAugment("original-mstd0.5")',
+               requests=4),
         Figure("normalize", ops.Normalize(), "Normalize(), as x * std + mean"),
     ]
 

@@ -13,6 +13,7 @@ from ._erase import RandomErasing
 from ._auto_augment import AutoAugment, RandAugment, TrivialAugmentWide
 from ._augmix import AugMix
 from ._timm_augment import TimmRandAugment
+from ._timm_auto_augment import TimmAutoAugment
 from ._timm_augmix import TimmAugMix
 from ._tone import (
     RandomAdjustSharpness,
@@ -86,6 +87,7 @@ __all__ = [
     "Rotate",
     "Sharpness",
     "TimmAugMix",
+    "TimmAutoAugment",
     "TimmRandAugment",
     "ToneCurve",
     "TrivialAugmentWide",

@@ -14,6 +14,7 @@ from ._random import uniforms
 from ._post_spec import PostOp
 from ._timm_augment import TimmRandAugment
 from ._timm_augmix import TimmAugMix
+from ._timm_auto_augment import TimmAutoAugment
 from ._stages import MapBatch, Stage
 from ._spec import (
     IMAGENET_MEAN,
@@ -347,10 +348,10 @@ def training(
 
     ``auto_augment`` adds an augmentation policy between the flip and the normalize, as timm's
     ``create_transform(auto_augment=...)`` does: a timm config string (``"rand-m9-mstd0.5-inc1"``:
-    ``TimmRandAugment``; ``"augmix-m5-w4-d2"``: ``TimmAugMix``; their warps filling with ``mean``
+    ``TimmRandAugment``; ``"augmix-m5-w4-d2"``: ``TimmAugMix``; any other, timm's AutoAugment
+    (``"original-mstd0.5"``, ``"v0r"``...): ``TimmAutoAugment``; their warps filling with ``mean``
     in levels, as timm's) or a post op (``RandAugment()``, ``AutoAugment()``...). Raises
-    ConfigError for another string (timm's AutoAugment strings are not offered: pass
-    ``AutoAugment()``, torchvision's).
+    ConfigError for a string timm would not take.
     """
     listed: list[Op] = [Decode(), RandomResizedCrop(size, scale, ratio), Flip(flip)]
     if isinstance(auto_augment, str):
@@ -359,10 +360,8 @@ def training(
             listed.append(TimmRandAugment(auto_augment, fill=fill))
         elif auto_augment.startswith("augmix"):
             listed.append(TimmAugMix(auto_augment, fill=fill))
-        else:
-            raise ConfigError(f"training: auto_augment {auto_augment!r} is neither timm's RandAugment ('rand-...') "
-                              "nor its AugMix ('augmix-...'); for torchvision's policies pass ops.AutoAugment(), "
-                              "ops.RandAugment(), ops.TrivialAugmentWide() or ops.AugMix()")
+        else:  # timm's create_transform: any other string is an AutoAugment policy
+            listed.append(TimmAutoAugment(auto_augment, fill=fill))
     elif isinstance(auto_augment, PostOp):
         listed.append(auto_augment)
     elif auto_augment is not None:

@@ -66,6 +66,7 @@ _RULES = (
     ("shift_y", lambda f, s, h, w, t: s * f * t * h),
     ("posterize", lambda f, s, h, w, t: np.trunc(f * 4)),
     ("posterize_inc", lambda f, s, h, w, t: 4 - np.trunc(f * 4)),
+    ("posterize_orig", lambda f, s, h, w, t: np.trunc(f * 4) + 4),  # AutoAugment's: 4 to 8 bits kept
     ("solarize", lambda f, s, h, w, t: np.minimum(256, np.trunc(f * 256))),
     ("solarize_inc", lambda f, s, h, w, t: 256 - np.minimum(256, np.trunc(f * 256))),
     ("solarize_add", lambda f, s, h, w, t: np.minimum(128, np.trunc(f * 110))),
@@ -79,6 +80,7 @@ _OPS = {  # timm's name: (pass op, rule)
     "Rotate": ("Rotate", "rotate"), "ShearX": ("ShearX", "shear"), "ShearY": ("ShearY", "shear"),
     "TranslateXRel": ("ShiftX", "shift_x"), "TranslateYRel": ("ShiftY", "shift_y"),
     "Posterize": ("Posterize", "posterize"), "PosterizeIncreasing": ("Posterize", "posterize_inc"),
+    "PosterizeOriginal": ("Posterize", "posterize_orig"),
     "Solarize": ("Solarize", "solarize"), "SolarizeIncreasing": ("Solarize", "solarize_inc"),
     "SolarizeAdd": ("SolarizeAdd", "solarize_add"),
     **{name: (name, "enhance") for name in ("Color", "Contrast", "Brightness", "Sharpness")},
@@ -102,11 +104,15 @@ def arguments(ops: tuple[str, ...], index: np.ndarray, level: np.ndarray, negati
     return code[index], values[rule[index], np.arange(len(index))]
 
 
-def levels(magnitude: float, std: float, maximum: float, noise_a: np.ndarray, noise_b: np.ndarray) -> np.ndarray:
-    """timm's ``AugmentOp`` magnitude for each draw: ``magnitude``, with Gaussian noise of ``std``
-    (Box-Muller on two uniforms) or uniform in [0, magnitude] (``std`` infinite), clipped to
-    [0, ``maximum``]."""
-    level = np.full(len(noise_a), float(magnitude))
+def levels(magnitude: float | np.ndarray, std: float, maximum: float, noise_a: np.ndarray,
+           noise_b: np.ndarray) -> np.ndarray:
+    """timm's ``AugmentOp`` magnitude for each draw: ``magnitude`` (one for all, or each draw's),
+    with Gaussian noise of ``std`` (Box-Muller on two uniforms) or uniform in [0, magnitude]
+    (``std`` infinite), clipped to [0, ``maximum``]."""
+    if np.ndim(magnitude) == 0:
+        level = np.full(len(noise_a), float(magnitude))
+    else:
+        level = np.array(magnitude, dtype=np.float64)
     if math.isinf(std):
         level = noise_a * magnitude
     elif std > 0:

@@ -120,6 +120,7 @@ PUBLIC = {
         "Rotate",
         "Sharpness",
         "TimmAugMix",
+        "TimmAutoAugment",
         "TimmRandAugment",
         "ToneCurve",
         "TrivialAugmentWide",

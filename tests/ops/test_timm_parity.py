@@ -1,4 +1,4 @@
-"""``TimmRandAugment`` and ``TimmAugMix`` against timm's own ops (``timm.data.auto_augment``, on PIL images), where
+"""``TimmRandAugment``, ``TimmAugMix`` and ``TimmAutoAugment`` against timm's own ops (``timm.data.auto_augment``, on PIL images), where
 timm is installed (the GPU machine has it; CI's machine does not, and skips this file).
 
 Each of the 15 ops (plain and increasing) is forced at one magnitude and sign, and compared with
@@ -18,6 +18,7 @@ from PIL import Image
 from headrace import ops
 from headrace.ops._timm_augment import _INCREASING, _PLAIN
 from headrace.ops._timm_augmix import AUGMIX_OPS
+from headrace.ops._timm_auto_augment import POLICIES
 from headrace.ops.cpu import _post
 
 augment = pytest.importorskip("timm.data.auto_augment")
@@ -174,3 +175,80 @@ def test_augmix_is_timms_on_average(config, monkeypatch):
     print(f"TimmAugMix {config} against timm: mean {d.mean():.3f} levels (absolute {np.abs(d).mean():.3f}), "
           f"{(np.abs(d) > 3).mean():.2e} beyond 3")
     assert 0 <= d.mean() < 0.6 and np.abs(d).mean() < 0.75 and (np.abs(d) > 3).mean() < 0.02
+
+
+_SIGNED_AUTO = {"Rotate", "ShearX", "ShearY", "TranslateXRel", "TranslateYRel"}  # the ops in timm's policies it negates
+
+
+def _timm_auto_augment(x: np.ndarray, op: ops.TimmAutoAugment, u: np.ndarray, monkeypatch) -> np.ndarray:
+    """timm's AutoAugment (``auto_augment_transform(op.config, ...)``, as ``create_transform``
+    makes it) on HWC uint8 ``x``, every draw it makes answered with ours from the uniforms ``u``
+    (1, 9): the sub-policy, each op's probability draw, magnitude and sign. timm draws a
+    probability only below 1, a magnitude only with mstd, a sign only for a signed op, and none of
+    them for an op its probability skipped."""
+    hparams = {"img_mean": FILL, "translate_pct": op.translate_pct, "interpolation": Image.BILINEAR}
+    theirs = augment.auto_augment_transform(op.config, hparams)
+    assert [[(o.name, o.prob, o.magnitude) for o in sub] for sub in theirs.policy] == [list(sub) for sub in op.sub_policies]
+    chosen = min(int(u[0, 0] * len(theirs.policy)), len(theirs.policy) - 1)
+    randoms, magnitudes = [], []
+    for r, (name, prob, magnitude) in enumerate(op.sub_policies[chosen]):
+        p_u, sign_u, a, b = u[0, 1 + 4 * r : 5 + 4 * r]
+        if prob < 1.0:
+            randoms.append(p_u)
+            if p_u > prob:
+                continue
+        if op.magnitude_std > 0:
+            magnitudes.append(magnitude + op.magnitude_std * np.sqrt(-2 * np.log1p(-a)) * np.cos(2 * np.pi * b))
+        if name in _SIGNED_AUTO:
+            randoms.append(sign_u)
+    monkeypatch.setattr(augment.random, "choice", lambda seq: seq[chosen])
+    monkeypatch.setattr(augment.random, "random", lambda: randoms.pop(0))
+    monkeypatch.setattr(augment.random, "gauss", lambda *a: magnitudes.pop(0))
+    try:
+        out = np.asarray(theirs(Image.fromarray(x)))
+    except ValueError as e:  # timm's posterize to 0 bits (v0's sub-policy 22): Pillow 10 and later refuse it
+        assert "bits" in str(e)
+        return None
+    finally:
+        monkeypatch.undo()
+    assert not (randoms or magnitudes)  # every draw was one of ours
+    return out
+
+
+def test_the_auto_augment_policies_are_timms():
+    for name in POLICIES:
+        theirs = augment.auto_augment_policy(name, {"img_mean": FILL})
+        assert [[(o.name, o.prob, o.magnitude) for o in sub] for sub in theirs] == [list(sub) for sub in POLICIES[name]]
+
+
+@pytest.mark.parametrize("config", ["original", "originalr-mstd0.5", "v0", "v0r-mstd1"])
+def test_auto_augment_is_timms(config, monkeypatch):
+    # Every sub-policy once, each op applied or not as its probability says: ops without warps
+    # within a level or two (test_each_op_is_timms), the warps but their one-pixel edge; a level's
+    # difference crossing a later threshold (solarize, equalize after another op) differs more: the
+    # mean and the share of large differences.
+    op = ops.TimmAutoAugment(config, fill=FILL)
+    diffs = []
+    for seed in range(2):
+        rng = np.random.default_rng(7 + seed)
+        for sub in range(25):
+            x = _smooth(sub, 64)
+            u = rng.random((1, op.randoms))
+            u[0, 0] = (sub + 0.5) / 25
+            ours = _post.apply(torch.from_numpy(x), [op], [u]).numpy()
+            theirs = _timm_auto_augment(x, op, u, monkeypatch)
+            if theirs is None:  # ours: the black image timm's comment on that sub-policy expects
+                assert config.startswith("v0-") or config == "v0"
+                assert not ours.any() or u[0, 5] > 0.6  # black, unless its solarize (p 0.6) flipped it
+                continue
+            diffs.append(ours.astype(int) - theirs.astype(int))
+    d = np.stack(diffs)
+    each = np.abs(d).reshape(len(d), -1)
+    print(f"TimmAutoAugment {config} against timm: mean {d.mean():.3f} levels (absolute {np.abs(d).mean():.3f}, "
+          f"worst sub-policy {each.mean(axis=1).max():.3f}), {(np.abs(d) > 3).mean():.2e} beyond 3, "
+          f"worst sub-policy {(each > 3).mean(axis=1).max():.3f}")
+    assert np.abs(d).mean() < 0.5 and (np.abs(d) > 3).mean() < 0.03
+    # One sub-policy at a time: equalize after a warp (whose edge differs) or after v0's colour at
+    # factor 0.1 (a gray a level off: torchvision's weights, not PIL's) moves its histogram, and so
+    # a share of every level (up to 6 levels, 43% of the pixels beyond 3).
+    assert each.mean(axis=1).max() < 3.5
