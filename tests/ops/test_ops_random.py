@@ -4,6 +4,7 @@ seed gives the same batch whatever the batch size, chunking or thread count."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from ops_refs import batch, encode, random_image, sample
 
@@ -27,6 +28,29 @@ def test_uniforms_shape_range_and_keys():
 def test_uniforms_big_keys():
     u = uniforms(2**63 + 5, 2**40, 7, np.array([0, 2**62]), 4)
     assert u.shape == (2, 4) and (u >= 0).all() and (u < 1).all()
+
+
+def test_the_c_helper_and_numpy_give_the_same_bits():
+    # The C helper (ops/_native/uniforms.c) where a compiler is, NumPy's blocks where not: the
+    # same numbers, so a sample's draws do not depend on the machine. Negative and huge indices
+    # and keys, skipped numbers (first), and a request large enough to let the GIL go.
+    from headrace import _native
+    from headrace.ops import _random
+
+    if _random._helper() is None:
+        reason = _native.build("uniforms", _random._SOURCE)[1]
+        pytest.skip(f"no C helper here: {reason}")
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        n, count, first = int(rng.integers(0, 300)), int(rng.integers(0, 40)), int(rng.integers(0, 6))
+        idx = rng.integers(-2**62, 2**62, n)
+        seed, epoch, op = (int(v) for v in rng.integers(-2**62, 2**62, 3))
+        got = uniforms(seed, epoch, op, idx, count, first=first)
+        assert got.shape == (n, count)
+        assert np.array_equal(got, _random._uniforms_numpy(seed, epoch, op, idx, count, first=first))
+    big = np.arange(3000) * 7 - 100  # 3000 x 40 numbers: over _HELD, the call lets the GIL go
+    assert big.size * 40 > _random._HELD
+    assert np.array_equal(uniforms(1, 2, 3, big, 40), _random._uniforms_numpy(1, 2, 3, big, 40))
 
 
 def make_samples(rng, n=24):

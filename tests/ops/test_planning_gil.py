@@ -15,7 +15,7 @@ from headrace import ops
 from headrace.ops import RandomResizedCrop, uniforms
 from headrace.ops._geometry import plan_batch, roi_batch
 from headrace.ops._gil import columns
-from headrace.ops._random import _GOLDEN, _key, _mix
+from headrace.ops._random import _GOLDEN, _key, _mix, _uniforms_numpy
 from headrace.ops.cuda._prep import kernel_tables
 
 
@@ -28,11 +28,12 @@ def _uniforms_whole(seed: int, epoch: int, op: int, indices: np.ndarray, count: 
     return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
+@pytest.mark.parametrize("how", [uniforms, _uniforms_numpy], ids=["c-helper", "numpy-blocks"])
 @pytest.mark.parametrize("n", [0, 1, 22, 23, 256, 501, 1300])
 @pytest.mark.parametrize("count", [1, 4, 22, 30])
-def test_uniforms_in_blocks_equal_the_whole_array_formula(n, count):
+def test_uniforms_in_blocks_equal_the_whole_array_formula(n, count, how):
     indices = np.random.default_rng(n * 31 + count).integers(0, 2**62, n)
-    got = uniforms(5, 3, 2, indices, count)
+    got = how(5, 3, 2, indices, count)
     assert got.shape == (n, count)
     assert np.array_equal(got, _uniforms_whole(5, 3, 2, indices, count))
 
