@@ -33,10 +33,12 @@ __all__ = ["CODE", "GEOMETRIC", "MIX", "OPS", "MixPass", "MultiPass", "PassWarp"
 # integer codes, so a batch's passes come from a few array operations, not a loop over samples
 # (this runs in a GPU lane's thread, holding the GIL, for every batch).
 OPS = ("Identity", "ShearX", "ShearY", "TranslateX", "TranslateY", "ShiftX", "ShiftY", "Rotate", "Brightness",
-       "Color", "Contrast", "Sharpness", "Posterize", "Solarize", "SolarizeAdd", "AutoContrast", "Equalize", "Invert")
+       "Color", "Contrast", "Sharpness", "Posterize", "Solarize", "SolarizeAdd", "AutoContrast", "Equalize", "Invert",
+       "Blur")
 CODE = {name: code for code, name in enumerate(OPS)}
 # "ShiftX"/"ShiftY" read the input m pixels further along (timm's translations, not whole pixels);
-# "TranslateX"/"TranslateY" move the image by int(m) (torchvision's).
+# "TranslateX"/"TranslateY" move the image by int(m) (torchvision's). "Blur" is PIL's Gaussian blur
+# of radius m (timm's 3-Augment ops).
 GEOMETRIC = np.isin(OPS, ("ShearX", "ShearY", "TranslateX", "TranslateY", "ShiftX", "ShiftY", "Rotate"))  # by code
 # Each code's tone kind (IDENTITY, 0, for the codes that are not tone curves).
 _TONE_KIND = np.zeros(len(OPS), dtype=np.int64)
@@ -91,6 +93,10 @@ class _PassColor(ColorMatrix):
 
 
 class _PassSharpness(Sharpness):
+    pass
+
+
+class _PassBlur(GaussianBlur):
     pass
 
 
@@ -156,7 +162,51 @@ def round_passes(op: np.ndarray, magnitude: np.ndarray, h: np.ndarray, w: np.nda
     sharp = where("Sharpness")
     if sharp.any():
         steps.append((_SHARPNESS, (np.where(sharp, 1.0 + magnitude, 1.0),)))
+
+    blur = where("Blur") & (magnitude > _SIGMA_NONE)
+    if blur.any():
+        steps.append(_blur_pass(np.where(blur, magnitude, 0.0), blur))
     return steps
+
+
+_SIGMA_NONE = 1e-3  # a blur of smaller radius leaves every pixel as it is: the identity
+
+
+def _box_radius(radius: np.ndarray) -> np.ndarray:
+    """The fractional box radius of each of PIL's three box blurs that make its ``GaussianBlur(radius)``
+    (libImaging/BoxBlur.c ``_gaussian_blur_radius``: the boxes' variances sum to radius squared)."""
+    sigma2 = radius * radius / 3.0
+    whole = np.floor((np.sqrt(12.0 * sigma2 + 1.0) - 1.0) / 2.0)
+    fraction = (2 * whole + 1) * (whole * (whole + 1) - 3 * sigma2) / (6 * (sigma2 - (whole + 1) ** 2))
+    return whole + fraction
+
+
+def _blur_pass(radius: np.ndarray, blur: np.ndarray) -> Step:
+    """PIL's Gaussian blur of ``radius[i]`` (its ``ImageFilter.GaussianBlur``, timm's) for the samples
+    ``blur``, the identity kernel for the others: three box blurs of radius R (the whole taps 1, the
+    two next R - floor(R), over 2R + 1), as one kernel of their convolution, each way. PIL rounds to
+    uint8 after each box and repeats the edge pixel at the borders, where the pass reflects them;
+    within a level or two inside. A column at a time: loops of n elements keep the GIL
+    (``ops/_gil.py``)."""
+    box = np.where(blur, _box_radius(np.where(blur, radius, 1.0)), 0.0)
+    reach = int(np.floor(box.max())) + 1  # taps either side of one box
+    whole = np.floor(box)
+    taps = []  # one box's weights, a column a tap, offsets -reach..reach
+    for offset in range(-reach, reach + 1):
+        t = abs(offset)
+        taps.append(np.where(t <= whole, 1.0, np.where(t == whole + 1, box - whole, 0.0)) / (2 * box + 1))
+    kernel = taps
+    for _ in range(2):  # convolved with the box twice more
+        out = [np.full(len(radius), 0.0) for _ in range(len(kernel) + len(taps) - 1)]
+        for i, a in enumerate(kernel):
+            for j, b in enumerate(taps):
+                out[i + j] = out[i + j] + a * b
+        kernel = out
+    size = len(kernel)
+    weights = np.empty((len(radius), size))
+    for j, column in enumerate(kernel):
+        weights[:, j] = np.where(blur, column, float(j == size // 2))
+    return _PassBlur(size, sigma=1.0), (weights, weights.copy())
 
 
 def changed(op: PostOp, tables: tuple[np.ndarray, ...]) -> np.ndarray:

@@ -41,37 +41,46 @@ _CHOICE_WEIGHTS_0 = {"Rotate": 0.3, "ShearX": 0.2, "ShearY": 0.2, "TranslateXRel
                      "Contrast": 0.005, "Brightness": 0.005, "Equalize": 0.005, "Posterize": 0.0, "Invert": 0.0}
 
 # Later timm's named op sets with weights (``t<name>``; it dropped ``w``): the ops are the dict's keys,
-# in its order, each drawn with its weight over the sum.
+# in its order, each drawn with its weight over the sum. ``3aw``: DeiT III's 3-Augment ops weighted
+# among the others.
 _WEIGHTED_SETS = {
     "weights": {"Rotate": 3, "ShearX": 2, "ShearY": 2, "TranslateXRel": 1, "TranslateYRel": 1, "ColorIncreasing": 0.25,
                 "SharpnessIncreasing": 0.25, "AutoContrast": 0.25, "SolarizeIncreasing": 0.05, "SolarizeAdd": 0.05,
                 "ContrastIncreasing": 0.05, "BrightnessIncreasing": 0.05, "Equalize": 0.05, "PosterizeIncreasing": 0.05,
                 "Invert": 0.05},
+    "3aw": {"SolarizeIncreasing": 6, "Desaturate": 6, "GaussianBlur": 6, "Rotate": 3, "ShearX": 2, "ShearY": 2,
+            "PosterizeIncreasing": 1, "AutoContrast": 1, "ColorIncreasing": 1, "SharpnessIncreasing": 1,
+            "ContrastIncreasing": 1, "BrightnessIncreasing": 1, "Equalize": 1, "Invert": 1},
 }
-# Its 3-Augment sets (DeiT III) need ops the passes do not have (Desaturate, timm's GaussianBlur).
-_UNBUILT_SETS = ("3a", "3aw")
+# Its named op sets drawn uniformly (``t3a``: DeiT III's 3-Augment, solarize, desaturate and blur).
+_LISTED_SETS = {"3a": ("SolarizeIncreasing", "Desaturate", "GaussianBlur")}
 
 # timm's create_transform fills warps with the dataset mean in levels: (124, 116, 104) for ImageNet.
 IMAGENET_FILL = tuple(min(255, round(255 * m)) for m in IMAGENET_MEAN)
 
 
 # timm's LEVEL_TO_ARG as rules over a whole batch (f = level / 10, s = the random sign, +-1, t =
-# hparams' translate_pct), in round_passes' convention (factors as f - 1, translations in input
-# pixels): each op names the pass op it becomes and its rule.
+# hparams' translate_pct, e = a uniform for an op that draws once more), in round_passes'
+# convention (factors as f - 1, translations in input pixels, blurs as their sigma): each op names
+# the pass op it becomes and its rule.
 _RULES = (
-    ("none", lambda f, s, h, w, t: np.zeros_like(f)),
-    ("rotate", lambda f, s, h, w, t: s * f * 30.0),
-    ("shear", lambda f, s, h, w, t: s * f * 0.3),
-    ("shift_x", lambda f, s, h, w, t: s * f * t * w),  # a share of the width, not whole pixels
-    ("shift_y", lambda f, s, h, w, t: s * f * t * h),
-    ("posterize", lambda f, s, h, w, t: np.trunc(f * 4)),
-    ("posterize_inc", lambda f, s, h, w, t: 4 - np.trunc(f * 4)),
-    ("posterize_orig", lambda f, s, h, w, t: np.trunc(f * 4) + 4),  # AutoAugment's: 4 to 8 bits kept
-    ("solarize", lambda f, s, h, w, t: np.minimum(256, np.trunc(f * 256))),
-    ("solarize_inc", lambda f, s, h, w, t: 256 - np.minimum(256, np.trunc(f * 256))),
-    ("solarize_add", lambda f, s, h, w, t: np.minimum(128, np.trunc(f * 110))),
-    ("enhance", lambda f, s, h, w, t: f * 1.8 + 0.1 - 1.0),  # factor in [0.1, 1.9]
-    ("enhance_inc", lambda f, s, h, w, t: np.maximum(0.1, 1.0 + s * f * 0.9) - 1.0),  # 1 +- 0.9 f, at least 0.1
+    ("none", lambda f, s, h, w, t, e: np.zeros_like(f)),
+    ("rotate", lambda f, s, h, w, t, e: s * f * 30.0),
+    ("shear", lambda f, s, h, w, t, e: s * f * 0.3),
+    ("shift_x", lambda f, s, h, w, t, e: s * f * t * w),  # a share of the width, not whole pixels
+    ("shift_y", lambda f, s, h, w, t, e: s * f * t * h),
+    ("posterize", lambda f, s, h, w, t, e: np.trunc(f * 4)),
+    ("posterize_inc", lambda f, s, h, w, t, e: 4 - np.trunc(f * 4)),
+    ("posterize_orig", lambda f, s, h, w, t, e: np.trunc(f * 4) + 4),  # AutoAugment's: 4 to 8 bits kept
+    ("solarize", lambda f, s, h, w, t, e: np.minimum(256, np.trunc(f * 256))),
+    ("solarize_inc", lambda f, s, h, w, t, e: 256 - np.minimum(256, np.trunc(f * 256))),
+    ("solarize_add", lambda f, s, h, w, t, e: np.minimum(128, np.trunc(f * 110))),
+    ("enhance", lambda f, s, h, w, t, e: f * 1.8 + 0.1 - 1.0),  # factor in [0.1, 1.9]
+    ("enhance_inc", lambda f, s, h, w, t, e: np.maximum(0.1, 1.0 + s * f * 0.9) - 1.0),  # 1 +- 0.9 f, at least 0.1
+    # Desaturate: colour at 1 - (0.5 + 0.5 f), clipped to [0, 1]: gray at f = 1.
+    ("desaturate", lambda f, s, h, w, t, e: np.clip(0.5 - 0.5 * f, 0.0, 1.0) - 1.0),
+    ("blur", lambda f, s, h, w, t, e: 0.1 + 1.9 * f),  # GaussianBlur: sigma (PIL's radius) 0.1 to 2
+    ("blur_rand", lambda f, s, h, w, t, e: 0.1 + e * (2.0 * f - 0.1)),  # GaussianBlurRand: uniform(0.1, 2 f)
 )
 TRANSLATE_PCT = 0.45  # timm's default reach of TranslateXRel / YRel: 0.45 of the width or height
 _RULE = {name: k for k, (name, _) in enumerate(_RULES)}
@@ -81,6 +90,7 @@ _OPS = {  # timm's name: (pass op, rule)
     "TranslateXRel": ("ShiftX", "shift_x"), "TranslateYRel": ("ShiftY", "shift_y"),
     "Posterize": ("Posterize", "posterize"), "PosterizeIncreasing": ("Posterize", "posterize_inc"),
     "PosterizeOriginal": ("Posterize", "posterize_orig"),
+    "Desaturate": ("Color", "desaturate"), "GaussianBlur": ("Blur", "blur"), "GaussianBlurRand": ("Blur", "blur_rand"),
     "Solarize": ("Solarize", "solarize"), "SolarizeIncreasing": ("Solarize", "solarize_inc"),
     "SolarizeAdd": ("SolarizeAdd", "solarize_add"),
     **{name: (name, "enhance") for name in ("Color", "Contrast", "Brightness", "Sharpness")},
@@ -95,12 +105,15 @@ def _op_arrays(ops: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def arguments(ops: tuple[str, ...], index: np.ndarray, level: np.ndarray, negative: np.ndarray, h: np.ndarray,
-              w: np.ndarray, translate_pct: float = TRANSLATE_PCT) -> tuple[np.ndarray, np.ndarray]:
+              w: np.ndarray, translate_pct: float = TRANSLATE_PCT, extra: np.ndarray | None = None
+              ) -> tuple[np.ndarray, np.ndarray]:
     """timm's ``LEVEL_TO_ARG`` for sample i's op ``ops[index[i]]`` at ``level[i]``: the pass ops'
-    codes and magnitudes, every rule computed over the batch and each sample's picked."""
+    codes and magnitudes, every rule computed over the batch and each sample's picked. ``extra``:
+    each sample's uniform for an op that draws once more (``GaussianBlurRand``'s radius)."""
     code, rule = _op_arrays(ops)
     f, s = level / LEVEL_DENOM, np.where(negative, -1.0, 1.0)
-    values = np.stack([fn(f, s, h, w, translate_pct) for _, fn in _RULES])
+    e = extra if extra is not None else np.full(f.shape, 0.5)  # no op of theirs reads it
+    values = np.stack([fn(f, s, h, w, translate_pct, e) for _, fn in _RULES])
     return code[index], values[rule[index], np.arange(len(index))]
 
 
@@ -138,9 +151,11 @@ class TimmRandAugment(MultiPass):
     whose strength increases with the magnitude (``PosterizeIncreasing``...), as the DeiT recipe's
     ``rand-m9-mstd0.5-inc1`` does. Config sections: ``m``, ``n``, ``p``, ``mstd``, ``mmax``,
     ``inc``, ``w0`` (older timm's weighted op choice: its one set of weights, mostly the warps, never
-    posterize or invert) and ``tweights`` (later timm's, which dropped ``w``: the increasing ops,
-    all weighted, the warps most). With weights each layer draws a different op, as timm's
-    ``np.random.choice`` without replacement does.
+    posterize or invert), ``tweights`` (later timm's, which dropped ``w``: the increasing ops,
+    all weighted, the warps most), ``t3a`` (DeiT III's 3-Augment: increasing solarize, desaturate,
+    Gaussian blur of sigma 0.1 to 2 with the magnitude, drawn uniformly) and ``t3aw`` (those three
+    weighted 6 among the warps and the increasing ops). With weights each layer draws a different
+    op, as timm's ``np.random.choice`` without replacement does.
 
     ``fill`` is the level where a warp reads outside the image: timm's ``create_transform`` passes
     the dataset mean, (124, 116, 104) for ImageNet's, the default here. Five uniforms per sample and
@@ -202,18 +217,17 @@ class TimmRandAugment(MultiPass):
         object.__setattr__(self, "randoms", 5 * self.num_layers)
 
     def _set_transforms(self, name: str) -> None:
-        if name in _UNBUILT_SETS:
-            raise ConfigError(f"TimmRandAugment: timm's op set t{name} (3-Augment: Desaturate, GaussianBlur) "
-                              f"is not implemented; {', '.join('t' + n for n in _WEIGHTED_SETS)} and the default sets are")
-        if name not in _WEIGHTED_SETS:
+        if name not in _WEIGHTED_SETS and name not in _LISTED_SETS:
             # timm itself would take the default set for a name it does not know: a typo passes there.
-            raise ConfigError(f"TimmRandAugment: unknown op set t{name} in {self.config!r} "
-                              f"(known: {', '.join('t' + n for n in _WEIGHTED_SETS)})")
+            known = ", ".join("t" + n for n in (*_WEIGHTED_SETS, *_LISTED_SETS))
+            raise ConfigError(f"TimmRandAugment: unknown op set t{name} in {self.config!r} (known: {known})")
         object.__setattr__(self, "transforms", name)
 
     @property
     def ops(self) -> tuple[str, ...]:
         """timm's op names this config draws from, in its order."""
+        if self.transforms in _LISTED_SETS:
+            return _LISTED_SETS[self.transforms]
         if self.transforms:
             return tuple(_WEIGHTED_SETS[self.transforms])
         return _INCREASING if self.increasing else _PLAIN
@@ -222,7 +236,7 @@ class TimmRandAugment(MultiPass):
     def choice_weights(self) -> np.ndarray | None:
         """Each op's chance of being drawn (``ops``' order) with ``w0`` or a ``t`` set of weights,
         else None (uniform)."""
-        if self.transforms:
+        if self.transforms in _WEIGHTED_SETS:
             weights = np.array(list(_WEIGHTED_SETS[self.transforms].values()), dtype=np.float64)
         elif self.weighted:
             weights = np.array([_CHOICE_WEIGHTS_0[name] for name in _PLAIN])

@@ -5,10 +5,10 @@ timm's AutoAugment (``auto_augment_transform``) is the learned ImageNet policy o
 paper (``original``) or of the TPU EfficientNet code (``v0``), each with a variant whose posterize
 discards more bits as the magnitude grows (``originalr``, ``v0r``): 25 sub-policies of two ops,
 each op with its own probability and magnitude (out of 10), plus Gaussian noise on the magnitude
-(``mstd``). Unlike torchvision's ``AutoAugment`` (``_auto_augment.py``), the ops are timm's: its
-arguments per magnitude (``_timm_augment.arguments``), its relative translations, its fill. Each
-of a sub-policy's two ops is a round of the batch-wide passes of the other policies
-(``_passes.round_passes``).
+(``mstd``); and ``3a``, DeiT III's 3-Augment as a policy. Unlike torchvision's ``AutoAugment``
+(``_auto_augment.py``), the ops are timm's: its arguments per magnitude
+(``_timm_augment.arguments``), its relative translations, its fill. Each of a sub-policy's ops is
+a round of the batch-wide passes of the other policies (``_passes.round_passes``).
 """
 
 from __future__ import annotations
@@ -91,10 +91,13 @@ def _research_posterize(policy):
     return tuple(tuple((swap.get(name, name), p, m) for name, p, m in sub) for sub in policy)
 
 
-# timm's policies by name: sub-policies of (op, probability, magnitude out of 10). timm also has
-# "3a" (DeiT III's three augmentations), whose Desaturate and random Gaussian blur are not built.
-POLICIES = {"original": _ORIGINAL, "originalr": _research_posterize(_ORIGINAL), "v0": _V0, "v0r": _research_posterize(_V0)}
-_UNBUILT = {"3a": "DeiT III's 3-Augment (Desaturate, a random Gaussian blur)"}
+# DeiT III's 3-Augment as a policy: one of solarize (threshold 128), gray, and a Gaussian blur of
+# sigma drawn in [0.1, 2].
+_3A = ((("Solarize", 1.0, 5),), (("Desaturate", 1.0, 10),), (("GaussianBlurRand", 1.0, 10),))
+
+# timm's policies by name: sub-policies of (op, probability, magnitude out of 10).
+POLICIES = {"original": _ORIGINAL, "originalr": _research_posterize(_ORIGINAL), "v0": _V0, "v0r": _research_posterize(_V0),
+            "3a": _3A}
 
 
 @functools.cache
@@ -112,19 +115,23 @@ def _policy_arrays(policy: str) -> tuple[tuple[str, ...], np.ndarray, np.ndarray
 @dataclass(frozen=True)
 class TimmAutoAugment(MultiPass):
     """timm's ``auto_augment_transform(config)``, as ``create_transform(auto_augment=config)``
-    builds it: every sample draws one of the policy's 25 sub-policies uniformly, then applies its
-    two ops in turn, each with its probability, at its magnitude out of 10 (with Gaussian noise of
-    std ``mstd`` when the config has it, clipped to [0, 10]), with a random sign where the op has
-    one. Policies: ``original`` (the AutoAugment paper's ImageNet policy), ``originalr`` (with
-    Google research's posterize), ``v0`` (TPU EfficientNet's), ``v0r``. Config sections: ``mstd``.
+    builds it: every sample draws one of the policy's sub-policies uniformly, then applies its ops
+    in turn, each with its probability, at its magnitude out of 10 (with Gaussian noise of std
+    ``mstd`` when the config has it, clipped to [0, 10]), with a random sign where the op has one.
+    Policies: ``original`` (the AutoAugment paper's ImageNet policy), ``originalr`` (with Google
+    research's posterize), ``v0`` (TPU EfficientNet's), ``v0r`` (25 sub-policies of two ops each),
+    and ``3a`` (DeiT III's 3-Augment: solarize at 128, gray, or a Gaussian blur of sigma drawn
+    uniformly in [0.1, 2], one op each). Config sections: ``mstd``.
 
     ``fill`` is the level where a warp reads outside the image: the dataset mean, as timm's
     ``create_transform`` passes it ((124, 116, 104) for ImageNet's, the default); ``translate_pct``
     the share of the width (height) a relative translation reaches at magnitude 10 (timm's 0.45).
-    Nine uniforms per sample (the sub-policy; each op's probability, sign and two for its
-    magnitude's noise). Differences from timm's PIL ops, as for ``TimmRandAugment``: warps sample
-    bilinearly (timm draws bilinear or bicubic), results round where PIL truncates; a level or so.
-    Raises ConfigError for a policy or section timm would not take (``3a`` is not built).
+    Nine uniforms per sample (five for ``3a``: the sub-policy; each op's probability, sign (the
+    blur's radius) and two for its magnitude's noise). Differences from timm's PIL ops, as for
+    ``TimmRandAugment``: warps sample bilinearly (timm draws bilinear or bicubic), results round
+    where PIL truncates; a level or so; the blur is a true Gaussian reaching 3 sigmas with reflected
+    borders, where PIL's approximates one by three box blurs over repeated edge pixels.
+    Raises ConfigError for a policy or section timm would not take.
     """
 
     config: str = "original"
@@ -138,9 +145,6 @@ class TimmAutoAugment(MultiPass):
         if not isinstance(self.config, str):
             raise ConfigError(f"TimmAutoAugment: config must be a str such as 'original-mstd0.5', got {self.config!r}")
         name, *sections = self.config.split("-")
-        if name in _UNBUILT:
-            raise ConfigError(f"TimmAutoAugment: timm's policy {name!r} ({_UNBUILT[name]}) is not implemented; "
-                              f"{', '.join(POLICIES)} are")
         if name not in POLICIES:
             raise ConfigError(f"TimmAutoAugment: unknown policy {name!r} in {self.config!r} (timm's: {', '.join(POLICIES)})")
         object.__setattr__(self, "policy", name)
@@ -157,6 +161,7 @@ class TimmAutoAugment(MultiPass):
             raise ConfigError(f"TimmAutoAugment: translate_pct must be a number >= 0, got {pct!r}")
         object.__setattr__(self, "translate_pct", float(pct))
         object.__setattr__(self, "fill", _fill(self.fill, "TimmAutoAugment: fill"))
+        object.__setattr__(self, "randoms", 1 + 4 * len(POLICIES[name][0]))
 
     @property
     def sub_policies(self) -> tuple[tuple[tuple[str, float, int], ...], ...]:
@@ -174,7 +179,8 @@ class TimmAutoAugment(MultiPass):
             d = u[:, 1 + 4 * r : 5 + 4 * r]  # probability, sign, the magnitude's noise
             applied = d[:, 0] <= prob[chosen, r]  # timm skips an op when random() > p
             level = levels(magnitude[chosen, r], self.magnitude_std, LEVEL_DENOM, d[:, 2], d[:, 3])
-            op, value = arguments(names, index[chosen, r], level, d[:, 1] > 0.5, hf, wf, self.translate_pct)
+            # The sign's uniform is also the random blur's radius: no op both has a sign and blurs.
+            op, value = arguments(names, index[chosen, r], level, d[:, 1] > 0.5, hf, wf, self.translate_pct, d[:, 1])
             op = np.where(applied, op, CODE["Identity"])
             out += round_passes(op, value, h, w, channels, PassWarp(self.fill))
         return out

@@ -327,9 +327,11 @@ def test_contrast_brightness_and_solarize_add_tone_tables_match(stream):
                                     ops.TimmRandAugment("rand-m9-mstd0.5-p1.0-tweights"), ops.AugMix(),
                                     ops.AugMix(severity=10, mixture_width=4, alpha=0.5, fill=(20, 90, 160)),
                                     ops.TimmAugMix("augmix-m5-w4-d2"), ops.TimmAugMix("augmix-m9-mstd0.5-a0.5"),
-                                    ops.TimmAutoAugment("original-mstd0.5"), ops.TimmAutoAugment("v0r")],
+                                    ops.TimmAutoAugment("original-mstd0.5"), ops.TimmAutoAugment("v0r"),
+                                    ops.TimmAutoAugment("3a-mstd0.5"), ops.TimmRandAugment("rand-m9-mstd0.5-p1.0-t3aw")],
                          ids=["randaugment-2", "autoaugment", "autoaugment-svhn", "timm", "timm-tweights", "augmix",
-                              "augmix-wide", "timm-augmix", "timm-augmix-mstd", "timm-autoaugment", "timm-autoaugment-v0r"])
+                              "augmix-wide", "timm-augmix", "timm-augmix-mstd", "timm-autoaugment", "timm-autoaugment-v0r",
+                              "timm-3a", "timm-t3aw"])
 def test_two_rounds_of_a_policy_through_the_chain(policy, stream):
     # Two rounds: a warp's 1-level difference can move a later equalize or solarize step, so
     # single values may differ more; nearly all agree within a level.

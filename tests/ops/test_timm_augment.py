@@ -34,11 +34,40 @@ def test_the_config_string_is_read_as_timm_reads_it():
     assert ops.TimmRandAugment("rand").magnitude == 10  # timm's defaults: M10, two layers
 
 
-@pytest.mark.parametrize("config", ["augmix-m3", "rand-x1", "rand-tfoo", "rand-t3a", "rand-w0-tweights", "rand-mfoo",
+@pytest.mark.parametrize("config", ["augmix-m3", "rand-x1", "rand-tfoo", "rand-t3b", "rand-w0-tweights", "rand-mfoo",
                                     "rand-p1.5", "rand-n-1", 7])
 def test_configs_timm_would_refuse_are_config_errors(config):
     with pytest.raises(ConfigError, match="TimmRandAugment"):
         ops.TimmRandAugment(config)
+
+
+def test_the_3_augment_sets():
+    listed = ops.TimmRandAugment("rand-m9-t3a")
+    assert listed.ops == ("SolarizeIncreasing", "Desaturate", "GaussianBlur") and listed.choice_weights is None
+    weighted = ops.TimmRandAugment("rand-m9-mstd0.5-t3aw")
+    assert weighted.ops[:3] == ("SolarizeIncreasing", "Desaturate", "GaussianBlur") and len(weighted.ops) == 14
+    assert weighted.choice_weights[:4].tolist() == pytest.approx([6 / 33, 6 / 33, 6 / 33, 3 / 33])
+
+
+@pytest.mark.parametrize("magnitude", [0, 3, 10])
+def test_desaturate_and_the_blur_at_their_magnitudes(magnitude):
+    # t3a's three ops, each forced: desaturate is the colour op at 1 - (0.5 + 0.5 m / 10) (gray at
+    # m 10); the blur is PIL's Gaussian blur of radius 0.1 + 1.9 m / 10, a kernel summing to 1.
+    from headrace.ops._passes import ColorMatrix, GaussianBlur, changed
+    from headrace.ops._tone import GRAY_WEIGHTS
+
+    op = ops.TimmRandAugment(f"rand-m{magnitude}-n1-p1.0-t3a")
+    factor = min(1.0, max(0.0, 1.0 - (0.5 + 0.5 * magnitude / 10)))
+    steps = op.steps(np.array([[1.5 / 3, 0.0, 0.25, 0.0, 0.0]]), np.array([30]), np.array([40]), 3)
+    ((color, (matrices,)),) = [(p, t) for p, t in steps if changed(p, t)[0]]
+    want = factor * np.eye(3) + (1 - factor) * np.asarray(GRAY_WEIGHTS)  # the blend with the gray image
+    assert isinstance(color, ColorMatrix) and np.allclose(matrices[0, :, :3], want) and not matrices[0, :, 3].any()
+    steps = op.steps(np.array([[2.5 / 3, 0.0, 0.25, 0.0, 0.0]]), np.array([30]), np.array([40]), 3)
+    ((blur, (wx, wy)),) = [(p, t) for p, t in steps if changed(p, t)[0]]
+    assert isinstance(blur, GaussianBlur) and np.allclose(wx.sum(), 1.0) and np.array_equal(wx, wy)
+    radius = 0.1 + 1.9 * magnitude / 10
+    variance = (wx[0] * (np.arange(wx.shape[1]) - wx.shape[1] // 2) ** 2).sum()
+    assert variance == pytest.approx(radius**2, rel=1e-9)  # PIL's boxes keep the variance at radius squared
 
 
 # timm's _RAND_CHOICE_WEIGHTS_0 over its plain op set, normalised (they sum to 1.0 already).

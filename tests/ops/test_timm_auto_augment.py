@@ -35,6 +35,7 @@ def test_the_config_string_is_read_as_timm_reads_it():
     assert (op.policy, op.magnitude_std, op.translate_pct, op.fill) == ("original", 0.0, 0.45, (124.0, 116.0, 104.0))
     assert ops.TimmAutoAugment("v0r-mstd0.5").policy == "v0r" and ops.TimmAutoAugment("v0r-mstd0.5").magnitude_std == 0.5
     assert op.randoms == 9 and op.moves_pixels
+    assert ops.TimmAutoAugment("3a").randoms == 5 and len(ops.TimmAutoAugment("3a").sub_policies) == 3
     for name in ("original", "originalr", "v0", "v0r"):
         subs = ops.TimmAutoAugment(name).sub_policies
         assert len(subs) == 25 and all(len(sub) == 2 for sub in subs)
@@ -45,16 +46,34 @@ def test_the_config_string_is_read_as_timm_reads_it():
         assert pairs and all(b == ("PosterizeIncreasing", *a[1:]) and a[0].startswith("Posterize") for a, b in pairs)
 
 
-@pytest.mark.parametrize("config", ["3a", "v1", "rand-m9", "original-m9", "original-mstdx", "original-mstd-1",
+@pytest.mark.parametrize("config", ["3b", "v1", "rand-m9", "original-m9", "original-mstdx", "original-mstd-1",
                                     "original-mstd", 7, ""])
 def test_configs_timm_would_refuse_are_config_errors(config):
     with pytest.raises(ConfigError, match="TimmAutoAugment"):
         ops.TimmAutoAugment(config)
 
 
-def test_3a_says_it_is_not_built():
-    with pytest.raises(ConfigError, match="3-Augment"):
-        ops.TimmAutoAugment("3a")
+def test_3a_is_solarize_gray_or_a_random_blur():
+    # DeiT III's 3-Augment: a third of the samples each. Solarize at 128 (TimmRandAugment's at m5),
+    # gray (desaturate at m10), or PIL's blur of a radius uniform in [0.1, 2] (the sign's uniform).
+    from headrace.ops._passes import GaussianBlur
+
+    op = ops.TimmAutoAugment("3a")
+    x = torch.from_numpy(random_image(np.random.default_rng(2), H, W, 3))
+    solarized = _post.apply(x, [op], [np.array([[0.5 / 3, 0.0, 0.25, 0.5, 0.5]])])
+    assert torch.equal(solarized, _reference(x, "Solarize", 5, False))
+    gray = _post.apply(x, [op], [np.array([[1.5 / 3, 0.0, 0.25, 0.5, 0.5]])]).numpy().astype(int)
+    assert np.abs(gray - gray[..., :1]).max() == 0  # every channel the same level
+    n = 3000
+    u = ops.uniforms(4, 0, 0, np.arange(n), op.randoms)
+    u[:, 0] = 2.5 / 3
+    ((blur, (wx, _)),) = [(p, t) for p, t in op.steps(u, np.full(n, H), np.full(n, W), 3) if isinstance(p, GaussianBlur)]
+    offsets = np.arange(wx.shape[1]) - wx.shape[1] // 2
+    radius = np.sqrt((wx * offsets**2).sum(axis=1))  # the kernel's variance is the radius squared
+    np.testing.assert_allclose(radius, 0.1 + 1.9 * u[:, 2], rtol=1e-9)
+    assert wx.shape[1] == 13  # three boxes of up to 2 taps either side
+    counts = np.bincount(np.minimum((ops.uniforms(4, 0, 0, np.arange(n), 5)[:, 0] * 3).astype(int), 2))
+    assert abs(counts - n / 3).max() < 5 * np.sqrt(n / 3)
 
 
 @pytest.mark.parametrize("bad", [{"translate_pct": -0.1}, {"translate_pct": "0.45"}, {"translate_pct": True},

@@ -42,7 +42,7 @@ def test_the_op_sets_are_timms():
     assert list(_INCREASING) == list(augment._RAND_INCREASING_TRANSFORMS)
 
 
-@pytest.mark.parametrize("config", ["rand-m9-inc1-w0", "rand-m9-tweights", "rand-m9-mstd0.5-inc1-tweights"])
+@pytest.mark.parametrize("config", ["rand-m9-inc1-w0", "rand-m9-tweights", "rand-m9-mstd0.5-inc1-tweights", "rand-m9-t3aw"])
 def test_the_weighted_choice_is_timms(config):
     # Read off timm's own transform: older timm takes w0 (and computes its weights in a helper
     # later releases dropped) and passes over a t section; later timm takes t<name> and refuses w.
@@ -84,6 +84,24 @@ def test_each_op_is_timms(increasing, slot, negative, magnitude):
         assert (diff > 2).mean() < 0.03 and np.median(diff) == 0, (name, args, (diff > 2).mean())
     else:
         assert int(diff.max()) <= (0 if name in EXACT else 2), (name, args, int(diff.max()))
+
+
+@pytest.mark.parametrize("magnitude", [2, 6, 10])
+def test_the_3_augment_ops_are_timms(magnitude):
+    # t3a's ops: solarize exact; desaturate (PIL's gray blend) within a level; PIL's Gaussian blur,
+    # three box blurs rounded after each where ours rounds once, within 3 levels inside the border
+    # its kernel reaches (PIL repeats the edge pixel there, ours reflects).
+    op = ops.TimmRandAugment(f"rand-m{magnitude}-n1-p1.0-t3a")
+    assert list(op.ops) == list(augment.rand_augment_choices("3a"))
+    a = _image()
+    for k, name in enumerate(op.ops):
+        ours = _post.apply(torch.from_numpy(a), [op], [np.array([[(k + 0.5) / 3, 0.0, 0.25, 0.0, 0.0]])]).numpy()
+        args = augment.LEVEL_TO_ARG[name](float(magnitude), {})
+        theirs = np.asarray(augment.NAME_TO_OP[name](Image.fromarray(a), *args))
+        diff = np.abs(ours.astype(int) - theirs.astype(int))
+        inside = diff[6:-6, 6:-6]
+        print(f"{name} at m{magnitude} {args}: max {diff.max()}, inside max {inside.max()} mean {inside.mean():.3f}")
+        assert int(inside.max()) <= {"SolarizeIncreasing": 0, "Desaturate": 1, "GaussianBlur": 3}[name], name
 
 
 def test_the_augmix_op_set_is_timms():
@@ -190,7 +208,7 @@ def _timm_auto_augment(x: np.ndarray, op: ops.TimmAutoAugment, u: np.ndarray, mo
     theirs = augment.auto_augment_transform(op.config, hparams)
     assert [[(o.name, o.prob, o.magnitude) for o in sub] for sub in theirs.policy] == [list(sub) for sub in op.sub_policies]
     chosen = min(int(u[0, 0] * len(theirs.policy)), len(theirs.policy) - 1)
-    randoms, magnitudes = [], []
+    randoms, magnitudes, radii = [], [], []
     for r, (name, prob, magnitude) in enumerate(op.sub_policies[chosen]):
         p_u, sign_u, a, b = u[0, 1 + 4 * r : 5 + 4 * r]
         if prob < 1.0:
@@ -201,9 +219,12 @@ def _timm_auto_augment(x: np.ndarray, op: ops.TimmAutoAugment, u: np.ndarray, mo
             magnitudes.append(magnitude + op.magnitude_std * np.sqrt(-2 * np.log1p(-a)) * np.cos(2 * np.pi * b))
         if name in _SIGNED_AUTO:
             randoms.append(sign_u)
+        if name == "GaussianBlurRand":  # its radius: uniform(0.1, 2 f), ours from the sign's uniform
+            radii.append(sign_u)
     monkeypatch.setattr(augment.random, "choice", lambda seq: seq[chosen])
     monkeypatch.setattr(augment.random, "random", lambda: randoms.pop(0))
     monkeypatch.setattr(augment.random, "gauss", lambda *a: magnitudes.pop(0))
+    monkeypatch.setattr(augment.random, "uniform", lambda lo, hi: float(lo + radii.pop(0) * (hi - lo)))
     try:
         out = np.asarray(theirs(Image.fromarray(x)))
     except ValueError as e:  # timm's posterize to 0 bits (v0's sub-policy 22): Pillow 10 and later refuse it
@@ -211,37 +232,40 @@ def _timm_auto_augment(x: np.ndarray, op: ops.TimmAutoAugment, u: np.ndarray, mo
         return None
     finally:
         monkeypatch.undo()
-    assert not (randoms or magnitudes)  # every draw was one of ours
+    assert not (randoms or magnitudes or radii)  # every draw was one of ours
     return out
 
 
 def test_the_auto_augment_policies_are_timms():
+    assert set(POLICIES) == {"original", "originalr", "v0", "v0r", "3a"}
     for name in POLICIES:
         theirs = augment.auto_augment_policy(name, {"img_mean": FILL})
         assert [[(o.name, o.prob, o.magnitude) for o in sub] for sub in theirs] == [list(sub) for sub in POLICIES[name]]
 
 
-@pytest.mark.parametrize("config", ["original", "originalr-mstd0.5", "v0", "v0r-mstd1"])
+@pytest.mark.parametrize("config", ["original", "originalr-mstd0.5", "v0", "v0r-mstd1", "3a", "3a-mstd1"])
 def test_auto_augment_is_timms(config, monkeypatch):
     # Every sub-policy once, each op applied or not as its probability says: ops without warps
     # within a level or two (test_each_op_is_timms), the warps but their one-pixel edge; a level's
     # difference crossing a later threshold (solarize, equalize after another op) differs more: the
-    # mean and the share of large differences.
+    # mean and the share of large differences. 3a's blur: inside the border its kernel reaches.
     op = ops.TimmAutoAugment(config, fill=FILL)
+    subs = len(op.sub_policies)
+    border = 6 if config.startswith("3a") else 0
     diffs = []
-    for seed in range(2):
+    for seed in range(2 if subs == 25 else 8):
         rng = np.random.default_rng(7 + seed)
-        for sub in range(25):
-            x = _smooth(sub, 64)
+        for sub in range(subs):
+            x = _smooth(sub + 25 * seed, 64)
             u = rng.random((1, op.randoms))
-            u[0, 0] = (sub + 0.5) / 25
+            u[0, 0] = (sub + 0.5) / subs
             ours = _post.apply(torch.from_numpy(x), [op], [u]).numpy()
             theirs = _timm_auto_augment(x, op, u, monkeypatch)
             if theirs is None:  # ours: the black image timm's comment on that sub-policy expects
                 assert config.startswith("v0-") or config == "v0"
                 assert not ours.any() or u[0, 5] > 0.6  # black, unless its solarize (p 0.6) flipped it
                 continue
-            diffs.append(ours.astype(int) - theirs.astype(int))
+            diffs.append((ours.astype(int) - theirs.astype(int))[border : 64 - border, border : 64 - border])
     d = np.stack(diffs)
     each = np.abs(d).reshape(len(d), -1)
     print(f"TimmAutoAugment {config} against timm: mean {d.mean():.3f} levels (absolute {np.abs(d).mean():.3f}, "
