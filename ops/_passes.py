@@ -163,13 +163,13 @@ def round_passes(op: np.ndarray, magnitude: np.ndarray, h: np.ndarray, w: np.nda
     if sharp.any():
         steps.append((_SHARPNESS, (np.where(sharp, 1.0 + magnitude, 1.0),)))
 
-    blur = where("Blur") & (magnitude > _SIGMA_NONE)
+    blur = where("Blur") & (magnitude > _RADIUS_NONE)
     if blur.any():
         steps.append(_blur_pass(np.where(blur, magnitude, 0.0), blur))
     return steps
 
 
-_SIGMA_NONE = 1e-3  # a blur of smaller radius leaves every pixel as it is: the identity
+_RADIUS_NONE = 1e-3  # a blur of smaller radius leaves every pixel as it is: the identity
 
 
 def _box_radius(radius: np.ndarray) -> np.ndarray:
@@ -186,7 +186,7 @@ def _blur_pass(radius: np.ndarray, blur: np.ndarray) -> Step:
     ``blur``, the identity kernel for the others: three box blurs of radius R (the whole taps 1, the
     two next R - floor(R), over 2R + 1), as one kernel of their convolution, each way. PIL rounds to
     uint8 after each box and repeats the edge pixel at the borders, where the pass reflects them;
-    within a level or two inside. A column at a time: loops of n elements keep the GIL
+    within 3 levels inside (tests/ops/test_timm_parity.py). A column at a time: loops of n elements keep the GIL
     (``ops/_gil.py``)."""
     box = np.where(blur, _box_radius(np.where(blur, radius, 1.0)), 0.0)
     reach = int(np.floor(box.max())) + 1  # taps either side of one box
@@ -206,6 +206,7 @@ def _blur_pass(radius: np.ndarray, blur: np.ndarray) -> Step:
     weights = np.empty((len(radius), size))
     for j, column in enumerate(kernel):
         weights[:, j] = np.where(blur, column, float(j == size // 2))
+    # The pass's tables carry the weights; its own sigma is never drawn.
     return _PassBlur(size, sigma=1.0), (weights, weights.copy())
 
 

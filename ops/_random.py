@@ -23,7 +23,7 @@ __all__ = ["uniforms"]
 
 _SOURCE = Path(__file__).parent / "_native" / "uniforms.c"
 _lock = threading.Lock()
-_state: dict[str, ctypes.PyDLL | None] = {}
+_state: dict[str, tuple[ctypes.CDLL, ctypes.PyDLL] | None] = {}
 # Up to this many numbers a call holds the GIL (tens of microseconds); a larger request lets it go.
 _HELD = 1 << 16
 
