@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import re
 from dataclasses import dataclass, field
 
@@ -140,6 +141,14 @@ def config_number(value: str, what: str, kind: type, owner: str = "TimmRandAugme
         return kind(value)
     except ValueError:
         raise ConfigError(f"{owner}: {what} must be {'an int' if kind is int else 'a number'}, got {value!r}") from None
+
+
+def translate_share(value: object, owner: str) -> float:
+    """A ``translate_pct`` (the share of the side a translation reaches at magnitude 10) as a float;
+    ConfigError naming ``owner`` where it is not a number >= 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
+        raise ConfigError(f"{owner}: translate_pct must be a number >= 0, got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)

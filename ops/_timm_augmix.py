@@ -10,7 +10,6 @@ on ``AugMix``'s machinery (``_augmix.py``): the chains as rows of their own, one
 from __future__ import annotations
 
 import math
-import numbers
 import re
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -22,7 +21,7 @@ from headrace._errors import ConfigError
 from ._augmix import Chains
 from ._passes import MultiPass
 from ._post_spec import _fill
-from ._timm_augment import IMAGENET_FILL, LEVEL_DENOM, arguments, config_number, levels
+from ._timm_augment import IMAGENET_FILL, LEVEL_DENOM, arguments, config_number, levels, translate_share
 
 __all__ = ["TimmAugMix"]
 
@@ -89,10 +88,7 @@ class TimmAugMix(Chains, MultiPass):
             raise ConfigError(f"TimmAugMix: {self.config!r} needs w >= 1, m >= 0 and mstd >= 0")
         if not 0 < self.alpha < math.inf:
             raise ConfigError(f"TimmAugMix: {self.config!r} needs a positive finite alpha (a), got {self.alpha!r}")
-        pct = self.translate_pct
-        if isinstance(pct, bool) or not isinstance(pct, numbers.Real) or not 0 <= pct < math.inf:
-            raise ConfigError(f"TimmAugMix: translate_pct must be a number >= 0, got {pct!r}")
-        object.__setattr__(self, "translate_pct", float(pct))
+        object.__setattr__(self, "translate_pct", translate_share(self.translate_pct, "TimmAugMix"))
         object.__setattr__(self, "fill", _fill(self.fill, "TimmAugMix: fill"))
         object.__setattr__(self, "randoms", self.chain_randoms())
 

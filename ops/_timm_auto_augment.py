@@ -23,7 +23,7 @@ from headrace._errors import ConfigError
 
 from ._passes import CODE, MultiPass, PassWarp, round_passes
 from ._post_spec import Step, _fill
-from ._timm_augment import IMAGENET_FILL, LEVEL_DENOM, arguments, config_number, levels
+from ._timm_augment import IMAGENET_FILL, LEVEL_DENOM, arguments, config_number, levels, translate_share
 
 __all__ = ["POLICIES", "TimmAutoAugment"]
 
@@ -156,10 +156,7 @@ class TimmAutoAugment(MultiPass):
             if not 0 <= std < float("inf"):
                 raise ConfigError(f"TimmAutoAugment: mstd must be a finite number >= 0, got {section!r}")
             object.__setattr__(self, "magnitude_std", std)
-        pct = self.translate_pct
-        if isinstance(pct, bool) or not isinstance(pct, (int, float)) or not 0 <= pct < float("inf"):
-            raise ConfigError(f"TimmAutoAugment: translate_pct must be a number >= 0, got {pct!r}")
-        object.__setattr__(self, "translate_pct", float(pct))
+        object.__setattr__(self, "translate_pct", translate_share(self.translate_pct, "TimmAutoAugment"))
         object.__setattr__(self, "fill", _fill(self.fill, "TimmAutoAugment: fill"))
         object.__setattr__(self, "randoms", 1 + 4 * len(POLICIES[name][0]))
 

@@ -98,6 +98,24 @@ async def cropped_images(items: list[dict], *post, size: int, seed: int = 5, cha
         return {key: image for b in [b async for b in loader] for key, image in zip(b.sample_keys, b["image"])}
 
 
+async def check_seeded_post_op(make, *, changed: int) -> None:
+    """A post op (``make()`` a fresh one) through ``cropped_images`` of 40 JPEGs: the same images
+    for the same seed, uint8 HWC at 32 x 32, more than ``changed`` of them other for another seed
+    and other than without it."""
+    import torch
+
+    items = jpeg_items(40, 53, 40, 44)
+    plain = await cropped_images(items, size=32, seed=5)
+    first = await cropped_images(items, make(), size=32, seed=5)
+    second = await cropped_images(items, make(), size=32, seed=5)
+    other = await cropped_images(items, make(), size=32, seed=6)
+    assert first.keys() == plain.keys() and len(first) == 40
+    assert all(image.shape == (32, 32, 3) and image.dtype == torch.uint8 for image in first.values())
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    assert sum(not torch.equal(first[k], other[k]) for k in first) > changed
+    assert sum(not torch.equal(first[k], plain[k]) for k in first) > changed
+
+
 def tar_bytes(members: list[tuple[str, bytes]]) -> bytes:
     """An uncompressed tar archive of ``(name, data)`` members, in order."""
     buf = io.BytesIO()

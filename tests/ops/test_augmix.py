@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from ops_refs import augmix_ref, random_image
-from sample_data import cropped_images, jpeg_items
+from sample_data import check_seeded_post_op
 
 from headrace import ConfigError, ops
 from headrace.ops._augmix import gamma
@@ -213,16 +213,7 @@ def test_gamma_from_uniforms_has_the_moments(alpha):
 
 
 async def test_loader_is_seeded_and_keeps_shape_and_dtype():
-    items = jpeg_items(40, 53, 40, 44)
-    plain = await cropped_images(items, size=32, seed=5)
-    first = await cropped_images(items, ops.AugMix(), size=32, seed=5)
-    second = await cropped_images(items, ops.AugMix(), size=32, seed=5)
-    other = await cropped_images(items, ops.AugMix(), size=32, seed=6)
-    assert first.keys() == plain.keys() and len(first) == 40
-    assert all(image.shape == (32, 32, 3) and image.dtype == torch.uint8 for image in first.values())
-    assert all(torch.equal(first[k], second[k]) for k in first)
-    assert sum(not torch.equal(first[k], other[k]) for k in first) > 30
-    assert sum(not torch.equal(first[k], plain[k]) for k in first) > 30
+    await check_seeded_post_op(ops.AugMix, changed=30)
 
 
 def test_the_gpu_passes_run_the_chains_as_a_batch_from_each_samples_place():
