@@ -12,6 +12,9 @@ A CONFIG is either `K:S:roi:B`, K threads each with its own handle and S states 
 batches of B, whole images (roi 0) or the training pipeline's crop windows (roi 1), or
 `mix:E:C:T`, E such engine threads beside C nvImageCodec lanes of the CUDA decoder alone
 (`hw_load` 0, T host threads each), every thread taking the next whole batch from one queue.
+A `K:S:roi:B` prefixed `gpu:` (`host:`) drives nvJPEG's batched decode with its GPU-hybrid
+(hybrid) backend instead of the engines: Huffman on the GPU (on the calling thread). `mix:E:C:T:G`
+adds G threads of the batched GPU-hybrid decode to the queue.
 Each line: images/s (median of the passes after the first), the host cores the process kept busy,
 and for `K:S:roi:B` the share of the threads' time spent inside the decode call; the first
 configuration is checked against Pillow. docs/benchmarks.md has the H100's numbers (issue 22).
@@ -62,7 +65,8 @@ def ok(status, what):
         raise RuntimeError(f"{what}: nvjpeg status {status}")
 
 
-HARDWARE, RGBI = 3, 5
+HYBRID, GPU_HYBRID, HARDWARE, RGBI = 1, 2, 3, 5
+BACKENDS = {"hw": HARDWARE, "gpu": GPU_HYBRID, "host": HYBRID}
 root = sys.argv[1]
 files = sorted(glob.glob(f"{root}/*/*.jpg"))
 blobs = [open(f, "rb").read() for f in files]
@@ -113,15 +117,108 @@ for i, b in enumerate(blobs[:512]):
     s = C.c_int(); ok(nv.nvjpegDecodeBatchedSupportedEx(h0, js, dp, C.byref(s)), "supportedEx")
     roi_unsup += s.value != 0
 print(f"ROI windows unsupported by the engine (of 512): {roi_unsup}", flush=True)
+DEV_MALLOC = C.CFUNCTYPE(C.c_int, C.POINTER(V), C.c_size_t)
+FREE = C.CFUNCTYPE(C.c_int, V)
+PINNED_MALLOC = C.CFUNCTYPE(C.c_int, C.POINTER(V), C.c_size_t, C.c_uint)
+
+
+class DevAllocator(C.Structure):
+    _fields_ = [("malloc", DEV_MALLOC), ("free", FREE)]
+
+
+class PinnedAllocator(C.Structure):
+    _fields_ = [("malloc", PINNED_MALLOC), ("free", FREE)]
+
+
+class CachingAllocator:
+    """With ALLOC=cache in the environment, nvJPEG's device and pinned buffers come from here: a
+    freed block is kept for the next request it fits, never given back, so no cudaFree or
+    cudaFreeHost (each of which waits for the whole device) runs once the sizes settle. Counts
+    the calls either way."""
+
+    def __init__(self, real_malloc, real_free):
+        self.real_malloc, self.real_free = real_malloc, real_free
+        self.size, self.cached, self.lock = {}, [], threading.Lock()
+        self.calls = {"malloc": 0, "free": 0, "real_malloc": 0, "real_free": 0}
+
+    def malloc(self, size):
+        with self.lock:
+            self.calls["malloc"] += 1
+            if os.environ.get("ALLOC") == "cache":
+                fits = [p for p in self.cached if self.size[p] >= size]
+                if fits:
+                    p = min(fits, key=self.size.get); self.cached.remove(p); return p
+            self.calls["real_malloc"] += 1
+            p = self.real_malloc(max(size, 1)); self.size[p] = max(size, 1); return p
+
+    def free(self, p):
+        with self.lock:
+            self.calls["free"] += 1
+            if os.environ.get("ALLOC") == "cache":
+                self.cached.append(p); return
+            self.calls["real_free"] += 1
+            del self.size[p]; self.real_free(p)
+
+
+DEVICE_POOL = CachingAllocator(cupy.cuda.runtime.malloc, cupy.cuda.runtime.free)
+PINNED_POOL = CachingAllocator(lambda n: cupy.cuda.runtime.hostAlloc(n, 0), cupy.cuda.runtime.freeHost)
+
+
+def _dev_malloc(out, size):
+    try:
+        out[0] = DEVICE_POOL.malloc(size); return 0
+    except Exception:  # noqa: BLE001
+        return 1
+
+
+def _pinned_malloc(out, size, flags):
+    try:
+        out[0] = PINNED_POOL.malloc(size); return 0
+    except Exception:  # noqa: BLE001
+        return 1
+
+
+def _free(pool):
+    def free(p):
+        try:
+            pool.free(p); return 0
+        except Exception:  # noqa: BLE001
+            return 1
+    return free
+
+
+DEV_ALLOCATOR = DevAllocator(DEV_MALLOC(_dev_malloc), FREE(_free(DEVICE_POOL)))
+PINNED_ALLOCATOR = PinnedAllocator(PINNED_MALLOC(_pinned_malloc), FREE(_free(PINNED_POOL)))
+
+
+def allocators(backend):
+    """nvJPEG's allocators for a handle: ours (counted, cached with ALLOC=cache) for the GPU-hybrid
+    backend when ALLOC is set, else nvJPEG's own."""
+    if backend == GPU_HYBRID and os.environ.get("ALLOC"):
+        return C.byref(DEV_ALLOCATOR), C.byref(PINNED_ALLOCATOR)
+    return None, None
+
+
+def stream_priority(backend):
+    """With PRIORITY=1 in the environment, the GPU-hybrid decode's streams get the lowest priority
+    and every other the highest, so its long Huffman kernels yield the SMs to the others' kernels."""
+    if os.environ.get("PRIORITY") != "1":
+        return 0
+    return 0 if backend == GPU_HYBRID else -10  # CUDA clamps it to the device's greatest (-5 on Hopper)
+
+
 class Engine:
     """One thread's way to the engines: an nvJPEG handle (HARDWARE backend), ``states`` JPEG states
     and output buffers used in turn, decode parameters for ``B`` images, a CUDA stream. Make it in
     the thread that decodes."""
 
-    def __init__(self, B, states, roi, batches):
-        self.roi = roi
-        self.stream = cupy.cuda.Stream(non_blocking=True)
-        self.h = V(); ok(nv.nvjpegCreateEx(HARDWARE, None, None, 0, C.byref(self.h)), "create")
+    def __init__(self, B, states, roi, batches, backend=HARDWARE):
+        # nvJPEG's other backends refuse decode parameters in a batch (status 9): whole images
+        self.roi = roi and backend == HARDWARE
+        self.batched = nv.nvjpegDecodeBatchedEx if backend == HARDWARE else (
+            lambda h, state, data, lens, dests, params, stream: nv.nvjpegDecodeBatched(h, state, data, lens, dests, stream))
+        self.stream = cupy.cuda.Stream(non_blocking=True, priority=stream_priority(backend))
+        self.h = V(); ok(nv.nvjpegCreateEx(backend, *allocators(backend), 0, C.byref(self.h)), "create")
         self.states = []
         for _ in range(states):
             st = V(); ok(nv.nvjpegJpegStateCreate(self.h, C.byref(st)), "state"); self.states.append(st)
@@ -129,7 +226,7 @@ class Engine:
         for j in range(B):
             p = V(); ok(nv.nvjpegDecodeParamsCreate(self.h, C.byref(p)), "params")
             ok(nv.nvjpegDecodeParamsSetOutputFormat(p, RGBI), "fmt"); self.params[j] = p
-        area = (REG[:, 2] - REG[:, 0]) * (REG[:, 3] - REG[:, 1]) if roi else H * W
+        area = (REG[:, 2] - REG[:, 0]) * (REG[:, 3] - REG[:, 1]) if self.roi else H * W
         cap = int(max(area[b].sum() for b in batches) * 3 + B * 256)
         self.bufs = [cupy.empty(cap, cupy.uint8) for _ in range(states)]
         self.events = [None] * states
@@ -158,13 +255,13 @@ class Engine:
         data = (V * n)(*[int(a) for a in addrs[idx]]); lens = (C.c_size_t * n)(*[int(s) for s in sizes[idx]])
         c0 = time.perf_counter()
         ok(nv.nvjpegDecodeBatchedInitialize(h, state, n, 1, RGBI), "init")
-        st = nv.nvjpegDecodeBatchedEx(h, state, C.addressof(data), C.addressof(lens), C.addressof(dests),
+        st = self.batched(h, state, C.addressof(data), C.addressof(lens), C.addressof(dests),
                                       C.addressof(params), self.stream.ptr)
         if st != 0:  # find the images it refuses, one by one
             bad = []
             for j in range(n):
                 ok(nv.nvjpegDecodeBatchedInitialize(h, state, 1, 1, RGBI), "init1")
-                one = nv.nvjpegDecodeBatchedEx(h, state, C.addressof(data) + 8 * j, C.addressof(lens) + 8 * j,
+                one = self.batched(h, state, C.addressof(data) + 8 * j, C.addressof(lens) + 8 * j,
                                                C.addressof(dests) + C.sizeof(Image) * j, C.addressof(params) + 8 * j,
                                                self.stream.ptr)
                 if one != 0:
@@ -175,7 +272,7 @@ class Engine:
         return placed, seconds
 
 
-def run(K, S, roi, B, passes=3, check=False):
+def run(K, S, roi, B, passes=3, check=False, backend=HARDWARE):
     batches = [np.arange(k, min(k + B, len(blobs))) for k in range(0, len(blobs), B)]
     go = [threading.Event() for _ in range(K)]; done = [threading.Event() for _ in range(K)]
     ready = threading.Barrier(K + 1)
@@ -187,7 +284,7 @@ def run(K, S, roi, B, passes=3, check=False):
     def lane(t):
         try:
             cupy.cuda.Device(0).use()
-            engine = Engine(B, S, roi, batches)
+            engine = Engine(B, S, roi, batches, backend)
             ready.wait()
             for p in range(passes):
                 go[t].wait(); go[t].clear()
@@ -231,26 +328,28 @@ def run(K, S, roi, B, passes=3, check=False):
     return statistics.median(rates), [round(r) for r in rates], statistics.median(busy), sum(call_s) / K / dt, outs
 
 
-def run_mix(E, Cn, T, B=256, passes=3):
+def run_mix(E, Cn, T, G=0, B=256, passes=3):
     """E threads driving the engines directly (whole batches) beside Cn nvImageCodec lanes with
-    hw_load 0 and T host threads each (the CUDA decoder, Huffman on the host); every thread takes
-    the next batch from one queue."""
+    hw_load 0 and T host threads each (the CUDA decoder, Huffman on the host) and G threads of
+    nvJPEG's batched GPU-hybrid decode (Huffman on the GPU); every thread takes the next batch from
+    one queue, so each kind's share is what it keeps up with."""
     import torch
     from headrace.ops.cuda._batch_decode import BatchDecoder, Launch, ParsedBatch
     batches = [np.arange(k, min(k + B, len(blobs))) for k in range(0, len(blobs), B)]
     nxt = {"i": 0}; lock = threading.Lock()
-    go = [threading.Event() for _ in range(E + Cn)]; done = [threading.Event() for _ in range(E + Cn)]
-    ready = threading.Barrier(E + Cn + 1); errors = []; counts = [0] * (E + Cn)
+    N = E + Cn + G
+    go = [threading.Event() for _ in range(N)]; done = [threading.Event() for _ in range(N)]
+    ready = threading.Barrier(N + 1); errors = []; counts = [0] * N
 
     def take():
         with lock:
             k = nxt["i"]; nxt["i"] += 1
         return k if k < len(batches) else None
 
-    def engine(t):
+    def engine(t, backend=HARDWARE):
         try:
             cupy.cuda.Device(0).use()
-            engine = Engine(B, 1, True, batches)
+            engine = Engine(B, 2 if backend == GPU_HYBRID else 1, True, batches, backend)
             ready.wait()
             for p in range(passes):
                 go[t].wait(); go[t].clear()
@@ -258,12 +357,13 @@ def run_mix(E, Cn, T, B=256, passes=3):
                     engine.decode(batches[k]); counts[t] += len(batches[k])
                 engine.stream.synchronize(); done[t].set()
         except Exception as e:  # noqa: BLE001
-            errors.append(repr(e))
+            errors.append(repr(e)); ready.abort()
             for d in done: d.set()
 
     def cuda_lane(t):
         try:
-            torch.cuda.set_device(0); cupy.cuda.Device(0).use(); stream = cupy.cuda.Stream(non_blocking=True)
+            torch.cuda.set_device(0); cupy.cuda.Device(0).use()
+            stream = cupy.cuda.Stream(non_blocking=True, priority=stream_priority(HYBRID))
             dec = BatchDecoder(0, threads=T, hw_load=0.0, cuda_load=1.0); parsed = ParsedBatch()
             wss = [torch.empty(B * 224 * 224 * 3 * 8, dtype=torch.uint8, device="cuda") for _ in range(2)]
             evs = [None, None]
@@ -285,16 +385,20 @@ def run_mix(E, Cn, T, B=256, passes=3):
                 stream.synchronize(); done[t].set()
             dec.close(); parsed.close()
         except Exception as e:  # noqa: BLE001
-            errors.append(repr(e))
+            errors.append(repr(e)); ready.abort()
             for d in done: d.set()
 
     ths = [threading.Thread(target=engine, args=(t,), daemon=True) for t in range(E)]
     ths += [threading.Thread(target=cuda_lane, args=(E + t,), daemon=True) for t in range(Cn)]
+    ths += [threading.Thread(target=engine, args=(E + Cn + t, GPU_HYBRID), daemon=True) for t in range(G)]
     for th in ths: th.start()
-    ready.wait()
+    try:
+        ready.wait()
+    except threading.BrokenBarrierError:
+        return f"FAILED {errors}"
     rates, busy, shares = [], [], []
     for p in range(passes):
-        nxt["i"] = 0; counts[:] = [0] * (E + Cn)
+        nxt["i"] = 0; counts[:] = [0] * N
         t0, c0 = time.perf_counter(), time.process_time()
         for g in go: g.set()
         for d in done: d.wait(); d.clear()
@@ -303,11 +407,13 @@ def run_mix(E, Cn, T, B=256, passes=3):
             return f"FAILED {errors}"
         if p:
             rates.append(len(blobs) / dt); busy.append((time.process_time() - c0) / dt)
-            shares.append(sum(counts[:E]) / len(blobs))
+            shares.append((sum(counts[:E]) / len(blobs), sum(counts[E + Cn:]) / len(blobs)))
     for th in ths: th.join(timeout=10)
     med = statistics.median(rates)
     return (f"{med:,.0f} img/s runs {[round(r) for r in rates]} cores busy {statistics.median(busy):.1f} "
-            f"({statistics.median(busy) / med * 1000:.2f} per 1,000 img/s), engine share {statistics.median(shares):.2f}")
+            f"({statistics.median(busy) / med * 1000:.2f} per 1,000 img/s), engine share "
+            f"{statistics.median(e for e, _ in shares):.2f}, GPU-Huffman share {statistics.median(g for _, g in shares):.2f}"
+            f"; nvJPEG allocator calls, device {DEVICE_POOL.calls}, pinned {PINNED_POOL.calls}")
 
 
 configs = sys.argv[2:] or ["1:1:0:256", "1:2:0:256", "2:1:0:256", "4:1:0:256", "1:1:1:256", "1:2:1:256",
@@ -315,17 +421,23 @@ configs = sys.argv[2:] or ["1:1:0:256", "1:2:0:256", "2:1:0:256", "4:1:0:256", "
 first = True
 for cfg in configs:
     if cfg.startswith("mix:"):
-        E, Cn, T = (int(x) for x in cfg.split(":")[1:])
-        print(f"mix: {E} direct engine threads + {Cn} CUDA-decoder lanes x {T} threads: {run_mix(E, Cn, T)}", flush=True)
+        E, Cn, T, *G = (int(x) for x in cfg.split(":")[1:])
+        G = G[0] if G else 0
+        print(f"mix: {E} direct engine threads + {Cn} CUDA-decoder lanes x {T} threads + {G} GPU-Huffman threads: "
+              f"{run_mix(E, Cn, T, G)}", flush=True)
         continue
+    kind = "hw"
+    if cfg.split(":")[0] in BACKENDS:
+        kind, cfg = cfg.split(":", 1)
     K, S, roi, B = (int(x) for x in cfg.split(":"))
-    med, rates, busy, callfrac, outs = run(K, S, roi, B, check=first)
+    roi = roi if kind == "hw" else 0  # the other backends decode whole images (see Engine)
+    med, rates, busy, callfrac, outs = run(K, S, roi, B, check=first or kind != "hw", backend=BACKENDS[kind])
     if med is None:
-        print(f"nvjpeg hw K={K} states={S} roi={roi} B={B}: FAILED {rates}", flush=True)
+        print(f"nvjpeg {kind} K={K} states={S} roi={roi} B={B}: FAILED {rates}", flush=True)
         continue
-    line = (f"nvjpeg hw K={K} states={S} roi={roi} B={B}: {med:,.0f} img/s runs {rates} cores busy {busy:.1f} "
+    line = (f"nvjpeg {kind} K={K} states={S} roi={roi} B={B}: {med:,.0f} img/s runs {rates} cores busy {busy:.1f} "
             f"host share in the decode call {callfrac:.2f}")
-    if first:
+    if first or kind != "hw":
         try:
             from PIL import Image as PI
             import io
