@@ -25,7 +25,10 @@ the GPU, unless the row says otherwise):
                              TimmRandAugment("rand-m9-mstd0.5-inc1"); train_affine: RandomAffine(15, (0.1, 0.1),
                              (0.9, 1.1), 10); train_augmix: AugMix(); train_timm_augmix:
                              TimmAugMix("augmix-m5-w4-d2"); train_timm_autoaug: TimmAutoAugment(
-                             "original-mstd0.5"); dataloader_randaug, dataloader_augmix:
+                             "original-mstd0.5"); train_timm_augmix_jsd: the train row with
+                             auto_augment="augmix-m5-w4-d2", splits=3 (timm's --aug-splits 3: a clean
+                             and two augmented views a sample, images/s counting samples);
+                             dataloader_randaug, dataloader_augmix:
                              the DataLoader row with torchvision's RandAugment() or AugMix() in its workers,
                              the usual way to get them)
   --rows train_noop          the train row with an ops.MapBatch that returns the batch as it is
@@ -560,6 +563,8 @@ def main() -> None:
         "train_augmix": ("headrace (train + AugMix)", lambda: _augmented(ops.AugMix())),
         "train_timm_augmix": ("headrace (train + timm augmix-m5-w4-d2)",
                               lambda: _augmented(ops.TimmAugMix("augmix-m5-w4-d2"))),
+        "train_timm_augmix_jsd": ("headrace (train + timm augmix-m5-w4-d2, 3 views)", lambda: ops.training(
+            224, dtype="float16", auto_augment="augmix-m5-w4-d2", splits=3)),
         "train_timm_autoaug": ("headrace (train + timm original-mstd0.5)",
                                lambda: _augmented(ops.TimmAutoAugment("original-mstd0.5"))),
         "train_noop": ("headrace (train + a no-op batch stage)",

@@ -39,7 +39,9 @@ class RandomErasing(MapBatch):
     ``"random"``, a standard normal value per pixel (torchvision's; on uint8 images, with no
     ``Normalize``, uniform levels 0-255 instead). On normalized images the default 0 is the
     dataset mean's colour. Works in place on the batch's images, in their layout (the stage's
-    ``layout``). Labels are left alone.
+    ``layout``). Labels are left alone. With ``Pipeline(splits=)``'s views it leaves each sample's
+    clean view (0) as it is and erases the others, each a row of its own, as timm's
+    ``RandomErasing(num_splits=)`` does.
 
     Raises ``ConfigError`` when made with ``p`` outside [0, 1], ``scale`` not within [0, 1],
     ``ratio`` not positive, or a ``value`` that is neither finite numbers nor ``"random"``. In a
@@ -95,13 +97,27 @@ class RandomErasing(MapBatch):
         return out
 
     def _erase(self, batch: dict[str, Any], rng: np.random.Generator, layout: str) -> dict[str, Any]:
-        images = batch_images(batch, "RandomErasing")
+        images = batch.get("image")
+        if isinstance(images, torch.Tensor) and images.dim() == 5:
+            # ``Pipeline(splits=)``'s views [B, splits, ...]: the clean view 0 is left alone, as timm's
+            # ``RandomErasing(num_splits=)`` leaves the first split; the others are rows of their own.
+            views = images.transpose(0, 1)[1:]
+            rows = views.flatten(0, 1)  # a view of the view-major memory the executors make
+            self._erase_rows(rows, rng, layout)
+            if rows.data_ptr() != views.data_ptr() or not views.is_contiguous():  # flatten copied
+                views.copy_(rows.view_as(views))
+            return batch
+        self._erase_rows(batch_images(batch, "RandomErasing"), rng, layout)
+        return batch
+
+    def _erase_rows(self, images: torch.Tensor, rng: np.random.Generator, layout: str) -> None:
+        """Erase a box of each row of the 4-d ``images``, in place."""
         chw = layout == "CHW"
         n, (h, w), c = len(images), images.shape[2:4] if chw else images.shape[1:3], images.shape[1 if chw else 3]
         boxes = self.boxes(rng, n, h, w)
         seed = int(rng.integers(1 << 62))  # drawn always: the draws do not depend on the images
         if not boxes.any():
-            return batch
+            return
         # Which rows and columns each box covers, made on the host (n x (h + w) bytes) and sent in one
         # copy: few torch calls, as on the GPU path they run in the lane and their host time is the lane's.
         lines = np.empty((n, h + w), dtype=np.bool_)
@@ -114,7 +130,7 @@ class RandomErasing(MapBatch):
         inside = inside[:, None] if chw else inside[..., None]
         if self.value == "random":
             images.copy_(torch.where(inside, self._noise(images, seed), images))
-            return batch
+            return
         levels = self._levels(images, c)
         if len(set(levels)) == 1:
             images.masked_fill_(inside, levels[0])
@@ -122,7 +138,6 @@ class RandomErasing(MapBatch):
             for k, level in enumerate(levels):
                 plane = images[:, k : k + 1] if chw else images[..., k : k + 1]
                 plane.masked_fill_(inside, level)
-        return batch
 
     def _levels(self, images: torch.Tensor, channels: int) -> list[float] | list[int]:
         assert not isinstance(self.value, str)

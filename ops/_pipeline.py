@@ -67,6 +67,15 @@ class Pipeline:
     uint8 tensor ``[N, H, W]`` per row, 0 and 1. Boxes and masks need the flips after the crops and
     resizes, and no ``Rotate`` or ``WarpAffine``.
 
+    ``splits`` > 1 gives each sample that many views of one geometry, as timm's
+    ``AugMixDataset(num_splits=)`` does for AugMix's Jensen-Shannon loss: the image ops run once,
+    view 0 is their image without the post ops (the clean view), and each later view runs the post
+    ops with draws of its own (view 1 draws what the pipeline would draw without splits). The
+    batch's image is then ``[B, splits, ...]``: a view over memory laid out ``[splits, B, ...]``, so
+    ``images.transpose(0, 1).flatten(0, 1)`` is timm's order (all clean images, then all of the
+    first augmented views...) without a copy. It needs post ops, ops that end in one size, no
+    ``boxes`` or masks, and no ``Map``, ``Filter``, ``MixUp`` or ``CutMix`` after the ops.
+
     User stages (``Map``, ``Filter``, ``MapBatch``, see ``_stages``) go before ``Decode`` (on the
     samples' fields) or after the last built-in op (on output rows or whole batches), never between
     two built-in ops. ``image=None`` is a pipeline for data that is not images (arrays, token ids,
@@ -75,8 +84,9 @@ class Pipeline:
 
     Raises ConfigError for an op list that breaks these rules, a field named for two roles (the
     label an image field; boxes, per_box, mask or instance_masks the label, an image field, one of
-    ``fields`` or one another), ``instance_masks`` without ``boxes``, or a fixed output size over
-    ``Decode.max_pixels`` (that limit bounds every op's output; see ``Decode``).
+    ``fields`` or one another), ``instance_masks`` without ``boxes``, a fixed output size over
+    ``Decode.max_pixels`` (that limit bounds every op's output; see ``Decode``), or ``splits`` that
+    is not a positive int or that the pipeline cannot give (above).
     """
 
     def __init__(
@@ -92,6 +102,7 @@ class Pipeline:
         mask: str | None = None,
         mask_fill: int = 0,
         instance_masks: str | None = None,
+        splits: int = 1,
     ) -> None:
         listed = _op_list(ops)
         for op in listed:
@@ -148,6 +159,7 @@ class Pipeline:
             fill = getattr(op, "fill", (0.0,))
             if len(fill) not in (1, self.decode.channels):
                 raise ConfigError(f"Pipeline: {op!r} has {len(fill)} fill levels, Decode gives {self.decode.channels} channels")
+        self.splits = _check_splits(splits, self)
 
     @property
     def stages(self) -> tuple[Stage, ...]:
@@ -178,7 +190,8 @@ class Pipeline:
         """This pipeline's built-in part (its ops, image and label; no stages, no fields): what an
         image executor runs when ``_staged`` does the rest."""
         # The boxes' name goes along: a RandomIoUCrop needs one, though only ``_staged`` reads them.
-        return Pipeline(self.ops, image=self.image_fields, label=self.label_field, layout=self.layout, boxes=self.boxes)
+        return Pipeline(self.ops, image=self.image_fields, label=self.label_field, layout=self.layout, boxes=self.boxes,
+                        splits=self.splits)
 
     @property
     def channels(self) -> int:
@@ -188,10 +201,13 @@ class Pipeline:
     def dtype(self) -> torch.dtype:
         return self.normalize.dtype if self.normalize else torch.uint8
 
-    def post_uniforms(self, seed: int, epoch: int, indices: np.ndarray) -> list[np.ndarray | None]:
-        """Each post op's ``(len(indices), randoms)`` uniforms (None for an op that draws none)."""
+    def post_uniforms(self, seed: int, epoch: int, indices: np.ndarray, split: int = 1) -> list[np.ndarray | None]:
+        """Each post op's ``(len(indices), randoms)`` uniforms (None for an op that draws none), for
+        the augmented view ``split`` (``splits``): view 1 draws what a pipeline without splits draws,
+        each later view its own numbers."""
+        salt = 0 if split == 1 else split << 32  # far above any op's index: no other op's key
         return [
-            uniforms(seed, epoch, pos, indices, op.randoms) if op.randoms else None
+            uniforms(seed, epoch, pos + salt, indices, op.randoms) if op.randoms else None
             for pos, op in zip(self.post_positions, self.post_ops)
         ]
 
@@ -212,6 +228,8 @@ class Pipeline:
             fields += f", instance_masks={self.instance_masks!r}"
         if self.layout != "CHW" and self.normalize is None:  # with a Normalize, its own repr shows the layout
             fields += f", layout={self.layout!r}"
+        if self.splits > 1:
+            fields += f", splits={self.splits}"
         image = self.image_fields if self.has_image else None
         ops = list(self.before + self.ops + self.after)
         return f"Pipeline({ops!r}, image={image!r}, label={self.label_field!r}{fields})"
@@ -222,6 +240,31 @@ _ORDER = ("the allowed order is Decode (added when missing), then the geometry o
           "CenterCrop, RandomCrop, RandomResizedCrop, RandomIoUCrop, Flip), then the post ops (ColorTwist, RandomGrayscale, "
           "Rotate, RandomAffine, WarpAffine, GaussianBlur, the tone curves, the augmentation policies), then at most one "
           "Normalize, last")
+
+
+def _check_splits(splits: object, pipe: Pipeline) -> int:
+    """``splits`` checked against the pipeline: views differ by their post ops, so there must be
+    some; the views of a sample stack, so the ops must end in one size; boxes and masks would be
+    one per sample where the image is several, and row stages and MixUp/CutMix read one image a row."""
+    splits = require_int("Pipeline: splits", splits)
+    if splits == 1:
+        return 1
+    from ._mix import _Mix
+    from ._stages import Filter, Map
+
+    why = None
+    if not pipe.post_ops:
+        why = "the views differ only by the post ops (a policy such as TimmAugMix), and this pipeline has none"
+    elif pipe.output_size() is None:
+        why = "a sample's views stack into one tensor, so the ops must end in one size (a crop or a fixed Resize)"
+    elif pipe.carries:
+        why = "boxes and masks would be one a sample where the image is several"
+    elif any(isinstance(stage, (Map, Filter, _Mix)) for stage in pipe.after):
+        stage = next(stage for stage in pipe.after if isinstance(stage, (Map, Filter, _Mix)))
+        why = f"{stage!r} after the ops reads one image a row"
+    if why is not None:
+        raise ConfigError(f"Pipeline: splits={splits}: {why}")
+    return splits
 
 
 def _op_list(ops: object) -> list:

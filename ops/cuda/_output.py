@@ -95,8 +95,10 @@ class LaneOutput:
 
     def post_ops(self, images: Any, prep: Prepared, ok: np.ndarray, ready: torch.cuda.Event | None = None) -> Any:
         """The post ops and the finish on the rows ``ok``; ``ready`` recorded after them (if given)."""
+        if self.owner.pipeline.splits > 1:
+            return self._views(images, prep, ok, ready)
         every = len(ok) == len(prep.rows)
-        planned = prep.post
+        planned = prep.post[0] if prep.post is not None else None
         if every and planned is not None and isinstance(images, torch.Tensor) and tuple(images.shape) == planned.input_shape \
                 and images.is_contiguous():  # planned in the prep thread: allocate, relocate, issue
             return self.post.run_planned(images, planned, ready=ready)
@@ -110,6 +112,33 @@ class LaneOutput:
         if ready is not None:
             ready.record(self.stream)
         return images
+
+    def _views(self, images: torch.Tensor, prep: Prepared, ok: np.ndarray, ready: torch.cuda.Event | None) -> torch.Tensor:
+        """``Pipeline.splits``' views of the rows ``ok`` (``images``: their uint8 [n, H, W, C] batch,
+        the pipeline ending in one size): the clean view finished as it is, then each augmented view's
+        post ops and finish from the same pixels (its own draws), each into its block of one
+        view-major output, handed out as ``[n, splits, ...]``. The plans made in the prep thread
+        run where every row made it; else each view's passes are laid out here."""
+        pipe, post = self.owner.pipeline, self.post
+        splits = pipe.splits
+        images = images.contiguous()
+        n, h, w, c = images.shape
+        planned = prep.post if len(ok) == len(prep.rows) and prep.post is not None else None
+        with torch.cuda.stream(self.stream):
+            shape = (n, c, h, w) if pipe.layout == "CHW" else (n, h, w, c)
+            out = torch.empty((splits, *shape), dtype=pipe.dtype, device=self.owner.device)
+            post.finish(images, out[0])
+            indices = prep.indices[ok]
+            for split in range(1, splits):
+                if n == 0:
+                    break
+                if planned is not None and tuple(images.shape) == planned[split - 1].input_shape:
+                    post.run_planned(images, planned[split - 1], out=out[split])
+                else:
+                    post.apply(images, indices, prep.batch.epoch, finish=True, split=split, out=out[split])
+        if ready is not None:
+            ready.record(self.stream)
+        return out.transpose(0, 1)
 
     def launch(self, out: torch.Tensor, tables, stage: Staging, pointers: np.ndarray, row_strides: np.ndarray,
                 prep: Prepared, ok: np.ndarray, offsets: np.ndarray | None, lap) -> None:

@@ -108,26 +108,29 @@ class PostOps:
         self._functions: dict[str, int] = {}
         self._slots = PlanSlots(cupy, stream)
 
-    def tables(self, rows: np.ndarray, indices: np.ndarray, epoch: int) -> list[Step]:
+    def tables(self, rows: np.ndarray, indices: np.ndarray, epoch: int, split: int = 1) -> list[Step]:
         """The passes (``PostOp.steps`` of each post op, in order) for images ``rows`` (from
-        ``describe``) of samples ``indices``: primitive ops and their per-sample tables."""
-        return post_steps(self.pipeline, self.seed, epoch, indices, rows[:, 1], rows[:, 2])
+        ``describe``) of samples ``indices`` in the augmented view ``split`` (``Pipeline.splits``):
+        primitive ops and their per-sample tables."""
+        return post_steps(self.pipeline, self.seed, epoch, indices, rows[:, 1], rows[:, 2], split)
 
     def apply(self, images: Any, indices: np.ndarray, epoch: int, *, inplace: bool = False, finish: bool = False,
-              ready: torch.cuda.Event | None = None) -> Any:
+              ready: torch.cuda.Event | None = None, split: int = 1, out: torch.Tensor | None = None) -> Any:
         """The post ops on ``images`` (see ``describe``) of the samples ``indices`` in ``epoch``.
 
         Returns a uint8 [N, H, W, C] tensor for a tensor, else a list of [h, w, C] tensors: new
         memory allocated on the stream (``images`` itself without post ops). ``inplace`` lets the
         colour twist write into the input when it comes first. ``finish`` (a tensor only): the
-        batch normalised and laid out as the pipeline asks (``finish``), in the same launches.
-        ``ready``: recorded on the stream once the result is written."""
+        batch normalised and laid out as the pipeline asks (``finish``), in the same launches, into
+        ``out`` when given (contiguous, of the finished shape and dtype). ``split``: the augmented
+        view whose draws to take (``Pipeline.splits``). ``ready``: recorded on the stream once the
+        result is written."""
         rows = describe(images)
-        return self.apply_tables(images, self.tables(rows, indices, epoch), inplace=inplace, rows=rows,
-                                 finish=finish, ready=ready)
+        return self.apply_tables(images, self.tables(rows, indices, epoch, split), inplace=inplace, rows=rows,
+                                 finish=finish, ready=ready, out=out)
 
     def apply_tables(self, images: Any, steps: list[Step], *, inplace: bool = False, rows: np.ndarray | None = None,
-                     finish: bool = False, ready: torch.cuda.Event | None = None) -> Any:
+                     finish: bool = False, ready: torch.cuda.Event | None = None, out: torch.Tensor | None = None) -> Any:
         """``apply`` with given passes (primitive ops and their tables, n rows each; ``tables``).
 
         Each pass launches over the samples it changes (``changed``), each sample's pixels moving
@@ -161,12 +164,12 @@ class PostOps:
                           for i, (k, o, s, h, w) in enumerate(zip(passes.where, passes.offsets, passes.sizes,
                                                                   rows[:, 1], rows[:, 2]))]
             if finish and self.pipeline.normalize is not None:
-                result = self._finish_into(plan, address, images.shape)
+                result = self._finish_into(plan, address, images.shape, out)
             elif finish:  # no Normalize: torch lays the batch out, after the plan
                 if result is None:
                     result = buffer(target, 0, passes.total).view(images.shape)
                 self._slots.run(plan, self._function, native=self.native)
-                result = self.finish(result)
+                result = self.finish(result, out)
                 if ready is not None:
                     ready.record(self.stream)
                 return result
@@ -174,14 +177,16 @@ class PostOps:
                 self._slots.run(plan, self._function, ready=ready, native=self.native)
         return result
 
-    def run_planned(self, images: torch.Tensor, planned: PlannedPost, *, ready: torch.cuda.Event | None = None
-                    ) -> torch.Tensor:
+    def run_planned(self, images: torch.Tensor, planned: PlannedPost, *, ready: torch.cuda.Event | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
         """``apply(..., finish=True)`` with the plan made ahead (``plan_post``) for ``images``, a
         contiguous uint8 [N, H, W, C] batch of its ``input_shape``: here only the workspace and the
-        output are allocated and the plan issued, with its addresses relocated into them."""
+        output (unless ``out`` is given: contiguous, of the plan's ``out_shape`` and dtype) are
+        allocated and the plan issued, with its addresses relocated into them."""
         with torch.cuda.stream(self.stream):
             work = torch.empty(planned.work, dtype=torch.uint8, device=self.device) if planned.work else None
-            out = torch.empty(planned.out_shape, dtype=planned.dtype, device=self.device)
+            if out is None:
+                out = torch.empty(planned.out_shape, dtype=planned.dtype, device=self.device)
             bases = {INPUT: images.data_ptr(), WORK: work.data_ptr() if work is not None else 0, OUTPUT: out.data_ptr()}
             self._slots.run(planned.plan, self._function, bases=bases, ready=ready, native=self.native)
         return out
@@ -193,12 +198,15 @@ class PostOps:
             fn = self._functions[name] = kernel.kernel.ptr
         return fn
 
-    def _finish_into(self, plan: Plan, address: int, shape: tuple[int, ...]) -> torch.Tensor:
+    def _finish_into(self, plan: Plan, address: int, shape: tuple[int, ...], out: torch.Tensor | None = None
+                     ) -> torch.Tensor:
         """The finish kernel (the pipeline has a Normalize) on the contiguous uint8 [N, H, W, C] batch at
-        ``address``, added to ``plan``; returns its output, allocated on the stream."""
+        ``address``, added to ``plan``; returns its output: ``out`` (contiguous), or allocated on the stream."""
         norm = self.pipeline.normalize
         n, h, w, c = shape
-        out = torch.empty((n, c, h, w) if norm.layout == "CHW" else (n, h, w, c), dtype=norm.dtype, device=self.device)
+        if out is None:
+            out = torch.empty((n, c, h, w) if norm.layout == "CHW" else (n, h, w, c), dtype=norm.dtype,
+                              device=self.device)
         finish_launch(plan, norm, address, out.data_ptr(), shape)
         return out
 
@@ -219,16 +227,20 @@ class PostOps:
             self._slots.run(plan, self._function, native=self.native)
         return list(map(out.as_strided, shapes.tolist(), strides.tolist(), starts.tolist()))
 
-    def finish(self, x: torch.Tensor) -> torch.Tensor:
+    def finish(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Normalize, layout and dtype of a contiguous uint8 [N, H, W, C] batch, on the stream, as the
-        pipeline asks (its Normalize, else its uint8 layout): the CPU path's ``_finish`` arithmetic."""
+        pipeline asks (its Normalize, else its uint8 layout): the CPU path's ``_finish`` arithmetic.
+        Into ``out`` when given (contiguous, of the finished shape and dtype)."""
         pipe = self.pipeline
         with torch.cuda.stream(self.stream):
             if pipe.normalize is None:
-                return x.permute(0, 3, 1, 2).contiguous() if pipe.layout == "CHW" else x
+                laid = x.permute(0, 3, 1, 2) if pipe.layout == "CHW" else x
+                if out is not None:
+                    return out.copy_(laid)
+                return laid.contiguous() if pipe.layout == "CHW" else x
             x = x.contiguous()
             plan = Plan()
-            out = self._finish_into(plan, x.data_ptr(), tuple(x.shape))
+            out = self._finish_into(plan, x.data_ptr(), tuple(x.shape), out)
             if len(plan):
                 self._slots.run(plan, self._function, native=self.native)
             return out

@@ -26,10 +26,11 @@ _HISTOGRAM_BLOCKS = 8  # blocks counting one sample's levels (each adds its coun
 
 
 def post_steps(pipeline: Pipeline, seed: int, epoch: int, indices: np.ndarray, heights: np.ndarray,
-               widths: np.ndarray) -> list[Step]:
+               widths: np.ndarray, split: int = 1) -> list[Step]:
     """The passes (``PostOp.steps`` of each post op, in order) of samples ``indices`` in ``epoch``,
-    their images ``heights`` x ``widths``: primitive ops and their per-sample tables."""
-    us = pipeline.post_uniforms(seed, epoch, np.asarray(indices, dtype=np.int64))
+    their images ``heights`` x ``widths``, in the augmented view ``split`` (``Pipeline.splits``):
+    primitive ops and their per-sample tables."""
+    us = pipeline.post_uniforms(seed, epoch, np.asarray(indices, dtype=np.int64), split)
     return [step for op, u in zip(pipeline.post_ops, us) for step in op.steps(u, heights, widths, pipeline.channels)]
 
 
@@ -325,11 +326,15 @@ class PlannedPost:
         self.input_shape, self.out_shape, self.dtype = input_shape, out_shape, dtype
 
 
-def plan_post(pipeline: Pipeline, seed: int, epoch: int, indices: np.ndarray, size: tuple[int, int]) -> PlannedPost | None:
+def plan_post(pipeline: Pipeline, seed: int, epoch: int, indices: np.ndarray, size: tuple[int, int], split: int = 1
+              ) -> PlannedPost | None:
     """The post ops and finish of the samples ``indices`` in ``epoch``, their images all ``size``
     (h, w), planned in the prep thread before the lane decodes them: their host work (the policies'
     draws, the tables, the plan's layout; ~1-2 ms a batch of 256) then runs beside the lanes instead
-    of in them. None where the lane plans itself: no post ops, no Normalize, or no samples."""
+    of in them. None where the lane plans itself: no post ops, no Normalize, or no samples.
+
+    ``split``: the augmented view (``Pipeline.splits``). With splits the views read one input, so
+    no pass may write into it (a colour twist coming first otherwise does)."""
     norm = pipeline.normalize
     n = len(indices)
     if not pipeline.post_ops or norm is None or n == 0:
@@ -338,7 +343,8 @@ def plan_post(pipeline: Pipeline, seed: int, epoch: int, indices: np.ndarray, si
     rows = np.empty((n, 5), dtype=np.int64)
     rows[:, 0] = address(INPUT) + np.arange(n, dtype=np.int64) * (h * w * c)
     rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 4] = h, w, w * c, c
-    passes = BatchPasses(rows, post_steps(pipeline, seed, epoch, indices, rows[:, 1], rows[:, 2]), c, inplace=True)
+    passes = BatchPasses(rows, post_steps(pipeline, seed, epoch, indices, rows[:, 1], rows[:, 2], split), c,
+                         inplace=pipeline.splits == 1)
     plan = Plan()
     target = passes.launches(plan, address(WORK), gather=True)
     src = address(WORK, passes.at(target)) if target is not None else address(INPUT)

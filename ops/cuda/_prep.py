@@ -70,7 +70,9 @@ class Prepared:
     geo: np.ndarray
     parts: list[tuple[int, int]] | None  # row ranges decoded one after another; None: the batch at once
     recycle: Callable[[Any], None] | None = None  # gives ``token`` back to its header reader
-    post: PlannedPost | None = None  # the post ops planned for every row at the fixed output size (``plan_post``)
+    # The post ops planned for every row at the fixed output size (``plan_post``), one plan an
+    # augmented view (``Pipeline.splits``: more than one with splits).
+    post: tuple[PlannedPost, ...] | None = None
 
     def release(self) -> None:
         """Give the parsed headers back (once; later calls do nothing)."""
@@ -223,7 +225,10 @@ def _plan(batch, pipe, seed, rows, data, labels, failures, token, info, recycle,
     pillow = _decode_windows(opened, keep, regions, pipe, threads)
     t2 = time.perf_counter()
     size = pipe.output_size() if pipe.post_ops else None
-    post = plan_post(pipe, seed, batch.epoch, indices, size) if size is not None else None
+    post = None
+    if size is not None:  # one plan an augmented view (``Pipeline.splits``)
+        post = tuple(plan_post(pipe, seed, batch.epoch, indices, size, split) for split in range(1, max(2, pipe.splits)))
+        post = None if post[0] is None else post
     seconds["parse"] += t1 - t0
     seconds["plan"] += t2 - t1
     seconds["post_plan"] += time.perf_counter() - t2
