@@ -11,7 +11,7 @@ import torch
 from headrace._errors import ConfigError, require_int
 
 from ._random import uniforms
-from ._post_spec import PostOp
+from ._post_spec import ColorTwist, PostOp
 from ._timm_augment import TimmRandAugment
 from ._timm_augmix import TimmAugMix
 from ._timm_auto_augment import TimmAutoAugment
@@ -385,6 +385,8 @@ def training(
     std: Sequence[float] = IMAGENET_STD,
     dtype: str | torch.dtype = torch.float32,
     auto_augment: str | PostOp | None = None,
+    color_jitter: float | Sequence[float] | None = None,
+    color_jitter_prob: float | None = None,
     **kwargs,
 ) -> Pipeline:
     """The ImageNet training pipeline: decode → random resized crop → flip → normalize (NCHW).
@@ -395,6 +397,14 @@ def training(
     (``"original-mstd0.5"``, ``"v0r"``...): ``TimmAutoAugment``; their warps filling with ``mean``
     in levels, as timm's) or a post op (``RandAugment()``, ``AutoAugment()``...). Raises
     ConfigError for a string timm would not take.
+
+    ``color_jitter`` adds a ``ColorTwist`` after the policy, as timm's ``create_transform(color_jitter=)``
+    adds its ``ColorJitter``: a number f for brightness, contrast and saturation, or a tuple of three
+    or four (with hue); ``color_jitter_prob`` applies it to that share of the samples (timm's
+    ``RandomApply``). timm's default is 0.4 and it drops the jitter where a policy other than its
+    ``3a`` is set; here it is off by default (torchvision's recipe) and applies where given. The
+    twist is DALI's linear colour transform, not ``ColorJitter``'s four steps in a random order.
+    Other arguments go to ``Pipeline`` (``splits=``, ``image=``, ``label=``...).
     """
     listed: list[Op] = [Decode(), RandomResizedCrop(size, scale, ratio), Flip(flip)]
     if isinstance(auto_augment, str):
@@ -409,7 +419,23 @@ def training(
         listed.append(auto_augment)
     elif auto_augment is not None:
         raise ConfigError(f"training: auto_augment must be a timm config string or a post op, got {auto_augment!r}")
+    if color_jitter is not None:
+        listed.append(_color_jitter(color_jitter, color_jitter_prob))
+    elif color_jitter_prob is not None:
+        raise ConfigError("training: color_jitter_prob needs color_jitter (the jitter it applies)")
     return Pipeline([*listed, Normalize(mean, std, dtype=dtype)], **kwargs)
+
+
+def _color_jitter(jitter: object, prob: float | None) -> ColorTwist:
+    """timm's ``color_jitter`` (a number for three, or a tuple of three or four) as a ColorTwist."""
+    if isinstance(jitter, (int, float)) and not isinstance(jitter, bool):
+        factors: tuple = (float(jitter),) * 3
+    elif isinstance(jitter, (list, tuple)) and len(jitter) in (3, 4):
+        factors = tuple(jitter)
+    else:
+        raise ConfigError(f"training: color_jitter must be a number or a tuple of three or four (brightness, contrast, "
+                          f"saturation[, hue]), got {jitter!r}")
+    return ColorTwist(*factors, p=1.0 if prob is None else prob)
 
 
 def validation(

@@ -163,6 +163,23 @@ def test_training_takes_timms_auto_augment_string():
         ops.training(32, auto_augment="augment-m3")
 
 
+def test_training_adds_timms_color_jitter_after_the_policy():
+    # timm's create_transform(auto_augment="3a", color_jitter=0.4): the policy, then the jitter.
+    policy, jitter = ops.training(224, auto_augment="3a", color_jitter=0.4).post_ops
+    assert isinstance(policy, ops.TimmAutoAugment) and policy.policy == "3a"
+    assert jitter == ops.ColorTwist(0.4, 0.4, 0.4)
+    (jitter,) = ops.training(224, color_jitter=(0.4, 0.3, 0.2, 0.1), color_jitter_prob=0.8).post_ops
+    assert jitter == ops.ColorTwist(0.4, 0.3, 0.2, 0.1, p=0.8)
+    assert ops.training(224).post_ops == ()  # off unless asked: torchvision's recipe
+    for bad in ("0.4", (0.4, 0.4), True):
+        with pytest.raises(ConfigError, match="color_jitter must be"):
+            ops.training(224, color_jitter=bad)
+    with pytest.raises(ConfigError, match="color_jitter_prob needs color_jitter"):
+        ops.training(224, color_jitter_prob=0.5)
+    with pytest.raises(ConfigError, match="p must be in"):
+        ops.training(224, color_jitter=0.4, color_jitter_prob=1.5)
+
+
 @pytest.mark.parametrize("channels", [3, 1])
 def test_every_policy_runs_on_color_and_gray_batches(channels):
     n = 64
