@@ -132,3 +132,28 @@ def test_what_splits_cannot_give_is_a_config_error():
     assert ops.Pipeline(ops.training(32).ops, splits=1).splits == 1
     assert ops.Pipeline(ops.training(32).ops, splits=np.int64(1)).splits == 1
     assert "splits=3" in repr(ops.training(32, auto_augment=POLICY, splits=3))
+
+
+async def test_views_resume_mid_epoch_exactly(items):
+    pipe = ops.training(32, auto_augment=POLICY, splits=3)
+
+    def loader():
+        return headrace.Loader(readers.sequence(items, shuffle=True, seed=1), batch_size=8, pipeline=pipe,
+                               device="cpu", num_threads=2, seed=5)
+
+    async with loader() as whole:
+        [b async for b in whole]
+        second_epoch = [(b.sample_keys, b["image"]) async for b in whole]
+    async with loader() as first:
+        [b async for b in first]
+        taken = []
+        async for b in first:
+            taken.append((b.sample_keys, b["image"]))
+            break
+        state = first.state_dict()
+    async with loader() as second:
+        second.load_state_dict(state)
+        rest = [(b.sample_keys, b["image"]) async for b in second]
+    assert len(taken + rest) == len(second_epoch) == 3
+    for (keys, images), (want_keys, want) in zip(taken + rest, second_epoch, strict=True):
+        assert keys == want_keys and torch.equal(images, want)
