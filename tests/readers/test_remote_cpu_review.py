@@ -58,5 +58,5 @@ async def test_reads_within_one_session_share_the_client(slow, leaks):
             clients.add(id(store._client))
         assert len(clients) == 1 and store._client is not None
     assert store._client is None
+    await leaks.check()  # before idle(): its to_thread may start a second default-executor thread
     await slow.idle()
-    await leaks.check()
