@@ -129,9 +129,7 @@ class LaneOutput:
             out = torch.empty((splits, *shape), dtype=pipe.dtype, device=self.owner.device)
             post.finish(images, out[0])
             indices = prep.indices[ok]
-            for split in range(1, splits):
-                if n == 0:
-                    break
+            for split in range(1, splits if n else 1):  # no rows: the clean view's empty block is all
                 if planned is not None and tuple(images.shape) == planned[split - 1].input_shape:
                     post.run_planned(images, planned[split - 1], out=out[split])
                 else:
