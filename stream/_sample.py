@@ -139,7 +139,7 @@ class Batch(Mapping[str, Any]):
         device = None
         for name, value in list(self.data.items()):
             if isinstance(value, torch.Tensor):
-                self.data[name] = value.index_select(0, index.to(value.device))
+                self.data[name] = _rows(value, index.to(value.device))
                 device = value.device if value.is_cuda else device
             elif isinstance(value, list):
                 self.data[name] = [value[i] for i in take]
@@ -214,3 +214,17 @@ def _cuda_tensors(values: Iterable[Any]) -> Iterator[Any]:
             yield from _cuda_tensors(value)
         elif isinstance(value, torch.Tensor) and value.is_cuda:
             yield value
+
+
+def _rows(value: Any, index: Any) -> Any:
+    """The rows ``index`` (dim 0) of the tensor ``value``, in ``value``'s own memory order: a batch
+    handed out as a view over another layout (``Pipeline(splits=)``'s view-major images, the CPU
+    path's channels-last NCHW uint8) keeps it, so what it promises (timm's order a view away) holds
+    after a replacement too."""
+    if value.dim() < 2 or value.is_contiguous():
+        return value.index_select(0, index)
+    order = sorted(range(value.dim()), key=value.stride, reverse=True)  # outermost in memory first
+    dense = value.permute(order)
+    if not dense.is_contiguous():  # not a permuted dense tensor: the rows as they come
+        return value.index_select(0, index)
+    return dense.index_select(order.index(0), index).permute([order.index(d) for d in range(value.dim())])

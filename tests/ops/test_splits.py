@@ -157,3 +157,29 @@ async def test_views_resume_mid_epoch_exactly(items):
     assert len(taken + rest) == len(second_epoch) == 3
     for (keys, images), (want_keys, want) in zip(taken + rest, second_epoch, strict=True):
         assert keys == want_keys and torch.equal(images, want)
+
+
+async def test_a_replaced_sample_keeps_the_batch_full_and_view_major(items):
+    broken = [dict(item) for item in items]
+    broken[3]["jpg"] = broken[3]["jpg"][: len(broken[3]["jpg"]) // 3]
+    batches = await _batches(broken, ops.training(32, auto_augment=POLICY, splits=3), on_error="replace", max_errors=0.5)
+    keys, images, labels = batches[0]
+    assert images.shape == (8, 3, 3, 32, 32) and labels.shape == (8,)
+    assert images.transpose(0, 1).is_contiguous()  # timm's order still a view away
+    assert broken[3]["__key__"] not in keys and len(set(keys)) == 7
+    twin = next(k for k in keys if keys.count(k) == 2)
+    first, second = (i for i, k in enumerate(keys) if k == twin)
+    assert torch.equal(images[first], images[second])  # the substitute's views, all three
+
+
+def test_rows_picked_for_a_replacement_keep_the_memory_order():
+    from headrace._sample import _rows
+
+    index = torch.tensor([2, 0, 2, 1])
+    view_major = torch.arange(3 * 3 * 2 * 4 * 4.0).reshape(3, 3, 2, 4, 4).transpose(0, 1)  # [B, views, ...]
+    channels_last = torch.arange(3 * 4 * 5 * 2, dtype=torch.uint8).reshape(3, 4, 5, 2).movedim(-1, -3)
+    for value in (view_major, channels_last, torch.arange(12.0).reshape(3, 4)):
+        picked = _rows(value, index)
+        assert torch.equal(picked, value.index_select(0, index))
+        assert np.argsort(picked.stride()).tolist() == np.argsort(value.stride()).tolist()
+    assert _rows(view_major, index).transpose(0, 1).is_contiguous()
