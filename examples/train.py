@@ -5,14 +5,17 @@
     python examples/train.py --epochs 2 --max-batches 4 --resume         # continues exactly where it stopped
     python examples/train.py --epochs 2 --max-batches 4 --mixup 0.2 --cutmix 1.0   # mixed batches, soft labels
     python examples/train.py --epochs 2 --max-batches 4 --aa rand-m9-mstd0.5-inc1  # timm's RandAugment, per sample
+    python examples/train.py --epochs 2 --max-batches 4 --aa augmix-m3-w3-d1 --aug-splits 3   # AugMix with its JSD loss
 
 The checkpoint holds the model, the optimizer and ``loader.state_dict()``; a new loader with the
 same arguments and ``load_state_dict()`` yields exactly the batches the uninterrupted run would
 have yielded next, mid-epoch included. With ``--mixup`` and ``--cutmix`` the batches are mixed
 (``ops.MixUp``, ``ops.CutMix``: each applied to half the batches) and the labels are soft; the mixes
 are drawn from the loader's seed, so a resume mixes as the uninterrupted run would. ``--aa`` takes
-timm's RandAugment config string (``ops.training(auto_augment=...)``), drawn from the seed as well.
-Runs on a CPU in well under a minute.
+timm's config strings (``ops.training(auto_augment=...)``: RandAugment, AutoAugment, AugMix), drawn
+from the seed as well. ``--aug-splits 3`` is timm's: each sample's clean view and two augmented ones
+(``splits=3``), trained with the Jensen-Shannon consistency loss of AugMix (timm's ``JsdCrossEntropy``,
+written out below). Runs on a CPU in well under a minute.
 """
 
 from __future__ import annotations
@@ -48,6 +51,18 @@ class TinyNet(nn.Module):
         return self.head(self.features(x))
 
 
+def jsd_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, splits: int, alpha: float = 12.0) -> torch.Tensor:
+    """AugMix's loss (timm's ``JsdCrossEntropy``): cross-entropy on the clean views, plus ``alpha``
+    times the Jensen-Shannon divergence between the views' predictions. ``logits`` are the model's
+    on timm's order (all clean views, then each augmented view's block), ``labels`` one a sample."""
+    views = logits.chunk(splits)
+    loss = nn.functional.cross_entropy(views[0], labels, label_smoothing=0.1)
+    probs = [view.softmax(dim=1) for view in views]
+    log_mixture = torch.stack(probs).mean(0).clamp(1e-7, 1).log()
+    divergence = sum(nn.functional.kl_div(log_mixture, p, reduction="batchmean") for p in probs) / splits
+    return loss + alpha * divergence
+
+
 def make_loader(args: argparse.Namespace) -> headrace.Loader:
     root, _ = datasets.ensure_image_folder(args.data, count=args.images, classes=args.classes)
     reader = readers.files(root, shuffle=True)
@@ -61,7 +76,7 @@ def make_loader(args: argparse.Namespace) -> headrace.Loader:
         mixing.append(ops.MixUp(args.mixup, num_classes=args.classes, p=0.5))
     if args.cutmix:
         mixing.append(ops.CutMix(args.cutmix, num_classes=args.classes, p=0.5))
-    pipeline = ops.Pipeline([*ops.training(args.size, auto_augment=args.aa).ops, *mixing])
+    pipeline = ops.Pipeline([*ops.training(args.size, auto_augment=args.aa).ops, *mixing], splits=args.aug_splits)
     return headrace.Loader(reader, batch_size=args.batch_size, pipeline=pipeline, num_threads=args.threads,
                            seed=args.seed)
 
@@ -90,7 +105,10 @@ async def train(args: argparse.Namespace) -> None:
 
     def train_step(images: torch.Tensor, labels: torch.Tensor) -> float:
         model.train()
-        loss = nn.functional.cross_entropy(model(images), labels)  # class indices, or mixed soft labels
+        if args.aug_splits > 1:  # [B, splits, C, H, W]: timm's order is a view of it, no copy
+            loss = jsd_cross_entropy(model(images.transpose(0, 1).flatten(0, 1)), labels, args.aug_splits)
+        else:
+            loss = nn.functional.cross_entropy(model(images), labels)  # class indices, or mixed soft labels
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -132,7 +150,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stop-after", type=int, default=None, help="stop after this many steps (to try --resume)")
     p.add_argument("--mixup", type=float, default=0.0, help="MixUp's alpha, on half the batches (0: none)")
     p.add_argument("--cutmix", type=float, default=0.0, help="CutMix's alpha, on half the batches (0: none)")
-    p.add_argument("--aa", default=None, help="timm's RandAugment config, e.g. rand-m9-mstd0.5-inc1 (default: none)")
+    p.add_argument("--aa", default=None, help="timm's auto_augment config, e.g. rand-m9-mstd0.5-inc1 or "
+                   "augmix-m3-w3-d1 (default: none)")
+    p.add_argument("--aug-splits", type=int, default=1, help="views a sample for AugMix's JSD loss, timm's "
+                   "--aug-splits (default: %(default)s, none)")
     asyncio.run(train(p.parse_args(argv)))
 
 
