@@ -15,6 +15,7 @@ batches of B, whole images (roi 0) or the training pipeline's crop windows (roi 
 A `K:S:roi:B` prefixed `gpu:` (`host:`) drives nvJPEG's batched decode with its GPU-hybrid
 (hybrid) backend instead of the engines: Huffman on the GPU (on the calling thread). `mix:E:C:T:G`
 adds G threads of the batched GPU-hybrid decode to the queue.
+`PASSES=n` sets the passes a configuration runs (3), `STAMPS=1` prints each pass's end time.
 Each line: images/s (median of the passes after the first), the host cores the process kept busy,
 and for `K:S:roi:B` the share of the threads' time spent inside the decode call; the first
 configuration is checked against Pillow. docs/benchmarks.md has the H100's numbers (issue 22).
@@ -272,7 +273,17 @@ class Engine:
         return placed, seconds
 
 
-def run(K, S, roi, B, passes=3, check=False, backend=HARDWARE):
+PASSES = int(os.environ.get("PASSES", "3"))
+
+
+def stamp(p, dt):
+    """With STAMPS=1, each pass's wall-clock end and length, so that two processes run side by
+    side (one GPU, separate CUDA contexts) can be lined up afterwards."""
+    if os.environ.get("STAMPS") == "1":
+        print(f"  pass {p} ended {time.time():.3f} took {dt:.3f} s ({len(blobs) / dt:,.0f} img/s)", flush=True)
+
+
+def run(K, S, roi, B, passes=PASSES, check=False, backend=HARDWARE):
     batches = [np.arange(k, min(k + B, len(blobs))) for k in range(0, len(blobs), B)]
     go = [threading.Event() for _ in range(K)]; done = [threading.Event() for _ in range(K)]
     ready = threading.Barrier(K + 1)
@@ -320,6 +331,7 @@ def run(K, S, roi, B, passes=3, check=False, backend=HARDWARE):
         for g in go: g.set()
         for d in done: d.wait(); d.clear()
         dt = time.perf_counter() - t0
+        stamp(p, dt)
         if errors:
             return None, errors, 0, 0, {}
         if p:
@@ -328,7 +340,7 @@ def run(K, S, roi, B, passes=3, check=False, backend=HARDWARE):
     return statistics.median(rates), [round(r) for r in rates], statistics.median(busy), sum(call_s) / K / dt, outs
 
 
-def run_mix(E, Cn, T, G=0, B=256, passes=3):
+def run_mix(E, Cn, T, G=0, B=256, passes=PASSES):
     """E threads driving the engines directly (whole batches) beside Cn nvImageCodec lanes with
     hw_load 0 and T host threads each (the CUDA decoder, Huffman on the host) and G threads of
     nvJPEG's batched GPU-hybrid decode (Huffman on the GPU); every thread takes the next batch from
@@ -403,6 +415,7 @@ def run_mix(E, Cn, T, G=0, B=256, passes=3):
         for g in go: g.set()
         for d in done: d.wait(); d.clear()
         dt = time.perf_counter() - t0
+        stamp(p, dt)
         if errors:
             return f"FAILED {errors}"
         if p:
