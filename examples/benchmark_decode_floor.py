@@ -6,7 +6,8 @@ kernels, no event loop. What the whole pipeline reaches over this is what the ho
 (docs/gpu-notes.md §6 has the Python API's numbers). Needs a GPU; prints one line per
 configuration (lanes, hw_load, decoder threads; lanes of their own kind, lanes taking the next
 batch when free): median images/s of two passes after one, and the
-host cores the process kept busy (CPU time over wall time) for it.
+host cores the process kept busy (CPU time over wall time) for it. ``CUT_FRAMES=0`` in the
+environment gives the engines whole JPEG frames (``GpuTuning(cut_frames=False)``).
 
     python examples/benchmark_decode_floor.py /path/to/class-folders [K ...]   # e.g. benchmark_gpu.py's --data;
                                                                               # K: run only configuration K
@@ -28,6 +29,7 @@ from headrace.ops._geometry import plan_batch, roi_batch
 from headrace.ops._random import uniforms
 
 root = sys.argv[1]
+CUT_FRAMES = os.environ.get("CUT_FRAMES", "1") != "0"  # CUT_FRAMES=0: the engines get whole frames (the A/B)
 files = sorted(glob.glob(f"{root}/*/*.jpg"))
 blobs = [open(f, "rb").read() for f in files]
 B = 256
@@ -72,7 +74,7 @@ def run(lanes, hw, threads, cuda_load=1.0, passes=3, mix=None, dynamic=False, wi
             torch.cuda.set_device(0); cupy.cuda.Device(0).use()
             s.stream = cupy.cuda.Stream(non_blocking=True)
             lane_hw, lane_threads = mix[s.i] if mix else (hw, threads)
-            s.dec = BatchDecoder(0, threads=lane_threads, hw_load=lane_hw, cuda_load=cuda_load)
+            s.dec = BatchDecoder(0, threads=lane_threads, hw_load=lane_hw, cuda_load=cuda_load, cut_frames=CUT_FRAMES)
             s.parsed = ParsedBatch()
             s.ws = [torch.empty(B * 224 * 224 * 3 * 8, dtype=torch.uint8, device="cuda") for _ in range(2)]
             s.ready.set()

@@ -506,6 +506,9 @@ def main() -> None:
                     help="run the rows this many times in turn (A/B pairs interleaved, labels numbered)")
     ap.add_argument("--interleave", action="store_true",
                     help="run the headrace pipeline rows of --rows and the DALI rows side by side, one epoch each in turn (--epochs rounds; --repeat: that many times)")
+    ap.add_argument("--uncut", action="store_true",
+                    help="also run headrace (train and val, those of --rows) with the engines given whole JPEG frames "
+                         "(GpuTuning(cut_frames=False)): the A/B of cutting each frame below its window")
     ap.add_argument("--without-run-ahead", action="store_true",
                     help="also run headrace (train) with each epoch drained before the next starts (Loader(run_ahead=False))")
     ap.add_argument("--python-launch", action="store_true",
@@ -638,6 +641,10 @@ def main() -> None:
         # [val:]OPTIONS: the train (or validation) row with these decoder options
         kind, options = ("val", options[4:]) if options.startswith("val:") else ("train", options)
         tuned_row(f"options{k}", kind, f"headrace ({kind}, {options})", {"tuning": ops.GpuTuning(nvimgcodec_options=options)})
+    if args.uncut:  # the engines decode every row of an image unless its frame is cut below the window
+        for kind in [k for k in ("train", "val") if k in rows]:
+            tuned_row(f"{kind}_uncut", kind, f"{pipelines[kind][0][:-1]}, frames not cut)",
+                      {"tuning": ops.GpuTuning(cut_frames=False)})
     if args.without_run_ahead:
         runners["no_ahead"] = ("headrace (train, epochs not run ahead)", lambda: bench_headrace(
             root, ops.training(224, dtype="float16"), args.batch, args.epochs, args.lanes, run_ahead=False))

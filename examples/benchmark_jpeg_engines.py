@@ -15,7 +15,8 @@ batches of B, whole images (roi 0) or the training pipeline's crop windows (roi 
 A `K:S:roi:B` prefixed `gpu:` (`host:`) drives nvJPEG's batched decode with its GPU-hybrid
 (hybrid) backend instead of the engines: Huffman on the GPU (on the calling thread). `mix:E:C:T:G`
 adds G threads of the batched GPU-hybrid decode to the queue.
-`PASSES=n` sets the passes a configuration runs (3), `STAMPS=1` prints each pass's end time.
+`TRUNCATE=1` cuts each JPEG's frame height below its training window (what the engines and the host's
+Huffman decode would then skip; roi 1 configurations only). `PASSES=n` sets the passes a configuration runs (3), `STAMPS=1` prints each pass's end time.
 Each line: images/s (median of the passes after the first), the host cores the process kept busy,
 and for `K:S:roi:B` the share of the threads' time spent inside the decode call; the first
 configuration is checked against Pillow. docs/benchmarks.md has the H100's numbers (issue 22).
@@ -107,6 +108,46 @@ for k in range(0, len(blobs), 256):
     idx = np.arange(k, min(k + 256, len(blobs)))
     rnd = [uniforms(0, 0, pos, idx, op.randoms) if op.randoms else None for pos, op in enumerate(pipe.image_ops, 1)]
     REG[idx] = roi_batch(plan_batch(H[idx], W[idx], pipe.image_ops, rnd), H[idx], W[idx])
+
+
+def baseline_frame(data):
+    """(offset of the SOF0/SOF1 segment's height field, MCU height) of a baseline JPEG, or None
+    (progressive, lossless, arithmetic-coded, or malformed)."""
+    i = 2
+    while i + 4 <= len(data) and data[i] == 0xFF:
+        marker, length = data[i + 1], int.from_bytes(data[i + 2:i + 4], "big")
+        if marker in (0xC0, 0xC1):
+            ncomp = data[i + 9]
+            vmax = max(data[i + 11 + 3 * c] & 0x0F for c in range(ncomp))
+            return i + 5, 8 * vmax
+        if 0xC2 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC) or marker == 0xDA:
+            return None
+        i += 2 + length
+    return None
+
+
+def shortened(data, bottom, height):
+    """``data`` with its frame's height cut to the MCU row that holds row ``bottom - 1``, plus one
+    MCU row (chroma upsampling of the window's last rows reads the row below): a decoder then stops
+    there, the rest of the entropy data unread. The same bytes where that is the whole image."""
+    frame = baseline_frame(data)
+    if frame is None:
+        return data
+    at, mcu = frame
+    cut = min(height, -(-int(bottom) // mcu) * mcu + mcu)
+    if cut >= height:
+        return data
+    return data[:at] + cut.to_bytes(2, "big") + data[at + 2:]
+
+
+ORIGINALS = blobs
+if os.environ.get("TRUNCATE") == "1":  # the frames cut below each training window (roi 1 only)
+    blobs = [shortened(b, REG[i, 2], H[i]) for i, b in enumerate(blobs)]
+    addrs = np.array([C.cast(C.c_char_p(b), V).value for b in blobs], dtype=np.uint64)
+    kept = sum((REG[i, 2] / H[i]) for i in range(len(blobs))) / len(blobs)
+    cut_rows = sum(1 - int.from_bytes(b[baseline_frame(b)[0]:baseline_frame(b)[0] + 2], "big") / H[i]
+                   for i, b in enumerate(blobs) if baseline_frame(b)) / len(blobs)
+    print(f"TRUNCATE=1: windows end at {kept:.2f} of the height on average; frames cut by {cut_rows:.2f} of it", flush=True)
 # ROI support on the engine
 dp = V(); ok(nv.nvjpegDecodeParamsCreate(h0, C.byref(dp)), "params")
 ok(nv.nvjpegDecodeParamsSetOutputFormat(dp, RGBI), "fmt")
@@ -458,7 +499,7 @@ for cfg in configs:
             for i, got in outs.items():
                 if isinstance(got, np.ndarray):
                     y0, x0, y1, x1 = REG[i] if roi else (0, 0, H[i], W[i])
-                    ref = np.asarray(PI.open(io.BytesIO(blobs[i])).convert("RGB"))[y0:y1, x0:x1]
+                    ref = np.asarray(PI.open(io.BytesIO(ORIGINALS[i])).convert("RGB"))[y0:y1, x0:x1]
                     diffs.append(np.abs(ref.astype(int) - got.astype(int)).mean())
             line += f"; vs Pillow mean abs diff over {len(diffs)} images: max {max(diffs):.2f}"
         except Exception as e:  # noqa: BLE001

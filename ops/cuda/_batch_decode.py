@@ -25,7 +25,7 @@ from headrace import _native as native
 
 from .._nvimgcodec import nvimgcodec
 
-__all__ = ["BatchDecoder", "Launch", "ParsedBatch", "driver_reason", "load", "unavailable_reason"]
+__all__ = ["BatchDecoder", "Launch", "ParsedBatch", "driver_reason", "frame_cut", "load", "unavailable_reason"]
 
 _HERE = Path(__file__).parent / "_native"
 _SOURCE = _HERE / "batch_decode.c"
@@ -80,6 +80,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hr_parsed_destroy.argtypes, lib.hr_parsed_destroy.restype = [p], None
     lib.hr_parse.argtypes, lib.hr_parse.restype = [p, p, i, p, p, i, p], i
     lib.hr_decoder_destroy.argtypes, lib.hr_decoder_destroy.restype = [p], None
+    lib.hr_decoder_set_cut_frames.argtypes, lib.hr_decoder_set_cut_frames.restype = [p, i], None
+    lib.hr_frame_cut.argtypes = [ctypes.c_char_p, sz, i, i, ctypes.POINTER(sz)]
+    lib.hr_frame_cut.restype = i
     lib.hr_driver_load.argtypes, lib.hr_driver_load.restype = [ctypes.c_char_p, sz], i
     lib.hr_decode_launch.argtypes = [p, p, i, p, p, p, i, i, p, p, ctypes.POINTER(Launch)]
     lib.hr_decode_launch.restype = i
@@ -154,7 +157,9 @@ class BatchDecoder:
     nvImageCodec's decoder as they are (e.g. ``"nvjpeg_cuda_decoder:hybrid_huffman_threshold=0"``).
     ``gpu_load``: the share of each batch (the windows next in size after the engine's) given to a
     second CUDA decoder that runs every Huffman stage on the GPU (0: none, no second decoder), with
-    ``gpu_threads`` host threads (0: ``threads``).
+    ``gpu_threads`` host threads (0: ``threads``). ``cut_frames``: the engine's share decodes from
+    copies of its JPEGs whose frame ends just below the window (``frame_cut``), so the engine, which
+    decodes every row of an image whatever its window, stops there; the pixels are the same.
     """
 
     def __init__(
@@ -169,6 +174,7 @@ class BatchDecoder:
         channels: int = 3,
         exif: bool = True,
         options: str = "",
+        cut_frames: bool = True,
     ):
         lib = load()
         if lib is None:
@@ -186,6 +192,7 @@ class BatchDecoder:
         if not handle:
             raise RuntimeError(err.value.decode())
         self._handle = handle
+        lib.hr_decoder_set_cut_frames(handle, int(cut_frames))
         self.channels = channels
         self.exif = exif
 
@@ -220,6 +227,18 @@ class BatchDecoder:
         if self._handle:
             self._lib.hr_decoder_destroy(self._handle)
             self._handle = None
+
+
+def frame_cut(data: bytes, bottom: int, height: int) -> tuple[int, int] | None:
+    """The frame height the engine is given for a sequential JPEG ``data`` of ``height`` rows whose
+    window ends at row ``bottom``, and where that height is written in the bytes; None when nothing
+    is cut (``hr_frame_cut`` in the shim says when)."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"the batch decode shim is unavailable: {unavailable_reason()}")
+    at = ctypes.c_size_t()
+    cut = lib.hr_frame_cut(data, len(data), bottom, height, ctypes.byref(at))
+    return (cut, at.value) if cut else None
 
 
 class ParsedBatch:

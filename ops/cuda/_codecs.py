@@ -86,7 +86,7 @@ class NativeHeaders:
 class NativeDecoder:
     def __init__(self, device: torch.device, *, threads: int, hw_load: float | str, channels: int, exif: bool,
                  budget: int | None = None, cuda_load: float = 1.0, gpu_load: float = 0.0, gpu_threads: int = 0,
-                 options: str = "") -> None:
+                 options: str = "", cut_frames: bool = True) -> None:
         from ._batch_decode import BatchDecoder
 
         self.device = device
@@ -96,7 +96,7 @@ class NativeDecoder:
         self.budget = budget
         self.decoder = BatchDecoder(
             device.index, threads=threads, hw_load=hw_load, cuda_load=cuda_load, gpu_load=gpu_load, gpu_threads=gpu_threads, channels=channels,
-            exif=exif, options=options,
+            exif=exif, options=options, cut_frames=cut_frames,
         )
         # Two buffers, used in turn and grown when a batch needs more (up to ``budget``): memory stays
         # flat over epochs.

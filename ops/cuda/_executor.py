@@ -121,6 +121,10 @@ class GpuTuning:
     ``"python"`` (launched from Python after the decode). ``dispatch``: ``"turn"`` (batch i to lane
     i mod lanes) or ``"free"`` (to the lane with the fewest batches queued: +2-8% in the decode
     floor on the H100, no difference the training pipeline's noise let us see; docs/benchmarks.md).
+    ``cut_frames``: the hardware engine's share of a batch decodes from copies of its JPEGs whose
+    frame height ends one MCU row below the window (the shim only): the engines decode every row of
+    an image whatever its window, so they then stop where the window does. Same pixels; on the
+    H200 the engines alone decoded training windows 10-13% faster (docs/benchmarks.md, issue 22).
     """
 
     cuda_load: float = 1.0
@@ -131,6 +135,7 @@ class GpuTuning:
     decode: Literal["shim", "python"] = "shim"
     launch: Literal["shim", "python"] = "shim"
     dispatch: Literal["turn", "free"] = "turn"
+    cut_frames: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cuda_load", require_number("cuda_load", self.cuda_load, 0.0, 1.0, wanted="in [0, 1]"))
@@ -147,6 +152,8 @@ class GpuTuning:
                 raise ConfigError(f"{name} must be 'shim' or 'python', got {getattr(self, name)!r}")
         if self.dispatch not in ("free", "turn"):
             raise ConfigError(f"dispatch must be 'free' or 'turn', got {self.dispatch!r}")
+        if not isinstance(self.cut_frames, bool):
+            raise ConfigError(f"cut_frames must be a bool, got {self.cut_frames!r}")
 
     def decoder_options(self) -> str:
         """The options string for nvImageCodec's decoders: ``gpu_huffman_above`` as its option,

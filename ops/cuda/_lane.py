@@ -58,7 +58,7 @@ class Lane:
                                          exif=pipe.decode.exif, budget=lane_budget(pipe.decode.max_batch_bytes),
                                          cuda_load=tuning.cuda_load, gpu_load=tuning.gpu_huffman_load,
                                          gpu_threads=tuning.gpu_huffman_threads or 0,
-                                         options=tuning.decoder_options())
+                                         options=tuning.decoder_options(), cut_frames=tuning.cut_frames)
         else:
             # One decoder: gpu_huffman_load's second one is the shim's.
             self.decoder = PythonDecoder(dev, threads=threads, channels=pipe.channels, exif=pipe.decode.exif,

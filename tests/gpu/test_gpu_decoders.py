@@ -100,6 +100,64 @@ def test_damaged_jpegs_in_many_batches_on_two_lanes_end_decoded_or_failed():
     assert all(controls > 0 for controls, _ in results)
 
 
+def _oriented(rng, h, w, orientation, subsampling) -> bytes:
+    """A JPEG stored h x w (4:4:4, 4:2:2 or 4:2:0), carrying EXIF ``orientation``."""
+    small = rng.integers(0, 256, size=(6, 6, 3), dtype=np.uint8)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    buf = io.BytesIO()
+    Image.fromarray(small).resize((w, h), Image.Resampling.BICUBIC).save(
+        buf, "JPEG", quality=90, subsampling=subsampling, exif=exif.tobytes())
+    return buf.getvalue()
+
+
+def test_the_engine_decodes_cut_frames_to_the_same_pixels():
+    """The engine's share decodes from frames cut below each window (``cut_frames``): every
+    window's pixels equal those decoded from the JPEG as it is, EXIF-turned ones (not cut) too,
+    and damaged JPEGs end decoded or failed as without the cut."""
+    rng = np.random.default_rng(5)
+    device = torch.device("cuda", 0)
+    stream = torch.cuda.current_stream(device)
+    blobs = [_oriented(rng, int(rng.integers(64, 480)), int(rng.integers(64, 480)), 1 if k % 5 else int(rng.integers(2, 9)),
+                       k % 3) for k in range(60)]
+    blobs += [_damaged(rng, _jpeg(rng, int(rng.integers(96, 400)), int(rng.integers(96, 400)))) for _ in range(12)]
+    results = {}
+    for cut in (True, False):
+        dec = _batch_decode.BatchDecoder(0, threads=4, hw_load=1.0, cut_frames=cut)
+        parsed = _batch_decode.ParsedBatch()
+        try:
+            window_rng = np.random.default_rng(9)  # the same windows both times
+            outs_all, status_all = [], []
+            for _ in range(3):
+                info = parsed.parse(blobs, exif=True)
+                pick = np.flatnonzero(info[:, 3] == 1).astype(np.int32)
+                h, w = info[pick, 0], info[pick, 1]
+                y0 = (window_rng.random(len(pick)) * h * 0.5).astype(np.int32)
+                x0 = (window_rng.random(len(pick)) * w * 0.5).astype(np.int32)
+                y1 = y0 + 1 + (window_rng.random(len(pick)) * (h - y0 - 1) * 0.8).astype(np.int32)
+                x1 = x0 + 1 + (window_rng.random(len(pick)) * (w - x0 - 1)).astype(np.int32)
+                boxes = np.column_stack([y0, x0, y1, x1]).astype(np.int32)
+                outs = [torch.full((int(b[2] - b[0]), int(b[3] - b[1]), 3), 7, dtype=torch.uint8, device=device) for b in boxes]
+                status = dec.decode(parsed, pick, boxes, np.array([o.data_ptr() for o in outs], np.uint64), stream.cuda_stream)
+                stream.synchronize()
+                assert (status[pick < 60] == 1).all()  # the good JPEGs decode
+                outs_all += [o.cpu() for o in outs]
+                status_all += status.tolist()
+                cuts = sum(_batch_decode.frame_cut(blobs[i], int(b[2]), int(hh)) is not None
+                           for i, b, hh in zip(pick, boxes, h))
+                assert cuts >= 20  # most windows end well above their image's last rows
+                parsed.release()
+        finally:
+            parsed.close()
+            dec.close()
+        results[cut] = (status_all, outs_all)
+    (status_cut, outs_cut), (status_whole, outs_whole) = results[True], results[False]
+    assert status_cut == status_whole
+    for k, (a, b, ok) in enumerate(zip(outs_cut, outs_whole, status_cut)):
+        if ok == 1:
+            assert torch.equal(a, b), k
+
+
 _ORDER_SCRIPT = """
 import asyncio, sys, warnings
 first = sys.argv[1]

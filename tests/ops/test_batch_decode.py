@@ -252,3 +252,55 @@ def test_the_c_helpers_can_be_turned_off(monkeypatch, tmp_path):
     target, reason = _native.build("batch_decode", _batch_decode._SOURCE)
     assert target is None and "HEADRACE_NO_C_HELPERS" in reason and not any(tmp_path.iterdir())
 
+
+
+# --- frames cut below a window (what the hardware engine's share decodes from on the GPU) ---------
+
+
+def _cut(blob: bytes, bottom: int, height: int) -> bytes | None:
+    """``blob`` with the height ``frame_cut`` gives it written in, or None where nothing is cut."""
+    cut = _batch_decode.frame_cut(blob, bottom, height)
+    if cut is None:
+        return None
+    rows, at = cut
+    return blob[:at] + rows.to_bytes(2, "big") + blob[at + 2 :]
+
+
+@pytest.mark.parametrize("subsampling, mcu", [(0, 8), (1, 8), (2, 16)])  # 4:4:4, 4:2:2, 4:2:0
+@pytest.mark.parametrize("channels", [3, 1])
+def test_a_cut_frame_decodes_the_window_rows_unchanged(rng, subsampling, mcu, channels):
+    h, w = int(rng.integers(60, 200)), int(rng.integers(40, 160))
+    blob = encode(random_image(rng, h, w, channels), "JPEG", subsampling=subsampling)
+    mcu = 8 if channels == 1 else mcu  # one component: its MCU is one 8 x 8 block whatever the sampling says
+    whole = _pillow(blob, "L" if channels == 1 else "RGB")
+    cuts = 0
+    for bottom in [1, mcu, mcu + 1, *rng.integers(1, h + 1, 12).tolist(), h - mcu, h]:
+        got = _batch_decode.frame_cut(blob, bottom, h)
+        rows = -(-bottom // mcu) * mcu + mcu
+        if rows >= h:
+            assert got is None  # the window reaches the last MCU row: nothing to cut
+            continue
+        assert got is not None and got[0] == rows
+        cut = _pillow(_cut(blob, bottom, h), "L" if channels == 1 else "RGB")
+        assert cut.shape[0] == rows
+        # libjpeg-turbo's smooth chroma upsampling reads the row below: the extra MCU row keeps it there.
+        np.testing.assert_array_equal(cut[:bottom], whole[:bottom])
+        cuts += 1
+    assert cuts >= 5
+
+
+def test_frames_that_are_not_cut(rng):
+    blob = encode(random_image(rng, 120, 90), "JPEG")
+    progressive = encode(random_image(rng, 120, 90), "JPEG", progressive=True)
+    assert _batch_decode.frame_cut(progressive, 10, 120) is None  # another encoding
+    assert _batch_decode.frame_cut(_with_sof(blob, 0xC3), 10, 120) is None  # lossless
+    assert _batch_decode.frame_cut(blob, 10, 119) is None  # the frame does not say that height
+    assert _batch_decode.frame_cut(blob, 0, 120) is None and _batch_decode.frame_cut(blob, 121, 120) is None
+    assert _batch_decode.frame_cut(encode(random_image(rng, 40, 40), "PNG"), 10, 40) is None
+    assert _batch_decode.frame_cut(_with_sof(blob, 0xC1), 10, 120) is not None  # extended sequential
+    frame = blob.index(b"\xff\xc0")
+    for end in range(0, frame + 19):  # every header cut short of the frame's end: no cut, no byte read past it
+        assert _batch_decode.frame_cut(blob[:end], 10, 120) is None
+    for seed in range(200):  # garbage after a JPEG's first marker
+        noise = np.random.default_rng(seed).integers(0, 256, 64, dtype=np.uint8).tobytes()
+        _batch_decode.frame_cut(b"\xff\xd8\xff" + noise, 10, 120)

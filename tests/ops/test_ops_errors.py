@@ -253,11 +253,11 @@ def test_gpu_tuning_is_checked():
     from headrace.ops import GpuTuning
 
     assert GpuTuning() == GpuTuning(cuda_load=1.0, gpu_huffman_above=None, gpu_huffman_load=0.0, gpu_huffman_threads=None,
-                                    nvimgcodec_options="", decode="shim", launch="shim", dispatch="turn")
+                                    nvimgcodec_options="", decode="shim", launch="shim", dispatch="turn", cut_frames=True)
     for bad in ({"cuda_load": 1.5}, {"decode": "c"}, {"launch": None}, {"nvimgcodec_options": 3}, {"dispatch": "any"},
                 {"gpu_huffman_above": -1}, {"gpu_huffman_above": 2.5}, {"gpu_huffman_above": True},
                 {"gpu_huffman_load": -0.1}, {"gpu_huffman_load": 1.5}, {"gpu_huffman_load": "half"},
-                {"gpu_huffman_threads": 0}, {"gpu_huffman_threads": 2.0}):
+                {"gpu_huffman_threads": 0}, {"gpu_huffman_threads": 2.0}, {"cut_frames": 1}, {"cut_frames": None}):
         with pytest.raises(ConfigError):
             GpuTuning(**bad)
 
