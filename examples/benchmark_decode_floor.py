@@ -147,7 +147,15 @@ configs = [(1, 0.65, cores, 1.0), (2, 0.65, cores, 1.0), (2, "adaptive", cores, 
            (4, 0.65, cores // 4, 1.0, None, None, False, "share"), (4, 0.65, cores // 4, 1.0, None, None, False, "steal"),
            (4, 0.65, cores // 4, 1.0, None, None, False, "share", "val"),
            (4, 0.65, cores // 4, 1.0, None, None, False, "steal", "val"),
-           (3, 0.65, cores // 3, 1.0, None, None, False, "steal"), (3, 0.65, cores // 3, 1.0, None, None, False, "steal", "val")]
+           (3, 0.65, cores // 3, 1.0, None, None, False, "steal"), (3, 0.65, cores // 3, 1.0, None, None, False, "steal", "val"),
+           # 42-49: the default lanes with a larger engine share (frames cut below the window made
+           # the engines faster), training's windows then validation's; the share adapted batch by batch
+           (4, 0.7, cores // 4, 1.0, None, None, False, "share"), (4, 0.75, cores // 4, 1.0, None, None, False, "share"),
+           (4, 0.8, cores // 4, 1.0, None, None, False, "share"), (4, "adaptive", cores // 4, 1.0, None, None, False, "share"),
+           (4, 0.7, cores // 4, 1.0, None, None, False, "share", "val"),
+           (4, 0.75, cores // 4, 1.0, None, None, False, "share", "val"),
+           (4, 0.8, cores // 4, 1.0, None, None, False, "share", "val"),
+           (4, "adaptive", cores // 4, 1.0, None, None, False, "share", "val")]
 # optional: the indices of the configurations to run, in that order (one may come again: turns)
 chosen = [int(k) for k in sys.argv[2:]] or range(len(configs))
 for k in chosen:
