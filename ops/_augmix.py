@@ -21,8 +21,8 @@ import numpy as np
 
 from headrace._errors import ConfigError
 
-from ._auto_augment import Magnitudes, _Policy, _Range, _whole
-from ._passes import CODE, MIX, PassWarp, codes, round_passes
+from ._auto_augment import Magnitudes, _Policy, _Range, _whole, space_codes
+from ._passes import CODE, MIX, PassWarp, round_passes
 from ._post_spec import Step, _fill
 
 __all__ = ["AugMix", "Chains", "chain_depths", "gamma", "gamma_randoms", "log_gamma", "mix_weights"]
@@ -239,6 +239,6 @@ class AugMix(Chains, _Policy):
     def chain_round(self, d, h, w):
         op_u, bin_u, sign_u = d[:, 0], d[:, 1], d[:, 2]
         magnitude_bin = np.minimum((bin_u * self.severity).astype(np.int64), self.severity - 1)
-        space = codes(self.space)
+        space = space_codes(self.space)
         op = space[np.minimum((op_u * len(space)).astype(np.int64), len(space) - 1)]
         return op, self.magnitudes(op, _PARAMETER_MAX, magnitude_bin, sign_u >= 0.5, h, w)

@@ -48,19 +48,50 @@ Magnitudes = _Range | None
 
 @functools.cache
 def _magnitude_tables(space: tuple[tuple[str, tuple[Magnitudes, bool]], ...], bins: int):
-    """A space's magnitudes as arrays, once per (space, bins): the (codes,) row of each op code
-    in the space (-1 outside it), the (K, bins) values (0 for ops without a magnitude), and per
-    row whether it is signed, which side scales it (-1: none) and by how much."""
-    rows = np.full(len(CODES), -1)
-    table = np.zeros((len(space), bins))
-    signed, side, scale = np.zeros(len(space), bool), np.full(len(space), -1), np.ones(len(space))
-    for k, (name, (magnitudes, is_signed)) in enumerate(space):
-        rows[CODE[name]] = k
+    """A space's magnitudes as arrays indexed by op code, once per (space, bins): the (codes, bins)
+    values (0 for ops without a magnitude or outside the space), and per code whether it is signed,
+    which side scales it (-1: none) and by how much (1 outside the space: the value stays 0)."""
+    table = np.zeros((len(CODES), bins))
+    signed, side, scale = np.zeros(len(CODES), bool), np.full(len(CODES), -1), np.ones(len(CODES))
+    for name, (magnitudes, is_signed) in space:
+        k = CODE[name]
         if magnitudes is not None:
             table[k] = magnitudes.values(bins)
             side[k], scale[k] = magnitudes.side, magnitudes.scale
         signed[k] = is_signed
-    return rows, table, signed, side, scale
+    return table, signed, side, scale
+
+
+_BY_SPACE: dict[int, tuple[dict, dict]] = {}  # id(space) -> (space, what was made from it)
+
+
+def _made_from(space: dict[str, tuple[Magnitudes, bool]]) -> dict:
+    """What was made from ``space`` (its codes, its tables per count of bins), found by the dict's
+    identity: the spaces are the module's constants, and hashing one's items again took a few
+    microseconds a round of every batch. The entry holds the dict: its id is not reused meanwhile."""
+    hit = _BY_SPACE.get(id(space))
+    if hit is None or hit[0] is not space:
+        if len(_BY_SPACE) > 64:  # spaces made on the fly: keep the memo small
+            _BY_SPACE.clear()
+        hit = _BY_SPACE[id(space)] = (space, {})
+    return hit[1]
+
+
+def _space_tables(space: dict[str, tuple[Magnitudes, bool]], bins: int) -> tuple:
+    """``_magnitude_tables`` of ``space``, made once per count of bins."""
+    made = _made_from(space)
+    if bins not in made:
+        made[bins] = _magnitude_tables(tuple(space.items()), bins)
+    return made[bins]
+
+
+def space_codes(space: dict[str, tuple[Magnitudes, bool]]) -> np.ndarray:
+    """``codes(space)``, made once (read-only)."""
+    made = _made_from(space)
+    if "codes" not in made:
+        made["codes"] = codes(space)
+        made["codes"].flags.writeable = False
+    return made["codes"]
 
 
 def _space(shear: float, translate_x: _Range, translate_y: _Range, rotate: float, enhance: float,
@@ -199,7 +230,7 @@ class _Policy(MultiPass):
 
     def round_steps(self, u: np.ndarray, bins: int, magnitude_bin: np.ndarray, h, w, channels) -> list[Step]:
         """One round's passes from (n, 2) uniforms (op, sign) and each sample's magnitude bin."""
-        space = codes(self.space)
+        space = space_codes(self.space)
         op = space[np.minimum((u[:, 0] * len(space)).astype(np.int64), len(space) - 1)]
         magnitude = self.magnitudes(op, bins, magnitude_bin, u[:, 1] >= 0.5, h, w)
         return round_passes(op, magnitude, h, w, channels, PassWarp(self.fill))
@@ -207,14 +238,11 @@ class _Policy(MultiPass):
     def magnitudes(self, op: np.ndarray, bins: int, magnitude_bin: np.ndarray, negative: np.ndarray, h, w) -> np.ndarray:
         """(n,) signed magnitudes: sample i's op (code ``op[i]``) at its bin, negated where
         ``negative`` and the op is signed (0 for ops without a magnitude, or outside the space)."""
-        rows, table, signed, side, scale = _magnitude_tables(tuple(self.space.items()), bins)
-        k = rows[op]
-        inside = k >= 0
-        k = np.maximum(k, 0)
-        values = table[k, magnitude_bin]
-        values = np.where(side[k] == 0, (h * scale[k]) * values, np.where(side[k] == 1, (w * scale[k]) * values, values))
-        values = np.where(signed[k] & negative, -values, values)
-        return np.where(inside, values, 0.0)
+        table, signed, side, scale = _space_tables(self.space, bins)
+        values = table[op, magnitude_bin]
+        side, scale = side[op], scale[op]
+        values = np.where(side == 0, (h * scale) * values, np.where(side == 1, (w * scale) * values, values))
+        return np.where(signed[op] & negative, -values, values)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ the samples that drew another kind. A pass no sample needs is left out.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -105,14 +106,15 @@ _COLOR = _PassColor()
 _SHARPNESS = _PassSharpness()
 
 
-def _filled(shape: tuple[int, ...], each: np.ndarray) -> np.ndarray:
-    """An array of ``shape`` whose every row is ``each``, filled a column at a time: ``np.zeros`` of
-    1 KiB or more lets the GIL go around its ``calloc``, and whole-array loops over 500 elements do
-    (``ops/_gil.py``), which a lane planning its post ops then waits to take back."""
+def _filled(shape: tuple[int, ...], each: tuple[float, ...]) -> np.ndarray:
+    """An array of ``shape`` whose every row is ``each`` (its entries, row-major), filled a column at
+    a time: ``np.zeros`` of 1 KiB or more lets the GIL go around its ``calloc``, and whole-array
+    loops over 500 elements do (``ops/_gil.py``), which a lane planning its post ops then waits to
+    take back."""
     out = np.empty(shape)
-    flat, each = out.reshape(shape[0], each.size), each.reshape(-1)
-    for j in range(len(each)):
-        flat[:, j] = each[j]
+    flat = out.reshape(shape[0], len(each))
+    for j, value in enumerate(each):
+        flat[:, j] = value
     return out
 
 
@@ -130,31 +132,21 @@ def round_passes(op: np.ndarray, magnitude: np.ndarray, h: np.ndarray, w: np.nda
 
     geometric = GEOMETRIC[op]
     if geometric.any():
-        affine = _filled((n, 2, 3), np.eye(2, 3))
-        shear_x, shear_y = where("ShearX"), where("ShearY")
-        affine[shear_x, 0, 1] = magnitude[shear_x]  # input x = x + m y: torchvision's shear about the corner
-        affine[shear_y, 1, 0] = magnitude[shear_y]
-        for name, axis in (("TranslateX", 0), ("TranslateY", 1)):  # whole pixels (torchvision's int()), to +x for m > 0
-            rows = where(name)
-            affine[rows, axis, 2] = -np.trunc(magnitude[rows])
-        for name, axis in (("ShiftX", 0), ("ShiftY", 1)):
-            rows = where(name)
-            affine[rows, axis, 2] = magnitude[rows]
-        if (rows := where("Rotate")).any():
-            affine[rows] = rotation_affine(magnitude[rows], h[rows], w[rows])
-        steps.append((warp, (affine, warp.fill_values(channels))))
+        steps.append((warp, (_affines(op, magnitude, h, w), warp.fill_values(channels))))
 
     kind = _TONE_KIND[op]
     if kind.any():
         value = np.where((kind == BRIGHTNESS) | (kind == CONTRAST), 1.0 + magnitude, magnitude)
         value = np.where(kind == POSTERIZE, np.trunc(magnitude), value)
-        steps.append((_TONE, (np.stack([kind.astype(np.float64), np.where(kind > 0, value, 0.0)], axis=1),)))
+        tone = np.empty((n, 2))  # a column at a time: np.stack's one loop passes 500 elements (ops/_gil.py)
+        tone[:, 0], tone[:, 1] = kind, np.where(kind > 0, value, 0.0)
+        steps.append((_TONE, (tone,)))
 
     color = where("Color")
     if color.any() and channels == 3:
         # torchvision's adjust_saturation: blend with the gray image, f x + (1 - f) gray(x).
         f = 1.0 + magnitude[color]
-        matrices = _filled((n, 3, 4), np.eye(3, 4))
+        matrices = _filled((n, 3, 4), _identity(3, 4))
         gray = np.asarray(GRAY_WEIGHTS, dtype=np.float64)
         matrices[color, :, :3] = f[:, None, None] * np.eye(3) + (1.0 - f)[:, None, None] * gray
         steps.append((_COLOR, (matrices,)))
@@ -167,6 +159,24 @@ def round_passes(op: np.ndarray, magnitude: np.ndarray, h: np.ndarray, w: np.nda
     if blur.any():
         steps.append(_blur_pass(np.where(blur, magnitude, 0.0), blur))
     return steps
+
+
+def _affines(op: np.ndarray, magnitude: np.ndarray, h: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """(n, 2, 3) the warp pass's matrices of a round: each sample's shear, translation or rotation,
+    the identity for the others. Each entry is a column picked by ``np.where`` (an op is one code a
+    sample, so the picks never overlap), cheaper than a masked store per op into the 3-d array."""
+    n = len(op)
+    shear_x, shear_y = op == CODE["ShearX"], op == CODE["ShearY"]
+    whole = -np.trunc(magnitude)  # torchvision's translations: whole pixels (int()), to +x for m > 0
+    affine = np.empty((n, 2, 3))
+    affine[:, 0, 0] = affine[:, 1, 1] = 1.0
+    affine[:, 0, 1] = np.where(shear_x, magnitude, 0.0)  # input x = x + m y: torchvision's shear about the corner
+    affine[:, 1, 0] = np.where(shear_y, magnitude, 0.0)
+    for axis, translate, shift in ((0, "TranslateX", "ShiftX"), (1, "TranslateY", "ShiftY")):
+        affine[:, axis, 2] = np.where(op == CODE[translate], whole, np.where(op == CODE[shift], magnitude, 0.0))
+    if (rows := op == CODE["Rotate"]).any():
+        affine[rows] = rotation_affine(magnitude[rows], h[rows], w[rows])
+    return affine
 
 
 _RADIUS_NONE = 1e-3  # a blur of smaller radius leaves every pixel as it is: the identity
@@ -216,9 +226,9 @@ def changed(op: PostOp, tables: tuple[np.ndarray, ...]) -> np.ndarray:
     ended): the GPU path leaves them out of its launches, and the CPU path skips the pass for them."""
     if isinstance(op, ColorMatrix):
         m = np.asarray(tables[0])
-        return _differs(m, np.eye(m.shape[1], m.shape[2]))
+        return _differs(m, _identity(m.shape[1], m.shape[2]))
     if isinstance(op, _Warp):
-        return _differs(np.asarray(tables[0]), np.eye(2, 3))
+        return _differs(np.asarray(tables[0]), _identity(2, 3))
     if isinstance(op, GaussianBlur):
         wx, wy = np.asarray(tables[0]), np.asarray(tables[1])
         return _differs(wx, _delta(wx.shape[1])) | _differs(wy, _delta(wy.shape[1]))
@@ -229,18 +239,23 @@ def changed(op: PostOp, tables: tuple[np.ndarray, ...]) -> np.ndarray:
     raise TypeError(f"not a post op: {op!r}")
 
 
-def _delta(k: int) -> np.ndarray:
-    centre = np.zeros(k)
-    centre[k // 2] = 1.0
-    return centre
+@functools.cache
+def _identity(rows: int, cols: int) -> tuple[float, ...]:
+    """``np.eye(rows, cols)``'s entries, row-major: made once, not for every pass of every batch."""
+    return tuple(np.eye(rows, cols).reshape(-1).tolist())
 
 
-def _differs(a: np.ndarray, ref: np.ndarray) -> np.ndarray:
-    """(n,) bool: row i of ``a`` (n, ...) differs from ``ref`` (``a``'s trailing shape) somewhere.
-    A column at a time: each loop runs over n elements, and NumPy keeps the GIL for loops of up to
-    500 (``ops/_gil.py``; a lane that lets it go waits to take it back)."""
+@functools.cache
+def _delta(k: int) -> tuple[float, ...]:
+    """The identity blur kernel of ``k`` taps."""
+    return tuple(float(j == k // 2) for j in range(k))
+
+
+def _differs(a: np.ndarray, ref: tuple[float, ...]) -> np.ndarray:
+    """(n,) bool: row i of ``a`` (n, ...) differs from ``ref`` (``a``'s trailing entries, row-major)
+    somewhere. A column at a time: each loop runs over n elements, and NumPy keeps the GIL for
+    loops of up to 500 (``ops/_gil.py``; a lane that lets it go waits to take it back)."""
     flat = a.reshape(len(a), -1)
-    ref = np.broadcast_to(ref, a.shape[1:]).reshape(-1)
     out = flat[:, 0] != ref[0]
     for j in range(1, flat.shape[1]):
         out |= flat[:, j] != ref[j]

@@ -166,17 +166,24 @@ class Plan:
 _NO_DIMS = (0, 0, 0)
 
 
+# Each argument type's word (``address(TABLES, offset)`` for a table), looked up by the exact type
+# first: a plan has ~70 arguments, and a chain of isinstance checks cost as much as the conversion.
+_WORDS: dict[type, Callable[[Any], int]] = {
+    TableRef: lambda arg: (TABLES << _SHIFT) + int(arg),
+    np.int32: lambda arg: int(arg) & 0xFFFF_FFFF,
+    np.float32: lambda arg: int(arg.view(np.uint32)),
+    np.uint64: int,
+}
+
+
 def _word(arg: Any) -> int:
     """A kernel argument's 8 bytes (``Plan``'s types), as the shim hands them to CUDA."""
-    if isinstance(arg, TableRef):
-        return address(TABLES, int(arg))
-    if isinstance(arg, np.int32):
-        return int(arg) & 0xFFFF_FFFF
-    if isinstance(arg, np.float32):
-        return int(arg.view(np.uint32))
-    if isinstance(arg, np.uint64):
-        return int(arg)
-    raise TypeError(f"a kernel argument must be TableRef, np.uint64, np.int32 or np.float32, got {arg!r}")
+    convert = _WORDS.get(type(arg))
+    if convert is None:  # a subclass of one of them
+        convert = next((f for kind, f in _WORDS.items() if isinstance(arg, kind)), None)
+        if convert is None:
+            raise TypeError(f"a kernel argument must be TableRef, np.uint64, np.int32 or np.float32, got {arg!r}")
+    return convert(arg)
 
 
 class _Compiled:

@@ -169,8 +169,7 @@ class BatchPasses:
 
     def _add_pass(self, plan: Plan, op, tab, active, src, dst) -> None:
         sub, offsets = self.rows[active], self.offsets[active]
-        s_ptr, s_stride = self._where(src, sub, offsets)
-        d_ptr, d_stride = self._where(dst, sub, offsets)
+        (s_ptr, s_stride), (d_ptr, d_stride) = self._wheres((src, dst), sub, offsets)
         if isinstance(op, GaussianBlur):
             t_ptr = self.base + self._at["scratch"] + 4 * offsets
             t_stride = 4 * sub[:, 2] * self.channels
@@ -215,14 +214,24 @@ class BatchPasses:
     def _where(self, which: np.ndarray, rows: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Addresses and row strides of the samples ``rows`` (at ``offsets`` in a buffer) in the
         places ``which`` (-1 the input, else a buffer)."""
-        ptr = rows[:, 0].copy()
-        stride = rows[:, 3].copy()
-        for k in (0, 1):
-            mine = which == k
-            if mine.any():
-                ptr[mine] = self.base + self._at[k] + offsets[mine]
-                stride[mine] = rows[:, 2][mine] * self.channels
-        return ptr, stride
+        return self._wheres((which,), rows, offsets)[0]
+
+    def _wheres(self, places: tuple[np.ndarray, ...], rows: np.ndarray, offsets: np.ndarray
+                ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """``_where`` of the same samples in each of ``places`` (a pass's source and destination),
+        sharing their addresses in the buffers. Picked with ``np.where``, a column at a time:
+        buffer k's sample starts at ``base + at(0) + k (at(1) - at(0)) + offset`` (a buffer no
+        sample is in is never picked), in fewer NumPy calls than a masked store per buffer."""
+        first = self._at.get(0, self._at.get(1, 0))
+        step = self._at.get(1, first) - first
+        start = offsets + (self.base + first)
+        own = rows[:, 2] * self.channels
+        out = []
+        for which in places:
+            ours = which >= 0
+            out.append((np.where(ours, start + which * step if step else start, rows[:, 0]),
+                        np.where(ours, own, rows[:, 3])))
+        return out
 
     def _tone(self, plan: Plan, rows, s_ptr, s_stride, d_ptr, d_stride, params: np.ndarray) -> None:
         """A tone curve: level counts where the curve reads the image, each sample's tables, the lookup.
