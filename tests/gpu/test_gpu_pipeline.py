@@ -8,6 +8,7 @@ import os
 import subprocess
 import threading
 
+from gpu_data import class_folders
 import numpy as np
 import pytest
 import torch
@@ -299,12 +300,7 @@ async def test_batches_given_to_the_free_lane_equal_batches_given_in_turn():
 
 @pytest.fixture
 def folder(tmp_path):
-    rng = np.random.default_rng(4)
-    for c in range(3):
-        (tmp_path / f"c{c}").mkdir()
-        for i in range(40):
-            (tmp_path / f"c{c}" / f"{i:03d}.jpg").write_bytes(_jpeg(rng, int(rng.integers(100, 400)), int(rng.integers(100, 400))))
-    return tmp_path
+    return class_folders(tmp_path, np.random.default_rng(4), 3, 40, _jpeg, "jpg", 100, 400)
 
 
 def _loader(folder, **kw):

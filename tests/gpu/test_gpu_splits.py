@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 
+from gpu_data import class_folders
 import numpy as np
 import pytest
 import torch
@@ -32,12 +33,7 @@ def _png(rng, h, w) -> bytes:
 
 @pytest.fixture
 def folder(tmp_path):
-    rng = np.random.default_rng(21)
-    for c in range(2):
-        (tmp_path / f"c{c}").mkdir()
-        for i in range(24):
-            (tmp_path / f"c{c}" / f"{i:03d}.png").write_bytes(_png(rng, int(rng.integers(60, 300)), int(rng.integers(60, 300))))
-    return tmp_path
+    return class_folders(tmp_path, np.random.default_rng(21), 2, 24, _png, "png", 60, 300)
 
 
 async def _images(folder, pipeline, device, **kwargs):

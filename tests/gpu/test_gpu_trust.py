@@ -11,6 +11,7 @@ import io
 import random
 import zlib
 
+from gpu_data import class_folders
 import numpy as np
 import pytest
 import torch
@@ -292,12 +293,7 @@ async def test_cancelled_runs_then_drain_keep_only_the_workspaces_and_aclose_fre
 
 @pytest.fixture
 def folder(tmp_path):
-    rng = np.random.default_rng(15)
-    for c in range(2):
-        (tmp_path / f"c{c}").mkdir()
-        for i in range(30):
-            (tmp_path / f"c{c}" / f"{i:03d}.jpg").write_bytes(_jpeg(rng, int(rng.integers(100, 300)), int(rng.integers(100, 300))))
-    return tmp_path
+    return class_folders(tmp_path, np.random.default_rng(15), 2, 30, _jpeg, "jpg", 100, 300)
 
 
 async def test_cancelled_and_left_epochs_reuse_the_loader_and_give_back_cuda_memory(folder, leaks):
