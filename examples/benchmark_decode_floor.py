@@ -6,8 +6,8 @@ kernels, no event loop. What the whole pipeline reaches over this is what the ho
 (docs/gpu-notes.md §6 has the Python API's numbers). Needs a GPU; prints one line per
 configuration (lanes, hw_load, decoder threads; lanes of their own kind, lanes taking the next
 batch when free): median images/s of two passes after one, and the
-host cores the process kept busy (CPU time over wall time) for it. ``CUT_FRAMES=0`` in the
-environment gives the engines whole JPEG frames (``GpuTuning(cut_frames=False)``).
+host cores the process kept busy (CPU time over wall time) for it. ``--whole-frames`` gives the
+engines whole JPEG frames (``GpuTuning(cut_frames=False)``).
 
     python examples/benchmark_decode_floor.py /path/to/class-folders [K ...]   # e.g. benchmark_gpu.py's --data;
                                                                               # K: run only configuration K
@@ -28,8 +28,9 @@ from headrace.ops.cuda._batch_decode import BatchDecoder, Launch, ParsedBatch
 from headrace.ops._geometry import plan_batch, roi_batch
 from headrace.ops._random import uniforms
 
-root = sys.argv[1]
-CUT_FRAMES = os.environ.get("CUT_FRAMES", "1") != "0"  # CUT_FRAMES=0: the engines get whole frames (the A/B)
+args = [a for a in sys.argv[1:] if a != "--whole-frames"]
+CUT_FRAMES = "--whole-frames" not in sys.argv[1:]  # the A/B of the engines' frames cut below the window
+root = args[0]
 files = sorted(glob.glob(f"{root}/*/*.jpg"))
 blobs = [open(f, "rb").read() for f in files]
 B = 256
@@ -157,7 +158,7 @@ configs = [(1, 0.65, cores, 1.0), (2, 0.65, cores, 1.0), (2, "adaptive", cores, 
            (4, 0.8, cores // 4, 1.0, None, None, False, "share", "val"),
            (4, "adaptive", cores // 4, 1.0, None, None, False, "share", "val")]
 # optional: the indices of the configurations to run, in that order (one may come again: turns)
-chosen = [int(k) for k in sys.argv[2:]] or range(len(configs))
+chosen = [int(k) for k in args[1:]] or range(len(configs))
 for k in chosen:
     lanes, hw, th, cl, *rest = configs[k]
     order, mix, dynamic, split, windows = (list(rest) + [None, None, False, "share", "train"][len(rest):])

@@ -15,8 +15,11 @@ batches of B, whole images (roi 0) or the training pipeline's crop windows (roi 
 A `K:S:roi:B` prefixed `gpu:` (`host:`) drives nvJPEG's batched decode with its GPU-hybrid
 (hybrid) backend instead of the engines: Huffman on the GPU (on the calling thread). `mix:E:C:T:G`
 adds G threads of the batched GPU-hybrid decode to the queue.
-`TRUNCATE=1` cuts each JPEG's frame height below its training window (what the engines and the host's
-Huffman decode would then skip; roi 1 configurations only). `PASSES=n` sets the passes a configuration runs (3), `STAMPS=1` prints each pass's end time.
+`--truncate` cuts each JPEG's frame height below its training window (what the engines and the host's
+Huffman decode would then skip; roi 1 configurations only). `--passes N` sets the passes a
+configuration runs (3), `--stamps` prints each pass's end time; `--priority`, `--alloc-count` and
+`--alloc-cache` are the GPU-hybrid diagnostics (stream priorities; nvJPEG's allocations counted, or
+counted and cached).
 Each line: images/s (median of the passes after the first), the host cores the process kept busy,
 and for `K:S:roi:B` the share of the threads' time spent inside the decode call; the first
 configuration is checked against Pillow. docs/benchmarks.md has the H100's numbers (issue 22).
@@ -69,7 +72,17 @@ def ok(status, what):
 
 HYBRID, GPU_HYBRID, HARDWARE, RGBI = 1, 2, 3, 5
 BACKENDS = {"hw": HARDWARE, "gpu": GPU_HYBRID, "host": HYBRID}
-root = sys.argv[1]
+# Diagnostics are flags among the configurations (until 2026-12-04 they were environment variables:
+# PRIORITY=1, ALLOC=cache, TRUNCATE=1, PASSES=n, STAMPS=1, as docs/benchmarks.md's commands of then say).
+FLAGS = {"--priority", "--alloc-count", "--alloc-cache", "--truncate", "--stamps"}
+_args = sys.argv[1:]
+PASSES = 3
+if "--passes" in _args:
+    at = _args.index("--passes")
+    PASSES = int(_args[at + 1])
+    del _args[at:at + 2]
+OPTIONS = {a for a in _args if a in FLAGS}
+root, *CONFIGS = [a for a in _args if a not in FLAGS]
 files = sorted(glob.glob(f"{root}/*/*.jpg"))
 blobs = [open(f, "rb").read() for f in files]
 addrs = np.array([C.cast(C.c_char_p(b), V).value for b in blobs], dtype=np.uint64)
@@ -141,13 +154,13 @@ def shortened(data, bottom, height):
 
 
 ORIGINALS = blobs
-if os.environ.get("TRUNCATE") == "1":  # the frames cut below each training window (roi 1 only)
+if "--truncate" in OPTIONS:  # the frames cut below each training window (roi 1 only)
     blobs = [shortened(b, REG[i, 2], H[i]) for i, b in enumerate(blobs)]
     addrs = np.array([C.cast(C.c_char_p(b), V).value for b in blobs], dtype=np.uint64)
     kept = sum((REG[i, 2] / H[i]) for i in range(len(blobs))) / len(blobs)
     cut_rows = sum(1 - int.from_bytes(b[baseline_frame(b)[0]:baseline_frame(b)[0] + 2], "big") / H[i]
                    for i, b in enumerate(blobs) if baseline_frame(b)) / len(blobs)
-    print(f"TRUNCATE=1: windows end at {kept:.2f} of the height on average; frames cut by {cut_rows:.2f} of it", flush=True)
+    print(f"--truncate: windows end at {kept:.2f} of the height on average; frames cut by {cut_rows:.2f} of it", flush=True)
 # ROI support on the engine
 dp = V(); ok(nv.nvjpegDecodeParamsCreate(h0, C.byref(dp)), "params")
 ok(nv.nvjpegDecodeParamsSetOutputFormat(dp, RGBI), "fmt")
@@ -173,7 +186,7 @@ class PinnedAllocator(C.Structure):
 
 
 class CachingAllocator:
-    """With ALLOC=cache in the environment, nvJPEG's device and pinned buffers come from here: a
+    """With --alloc-cache, nvJPEG's device and pinned buffers come from here: a
     freed block is kept for the next request it fits, never given back, so no cudaFree or
     cudaFreeHost (each of which waits for the whole device) runs once the sizes settle. Counts
     the calls either way."""
@@ -186,7 +199,7 @@ class CachingAllocator:
     def malloc(self, size):
         with self.lock:
             self.calls["malloc"] += 1
-            if os.environ.get("ALLOC") == "cache":
+            if "--alloc-cache" in OPTIONS:
                 fits = [p for p in self.cached if self.size[p] >= size]
                 if fits:
                     p = min(fits, key=self.size.get); self.cached.remove(p); return p
@@ -196,7 +209,7 @@ class CachingAllocator:
     def free(self, p):
         with self.lock:
             self.calls["free"] += 1
-            if os.environ.get("ALLOC") == "cache":
+            if "--alloc-cache" in OPTIONS:
                 self.cached.append(p); return
             self.calls["real_free"] += 1
             del self.size[p]; self.real_free(p)
@@ -234,17 +247,17 @@ PINNED_ALLOCATOR = PinnedAllocator(PINNED_MALLOC(_pinned_malloc), FREE(_free(PIN
 
 
 def allocators(backend):
-    """nvJPEG's allocators for a handle: ours (counted, cached with ALLOC=cache) for the GPU-hybrid
-    backend when ALLOC is set, else nvJPEG's own."""
-    if backend == GPU_HYBRID and os.environ.get("ALLOC"):
+    """nvJPEG's allocators for a handle: ours (counted, and cached with --alloc-cache) for the
+    GPU-hybrid backend with --alloc-count or --alloc-cache, else nvJPEG's own."""
+    if backend == GPU_HYBRID and OPTIONS & {"--alloc-count", "--alloc-cache"}:
         return C.byref(DEV_ALLOCATOR), C.byref(PINNED_ALLOCATOR)
     return None, None
 
 
 def stream_priority(backend):
-    """With PRIORITY=1 in the environment, the GPU-hybrid decode's streams get the lowest priority
+    """With --priority, the GPU-hybrid decode's streams get the lowest priority
     and every other the highest, so its long Huffman kernels yield the SMs to the others' kernels."""
-    if os.environ.get("PRIORITY") != "1":
+    if "--priority" not in OPTIONS:
         return 0
     return 0 if backend == GPU_HYBRID else -10  # CUDA clamps it to the device's greatest (-5 on Hopper)
 
@@ -314,13 +327,10 @@ class Engine:
         return placed, seconds
 
 
-PASSES = int(os.environ.get("PASSES", "3"))
-
-
 def stamp(p, dt):
-    """With STAMPS=1, each pass's wall-clock end and length, so that two processes run side by
+    """With --stamps, each pass's wall-clock end and length, so that two processes run side by
     side (one GPU, separate CUDA contexts) can be lined up afterwards."""
-    if os.environ.get("STAMPS") == "1":
+    if "--stamps" in OPTIONS:
         print(f"  pass {p} ended {time.time():.3f} took {dt:.3f} s ({len(blobs) / dt:,.0f} img/s)", flush=True)
 
 
@@ -470,7 +480,7 @@ def run_mix(E, Cn, T, G=0, B=256, passes=PASSES):
             f"; nvJPEG allocator calls, device {DEVICE_POOL.calls}, pinned {PINNED_POOL.calls}")
 
 
-configs = sys.argv[2:] or ["1:1:0:256", "1:2:0:256", "2:1:0:256", "4:1:0:256", "1:1:1:256", "1:2:1:256",
+configs = CONFIGS or ["1:1:0:256", "1:2:0:256", "2:1:0:256", "4:1:0:256", "1:1:1:256", "1:2:1:256",
                            "2:1:1:256", "2:2:1:256", "4:1:1:256", "4:2:1:256", "8:1:1:256", "4:1:1:64", "8:1:1:64"]
 first = True
 for cfg in configs:
