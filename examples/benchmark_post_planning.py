@@ -35,11 +35,10 @@ POLICIES = {
 
 def plan_seconds(pipeline: ops.Pipeline, batch: int, size: int, batches: int, epoch: int) -> float:
     """CPU seconds a batch to plan every augmented view of ``batches`` batches."""
-    views = range(1, max(2, pipeline.splits))
     start = time.process_time()
     for k in range(batches):
         indices = np.arange(k * batch, (k + 1) * batch)
-        for split in views:
+        for split in pipeline.augmented_views:
             plan_post(pipeline, 0, epoch, indices, (size, size), split)
     return (time.process_time() - start) / batches
 

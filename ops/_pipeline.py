@@ -201,6 +201,12 @@ class Pipeline:
     def dtype(self) -> torch.dtype:
         return self.normalize.dtype if self.normalize else torch.uint8
 
+    @property
+    def augmented_views(self) -> range:
+        """The views that run the post ops, by number (``splits``): 1 alone without splits, else
+        1 to ``splits - 1`` (view 0 is the clean one)."""
+        return range(1, max(2, self.splits))
+
     def post_uniforms(self, seed: int, epoch: int, indices: np.ndarray, split: int = 1) -> list[np.ndarray | None]:
         """Each post op's ``(len(indices), randoms)`` uniforms (None for an op that draws none), for
         the augmented view ``split`` (``splits``): view 1 draws what a pipeline without splits draws,

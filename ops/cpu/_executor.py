@@ -162,7 +162,7 @@ class CpuExecutor:
         pipe = self.pipeline
         indices = np.fromiter((s.index for s in samples), dtype=np.int64, count=len(samples))
         randoms = op_randoms(pipe.image_ops, self.seed, batch.epoch, indices, samples)
-        post = [pipe.post_uniforms(self.seed, batch.epoch, indices, split) for split in range(1, max(2, pipe.splits))]
+        post = [pipe.post_uniforms(self.seed, batch.epoch, indices, split) for split in pipe.augmented_views]
         chunk = _Chunk(samples, lo, randoms, post, out, rows, failures)
         # Decode a group, then transform it: measured 3-13% faster than alternating decode and
         # transforms image by image (each library's code stays hot). The group's decoded bytes,

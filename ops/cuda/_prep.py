@@ -227,7 +227,7 @@ def _plan(batch, pipe, seed, rows, data, labels, failures, token, info, recycle,
     size = pipe.output_size() if pipe.post_ops else None
     post = None
     if size is not None:  # one plan an augmented view (``Pipeline.splits``)
-        post = tuple(plan_post(pipe, seed, batch.epoch, indices, size, split) for split in range(1, max(2, pipe.splits)))
+        post = tuple(plan_post(pipe, seed, batch.epoch, indices, size, split) for split in pipe.augmented_views)
         post = None if post[0] is None else post
     seconds["parse"] += t1 - t0
     seconds["plan"] += t2 - t1
