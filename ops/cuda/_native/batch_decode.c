@@ -45,6 +45,7 @@ typedef struct {
     int hw;        /* 1: offered to the hardware engine (a baseline JPEG), 2: given to it */
     int64_t area;  /* of its window: the engine takes the largest */
     nvimgcodecProcessingStatus_t status;
+    int full_h;    /* its image's height as displayed */
     int cut;       /* the frame height its bytes are given with (0: as they are) */
     size_t cut_at; /* where that height is written in them */
 } hr_item;
@@ -451,6 +452,7 @@ static int setup_item(hr_decoder* d, const hr_parsed* p, int j, int k, const int
         it->source = d->views[k];
     }
     it->j = j;
+    it->full_h = full_h;
     it->area = (int64_t)(r[2] - r[0]) * (int64_t)(r[3] - r[1]);
     it->hw = d->hw && !d->cpu_only && pick[j] < p->capacity && p->encodings[pick[j]] == NVIMGCODEC_JPEG_ENCODING_BASELINE_DCT;
     it->status = NVIMGCODEC_PROCESSING_STATUS_UNKNOWN;
@@ -524,11 +526,9 @@ static void cut_frames(hr_decoder* d, const hr_parsed* p, const int32_t* pick, c
         int src = pick[it->j];
         const int32_t* r = region + 4 * it->j;
         it->cut = 0;
-        nvimgcodecImageInfo_t ii;
-        int full_h, full_w;
-        if ((exif && !p->upright[src]) || !displayed_info(p->streams[src], exif, &ii, &full_h, &full_w, NULL))
+        if (exif && !p->upright[src])
             continue;
-        it->cut = hr_frame_cut(p->data[src], p->sizes[src], r[2], full_h, &it->cut_at);
+        it->cut = hr_frame_cut(p->data[src], p->sizes[src], r[2], it->full_h, &it->cut_at);
         if (it->cut && total + p->sizes[src] > HR_CUT_BYTES)
             it->cut = 0; /* past the copies' bound: the rest of the share decodes from its own bytes */
         total += it->cut ? p->sizes[src] : 0;
