@@ -156,7 +156,13 @@ configs = [(1, 0.65, cores, 1.0), (2, 0.65, cores, 1.0), (2, "adaptive", cores, 
            (4, 0.7, cores // 4, 1.0, None, None, False, "share", "val"),
            (4, 0.75, cores // 4, 1.0, None, None, False, "share", "val"),
            (4, 0.8, cores // 4, 1.0, None, None, False, "share", "val"),
-           (4, "adaptive", cores // 4, 1.0, None, None, False, "share", "val")]
+           (4, "adaptive", cores // 4, 1.0, None, None, False, "share", "val"),
+           # 50-51: a smaller engine share, training's windows then validation's
+           (4, 0.6, cores // 4, 1.0, None, None, False, "share"), (4, 0.6, cores // 4, 1.0, None, None, False, "share", "val"),
+           # 52-53: the default since 2026-12-04 (thirty-eighth session), training's windows then
+           # validation's. From then on hw_load is a share of the bytes the windows need read; the
+           # numbers of configurations measured before it are shares of the images.
+           (4, 0.76, cores // 4, 1.0, None, None, False, "share"), (4, 0.76, cores // 4, 1.0, None, None, False, "share", "val")]
 # optional: the indices of the configurations to run, in that order (one may come again: turns)
 chosen = [int(k) for k in args[1:]] or range(len(configs))
 for k in chosen:
@@ -173,6 +179,7 @@ for k in chosen:
     med, rates, busy = run(lanes, hw, th, cl, mix=mix, dynamic=dynamic, windows=windows)
     how = f" mix={mix}" if mix else ""
     how += f" windows={windows}" if k >= 36 else ""
+    how += " (a share of the bytes)" if isinstance(hw, float) else ""
     how += " (each lane takes the next batch)" if dynamic else ""
     print(f"decode floor lanes={lanes} hw={hw} threads={th} cuda_load={cl}{how}: {med:,.0f} img/s  "
           f"runs {[round(r) for r in rates]}  cores busy {busy:.1f} ({busy / med * 1000:.2f} per 1,000 img/s)", flush=True)

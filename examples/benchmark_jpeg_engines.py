@@ -19,7 +19,8 @@ adds G threads of the batched GPU-hybrid decode to the queue.
 Huffman decode would then skip; roi 1 configurations only). `--passes N` sets the passes a
 configuration runs (3), `--stamps` prints each pass's end time; `--priority`, `--alloc-count` and
 `--alloc-cache` are the GPU-hybrid diagnostics (stream priorities; nvJPEG's allocations counted, or
-counted and cached).
+counted and cached); `--green N` runs the GPU-hybrid decode's streams in a CUDA green context of N
+SMs, so its kernels leave the other SMs to the engines' work (CUDA 12.4+ drivers).
 Each line: images/s (median of the passes after the first), the host cores the process kept busy,
 and for `K:S:roi:B` the share of the threads' time spent inside the decode call; the first
 configuration is checked against Pillow. docs/benchmarks.md has the H100's numbers (issue 22).
@@ -76,11 +77,13 @@ BACKENDS = {"hw": HARDWARE, "gpu": GPU_HYBRID, "host": HYBRID}
 # PRIORITY=1, ALLOC=cache, TRUNCATE=1, PASSES=n, STAMPS=1, as docs/benchmarks.md's commands of then say).
 FLAGS = {"--priority", "--alloc-count", "--alloc-cache", "--truncate", "--stamps"}
 _args = sys.argv[1:]
-PASSES = 3
-if "--passes" in _args:
-    at = _args.index("--passes")
-    PASSES = int(_args[at + 1])
-    del _args[at:at + 2]
+PASSES, GREEN_SMS = 3, 0
+for name in ("--passes", "--green"):
+    if name in _args:
+        at = _args.index(name)
+        value = int(_args[at + 1])
+        del _args[at:at + 2]
+        PASSES, GREEN_SMS = (value, GREEN_SMS) if name == "--passes" else (PASSES, value)
 OPTIONS = {a for a in _args if a in FLAGS}
 root, *CONFIGS = [a for a in _args if a not in FLAGS]
 files = sorted(glob.glob(f"{root}/*/*.jpg"))
@@ -262,6 +265,49 @@ def stream_priority(backend):
     return 0 if backend == GPU_HYBRID else -10  # CUDA clamps it to the device's greatest (-5 on Hopper)
 
 
+_green = {}
+
+
+def green_stream(priority):
+    """A stream of a green context holding GREEN_SMS of the GPU's SMs (made once): kernels launched
+    on it run on those SMs only. Through the driver API (libcuda), as CUDA 12.4 has it: a
+    CUdevResource is an opaque 4-byte type, 92 bytes of padding, then the SM resource whose first
+    field is its SM count."""
+    def check(status, what):
+        if status != 0:
+            raise RuntimeError(f"{what}: CUresult {status}")
+    with _green.setdefault("lock", threading.Lock()):
+        if "ctx" not in _green:
+            cu = C.CDLL("libcuda.so.1")
+            dev = C.c_int(); check(cu.cuDeviceGet(C.byref(dev), 0), "cuDeviceGet")
+            whole, group, rest = ((C.c_ubyte * 1024)() for _ in range(3))
+            check(cu.cuDeviceGetDevResource(dev, whole, 1), "cuDeviceGetDevResource")  # CU_DEV_RESOURCE_TYPE_SM
+            groups = C.c_uint(1)
+            check(cu.cuDevSmResourceSplitByCount(group, C.byref(groups), whole, rest, 0, GREEN_SMS),
+                  "cuDevSmResourceSplitByCount")
+            desc, ctx = V(), V()
+            check(cu.cuDevResourceGenerateDesc(C.byref(desc), group, 1), "cuDevResourceGenerateDesc")
+            cu.cuGreenCtxCreate.argtypes = [P, V, C.c_int, C.c_uint]
+            check(cu.cuGreenCtxCreate(C.byref(ctx), desc, dev, 1), "cuGreenCtxCreate")  # CU_GREEN_CTX_DEFAULT_STREAM: required
+            cu.cuGreenCtxStreamCreate.argtypes = [P, V, C.c_uint, C.c_int]
+            _green.update(cu=cu, ctx=ctx)
+            print(f"--green: the GPU-Huffman streams run on {C.c_uint.from_buffer(group, 96).value} of "
+                  f"{C.c_uint.from_buffer(whole, 96).value} SMs", flush=True)
+        s = V()
+        check(_green["cu"].cuGreenCtxStreamCreate(C.byref(s), _green["ctx"], 1, priority), "cuGreenCtxStreamCreate")
+    return cupy.cuda.ExternalStream(s.value)
+
+
+def record(stream):
+    """An event on ``stream`` after its work; None (the stream waited for instead) where the
+    event cannot be recorded on it (a green context's stream may refuse the primary context's events)."""
+    try:
+        return stream.record()
+    except cupy.cuda.runtime.CUDARuntimeError:
+        stream.synchronize()
+        return None
+
+
 class Engine:
     """One thread's way to the engines: an nvJPEG handle (HARDWARE backend), ``states`` JPEG states
     and output buffers used in turn, decode parameters for ``B`` images, a CUDA stream. Make it in
@@ -272,7 +318,10 @@ class Engine:
         self.roi = roi and backend == HARDWARE
         self.batched = nv.nvjpegDecodeBatchedEx if backend == HARDWARE else (
             lambda h, state, data, lens, dests, params, stream: nv.nvjpegDecodeBatched(h, state, data, lens, dests, stream))
-        self.stream = cupy.cuda.Stream(non_blocking=True, priority=stream_priority(backend))
+        if backend == GPU_HYBRID and GREEN_SMS:
+            self.stream = green_stream(stream_priority(backend))
+        else:
+            self.stream = cupy.cuda.Stream(non_blocking=True, priority=stream_priority(backend))
         self.h = V(); ok(nv.nvjpegCreateEx(backend, *allocators(backend), 0, C.byref(self.h)), "create")
         self.states = []
         for _ in range(states):
@@ -323,7 +372,7 @@ class Engine:
                     bad.append((int(idx[j]), one))
             raise RuntimeError(f"decode: nvjpeg status {st}; one by one {len(bad)} of {n} fail: {bad[:5]}")
         seconds = time.perf_counter() - c0
-        self.events[slot] = self.stream.record()
+        self.events[slot] = record(self.stream)
         return placed, seconds
 
 

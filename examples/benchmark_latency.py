@@ -47,7 +47,7 @@ imports, clients and readers are made, and an S3 prefix listed, before the clock
 With ``--pipeline cuda`` (or ``cpu``) the rows are the training pipeline instead of the reader alone
 (``none``: the same Loader with nothing decoded, its batches the sample keys):
 ``headrace.Loader(reader, pipeline=ops.training(224, dtype="float16"))`` (the Loader's defaults: on
-cuda 4 lanes sharing the cores, ``hw_load=0.65``) fed by the same headrace readers, shuffled,
+cuda 4 lanes sharing the cores, the default ``hw_load``) fed by the same headrace readers, shuffled,
 from local disk and over S3 at the same server settings: shards (``buffer_bytes=--buffer-mb``) and
 objects (and, with ``--rows shards,download``, the download-only row at the same settings). Each row: one warm-up epoch off the clock, then ``--epochs`` timed epochs; images/s against the
 local-disk row of the same data (shards against local shards, objects against the local folder) and

@@ -32,7 +32,7 @@ class Executor(Protocol):
 
 
 def open_executor(pipeline: Pipeline, device: str, *, num_threads: int, seed: int, lanes: int = 4,
-                  hw_load: float | str = 0.65, name: str = "headrace-cpu", decoder_threads: int | None = None,
+                  hw_load: float | str = 0.76, name: str = "headrace-cpu", decoder_threads: int | None = None,
                   tuning: Any = None) -> Executor:
     """An executor running ``pipeline`` on ``device`` (``"cpu"`` or ``"cuda[:N]"``).
 

@@ -76,9 +76,11 @@ class Loader:
             threads each ran the training pipeline 1.16x as fast as two lanes of 16, epochs
             interleaved (docs/benchmarks.md, issue 22): more batches in the decoders at once keep
             both the hardware engines and the host threads busier.
-        hw_load: share of each batch offered to the hardware JPEG decoder first (GPU path; 0.65,
-            DALI's default, measured as good as or better than the others), or ``"adaptive"``
-            (the share moves batch by batch).
+        hw_load: share of each batch given to the hardware JPEG decoder (GPU path), counted in
+            the bytes the batch's crop windows need read: 0.76, what 0.65 of the images (DALI's
+            default, measured as good as or better than the others) gives training's random
+            crops, while validation's largest windows, its largest images, then get fewer bytes
+            than at 0.65 of the images; or ``"adaptive"`` (the share moves batch by batch).
         gpu_tuning: a ``headrace.ops.GpuTuning``: how the GPU path drives nvImageCodec (expert
             knobs; the defaults were the fastest measured).
         last_batch: ``"partial"`` (default), ``"fill"`` or ``"drop"`` for the short last batch.
@@ -178,7 +180,7 @@ class Loader:
         on_error: Literal["raise", "skip", "replace"] | Callable[[LoaderError], str] = "raise",
         max_errors: int | float | None = None,
         lanes: int = 4,
-        hw_load: float | str = 0.65,
+        hw_load: float | str = 0.76,
         gpu_tuning: Any = None,
         run_ahead: bool | None = None,
         distributed: bool = True,

@@ -107,7 +107,7 @@ class Preprocessor:
         device: Literal["auto", "cpu", "cuda"] | str = "auto",
         num_threads: int | None = None,
         lanes: int = 1,
-        hw_load: float | str = 0.65,
+        hw_load: float | str = 0.76,
         gpu_tuning: Any = None,
         seed: int = 0,
         batches_in_flight: int | None = None,

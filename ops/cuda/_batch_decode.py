@@ -83,6 +83,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hr_decoder_set_cut_frames.argtypes, lib.hr_decoder_set_cut_frames.restype = [p, i], None
     lib.hr_frame_cut.argtypes = [ctypes.c_char_p, sz, i, i, ctypes.POINTER(sz)]
     lib.hr_frame_cut.restype = i
+    lib.hr_engine_count.argtypes, lib.hr_engine_count.restype = [p, i, i, f], i
     lib.hr_driver_load.argtypes, lib.hr_driver_load.restype = [ctypes.c_char_p, sz], i
     lib.hr_decode_launch.argtypes = [p, p, i, p, p, p, i, i, p, p, ctypes.POINTER(Launch)]
     lib.hr_decode_launch.restype = i
@@ -150,7 +151,8 @@ class BatchDecoder:
 
     ``device=None`` makes a CPU-only decoder writing to host memory (used by the tests on machines
     without a GPU); otherwise the hardware JPEG engine (``hw_load`` of each batch, or a share that
-    nvImageCodec adapts batch by batch when ``hw_load="adaptive"``), then the CUDA decoder
+    the shim moves batch by batch when ``hw_load="adaptive"``; a share of the bytes the windows need
+    read, the largest windows first), then the CUDA decoder
     (``cuda_load``: the share of what the engine leaves that it takes), writing to device memory on
     the stream given to ``decode``; what they fail on comes back failed (nvImageCodec's CPU backend
     is left out of that chain: with it, fuzzed JPEGs hung a decode now and then). ``options`` go to
@@ -167,7 +169,7 @@ class BatchDecoder:
         device: int | None,
         *,
         threads: int,
-        hw_load: float | str = 0.65,
+        hw_load: float | str = 0.76,
         cuda_load: float = 1.0,
         gpu_load: float = 0.0,
         gpu_threads: int = 0,
@@ -183,7 +185,7 @@ class BatchDecoder:
         err = ctypes.create_string_buffer(256)
         cpu_only = device is None
         adaptive = hw_load == "adaptive"
-        share = 0.65 if adaptive else float(hw_load)
+        share = 0.76 if adaptive else float(hw_load)
         handle = lib.hr_decoder_create(
             _instance(lib), -1 if cpu_only else device, int(cpu_only), threads, share, cuda_load, gpu_load, gpu_threads,
             int(adaptive),
@@ -239,6 +241,20 @@ def frame_cut(data: bytes, bottom: int, height: int) -> tuple[int, int] | None:
     at = ctypes.c_size_t()
     cut = lib.hr_frame_cut(data, len(data), bottom, height, ctypes.byref(at))
     return (cut, at.value) if cut else None
+
+
+def engine_count(window_bytes: list[float], offered: int, share: float) -> int:
+    """How many of a batch's images (their ``window_bytes``, the bytes each window needs read, in
+    the order the shim offers them to the hardware engine; the first ``offered`` of them baseline
+    JPEGs) the engine takes at ``hw_load`` = ``share`` (the shim's ``engine_count``; at most 64)."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"the batch decode shim is unavailable: {unavailable_reason()}")
+    values = np.ascontiguousarray(window_bytes, dtype=np.float64)
+    n = lib.hr_engine_count(values.ctypes.data, len(values), offered, share)
+    if n < 0:
+        raise ValueError("engine_count takes at most 64 images")
+    return n
 
 
 class ParsedBatch:

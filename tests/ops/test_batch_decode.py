@@ -304,3 +304,22 @@ def test_frames_that_are_not_cut(rng):
     for seed in range(200):  # garbage after a JPEG's first marker
         noise = np.random.default_rng(seed).integers(0, 256, 64, dtype=np.uint8).tobytes()
         _batch_decode.frame_cut(b"\xff\xd8\xff" + noise, 10, 120)
+
+
+# --- which images the hardware engine takes: a share of the bytes the windows need read ----------
+
+
+def test_the_engine_takes_its_share_of_the_bytes_not_of_the_images():
+    count = _batch_decode.engine_count
+    assert count([10.0] * 4, 4, 0.5) == 2
+    assert count([10.0] * 4, 4, 0.76) == 3  # 30 of 40 is nearer 30.4 than 40 is
+    assert count([10.0] * 4, 4, 0.0) == 0 and count([10.0] * 4, 4, 1.0) == 4
+    assert count([10.0] * 4, 2, 1.0) == 2  # only the baseline JPEGs offered to it
+    # Validation's largest windows are its largest images: 0.76 of these images (5 of 6) would be
+    # 0.95 of the bytes; the engine takes 3 (80 of 100 bytes: nearer 76 than 70 is).
+    largest_first = [40.0, 30.0, 10.0, 10.0, 5.0, 5.0]
+    assert count(largest_first, 6, 0.76) == 3
+    assert count([100.0, 1.0, 1.0, 1.0], 4, 0.3) == 0  # taking the one large image would overshoot more
+    assert count([1.0] * 64, 64, 2.0) == 64 and count([1.0] * 64, 64, -1.0) == 0  # clamped to [0, 1]
+    with pytest.raises(ValueError, match="at most 64"):
+        count([1.0] * 65, 65, 0.5)

@@ -44,6 +44,7 @@ typedef struct {
     int j;         /* its index in the call's pick, region, out and status */
     int hw;        /* 1: offered to the hardware engine (a baseline JPEG), 2: given to it */
     int64_t area;  /* of its window: the engine takes the largest */
+    double bytes;  /* of its JPEG that its window needs read (up to the window's last row): hw_share is a share of these */
     nvimgcodecProcessingStatus_t status;
     int full_h;    /* its image's height as displayed */
     int cut;       /* the frame height its bytes are given with (0: as they are) */
@@ -454,6 +455,10 @@ static int setup_item(hr_decoder* d, const hr_parsed* p, int j, int k, const int
     it->j = j;
     it->full_h = full_h;
     it->area = (int64_t)(r[2] - r[0]) * (int64_t)(r[3] - r[1]);
+    /* Rows are stored as displayed unless EXIF turns the image: then the window's last row says
+       nothing about how far into the scan it lies, and all of it counts. */
+    int stored_as_displayed = !exif || p->upright[pick[j]];
+    it->bytes = (double)p->sizes[pick[j]] * (stored_as_displayed ? (double)r[2] / (double)full_h : 1.0);
     it->hw = d->hw && !d->cpu_only && pick[j] < p->capacity && p->encodings[pick[j]] == NVIMGCODEC_JPEG_ENCODING_BASELINE_DCT;
     it->status = NVIMGCODEC_PROCESSING_STATUS_UNKNOWN;
     return make_image(d, it, r, out[j], channels, exif, cuda_stream);
@@ -577,6 +582,37 @@ static int engine_first(const void* a, const void* b)
     return (y->area > x->area) - (y->area < x->area);
 }
 
+/* How many of items[0..k) (in engine_first order, the first `offered` of them baseline JPEGs) the
+ * engine takes: the largest windows until it has `share` of the bytes the batch's windows need read.
+ * Why bytes, not images: the engines and the host's Huffman decode are both bound by the bytes they
+ * read, and a count hands the engine more of them where the largest windows are the largest images
+ * (validation's centre crops: 0.79 of the bytes at 0.65 of the images, training's random crops 0.76;
+ * at the same share of images validation's decode floor ran below training's). docs/benchmarks.md,
+ * issue 22. Each item goes to the side that leaves the share nearer its target. */
+static int engine_count(const hr_item* items, int k, int offered, float share)
+{
+    share = share < 0.0f ? 0.0f : share > 1.0f ? 1.0f : share;
+    double total = 0.0;
+    for (int i = 0; i < k; ++i)
+        total += items[i].bytes;
+    double target = (double)share * total, taken = 0.0;
+    int n = 0;
+    while (n < offered && taken + 0.5 * items[n].bytes <= target)
+        taken += items[n++].bytes;
+    return n;
+}
+
+/* engine_count over k <= 64 items of these `bytes` (in engine_first order), for the tests; -1 past 64. */
+int hr_engine_count(const double* bytes, int k, int offered, float share)
+{
+    hr_item items[64];
+    if (k < 0 || k > 64)
+        return -1;
+    for (int i = 0; i < k; ++i)
+        items[i].bytes = bytes[i];
+    return engine_count(items, k, offered, share);
+}
+
 /* Start decoding items[0..n) with dec: NULL when nothing was started (each item then failed). */
 static nvimgcodecFuture_t start(hr_decoder* d, nvimgcodecDecoder_t dec, hr_item* items, int n, const nvimgcodecDecodeParams_t* params)
 {
@@ -638,9 +674,7 @@ static int decode_batch(hr_decoder* d, const hr_parsed* p, int m, const int32_t*
     int n_hw = 0, n_gpu = 0;
     if (offered) {
         qsort(d->items, (size_t)k, sizeof(hr_item), engine_first);
-        float share = d->hw_share < 0.0f ? 0.0f : d->hw_share > 1.0f ? 1.0f : d->hw_share;
-        n_hw = (int)(share * (float)k + 0.5f);
-        n_hw = n_hw < offered ? n_hw : offered;
+        n_hw = engine_count(d->items, k, offered, d->hw_share);
         for (int i = 0; i < n_hw; ++i)
             d->items[i].hw = 2;
         if (d->cut_frames && n_hw)
