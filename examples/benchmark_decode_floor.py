@@ -97,6 +97,7 @@ def run(lanes, hw, threads, cuda_load=1.0, passes=3, mix=None, dynamic=False, wi
                     ev[slot] = s.stream.record()
                 s.stream.synchronize()
                 s.done.set()
+            s.final_share = s.dec.hw_share  # where "adaptive" left it
             s.dec.close(); s.parsed.close()
     ls = [Lane(i) for i in range(lanes)]
     for l in ls: l.start()
@@ -118,8 +119,10 @@ def run(lanes, hw, threads, cuda_load=1.0, passes=3, mix=None, dynamic=False, wi
             rates.append(len(blobs) / dt)
             busy.append((time.process_time() - cpu) / dt)
     for l in ls: l.join()
+    FINAL_SHARES[:] = [round(l.final_share, 3) for l in ls]
     return statistics.median(rates), rates, statistics.median(busy)
 
+FINAL_SHARES: list = []  # each lane's engine share at the end of the last run
 cores = os.cpu_count()
 # (lanes, hw_load, decoder threads, CUDA decoder's share of the rest: the remainder decodes on the CPU[, order
 # (14-16: an order the shim once took, now skipped), lanes of their own kind, each lane taking the next batch])
@@ -180,6 +183,7 @@ for k in chosen:
     how = f" mix={mix}" if mix else ""
     how += f" windows={windows}" if k >= 36 else ""
     how += " (a share of the bytes)" if isinstance(hw, float) else ""
+    how += f" (the lanes' shares at the end {FINAL_SHARES})" if hw == "adaptive" else ""
     how += " (each lane takes the next batch)" if dynamic else ""
     print(f"decode floor lanes={lanes} hw={hw} threads={th} cuda_load={cl}{how}: {med:,.0f} img/s  "
           f"runs {[round(r) for r in rates]}  cores busy {busy:.1f} ({busy / med * 1000:.2f} per 1,000 img/s)", flush=True)

@@ -81,6 +81,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hr_parse.argtypes, lib.hr_parse.restype = [p, p, i, p, p, i, p], i
     lib.hr_decoder_destroy.argtypes, lib.hr_decoder_destroy.restype = [p], None
     lib.hr_decoder_set_cut_frames.argtypes, lib.hr_decoder_set_cut_frames.restype = [p, i], None
+    lib.hr_decoder_hw_share.argtypes, lib.hr_decoder_hw_share.restype = [p], f
     lib.hr_frame_cut.argtypes = [ctypes.c_char_p, sz, i, i, ctypes.POINTER(sz)]
     lib.hr_frame_cut.restype = i
     lib.hr_engine_count.argtypes, lib.hr_engine_count.restype = [p, i, i, f], i
@@ -223,6 +224,12 @@ class BatchDecoder:
         if not done:
             status[:] = 0
         return status, done == 2
+
+    @property
+    def hw_share(self) -> float:
+        """The share of each batch's bytes the hardware engine gets now: ``hw_load``, or where
+        ``"adaptive"`` has moved it (0 for the CPU-only decoder or where no engine was found)."""
+        return float(self._lib.hr_decoder_hw_share(self._handle)) if self._handle else 0.0
 
     def close(self) -> None:
         """Destroy the decoder. Its stream's work must be done or still ordered after it. Safe twice."""

@@ -323,3 +323,10 @@ def test_the_engine_takes_its_share_of_the_bytes_not_of_the_images():
     assert count([1.0] * 64, 64, 2.0) == 64 and count([1.0] * 64, 64, -1.0) == 0  # clamped to [0, 1]
     with pytest.raises(ValueError, match="at most 64"):
         count([1.0] * 65, 65, 0.5)
+
+
+def test_a_decoder_without_an_engine_gives_it_no_share(decoder):
+    dec = decoder()
+    assert dec.hw_share == 0.0
+    dec.close()
+    assert dec.hw_share == 0.0  # closed: still an answer, no handle read

@@ -981,6 +981,13 @@ void hr_decoder_set_cut_frames(hr_decoder* d, int on)
     d->cut_frames = on;
 }
 
+/* The engine's share the decoder gives now (hw_load, or where "adaptive" has moved it; 0 once no
+   engine was found). */
+float hr_decoder_hw_share(const hr_decoder* d)
+{
+    return d->hw ? d->hw_share : 0.0f;
+}
+
 void hr_decoder_destroy(hr_decoder* d)
 {
     if (!d)
