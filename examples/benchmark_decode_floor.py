@@ -119,10 +119,8 @@ def run(lanes, hw, threads, cuda_load=1.0, passes=3, mix=None, dynamic=False, wi
             rates.append(len(blobs) / dt)
             busy.append((time.process_time() - cpu) / dt)
     for l in ls: l.join()
-    FINAL_SHARES[:] = [round(l.final_share, 3) for l in ls]
-    return statistics.median(rates), rates, statistics.median(busy)
+    return statistics.median(rates), rates, statistics.median(busy), [round(l.final_share, 3) for l in ls]
 
-FINAL_SHARES: list = []  # each lane's engine share at the end of the last run
 cores = os.cpu_count()
 # (lanes, hw_load, decoder threads, CUDA decoder's share of the rest: the remainder decodes on the CPU[, order
 # (14-16: an order the shim once took, now skipped), lanes of their own kind, each lane taking the next batch])
@@ -179,11 +177,11 @@ for k in chosen:
         print(f"configuration {k}: the shim no longer takes a decode order (the engine takes the largest "
               "windows, batch_decode.c's engine_first); skipped", flush=True)
         continue
-    med, rates, busy = run(lanes, hw, th, cl, mix=mix, dynamic=dynamic, windows=windows)
+    med, rates, busy, shares = run(lanes, hw, th, cl, mix=mix, dynamic=dynamic, windows=windows)
     how = f" mix={mix}" if mix else ""
     how += f" windows={windows}" if k >= 36 else ""
     how += " (a share of the bytes)" if isinstance(hw, float) else ""
-    how += f" (the lanes' shares at the end {FINAL_SHARES})" if hw == "adaptive" else ""
+    how += f" (the lanes' shares at the end {shares})" if hw == "adaptive" else ""
     how += " (each lane takes the next batch)" if dynamic else ""
     print(f"decode floor lanes={lanes} hw={hw} threads={th} cuda_load={cl}{how}: {med:,.0f} img/s  "
           f"runs {[round(r) for r in rates]}  cores busy {busy:.1f} ({busy / med * 1000:.2f} per 1,000 img/s)", flush=True)

@@ -69,6 +69,7 @@ import torch
 import headrace
 from headrace import datasets, ops, readers
 from headrace._loop import new_event_loop  # uvloop when installed, as the loader uses
+from headrace._errors import HW_LOAD  # the Loader's default share for the hardware JPEG engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _thread_cpu import ThreadCpu  # noqa: E402
@@ -142,7 +143,7 @@ def bench_reader(root: Path, epochs: int) -> dict:
         loop.close()
 
 
-def _gpu_loader(root: Path, pipeline, batch: int, lanes: int, hw_load: float | str = 0.76, threads: int | None = None,
+def _gpu_loader(root: Path, pipeline, batch: int, lanes: int, hw_load: float | str = HW_LOAD, threads: int | None = None,
                 run_ahead: bool | None = None, tuning: ops.GpuTuning | None = None) -> headrace.Loader:
     # threads: each lane's decoder threads (the loader's num_threads is the lanes' total)
     return headrace.Loader(readers.files(root, shuffle=True, io_threads=IO_THREADS), batch_size=batch, pipeline=pipeline,
@@ -158,7 +159,7 @@ async def _count_epoch(loader: headrace.Loader) -> int:
     return n
 
 
-def bench_headrace(root: Path, pipeline, batch: int, epochs: int, lanes: int, hw_load: float | str = 0.76,
+def bench_headrace(root: Path, pipeline, batch: int, epochs: int, lanes: int, hw_load: float | str = HW_LOAD,
                    threads: int | None = None, run_ahead: bool | None = None, tuning: ops.GpuTuning | None = None) -> dict:
     loop = new_event_loop()
     loader = _gpu_loader(root, pipeline, batch, lanes, hw_load, threads, run_ahead, tuning)
@@ -185,7 +186,7 @@ def _headrace_epochs(root: Path, row: Any, batch: int, lanes: int) -> tuple[Any,
     rows take their turns, as DALI's pipelines prefetch in their own threads (a loop stopped
     between turns, as ``run_until_complete`` per epoch left it, started every epoch cold)."""
     pipeline, setup = row if isinstance(row, tuple) else (row, {})
-    loader = _gpu_loader(root, pipeline, batch, setup.get("lanes", lanes), setup.get("hw_load", 0.76),
+    loader = _gpu_loader(root, pipeline, batch, setup.get("lanes", lanes), setup.get("hw_load", HW_LOAD),
                          setup.get("threads"), tuning=setup.get("tuning"))
     owner = contextlib.ExitStack()
     epochs = owner.enter_context(loader.sync())
@@ -610,7 +611,7 @@ def main() -> None:
         make = pipelines[kind][1]
         pipelines[key] = (label, lambda: (make(), setup))
         runners[key] = (label, lambda: bench_headrace(
-            root, make(), args.batch, args.epochs, setup.get("lanes", args.lanes), setup.get("hw_load", 0.76),
+            root, make(), args.batch, args.epochs, setup.get("lanes", args.lanes), setup.get("hw_load", HW_LOAD),
             setup.get("threads"), tuning=setup.get("tuning")))
         rows.append(key)
 

@@ -77,13 +77,19 @@ BACKENDS = {"hw": HARDWARE, "gpu": GPU_HYBRID, "host": HYBRID}
 # PRIORITY=1, ALLOC=cache, TRUNCATE=1, PASSES=n, STAMPS=1, as docs/benchmarks.md's commands of then say).
 FLAGS = {"--priority", "--alloc-count", "--alloc-cache", "--truncate", "--stamps"}
 _args = sys.argv[1:]
-PASSES, GREEN_SMS = 3, 0
-for name in ("--passes", "--green"):
-    if name in _args:
-        at = _args.index(name)
-        value = int(_args[at + 1])
-        del _args[at:at + 2]
-        PASSES, GREEN_SMS = (value, GREEN_SMS) if name == "--passes" else (PASSES, value)
+
+
+def int_option(name, default):
+    """``name N`` taken out of the arguments: N, or ``default`` when it is not there."""
+    if name not in _args:
+        return default
+    at = _args.index(name)
+    value = int(_args[at + 1])
+    del _args[at:at + 2]
+    return value
+
+
+PASSES, GREEN_SMS = int_option("--passes", 3), int_option("--green", 0)
 OPTIONS = {a for a in _args if a in FLAGS}
 root, *CONFIGS = [a for a in _args if a not in FLAGS]
 files = sorted(glob.glob(f"{root}/*/*.jpg"))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
+from headrace._errors import HW_LOAD
+
 from ._pipeline import Pipeline
 
 if TYPE_CHECKING:
@@ -32,7 +34,7 @@ class Executor(Protocol):
 
 
 def open_executor(pipeline: Pipeline, device: str, *, num_threads: int, seed: int, lanes: int = 4,
-                  hw_load: float | str = 0.76, name: str = "headrace-cpu", decoder_threads: int | None = None,
+                  hw_load: float | str = HW_LOAD, name: str = "headrace-cpu", decoder_threads: int | None = None,
                   tuning: Any = None) -> Executor:
     """An executor running ``pipeline`` on ``device`` (``"cpu"`` or ``"cuda[:N]"``).
 

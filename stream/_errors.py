@@ -120,6 +120,13 @@ def require_number(name: str, value: object, low: float | None = None, high: flo
     return number
 
 
+# The share of each batch's bytes (those its crop windows need read) the GPU path gives the
+# hardware JPEG engine: what 0.65 of the images (DALI's default) gives training's random crops, while
+# validation's largest windows, its largest images, then get 0.76 of its bytes too rather than 0.79
+# (docs/benchmarks.md, issue 22).
+HW_LOAD = 0.76
+
+
 def require_hw_load(value: object) -> float | str:
     """``hw_load`` checked: ``"adaptive"``, or a share in [0, 1] (NumPy's too) as a Python float.
     Checked where the Loader or the service is made, on the CPU path too (which does not use it), so

@@ -10,7 +10,7 @@ from ._batcher import LastBatch, batches_per_epoch
 from ._channel import ChannelStats
 from ._cursor import Cursor
 from ._epochs import Epochs
-from ._errors import ConfigError, LoaderError, require_hw_load
+from ._errors import HW_LOAD, ConfigError, LoaderError, require_hw_load
 from ._loader_args import resolve_loader_args
 from ._loader_state import STATE_VERSION, ResumePoint, resume_point
 from ._policy import ErrorRecord
@@ -180,7 +180,7 @@ class Loader:
         on_error: Literal["raise", "skip", "replace"] | Callable[[LoaderError], str] = "raise",
         max_errors: int | float | None = None,
         lanes: int = 4,
-        hw_load: float | str = 0.76,
+        hw_load: float | str = HW_LOAD,
         gpu_tuning: Any = None,
         run_ahead: bool | None = None,
         distributed: bool = True,

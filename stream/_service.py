@@ -20,7 +20,7 @@ from typing import Any, Literal, Self
 from ._batch_processor import BatchProcessor
 from ._device import resolve_device
 from ._distributed import detect_distributed
-from ._errors import ClosedError, ConfigError, require_hw_load, require_int, require_number
+from ._errors import HW_LOAD, ClosedError, ConfigError, require_hw_load, require_int, require_number
 from ._request_batcher import Request, RequestBatcher
 
 __all__ = ["Preprocessor", "PreprocessorStats"]
@@ -107,7 +107,7 @@ class Preprocessor:
         device: Literal["auto", "cpu", "cuda"] | str = "auto",
         num_threads: int | None = None,
         lanes: int = 1,
-        hw_load: float | str = 0.76,
+        hw_load: float | str = HW_LOAD,
         gpu_tuning: Any = None,
         seed: int = 0,
         batches_in_flight: int | None = None,

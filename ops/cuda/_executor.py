@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 import torch
 
-from headrace._errors import ClosedError, ConfigError, require_hw_load, require_int, require_number
+from headrace._errors import HW_LOAD, ClosedError, ConfigError, require_hw_load, require_int, require_number
 from headrace._sample import SampleBatch
 from headrace._threads import join_threads
 
@@ -191,7 +191,7 @@ class CudaExecutor:
         device: int | str | torch.device = 0,
         lanes: int = 4,
         seed: int = 0,
-        hw_load: float | str = 0.76,
+        hw_load: float | str = HW_LOAD,
         decoder_threads: int | None = None,
         tuning: GpuTuning | None = None,
         stages: tuple[LaneStage, ...] = (),

@@ -47,6 +47,7 @@ typedef struct {
     double bytes;  /* of its JPEG that its window needs read (up to the window's last row): hw_share is a share of these */
     nvimgcodecProcessingStatus_t status;
     int full_h;    /* its image's height as displayed */
+    int rows_as_stored; /* 1: its rows as displayed are its rows as stored (no EXIF turn, or exif off) */
     int cut;       /* the frame height its bytes are given with (0: as they are) */
     size_t cut_at; /* where that height is written in them */
 } hr_item;
@@ -456,9 +457,9 @@ static int setup_item(hr_decoder* d, const hr_parsed* p, int j, int k, const int
     it->full_h = full_h;
     it->area = (int64_t)(r[2] - r[0]) * (int64_t)(r[3] - r[1]);
     /* Rows are stored as displayed unless EXIF turns the image: then the window's last row says
-       nothing about how far into the scan it lies, and all of it counts. */
-    int stored_as_displayed = !exif || p->upright[pick[j]];
-    it->bytes = (double)p->sizes[pick[j]] * (stored_as_displayed ? (double)r[2] / (double)full_h : 1.0);
+       nothing about how far into the scan it lies, and all of it counts (and no frame is cut). */
+    it->rows_as_stored = !exif || p->upright[pick[j]];
+    it->bytes = (double)p->sizes[pick[j]] * (it->rows_as_stored ? (double)r[2] / (double)full_h : 1.0);
     it->hw = d->hw && !d->cpu_only && pick[j] < p->capacity && p->encodings[pick[j]] == NVIMGCODEC_JPEG_ENCODING_BASELINE_DCT;
     it->status = NVIMGCODEC_PROCESSING_STATUS_UNKNOWN;
     return make_image(d, it, r, out[j], channels, exif, cuda_stream);
@@ -523,7 +524,7 @@ int hr_frame_cut(const unsigned char* data, size_t size, int bottom, int height,
    ~11 MB a lane for 256 ImageNet-sized JPEGs at hw_load 0.65). */
 #define HR_CUT_BYTES ((size_t)64 << 20)
 
-static void cut_frames(hr_decoder* d, const hr_parsed* p, const int32_t* pick, const int32_t* region, int exif, int n)
+static void cut_frames(hr_decoder* d, const hr_parsed* p, const int32_t* pick, const int32_t* region, int n)
 {
     size_t total = 0;
     for (int i = 0; i < n; ++i) {
@@ -531,7 +532,7 @@ static void cut_frames(hr_decoder* d, const hr_parsed* p, const int32_t* pick, c
         int src = pick[it->j];
         const int32_t* r = region + 4 * it->j;
         it->cut = 0;
-        if (exif && !p->upright[src])
+        if (!it->rows_as_stored)
             continue;
         it->cut = hr_frame_cut(p->data[src], p->sizes[src], r[2], it->full_h, &it->cut_at);
         if (it->cut && total + p->sizes[src] > HR_CUT_BYTES)
@@ -678,7 +679,7 @@ static int decode_batch(hr_decoder* d, const hr_parsed* p, int m, const int32_t*
         for (int i = 0; i < n_hw; ++i)
             d->items[i].hw = 2;
         if (d->cut_frames && n_hw)
-            cut_frames(d, p, pick, region, exif, n_hw);
+            cut_frames(d, p, pick, region, n_hw);
     }
     nvimgcodecDecodeParams_t params;
     memset(&params, 0, sizeof(params));
