@@ -4,7 +4,10 @@ pipeline rows (Linux only; elsewhere both report nothing).
 ``ThreadCpu`` reads every thread's user + system time from ``/proc/self/task`` and names it: a Python
 thread by its ``threading`` name, any other (obstore's tokio workers, nvImageCodec's and CUDA's
 threads) by its kernel name; names that differ only in a trailing number are one group, so "four
-lanes" is one line. ``LoopLag`` is a coroutine sleeping 1 ms at a time on the loop being measured:
+lanes" is one line. ``ThreadCpu.kernel`` is the same split of the time spent in the kernel (system time: page
+faults, futex waits that spin, memory mapping), and ``ThreadCpu.counters`` the process's context
+switches and page faults per second (``getrusage``): a decoder pool that costs more host time than
+its compute explains shows there. ``LoopLag`` is a coroutine sleeping 1 ms at a time on the loop being measured:
 how much longer each sleep took is how long callbacks waited for the loop (and the loop for the GIL).
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import resource
 import threading
 import time
 
@@ -31,8 +35,8 @@ def _group(name: str) -> str:
         name = shorter
 
 
-def _task_seconds() -> dict[int, tuple[str, float]]:
-    """{tid: (kernel name, CPU seconds)} of this process's threads now."""
+def _task_seconds() -> dict[int, tuple[str, float, float]]:
+    """{tid: (kernel name, CPU seconds, of which in the kernel)} of this process's threads now."""
     out = {}
     try:
         tids = os.listdir("/proc/self/task")
@@ -46,8 +50,18 @@ def _task_seconds() -> dict[int, tuple[str, float]]:
             continue
         name = stat[stat.index("(") + 1 : stat.rindex(")")]
         fields = stat[stat.rindex(")") + 2 :].split()
-        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / _TICK)  # utime, stime
+        user, system = int(fields[11]), int(fields[12])
+        out[int(tid)] = (name, (user + system) / _TICK, system / _TICK)
     return out
+
+
+def _usage() -> tuple[float, ...]:
+    """The process's (system seconds, voluntary and involuntary context switches, minor and major page faults)."""
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return (u.ru_stime, u.ru_nvcsw, u.ru_nivcsw, u.ru_minflt, u.ru_majflt)
+
+
+_COUNTERS = ("kernel_cores", "switches_per_s", "involuntary_switches_per_s", "minor_faults_per_s", "major_faults_per_s")
 
 
 class ThreadCpu:
@@ -56,25 +70,34 @@ class ThreadCpu:
     ``"(ended)"``: the process's CPU time less what the living threads used."""
 
     def __init__(self) -> None:
-        self._before: dict[int, tuple[str, float]] = {}
-        self._names: dict[int, str] = {}
+        self._before: dict[int, tuple[str, float, float]] = {}
         self._began = 0.0
         self._process = 0.0
+        self._usage: tuple[float, ...] = ()
+        self.kernel: dict[str, float] = {}  # after stop(): {kind of thread: system seconds per wall second}
+        self.counters: dict[str, float] = {}  # after stop(): the process's _COUNTERS, per wall second
 
     def start(self) -> None:
         self._before = _task_seconds()
         self._began = time.perf_counter()
         self._process = time.process_time()
+        self._usage = _usage()
 
     def stop(self) -> dict[str, float]:
         """{kind of thread: CPU seconds per wall second}, largest first, plus ``"(all)"``."""
         wall = max(time.perf_counter() - self._began, 1e-9)
         python = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
         used: dict[str, float] = {}
-        for tid, (kernel, seconds) in _task_seconds().items():
-            name = _group(python.get(tid, kernel))
-            used[name] = used.get(name, 0.0) + seconds - self._before.get(tid, (kernel, 0.0))[1]
+        kernel: dict[str, float] = {}
+        for tid, (comm, seconds, system) in _task_seconds().items():
+            name = _group(python.get(tid, comm))
+            _, seconds_before, system_before = self._before.get(tid, (comm, 0.0, 0.0))
+            used[name] = used.get(name, 0.0) + seconds - seconds_before
+            kernel[name] = kernel.get(name, 0.0) + system - system_before
         process = time.process_time() - self._process
+        self.counters = {key: round((after - before) / wall, 3)
+                         for key, after, before in zip(_COUNTERS, _usage(), self._usage)}
+        self.kernel = {name: round(s / wall, 3) for name, s in sorted(kernel.items(), key=lambda kv: -kv[1]) if s > 0}
         if used:  # else no /proc: nothing to say by thread
             used["(ended)"] = max(0.0, process - sum(used.values()))
         ranked = {name: round(s / wall, 3) for name, s in sorted(used.items(), key=lambda kv: -kv[1]) if s > 0}

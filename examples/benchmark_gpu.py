@@ -117,7 +117,7 @@ def _timed_epochs(run_epoch, epochs: int) -> dict:
     finally:
         gc.callbacks.remove(pauses)
     return {"images_per_s": statistics.median(rates), "runs": rates, "cores_busy": statistics.median(cpu),
-            "cores_by_thread": threads.stop(),
+            "cores_by_thread": threads.stop(), "kernel_by_thread": threads.kernel, "process_counters": threads.counters,
             "main_thread_busy": statistics.median(loop_share), "gc_collections": pauses.count,
             "gc_seconds": pauses.seconds}
 
@@ -211,6 +211,8 @@ def bench_interleaved(rows: dict[str, Any], epochs: int) -> dict:
         rates: dict[str, list[float]] = {name: [] for name in names}
         cores: dict[str, list[float]] = {name: [] for name in names}
         by_thread: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+        kernel: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+        counters: dict[str, list[dict[str, float]]] = {name: [] for name in names}
         for turn in range(epochs):
             for name in names[turn % len(names):] + names[:turn % len(names)]:
                 threads = ThreadCpu()
@@ -225,6 +227,8 @@ def bench_interleaved(rows: dict[str, Any], epochs: int) -> dict:
                 rates[name].append(n / wall)
                 cores[name].append((time.process_time() - cpu) / wall)
                 by_thread[name].append(threads.stop())
+                kernel[name].append(threads.kernel)
+                counters[name].append(threads.counters)
     finally:
         for _, close in made.values():
             close()
@@ -233,6 +237,9 @@ def bench_interleaved(rows: dict[str, Any], epochs: int) -> dict:
     return {name: {"images_per_s": statistics.median(v), "runs": v, "cores_busy": statistics.median(cores[name]),
                    "cores_per_1k": statistics.median(c / r * 1000 for c, r in zip(cores[name], v)),
                    "cores_by_thread": _mean_by_thread(by_thread[name]),
+                   "kernel_by_thread": _mean_by_thread(kernel[name]),
+                   "process_counters": {k: round(statistics.mean(c[k] for c in counters[name]), 3)
+                                        for k in counters[name][0]} if counters[name][0] else {},
                    "paired_ratio": statistics.median(a / b for a, b in zip(v, first))} for name, v in rates.items()}
 
 
@@ -701,6 +708,12 @@ def main() -> None:
         if r.get("cores_by_thread"):  # where the cores went: nvImageCodec's pool, lanes, readers, DALI's workers
             top = list(r["cores_by_thread"].items())[:7]
             print(f"{name}: cores by thread {', '.join(f'{k} {c:.2f}' for k, c in top)}")
+    for name, r in results.items():
+        if r.get("process_counters"):  # host time the work does not explain: the kernel's share, switches, faults
+            c, top = r["process_counters"], list(r.get("kernel_by_thread", {}).items())[:4]
+            print(f"{name}: in the kernel {c['kernel_cores']:.2f} cores ({', '.join(f'{k} {v:.2f}' for k, v in top)}); "
+                  f"context switches {c['switches_per_s']:,.0f}/s ({c['involuntary_switches_per_s']:,.0f}/s involuntary), "
+                  f"page faults {c['minor_faults_per_s']:,.0f}/s minor, {c['major_faults_per_s']:,.0f}/s major")
     for name, r in results.items():
         if "peak_gpu_mib_torch" in r:
             print(f"{name}: epochs {', '.join(f'{x:,.0f}' for x in r['runs'])} images/s; garbage collections "
