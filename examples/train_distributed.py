@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=None, help="loader CPU threads per rank (default: cores / ranks)")
     p.add_argument("--io-threads", type=int, default=2)
     p.add_argument("--lanes", type=int, default=4, help="GPU lanes per rank (the Loader's default)")
-    p.add_argument("--hw-load", default="adaptive", help="share of each batch's bytes for the hardware JPEG decoder, or 'adaptive' (the default)")
+    p.add_argument("--hw-load", default="0.76", help="share of each batch's bytes for the hardware JPEG decoder, or 'adaptive'")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint", default=None, help="checkpoint file (rank 0 writes it)")

@@ -120,20 +120,14 @@ def require_number(name: str, value: object, low: float | None = None, high: flo
     return number
 
 
-# The share of each batch's bytes (those its crop windows need read) given to the hardware JPEG
-# engine where it is fixed, and where the moving share starts: what 0.65 of the images (DALI's
-# default) gives training's random crops, while validation's largest windows, its largest images,
-# then get 0.76 of its bytes too rather than 0.79.
-ENGINE_SHARE = 0.76
-# The default moves that share batch by batch ("adaptive"): the best fixed share follows the host
-# (a host slower at Huffman decoding wants more on the engine, a faster one less). On an H200 whose
-# host was the limit the moving share ran training 1.06-1.14x and validation 1.01-1.07x as fast as
-# the fixed 0.76 in the same runs, on 13-16% fewer host cores per image; on one where 0.76 was
-# already the balance, it decoded as the fixed share did (docs/benchmarks.md, issue 22). The
-# inference service keeps the fixed share: its batches come as requests do, small ones too, and the
-# rule (more to the engine after a batch waited over 2 ms on the CUDA decoder, less otherwise) was
-# measured on full training batches only.
-HW_LOAD = "adaptive"
+# The share of each batch's bytes (those its crop windows need read) the GPU path gives the
+# hardware JPEG engine: what 0.65 of the images (DALI's default) gives training's random crops, while
+# validation's largest windows, its largest images, then get 0.76 of its bytes too rather than 0.79
+# (docs/benchmarks.md, issue 22). Fixed, though "adaptive" ran faster where the host was the limit
+# (training 1.06-1.14x, validation 1.01-1.07x, 13-16% fewer host cores per image, on one H200):
+# a share that moves with timing sends an image to the engine in one run and to the CUDA decoder in
+# the next, and the two do not give the same pixels, so two runs of one seed would differ.
+HW_LOAD = 0.76
 
 
 def require_hw_load(value: object) -> float | str:

@@ -77,14 +77,15 @@ class Loader:
             interleaved (docs/benchmarks.md, issue 22): more batches in the decoders at once keep
             both the hardware engines and the host threads busier.
         hw_load: share of each batch given to the hardware JPEG decoder (GPU path), counted in
-            the bytes the batch's crop windows need read, the largest windows first; the rest
-            goes to the CUDA decoder (Huffman decoding on host threads). ``"adaptive"`` (the
-            default) starts each lane at 0.76 (what 0.65 of the images, DALI's default, gives
-            training's random crops) and moves it batch by batch: up when the CUDA decoder kept
-            the batch waiting, down when it did not, so a host slow at Huffman decoding gives the
-            engine more. Which decoder takes an image then depends on timing, and the engine and
-            the CUDA decoder need not give a JPEG the same pixels to the level: give a number
-            (0.76, say) for the same split every run.
+            the bytes the batch's crop windows need read: 0.76, what 0.65 of the images (DALI's
+            default, measured as good as or better than the others) gives training's random
+            crops, while validation's largest windows, its largest images, then get fewer bytes
+            than at 0.65 of the images; or ``"adaptive"``: the share starts there and moves batch
+            by batch, up when the CUDA decoder kept the batch waiting, down when it did not. Where
+            the host's cores are the limit that was faster (on one H200, training 1.06-1.14x and
+            validation 1.01-1.07x, on fewer host cores), but which decoder takes an image then
+            depends on timing, and the engine and the CUDA decoder do not give a JPEG the same
+            pixels: two runs of one seed differ a little.
         gpu_tuning: a ``headrace.ops.GpuTuning``: how the GPU path drives nvImageCodec (expert
             knobs; the defaults were the fastest measured).
         last_batch: ``"partial"`` (default), ``"fill"`` or ``"drop"`` for the short last batch.

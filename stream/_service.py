@@ -20,7 +20,7 @@ from typing import Any, Literal, Self
 from ._batch_processor import BatchProcessor
 from ._device import resolve_device
 from ._distributed import detect_distributed
-from ._errors import ENGINE_SHARE, ClosedError, ConfigError, require_hw_load, require_int, require_number
+from ._errors import HW_LOAD, ClosedError, ConfigError, require_hw_load, require_int, require_number
 from ._request_batcher import Request, RequestBatcher
 
 __all__ = ["Preprocessor", "PreprocessorStats"]
@@ -66,9 +66,7 @@ class Preprocessor:
         max_pending: bound on images in flight (queued or being processed).
         when_full: past ``max_pending``, ``"wait"`` (in arrival order) or ``"reject"`` (raise
             OverloadedError at once, before any work).
-        device, num_threads, lanes, gpu_tuning, seed: as for ``Loader``.
-        hw_load: as for ``Loader``, but fixed at 0.76 of each batch's bytes by default: requests
-            make batches of any size, and the moving share was measured on full batches only.
+        device, num_threads, lanes, hw_load, gpu_tuning, seed: as for ``Loader``.
         batches_in_flight: batches the executor works on at once (default: ``num_threads`` on the
             CPU, so single requests use every core; ``lanes + 1`` on the GPU, so a lane never idles
             between batches).
@@ -109,7 +107,7 @@ class Preprocessor:
         device: Literal["auto", "cpu", "cuda"] | str = "auto",
         num_threads: int | None = None,
         lanes: int = 1,
-        hw_load: float | str = ENGINE_SHARE,
+        hw_load: float | str = HW_LOAD,
         gpu_tuning: Any = None,
         seed: int = 0,
         batches_in_flight: int | None = None,

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 from headrace import _native as native
-from headrace._errors import HW_LOAD, ENGINE_SHARE
+from headrace._errors import HW_LOAD
 
 from .._nvimgcodec import nvimgcodec
 
@@ -187,7 +187,7 @@ class BatchDecoder:
         err = ctypes.create_string_buffer(256)
         cpu_only = device is None
         adaptive = hw_load == "adaptive"
-        share = ENGINE_SHARE if adaptive else float(hw_load)
+        share = HW_LOAD if adaptive else float(hw_load)
         handle = lib.hr_decoder_create(
             _instance(lib), -1 if cpu_only else device, int(cpu_only), threads, share, cuda_load, gpu_load, gpu_threads,
             int(adaptive),

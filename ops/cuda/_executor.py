@@ -167,11 +167,10 @@ class CudaExecutor:
 
     ``hw_load`` is the share of each batch given to the hardware JPEG decoder (baseline JPEGs,
     the largest windows first, until it has that share of the bytes the batch's windows need read;
-    the rest, and what it fails, go to the CUDA decoder, then Pillow), or ``"adaptive"`` (the
-    default): the share starts at 0.76 and moves batch by batch to keep both busy, since the best
-    fixed share follows the host. A share of bytes, not of images: both decoders are bound by the
-    bytes they read, and validation's largest windows are its largest images (0.76 of the bytes is
-    what 0.65 of the images, DALI's default, gives training's random crops). ``decoder_threads`` are the host threads of
+    the rest, and what it fails, go to the CUDA decoder, then Pillow), or ``"adaptive"``: the share
+    moves batch by batch to keep both busy. A share of bytes, not of images: both decoders are
+    bound by the bytes they read, and validation's largest windows are its largest images (0.76 of
+    the bytes is what 0.65 of the images, DALI's default, gives training's random crops). ``decoder_threads`` are the host threads of
     each lane's decoder (default: the cores shared among the lanes: on the H100, 4 lanes of 4
     threads decoded more than 2 lanes of 16, each lane's batch a unit that waits for its slower
     part, so more lanes keep the engines and the threads busier; docs/benchmarks.md, issue 22).
