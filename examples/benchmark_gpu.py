@@ -58,6 +58,7 @@ import gc
 import itertools
 import json
 import os
+import platform
 import statistics
 import sys
 import time
@@ -478,6 +479,16 @@ def bench_nvimgcodec(files, batch: int, epochs: int) -> dict:
     return _timed_epochs(epoch, epochs)
 
 
+def host() -> dict[str, Any]:
+    """The host a run was on: machines of one GPU kind differed here by 2x in what DALI's host threads
+    cost an image, so each result says which CPU and which kernel (a 4.4 kernel is gVisor's) it had."""
+    cpu = "unknown"
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    return {"cpu": cpu, "kernel": platform.release(), "cpus": os.cpu_count()}
+
+
 # CU_CTX_SCHED_*: how a host thread waits for the GPU in a synchronize.
 CUDA_SCHED = {"auto": 0, "spin": 1, "yield": 2, "blocking": 4}
 
@@ -550,6 +561,8 @@ def main() -> None:
         datasets.photographs = lambda: photos
     datasets.ensure_image_folder(root, count=args.images, classes=100, workers=os.cpu_count())
     print(f"data set: {args.images} JPEGs in {root} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    machine = host()
+    print(f"host: {machine['cpu']}, {machine['cpus']} CPUs, kernel {machine['kernel']}", flush=True)
     files = _files(root)
     workers = os.cpu_count() or 1
     rows = [r for r in args.rows.split(",") if r]  # --rows "" with --variants: the variants alone
@@ -721,7 +734,7 @@ def main() -> None:
             print(f"{name}: lane seconds {', '.join(f'{k}={v:.2f}' for k, v in r['lane_seconds'].items())}")
             print(f"{name}: peak torch GPU memory {r['peak_gpu_mib_torch']:.0f} MiB, "
                   f"device memory still in use after the run {r['gpu_mib_in_use_after']:.0f} MiB")
-    report = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "cores": workers,
+    report = {"gpu": torch.cuda.get_device_name(), "host": machine, "date": datetime.date.today().isoformat(), "cores": workers,
               "images": args.images, "batch": args.batch, "epochs": args.epochs, "lanes": args.lanes,
               "torch": torch.__version__, "cuda_sched": args.cuda_sched or "auto", "results": results}
     out = Path(args.out or f"examples/results/gpu-{report['gpu'].replace(' ', '_')}-{report['date']}.json")
