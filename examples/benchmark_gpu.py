@@ -180,9 +180,10 @@ def bench_headrace(root: Path, pipeline, batch: int, epochs: int, lanes: int, hw
     return result
 
 
-def _headrace_epochs(root: Path, row: Any, batch: int, lanes: int) -> tuple[Any, Any]:
+def _headrace_epochs(root: Path, row: Any, batch: int, lanes: int) -> tuple[Any, Any, Any]:
     """A loader for ``row`` (a pipeline, or (pipeline, {lanes, hw_load, threads, tuning})): its
-    (run one epoch, close) pair, through ``with loader.sync()`` as a plain ``for`` loop uses it.
+    (run one epoch, close, describe) triple, through ``with loader.sync()`` as a plain ``for`` loop
+    uses it (describe: the lanes' engine shares, after the rounds).
     Its loop thread goes on between its epochs, so it runs ahead into the next one while the other
     rows take their turns, as DALI's pipelines prefetch in their own threads (a loop stopped
     between turns, as ``run_until_complete`` per epoch left it, started every epoch cold)."""
@@ -191,18 +192,26 @@ def _headrace_epochs(root: Path, row: Any, batch: int, lanes: int) -> tuple[Any,
                          setup.get("threads"), tuning=setup.get("tuning"))
     owner = contextlib.ExitStack()
     epochs = owner.enter_context(loader.sync())
-    return (lambda: sum(b.size for b in epochs)), owner.close
+    return (lambda: sum(b.size for b in epochs)), owner.close, lambda: {"engine_shares": _engine_shares(loader)}
+
+
+def _engine_shares(loader: headrace.Loader) -> list[float]:
+    """Where each lane's engine share stands (``hw_load``, or where "adaptive" moved it): which fixed
+    share a machine's balance is. Empty where the lanes' decoders are not the shim's."""
+    executor = getattr(getattr(loader, "_epochs", None), "_executor", None)
+    decoders = [getattr(lane.decoder, "decoder", None) for lane in getattr(executor, "_lanes", [])]
+    return [round(d.hw_share, 3) for d in decoders if hasattr(d, "hw_share")]
 
 
 def bench_interleaved(rows: dict[str, Any], epochs: int) -> dict:
     """Rows that live side by side, one epoch each in turn, the order rotated every round: the
     machine's drift over a lease (whole runs of one row moved 10-25% on the H100) falls on every
     row alike, and each round gives a paired ratio to the first row. A row is a callable making its
-    (run one epoch, close) pair: a headrace loader (``_headrace_epochs``) or a DALI pipeline
-    (``_dali_epochs``). Cores busy are the process's CPU time over an epoch's wall time (the rows
+    (run one epoch, close) pair: a headrace loader (``_headrace_epochs``, with a third, what to add
+    to its results after the rounds) or a DALI pipeline (``_dali_epochs``). Cores busy are the process's CPU time over an epoch's wall time (the rows
     waiting their turn work only on what they prefetch: DALI's queue, headrace's run ahead)."""
     cuda = torch.cuda.is_available()  # rows on the CPU path time without it (benchmark_detection.py --device cpu)
-    made: dict[str, tuple[Any, Any]] = {}
+    made: dict[str, tuple[Any, ...]] = {}
     try:
         for name, make in rows.items():
             made[name] = make()
@@ -230,9 +239,10 @@ def bench_interleaved(rows: dict[str, Any], epochs: int) -> dict:
                 by_thread[name].append(threads.stop())
                 kernel[name].append(threads.kernel)
                 counters[name].append(threads.counters)
+        described = {name: made[name][2]() for name in names if len(made[name]) > 2}
     finally:
-        for _, close in made.values():
-            close()
+        for row in made.values():
+            row[1]()  # close
         gc.collect()
     first = rates[names[0]]
     return {name: {"images_per_s": statistics.median(v), "runs": v, "cores_busy": statistics.median(cores[name]),
@@ -241,7 +251,8 @@ def bench_interleaved(rows: dict[str, Any], epochs: int) -> dict:
                    "kernel_by_thread": _mean_by_thread(kernel[name]),
                    "process_counters": {k: round(statistics.mean(c[k] for c in counters[name]), 3)
                                         for k in counters[name][0]} if counters[name][0] else {},
-                   "paired_ratio": statistics.median(a / b for a, b in zip(v, first))} for name, v in rates.items()}
+                   "paired_ratio": statistics.median(a / b for a, b in zip(v, first)), **described.get(name, {})}
+            for name, v in rates.items()}
 
 
 def _mean_by_thread(epochs: list[dict[str, float]]) -> dict[str, float]:
@@ -721,6 +732,9 @@ def main() -> None:
         if r.get("cores_by_thread"):  # where the cores went: nvImageCodec's pool, lanes, readers, DALI's workers
             top = list(r["cores_by_thread"].items())[:7]
             print(f"{name}: cores by thread {', '.join(f'{k} {c:.2f}' for k, c in top)}")
+    for name, r in results.items():
+        if r.get("engine_shares"):  # after the rounds; an adaptive share shows where this machine's balance is
+            print(f"{name}: the engine's share of the bytes by lane at the end {', '.join(f'{x:.2f}' for x in r['engine_shares'])}")
     for name, r in results.items():
         if r.get("process_counters"):  # host time the work does not explain: the kernel's share, switches, faults
             c, top = r["process_counters"], list(r.get("kernel_by_thread", {}).items())[:4]
