@@ -296,10 +296,17 @@ def plot(report: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+def _log_line(line: str) -> None:
+    # One write with its newline: print() writes the text and the newline apart (stderr writes
+    # through), and a Ctrl-C between the two left "interrupted" on the end of the epoch's line.
+    sys.stderr.write(f"{line}\n")
+    sys.stderr.flush()
+
+
 def bench_path(path: str, *, json_path: str | None = None, plot_path: str | None = None, out: Any = None,
                **options: Any) -> int:
     """``headrace bench``: run ``bench``, print the table, write ``json_path`` and ``plot_path``; 0."""
-    report = bench(path, log=lambda line: print(line, file=sys.stderr, flush=True), **options)
+    report = bench(path, log=_log_line, **options)
     print(render(report), file=out or sys.stdout)
     if json_path is not None:
         with open(json_path, "w", encoding="utf-8") as f:

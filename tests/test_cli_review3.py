@@ -71,6 +71,31 @@ def test_bench_stopped_in_a_loader_row_unwinds_its_loader(tmp_path, slow_folder,
     assert not report.exists()
 
 
+class _Writes(io.RawIOBase):
+    """A file that keeps each write it is given, as the operating system sees them."""
+
+    def __init__(self):
+        self.writes = []
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        self.writes.append(bytes(data))
+        return len(data)
+
+
+def test_bench_writes_each_epoch_line_with_its_newline_at_once(monkeypatch):
+    # stderr writes through to the file: a line and its newline written apart (as print does) let
+    # the Ctrl-C test above see the line, interrupt, and find "interrupted" on the end of it.
+    from headrace import _bench
+
+    raw = _Writes()
+    monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(raw, encoding="utf-8", write_through=True))
+    _bench._log_line("decode epoch 1/3: 400 samples in 1.85 s, 216 samples/s")
+    assert raw.writes == [b"decode epoch 1/3: 400 samples in 1.85 s, 216 samples/s\n"]
+
+
 def test_demo_stopped_in_an_epoch_unwinds_its_loader(tmp_path):
     rc, err = _stop_when(tmp_path, ["demo", "--data", tmp_path / "demo", "--images", "64", "--epochs", "500",
                                     "--size", "32", "--threads", "1"], r"epoch 1:", signal.SIGINT)
