@@ -4,11 +4,12 @@ pipeline rows (Linux only; elsewhere both report nothing).
 ``ThreadCpu`` reads every thread's user + system time from ``/proc/self/task`` and names it: a Python
 thread by its ``threading`` name, any other (obstore's tokio workers, nvImageCodec's and CUDA's
 threads) by its kernel name; names that differ only in a trailing number are one group, so "four
-lanes" is one line. ``ThreadCpu.kernel`` is the same split of the time spent in the kernel (system time: page
-faults, futex waits that spin, memory mapping), and ``ThreadCpu.counters`` the process's context
-switches and page faults per second (``getrusage``): a decoder pool that costs more host time than
-its compute explains shows there. ``LoopLag`` is a coroutine sleeping 1 ms at a time on the loop being measured:
-how much longer each sleep took is how long callbacks waited for the loop (and the loop for the GIL).
+lanes" is one line. ``ThreadCpu.kernel`` is the same split of the time spent in the kernel (system
+time: page faults, futex waits that spin, memory mapping), and ``ThreadCpu.counters`` the process's
+context switches and page faults a second (``getrusage``): a decoder pool that costs more host time
+than its compute explains shows there. ``LoopLag`` is a coroutine sleeping 1 ms at a time on the
+loop being measured: how much longer each sleep took is how long callbacks waited for the loop (and
+the loop for the GIL).
 """
 
 from __future__ import annotations
@@ -16,9 +17,13 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import resource
 import threading
 import time
+
+try:
+    import resource  # Unix: the process's switches and faults
+except ImportError:
+    resource = None
 
 __all__ = ["LoopLag", "ThreadCpu"]
 
@@ -55,13 +60,13 @@ def _task_seconds() -> dict[int, tuple[str, float, float]]:
     return out
 
 
-def _usage() -> tuple[float, ...]:
-    """The process's (system seconds, voluntary and involuntary context switches, minor and major page faults)."""
+def _usage() -> dict[str, float]:
+    """The process's counters so far, named as ``ThreadCpu.counters`` names their rates (none without ``resource``)."""
+    if resource is None:
+        return {}
     u = resource.getrusage(resource.RUSAGE_SELF)
-    return (u.ru_stime, u.ru_nvcsw, u.ru_nivcsw, u.ru_minflt, u.ru_majflt)
-
-
-_COUNTERS = ("kernel_cores", "switches_per_s", "involuntary_switches_per_s", "minor_faults_per_s", "major_faults_per_s")
+    return {"kernel_cores": u.ru_stime, "switches_per_s": u.ru_nvcsw, "involuntary_switches_per_s": u.ru_nivcsw,
+            "minor_faults_per_s": u.ru_minflt, "major_faults_per_s": u.ru_majflt}
 
 
 class ThreadCpu:
@@ -73,9 +78,9 @@ class ThreadCpu:
         self._before: dict[int, tuple[str, float, float]] = {}
         self._began = 0.0
         self._process = 0.0
-        self._usage: tuple[float, ...] = ()
+        self._usage: dict[str, float] = {}
         self.kernel: dict[str, float] = {}  # after stop(): {kind of thread: system seconds per wall second}
-        self.counters: dict[str, float] = {}  # after stop(): the process's _COUNTERS, per wall second
+        self.counters: dict[str, float] = {}  # after stop(): the process's _usage() per wall second
 
     def start(self) -> None:
         self._before = _task_seconds()
@@ -95,8 +100,7 @@ class ThreadCpu:
             used[name] = used.get(name, 0.0) + seconds - seconds_before
             kernel[name] = kernel.get(name, 0.0) + system - system_before
         process = time.process_time() - self._process
-        self.counters = {key: round((after - before) / wall, 3)
-                         for key, after, before in zip(_COUNTERS, _usage(), self._usage)}
+        self.counters = {key: round((after - self._usage[key]) / wall, 3) for key, after in _usage().items()}
         self.kernel = {name: round(s / wall, 3) for name, s in sorted(kernel.items(), key=lambda kv: -kv[1]) if s > 0}
         if used:  # else no /proc: nothing to say by thread
             used["(ended)"] = max(0.0, process - sum(used.values()))
