@@ -18,36 +18,24 @@ class Feed:
     ``put`` blocks the thread while ``capacity`` items wait (backpressure reaches the file read) and
     returns False once the consumer has called ``stop``, which also wakes a blocked producer. The
     consumer's ``get`` costs one ``call_soon_threadsafe`` per item only when it had to wait.
-
-    ``max_bytes``: past ``capacity`` items, a producer may go on queueing while the items waiting
-    (each ``put`` says its ``size``) hold at most this many bytes. A shard read ahead of the one
-    being consumed parses into its feed until then, so the shards in flight are parsed by their
-    threads at once rather than one after the other.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, capacity: int, max_bytes: int = 0) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, capacity: int) -> None:
         self._loop = loop
         self._capacity = capacity
-        self._max_bytes = max_bytes
-        self._items: deque[tuple[Any, int]] = deque()
-        self._bytes = 0  # the sizes of the items waiting
+        self._items: deque[Any] = deque()
         self._cond = threading.Condition()
         self._waiter: asyncio.Future[None] | None = None
         self.stopped = False
 
-    def _full(self, size: int) -> bool:
-        return len(self._items) >= self._capacity and self._bytes + size > self._max_bytes
-
-    def put(self, item: Any, *, force: bool = False, size: int = 0) -> bool:
-        """Thread side: queue ``item`` of ``size`` bytes (``force`` ignores the bound, for END);
-        False if stopped."""
+    def put(self, item: Any, *, force: bool = False) -> bool:
+        """Thread side: queue ``item`` (``force`` ignores the bound, for END); False if stopped."""
         with self._cond:
-            while not force and self._full(size) and not self.stopped:
+            while not force and len(self._items) >= self._capacity and not self.stopped:
                 self._cond.wait()
             if self.stopped:
                 return False
-            self._items.append((item, size))
-            self._bytes += size
+            self._items.append(item)
             waiter, self._waiter = self._waiter, None
         if waiter is not None:
             self._loop.call_soon_threadsafe(_wake, waiter)
@@ -58,8 +46,7 @@ class Feed:
         while True:
             with self._cond:
                 if self._items:
-                    item, size = self._items.popleft()
-                    self._bytes -= size
+                    item = self._items.popleft()
                     self._cond.notify()
                     return item
                 waiter = self._waiter = self._loop.create_future()
@@ -70,7 +57,6 @@ class Feed:
         with self._cond:
             self.stopped = True
             self._items.clear()
-            self._bytes = 0
             self._cond.notify_all()
 
 

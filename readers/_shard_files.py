@@ -58,7 +58,7 @@ class ShardFiles:
 
     ``read_ahead`` shards beyond the current one are read at once, each by its own thread (and, for
     a remote shard, its own download buffering at most ``buffer_bytes``) into a feed of two
-    ``chunk_size`` lists, and past them as many as hold ``buffer_bytes``. ``require``: alternatives of field names every sample must have.
+    ``chunk_size`` lists. ``require``: alternatives of field names every sample must have.
     ``retries`` and ``peak_buffered`` add up what the downloads reported. ``cache``: remote shards
     are read from it when there, and written to it as they are read when not (``_shard_cache.py``).
     """
@@ -231,8 +231,7 @@ class ShardFiles:
         256 out while it grows; docs/benchmarks.md, issue 21)."""
         loop = asyncio.get_running_loop()
         if self._pool is None:  # the fields a read holds at once, a sample's two largest counted (an image, a mask)
-            ahead = (self.read_ahead + 1) * (self.buffer_bytes // (16 << 10))  # what the feeds' byte bound lets wait
-            self._pool = SamplePool(2 * (held + (self.read_ahead + 1) * 3 * self.chunk_size + ahead) + 1024)
+            self._pool = SamplePool(2 * (held + (self.read_ahead + 1) * 3 * self.chunk_size) + 1024)
         samples = self._pool
         pool = concurrent.futures.ThreadPoolExecutor(self.read_ahead + 1, thread_name_prefix="headrace-io-webdataset")
         running: deque[tuple[Feed, concurrent.futures.Future[None], object]] = deque()
@@ -252,11 +251,7 @@ class ShardFiles:
                             if following is not None:
                                 self._start_next(following, self.read_ahead + 1 - len(running))
                             break
-                        # Past its two chunks, a shard ahead parses on up to buffer_bytes of samples:
-                        # with two chunks only, the shards in flight were parsed one after the other
-                        # at one thread's pace, which capped the H200's training pipeline at 17-21k
-                        # images/s from local shards against 26-28k from the same files.
-                        feed = Feed(loop, capacity=2, max_bytes=self.buffer_bytes)
+                        feed = Feed(loop, capacity=2)
                         source = self._source(job.shard, downloads, writes, warm)
                         running.append((feed, pool.submit(self._parse, job, feed, source, samples), source))
                     for remote in warm.values():  # started for a first job this read does not have
@@ -320,7 +315,7 @@ class ShardFiles:
             if len(chunk) < self.chunk_size:
                 return True
             _own_bytes(chunk, pool)
-            sent, chunk = feed.put(chunk, size=_chunk_bytes(chunk)), []
+            sent, chunk = feed.put(chunk), []
             return sent
 
         last = -1
@@ -364,7 +359,7 @@ class ShardFiles:
             chunk.append(held)
         if chunk:
             _own_bytes(chunk, pool)
-            feed.put(chunk, size=_chunk_bytes(chunk))
+            feed.put(chunk)
 
 
 def _lost(job: ShardJob, exc: ReadError, j: int, held: Sample | None, select: Callable[[int], bool],
@@ -432,11 +427,6 @@ def _keep(download: RemoteFile) -> None:
         download.keep()
     except (OSError, ReadError):
         pass
-
-
-def _chunk_bytes(chunk: list[Sample]) -> int:
-    """The bytes a chunk's fields hold, for its feed's bound."""
-    return sum(len(value) for sample in chunk for value in sample.fields.values())
 
 
 def _own_bytes(chunk: list[Sample], pool: SamplePool | None = None) -> None:

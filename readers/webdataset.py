@@ -298,10 +298,8 @@ class WebDatasetReader(Reader):
         """Yield this rank's samples for ``epoch`` from stream position ``start`` on.
 
         Up to ``read_ahead`` shards beyond the current one are read at once, each by its own thread
-        into a feed of two ``chunk_size`` lists, and past them as many as hold ``buffer_bytes`` (so the
-        shards in flight are parsed at once, not one after the other); a full feed stops that thread
-        (backpressure). Memory is about ``(read_ahead + 1) * 3 * chunk_size + shuffle_buffer``
-        samples plus ``(read_ahead + 1) * buffer_bytes`` of samples parsed ahead, and the reader keeps
+        into a feed of two ``chunk_size`` lists; a full feed stops that thread (backpressure). Memory
+        is about ``(read_ahead + 1) * 3 * chunk_size + shuffle_buffer`` samples, and the reader keeps
         at most as much again of the memory of fields let go, to copy later ones into (its pages
         stay faulted in: ``_shard_files.SamplePool``; docs/storage.md). Closing the iterator
         stops the threads and closes the files before it returns. A sample that cannot be read is
@@ -507,9 +505,8 @@ def webdataset(
     first (DALI's ``initial_fill``), the order this reader gave before it had ``shuffle_initial``;
     with a buffer of 100 samples or less the default does too. Either way the buffer's draws depend
     only on the seed and the counts, so resume stays exact. ``read_ahead``: shards read ahead of the
-    current one, each by its own thread (and, for URLs, its own download); a shard ahead parses
-    up to ``buffer_bytes`` of samples before it waits for its turn, so the threads parse at once
-    where the consumer is faster than one of them. ``chunk_size``: samples per hand-off. ``split``: how ranks divide the data (``"auto"``: by shards when there are at
+    current one, each by its own thread (and, for URLs, its own download). ``chunk_size``: samples
+    per hand-off. ``split``: how ranks divide the data (``"auto"``: by shards when there are at
     least as many shards as ranks, else by samples within every shard). ``require``: field names
     every sample must have (``"jpg;png"`` accepts either); a sample without one becomes a ReadError
     sample.

@@ -70,10 +70,8 @@ async def test_a_new_reader_and_other_ranks_share_the_folder(s3_env, tmp_path, l
 
 
 async def test_a_shard_left_early_is_not_kept(s3_env, tmp_path, leaks):
-    # The 12 MiB shard: its parser may run buffer_bytes (1 MiB here) of samples past the consumer,
-    # so a consumer that leaves inside it leaves the parser short of its end.
-    reader = readers.webdataset(f"s3://{BUCKET}/big/big-0.tar", storage_options={"retry": RETRY},
-                                cache_dir=tmp_path / "cache", chunk_size=2, read_ahead=0, buffer_bytes=1 << 20)
+    reader = readers.webdataset(_url(s3_env, "s3", WDS), storage_options={"retry": RETRY},
+                                cache_dir=tmp_path / "cache", chunk_size=2, read_ahead=0)
     async with contextlib.aclosing(reader.read(0)) as stream:
         async for _ in stream:
             break  # inside the first shard
