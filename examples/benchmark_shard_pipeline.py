@@ -11,7 +11,9 @@ decode stages were, ``docs/metrics.md``).
 Variants: ``files`` (``readers.files``, shuffled), ``shards`` (``readers.webdataset``, shuffled
 through its buffer), ``shards-noshuffle``, ``shards-switch0.5ms`` (``sys.setswitchinterval(0.0005)``:
 the GIL handed over ten times as often), ``shards-readahead5`` (``read_ahead=5``), ``shards-nopool``
-(fields copied into fresh ``bytes``, not the reader's recycled ones).
+(fields copied into fresh ``bytes``, not the reader's recycled ones; the C grouping off with it),
+``shards-python`` (a window's members grouped into samples by the parser's Python loop, 64 headers
+a scan, as before the grouping moved to C).
 
 The data set is ``examples/benchmark_latency.py``'s (16,384 JPEGs as ~100 MB shards and as files,
 made once under ``.data/bench-latency-pipeline``).
@@ -59,10 +61,17 @@ def _reader(variant: str):  # noqa: ANN202 - a headrace reader
 
     if variant == "files":
         return readers.files(SERVE / "images", shuffle=True)
+    if variant == "shards-python":  # the members grouped into samples by the Python loop, 64 headers a scan, as before
+        import headrace.readers._shard_files as shard_files
+        import headrace.readers._tar as tar
+
+        shard_files.SamplePool.grouper = lambda self: None
+        tar._SCAN_BATCH = 64
     if variant == "shards-nopool":
         import headrace.readers._shard_files as shard_files
 
         shard_files.SamplePool.copy = lambda self, spans: None  # the caller then copies into fresh bytes
+        shard_files.SamplePool.grouper = lambda self: None
     options: dict[str, object] = {"shuffle": variant != "shards-noshuffle"}
     if variant == "shards-readahead5":
         options["read_ahead"] = 5

@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import ctypes
+import functools
 import os
 import sysconfig
 import threading
@@ -326,7 +327,8 @@ class ShardFiles:
         remote = isinstance(source, RemoteFile)
         try:
             with open_shard(source) as f:
-                for j, key, fields, error in iter_groups(f, path, select, lambda: feed.stopped, spans=True):
+                grouper = pool.grouper() if pool is not None else None
+                for j, key, fields, error in iter_groups(f, path, select, lambda: feed.stopped, spans=True, grouper=grouper):
                     last = j
                     if fields is None:
                         continue
@@ -474,6 +476,14 @@ class SamplePool:
         self._handle = lib.hr_pool_new(track) if lib is not None else None
         self._close = weakref.finalize(self, lib.hr_pool_free, self._handle) if self._handle else None
 
+    def grouper(self) -> Callable[..., list | None] | None:
+        """``hr_tar_groups`` bound to this pool, for ``_tar.iter_groups``: a scanned window's
+        members grouped into samples and copied into the pool's blobs in one call; None where
+        the helper does not build."""
+        if self._handle is None or not self._close or not self._close.alive:
+            return None
+        return functools.partial(self._lib.hr_tar_groups, self._handle)
+
     def copy(self, spans: Sequence[tuple[int, int]]) -> list[bytes] | None:
         """A ``bytes`` of each ``(address, size)`` span, the memory valid until this returns."""
         if self._handle is None or not self._close or not self._close.alive:
@@ -520,6 +530,9 @@ def _pool_lib() -> ctypes.PyDLL | None:
                     lib.hr_pool_copy.argtypes, lib.hr_pool_copy.restype = [p, ctypes.c_int, p, p], ctypes.py_object
                     lib.hr_pool_stats.argtypes, lib.hr_pool_stats.restype = [p, p], None
                     lib.hr_pool_free.argtypes, lib.hr_pool_free.restype = [p], None
+                    i64, o = ctypes.c_int64, ctypes.py_object
+                    lib.hr_tar_groups.argtypes = [p, p, p, ctypes.c_int, i64, o, i64, o, o]
+                    lib.hr_tar_groups.restype = o
             _pool_state["lib"] = lib
         return _pool_state["lib"]
 

@@ -34,7 +34,8 @@ __all__ = ["WEBDATASET_META", "TarGroup", "count_samples", "iter_groups", "open_
 
 BLOCK = 512
 _ZERO = bytes(BLOCK)
-_SCAN_BATCH = 64  # headers the C helper reads per call
+_SCAN_BATCH = 256  # headers the C helper reads per call
+WINDOW = "\0window"  # ``_TarCursor.fields``'s item for a window grouped in C (no member's key: tar names hold no NUL)
 _KINDS = [bytes([k]) for k in range(256)]
 _MAPPED_BEHIND = 4 << 20  # a mapped shard keeps this much behind the parser mapped (``_release_behind``)
 _REGULAR = (b"0", b"\0", b"7")
@@ -219,7 +220,7 @@ class _TarCursor:
     errors it raises) and, for a seekable file, where the archive ends (to seek over data)."""
 
     __slots__ = ("_batch", "_data", "_records", "_scan", "_view", "_window", "address", "end", "f",
-                 "key", "offset", "read", "source", "spans", "take")
+                 "key", "offset", "read", "records_address", "source", "spans", "take")
 
     def __init__(self, f: BinaryIO, source: str, spans: bool = False) -> None:
         self.f = f
@@ -237,6 +238,7 @@ class _TarCursor:
         self._window = getattr(f, "window", None)
         self._scan = tar_scanner() if self._window is not None else None
         self._records = (ctypes.c_int64 * (6 * _SCAN_BATCH))()
+        self.records_address = ctypes.addressof(self._records)
         self._batch: list[int] = []  # the records of the window being read, flat (hr_tar_scan's six a member)
         self._view: memoryview | None = None
         self.address = 0
@@ -245,15 +247,23 @@ class _TarCursor:
     def error(self, message: str) -> ReadError:
         return ReadError(message, key=self.key, source=self.source)
 
-    def fields(self, stop: Callable[[], bool] | None) -> Iterator[tuple[str, str, str | None, int, int]]:
+    def fields(self, stop: Callable[[], bool] | None, window: Callable[[], list | None] | None = None
+               ) -> Iterator[tuple[str, str, str | None, int, int]]:
         """(key, field, name, size, padded size) of each member that becomes a field, in order;
         the others are passed over. ``name`` is None for a plain field (the C helper checked its
         name: ``key.field`` as written). After each, the caller reads or skips the member's data.
-        ``stop()`` is polled once a member."""
+        ``stop()`` is polled once a member. ``window()``, where given, groups a scanned window's
+        members into samples in one call (``hr_tar_groups``): its list comes as one item,
+        ``(WINDOW, samples, None, 0, 0)``, its members passed; None leaves the window to this loop."""
         while True:
             if stop is not None and stop():
                 return
             if self._scan is not None and self._scan_window():
+                if window is not None and (samples := window()) is not None:
+                    last = self._batch[-6:]
+                    self.offset += last[0] + BLOCK + ((last[1] + BLOCK - 1) & ~(BLOCK - 1))
+                    yield WINDOW, samples, None, 0, 0  # type: ignore[misc]
+                    continue
                 view = self._view
                 assert view is not None
                 records = self._batch
@@ -424,7 +434,8 @@ def _field_name(name: str, kind: bytes) -> tuple[str, str] | None:
 
 
 def iter_groups(f: BinaryIO, source: str, select: Callable[[int], bool] | None = None,
-                stop: Callable[[], bool] | None = None, spans: bool = False) -> Iterator[TarGroup]:
+                stop: Callable[[], bool] | None = None, spans: bool = False,
+                grouper: Callable[..., list | None] | None = None) -> Iterator[TarGroup]:
     """Yield the shard's samples in order, one tuple per group of members that share a key.
 
     ``select(ordinal)`` says whether a sample's data is wanted; an unwanted one is yielded with
@@ -437,24 +448,40 @@ def iter_groups(f: BinaryIO, source: str, select: Callable[[int], bool] | None =
     the caller to copy out (``_shard_files`` does, a chunk at a time) before anyone else sees the
     sample. A gzip shard is read to its end, where gzip checks its CRC: one that fails, or a
     gzip stream cut short or damaged, is a ReadError in place of the last sample.
+    ``grouper``: ``_shard_files``'s ``hr_tar_groups`` bound to its sample pool, which groups the
+    windows the C helper scans into samples with their fields copied out (``bytes``, never spans).
     """
     tar = _TarCursor(f, source, spans)
     try:
-        yield from _groups(tar, select, stop)
+        yield from _groups(tar, select, stop, grouper if tar._scan is not None else None)
     except (EOFError, zlib.error, gzip.BadGzipFile) as exc:  # what GzipFile raises for bad or missing bytes
         what = "truncated" if isinstance(exc, EOFError) else "corrupt"
         raise tar.error(f"{what} gzip stream: {exc}") from exc
 
 
 def _groups(tar: _TarCursor, select: Callable[[int], bool] | None,
-            stop: Callable[[], bool] | None) -> Iterator[TarGroup]:
+            stop: Callable[[], bool] | None, grouper: Callable[..., list | None] | None) -> Iterator[TarGroup]:
     """``iter_groups`` over an open cursor."""
     source = tar.source
     ordinal = -1
     key: str | None = None
     fields: dict[str, bytes] | None = None
     error: ReadError | None = None
-    for member_key, ext, name, size, padded in tar.fields(stop):
+
+    def window() -> list | None:  # reads this generator's state when called, a window at a time
+        assert grouper is not None
+        return grouper(tar.address, tar.records_address, len(tar._batch) // 6, SPAN_MIN, select, ordinal,
+                       key, fields if error is None else None)
+
+    for member_key, ext, name, size, padded in tar.fields(stop, window if grouper is not None else None):
+        if member_key is WINDOW:
+            for new_key, new_fields in ext:  # the samples that start in the window
+                if key is not None:
+                    yield ordinal, key, fields, error
+                ordinal += 1
+                key, fields, error = new_key, new_fields, None
+            tar.key = key
+            continue
         if member_key != key:
             if key is not None:
                 yield ordinal, key, fields, error

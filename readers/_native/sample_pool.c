@@ -234,6 +234,162 @@ PyObject* hr_pool_copy(void* handle, int n, const uint64_t* sources, const int64
     return blobs;
 }
 
+/* A member's field name as Python names it: the name's text after the key's dot, lowercased
+ * (`plain` members are ASCII). NULL with an exception set. */
+static PyObject* field_name(const char* header, int64_t name_length, int64_t key_length)
+{
+    char lower[100];
+    int64_t length = name_length - key_length - 1;
+    for (int64_t i = 0; i < length; i++) {
+        char c = header[key_length + 1 + i];
+        lower[i] = (c >= 'A' && c <= 'Z') ? (char)(c - 'A' + 'a') : c;
+    }
+    return PyUnicode_DecodeASCII(lower, (Py_ssize_t)length, NULL);
+}
+
+/* Whether two members' field names are one name once lowercased. */
+static int same_field(const char* a, const int64_t* ra, const char* b, const int64_t* rb)
+{
+    int64_t la = ra[3] - ra[4] - 1, lb = rb[3] - rb[4] - 1;
+    if (la != lb)
+        return 0;
+    for (int64_t i = 0; i < la; i++) {
+        char x = a[ra[4] + 1 + i], y = b[rb[4] + 1 + i];
+        x = (x >= 'A' && x <= 'Z') ? (char)(x - 'A' + 'a') : x;
+        y = (y >= 'A' && y <= 'Z') ? (char)(y - 'A' + 'a') : y;
+        if (x != y)
+            return 0;
+    }
+    return 1;
+}
+
+static int same_key(const char* base, const int64_t* ra, const int64_t* rb)
+{
+    return ra[4] == rb[4] && memcmp(base + ra[0], base + rb[0], (size_t)ra[4]) == 0;
+}
+
+typedef struct {
+    char* to;
+    const char* from;
+    int64_t size;
+} Copy;
+
+/* A member's data as its field's value: a pooled blob to be filled (its copy added to `copies`)
+ * from `span_min` bytes on, a bytes object made at once below. NULL with an exception set. */
+static PyObject* member_value(Pool* pool, const char* data, int64_t size, int64_t span_min, Copy* copies, int* n_copies)
+{
+    if (size < span_min)
+        return PyBytes_FromStringAndSize(data, (Py_ssize_t)size);
+    PyObject* blob = blob_for(pool, size);
+    if (blob != NULL)
+        copies[(*n_copies)++] = (Copy){PyBytes_AS_STRING(blob), data, size};
+    return blob;
+}
+
+/* The samples of a window of whole tar members: `records` are hr_tar_scan's six numbers a member
+ * (header offset in the window at `base`, size, type flag, name length, key length, plain), `n`
+ * of them. Consecutive members of one key make a sample, as the parser's Python loop groups them;
+ * here the keys and field names are made and the data copied into the pool's blobs in one call,
+ * the GIL let go around the copies: the parser thread holds the GIL for this, and on a busy GPU
+ * host its Python per sample set the shard reader's pace (docs/benchmarks.md, fortieth session).
+ *
+ * The members continuing the caller's open sample (key `open_key`) go into `open_fields` (skipped
+ * where it is None: a sample not selected, or one already failed). Each sample that starts here
+ * gets the next ordinal after `ordinal`, and `select(ordinal)` (unless None) says whether it is
+ * read: a list of (key, fields or None) comes back, one a sample started. Py_None comes back, and
+ * nothing is changed, where a member is not plain (`key.field` in ASCII, a regular file, a safe
+ * path) or a sample would hold a field twice: the caller's loop reads that window. NULL with an
+ * exception set (MemoryError, or select's own). */
+PyObject* hr_tar_groups(void* handle, const char* base, const int64_t* records, int n, int64_t span_min,
+                        PyObject* select, int64_t ordinal, PyObject* open_key, PyObject* open_fields)
+{
+    Pool* pool = handle;
+    const char* open_text = NULL;
+    Py_ssize_t open_length = 0;
+    if (open_key != Py_None) {
+        open_text = PyUnicode_AsUTF8AndSize(open_key, &open_length);
+        if (open_text == NULL)
+            return NULL;
+    }
+    /* First pass, nothing changed: every member plain, no field twice in a sample. */
+    int continuing = 0; /* members at the start that belong to the open sample */
+    for (int i = 0; i < n; i++) {
+        const int64_t* r = records + 6 * i;
+        if (!r[5])
+            Py_RETURN_NONE;
+        int starts = i == 0 ? !(open_text != NULL && r[4] == open_length && memcmp(base + r[0], open_text, (size_t)open_length) == 0)
+                            : !same_key(base, r - 6, r);
+        if (i == continuing && !starts)
+            continuing++;
+        for (int j = i - 1; j >= 0 && same_key(base, records + 6 * j, r); j--) /* the sample's members before it */
+            if (same_field(base + records[6 * j], records + 6 * j, base + r[0], r))
+                Py_RETURN_NONE;
+        if (i < continuing && open_fields != Py_None) {
+            PyObject* name = field_name(base + r[0], r[3], r[4]);
+            if (name == NULL)
+                return NULL;
+            int there = PyDict_Contains(open_fields, name);
+            Py_DECREF(name);
+            if (there != 0)
+                return there < 0 ? NULL : Py_NewRef(Py_None);
+        }
+    }
+    /* Second pass: the values made, the samples listed; then the copies, the GIL let go. */
+    Copy* copies = PyMem_Malloc(sizeof(Copy) * (size_t)(n > 0 ? n : 1));
+    PyObject* samples = PyList_New(0);
+    if (copies == NULL || samples == NULL) {
+        PyMem_Free(copies);
+        Py_XDECREF(samples);
+        return PyErr_NoMemory();
+    }
+    reclaim(pool, BUDGET_A * (int64_t)n + 64);
+    int n_copies = 0;
+    PyObject* fields = open_fields; /* borrowed: the sample the members go into, or None */
+    for (int i = 0; i < n; i++) {
+        const int64_t* r = records + 6 * i;
+        const char* header = base + r[0];
+        if (i >= continuing && (i == continuing || !same_key(base, r - 6, r))) {
+            ordinal++;
+            int wanted = 1;
+            if (select != Py_None) {
+                PyObject* answer = PyObject_CallFunction(select, "L", (long long)ordinal);
+                wanted = answer == NULL ? -1 : PyObject_IsTrue(answer);
+                Py_XDECREF(answer);
+                if (wanted < 0)
+                    goto fail;
+            }
+            PyObject* key = PyUnicode_DecodeASCII(header, (Py_ssize_t)r[4], NULL);
+            PyObject* sample = key == NULL ? NULL : Py_BuildValue("(NN)", key, wanted ? PyDict_New() : Py_NewRef(Py_None));
+            if (sample == NULL || PyList_Append(samples, sample) < 0) {
+                Py_XDECREF(sample);
+                goto fail;
+            }
+            fields = PyTuple_GET_ITEM(sample, 1);
+            Py_DECREF(sample); /* the list holds it */
+        }
+        if (fields == Py_None)
+            continue;
+        PyObject* name = field_name(header, r[3], r[4]);
+        PyObject* value = name == NULL ? NULL : member_value(pool, header + 512, r[1], span_min, copies, &n_copies);
+        int stored = value == NULL ? -1 : PyDict_SetItem(fields, name, value);
+        Py_XDECREF(name);
+        Py_XDECREF(value);
+        if (stored < 0)
+            goto fail;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (int i = 0; i < n_copies; i++)
+        memcpy(copies[i].to, copies[i].from, (size_t)copies[i].size);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(copies);
+    trim(pool);
+    return samples;
+fail:
+    PyMem_Free(copies);
+    Py_DECREF(samples);
+    return NULL;
+}
+
 /* Blobs followed, blobs and bytes in stock, the followed blobs' peak bytes, reuses, new blobs. */
 void hr_pool_stats(void* handle, int64_t* out)
 {

@@ -569,6 +569,7 @@ async def test_remote_shard_members_are_bytes_of_their_own(tmp_path, monkeypatch
 
     monkeypatch.setattr("headrace.readers._shard_files.copy_spans", copy)
     monkeypatch.setattr("headrace.readers._shard_files.SamplePool.copy", lambda self, spans: None)  # the plain copy
+    monkeypatch.setattr("headrace.readers._shard_files.SamplePool.grouper", lambda self: None)  # spans, not the C grouping
     store = MemoryStore({"m/s.tar": shard}, block=64 << 10)
     remote = await _read_all(readers.webdataset("m/s.tar", store=store, shuffle=False, chunk_size=16))
     by_remote = copied[:]
