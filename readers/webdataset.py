@@ -512,7 +512,8 @@ def webdataset(
     sample.
 
     Local shards (and cached copies) are mapped into memory where the C helper builds: their tar
-    headers are read in place and a chunk's members copied out with the GIL let go. Treat a shard
+    headers are read in place and grouped into samples up to 256 members at a time, the members
+    copied out with the GIL let go once for all of them. Treat a shard
     as immutable while it is read: as with any memory map, a file cut short under the reader stops
     the process with SIGBUS (write a new file and rename it over the old one;
     ``HEADRACE_NO_C_HELPERS=1`` reads through buffered files instead).
@@ -528,9 +529,9 @@ def webdataset(
     HTTP client holds for each ranged GET it has in flight (a full buffer stops reading the socket),
     so the reader holds about ``(read_ahead + 1) * buffer_bytes`` (in a loader that runs ahead, the
     next epoch's first shards download in the places this epoch's last ones free) plus the samples in flight, however
-    large the shards (a parser copies a chunk's members out of the downloaded blocks at once, letting
-    the GIL go: until then it keeps the blocks they lie in, about a chunk's bytes plus a block of up to
-    ``buffer_bytes / 8``). The process may show up to as much again in freed blocks the allocator keeps
+    large the shards (a parser groups and copies the members of the block at hand at once, letting
+    the GIL go; those it leaves to Python a chunk at a time: until then it keeps the blocks they lie
+    in, about a chunk's bytes plus a block of up to ``buffer_bytes / 8``). The process may show up to as much again in freed blocks the allocator keeps
     (glibc's arenas of the client's threads: 60-170 MB at ``3 * 64`` MiB, measured). While a
     parser waits for bytes (a store's latency, a bandwidth cap per connection), its download adds
     ranged GETs of the segments ahead, as many as the latency and per-connection bandwidth it observed
