@@ -308,8 +308,10 @@ PyObject* hr_tar_groups(void* handle, const char* base, const int64_t* records, 
     Py_ssize_t open_length = 0;
     if (open_key != Py_None) {
         open_text = PyUnicode_AsUTF8AndSize(open_key, &open_length);
-        if (open_text == NULL)
-            return NULL;
+        if (open_text == NULL) { /* a key the Python loop made from undecodable bytes: no plain key is it */
+            PyErr_Clear();
+            open_length = -1;
+        }
     }
     /* First pass, nothing changed: every member plain, no field twice in a sample. */
     int continuing = 0; /* members at the start that belong to the open sample */

@@ -116,3 +116,21 @@ async def test_the_reader_gives_every_field_as_its_own_bytes(tmp_path):
                 assert type(value) is bytes and value == expected[f"{sample.key}.{ext}"]
             seen += 1
     assert seen == 400
+
+
+def test_a_window_after_a_sample_whose_key_is_not_utf8(tmp_path, grouper):
+    # The Python loop reads the first window (its last member's name is not UTF-8: the key keeps the
+    # bytes as surrogates), which leaves that sample open when the C path takes the next window.
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        names = [f"{i:05d}.cls" for i in range(255)] + ["\udcff\udcfe.cls", "\udcff\udcfe.jpg"]
+        names += [f"z{i:05d}.cls" for i in range(300)]
+        for name in names:
+            info = tarfile.TarInfo(name)
+            info.size = 5
+            tar.addfile(info, io.BytesIO(b"12345"))
+    path = tmp_path / "u.tar"
+    path.write_bytes(buf.getvalue())
+    tally = {"C": 0, "loop": 0}
+    assert _groups(path, None, _counting(grouper, tally)) == _groups(path, None, None)
+    assert tally["C"] > 0
