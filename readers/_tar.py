@@ -35,6 +35,9 @@ __all__ = ["WEBDATASET_META", "TarGroup", "count_samples", "iter_groups", "open_
 BLOCK = 512
 _ZERO = bytes(BLOCK)
 _SCAN_BATCH = 256  # headers the C helper reads per call
+# ... and the bytes a scan spans at most: the C grouping copies a window's members at once, so this
+# bounds the samples a parser holds ahead of its chunk (the whole 256 for members up to 128 KiB).
+_SCAN_BYTES = 32 << 20
 WINDOW = "\0window"  # ``_TarCursor.fields``'s item for a window grouped in C (no member's key: tar names hold no NUL)
 _KINDS = [bytes([k]) for k in range(256)]
 _MAPPED_BEHIND = 4 << 20  # a mapped shard keeps this much behind the parser mapped (``_release_behind``)
@@ -341,7 +344,9 @@ class _TarCursor:
         if window is None or len(window[0]) < BLOCK:
             return False
         view, address = window
-        n = self._scan(address, len(view), _SCAN_BATCH, ctypes.addressof(self._records))
+        n = self._scan(address, min(len(view), _SCAN_BYTES), _SCAN_BATCH, self.records_address)
+        if n == 0 and len(view) > _SCAN_BYTES:  # one member larger than the bound: alone
+            n = self._scan(address, len(view), 1, self.records_address)
         if n == 0:
             return False
         self._batch, self._view, self.address = self._records[: 6 * n], view, address

@@ -299,7 +299,8 @@ class WebDatasetReader(Reader):
 
         Up to ``read_ahead`` shards beyond the current one are read at once, each by its own thread
         into a feed of two ``chunk_size`` lists; a full feed stops that thread (backpressure). Memory
-        is about ``(read_ahead + 1) * 3 * chunk_size + shuffle_buffer`` samples, and the reader keeps
+        is about ``(read_ahead + 1) * 3 * chunk_size + shuffle_buffer`` samples, plus a window of up
+        to 256 tar members and 32 MiB per thread (copied out at once, ``_tar._SCAN_BYTES``), and the reader keeps
         at most as much again of the memory of fields let go, to copy later ones into (its pages
         stay faulted in: ``_shard_files.SamplePool``; docs/storage.md). Closing the iterator
         stops the threads and closes the files before it returns. A sample that cannot be read is

@@ -134,3 +134,21 @@ def test_a_window_after_a_sample_whose_key_is_not_utf8(tmp_path, grouper):
     tally = {"C": 0, "loop": 0}
     assert _groups(path, None, _counting(grouper, tally)) == _groups(path, None, None)
     assert tally["C"] > 0
+
+
+def test_a_scan_spans_at_most_its_byte_bound_and_a_larger_member_goes_alone(tmp_path, grouper, monkeypatch):
+    # The bound keeps what a window copies at once small; a member past it is scanned alone.
+    monkeypatch.setattr("headrace.readers._tar._SCAN_BYTES", 64 << 10)
+    rng = random.Random(3)
+    members = [(f"{i:04d}.{ext}", rng.randbytes(rng.choice([10, 20_000, 100_000]) if ext == "bin" else 1))
+               for i in range(60) for ext in ("bin", "cls")]
+    path = tmp_path / "b.tar"
+    path.write_bytes(tar_bytes(members))
+    sizes = []
+
+    def recording(base, records, n, *rest):
+        sizes.append(n)
+        return grouper(base, records, n, *rest)
+
+    assert _groups(path, None, recording) == _groups(path, None, None)
+    assert max(sizes) < 60 and 1 in sizes  # bounded windows, some of one member
