@@ -458,7 +458,7 @@ def iter_groups(f: BinaryIO, source: str, select: Callable[[int], bool] | None =
     """
     tar = _TarCursor(f, source, spans)
     try:
-        yield from _groups(tar, select, stop, grouper if tar._scan is not None else None)
+        yield from _groups(tar, select, stop, grouper)
     except (EOFError, zlib.error, gzip.BadGzipFile) as exc:  # what GzipFile raises for bad or missing bytes
         what = "truncated" if isinstance(exc, EOFError) else "corrupt"
         raise tar.error(f"{what} gzip stream: {exc}") from exc

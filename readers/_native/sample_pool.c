@@ -234,32 +234,32 @@ PyObject* hr_pool_copy(void* handle, int n, const uint64_t* sources, const int64
     return blobs;
 }
 
-/* A member's field name as Python names it: the name's text after the key's dot, lowercased
- * (`plain` members are ASCII). NULL with an exception set. */
+/* `plain` members' names are ASCII: Python's str.lower() on them is this. */
+static char ascii_lower(char c)
+{
+    return (c >= 'A' && c <= 'Z') ? (char)(c - 'A' + 'a') : c;
+}
+
+/* A member's field name as Python names it: the name's text after the key's dot, lowercased.
+ * NULL with an exception set. */
 static PyObject* field_name(const char* header, int64_t name_length, int64_t key_length)
 {
     char lower[100];
     int64_t length = name_length - key_length - 1;
-    for (int64_t i = 0; i < length; i++) {
-        char c = header[key_length + 1 + i];
-        lower[i] = (c >= 'A' && c <= 'Z') ? (char)(c - 'A' + 'a') : c;
-    }
+    for (int64_t i = 0; i < length; i++)
+        lower[i] = ascii_lower(header[key_length + 1 + i]);
     return PyUnicode_DecodeASCII(lower, (Py_ssize_t)length, NULL);
 }
 
 /* Whether two members' field names are one name once lowercased. */
 static int same_field(const char* a, const int64_t* ra, const char* b, const int64_t* rb)
 {
-    int64_t la = ra[3] - ra[4] - 1, lb = rb[3] - rb[4] - 1;
-    if (la != lb)
+    int64_t length = ra[3] - ra[4] - 1;
+    if (length != rb[3] - rb[4] - 1)
         return 0;
-    for (int64_t i = 0; i < la; i++) {
-        char x = a[ra[4] + 1 + i], y = b[rb[4] + 1 + i];
-        x = (x >= 'A' && x <= 'Z') ? (char)(x - 'A' + 'a') : x;
-        y = (y >= 'A' && y <= 'Z') ? (char)(y - 'A' + 'a') : y;
-        if (x != y)
+    for (int64_t i = 0; i < length; i++)
+        if (ascii_lower(a[ra[4] + 1 + i]) != ascii_lower(b[rb[4] + 1 + i]))
             return 0;
-    }
     return 1;
 }
 
