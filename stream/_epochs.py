@@ -163,6 +163,9 @@ class Epochs:
                         raise run.failure
                     if self.closed:  # ``aclose()`` from another task stopped the run: not the epoch's end
                         raise ClosedError(_CLOSED)
+                    # Where the read ended after the last batch was handed out (its threads joined
+                    # late on a loaded machine), no batch saw it: start the next epoch here.
+                    self._start_ahead(run, run_ahead)
                     break
                 batch = self._accept(run, item, run_ahead)
                 if batch is None:
@@ -205,9 +208,8 @@ class Epochs:
             self._errors.add(error, action)
         if isinstance(item, BaseException):
             raise item
-        if run_ahead and self.ahead is None and run.read_all.is_set():
-            self.ahead = _Run(self.cfg, run.epoch + 1, 0, 0, dispatch_after=run.dispatched_all)
-            self.ahead.start_runner()
+        if run.read_all.is_set():
+            self._start_ahead(run, run_ahead)
         stats = self._stats
         self._cursor.position, self._cursor.batches = item.extra["end_position"], item.index + 1
         stats.dropped += item.dropped
@@ -224,6 +226,12 @@ class Epochs:
         run.batches_out += 1
         run.samples_out += item.size
         return item
+
+    def _start_ahead(self, run: _Run, run_ahead: bool) -> None:
+        """Start reading the next epoch, once ``run`` has read all of its own."""
+        if run_ahead and self.ahead is None and not self.closed:
+            self.ahead = _Run(self.cfg, run.epoch + 1, 0, 0, dispatch_after=run.dispatched_all)
+            self.ahead.start_runner()
 
     async def _end(self, run: _Run, completed: bool, bar: EpochProgress | None) -> None:
         """After an iteration, however it ended: record the epoch's metrics and stop the run."""
@@ -254,11 +262,14 @@ class Epochs:
                     if self.active is run:
                         self.active = None
         finally:
-            if not run.superseded:  # else the loop that replaced this one holds them now
+            # Kept while a run ahead reads the next epoch: that epoch holds them on (``_begin``),
+            # whether or not the run's read has yet entered the storage's session itself. A
+            # superseded loop's are held by the loop that replaced it.
+            if not run.superseded and self.ahead is None:
                 await self._release_connections()
 
     async def _release_connections(self) -> None:
-        """Let go of the connections held over the epoch; the run ahead, reading, holds its own."""
+        """Let go of the connections held over the epoch."""
         stack, self._connections = self._connections, None
         if stack is not None:
             await stack.aclose()

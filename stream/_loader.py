@@ -102,8 +102,9 @@ class Loader:
             channels: ``max_bytes``, two batches), and once the epoch's last batch has gone to
             decode, start decoding it (up to ``prefetch`` batches), so neither the reads nor the
             lanes drain and refill at every epoch boundary, as DALI's pipeline runs on (over
-            object storage, the loader holds the reader's connections over each epoch and the next
-            epoch's first shards download as this epoch's last ones finish). The next ``async for``
+            object storage, the loader holds the reader's connections over each epoch, and on
+            while the next epoch runs ahead, and that epoch's first shards download as this
+            epoch's last ones finish). The next ``async for``
             takes that work over;
             a ``load_state_dict``, a ``break`` or ``aclose()`` throws it away (``state_dict()`` never
             counts it). The ``sync()`` facade runs ahead inside ``with loader.sync() as epochs:``
