@@ -493,6 +493,14 @@ class SamplePool:
         sizes = np.fromiter((size for _, size in spans), dtype=np.int64, count=n)
         return self._lib.hr_pool_copy(self._handle, n, sources.ctypes.data, sizes.ctypes.data)
 
+    def examples(self) -> Callable[..., list | None] | None:
+        """``hr_tf_examples`` bound to this pool, for the TFRecord reader: a chunk's records read,
+        their wanted features found and copied into the pool's blobs; None where the helper does
+        not build."""
+        if self._handle is None or not self._close or not self._close.alive:
+            return None
+        return functools.partial(self._lib.hr_tf_examples, self._handle)
+
     def stats(self) -> dict[str, int]:
         """Blobs followed and in stock, the stock's bytes, the followed blobs' peak bytes, reuses
         and new blobs (for tests and benchmarks)."""
@@ -509,6 +517,7 @@ class SamplePool:
 
 
 _POOL_SOURCE = Path(__file__).parent / "_native" / "sample_pool.c"
+_EXAMPLE_SCAN = Path(__file__).parent / "_native" / "tf_example.h"  # included by it
 _pool_state: dict[str, ctypes.PyDLL | None] = {}
 _pool_lock = threading.Lock()
 
@@ -521,7 +530,7 @@ def _pool_lib() -> ctypes.PyDLL | None:
             include = sysconfig.get_paths().get("include")
             if include and os.path.exists(os.path.join(include, "Python.h")):
                 # The ABI tag goes into the flags, so each interpreter gets a build of its own.
-                target, _ = native.build("sample_pool", _POOL_SOURCE, flags=(
+                target, _ = native.build("sample_pool", _POOL_SOURCE, inputs=(_EXAMPLE_SCAN,), flags=(
                     f"-I{include}", f"-DHR_PY_ABI={sysconfig.get_config_var('SOABI')}"))
                 if target is not None:
                     lib = ctypes.PyDLL(str(target))
@@ -533,6 +542,8 @@ def _pool_lib() -> ctypes.PyDLL | None:
                     i64, o = ctypes.c_int64, ctypes.py_object
                     lib.hr_tar_groups.argtypes = [p, p, p, ctypes.c_int, i64, o, i64, o, o]
                     lib.hr_tar_groups.restype = o
+                    lib.hr_tf_examples.argtypes = [p, ctypes.c_int, p, p, p, p, ctypes.c_int, p, p]
+                    lib.hr_tf_examples.restype = o
             _pool_state["lib"] = lib
         return _pool_state["lib"]
 

@@ -5,23 +5,33 @@ A TFRecord file is a run of records, each ``u64 length | u32 CRC of the length |
 the data`` (little-endian). The data is an ``Example`` protocol buffer: a map from feature names to
 a list of bytes, floats or int64s. Records are found once, by reading their length headers and
 seeking over the data (or from DALI's ``tfrecord2idx`` index files), then fetched by offset in the
-I/O threads, so shuffle, shard and exact resume are the files reader's. protobuf parses each record
-(its C parser: ~12 µs an ImageNet record for the two features the loader takes, where a parser of
-the wire format written in Python took ~33), from the schema ``example_class`` builds.
+I/O threads, so shuffle, shard and exact resume are the files reader's.
+
+Where the sample pool's C helper builds, a chunk's records are read into a buffer each I/O thread
+keeps, and the wanted features of each are found in C and copied into the pool's recycled ``bytes``
+(``_ExampleScan``): protobuf had copied each image into fresh memory after the read had, and those
+page faults were most of a record's cost. A record whose wanted features are not one bytes or int64
+value each, or that does not scan cleanly, is parsed by protobuf (its C parser, from the schema
+``example_class`` builds), which decides its value or its error; so is every record without the
+helper. Both paths give the same samples (``tests/readers/test_tfrecord_scan.py``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import struct
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from headrace._errors import ConfigError, ReadError
+from headrace._sample import Sample
 
 from ._record_files import CUT, DAMAGED, RecordFileReader, check_index_end, find_records, index_lines, resolve_files
+from ._shard_files import SamplePool
 
 __all__ = ["TFRecordReader", "example_class", "parse_example", "tfrecord"]
 
@@ -39,6 +49,8 @@ class TFRecordReader(RecordFileReader):
         super().__init__(paths, records, shuffle=shuffle, seed=seed, chunk_size=chunk_size, io_threads=io_threads)
         self.features = None if features is None else dict(features)
         self.label_offset = int(label_offset)  # checked by find_records; a NumPy one as Python's (state_dict)
+        # Samples the pool follows: the chunks the I/O threads fill and those the loader holds.
+        self._scan = None if features is None else _ExampleScan(list(self.features), 4 * (io_threads + 2) * chunk_size + 2048)
 
     def _parse(self, data: bytes, key: str, path: str) -> dict[str, Any]:
         return self._fields(_feature_map(data), key, path)
@@ -51,22 +63,121 @@ class TFRecordReader(RecordFileReader):
         if missing:
             raise ReadError(f"record has no feature {missing[0]!r} (it has {', '.join(sorted(features)) or 'none'})",
                             key=key, source=path)
-        fields = {}
-        for name, field in self.features.items():
-            value = _value(features[name])
-            if field == "cls":  # the loader's label convention, as a WebDataset .cls member holds it
-                if isinstance(value, np.ndarray) and value.dtype == np.int64 and len(value) > 1:
-                    raise ReadError(f"feature {name!r} holds {len(value)} labels, field 'cls' takes one "
-                                    "(map it to another field name for the int64 array)", key=key, source=path)
-                first = value if isinstance(value, int) else None
-                if not isinstance(first, int) or isinstance(first, bool):
-                    raise ReadError(f"feature {name!r} is not an int64 label", key=key, source=path)
-                value = str(int(first) + self.label_offset).encode()
-            fields[field] = value
-        return fields
+        return {field: self._field_value(name, field, _value(features[name]), key, path)
+                for name, field in self.features.items()}
+
+    def _field_value(self, name: str, field: str, value: Any, key: str, path: str) -> Any:
+        if field != "cls":
+            return value
+        # The loader's label convention, as a WebDataset .cls member holds it.
+        if isinstance(value, np.ndarray) and value.dtype == np.int64 and len(value) > 1:
+            raise ReadError(f"feature {name!r} holds {len(value)} labels, field 'cls' takes one "
+                            "(map it to another field name for the int64 array)", key=key, source=path)
+        first = value if isinstance(value, int) else None
+        if not isinstance(first, int) or isinstance(first, bool):
+            raise ReadError(f"feature {name!r} is not an int64 label", key=key, source=path)
+        return str(int(first) + self.label_offset).encode()
+
+    def _fetch(self, indices: Sequence[int]) -> list[Sample]:
+        """The chunk's records whose features ``_ExampleScan`` finds plainly, in one pass of C; the
+        rest (and every record where the helper does not build) through protobuf, one by one."""
+        examples = None if self._scan is None else self._scan.examples()
+        if examples is None:
+            return super()._fetch(indices)
+        rows = self.records[np.asarray(indices, dtype=np.int64)].tolist()
+        fds: dict[int, int] = {}  # shared with _record, which opens what it needs itself
+        try:
+            found = self._scan.read(examples, rows, fds, self.paths)
+            out = []
+            for i, (file, offset, length), values in zip(indices, rows, found):
+                if values is None:
+                    out.append(self._record(i, file, offset, length, fds))
+                    continue
+                path = self.paths[file]
+                key = f"{self._stems[file]}/{i - int(self._first[file])}"
+                try:
+                    fields = {field: self._field_value(name, field, value, key, path)
+                              for (name, field), value in zip(self.features.items(), values)}
+                    out.append(Sample(key, fields, path, i))
+                except ReadError as exc:
+                    out.append(Sample(key, {}, path, i, error=exc))
+            return out
+        finally:
+            for fd in fds.values():
+                os.close(fd)
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "features": self.features, "label_offset": self.label_offset}
+
+
+# -- the features found in C ---------------------------------------------------------------------
+
+_SCRATCH_BYTES = 32 << 20  # the records an I/O thread reads at once, at most; a larger one goes alone
+
+
+class _ExampleScan:
+    """Reads a chunk's records into a buffer each I/O thread keeps (its pages stay faulted in), finds
+    the wanted features in C and copies their values into the blobs of a ``SamplePool``
+    (``_native/tf_example.h``, ``hr_tf_examples``). Protobuf copied each image into a fresh bytes,
+    after a read into another: on the 2-core VM most of a record's cost was those allocations' page
+    faults (docs/benchmarks.md). A record this cannot take plainly comes back as None."""
+
+    def __init__(self, names: list[str], track: int) -> None:
+        encoded = [name.encode() for name in names]
+        self._names = (ctypes.c_char_p * len(encoded))(*encoded)
+        self._name_lengths = np.array([len(name) for name in encoded], dtype=np.int64)
+        self._track = track
+        self._pool: SamplePool | None = None
+        self._lock = threading.Lock()
+        self._local = threading.local()
+
+    def examples(self) -> Callable[..., list | None] | None:
+        """The pool's ``hr_tf_examples``, the pool made on first use; None without the helper."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = SamplePool(self._track)
+            return self._pool.examples()
+
+    def read(self, examples: Callable[..., list | None], rows: list[list[int]], fds: dict[int, int],
+             paths: list[str]) -> list[tuple | None]:
+        """Each row's (file, offset, length) values, or None where protobuf must say."""
+        found: list[tuple | None] = [None] * len(rows)
+        group: list[int] = []
+        size = 0
+        for j, (file, _, length) in enumerate(rows):
+            if length < 0 or length > _SCRATCH_BYTES or not self._open(file, fds, paths):
+                continue  # cut or damaged, too large, or a file that does not open: _record says
+            if size + length > _SCRATCH_BYTES:
+                self._read_group(examples, rows, group, size, fds, found)
+                group, size = [], 0
+            group.append(j)
+            size += length
+        if group:
+            self._read_group(examples, rows, group, size, fds, found)
+        return found
+
+    @staticmethod
+    def _open(file: int, fds: dict[int, int], paths: list[str]) -> bool:
+        if file not in fds:
+            try:
+                fds[file] = os.open(paths[file], os.O_RDONLY)
+            except OSError:
+                return False
+        return True
+
+    def _read_group(self, examples: Callable[..., list | None], rows: list[list[int]], group: list[int], size: int,
+                    fds: dict[int, int], found: list[tuple | None]) -> None:
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None or len(scratch) < size:
+            scratch = self._local.scratch = np.empty(max(size, 1 << 20), dtype=np.uint8)
+        table = np.array([rows[j] for j in group], dtype=np.int64).reshape(-1, 3)
+        files = np.array([fds[file] for file in table[:, 0].tolist()], dtype=np.int32)
+        offsets, lengths = np.ascontiguousarray(table[:, 1]), np.ascontiguousarray(table[:, 2])
+        values = examples(len(group), files.ctypes.data, offsets.ctypes.data, lengths.ctypes.data,
+                          scratch.ctypes.data, len(self._names), ctypes.addressof(self._names),
+                          self._name_lengths.ctypes.data)
+        for j, value in zip(group, values):
+            found[j] = value
 
 
 # -- the protocol buffer -------------------------------------------------------------------------
@@ -279,7 +390,9 @@ def tfrecord(
     data, or from ``index``: DALI's ``tfrecord2idx`` files, one per file, in the same order (one
     path for one file). They are then read by offset, ``chunk_size`` at a time by ``io_threads``
     threads, with the files reader's seeded shuffle (``seed`` defaults to the loader's), sharding
-    and exact resume. The data's CRCs are not checked (nor are they by DALI's reader); a length
+    and exact resume. Each I/O thread keeps a buffer of a chunk's records (at most 32 MiB) and the
+    reader recycles the memory of the values it hands out once nobody holds them (a sample pool,
+    as the WebDataset reader's). The data's CRCs are not checked (nor are they by DALI's reader); a length
     header's is, for a file's first record (with an index too) and where the scan finds a record
     that would run past the end (so a damaged length is told from a file cut short). A record whose bytes are not an Example, that runs past the end of a truncated
     file, or whose length header is damaged is a sample with a ReadError naming its file and byte

@@ -1,4 +1,5 @@
-/* The bytes objects that hold a shard reader's sample fields, recycled once nobody else holds them.
+/* The bytes objects that hold a shard reader's sample fields, recycled once nobody else holds them
+ * (and the TFRecord reader's: hr_tf_examples, near the end).
  *
  * Why: a shard's parser thread copies each member out of the mapped shard or the downloaded block
  * into a fresh bytes object (its own glibc arena), and the consumer frees it later on another
@@ -22,8 +23,12 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
 #include <stdint.h>
 #include <string.h>
+#include <unistd.h>
+
+#include "tf_example.h"
 
 #ifdef Py_GIL_DISABLED
 #error "the sample pool relies on the GIL" /* a free-threaded build copies into fresh bytes instead */
@@ -390,6 +395,95 @@ fail:
     PyMem_Free(copies);
     Py_DECREF(samples);
     return NULL;
+}
+
+/* A chunk of TFRecord records, each `lengths[i]` bytes of Example at `offsets[i]` of the file open
+ * as `fds[i]`: a list with, for each record, a tuple of the `k` wanted features' values (a bytes in
+ * a blob of the pool, or an int) where the record holds them in the plain form (tf_example.h), else
+ * None (a read that failed or came short, or a record for protobuf: the caller reads it again on
+ * its own path, which names the error). NULL with MemoryError set.
+ *
+ * The records are read into `scratch` (at least the lengths' sum; the caller's, so its pages stay
+ * faulted in from chunk to chunk) and scanned with the GIL let go, the values copied out of it
+ * with the GIL let go again: two hand-overs a chunk, where a pread and a parse a record were two
+ * each, and no memory fresh from malloc. */
+PyObject* hr_tf_examples(void* handle, int n, const int32_t* fds, const int64_t* offsets, const int64_t* lengths,
+                         uint8_t* scratch, int k, const char* const* names, const int64_t* name_lengths)
+{
+    Pool* pool = handle;
+    HrFeature* found = PyMem_Malloc(sizeof(HrFeature) * (size_t)(n > 0 && k > 0 ? n * k : 1));
+    char* plain = PyMem_Malloc((size_t)(n > 0 ? n : 1));
+    Copy* copies = PyMem_Malloc(sizeof(Copy) * (size_t)(n > 0 && k > 0 ? n * k : 1));
+    PyObject* out = PyList_New(n);
+    if (found == NULL || plain == NULL || copies == NULL || out == NULL) {
+        PyMem_Free(found);
+        PyMem_Free(plain);
+        PyMem_Free(copies);
+        Py_XDECREF(out);
+        return PyErr_NoMemory();
+    }
+    Py_BEGIN_ALLOW_THREADS
+    int64_t at = 0;
+    for (int i = 0; i < n; i++) {
+        uint8_t* record = scratch + at;
+        int64_t got = 0;
+        while (got < lengths[i]) {
+            ssize_t r = pread(fds[i], record + got, (size_t)(lengths[i] - got), (off_t)(offsets[i] + got));
+            if (r < 0 && errno == EINTR)
+                continue;
+            if (r <= 0)
+                break; /* an error or the file's end: the caller's own read says which */
+            got += r;
+        }
+        plain[i] = got == lengths[i] && hr_example_scan(record, lengths[i], k, names, name_lengths, found + i * k);
+        at += lengths[i];
+    }
+    Py_END_ALLOW_THREADS
+    reclaim(pool, BUDGET_A * (int64_t)n * k + 64);
+    int n_copies = 0;
+    int64_t at_record = 0;
+    for (int i = 0; i < n; i++) {
+        PyObject* item = Py_None;
+        Py_INCREF(item);
+        if (plain[i]) {
+            Py_DECREF(item);
+            item = PyTuple_New(k);
+            for (int j = 0; item != NULL && j < k; j++) {
+                HrFeature f = found[i * k + j];
+                PyObject* value;
+                if (f.kind == HR_FEATURE_INT64) {
+                    value = PyLong_FromLongLong(f.a);
+                } else {
+                    value = blob_for(pool, f.b);
+                    if (value != NULL && f.b > 0)
+                        copies[n_copies++] = (Copy){PyBytes_AS_STRING(value), (const char*)scratch + at_record + f.a, f.b};
+                }
+                if (value == NULL) {
+                    Py_CLEAR(item);
+                    break;
+                }
+                PyTuple_SET_ITEM(item, j, value);
+            }
+        }
+        if (item == NULL) { /* blobs made so far go back to the stock at the next reclaim */
+            Py_DECREF(out);
+            PyMem_Free(found);
+            PyMem_Free(plain);
+            PyMem_Free(copies);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, item);
+        at_record += lengths[i];
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (int c = 0; c < n_copies; c++)
+        memcpy(copies[c].to, copies[c].from, (size_t)copies[c].size);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(found);
+    PyMem_Free(plain);
+    PyMem_Free(copies);
+    trim(pool);
+    return out;
 }
 
 /* Blobs followed, blobs and bytes in stock, the followed blobs' peak bytes, reuses, new blobs. */
