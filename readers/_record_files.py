@@ -56,9 +56,13 @@ class RecordFileReader(IndexedReader):
             for fd in fds.values():
                 os.close(fd)
 
+    def _key(self, i: int, file: int) -> str:
+        """Record ``i``'s key: its file's stem and its number in that file."""
+        return f"{self._stems[file]}/{i - int(self._first[file])}"
+
     def _record(self, i: int, file: int, offset: int, length: int, fds: dict[int, int]) -> Sample:
         path = self.paths[file]
-        key = f"{self._stems[file]}/{i - int(self._first[file])}"
+        key = self._key(i, file)
         fields: dict[str, Any] = {}
         error = None
         try:

@@ -50,7 +50,8 @@ class TFRecordReader(RecordFileReader):
         self.features = None if features is None else dict(features)
         self.label_offset = int(label_offset)  # checked by find_records; a NumPy one as Python's (state_dict)
         # Samples the pool follows: the chunks the I/O threads fill and those the loader holds.
-        self._scan = None if features is None else _ExampleScan(list(self.features), 4 * (io_threads + 2) * chunk_size + 2048)
+        track = 4 * (io_threads + 2) * chunk_size + 2048
+        self._scan = None if self.features is None else _ExampleScan(list(self.features), track)
 
     def _parse(self, data: bytes, key: str, path: str) -> dict[str, Any]:
         return self._fields(_feature_map(data), key, path)
@@ -93,8 +94,7 @@ class TFRecordReader(RecordFileReader):
                 if values is None:
                     out.append(self._record(i, file, offset, length, fds))
                     continue
-                path = self.paths[file]
-                key = f"{self._stems[file]}/{i - int(self._first[file])}"
+                path, key = self.paths[file], self._key(i, file)
                 try:
                     fields = {field: self._field_value(name, field, value, key, path)
                               for (name, field), value in zip(self.features.items(), values)}
