@@ -11,20 +11,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import ctypes
-import functools
 import os
-import sysconfig
-import threading
-import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import BinaryIO
 
-import numpy as np
-from headrace import _native as native
 from headrace._errors import ReadError
 from headrace._sample import Sample
 from headrace._threads import join_threads
@@ -32,6 +24,7 @@ from headrace._threads import join_threads
 from ._feed import END, Feed
 from ._pipe import PIPE, PipeShard, is_pipe
 from ._read_files import copy_spans
+from ._sample_pool import SamplePool, _pool_lib  # noqa: F401 - _pool_lib: tests ask whether it builds
 from ._shard_cache import CacheWrites, ShardCache
 from ._storage import Downloads, Link, RemoteFile, Storage, is_url, scrub
 from ._storage._remote import Span
@@ -449,103 +442,6 @@ def _own_bytes(chunk: list[Sample], pool: SamplePool | None = None) -> None:
         blobs = [bytes(span.view) for _, _, span in held]
     for (fields, name, _), blob in zip(held, blobs):
         fields[name] = blob
-
-
-class SamplePool:
-    """Recycles the memory of the ``bytes`` that ``_own_bytes`` copies members into
-    (``_native/sample_pool.c``): a blob whose last reference is the pool's (no sample, view or
-    array holds it) is filled again with a later member of its size class, its pages already
-    faulted in, instead of being freed on the consumer's thread and allocated afresh on a parser's.
-
-    Fresh memory cost most of a copy: a parser thread allocates in its own glibc arena, and freeing
-    64 KiB chunks trims it. On the 2-core CI machine the reader alone over local shards (68 KB
-    members) spent 30-43 µs of CPU a sample with no shuffle buffer (3-5 page faults a sample) and
-    its arenas grew to ~270 MB RSS behind a 1,000-sample buffer (docs/storage.md has the numbers).
-
-    Bounds: it follows at most ``track`` blobs handed out (the oldest is forgotten, then freed by
-    its last holder as any bytes is) and keeps at most as many bytes free as those it follows held
-    at their peak; ``close()``, or its collection (a reader's lives as long as the reader, for
-    its next epochs), frees what it keeps. ``copy`` gives None where the helper does not
-    build (no compiler or Python headers, ``HEADRACE_NO_C_HELPERS``): the caller copies as before.
-    Thread-safe: every call holds the GIL, which it lets go only around the copies.
-    """
-
-    def __init__(self, track: int) -> None:
-        lib = _pool_lib()
-        self._lib = lib
-        self._handle = lib.hr_pool_new(track) if lib is not None else None
-        self._close = weakref.finalize(self, lib.hr_pool_free, self._handle) if self._handle else None
-
-    def grouper(self) -> Callable[..., list | None] | None:
-        """``hr_tar_groups`` bound to this pool, for ``_tar.iter_groups``: a scanned window's
-        members grouped into samples and copied into the pool's blobs in one call; None where
-        the helper does not build."""
-        if self._handle is None or not self._close or not self._close.alive:
-            return None
-        return functools.partial(self._lib.hr_tar_groups, self._handle)
-
-    def copy(self, spans: Sequence[tuple[int, int]]) -> list[bytes] | None:
-        """A ``bytes`` of each ``(address, size)`` span, the memory valid until this returns."""
-        if self._handle is None or not self._close or not self._close.alive:
-            return None
-        n = len(spans)
-        sources = np.fromiter((address for address, _ in spans), dtype=np.uint64, count=n)
-        sizes = np.fromiter((size for _, size in spans), dtype=np.int64, count=n)
-        return self._lib.hr_pool_copy(self._handle, n, sources.ctypes.data, sizes.ctypes.data)
-
-    def examples(self) -> Callable[..., list | None] | None:
-        """``hr_tf_examples`` bound to this pool, for the TFRecord reader: a chunk's records read,
-        their wanted features found and copied into the pool's blobs; None where the helper does
-        not build."""
-        if self._handle is None or not self._close or not self._close.alive:
-            return None
-        return functools.partial(self._lib.hr_tf_examples, self._handle)
-
-    def stats(self) -> dict[str, int]:
-        """Blobs followed and in stock, the stock's bytes, the followed blobs' peak bytes, reuses
-        and new blobs (for tests and benchmarks)."""
-        out = (ctypes.c_int64 * 6)()
-        if self._close is not None and self._close.alive:
-            self._lib.hr_pool_stats(self._handle, out)
-        return dict(zip(("followed", "stocked", "stock_bytes", "peak_bytes", "reused", "new"), out))
-
-    def close(self) -> None:
-        """Free the stock and forget the blobs handed out (their holders keep them); idempotent.
-        Only once no ``copy`` runs."""
-        if self._close is not None:
-            self._close()
-
-
-_POOL_SOURCE = Path(__file__).parent / "_native" / "sample_pool.c"
-_EXAMPLE_SCAN = Path(__file__).parent / "_native" / "tf_example.h"  # included by it
-_pool_state: dict[str, ctypes.PyDLL | None] = {}
-_pool_lock = threading.Lock()
-
-
-def _pool_lib() -> ctypes.PyDLL | None:
-    """The pool's helper, built against this interpreter's headers; None where it cannot be."""
-    with _pool_lock:
-        if "lib" not in _pool_state:
-            lib = None
-            include = sysconfig.get_paths().get("include")
-            if include and os.path.exists(os.path.join(include, "Python.h")):
-                # The ABI tag goes into the flags, so each interpreter gets a build of its own.
-                target, _ = native.build("sample_pool", _POOL_SOURCE, inputs=(_EXAMPLE_SCAN,), flags=(
-                    f"-I{include}", f"-DHR_PY_ABI={sysconfig.get_config_var('SOABI')}"))
-                if target is not None:
-                    lib = ctypes.PyDLL(str(target))
-                    p = ctypes.c_void_p
-                    lib.hr_pool_new.argtypes, lib.hr_pool_new.restype = [ctypes.c_int64], p
-                    lib.hr_pool_copy.argtypes, lib.hr_pool_copy.restype = [p, ctypes.c_int, p, p], ctypes.py_object
-                    lib.hr_pool_stats.argtypes, lib.hr_pool_stats.restype = [p, p], None
-                    lib.hr_pool_free.argtypes, lib.hr_pool_free.restype = [p], None
-                    i64, o = ctypes.c_int64, ctypes.py_object
-                    lib.hr_tar_groups.argtypes = [p, p, p, ctypes.c_int, i64, o, i64, o, o]
-                    lib.hr_tar_groups.restype = o
-                    lib.hr_tf_examples.argtypes = [p, ctypes.c_int, p, p, p, p, ctypes.c_int, p, p]
-                    lib.hr_tf_examples.restype = o
-            _pool_state["lib"] = lib
-        return _pool_state["lib"]
 
 
 def _missing(fields: dict, require: list[tuple[str, ...]], key: str, path: str) -> ReadError | None:

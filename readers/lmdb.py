@@ -20,10 +20,13 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Self
 
+import numpy as np
+
 from headrace._errors import ConfigError, ReadError
 from headrace._sample import Sample
 
 from ._base import Equal, IndexedReader
+from ._sample_pool import SamplePool
 
 __all__ = ["LmdbReader", "decode_default", "decode_record", "encode_record", "lmdb"]
 
@@ -273,6 +276,7 @@ class LmdbReader(IndexedReader):
         self._env: Any = None
         self._users = 0
         self._users_lock = threading.Lock()
+        self._pool: SamplePool | None = None  # made by the first read, kept for the next epochs
 
     def _dataset_size(self) -> int:
         return len(self.keys)
@@ -286,6 +290,8 @@ class LmdbReader(IndexedReader):
         with self._users_lock:
             if self._users == 0:
                 self._env = _ENVS.acquire(self.path)
+            if self._pool is None:  # the chunks the I/O threads fill and those the loader holds
+                self._pool = SamplePool(4 * (self.io_threads + 2) * self.chunk_size + 2048)
             self._users += 1
 
     def _close_io(self) -> None:
@@ -296,25 +302,43 @@ class LmdbReader(IndexedReader):
                 _ENVS.release(self.path)
 
     def _fetch(self, indices: Sequence[int]) -> list[Sample]:
+        """The chunk's values looked up in one read transaction as views into the map, copied out
+        together (into the sample pool's recycled ``bytes``, one GIL-free call, where its helper
+        builds) before the transaction ends, then checked and decoded."""
         lmdb_lib = lmdb_module()
+        pooled = self._pool is not None and self._pool.available  # else LMDB's own copies, as fast
         try:
-            with self._env.read() as txn:
-                return [self._sample(txn, i) for i in indices]
+            with self._env.read(buffers=pooled) as txn:
+                last_page = self._env.env.info()["last_pgno"]
+                looked_up = [self._look_up(txn, i) for i in indices]
+                found = [value for value in looked_up if not isinstance(value, Sample)]
+                copies = iter(self._copy_out(found) if pooled else found)
         except (lmdb_lib.Error, ReadError) as exc:
             # No transaction (the reader table full, the map beyond resizing): every sample of the
             # chunk fails by name, and the epoch goes on with the next chunk.
             return [self._failed(i, ReadError(f"cannot read the LMDB: {exc}", key=self._text_key(i), source=self.path),
                                  exc) for i in indices]
+        return [value if isinstance(value, Sample) else self._sample(i, next(copies), last_page)
+                for i, value in zip(indices, looked_up)]
 
-    def _sample(self, txn: Any, i: int) -> Sample:
-        raw, key = self.keys[i], self._text_key(i)
+    def _look_up(self, txn: Any, i: int) -> bytes | memoryview | Sample:
+        """Key ``i``'s value (a view into the map in a transaction of buffers), or the sample of the error."""
         try:
-            value = txn.get(raw)
+            value = txn.get(self.keys[i])
         except lmdb_module().Error as exc:  # a key LMDB cannot hold (empty, too long) or a damaged page
-            return self._failed(i, ReadError(f"cannot read key: {exc}", key=key, source=self.path), exc)
+            return self._failed(i, ReadError(f"cannot read key: {exc}", key=self._text_key(i), source=self.path), exc)
         if value is None:
-            return self._failed(i, ReadError("key not found in the LMDB", key=key, source=self.path))
-        if _is_subdb(value, self._env.env.info()["last_pgno"]):
+            return self._failed(i, ReadError("key not found in the LMDB", key=self._text_key(i), source=self.path))
+        return value
+
+    def _copy_out(self, views: list[memoryview]) -> list[bytes]:
+        """Each view's bytes in the pool's blobs, while the transaction that made them lasts."""
+        copies = self._pool.copy([(np.frombuffer(view, dtype=np.uint8).ctypes.data, len(view)) for view in views])
+        return [bytes(view) for view in views] if copies is None else copies  # closed meanwhile
+
+    def _sample(self, i: int, value: bytes, last_page: int) -> Sample:
+        raw, key = self.keys[i], self._text_key(i)
+        if _is_subdb(value, last_page):
             return self._failed(i, ReadError("key names a sub-database of the LMDB, not a value (the main "
                                              "database is read)", key=key, source=self.path))
         try:

@@ -31,7 +31,7 @@ from headrace._errors import ConfigError, ReadError
 from headrace._sample import Sample
 
 from ._record_files import CUT, DAMAGED, RecordFileReader, check_index_end, find_records, index_lines, resolve_files
-from ._shard_files import SamplePool
+from ._sample_pool import SamplePool
 
 __all__ = ["TFRecordReader", "example_class", "parse_example", "tfrecord"]
 
