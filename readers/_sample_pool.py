@@ -75,6 +75,17 @@ class SamplePool:
             return None
         return functools.partial(self._lib.hr_tf_examples, self._handle)
 
+    def datums(self, spans: Sequence[tuple[int, int]]) -> list | None:
+        """For the Caffe reader: each ``(address, size)`` span's encoded ``caffe.Datum`` as a tuple
+        (its image in a blob of the pool, its label or None), or None where protobuf must parse it;
+        the memory valid until this returns. None where the helper does not build."""
+        if not self.available:
+            return None
+        n = len(spans)
+        addresses = np.fromiter((address for address, _ in spans), dtype=np.uint64, count=n)
+        sizes = np.fromiter((size for _, size in spans), dtype=np.int64, count=n)
+        return self._lib.hr_datums(self._handle, n, addresses.ctypes.data, sizes.ctypes.data)
+
     def stats(self) -> dict[str, int]:
         """Blobs followed and in stock, the stock's bytes, the followed blobs' peak bytes, reuses
         and new blobs (for tests and benchmarks)."""
@@ -91,7 +102,8 @@ class SamplePool:
 
 
 _POOL_SOURCE = Path(__file__).parent / "_native" / "sample_pool.c"
-_EXAMPLE_SCAN = Path(__file__).parent / "_native" / "tf_example.h"  # included by it
+_POOL_HEADERS = tuple(Path(__file__).parent / "_native" / name  # included by it
+                      for name in ("protobuf_wire.h", "tf_example.h", "caffe_datum.h"))
 _pool_state: dict[str, ctypes.PyDLL | None] = {}
 _pool_lock = threading.Lock()
 
@@ -104,7 +116,7 @@ def _pool_lib() -> ctypes.PyDLL | None:
             include = sysconfig.get_paths().get("include")
             if include and os.path.exists(os.path.join(include, "Python.h")):
                 # The ABI tag goes into the flags, so each interpreter gets a build of its own.
-                target, _ = native.build("sample_pool", _POOL_SOURCE, inputs=(_EXAMPLE_SCAN,), flags=(
+                target, _ = native.build("sample_pool", _POOL_SOURCE, inputs=_POOL_HEADERS, flags=(
                     f"-I{include}", f"-DHR_PY_ABI={sysconfig.get_config_var('SOABI')}"))
                 if target is not None:
                     lib = ctypes.PyDLL(str(target))
@@ -118,5 +130,6 @@ def _pool_lib() -> ctypes.PyDLL | None:
                     lib.hr_tar_groups.restype = o
                     lib.hr_tf_examples.argtypes = [p, ctypes.c_int, p, p, p, p, ctypes.c_int, p, p]
                     lib.hr_tf_examples.restype = o
+                    lib.hr_datums.argtypes, lib.hr_datums.restype = [p, ctypes.c_int, p, p], o
             _pool_state["lib"] = lib
         return _pool_state["lib"]

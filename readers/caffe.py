@@ -6,7 +6,13 @@ each value one ``caffe.Datum`` protocol buffer, read without Caffe.
 encoded Datum's ``data`` is an image file (``convert_imageset --encoded``: the JPEG as it was); a raw
 one's is the pixels, ``channels x height x width`` uint8 in BGR order (or ``float_data``). The
 database is read by ``readers.lmdb``'s reader, so keys, shuffle, shard, resume and errors are its;
-only the values are parsed here, by protobuf, from the schema ``datum_class`` builds.
+only the values are parsed here. Where the sample pool's C helper builds, a plain encoded Datum's
+image and label are found in C and the image copied once, out of the database's map into the pool's
+recycled ``bytes`` (``CaffeReader._copy_out``): protobuf had copied it into fresh memory after the
+value's own copy out of the map, and those page faults were most of a value's cost. Every other value
+(a raw Datum, a field twice, one a Datum has not, bytes that do not parse), and every value without
+the helper, is parsed by protobuf from the schema ``datum_class`` builds, which decides its fields
+or its error. Both paths give the same samples (``tests/readers/test_caffe_scan.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from .lmdb import MAGIC, LmdbReader, decode_default, lmdb, lmdb_module
+from .lmdb import _DB_RECORD, MAGIC, LmdbReader, decode_default, lmdb, lmdb_module, view_spans
 
 __all__ = ["CaffeReader", "caffe", "datum_class", "decode_datum"]
 
@@ -26,6 +32,29 @@ class CaffeReader(LmdbReader):
     """An ``LmdbReader`` whose values are ``caffe.Datum`` messages (see ``caffe``). A class of its
     own so that its repr says so, and a loader's state from ``readers.lmdb`` over the same database
     (other fields, other samples) is refused on resume: the state names the reader's type."""
+
+    def _copy_out(self, views: list[memoryview]) -> list[bytes | dict[str, Any]]:
+        """A plain encoded Datum's fields found in its view, the image copied once into the pool
+        (``SamplePool.datums``, ``_native/caffe_datum.h``); every other value copied out whole, for
+        ``decode_datum`` (protobuf), which names what is wrong with it."""
+        datums = self._pool.datums(view_spans(views))
+        if datums is None:
+            return super()._copy_out(views)
+        out: list[bytes | dict[str, Any] | None] = []
+        rest = []
+        for j, (view, datum) in enumerate(zip(views, datums)):
+            if datum is None or len(view) == _DB_RECORD.size:  # for protobuf, or a sub-database's record
+                rest.append(j)
+                out.append(None)
+                continue
+            image, label = datum
+            fields = {_image_field(image): image}
+            if label is not None:
+                fields["cls"] = str(label).encode()
+            out.append(fields)
+        for j, value in zip(rest, super()._copy_out([views[j] for j in rest]) if rest else ()):
+            out[j] = value
+        return out  # type: ignore[return-value] - every None filled
 
     def __repr__(self) -> str:
         return f"CaffeReader({self.path!r}, samples={len(self)}, shuffle={self.shuffle}, rank={self.rank}/{self.world})"

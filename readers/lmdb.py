@@ -249,6 +249,11 @@ def _is_subdb(value: bytes | memoryview, last_page: int) -> bool:
             and branch + leaf + overflow <= last_page + 1)
 
 
+def view_spans(views: Sequence[memoryview]) -> list[tuple[int, int]]:
+    """Each view's (address, size), for the sample pool's copies."""
+    return [(np.frombuffer(view, dtype=np.uint8).ctypes.data, len(view)) for view in views]
+
+
 class LmdbReader(IndexedReader):
     """Reads LMDB values in chunks from I/O threads (one read transaction per chunk); one Sample per key.
 
@@ -331,13 +336,16 @@ class LmdbReader(IndexedReader):
             return self._failed(i, ReadError("key not found in the LMDB", key=self._text_key(i), source=self.path))
         return value
 
-    def _copy_out(self, views: list[memoryview]) -> list[bytes]:
-        """Each view's bytes in the pool's blobs, while the transaction that made them lasts."""
-        copies = self._pool.copy([(np.frombuffer(view, dtype=np.uint8).ctypes.data, len(view)) for view in views])
+    def _copy_out(self, views: list[memoryview]) -> list[bytes] | list[bytes | dict[str, Any]]:
+        """Each view's bytes in the pool's blobs, while the transaction that made them lasts (a
+        reader of a known format may give a sample's fields instead, found in the view)."""
+        copies = self._pool.copy(view_spans(views))
         return [bytes(view) for view in views] if copies is None else copies  # closed meanwhile
 
-    def _sample(self, i: int, value: bytes, last_page: int) -> Sample:
+    def _sample(self, i: int, value: bytes | dict[str, Any], last_page: int) -> Sample:
         raw, key = self.keys[i], self._text_key(i)
+        if isinstance(value, dict):  # the fields already (``_copy_out``)
+            return Sample(key, value, self.path, i)
         if _is_subdb(value, last_page):
             return self._failed(i, ReadError("key names a sub-database of the LMDB, not a value (the main "
                                              "database is read)", key=key, source=self.path))

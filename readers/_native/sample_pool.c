@@ -1,5 +1,5 @@
 /* The bytes objects that hold a shard reader's sample fields, recycled once nobody else holds them
- * (and the TFRecord reader's: hr_tf_examples, near the end).
+ * (and the TFRecord and Caffe readers': hr_tf_examples and hr_datums, near the end).
  *
  * Why: a shard's parser thread copies each member out of the mapped shard or the downloaded block
  * into a fresh bytes object (its own glibc arena), and the consumer frees it later on another
@@ -28,6 +28,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "caffe_datum.h"
 #include "tf_example.h"
 
 #ifdef Py_GIL_DISABLED
@@ -474,6 +475,65 @@ PyObject* hr_tf_examples(void* handle, int n, const int32_t* fds, const int64_t*
         }
         PyList_SET_ITEM(out, i, item);
         at_record += lengths[i];
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (int c = 0; c < n_copies; c++)
+        memcpy(copies[c].to, copies[c].from, (size_t)copies[c].size);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(found);
+    PyMem_Free(plain);
+    PyMem_Free(copies);
+    trim(pool);
+    return out;
+}
+
+/* The encoded caffe.Datum values of a chunk, `sizes[i]` bytes at address `values[i]` (views into an
+ * LMDB map, valid until this returns): a list with, for each, a tuple (its image in a blob of the
+ * pool, its label or None) where the Datum is plain (caffe_datum.h), else None (for protobuf, which
+ * names the error). The scans and the copies run with the GIL let go. NULL with MemoryError set. */
+PyObject* hr_datums(void* handle, int n, const uint64_t* values, const int64_t* sizes)
+{
+    Pool* pool = handle;
+    HrDatum* found = PyMem_Malloc(sizeof(HrDatum) * (size_t)(n > 0 ? n : 1));
+    char* plain = PyMem_Malloc((size_t)(n > 0 ? n : 1));
+    Copy* copies = PyMem_Malloc(sizeof(Copy) * (size_t)(n > 0 ? n : 1));
+    PyObject* out = PyList_New(n);
+    if (found == NULL || plain == NULL || copies == NULL || out == NULL) {
+        PyMem_Free(found);
+        PyMem_Free(plain);
+        PyMem_Free(copies);
+        Py_XDECREF(out);
+        return PyErr_NoMemory();
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (int i = 0; i < n; i++)
+        plain[i] = (char)hr_datum_scan((const uint8_t*)(uintptr_t)values[i], sizes[i], found + i);
+    Py_END_ALLOW_THREADS
+    reclaim(pool, BUDGET_A * (int64_t)n + 64);
+    int n_copies = 0;
+    for (int i = 0; i < n; i++) {
+        PyObject* item = Py_None;
+        Py_INCREF(item);
+        if (plain[i]) {
+            HrDatum d = found[i];
+            PyObject* image = blob_for(pool, d.data_length);
+            PyObject* label = image == NULL ? NULL : d.has_label ? PyLong_FromLong(d.label) : Py_NewRef(Py_None);
+            Py_DECREF(item);
+            item = label == NULL ? NULL : PyTuple_Pack(2, image, label);
+            Py_XDECREF(label);
+            if (item != NULL)
+                copies[n_copies++] = (Copy){PyBytes_AS_STRING(image), (const char*)(uintptr_t)values[i] + d.data_offset,
+                                            d.data_length};
+            Py_XDECREF(image);
+        }
+        if (item == NULL) { /* blobs made so far go back to the stock at the next reclaim */
+            Py_DECREF(out);
+            PyMem_Free(found);
+            PyMem_Free(plain);
+            PyMem_Free(copies);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, item);
     }
     Py_BEGIN_ALLOW_THREADS
     for (int c = 0; c < n_copies; c++)

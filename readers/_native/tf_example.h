@@ -22,6 +22,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "protobuf_wire.h"
+
 enum { HR_FEATURE_BYTES = 1, HR_FEATURE_INT64 = 3 };
 
 typedef struct {
@@ -29,78 +31,6 @@ typedef struct {
     int64_t a;    /* bytes: the value's offset in the record; int64: the value */
     int64_t b;    /* bytes: its length */
 } HrFeature;
-
-typedef struct {
-    const uint8_t* p;
-    const uint8_t* end;
-} HrCursor;
-
-/* A varint of at most 10 bytes into *v; 0 where it runs past the end or past 64 bits. */
-static int hr_varint(HrCursor* c, uint64_t* v)
-{
-    uint64_t value = 0;
-    for (int i = 0; i < 10; i++) {
-        if (c->p >= c->end)
-            return 0;
-        uint8_t byte = *c->p++;
-        if (i == 9 && byte > 1)
-            return 0;
-        value |= (uint64_t)(byte & 0x7F) << (7 * i);
-        if (!(byte & 0x80)) {
-            *v = value;
-            return 1;
-        }
-    }
-    return 0;
-}
-
-/* The next field's number and wire type; 0 at a bad tag (number 0, past 32 bits, or spelt in more
- * than 5 bytes, which protobuf refuses). */
-static int hr_tag(HrCursor* c, uint32_t* field, int* wire)
-{
-    uint64_t tag;
-    const uint8_t* start = c->p;
-    if (!hr_varint(c, &tag) || c->p - start > 5 || tag > 0xFFFFFFFFu || (tag >> 3) == 0)
-        return 0;
-    *field = (uint32_t)(tag >> 3);
-    *wire = (int)(tag & 7);
-    return 1;
-}
-
-/* A length-delimited field's bytes as a cursor of their own. */
-static int hr_len(HrCursor* c, HrCursor* inner)
-{
-    uint64_t n;
-    if (!hr_varint(c, &n) || n > (uint64_t)(c->end - c->p))
-        return 0;
-    inner->p = c->p;
-    inner->end = c->p + n;
-    c->p += n;
-    return 1;
-}
-
-/* Past a field of an unknown number; 0 for a group's wire types and anything out of bounds. */
-static int hr_skip(HrCursor* c, int wire)
-{
-    uint64_t ignored;
-    HrCursor inner;
-    switch (wire) {
-    case 0:
-        return hr_varint(c, &ignored);
-    case 1:
-    case 5: {
-        int64_t n = wire == 1 ? 8 : 4;
-        if (c->end - c->p < n)
-            return 0;
-        c->p += n;
-        return 1;
-    }
-    case 2:
-        return hr_len(c, &inner);
-    default:
-        return 0;
-    }
-}
 
 /* A BytesList, Int64List or FloatList (`list_kind` 1, 3, 2) checked whole: its value count, and the
  * first value (bytes: its span; int64: the value). */
