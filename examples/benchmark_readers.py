@@ -16,6 +16,13 @@ around ``--kib`` KiB) plus a ``.cls`` label: two members per sample. Rows:
 - ``tfrecord``: the same samples as TFRecord files of ``tf.train.Example`` records (one file per
   shard, ImageNet's feature names), in order: headrace's ``readers.tfrecord`` against the
   ``tfrecord`` package's reader (what a torch ``DataLoader`` over TFRecords uses), when installed;
+- ``lmdb``: the same samples' payloads as the values of one LMDB, in key order: headrace's
+  ``readers.lmdb`` against a loop of py-lmdb ``txn.get`` (what a torch ``Dataset`` over an LMDB
+  does in ``__getitem__``, here with nothing around it: each value freed before the next, so its
+  memory is reused at once), when py-lmdb is installed;
+- ``caffe``: the same as ``caffe.Datum`` values (``convert_imageset --encoded``'s layout):
+  ``readers.caffe`` against that loop with protobuf parsing each value (what Caffe's and
+  DALI's users write for a ``Dataset``), when py-lmdb and protobuf are installed;
 - ``parser``: the tar parsing alone in one thread, members grouped into samples: headrace's
   512-byte-header parser against ``tarfile`` in stream mode ("r|*") plus WebDataset's grouping,
   which is how the library (and a tarfile-based reader) parses.
@@ -33,6 +40,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import socket
 import sys
 import tarfile
@@ -58,8 +66,6 @@ def make_shards(root: Path, samples: int, kib: float, shards: int, seed: int = 0
     config = {"samples": samples, "kib": kib, "shards": shards, "seed": seed}
     if stamp.exists() and json.loads(stamp.read_text()) == config:
         return sorted(str(p) for p in out.glob("*.tar"))
-    import shutil
-
     shutil.rmtree(root, ignore_errors=True)
     rng = np.random.default_rng(seed)
     sizes = np.clip(rng.lognormal(np.log(kib * 1024), 0.5, samples), 256, None).astype(int)
@@ -96,6 +102,61 @@ def make_tfrecords(root: Path, shards: list[str]) -> list[str] | None:
         writer.close()
         os.replace(path + ".part", path)
     return paths
+
+
+def make_lmdbs(root: Path, shards: list[str]) -> tuple[str, str] | None:
+    """The shards' samples as an LMDB of raw payloads and one of ``caffe.Datum`` values (cached
+    beside them); None without py-lmdb or protobuf."""
+    try:
+        import lmdb
+        from headrace.readers.caffe import datum_class
+    except ImportError:
+        return None
+    raw, datums = root / "lmdb", root / "caffe"
+    if not (raw / "done").exists():
+        datum = datum_class()
+        for path in (raw, datums):
+            shutil.rmtree(path, ignore_errors=True)
+        size = sum(os.path.getsize(p) for p in shards)
+        envs = [lmdb.open(str(path), map_size=2 * size + (64 << 20)) for path in (raw, datums)]
+        txns = [env.begin(write=True) for env in envs]
+        i = 0
+        for shard in shards:
+            with open_shard(shard) as f:
+                for _, _, fields, _ in iter_groups(f, shard):
+                    key, image = f"{i:08d}".encode(), bytes(fields["jpg"])
+                    txns[0].put(key, image)
+                    txns[1].put(key, datum(data=image, label=int(fields["cls"]), encoded=True).SerializeToString())
+                    i += 1
+        for txn, env in zip(txns, envs):
+            txn.commit()
+            env.close()
+        (raw / "done").touch()
+    return str(raw), str(datums)
+
+
+def lmdb_loop(path: str, parse: bool) -> tuple[int, int]:
+    import lmdb
+
+    datum = None
+    if parse:
+        from headrace.readers.caffe import datum_class
+
+        datum = datum_class()
+    n = b = 0
+    env = lmdb.open(path, readonly=True, lock=False)
+    try:
+        with env.begin() as txn:
+            for _, value in txn.cursor():
+                if datum is not None:
+                    parsed = datum.FromString(value)
+                    b += len(parsed.data) + len(str(parsed.label))
+                else:
+                    b += len(value)
+                n += 1
+    finally:
+        env.close()
+    return n, b
 
 
 def warm(paths: list[str]) -> int:
@@ -221,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     records = make_tfrecords(root, paths)
     if records:
         warm(records)
+    lmdbs = make_lmdbs(root, paths)
+    if lmdbs:
+        warm([os.path.join(folder, "data.mdb") for folder in lmdbs])
     rows = [
         ("sequential", "webdataset library", lambda: library_read(paths, False)),
         ("sequential", "headrace", lambda: headrace_read(paths, False)),
@@ -230,6 +294,10 @@ def main(argv: list[str] | None = None) -> int:
         ("pipe:cat", "headrace", lambda: headrace_read(piped, False)),
         *([("tfrecord", "tfrecord package", lambda: package_tfrecord(records)),
            ("tfrecord", "headrace", lambda: drain(readers.tfrecord(records)))] if records else []),
+        *([("lmdb", "py-lmdb txn loop", lambda: lmdb_loop(lmdbs[0], parse=False)),
+           ("lmdb", "headrace", lambda: drain(readers.lmdb(lmdbs[0]))),
+           ("caffe", "py-lmdb + protobuf loop", lambda: lmdb_loop(lmdbs[1], parse=True)),
+           ("caffe", "headrace", lambda: drain(readers.caffe(lmdbs[1])))] if lmdbs else []),
         ("parser", "tarfile r|* + grouping", lambda: tarfile_parse(paths)),
         ("parser", "headrace _tar.iter_groups", lambda: headrace_parse(paths)),
     ]
