@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 from abc import abstractmethod
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +19,63 @@ from headrace._sample import Sample
 from ._base import IndexedReader
 from ._shards import expand_braces
 
-__all__ = ["CUT", "DAMAGED", "RecordFileReader", "check_index_end", "find_records", "index_lines", "resolve_files"]
+__all__ = ["CUT", "DAMAGED", "RecordFileReader", "ScratchGroups", "check_index_end", "find_records", "index_lines",
+           "resolve_files"]
 
 CUT = -1  # a record's length where it runs past the end of its file
 DAMAGED = -2  # a record's length where its header is damaged (its CRC is wrong): no length to trust
+SCRATCH_BYTES = 32 << 20  # the records an I/O thread reads at once, at most; a larger one goes alone
+
+
+class ScratchGroups:
+    """A chunk's records read together into a buffer each I/O thread keeps, so its pages stay
+    faulted in from chunk to chunk and only what a sample keeps is copied out (into a sample pool's
+    recycled ``bytes``): a read into a fresh ``bytes`` a record was fresh memory each time, and its
+    page faults most of a record's cost (docs/benchmarks.md, forty-first session)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def groups(self, rows: list[list[int]], fds: dict[int, int], paths: list[str]) -> Iterator[tuple[list[int], np.ndarray]]:
+        """Runs of the ``rows`` (file, offset, length) to read at once, as their indices and
+        (file descriptor, offset, length) columns, with this thread's buffer at least their length
+        long; each file opened into ``fds`` (the caller closes them). A record cut or damaged, one
+        larger than ``SCRATCH_BYTES``, and one whose file does not open are left out, for the
+        reader's own path, which names the error."""
+        group: list[int] = []
+        size = 0
+        for j, (file, _, length) in enumerate(rows):
+            if length < 0 or length > SCRATCH_BYTES or not _opened(file, fds, paths):
+                continue
+            if size + length > SCRATCH_BYTES:
+                yield group, self._table(rows, group, fds)
+                group, size = [], 0
+            group.append(j)
+            size += length
+        if group:
+            yield group, self._table(rows, group, fds)
+
+    def scratch(self, size: int) -> np.ndarray:
+        """This thread's buffer, at least ``size`` bytes."""
+        buffer = getattr(self._local, "scratch", None)
+        if buffer is None or len(buffer) < size:
+            buffer = self._local.scratch = np.empty(max(size, 1 << 20), dtype=np.uint8)
+        return buffer
+
+    @staticmethod
+    def _table(rows: list[list[int]], group: list[int], fds: dict[int, int]) -> np.ndarray:
+        table = np.array([rows[j] for j in group], dtype=np.int64).reshape(-1, 3)
+        table[:, 0] = [fds[file] for file in table[:, 0].tolist()]
+        return table
+
+
+def _opened(file: int, fds: dict[int, int], paths: list[str]) -> bool:
+    if file not in fds:
+        try:
+            fds[file] = os.open(paths[file], os.O_RDONLY)
+        except OSError:
+            return False
+    return True
 
 
 class RecordFileReader(IndexedReader):

@@ -7,7 +7,11 @@ written in parts (flag 1 the first, 2 the middle ones, 3 the last), the magic le
 them. An image record's data is MXNet's ``IRHeader`` (``u32 flag | f32 label | u64 id | u64 id2``),
 ``flag`` more float32 labels where ``flag > 0``, then the encoded image. Records are found once (from
 the ``.idx`` files, or by reading their headers and seeking over the data), then read by offset in
-the I/O threads, so shuffle, shard and exact resume are the files reader's.
+the I/O threads, so shuffle, shard and exact resume are the files reader's. Where the C helpers
+build, a chunk's records are read together into a buffer each I/O thread keeps and a one-part image
+record's image is copied once, into the sample pool's recycled ``bytes`` (a read into a fresh
+``bytes``, then two slices, had been three copies into fresh memory); every other record is read
+and parsed on its own, which names its errors.
 """
 
 from __future__ import annotations
@@ -22,8 +26,12 @@ from typing import Any
 import numpy as np
 
 from headrace._errors import ReadError
+from headrace._sample import Sample
 
-from ._record_files import CUT, RecordFileReader, check_index_end, find_records, index_lines, resolve_files
+from ._read_files import pread_records
+from ._record_files import (CUT, RecordFileReader, ScratchGroups, check_index_end, find_records, index_lines,
+                            resolve_files)
+from ._sample_pool import SamplePool
 from .lmdb import decode_default
 
 __all__ = ["RecordIOReader", "recordio"]
@@ -43,6 +51,75 @@ class RecordIOReader(RecordFileReader):
         # records: (file, offset of its first header, bytes to its last part's end)
         super().__init__(paths, records, shuffle=shuffle, seed=seed, chunk_size=chunk_size, io_threads=io_threads)
         self.label_offset = int(label_offset)  # checked by find_records; a NumPy one as Python's (state_dict)
+        self._reads = ScratchGroups()
+        self._pool: SamplePool | None = None  # made by the first read, kept for the next epochs
+
+    def _open_io(self) -> None:
+        if self._pool is None:  # the chunks the I/O threads fill and those the loader holds
+            self._pool = SamplePool(4 * (self.io_threads + 2) * self.chunk_size + 2048)
+
+    def _fetch(self, indices: Sequence[int]) -> list[Sample]:
+        """A chunk's records read together into this thread's buffer (``ScratchGroups``), each
+        one-part image record's image copied out once, into the sample pool's recycled ``bytes``;
+        every other record (in parts, damaged, cut), and all of them without the C helpers, read and
+        parsed one by one (``_record``), which names the errors."""
+        if self._pool is None or not self._pool.available:
+            return super()._fetch(indices)
+        rows = self.records[np.asarray(indices, dtype=np.int64)].tolist()
+        fds: dict[int, int] = {}  # shared with _record, which opens what it needs itself
+        try:
+            taken: list[tuple[bytes, dict[str, Any]] | None] = [None] * len(rows)
+            for group, table in self._reads.groups(rows, fds, self.paths):
+                scratch = self._reads.scratch(int(table[:, 2].sum()))
+                got = pread_records(table, scratch)
+                if got is None:
+                    break
+                spans, placed, at, base = [], [], 0, scratch.ctypes.data
+                for j, length, read in zip(group, table[:, 2].tolist(), got.tolist()):
+                    found = self._one_part_image(scratch, at, read) if read > 0 else None
+                    if found is not None:
+                        start, size, labels = found
+                        spans.append((base + start, size))
+                        placed.append((j, labels))
+                    at += length
+                blobs = self._pool.copy(spans)
+                for (j, labels), blob in zip(placed, blobs or ()):
+                    taken[j] = (blob, labels)
+            out = []
+            for i, (file, offset, length), image in zip(indices, rows, taken):
+                try:
+                    if image is None:
+                        raise LookupError
+                    fields = dict(decode_default(b"", image[0]))
+                except Exception:  # not taken, or a value decode_default refuses: the plain path says why
+                    out.append(self._record(i, file, offset, length, fds))
+                    continue
+                fields.update(image[1])
+                out.append(Sample(self._key(i, file), fields, self.paths[file], i))
+            return out
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def _one_part_image(self, buffer: np.ndarray, at: int, size: int) -> tuple[int, int, dict[str, Any]] | None:
+        """Where the image lies in the record at ``buffer[at:at + size]``, and its label fields,
+        for a one-part image record whose header holds; None for anything else."""
+        if size < _HEAD.size + _IMAGE_HEADER.size:
+            return None
+        magic, word = _HEAD.unpack_from(buffer, at)
+        flag, length = word >> 29, word & _LENGTH_BITS
+        start, end = at + _HEAD.size, at + _HEAD.size + length
+        if magic != MAGIC or flag != 0 or length < _IMAGE_HEADER.size or end > at + size:
+            return None
+        count, label, _, _ = _IMAGE_HEADER.unpack_from(buffer, start)
+        image = start + _IMAGE_HEADER.size + 4 * count
+        if image > end:
+            return None
+        if count:
+            return image, end - image, {"labels": np.frombuffer(buffer, "<f4", count, start + _IMAGE_HEADER.size).copy()}
+        if not math.isfinite(label) or label != int(label):
+            return None
+        return image, end - image, {"cls": str(int(label) + self.label_offset).encode()}
 
     def _parse(self, data: bytes, key: str, path: str) -> dict[str, Any]:
         return self._fields(_join_parts(data))

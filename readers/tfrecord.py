@@ -30,7 +30,8 @@ import numpy as np
 from headrace._errors import ConfigError, ReadError
 from headrace._sample import Sample
 
-from ._record_files import CUT, DAMAGED, RecordFileReader, check_index_end, find_records, index_lines, resolve_files
+from ._record_files import (CUT, DAMAGED, RecordFileReader, ScratchGroups, check_index_end, find_records, index_lines,
+                            resolve_files)
 from ._sample_pool import SamplePool
 
 __all__ = ["TFRecordReader", "example_class", "parse_example", "tfrecord"]
@@ -112,8 +113,6 @@ class TFRecordReader(RecordFileReader):
 
 # -- the features found in C ---------------------------------------------------------------------
 
-_SCRATCH_BYTES = 32 << 20  # the records an I/O thread reads at once, at most; a larger one goes alone
-
 
 class _ExampleScan:
     """Reads a chunk's records into a buffer each I/O thread keeps (its pages stay faulted in), finds
@@ -129,7 +128,7 @@ class _ExampleScan:
         self._track = track
         self._pool: SamplePool | None = None
         self._lock = threading.Lock()
-        self._local = threading.local()
+        self._reads = ScratchGroups()
 
     def examples(self) -> Callable[..., list | None] | None:
         """The pool's ``hr_tf_examples``, the pool made on first use; None without the helper."""
@@ -142,42 +141,16 @@ class _ExampleScan:
              paths: list[str]) -> list[tuple | None]:
         """Each row's (file, offset, length) values, or None where protobuf must say."""
         found: list[tuple | None] = [None] * len(rows)
-        group: list[int] = []
-        size = 0
-        for j, (file, _, length) in enumerate(rows):
-            if length < 0 or length > _SCRATCH_BYTES or not self._open(file, fds, paths):
-                continue  # cut or damaged, too large, or a file that does not open: _record says
-            if size + length > _SCRATCH_BYTES:
-                self._read_group(examples, rows, group, size, fds, found)
-                group, size = [], 0
-            group.append(j)
-            size += length
-        if group:
-            self._read_group(examples, rows, group, size, fds, found)
+        for group, table in self._reads.groups(rows, fds, paths):
+            scratch = self._reads.scratch(int(table[:, 2].sum()))
+            files = table[:, 0].astype(np.int32)
+            offsets, lengths = np.ascontiguousarray(table[:, 1]), np.ascontiguousarray(table[:, 2])
+            values = examples(len(group), files.ctypes.data, offsets.ctypes.data, lengths.ctypes.data,
+                              scratch.ctypes.data, len(self._names), ctypes.addressof(self._names),
+                              self._name_lengths.ctypes.data)
+            for j, value in zip(group, values):
+                found[j] = value
         return found
-
-    @staticmethod
-    def _open(file: int, fds: dict[int, int], paths: list[str]) -> bool:
-        if file not in fds:
-            try:
-                fds[file] = os.open(paths[file], os.O_RDONLY)
-            except OSError:
-                return False
-        return True
-
-    def _read_group(self, examples: Callable[..., list | None], rows: list[list[int]], group: list[int], size: int,
-                    fds: dict[int, int], found: list[tuple | None]) -> None:
-        scratch = getattr(self._local, "scratch", None)
-        if scratch is None or len(scratch) < size:
-            scratch = self._local.scratch = np.empty(max(size, 1 << 20), dtype=np.uint8)
-        table = np.array([rows[j] for j in group], dtype=np.int64).reshape(-1, 3)
-        files = np.array([fds[file] for file in table[:, 0].tolist()], dtype=np.int32)
-        offsets, lengths = np.ascontiguousarray(table[:, 1]), np.ascontiguousarray(table[:, 2])
-        values = examples(len(group), files.ctypes.data, offsets.ctypes.data, lengths.ctypes.data,
-                          scratch.ctypes.data, len(self._names), ctypes.addressof(self._names),
-                          self._name_lengths.ctypes.data)
-        for j, value in zip(group, values):
-            found[j] = value
 
 
 # -- the protocol buffer -------------------------------------------------------------------------

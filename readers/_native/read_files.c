@@ -25,6 +25,33 @@
 #include <sys/types.h>
 #include <unistd.h>
 
+/* Records at known offsets of open files, read one after another into `scratch` (at least the
+ * lengths' sum): record i's bytes read in `got[i]` (short at the file's end), -errno where a read
+ * failed. For the record readers, which keep the scratch from chunk to chunk (its pages stay
+ * faulted in) and copy out only what a sample keeps. */
+void hr_pread_records(int n, const int* fds, const int64_t* offsets, const int64_t* lengths, uint8_t* scratch,
+                      int64_t* got)
+{
+    int64_t at = 0;
+    for (int i = 0; i < n; i++) {
+        int64_t done = 0;
+        while (done < lengths[i]) {
+            ssize_t r = pread(fds[i], scratch + at + done, (size_t)(lengths[i] - done), (off_t)(offsets[i] + done));
+            if (r < 0 && errno == EINTR)
+                continue;
+            if (r < 0) {
+                done = -errno;
+                break;
+            }
+            if (r == 0)
+                break;
+            done += r;
+        }
+        got[i] = done;
+        at += lengths[i];
+    }
+}
+
 /* Out of descriptors: worth trying again once this process has closed some of its own. */
 static int out_of_descriptors(int err)
 {

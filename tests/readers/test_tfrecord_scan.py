@@ -207,8 +207,7 @@ async def test_a_feature_map_of_one_name_and_every_feature_kept(tmp_path):
 async def test_large_records_and_chunks_past_the_scratch_bound_read_whole(tmp_path, monkeypatch):
     # A chunk whose records add up to more than an I/O thread reads at once goes in several groups;
     # a record larger than that alone goes through protobuf.
-    module = importlib.import_module("headrace.readers.tfrecord")  # the attribute is the function
-    monkeypatch.setattr(module, "_SCRATCH_BYTES", 5000)
+    monkeypatch.setattr(importlib.import_module("headrace.readers._record_files"), "SCRATCH_BYTES", 5000)
     rng = np.random.default_rng(5)
     images = [rng.bytes(int(n)) for n in rng.integers(500, 7000, 60)]
     records = [field(1, field(1, field(1, b"image/encoded") + field(2, field(1, field(1, image))))
