@@ -17,6 +17,8 @@ from headrace._errors import ConfigError, ReadError, require_int
 from headrace._sample import Sample
 
 from ._base import IndexedReader
+from ._read_files import pread_records
+from ._sample_pool import SamplePool, reader_pool
 from ._shards import expand_braces
 
 __all__ = ["CUT", "DAMAGED", "RecordFileReader", "ScratchGroups", "check_index_end", "find_records", "index_lines",
@@ -28,45 +30,50 @@ SCRATCH_BYTES = 32 << 20  # the records an I/O thread reads at once, at most; a 
 
 
 class ScratchGroups:
-    """A chunk's records read together into a buffer each I/O thread keeps, so its pages stay
-    faulted in from chunk to chunk and only what a sample keeps is copied out (into a sample pool's
-    recycled ``bytes``): a read into a fresh ``bytes`` a record was fresh memory each time, and its
-    page faults most of a record's cost (docs/benchmarks.md, forty-first session)."""
+    """A chunk's records read together into a buffer each I/O thread keeps (``hr_pread_records``, one
+    GIL-free call a group), so its pages stay faulted in from chunk to chunk and a reader copies out
+    only what a sample keeps, into its sample pool's recycled ``bytes``: a read into a fresh ``bytes``
+    a record was fresh memory each time, and its page faults most of a record's cost
+    (docs/benchmarks.md, forty-first session)."""
 
     def __init__(self) -> None:
         self._local = threading.local()
 
-    def groups(self, rows: list[list[int]], fds: dict[int, int], paths: list[str]) -> Iterator[tuple[list[int], np.ndarray]]:
-        """Runs of the ``rows`` (file, offset, length) to read at once, as their indices and
-        (file descriptor, offset, length) columns, with this thread's buffer at least their length
-        long; each file opened into ``fds`` (the caller closes them). A record cut or damaged, one
-        larger than ``SCRATCH_BYTES``, and one whose file does not open are left out, for the
-        reader's own path, which names the error."""
+    def read(self, rows: list[list[int]], fds: dict[int, int],
+             paths: list[str]) -> Iterator[tuple[list[int], np.ndarray, list[int], list[int]]]:
+        """The ``rows`` (file, offset, length) read in runs of at most ``SCRATCH_BYTES``: for each
+        run, the indices of the rows read whole, the buffer, and where each starts in it and its
+        length. Each file is opened into ``fds`` (the caller closes them). A record cut or damaged,
+        larger than ``SCRATCH_BYTES``, in a file that does not open or read short is left out (and
+        every record without the C helper), for the reader's own path, which names the error."""
         group: list[int] = []
         size = 0
         for j, (file, _, length) in enumerate(rows):
             if length < 0 or length > SCRATCH_BYTES or not _opened(file, fds, paths):
                 continue
             if size + length > SCRATCH_BYTES:
-                yield group, self._table(rows, group, fds)
+                yield self._read_group(rows, group, size, fds)
                 group, size = [], 0
             group.append(j)
             size += length
         if group:
-            yield group, self._table(rows, group, fds)
+            yield self._read_group(rows, group, size, fds)
 
-    def scratch(self, size: int) -> np.ndarray:
-        """This thread's buffer, at least ``size`` bytes."""
+    def _read_group(self, rows: list[list[int]], group: list[int], size: int,
+                    fds: dict[int, int]) -> tuple[list[int], np.ndarray, list[int], list[int]]:
         buffer = getattr(self._local, "scratch", None)
         if buffer is None or len(buffer) < size:
             buffer = self._local.scratch = np.empty(max(size, 1 << 20), dtype=np.uint8)
-        return buffer
-
-    @staticmethod
-    def _table(rows: list[list[int]], group: list[int], fds: dict[int, int]) -> np.ndarray:
         table = np.array([rows[j] for j in group], dtype=np.int64).reshape(-1, 3)
         table[:, 0] = [fds[file] for file in table[:, 0].tolist()]
-        return table
+        got = pread_records(table, buffer)
+        if got is None:
+            return [], buffer, [], []
+        lengths = table[:, 2]
+        starts = (np.cumsum(lengths) - lengths).tolist()
+        whole = [k for k, (n, length) in enumerate(zip(got.tolist(), lengths.tolist())) if n == length]
+        return ([group[k] for k in whole], buffer, [starts[k] for k in whole],
+                [int(lengths[k]) for k in whole])
 
 
 def _opened(file: int, fds: dict[int, int], paths: list[str]) -> bool:
@@ -92,20 +99,41 @@ class RecordFileReader(IndexedReader):
         self.records = records
         self._stems = [Path(p).stem for p in self.paths]
         self._first = np.concatenate([[0], np.cumsum(np.bincount(records[:, 0], minlength=len(paths)))])
+        self._reads = ScratchGroups()
+        self._pool: SamplePool | None = None  # made by the first read, kept for the next epochs
 
     @abstractmethod
     def _parse(self, data: bytes, key: str, path: str) -> dict[str, Any]: ...
+
+    def _take(self, buffer: np.ndarray, starts: list[int], lengths: list[int]) -> list[dict[str, Any] | None]:
+        """The fields of records read together (``buffer[start:start + length]``), their values
+        copied into ``self._pool``, or None for a record to read and parse on its own
+        (``_record``, which names what is wrong with it). By default every record goes so."""
+        return [None] * len(starts)
+
+    def _open_io(self) -> None:
+        if self._pool is None:
+            self._pool = reader_pool(self.io_threads, self.chunk_size)
 
     def _dataset_size(self) -> int:
         return len(self.records)
 
     def _fetch(self, indices: Sequence[int]) -> list[Sample]:
+        """The chunk's records read together where the sample pool's helper builds, each taken by
+        ``_take`` or else read and parsed on its own."""
         # The chunk's files opened for it alone: no descriptor is shared between reads (epochs
         # overlap when the loader runs ahead) or kept past the chunk.
         fds: dict[int, int] = {}
         rows = self.records[np.asarray(indices, dtype=np.int64)].tolist()  # the chunk's rows as ints, at once
         try:
-            return [self._record(i, *row, fds) for i, row in zip(indices, rows)]
+            taken: list[dict[str, Any] | None] = [None] * len(rows)
+            if self._pool is not None and self._pool.available:
+                for group, buffer, starts, lengths in self._reads.read(rows, fds, self.paths):
+                    for j, fields in zip(group, self._take(buffer, starts, lengths)):
+                        taken[j] = fields
+            return [self._record(i, file, offset, length, fds) if fields is None
+                    else Sample(self._key(i, file), fields, self.paths[file], i)
+                    for i, (file, offset, length), fields in zip(indices, rows, taken)]
         finally:
             for fd in fds.values():
                 os.close(fd)

@@ -16,7 +16,12 @@ from pathlib import Path
 import numpy as np
 from headrace import _native as native
 
-__all__ = ["SamplePool"]
+__all__ = ["SamplePool", "reader_pool"]
+
+
+def reader_pool(io_threads: int, chunk_size: int) -> SamplePool:
+    """An indexed reader's pool: it follows the chunks its I/O threads fill and those the loader holds."""
+    return SamplePool(4 * (io_threads + 2) * chunk_size + 2048)
 
 
 class SamplePool:
@@ -54,37 +59,34 @@ class SamplePool:
         """``hr_tar_groups`` bound to this pool, for ``_tar.iter_groups``: a scanned window's
         members grouped into samples and copied into the pool's blobs in one call; None where
         the helper does not build."""
-        if self._handle is None or not self._close or not self._close.alive:
+        if not self.available:
             return None
         return functools.partial(self._lib.hr_tar_groups, self._handle)
 
     def copy(self, spans: Sequence[tuple[int, int]]) -> list[bytes] | None:
         """A ``bytes`` of each ``(address, size)`` span, the memory valid until this returns."""
-        if self._handle is None or not self._close or not self._close.alive:
-            return None
-        n = len(spans)
-        sources = np.fromiter((address for address, _ in spans), dtype=np.uint64, count=n)
-        sizes = np.fromiter((size for _, size in spans), dtype=np.int64, count=n)
-        return self._lib.hr_pool_copy(self._handle, n, sources.ctypes.data, sizes.ctypes.data)
+        return self._call(self._lib.hr_pool_copy, spans) if self.available else None
 
-    def examples(self) -> Callable[..., list | None] | None:
-        """``hr_tf_examples`` bound to this pool, for the TFRecord reader: a chunk's records read,
-        their wanted features found and copied into the pool's blobs; None where the helper does
-        not build."""
-        if self._handle is None or not self._close or not self._close.alive:
+    def examples(self, spans: Sequence[tuple[int, int]], names: ctypes.Array, name_lengths: np.ndarray) -> list | None:
+        """For the TFRecord reader: each ``(address, size)`` span's ``tf.train.Example`` as a tuple of
+        the wanted features' values (``names``, C strings of ``name_lengths`` bytes; a bytes value in
+        a blob of the pool, an int64 as an int), or None where protobuf must parse it; the memory
+        valid until this returns. None where the helper does not build."""
+        if not self.available:
             return None
-        return functools.partial(self._lib.hr_tf_examples, self._handle)
+        return self._call(self._lib.hr_tf_examples, spans, len(names), ctypes.addressof(names), name_lengths.ctypes.data)
 
     def datums(self, spans: Sequence[tuple[int, int]]) -> list | None:
         """For the Caffe reader: each ``(address, size)`` span's encoded ``caffe.Datum`` as a tuple
         (its image in a blob of the pool, its label or None), or None where protobuf must parse it;
         the memory valid until this returns. None where the helper does not build."""
-        if not self.available:
-            return None
+        return self._call(self._lib.hr_datums, spans) if self.available else None
+
+    def _call(self, function: Callable[..., list], spans: Sequence[tuple[int, int]], *more: int) -> list:
         n = len(spans)
         addresses = np.fromiter((address for address, _ in spans), dtype=np.uint64, count=n)
         sizes = np.fromiter((size for _, size in spans), dtype=np.int64, count=n)
-        return self._lib.hr_datums(self._handle, n, addresses.ctypes.data, sizes.ctypes.data)
+        return function(self._handle, n, addresses.ctypes.data, sizes.ctypes.data, *more)
 
     def stats(self) -> dict[str, int]:
         """Blobs followed and in stock, the stock's bytes, the followed blobs' peak bytes, reuses
@@ -128,7 +130,7 @@ def _pool_lib() -> ctypes.PyDLL | None:
                     i64, o = ctypes.c_int64, ctypes.py_object
                     lib.hr_tar_groups.argtypes = [p, p, p, ctypes.c_int, i64, o, i64, o, o]
                     lib.hr_tar_groups.restype = o
-                    lib.hr_tf_examples.argtypes = [p, ctypes.c_int, p, p, p, p, ctypes.c_int, p, p]
+                    lib.hr_tf_examples.argtypes = [p, ctypes.c_int, p, p, ctypes.c_int, p, p]
                     lib.hr_tf_examples.restype = o
                     lib.hr_datums.argtypes, lib.hr_datums.restype = [p, ctypes.c_int, p, p], o
             _pool_state["lib"] = lib

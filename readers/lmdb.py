@@ -26,7 +26,7 @@ from headrace._errors import ConfigError, ReadError
 from headrace._sample import Sample
 
 from ._base import Equal, IndexedReader
-from ._sample_pool import SamplePool
+from ._sample_pool import SamplePool, reader_pool
 
 __all__ = ["LmdbReader", "decode_default", "decode_record", "encode_record", "lmdb"]
 
@@ -295,8 +295,8 @@ class LmdbReader(IndexedReader):
         with self._users_lock:
             if self._users == 0:
                 self._env = _ENVS.acquire(self.path)
-            if self._pool is None:  # the chunks the I/O threads fill and those the loader holds
-                self._pool = SamplePool(4 * (self.io_threads + 2) * self.chunk_size + 2048)
+            if self._pool is None:
+                self._pool = reader_pool(self.io_threads, self.chunk_size)
             self._users += 1
 
     def _close_io(self) -> None:

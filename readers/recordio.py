@@ -26,12 +26,8 @@ from typing import Any
 import numpy as np
 
 from headrace._errors import ReadError
-from headrace._sample import Sample
 
-from ._read_files import pread_records
-from ._record_files import (CUT, RecordFileReader, ScratchGroups, check_index_end, find_records, index_lines,
-                            resolve_files)
-from ._sample_pool import SamplePool
+from ._record_files import CUT, RecordFileReader, check_index_end, find_records, index_lines, resolve_files
 from .lmdb import decode_default
 
 __all__ = ["RecordIOReader", "recordio"]
@@ -51,55 +47,23 @@ class RecordIOReader(RecordFileReader):
         # records: (file, offset of its first header, bytes to its last part's end)
         super().__init__(paths, records, shuffle=shuffle, seed=seed, chunk_size=chunk_size, io_threads=io_threads)
         self.label_offset = int(label_offset)  # checked by find_records; a NumPy one as Python's (state_dict)
-        self._reads = ScratchGroups()
-        self._pool: SamplePool | None = None  # made by the first read, kept for the next epochs
 
-    def _open_io(self) -> None:
-        if self._pool is None:  # the chunks the I/O threads fill and those the loader holds
-            self._pool = SamplePool(4 * (self.io_threads + 2) * self.chunk_size + 2048)
-
-    def _fetch(self, indices: Sequence[int]) -> list[Sample]:
-        """A chunk's records read together into this thread's buffer (``ScratchGroups``), each
-        one-part image record's image copied out once, into the sample pool's recycled ``bytes``;
-        every other record (in parts, damaged, cut), and all of them without the C helpers, read and
-        parsed one by one (``_record``), which names the errors."""
-        if self._pool is None or not self._pool.available:
-            return super()._fetch(indices)
-        rows = self.records[np.asarray(indices, dtype=np.int64)].tolist()
-        fds: dict[int, int] = {}  # shared with _record, which opens what it needs itself
-        try:
-            taken: list[tuple[bytes, dict[str, Any]] | None] = [None] * len(rows)
-            for group, table in self._reads.groups(rows, fds, self.paths):
-                scratch = self._reads.scratch(int(table[:, 2].sum()))
-                got = pread_records(table, scratch)
-                if got is None:
-                    break
-                spans, placed, at, base = [], [], 0, scratch.ctypes.data
-                for j, length, read in zip(group, table[:, 2].tolist(), got.tolist()):
-                    found = self._one_part_image(scratch, at, read) if read > 0 else None
-                    if found is not None:
-                        start, size, labels = found
-                        spans.append((base + start, size))
-                        placed.append((j, labels))
-                    at += length
-                blobs = self._pool.copy(spans)
-                for (j, labels), blob in zip(placed, blobs or ()):
-                    taken[j] = (blob, labels)
-            out = []
-            for i, (file, offset, length), image in zip(indices, rows, taken):
-                try:
-                    if image is None:
-                        raise LookupError
-                    fields = dict(decode_default(b"", image[0]))
-                except Exception:  # not taken, or a value decode_default refuses: the plain path says why
-                    out.append(self._record(i, file, offset, length, fds))
-                    continue
-                fields.update(image[1])
-                out.append(Sample(self._key(i, file), fields, self.paths[file], i))
-            return out
-        finally:
-            for fd in fds.values():
-                os.close(fd)
+    def _take(self, buffer: np.ndarray, starts: list[int], lengths: list[int]) -> list[dict[str, Any] | None]:
+        """One-part image records' fields, each image copied once into the pool; every other record
+        (in parts, damaged, a label that is not whole, an image ``decode_default`` refuses) to
+        ``_record``, which names what is wrong with it."""
+        base = buffer.ctypes.data
+        found = [self._one_part_image(buffer, start, n) for start, n in zip(starts, lengths)]
+        plain = [f for f in found if f is not None]
+        images = iter(self._pool.copy([(base + start, size) for start, size, _ in plain]) or ())
+        taken: list[dict[str, Any] | None] = []
+        for f in found:
+            image = None if f is None else next(images, None)
+            try:
+                taken.append(None if image is None else {**decode_default(b"", image), **f[2]})
+            except Exception:
+                taken.append(None)
+        return taken
 
     def _one_part_image(self, buffer: np.ndarray, at: int, size: int) -> tuple[int, int, dict[str, Any]] | None:
         """Where the image lies in the record at ``buffer[at:at + size]``, and its label fields,

@@ -9,7 +9,7 @@ I/O threads, so shuffle, shard and exact resume are the files reader's.
 
 Where the sample pool's C helper builds, a chunk's records are read into a buffer each I/O thread
 keeps, and the wanted features of each are found in C and copied into the pool's recycled ``bytes``
-(``_ExampleScan``): protobuf had copied each image into fresh memory after the read had, and those
+(``TFRecordReader._take``): protobuf had copied each image into fresh memory after the read had, and those
 page faults were most of a record's cost. A record whose wanted features are not one bytes or int64
 value each, or that does not scan cleanly, is parsed by protobuf (its C parser, from the schema
 ``example_class`` builds), which decides its value or its error; so is every record without the
@@ -21,18 +21,14 @@ from __future__ import annotations
 import ctypes
 import os
 import struct
-import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from headrace._errors import ConfigError, ReadError
-from headrace._sample import Sample
 
-from ._record_files import (CUT, DAMAGED, RecordFileReader, ScratchGroups, check_index_end, find_records, index_lines,
-                            resolve_files)
-from ._sample_pool import SamplePool
+from ._record_files import CUT, DAMAGED, RecordFileReader, check_index_end, find_records, index_lines, resolve_files
 
 __all__ = ["TFRecordReader", "example_class", "parse_example", "tfrecord"]
 
@@ -50,9 +46,8 @@ class TFRecordReader(RecordFileReader):
         super().__init__(paths, records, shuffle=shuffle, seed=seed, chunk_size=chunk_size, io_threads=io_threads)
         self.features = None if features is None else dict(features)
         self.label_offset = int(label_offset)  # checked by find_records; a NumPy one as Python's (state_dict)
-        # Samples the pool follows: the chunks the I/O threads fill and those the loader holds.
-        track = 4 * (io_threads + 2) * chunk_size + 2048
-        self._scan = None if self.features is None else _ExampleScan(list(self.features), track)
+        # The wanted names as the C scan takes them (C strings, their lengths); every feature kept is protobuf's.
+        self._names = None if self.features is None else _c_names(list(self.features))
 
     def _parse(self, data: bytes, key: str, path: str) -> dict[str, Any]:
         return self._fields(_feature_map(data), key, path)
@@ -80,82 +75,36 @@ class TFRecordReader(RecordFileReader):
             raise ReadError(f"feature {name!r} is not an int64 label", key=key, source=path)
         return str(int(first) + self.label_offset).encode()
 
-    def _fetch(self, indices: Sequence[int]) -> list[Sample]:
-        """The chunk's records whose features ``_ExampleScan`` finds plainly, in one pass of C; the
-        rest (and every record where the helper does not build) through protobuf, one by one."""
-        examples = None if self._scan is None else self._scan.examples()
-        if examples is None:
-            return super()._fetch(indices)
-        rows = self.records[np.asarray(indices, dtype=np.int64)].tolist()
-        fds: dict[int, int] = {}  # shared with _record, which opens what it needs itself
+    def _take(self, buffer: np.ndarray, starts: list[int], lengths: list[int]) -> list[dict[str, Any] | None]:
+        """The wanted features of records whose features are each one bytes or int64 value, found
+        in C (``_native/tf_example.h``) and copied into the pool; the rest to protobuf."""
+        found = None
+        if self._names is not None:
+            base = buffer.ctypes.data
+            found = self._pool.examples([(base + start, n) for start, n in zip(starts, lengths)], *self._names)
+        if found is None:
+            return [None] * len(starts)
+        return [None if values is None else self._plain_fields(values) for values in found]
+
+    def _plain_fields(self, values: tuple) -> dict[str, Any] | None:
         try:
-            found = self._scan.read(examples, rows, fds, self.paths)
-            out = []
-            for i, (file, offset, length), values in zip(indices, rows, found):
-                if values is None:
-                    out.append(self._record(i, file, offset, length, fds))
-                    continue
-                path, key = self.paths[file], self._key(i, file)
-                try:
-                    fields = {field: self._field_value(name, field, value, key, path)
-                              for (name, field), value in zip(self.features.items(), values)}
-                    out.append(Sample(key, fields, path, i))
-                except ReadError as exc:
-                    out.append(Sample(key, {}, path, i, error=exc))
-            return out
-        finally:
-            for fd in fds.values():
-                os.close(fd)
+            return {field: self._field_value(name, field, value, "", "")
+                    for (name, field), value in zip(self.features.items(), values)}
+        except ReadError:  # a label that is not one: protobuf's path names the record
+            return None
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "features": self.features, "label_offset": self.label_offset}
 
 
-# -- the features found in C ---------------------------------------------------------------------
-
-
-class _ExampleScan:
-    """Reads a chunk's records into a buffer each I/O thread keeps (its pages stay faulted in), finds
-    the wanted features in C and copies their values into the blobs of a ``SamplePool``
-    (``_native/tf_example.h``, ``hr_tf_examples``). Protobuf copied each image into a fresh bytes,
-    after a read into another: on the 2-core VM most of a record's cost was those allocations' page
-    faults (docs/benchmarks.md). A record this cannot take plainly comes back as None."""
-
-    def __init__(self, names: list[str], track: int) -> None:
-        encoded = [name.encode() for name in names]
-        self._names = (ctypes.c_char_p * len(encoded))(*encoded)
-        self._name_lengths = np.array([len(name) for name in encoded], dtype=np.int64)
-        self._track = track
-        self._pool: SamplePool | None = None
-        self._lock = threading.Lock()
-        self._reads = ScratchGroups()
-
-    def examples(self) -> Callable[..., list | None] | None:
-        """The pool's ``hr_tf_examples``, the pool made on first use; None without the helper."""
-        with self._lock:
-            if self._pool is None:
-                self._pool = SamplePool(self._track)
-            return self._pool.examples()
-
-    def read(self, examples: Callable[..., list | None], rows: list[list[int]], fds: dict[int, int],
-             paths: list[str]) -> list[tuple | None]:
-        """Each row's (file, offset, length) values, or None where protobuf must say."""
-        found: list[tuple | None] = [None] * len(rows)
-        for group, table in self._reads.groups(rows, fds, paths):
-            scratch = self._reads.scratch(int(table[:, 2].sum()))
-            files = table[:, 0].astype(np.int32)
-            offsets, lengths = np.ascontiguousarray(table[:, 1]), np.ascontiguousarray(table[:, 2])
-            values = examples(len(group), files.ctypes.data, offsets.ctypes.data, lengths.ctypes.data,
-                              scratch.ctypes.data, len(self._names), ctypes.addressof(self._names),
-                              self._name_lengths.ctypes.data)
-            for j, value in zip(group, values):
-                found[j] = value
-        return found
-
-
 # -- the protocol buffer -------------------------------------------------------------------------
 
 _EXAMPLE: Any = None  # the Example message class, made on first use
+
+
+def _c_names(names: list[str]) -> tuple[ctypes.Array, np.ndarray]:
+    encoded = [name.encode() for name in names]
+    return (ctypes.c_char_p * len(encoded))(*encoded), np.array([len(name) for name in encoded], dtype=np.int64)
 
 
 def example_class() -> Any:

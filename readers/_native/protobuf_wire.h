@@ -79,4 +79,20 @@ static int hr_skip(HrCursor* c, int wire)
     }
 }
 
+/* On to the next field numbered `number`, fields of other numbers skipped: 1 with its wire type in
+ * *wire, 0 at the end, -1 where the bytes do not parse. */
+static int hr_next(HrCursor* c, uint32_t number, int* wire)
+{
+    while (c->p < c->end) {
+        uint32_t field;
+        if (!hr_tag(c, &field, wire))
+            return -1;
+        if (field == number)
+            return 1;
+        if (!hr_skip(c, *wire))
+            return -1;
+    }
+    return 0;
+}
+
 #endif

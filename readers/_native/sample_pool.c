@@ -23,10 +23,8 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <errno.h>
 #include <stdint.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "caffe_datum.h"
 #include "tf_example.h"
@@ -280,6 +278,16 @@ typedef struct {
     int64_t size;
 } Copy;
 
+/* The copies, with the GIL let go: they touch only blobs nobody else can reach yet and the
+ * caller's spans. */
+static void copy_all(const Copy* copies, int n)
+{
+    Py_BEGIN_ALLOW_THREADS
+    for (int i = 0; i < n; i++)
+        memcpy(copies[i].to, copies[i].from, (size_t)copies[i].size);
+    Py_END_ALLOW_THREADS
+}
+
 /* A member's data as its field's value: a pooled blob to be filled (its copy added to `copies`)
  * from `span_min` bytes on, a bytes object made at once below. NULL with an exception set. */
 static PyObject* member_value(Pool* pool, const char* data, int64_t size, int64_t span_min, Copy* copies, int* n_copies)
@@ -385,10 +393,7 @@ PyObject* hr_tar_groups(void* handle, const char* base, const int64_t* records, 
         if (stored < 0)
             goto fail;
     }
-    Py_BEGIN_ALLOW_THREADS
-    for (int i = 0; i < n_copies; i++)
-        memcpy(copies[i].to, copies[i].from, (size_t)copies[i].size);
-    Py_END_ALLOW_THREADS
+    copy_all(copies, n_copies);
     PyMem_Free(copies);
     trim(pool);
     return samples;
@@ -398,152 +403,127 @@ fail:
     return NULL;
 }
 
-/* A chunk of TFRecord records, each `lengths[i]` bytes of Example at `offsets[i]` of the file open
- * as `fds[i]`: a list with, for each record, a tuple of the `k` wanted features' values (a bytes in
- * a blob of the pool, or an int) where the record holds them in the plain form (tf_example.h), else
- * None (a read that failed or came short, or a record for protobuf: the caller reads it again on
- * its own path, which names the error). NULL with MemoryError set.
- *
- * The records are read into `scratch` (at least the lengths' sum; the caller's, so its pages stay
- * faulted in from chunk to chunk) and scanned with the GIL let go, the values copied out of it
- * with the GIL let go again: two hand-overs a chunk, where a pread and a parse a record were two
- * each, and no memory fresh from malloc. */
-PyObject* hr_tf_examples(void* handle, int n, const int32_t* fds, const int64_t* offsets, const int64_t* lengths,
-                         uint8_t* scratch, int k, const char* const* names, const int64_t* name_lengths)
+/* What a chunk's scan keeps: each record's findings, whether it is plain, the copies to make. */
+typedef struct {
+    void* found;
+    char* plain;
+    Copy* copies;
+    int n_copies;
+    PyObject* out;
+} Scan;
+
+/* Room for `n` records' findings of `found_size` bytes and up to `max_copies` copies, and the list
+ * of `n` to hand back; 0 with MemoryError set. */
+static int scan_begin(Scan* scan, int n, size_t found_size, int max_copies)
+{
+    scan->found = PyMem_Malloc(found_size * (size_t)(n > 0 ? n : 1));
+    scan->plain = PyMem_Malloc((size_t)(n > 0 ? n : 1));
+    scan->copies = PyMem_Malloc(sizeof(Copy) * (size_t)(max_copies > 0 ? max_copies : 1));
+    scan->n_copies = 0;
+    scan->out = PyList_New(n);
+    if (scan->found == NULL || scan->plain == NULL || scan->copies == NULL || scan->out == NULL) {
+        Py_CLEAR(scan->out);
+        return 0;
+    }
+    return 1;
+}
+
+/* The list, once every copy is made with the GIL let go (`failed`: NULL instead, the blobs made so
+ * far going back to the stock at the next reclaim); the scan's memory freed either way. */
+static PyObject* scan_end(Pool* pool, Scan* scan, int failed)
+{
+    if (failed) {
+        Py_CLEAR(scan->out);
+    } else {
+        copy_all(scan->copies, scan->n_copies);
+        trim(pool);
+    }
+    PyMem_Free(scan->found);
+    PyMem_Free(scan->plain);
+    PyMem_Free(scan->copies);
+    if (scan->out == NULL && !PyErr_Occurred())
+        PyErr_NoMemory();
+    return scan->out;
+}
+
+/* A bytes blob of the pool for `size` bytes at `from`, its copy added to the scan's. */
+static PyObject* scan_blob(Pool* pool, Scan* scan, const char* from, int64_t size)
+{
+    PyObject* blob = blob_for(pool, size);
+    if (blob != NULL && size > 0)
+        scan->copies[scan->n_copies++] = (Copy){PyBytes_AS_STRING(blob), from, size};
+    return blob;
+}
+
+/* A chunk of TFRecord records, `sizes[i]` bytes of Example at address `records[i]` (the caller's
+ * buffer, read into just before: `_record_files.ScratchGroups`): a list with, for each record, a
+ * tuple of the `k` wanted features' values (a bytes in a blob of the pool, or an int) where the
+ * record holds them in the plain form (tf_example.h), else None (for protobuf, which names the
+ * error). NULL with MemoryError set. The scan keeps the GIL (the records are in memory just read:
+ * scanning a chunk's headers costs less than handing the GIL over); the copies let it go. */
+PyObject* hr_tf_examples(void* handle, int n, const uint64_t* records, const int64_t* sizes, int k,
+                         const char* const* names, const int64_t* name_lengths)
 {
     Pool* pool = handle;
-    HrFeature* found = PyMem_Malloc(sizeof(HrFeature) * (size_t)(n > 0 && k > 0 ? n * k : 1));
-    char* plain = PyMem_Malloc((size_t)(n > 0 ? n : 1));
-    Copy* copies = PyMem_Malloc(sizeof(Copy) * (size_t)(n > 0 && k > 0 ? n * k : 1));
-    PyObject* out = PyList_New(n);
-    if (found == NULL || plain == NULL || copies == NULL || out == NULL) {
-        PyMem_Free(found);
-        PyMem_Free(plain);
-        PyMem_Free(copies);
-        Py_XDECREF(out);
-        return PyErr_NoMemory();
-    }
-    Py_BEGIN_ALLOW_THREADS
-    int64_t at = 0;
-    for (int i = 0; i < n; i++) {
-        uint8_t* record = scratch + at;
-        int64_t got = 0;
-        while (got < lengths[i]) {
-            ssize_t r = pread(fds[i], record + got, (size_t)(lengths[i] - got), (off_t)(offsets[i] + got));
-            if (r < 0 && errno == EINTR)
-                continue;
-            if (r <= 0)
-                break; /* an error or the file's end: the caller's own read says which */
-            got += r;
-        }
-        plain[i] = got == lengths[i] && hr_example_scan(record, lengths[i], k, names, name_lengths, found + i * k);
-        at += lengths[i];
-    }
-    Py_END_ALLOW_THREADS
+    Scan scan;
+    if (!scan_begin(&scan, n, sizeof(HrFeature) * (size_t)(k > 0 ? k : 1), n * k))
+        return scan_end(pool, &scan, 1);
+    HrFeature* found = scan.found;
     reclaim(pool, BUDGET_A * (int64_t)n * k + 64);
-    int n_copies = 0;
-    int64_t at_record = 0;
     for (int i = 0; i < n; i++) {
-        PyObject* item = Py_None;
-        Py_INCREF(item);
-        if (plain[i]) {
-            Py_DECREF(item);
-            item = PyTuple_New(k);
+        const char* record = (const char*)(uintptr_t)records[i];
+        PyObject* item = Py_NewRef(Py_None);
+        if (hr_example_scan((const uint8_t*)record, sizes[i], k, names, name_lengths, found + i * k)) {
+            Py_SETREF(item, PyTuple_New(k));
             for (int j = 0; item != NULL && j < k; j++) {
                 HrFeature f = found[i * k + j];
-                PyObject* value;
-                if (f.kind == HR_FEATURE_INT64) {
-                    value = PyLong_FromLongLong(f.a);
-                } else {
-                    value = blob_for(pool, f.b);
-                    if (value != NULL && f.b > 0)
-                        copies[n_copies++] = (Copy){PyBytes_AS_STRING(value), (const char*)scratch + at_record + f.a, f.b};
-                }
-                if (value == NULL) {
+                PyObject* value = f.kind == HR_FEATURE_INT64 ? PyLong_FromLongLong(f.a)
+                                                             : scan_blob(pool, &scan, record + f.a, f.b);
+                if (value == NULL)
                     Py_CLEAR(item);
-                    break;
-                }
-                PyTuple_SET_ITEM(item, j, value);
+                else
+                    PyTuple_SET_ITEM(item, j, value);
             }
         }
-        if (item == NULL) { /* blobs made so far go back to the stock at the next reclaim */
-            Py_DECREF(out);
-            PyMem_Free(found);
-            PyMem_Free(plain);
-            PyMem_Free(copies);
-            return NULL;
-        }
-        PyList_SET_ITEM(out, i, item);
-        at_record += lengths[i];
+        if (item == NULL)
+            return scan_end(pool, &scan, 1);
+        PyList_SET_ITEM(scan.out, i, item);
     }
-    Py_BEGIN_ALLOW_THREADS
-    for (int c = 0; c < n_copies; c++)
-        memcpy(copies[c].to, copies[c].from, (size_t)copies[c].size);
-    Py_END_ALLOW_THREADS
-    PyMem_Free(found);
-    PyMem_Free(plain);
-    PyMem_Free(copies);
-    trim(pool);
-    return out;
+    return scan_end(pool, &scan, 0);
 }
 
 /* The encoded caffe.Datum values of a chunk, `sizes[i]` bytes at address `values[i]` (views into an
  * LMDB map, valid until this returns): a list with, for each, a tuple (its image in a blob of the
  * pool, its label or None) where the Datum is plain (caffe_datum.h), else None (for protobuf, which
- * names the error). The scans and the copies run with the GIL let go. NULL with MemoryError set. */
+ * names the error). The scans (which may fault the map's pages in) and the copies run with the GIL
+ * let go. NULL with MemoryError set. */
 PyObject* hr_datums(void* handle, int n, const uint64_t* values, const int64_t* sizes)
 {
     Pool* pool = handle;
-    HrDatum* found = PyMem_Malloc(sizeof(HrDatum) * (size_t)(n > 0 ? n : 1));
-    char* plain = PyMem_Malloc((size_t)(n > 0 ? n : 1));
-    Copy* copies = PyMem_Malloc(sizeof(Copy) * (size_t)(n > 0 ? n : 1));
-    PyObject* out = PyList_New(n);
-    if (found == NULL || plain == NULL || copies == NULL || out == NULL) {
-        PyMem_Free(found);
-        PyMem_Free(plain);
-        PyMem_Free(copies);
-        Py_XDECREF(out);
-        return PyErr_NoMemory();
-    }
+    Scan scan;
+    if (!scan_begin(&scan, n, sizeof(HrDatum), n))
+        return scan_end(pool, &scan, 1);
+    HrDatum* found = scan.found;
     Py_BEGIN_ALLOW_THREADS
     for (int i = 0; i < n; i++)
-        plain[i] = (char)hr_datum_scan((const uint8_t*)(uintptr_t)values[i], sizes[i], found + i);
+        scan.plain[i] = (char)hr_datum_scan((const uint8_t*)(uintptr_t)values[i], sizes[i], found + i);
     Py_END_ALLOW_THREADS
     reclaim(pool, BUDGET_A * (int64_t)n + 64);
-    int n_copies = 0;
     for (int i = 0; i < n; i++) {
-        PyObject* item = Py_None;
-        Py_INCREF(item);
-        if (plain[i]) {
+        PyObject* item = Py_NewRef(Py_None);
+        if (scan.plain[i]) {
             HrDatum d = found[i];
-            PyObject* image = blob_for(pool, d.data_length);
+            PyObject* image = scan_blob(pool, &scan, (const char*)(uintptr_t)values[i] + d.data_offset, d.data_length);
             PyObject* label = image == NULL ? NULL : d.has_label ? PyLong_FromLong(d.label) : Py_NewRef(Py_None);
-            Py_DECREF(item);
-            item = label == NULL ? NULL : PyTuple_Pack(2, image, label);
+            Py_SETREF(item, label == NULL ? NULL : PyTuple_Pack(2, image, label));
             Py_XDECREF(label);
-            if (item != NULL)
-                copies[n_copies++] = (Copy){PyBytes_AS_STRING(image), (const char*)(uintptr_t)values[i] + d.data_offset,
-                                            d.data_length};
             Py_XDECREF(image);
         }
-        if (item == NULL) { /* blobs made so far go back to the stock at the next reclaim */
-            Py_DECREF(out);
-            PyMem_Free(found);
-            PyMem_Free(plain);
-            PyMem_Free(copies);
-            return NULL;
-        }
-        PyList_SET_ITEM(out, i, item);
+        if (item == NULL)
+            return scan_end(pool, &scan, 1);
+        PyList_SET_ITEM(scan.out, i, item);
     }
-    Py_BEGIN_ALLOW_THREADS
-    for (int c = 0; c < n_copies; c++)
-        memcpy(copies[c].to, copies[c].from, (size_t)copies[c].size);
-    Py_END_ALLOW_THREADS
-    PyMem_Free(found);
-    PyMem_Free(plain);
-    PyMem_Free(copies);
-    trim(pool);
-    return out;
+    return scan_end(pool, &scan, 0);
 }
 
 /* Blobs followed, blobs and bytes in stock, the followed blobs' peak bytes, reuses, new blobs. */

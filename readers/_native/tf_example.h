@@ -36,17 +36,9 @@ typedef struct {
  * first value (bytes: its span; int64: the value). */
 static int hr_list(HrCursor c, int list_kind, int64_t* count, HrCursor* first_bytes, uint64_t* first_value)
 {
+    int wire, next;
     *count = 0;
-    while (c.p < c.end) {
-        uint32_t field;
-        int wire;
-        if (!hr_tag(&c, &field, &wire))
-            return 0;
-        if (field != 1) {
-            if (!hr_skip(&c, wire))
-                return 0;
-            continue;
-        }
+    while ((next = hr_next(&c, 1, &wire)) > 0) {
         if (list_kind == HR_FEATURE_BYTES) {
             HrCursor value;
             if (wire != 2 || !hr_len(&c, &value))
@@ -89,7 +81,7 @@ static int hr_list(HrCursor c, int list_kind, int64_t* count, HrCursor* first_by
             }
         }
     }
-    return 1;
+    return next == 0;
 }
 
 /* A Feature checked whole; its one list's kind (0 with none) and, where that list holds exactly one
@@ -156,30 +148,14 @@ static int hr_example_scan(const uint8_t* data, int64_t size, int k, const char*
                            const int64_t* name_lengths, HrFeature* out)
 {
     HrCursor c = {data, data + size};
-    int features_seen = 0;
+    int features_seen = 0, wire, next, next_entry;
     for (int i = 0; i < k; i++)
         out[i].kind = -1; /* not found yet */
-    while (c.p < c.end) {
-        uint32_t field;
-        int wire;
-        if (!hr_tag(&c, &field, &wire))
-            return 0;
-        if (field != 1) {
-            if (!hr_skip(&c, wire))
-                return 0;
-            continue;
-        }
+    while ((next = hr_next(&c, 1, &wire)) > 0) {
         HrCursor features;
         if (wire != 2 || !hr_len(&c, &features) || ++features_seen > 1)
             return 0; /* a second Features message merges into the first: left to protobuf */
-        while (features.p < features.end) {
-            if (!hr_tag(&features, &field, &wire))
-                return 0;
-            if (field != 1) {
-                if (!hr_skip(&features, wire))
-                    return 0;
-                continue;
-            }
+        while ((next_entry = hr_next(&features, 1, &wire)) > 0) {
             HrCursor entry, key;
             HrFeature feature;
             if (wire != 2 || !hr_len(&features, &entry) || !hr_entry(entry, data, &key, &feature))
@@ -193,7 +169,11 @@ static int hr_example_scan(const uint8_t* data, int64_t size, int k, const char*
                 out[i] = feature;
             }
         }
+        if (next_entry < 0)
+            return 0;
     }
+    if (next < 0)
+        return 0;
     for (int i = 0; i < k; i++)
         if (out[i].kind == -1)
             return 0; /* missing: protobuf's path names the features the record has */

@@ -12,7 +12,7 @@ import pytest
 from headrace import readers
 from headrace.readers._sample_pool import SamplePool, _pool_lib
 
-from test_tfrecord_scan import field, same_samples, tag, varint
+from test_tfrecord_scan import Writer, field, same_samples, tag, varint
 
 lmdb_lib = pytest.importorskip("lmdb")
 pytest.importorskip("google.protobuf")
@@ -21,12 +21,8 @@ pytestmark = pytest.mark.skipif(_pool_lib() is None, reason="the C helper does n
 SIGNATURES = [b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"RIFF\x00\x00\x00\x00WEBP", b"", b"HRC1"]
 
 
-class DatumWriter:
-    def __init__(self, rng: np.random.Generator) -> None:
-        self.rng = rng
-
-    def chance(self, p: float) -> bool:
-        return bool(self.rng.random() < p)
+class DatumWriter(Writer):
+    """A random Datum's bytes; ``damaged`` as the Example writer's."""
 
     def number(self, number: int, value: int) -> bytes:
         return tag(number, 0) + varint(value, int(self.chance(0.05)))
@@ -50,19 +46,6 @@ class DatumWriter:
             parts.append(tag(int(self.rng.choice([1, 5, 7])), 2) + varint(1) + b"x")  # a wrong wire type
         order = self.rng.permutation(len(parts)) if self.chance(0.3) else range(len(parts))
         return b"".join(parts[i] for i in order)
-
-    def damaged(self, data: bytes) -> bytes:
-        if not data:
-            return data
-        at = int(self.rng.integers(0, len(data)))
-        how = int(self.rng.integers(0, 4))
-        if how == 0:
-            return data[:at]
-        if how == 1:
-            return data[:at] + bytes([data[at] ^ int(self.rng.integers(1, 256))]) + data[at + 1:]
-        if how == 2:
-            return data[:at] + self.rng.bytes(1) + data[at:]
-        return data[:at] + data[at + 1:]
 
 
 def write_lmdb(path, values: list[bytes]) -> None:
