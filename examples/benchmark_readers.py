@@ -23,6 +23,10 @@ around ``--kib`` KiB) plus a ``.cls`` label: two members per sample. Rows:
 - ``caffe``: the same as ``caffe.Datum`` values (``convert_imageset --encoded``'s layout):
   ``readers.caffe`` against that loop with protobuf parsing each value (what Caffe's and
   DALI's users write for a ``Dataset``), when py-lmdb and protobuf are installed;
+- ``files``: the same samples as one file each in class folders, in order: ``readers.files``
+  against a loop of ``open(path, "rb").read()`` in one thread (each file's bytes freed before the
+  next), and a torch ``DataLoader`` whose ``Dataset`` reads a file in ``__getitem__`` (two worker
+  processes, 64 files a batch, what a PyTorch user writes), when torch is installed;
 - ``parser``: the tar parsing alone in one thread, members grouped into samples: headrace's
   512-byte-header parser against ``tarfile`` in stream mode ("r|*") plus WebDataset's grouping,
   which is how the library (and a tarfile-based reader) parses.
@@ -133,6 +137,59 @@ def make_lmdbs(root: Path, shards: list[str]) -> tuple[str, str] | None:
             env.close()
         (raw / "done").touch()
     return str(raw), str(datums)
+
+
+def make_files(root: Path, shards: list[str]) -> list[str]:
+    """The shards' samples as one ".jpg" file each under ten class folders (cached beside them):
+    their paths, in order."""
+    out = root / "files"
+    if not (out / "done").exists():
+        shutil.rmtree(out, ignore_errors=True)
+        for shard in shards:
+            with open_shard(shard) as f:
+                for _, key, fields, _ in iter_groups(f, shard):
+                    folder = out / f"class{int(fields['cls']):02d}"
+                    folder.mkdir(parents=True, exist_ok=True)
+                    (folder / f"{Path(key).name}.jpg").write_bytes(fields["jpg"])
+        (out / "done").touch()
+    return sorted(str(p) for p in out.glob("class*/*.jpg"))
+
+
+def files_loop(paths: list[str]) -> tuple[int, int]:
+    n = b = 0
+    for path in paths:
+        with open(path, "rb") as f:
+            b += len(f.read())
+        n += 1
+    return n, b
+
+
+class _FileDataset:
+    """A map-style ``Dataset`` of file bytes, as a user writes one for a ``DataLoader``."""
+
+    def __init__(self, paths: list[str]) -> None:
+        self.paths = paths
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> bytes:
+        with open(self.paths[i], "rb") as f:
+            return f.read()
+
+
+def _as_list(batch: list) -> list:
+    return batch
+
+
+def torch_files(paths: list[str]) -> tuple[int, int]:
+    from torch.utils.data import DataLoader
+
+    n = b = 0
+    for batch in DataLoader(_FileDataset(paths), batch_size=64, num_workers=2, collate_fn=_as_list):
+        n += len(batch)
+        b += sum(map(len, batch))
+    return n, b
 
 
 def lmdb_loop(path: str, parse: bool) -> tuple[int, int]:
@@ -285,6 +342,13 @@ def main(argv: list[str] | None = None) -> int:
     lmdbs = make_lmdbs(root, paths)
     if lmdbs:
         warm([os.path.join(folder, "data.mdb") for folder in lmdbs])
+    files = make_files(root, paths)
+    warm(files)
+    try:
+        import torch.utils.data  # noqa: F401
+        has_torch = True
+    except ImportError:
+        has_torch = False
     rows = [
         ("sequential", "webdataset library", lambda: library_read(paths, False)),
         ("sequential", "headrace", lambda: headrace_read(paths, False)),
@@ -298,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
            ("lmdb", "headrace", lambda: drain(readers.lmdb(lmdbs[0]))),
            ("caffe", "py-lmdb + protobuf loop", lambda: lmdb_loop(lmdbs[1], parse=True)),
            ("caffe", "headrace", lambda: drain(readers.caffe(lmdbs[1])))] if lmdbs else []),
+        ("files", "open/read loop", lambda: files_loop(files)),
+        *([("files", "torch DataLoader, 2 workers", lambda: torch_files(files))] if has_torch else []),
+        ("files", "headrace", lambda: drain(readers.files(Path(files[0]).parent.parent))),
         ("parser", "tarfile r|* + grouping", lambda: tarfile_parse(paths)),
         ("parser", "headrace _tar.iter_groups", lambda: headrace_parse(paths)),
     ]

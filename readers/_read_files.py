@@ -6,7 +6,9 @@ files one by one fell from 20,082 to 188 files/s on the 2-core CI machine (reade
 helper opens a chunk's files in one call and reads them in another; in between, Python makes an
 uninitialised ``bytes`` object of each file's size for the helper to fill, so every sample owns
 its bytes exactly as after ``f.read()``. Where Python's headers are at hand the helper is built
-with them and does all of that in one call (``hr_read_chunk``), letting the GIL go around its I/O.
+with them and does all of that in one call (``hr_read_chunk``), letting the GIL go around its I/O;
+given a sample pool's ``blob_maker()`` it reads into the pool's recycled ``bytes`` instead of fresh
+ones (a fresh one's malloc and page faults cost more than its read from the page cache).
 
 Both ways follow the same rules (the top of ``_native/read_files.c`` says why): only regular files
 are read, each up to the size it had when opened, and a chunk larger than the descriptors left goes
@@ -72,7 +74,7 @@ def _load() -> ctypes.CDLL | None:
                 lib.read_chunk = None
                 if with_python:  # holds the GIL when called, and lets it go around its I/O itself
                     read_chunk = with_gil.hr_read_chunk
-                    read_chunk.argtypes, read_chunk.restype = [ctypes.c_int, p], ctypes.py_object
+                    read_chunk.argtypes, read_chunk.restype = [ctypes.c_int, p, p, p], ctypes.py_object
                     lib.read_chunk = read_chunk
             _state["lib"] = lib
         return _state["lib"]
@@ -113,28 +115,33 @@ class ChunkReader:
     def native(self) -> bool:
         return self._lib is not None
 
-    def read(self, paths: Sequence[bytes]) -> list[bytes | OSError]:
-        """Each file's bytes, or the OSError reading it raised (``paths`` encoded by ``os.fsencode``)."""
+    def read(self, paths: Sequence[bytes], blobs_from: tuple[int, int] | None = None) -> list[bytes | OSError]:
+        """Each file's bytes, or the OSError reading it raised (``paths`` encoded by ``os.fsencode``).
+        ``blobs_from``: as for ``read_table``."""
         if self._lib is None:
             return [_read_one(p) for p in paths]
         table = (ctypes.c_char_p * len(paths))(*paths)
-        blobs, failed = self._read_native(len(paths), ctypes.addressof(table))
+        blobs, failed = self._read_native(len(paths), ctypes.addressof(table), blobs_from)
         return _with_errors(blobs, paths.__getitem__) if failed else blobs
 
-    def read_table(self, table: PathTable, indices: Sequence[int]) -> tuple[list[bytes | OSError], int]:
-        """``read`` of ``table``'s paths ``indices``, and how many of them failed (needs ``native``)."""
+    def read_table(self, table: PathTable, indices: Sequence[int],
+                   blobs_from: tuple[int, int] | None = None) -> tuple[list[bytes | OSError], int]:
+        """``read`` of ``table``'s paths ``indices``, and how many of them failed (needs ``native``).
+        ``blobs_from``: a sample pool's ``blob_maker()``, whose recycled ``bytes`` the files are read
+        into (where the helper is built with Python's headers; else fresh ones)."""
         pointers = table.pointers(indices)
-        blobs, failed = self._read_native(len(pointers), pointers.ctypes.data)
+        blobs, failed = self._read_native(len(pointers), pointers.ctypes.data, blobs_from)
         if failed:
             blobs = _with_errors(blobs, lambda k: table.path(indices[k]))
         return blobs, failed
 
-    def _read_native(self, n: int, table: int) -> tuple[list[bytes | int], int]:
+    def _read_native(self, n: int, table: int, blobs_from: tuple[int, int] | None = None) -> tuple[list[bytes | int], int]:
         """(blobs, failed) as ``hr_read_chunk`` gives them: an errno (int) where a file failed."""
         lib = self._lib
         assert lib is not None
         if lib.read_chunk is not None:
-            return lib.read_chunk(n, table)
+            new_blob, pool = blobs_from or (None, None)
+            return lib.read_chunk(n, table, new_blob, pool)
         fds = np.full(n, -1, dtype=np.int32)
         sizes, errs = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int32)
         out: list[bytes | int] = []

@@ -1,6 +1,6 @@
 """The ``bytes`` objects readers copy sample fields into, recycled once nobody else holds them
-(``_native/sample_pool.c``): the WebDataset reader's members, the TFRecord reader's features and the
-LMDB reader's values."""
+(``_native/sample_pool.c``): the WebDataset reader's members, the TFRecord reader's features, the
+LMDB reader's values and the files reader's files."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ def reader_pool(io_threads: int, chunk_size: int) -> SamplePool:
 
 class SamplePool:
     """Recycles the memory of the ``bytes`` that readers copy fields into (the shard reader's
-    ``_own_bytes`` and ``grouper``, the TFRecord reader's ``examples``, the LMDB reader's values;
+    ``_own_bytes`` and ``grouper``, the TFRecord reader's ``examples``, the LMDB reader's values,
+    the files reader's reads through ``blob_maker``;
     ``_native/sample_pool.c``): a blob whose last reference is the pool's (no sample, view or
     array holds it) is filled again with a later member of its size class, its pages already
     faulted in, instead of being freed on the consumer's thread and allocated afresh on a parser's.
@@ -62,6 +63,14 @@ class SamplePool:
         if not self.available:
             return None
         return functools.partial(self._lib.hr_tar_groups, self._handle)
+
+    def blob_maker(self) -> tuple[int, int] | None:
+        """``hr_pool_blob``'s address and this pool's handle, for the files reader's chunk reads
+        (``_read_files.ChunkReader.read_table``): each file read into a blob of the pool. The pool
+        must stay open while a read that was given them runs; None where the helper does not build."""
+        if not self.available:
+            return None
+        return ctypes.cast(self._lib.hr_pool_blob, ctypes.c_void_p).value, self._handle
 
     def copy(self, spans: Sequence[tuple[int, int]]) -> list[bytes] | None:
         """A ``bytes`` of each ``(address, size)`` span, the memory valid until this returns."""
@@ -125,6 +134,7 @@ def _pool_lib() -> ctypes.PyDLL | None:
                     p = ctypes.c_void_p
                     lib.hr_pool_new.argtypes, lib.hr_pool_new.restype = [ctypes.c_int64], p
                     lib.hr_pool_copy.argtypes, lib.hr_pool_copy.restype = [p, ctypes.c_int, p, p], ctypes.py_object
+                    lib.hr_pool_blob.argtypes, lib.hr_pool_blob.restype = [p, ctypes.c_int64], ctypes.py_object
                     lib.hr_pool_stats.argtypes, lib.hr_pool_stats.restype = [p, p], None
                     lib.hr_pool_free.argtypes, lib.hr_pool_free.restype = [p], None
                     i64, o = ctypes.c_int64, ctypes.py_object

@@ -23,6 +23,7 @@ from ._base import Equal, IndexedReader, int_label
 from ._cache_folder import from_arguments
 from ._object_cache import ObjectCache
 from ._read_files import ChunkReader, PathTable
+from ._sample_pool import SamplePool, reader_pool
 from ._storage import Storage, Store, is_url, redact_url, run_sync, with_retries
 
 __all__ = ["FileReader", "file_list", "files"]
@@ -109,15 +110,23 @@ class FileReader(IndexedReader):
         # Local files only: remote ones are fetched on the loop and never need the C helper built.
         self._chunks = None if self._fetch_on_loop else ChunkReader(native=native_read)
         self._table = PathTable(self.paths) if self._chunks is not None and self._chunks.native else None
+        self._pool: SamplePool | None = None  # made by the first read of local files, kept for the next epochs
+        self._blobs_from: tuple[int, int] | None = None  # its ``blob_maker()``, for the chunk reads
 
     def _dataset_size(self) -> int:
         return len(self.paths)
 
+    def _open_io(self) -> None:
+        if self._table is not None and self._pool is None:
+            self._pool = reader_pool(self.io_threads, self.chunk_size)
+            self._blobs_from = self._pool.blob_maker()
+
     def _fetch(self, indices: Sequence[int]) -> list[Sample]:
-        # Two GIL-free calls for the chunk where the C helper builds (``_read_files``).
+        # Two GIL-free calls for the chunk where the C helper builds (``_read_files``), the files
+        # read into the sample pool's recycled bytes where its helper builds too.
         paths, keys, exts, cls = self.paths, self._keys, self._exts, self._cls
         if self._table is not None:
-            blobs, failed = self._chunks.read_table(self._table, indices)
+            blobs, failed = self._chunks.read_table(self._table, indices, self._blobs_from)
         else:
             blobs, failed = self._chunks.read([os.fsencode(paths[i]) for i in indices]), -1
         if failed == 0:  # the common case, in one comprehension; its size counted from the blobs

@@ -238,6 +238,18 @@ PyObject* hr_pool_copy(void* handle, int n, const uint64_t* sources, const int64
     return blobs;
 }
 
+/* One blob of `size` bytes, to be filled by the caller before anyone else sees it: the files
+ * reader's reads (read_files.c's hr_read_chunk takes this function's address, and calls it with
+ * the GIL held). NULL with MemoryError set. */
+PyObject* hr_pool_blob(void* handle, int64_t size)
+{
+    Pool* pool = handle;
+    reclaim(pool, BUDGET_A);
+    PyObject* blob = blob_for(pool, size);
+    trim(pool);
+    return blob;
+}
+
 /* `plain` members' names are ASCII: Python's str.lower() on them is this. */
 static char ascii_lower(char c)
 {
