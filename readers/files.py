@@ -363,22 +363,58 @@ def extension_set(reader: str, extensions: object) -> set[str]:
     return {e.lower().lstrip(".") for e in extensions}
 
 
-def class_folders(root: Path, exts: set[str]) -> tuple[list[str], list[Path], list[int]]:
+def class_folders(root: Path, exts: set[str]) -> tuple[list[str], list[str], list[int]]:
     """A class-per-folder tree: its classes (sorted sub-folder names, hidden ones left out), and the
     files with one of ``exts`` under each, sorted, with the class index as label. Hidden files and
     folders inside a class are left out too (macOS's ``._x.jpg``, a viewer's ``.thumbs/``): they
-    are not the data set's images."""
+    are not the data set's images.
+
+    What ``sorted(folder.rglob("*"))`` keeping ``is_file()`` found, in its order (by path parts),
+    from ``os.scandir`` and strings: the ``Path`` objects cost ~30 µs a file (5 s a million)."""
     classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
     paths, labels = [], []
     for label, name in enumerate(classes):
-        folder = root / name
-        for p in sorted(folder.rglob("*")):
-            if any(part.startswith(".") for part in p.relative_to(folder).parts):
-                continue
-            if p.is_file() and p.suffix.lower().lstrip(".") in exts:
-                paths.append(p)
-                labels.append(label)
+        folder = str(root / name)  # as Path joins them: the same text as before for every file
+        found = sorted(_tree_files(folder, "", exts), key=_parts)
+        paths += [folder + "/" + rel for rel in found]
+        labels += [label] * len(found)
     return classes, paths, labels
+
+
+def _tree_files(folder: str, under: str, exts: set[str]) -> Iterable[str]:
+    """The files (a link to one too) with one of ``exts`` under ``folder/under``, as paths relative
+    to ``folder``; hidden names and linked folders (as ``rglob``) not entered. ReadError naming a
+    folder that cannot be listed (``rglob`` quietly left out the rest of the tree)."""
+    path = folder + "/" + under if under else folder
+    try:
+        with os.scandir(path) as entries:
+            listed = list(entries)
+    except OSError as exc:
+        raise ReadError(f"cannot list folder: {exc.strerror or exc}", source=path.rstrip("/")) from exc
+    for entry in listed:
+        if entry.name.startswith("."):
+            continue
+        rel = under + entry.name
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                yield from _tree_files(folder, rel + "/", exts)
+                continue
+            is_file = entry.is_file()
+        except OSError:
+            continue
+        if is_file and _suffix_ext(entry.name) in exts:
+            yield rel
+
+
+def _suffix_ext(name: str) -> str:
+    """``Path(name).suffix.lower().lstrip(".")``: the text after the last dot, where the dot is
+    neither first nor last."""
+    dot = name.rfind(".")
+    return name[dot + 1 :].lower() if 0 < dot < len(name) - 1 else ""
+
+
+def _parts(rel: str) -> list[str]:
+    return rel.split("/")
 
 
 def _unique_keys(keys: list[str], sources: list[str], root: Path | str | None) -> list[str]:
@@ -397,9 +433,20 @@ def _suffix(path: str) -> str:
 def _key(path: str, root: Path | str | None) -> str:
     if isinstance(root, str):  # a bucket prefix: keys are relative to it, like a folder's
         return os.path.splitext(path[len(root) :].lstrip("/"))[0]
-    rel = os.path.relpath(path, root) if root is not None else path
+    rel = _relative(path, root) if root is not None else path
     stem, _ = os.path.splitext(rel)
     return stem.replace(os.sep, "/")
+
+
+def _relative(path: str, root: Path) -> str:
+    """``os.path.relpath(path, root)``, without its two ``abspath`` calls (~3 µs a file) where
+    ``path`` is ``root``'s text, a separator and a normal path below it (a folder's listing)."""
+    prefix = str(root) + os.sep
+    if path.startswith(prefix):
+        rest = path[len(prefix) :]
+        if rest and os.path.normpath(rest) == rest and not rest.startswith(".." + os.sep) and rest != "..":
+            return rest
+    return os.path.relpath(path, root)
 
 
 def _path_text(path: object, what: str = "files: a path") -> str:
