@@ -21,7 +21,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from .lmdb import _DB_RECORD, MAGIC, LmdbReader, decode_default, lmdb, lmdb_module, view_spans
+from .lmdb import _DB_RECORD, MAGIC, LmdbReader, decode_default, lmdb, lmdb_module
 
 __all__ = ["CaffeReader", "caffe", "datum_class", "decode_datum"]
 
@@ -33,17 +33,17 @@ class CaffeReader(LmdbReader):
     own so that its repr says so, and a loader's state from ``readers.lmdb`` over the same database
     (other fields, other samples) is refused on resume: the state names the reader's type."""
 
-    def _copy_out(self, views: list[memoryview]) -> list[bytes | dict[str, Any]]:
-        """A plain encoded Datum's fields found in its view, the image copied once into the pool
+    def _copy_out(self, spans: list[tuple[int, int]]) -> list[bytes | dict[str, Any]]:
+        """A plain encoded Datum's fields found in its span, the image copied once into the pool
         (``SamplePool.datums``, ``_native/caffe_datum.h``); every other value copied out whole, for
         ``decode_datum`` (protobuf), which names what is wrong with it."""
-        datums = self._pool.datums(view_spans(views))
+        datums = self._pool.datums(spans)
         if datums is None:
-            return super()._copy_out(views)
+            return super()._copy_out(spans)
         out: list[bytes | dict[str, Any] | None] = []
         rest = []
-        for j, (view, datum) in enumerate(zip(views, datums)):
-            if datum is None or len(view) == _DB_RECORD.size:  # for protobuf, or a sub-database's record
+        for j, ((_, size), datum) in enumerate(zip(spans, datums)):
+            if datum is None or size == _DB_RECORD.size:  # for protobuf, or a sub-database's record
                 rest.append(j)
                 out.append(None)
                 continue
@@ -52,7 +52,7 @@ class CaffeReader(LmdbReader):
             if label is not None:
                 fields["cls"] = str(label).encode()
             out.append(fields)
-        for j, value in zip(rest, super()._copy_out([views[j] for j in rest]) if rest else ()):
+        for j, value in zip(rest, super()._copy_out([spans[j] for j in rest]) if rest else ()):
             out[j] = value
         return out  # type: ignore[return-value] - every None filled
 

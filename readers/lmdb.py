@@ -13,6 +13,7 @@ Entries named ``__...__`` are metadata: ``__keys__`` (a JSON list of keys, the s
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import struct
@@ -26,6 +27,7 @@ from headrace._errors import ConfigError, ReadError
 from headrace._sample import Sample
 
 from ._base import Equal, IndexedReader
+from ._lmdb_tree import KeyTable, MappedTree
 from ._sample_pool import SamplePool, reader_pool
 
 __all__ = ["LmdbReader", "decode_default", "decode_record", "encode_record", "lmdb"]
@@ -282,13 +284,15 @@ class LmdbReader(IndexedReader):
         self._users = 0
         self._users_lock = threading.Lock()
         self._pool: SamplePool | None = None  # made by the first read, kept for the next epochs
+        self._key_table: KeyTable | None = None  # the keys packed for ``_tree``, made by the first read
+        self._tree: MappedTree | None = None  # the data file mapped while reads run
 
     def _dataset_size(self) -> int:
         return len(self.keys)
 
     def shard(self, rank: int, world: int, *, equal: Equal = None) -> Self:
         part = super().shard(rank, world, equal=equal)
-        part._env, part._users, part._users_lock = None, 0, threading.Lock()
+        part._env, part._users, part._users_lock, part._tree = None, 0, threading.Lock(), None
         return part
 
     def _open_io(self) -> None:
@@ -297,25 +301,41 @@ class LmdbReader(IndexedReader):
                 self._env = _ENVS.acquire(self.path)
             if self._pool is None:
                 self._pool = reader_pool(self.io_threads, self.chunk_size)
+            if self._users == 0 and self._pool.available:
+                try:
+                    self._tree = MappedTree.open(self.path, self._env.env.stat()["psize"])
+                except BaseException:
+                    self._env = None
+                    _ENVS.release(self.path)
+                    raise
+                if self._tree is not None and self._key_table is None:
+                    self._key_table = KeyTable(self.keys)
             self._users += 1
 
     def _close_io(self) -> None:
         with self._users_lock:
             self._users -= 1
             if self._users == 0:
+                if self._tree is not None:
+                    self._tree.close()
+                    self._tree = None
                 self._env = None
                 _ENVS.release(self.path)
 
     def _fetch(self, indices: Sequence[int]) -> list[Sample]:
-        """The chunk's values looked up in one read transaction as views into the map, copied out
-        together (into the sample pool's recycled ``bytes``, one GIL-free call, where its helper
-        builds) before the transaction ends, then checked and decoded."""
+        """The chunk's values looked up in one read transaction as spans of the map (found in C,
+        ``_lmdb_tree``, else views from py-lmdb), copied out together (into the sample pool's
+        recycled ``bytes``, one GIL-free call, where its helper builds) before the transaction
+        ends, then checked and decoded."""
         lmdb_lib = lmdb_module()
         pooled = self._pool is not None and self._pool.available  # else LMDB's own copies, as fast
         try:
             with self._env.read(buffers=pooled) as txn:
                 last_page = self._env.env.info()["last_pgno"]
-                looked_up = [self._look_up(txn, i) for i in indices]
+                if pooled:
+                    looked_up = self._spans(txn, indices)
+                else:
+                    looked_up = [self._look_up(txn, i) for i in indices]
                 found = [value for value in looked_up if not isinstance(value, Sample)]
                 copies = iter(self._copy_out(found) if pooled else found)
         except (lmdb_lib.Error, ReadError) as exc:
@@ -336,11 +356,27 @@ class LmdbReader(IndexedReader):
             return self._failed(i, ReadError("key not found in the LMDB", key=self._text_key(i), source=self.path))
         return value
 
-    def _copy_out(self, views: list[memoryview]) -> list[bytes] | list[bytes | dict[str, Any]]:
-        """Each view's bytes in the pool's blobs, while the transaction that made them lasts (a
-        reader of a known format may give a sample's fields instead, found in the view)."""
-        copies = self._pool.copy(view_spans(views))
-        return [bytes(view) for view in views] if copies is None else copies  # closed meanwhile
+    def _spans(self, txn: Any, indices: Sequence[int]) -> list[tuple[int, int] | Sample]:
+        """Each key's value as an (address, size) span of the map, valid while ``txn`` lasts, or the
+        sample of its error: found in C where the data file is mapped, else (and for every key the
+        walk leaves to it) by py-lmdb."""
+        tree, table = self._tree, self._key_table
+        hits = tree.find(txn.id(), table, indices) if tree is not None and table is not None else None
+        if hits is None:
+            return [self._span_of(self._look_up(txn, i)) for i in indices]
+        base = tree.address
+        return [(base + offset, size) if offset >= 0 else self._span_of(self._look_up(txn, i))
+                for i, offset, size in zip(indices, hits[0].tolist(), hits[1].tolist())]
+
+    @staticmethod
+    def _span_of(value: memoryview | Sample) -> tuple[int, int] | Sample:
+        return value if isinstance(value, Sample) else view_spans([value])[0]
+
+    def _copy_out(self, spans: list[tuple[int, int]]) -> list[bytes] | list[bytes | dict[str, Any]]:
+        """Each span's bytes in the pool's blobs, while the transaction that made them lasts (a
+        reader of a known format may give a sample's fields instead, found in the span)."""
+        copies = self._pool.copy(spans)
+        return [ctypes.string_at(address, size) for address, size in spans] if copies is None else copies  # closed meanwhile
 
     def _sample(self, i: int, value: bytes | dict[str, Any], last_page: int) -> Sample:
         raw, key = self.keys[i], self._text_key(i)

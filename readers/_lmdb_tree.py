@@ -1,0 +1,79 @@
+"""An LMDB's values found in its mapped data file, a chunk of keys in one C call that keeps the GIL
+(``_native/lmdb_tree.h``; ``hr_lmdb_find`` in ``_native/sample_pool.c``).
+
+py-lmdb lets the GIL go around every ``get``, so beside a thread busy in Python each lookup waited
+for that thread's switch interval: the LMDB reader fell to ~460 values/s on the 2-core VM. Here a
+chunk's lookups run in C with the GIL held and give spans of the map, which the sample pool copies
+out in one call. The caller holds a py-lmdb read transaction over each ``find`` (its reader slot
+keeps the pages in place) and gives its id; a key the walk does not read exactly as LMDB would is
+looked up by py-lmdb, which also names every error.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from ._sample_pool import _pool_lib
+
+__all__ = ["KeyTable", "MappedTree"]
+
+
+class KeyTable:
+    """A reader's keys packed once, so that a chunk's are two NumPy gathers, not a ctypes
+    conversion per key."""
+
+    def __init__(self, keys: Sequence[bytes]) -> None:
+        lengths = np.fromiter(map(len, keys), dtype=np.int64, count=len(keys))
+        self.lengths = lengths
+        self.starts = np.concatenate([np.zeros(1, np.int64), np.cumsum(lengths)[:-1]]) if len(keys) else lengths
+        self.packed = np.frombuffer(b"".join(keys) or b"\0", dtype=np.uint8)
+
+
+class MappedTree:
+    """The data file of the LMDB at ``path`` (a folder or a file, as py-lmdb opens it) mapped
+    read-only, for ``find``; ``None`` from ``open`` where the C helper does not build or the file
+    cannot be mapped. Mapping the data file is not opening the environment again: LMDB's locks
+    are in its lock file, which this never opens."""
+
+    def __init__(self, mapped: mmap.mmap, psize: int, lib: ctypes.PyDLL) -> None:
+        self._mapped = mapped
+        self._view = np.frombuffer(mapped, dtype=np.uint8)
+        self.address = self._view.ctypes.data
+        self._length = len(mapped)
+        self._psize = psize
+        self._lib = lib
+
+    @classmethod
+    def open(cls, path: str, psize: int) -> MappedTree | None:
+        lib = _pool_lib()
+        if lib is None:
+            return None
+        data = os.path.join(path, "data.mdb") if os.path.isdir(path) else path
+        try:
+            with open(data, "rb") as f:
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError):  # gone, empty, or not mappable: py-lmdb reads it
+            return None
+        return cls(mapped, psize, lib)
+
+    def find(self, txn_id: int, keys: KeyTable, indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:
+        """Keys ``indices``' values as (offsets into the map, sizes): an offset of -1 for a key
+        not there, -2 for one to ask py-lmdb; None where the whole chunk goes to py-lmdb (the
+        transaction's meta page was written over, another format)."""
+        picked = np.asarray(indices, dtype=np.int64)
+        starts, lengths = keys.starts[picked], keys.lengths[picked]
+        offsets, sizes = np.empty(len(picked), np.int64), np.empty(len(picked), np.int64)
+        found = self._lib.hr_lmdb_find(self.address, self._length, self._psize, txn_id, len(picked),
+                                       keys.packed.ctypes.data, starts.ctypes.data, lengths.ctypes.data,
+                                       offsets.ctypes.data, sizes.ctypes.data)
+        return None if found < 0 else (offsets, sizes)
+
+    def close(self) -> None:
+        """Unmap; only once no ``find`` runs and no span of it is read."""
+        self._view = None
+        self._mapped.close()
