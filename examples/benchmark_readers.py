@@ -323,6 +323,21 @@ def tarfile_parse(paths: list[str]) -> tuple[int, int]:
     return n, b
 
 
+def write_results(benchmark: str, kib: float, body: dict) -> Path:
+    """``body`` (versions, config, table) as ``examples/results/<benchmark>-<host>-<date>-<kib>k.json``,
+    with the time and the machine."""
+    RESULTS.mkdir(exist_ok=True)
+    host = "vm" if "vm" in socket.gethostname() or os.cpu_count() <= 4 else socket.gethostname()
+    out = RESULTS / f"{benchmark}-{host}-{datetime.date.today().isoformat()}-{kib:g}k.json"
+    out.write_text(json.dumps({
+        "benchmark": benchmark, "when": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": {"host": socket.gethostname(), "cpus": os.cpu_count(), "platform": platform.platform()},
+        **body,
+    }, indent=1) + "\n")
+    print(f"\nwrote {out.relative_to(ROOT)}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--samples", type=int, default=8192)
@@ -391,20 +406,13 @@ def main(argv: list[str] | None = None) -> int:
         spread = ", ".join(f"{r['samples_per_s']:,.0f}" for r in results)
         print(f"{row:<11} {system:<27} {rate:>11,.0f} {mb:>9,.0f} {ratio:>6.2f}x   {spread}", flush=True)
     if not args.no_json:
-        RESULTS.mkdir(exist_ok=True)
-        host = "vm" if "vm" in socket.gethostname() or os.cpu_count() <= 4 else socket.gethostname()
-        when = datetime.date.today().isoformat()
-        out = RESULTS / f"readers-{host}-{when}-{args.kib:g}k.json"
-        out.write_text(json.dumps({
-            "benchmark": "readers", "when": datetime.datetime.now().isoformat(timespec="seconds"),
-            "machine": {"host": socket.gethostname(), "cpus": os.cpu_count(), "platform": platform.platform()},
+        write_results("readers", args.kib, {
             "versions": {"python": sys.version.split()[0], "headrace": headrace.__version__, "webdataset": wds.__version__,
                          "numpy": np.__version__},
             "config": {"samples": args.samples, "kib": args.kib, "shards": args.shards, "shard_mib": size / 2**20 / len(paths),
                        "turns": args.turns},
             "table": table,
-        }, indent=1) + "\n")
-        print(f"\nwrote {out.relative_to(ROOT)}")
+        })
     return 0
 
 

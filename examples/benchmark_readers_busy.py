@@ -1,0 +1,118 @@
+"""Each reader alone and beside a thread busy in Python: what the GIL costs a reader in a loader.
+
+Not a test: it prints a table of samples/s and writes it as JSON to ``examples/results/``.
+
+A loader's other threads (the event loop, the GPU lanes, a training loop under ``loader.sync()``)
+run Python while the reader's I/O threads work. A thread that lets the GIL go, however briefly,
+waits to take it back until the busy one reaches its switch interval (5 ms), so a reader's rate
+beside such a thread is set by how often it lets the GIL go, not by its work. Rows: headrace's
+files, WebDataset, TFRecord, LMDB and Caffe readers over ``examples/benchmark_readers.py``'s data
+(made there, ~70 KiB samples by default), each made before the timing, one epoch alone and one
+beside a thread that runs Python non-stop, ``--turns`` times taking turns (the median is shown).
+``--lmdb-gets`` adds LMDB and Caffe rows whose lookups go through py-lmdb's ``get`` (one GIL
+hand-over a key), as they all did before the readers walked the tree themselves.
+
+    python examples/benchmark_readers.py                  # once, to make the data
+    python examples/benchmark_readers_busy.py --lmdb-gets
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from benchmark_readers import ROOT, drain, timed, warm, write_results
+
+import headrace
+from headrace import readers
+
+
+class BusyThread:
+    """A thread running Python non-stop while the block runs."""
+
+    def __enter__(self) -> BusyThread:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._spin, name="busy-python", daemon=True)
+        self._thread.start()
+        return self
+
+    def _spin(self) -> None:
+        n = 0
+        while not self._stop.is_set():
+            for _ in range(1000):
+                n += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def with_py_lmdb_gets(reader: readers.Reader) -> readers.Reader:
+    """The reader with every lookup through py-lmdb's ``get`` (the path before ``_lmdb_tree``)."""
+    reader._spans = lambda txn, indices: [reader._span_of(reader._look_up(txn, i)) for i in indices]
+    return reader
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--samples", type=int, default=8192)
+    parser.add_argument("--kib", type=float, default=70.0)
+    parser.add_argument("--shards", type=int, default=16)
+    parser.add_argument("--data", default=str(ROOT / ".data" / "bench-readers"))
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--lmdb-gets", action="store_true", help="also LMDB and Caffe through py-lmdb's get")
+    parser.add_argument("--no-json", action="store_true")
+    args = parser.parse_args(argv)
+    root = Path(args.data) / f"{args.samples}x{args.kib:g}k-{args.shards}"
+    if not (root / "files" / "done").exists() or not (root / "lmdb" / "done").exists():
+        sys.exit(f"no data under {root}: run examples/benchmark_readers.py with the same --samples/--kib/--shards first")
+    tfrecords = sorted(glob.glob(str(root / "tfrecord" / "*.tfrecord")))
+    makers: list[tuple[str, Callable[[], readers.Reader]]] = [
+        ("files", lambda: readers.files(root / "files")),
+        ("webdataset", lambda: readers.webdataset(sorted(glob.glob(str(root / "shards" / "*.tar"))))),
+        *([("tfrecord", lambda: readers.tfrecord(tfrecords))] if tfrecords else []),
+        ("lmdb", lambda: readers.lmdb(str(root / "lmdb"))),
+        ("caffe", lambda: readers.caffe(str(root / "caffe"))),
+    ]
+    if args.lmdb_gets:
+        makers += [("lmdb, py-lmdb gets", lambda: with_py_lmdb_gets(readers.lmdb(str(root / "lmdb")))),
+                   ("caffe, py-lmdb gets", lambda: with_py_lmdb_gets(readers.caffe(str(root / "caffe"))))]
+    data_files = [p for p in glob.glob(str(root / "**"), recursive=True) if os.path.isfile(p)]
+    print(f"{args.samples} samples of ~{args.kib:g} KiB under {root}; {os.cpu_count()} cores", flush=True)
+    rates: dict[str, dict[str, list[float]]] = {name: {"alone": [], "busy": []} for name, _ in makers}
+    for turn in range(args.turns):
+        for name, make in makers:
+            warm(data_files)  # the page cache may have let them go (another row, the VM's reclaim)
+            for where in ("alone", "busy"):
+                reader = make()  # listing the keys and files is not timed
+                if where == "busy":
+                    with BusyThread():
+                        result = timed(lambda: drain(reader))
+                else:
+                    result = timed(lambda: drain(reader))
+                assert result["samples"] == args.samples, (name, result["samples"])
+                rates[name][where].append(result["samples_per_s"])
+        print(f"turn {turn + 1} of {args.turns} done", flush=True)
+    table = []
+    print(f"\n{'reader':<21} {'alone':>10} {'beside a busy thread':>21} {'ratio':>7}")
+    for name, runs in rates.items():
+        alone, busy = float(np.median(runs["alone"])), float(np.median(runs["busy"]))
+        table.append({"reader": name, "alone": alone, "busy": busy, "ratio": busy / alone, "turns": runs})
+        print(f"{name:<21} {alone:>10,.0f} {busy:>21,.0f} {busy / alone:>6.2f}x")
+    if not args.no_json:
+        write_results("readers-busy", args.kib, {
+            "versions": {"python": sys.version.split()[0], "headrace": headrace.__version__},
+            "config": {"samples": args.samples, "kib": args.kib, "shards": args.shards, "turns": args.turns},
+            "table": table,
+        })
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
