@@ -90,10 +90,12 @@ class RecordFileReader(IndexedReader):
     length), ``CUT`` for a record cut off by its file's end, ``DAMAGED`` for one whose header is. A record's key is its file's stem and its
     number in that file; ``_parse(data)`` makes its fields, raising ValueError for bytes it cannot take."""
 
+    grows = True  # local data's chunks grow where samples are small (``IndexedReader.grows``)
+
     kind = "record"
 
     def __init__(self, paths: Sequence[str], records: np.ndarray, *, shuffle: bool, seed: int | None,
-                 chunk_size: int, io_threads: int) -> None:
+                 chunk_size: int | None, io_threads: int) -> None:
         super().__init__(shuffle=shuffle, seed=seed, chunk_size=chunk_size, io_threads=io_threads)
         self.paths = list(paths)
         self.records = records
@@ -113,7 +115,7 @@ class RecordFileReader(IndexedReader):
 
     def _open_io(self) -> None:
         if self._pool is None:
-            self._pool = reader_pool(self.io_threads, self.chunk_size)
+            self._pool = reader_pool(self.io_threads, self.max_chunk)
 
     def _dataset_size(self) -> int:
         return len(self.records)

@@ -154,7 +154,7 @@ def caffe(
     keys: Sequence[str | bytes] | None = None,
     shuffle: bool = False,
     seed: int | None = None,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
     io_threads: int = 2,
 ) -> CaffeReader:
     """A reader over a Caffe LMDB of ``caffe.Datum`` values (``convert_imageset --encoded``'s
@@ -183,4 +183,5 @@ def caffe(
     plain = lmdb(path, decode=decode_datum, keys=keys, shuffle=shuffle, seed=seed, chunk_size=chunk_size,
                  io_threads=io_threads)
     return CaffeReader(plain.path, plain.keys, decode=decode_datum, classes=plain.classes, shuffle=plain.shuffle,
-                       seed=plain.seed, chunk_size=plain.chunk_size, io_threads=plain.io_threads)
+                       seed=plain.seed, chunk_size=None if plain.chunk_auto else plain.chunk_size,
+                       io_threads=plain.io_threads)

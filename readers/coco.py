@@ -58,7 +58,7 @@ def coco(
     instance_masks: bool = False,
     shuffle: bool = False,
     seed: int | None = None,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
     io_threads: int = 2,
     storage_options: Mapping[str, Any] | None = None,
     store: Store | None = None,

@@ -263,6 +263,8 @@ class LmdbReader(IndexedReader):
     the key list. Build it with ``headrace.readers.lmdb(...)``.
     """
 
+    grows = True  # local data's chunks grow where samples are small (``IndexedReader.grows``)
+
     def __init__(
         self,
         path: str | os.PathLike,
@@ -272,7 +274,7 @@ class LmdbReader(IndexedReader):
         classes: Sequence[str] = (),
         shuffle: bool = False,
         seed: int | None = None,
-        chunk_size: int = 64,
+        chunk_size: int | None = None,
         io_threads: int = 2,
     ) -> None:
         super().__init__(shuffle=shuffle, seed=seed, chunk_size=chunk_size, io_threads=io_threads)
@@ -300,7 +302,7 @@ class LmdbReader(IndexedReader):
             if self._users == 0:
                 self._env = _ENVS.acquire(self.path)
             if self._pool is None:
-                self._pool = reader_pool(self.io_threads, self.chunk_size)
+                self._pool = reader_pool(self.io_threads, self.max_chunk)
             if self._users == 0 and self._pool.available:
                 try:
                     self._tree = MappedTree.open(self.path, self._env.env.stat()["psize"])
@@ -426,7 +428,7 @@ def lmdb(
     keys: Sequence[str | bytes] | None = None,
     shuffle: bool = False,
     seed: int | None = None,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
     io_threads: int = 2,
 ) -> LmdbReader:
     """A reader over any LMDB (a folder with ``data.mdb``, or the file itself), opened read-only,

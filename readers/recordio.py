@@ -43,7 +43,7 @@ class RecordIOReader(RecordFileReader):
     """Reads RecordIO image records by offset in chunks from I/O threads; one Sample per record (see ``recordio``)."""
 
     def __init__(self, paths: Sequence[str], records: np.ndarray, label_offset: int, *, shuffle: bool,
-                 seed: int | None, chunk_size: int, io_threads: int) -> None:
+                 seed: int | None, chunk_size: int | None, io_threads: int) -> None:
         # records: (file, offset of its first header, bytes to its last part's end)
         super().__init__(paths, records, shuffle=shuffle, seed=seed, chunk_size=chunk_size, io_threads=io_threads)
         self.label_offset = int(label_offset)  # checked by find_records; a NumPy one as Python's (state_dict)
@@ -232,7 +232,7 @@ def recordio(
     label_offset: int = 0,
     shuffle: bool = False,
     seed: int | None = None,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
     io_threads: int = 2,
 ) -> RecordIOReader:
     """A reader over local MXNet RecordIO image files (``im2rec``'s ``.rec``, DALI's
@@ -245,7 +245,7 @@ def recordio(
     ``im2rec`` writes, one per ``.rec`` in the same order (one path for one file); by default the
     ``.idx`` beside each file is used where there is one, and the records are otherwise found by
     reading their headers once.
-    Records are read by offset, ``chunk_size`` at a time by ``io_threads`` threads, with the files
+    Records are read by offset, ``chunk_size`` at a time (as for ``files``) by ``io_threads`` threads, with the files
     reader's seeded shuffle (``seed`` defaults to the loader's), sharding and exact resume. A record cut off by the end of its file,
     without its magic number, or with a bad header is a sample with a ReadError naming its file and
     byte offset. Local files only.

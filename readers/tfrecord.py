@@ -41,7 +41,7 @@ class TFRecordReader(RecordFileReader):
     """Reads TFRecord records by offset in chunks from I/O threads; one Sample per record (see ``tfrecord``)."""
 
     def __init__(self, paths: Sequence[str], records: np.ndarray, features: Mapping[str, str] | None,
-                 label_offset: int, *, shuffle: bool, seed: int | None, chunk_size: int, io_threads: int) -> None:
+                 label_offset: int, *, shuffle: bool, seed: int | None, chunk_size: int | None, io_threads: int) -> None:
         # records: (file, the data's offset, its length); an Example each
         super().__init__(paths, records, shuffle=shuffle, seed=seed, chunk_size=chunk_size, io_threads=io_threads)
         self.features = None if features is None else dict(features)
@@ -292,7 +292,7 @@ def tfrecord(
     label_offset: int = 0,
     shuffle: bool = False,
     seed: int | None = None,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
     io_threads: int = 2,
 ) -> TFRecordReader:
     """A reader over local TFRecord files of ``tf.train.Example`` records (TensorFlow's format,
@@ -310,7 +310,7 @@ def tfrecord(
 
     The records are found here, once, by reading each one's length header and seeking over its
     data, or from ``index``: DALI's ``tfrecord2idx`` files, one per file, in the same order (one
-    path for one file). They are then read by offset, ``chunk_size`` at a time by ``io_threads``
+    path for one file). They are then read by offset, ``chunk_size`` at a time (as for ``files``) by ``io_threads``
     threads, with the files reader's seeded shuffle (``seed`` defaults to the loader's), sharding
     and exact resume. Each I/O thread keeps a buffer of a chunk's records (at most 32 MiB) and the
     reader recycles the memory of the values it hands out once nobody holds them (a sample pool,
