@@ -286,18 +286,21 @@ class IndexedReader(Reader):
         consumer leaves early, waiting for them."""
         pending: deque[_Job] = deque()
         next_pos = start
-        seen_samples = seen_bytes = 0
+        seen_samples = seen_bytes = 0  # counted only where chunks grow (``_chunk_length``)
+        growing = self._growing
         try:
             while next_pos < len(order) or pending:
                 while next_pos < len(order) and len(pending) <= self._ahead():
-                    end = min(next_pos + self._chunk_length(seen_samples, seen_bytes), len(order))
+                    length = self._chunk_length(seen_samples, seen_bytes) if growing else self.chunk_size
+                    end = min(next_pos + length, len(order))
                     pending.append(fetch(order[next_pos:end].tolist(), next_pos))
                     next_pos = end
                 began = time.monotonic()
                 samples = await result(pending.popleft())
                 self._handed(samples, time.monotonic() - began)
-                seen_samples += len(samples)
-                seen_bytes += samples_nbytes(samples)
+                if growing:
+                    seen_samples += len(samples)
+                    seen_bytes += samples_nbytes(samples)
                 yield samples
         finally:
             await stop(list(pending))
@@ -307,15 +310,20 @@ class IndexedReader(Reader):
         return self.io_threads
 
     @property
+    def _growing(self) -> bool:
+        """Whether this read's chunks grow: a reader that ``grows``, given no ``chunk_size`` (one
+        given also bounds a chunk's memory), reading local data."""
+        return self.grows and self.chunk_auto and not self._fetch_on_loop
+
+    @property
     def max_chunk(self) -> int:
         """The most samples a chunk of this reader's holds (a sample pool's sizing)."""
-        return self.chunk_size * CHUNK_GROWTH if self.grows and self.chunk_auto else self.chunk_size
+        return self.chunk_size * CHUNK_GROWTH if self._growing else self.chunk_size
 
     def _chunk_length(self, seen_samples: int, seen_bytes: int) -> int:
-        """The next chunk's samples: ``chunk_size``, or where this reader ``grows``, was given no
-        ``chunk_size`` and reads local data, as many as make ``CHUNK_BYTES`` at the mean size of the
-        samples handed so far (an explicit ``chunk_size`` also bounds a chunk's memory)."""
-        if not (self.grows and self.chunk_auto) or self._fetch_on_loop or seen_samples == 0:
+        """The next chunk's samples where they grow: ``chunk_size`` first, then as many as make
+        ``CHUNK_BYTES`` at the mean size of the samples handed so far."""
+        if seen_samples == 0:
             return self.chunk_size
         mean = max(seen_bytes / seen_samples, 1.0)
         return max(self.chunk_size, min(self.max_chunk, int(CHUNK_BYTES / mean)))

@@ -1,5 +1,5 @@
 """An LMDB's values found in its mapped data file, a chunk of keys in one C call that keeps the GIL
-(``_native/lmdb_tree.h``; ``hr_lmdb_find`` in ``_native/sample_pool.c``).
+(``_native/lmdb_tree.h``; ``hr_lmdb_find`` in ``_native/read_files.c``).
 
 py-lmdb lets the GIL go around every ``get``, so beside a thread busy in Python each lookup waited
 for that thread's switch interval: the LMDB reader fell to ~460 values/s on the 2-core VM. Here a
@@ -11,14 +11,13 @@ looked up by py-lmdb, which also names every error.
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ._sample_pool import _pool_lib
+from ._read_files import lmdb_finder
 
 __all__ = ["KeyTable", "MappedTree"]
 
@@ -40,18 +39,18 @@ class MappedTree:
     cannot be mapped. Mapping the data file is not opening the environment again: LMDB's locks
     are in its lock file, which this never opens."""
 
-    def __init__(self, mapped: mmap.mmap, psize: int, lib: ctypes.PyDLL) -> None:
+    def __init__(self, mapped: mmap.mmap, psize: int, find: Callable[..., int]) -> None:
         self._mapped = mapped
         self._view = np.frombuffer(mapped, dtype=np.uint8)
         self.address = self._view.ctypes.data
         self._length = len(mapped)
         self._psize = psize
-        self._lib = lib
+        self._find = find
 
     @classmethod
     def open(cls, path: str, psize: int) -> MappedTree | None:
-        lib = _pool_lib()
-        if lib is None:
+        find = lmdb_finder()
+        if find is None:
             return None
         data = os.path.join(path, "data.mdb") if os.path.isdir(path) else path
         try:
@@ -59,7 +58,7 @@ class MappedTree:
                 mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except (OSError, ValueError):  # gone, empty, or not mappable: py-lmdb reads it
             return None
-        return cls(mapped, psize, lib)
+        return cls(mapped, psize, find)
 
     def find(self, txn_id: int, keys: KeyTable, indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:
         """Keys ``indices``' values as (offsets into the map, sizes): an offset of -1 for a key
@@ -68,9 +67,8 @@ class MappedTree:
         picked = np.asarray(indices, dtype=np.int64)
         starts, lengths = keys.starts[picked], keys.lengths[picked]
         offsets, sizes = np.empty(len(picked), np.int64), np.empty(len(picked), np.int64)
-        found = self._lib.hr_lmdb_find(self.address, self._length, self._psize, txn_id, len(picked),
-                                       keys.packed.ctypes.data, starts.ctypes.data, lengths.ctypes.data,
-                                       offsets.ctypes.data, sizes.ctypes.data)
+        found = self._find(self.address, self._length, self._psize, txn_id, len(picked), keys.packed.ctypes.data,
+                           starts.ctypes.data, lengths.ctypes.data, offsets.ctypes.data, sizes.ctypes.data)
         return None if found < 0 else (offsets, sizes)
 
     def close(self) -> None:

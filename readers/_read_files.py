@@ -30,9 +30,10 @@ from typing import Any
 import numpy as np
 from headrace import _native as native
 
-__all__ = ["ChunkReader", "PathTable", "copy_spans", "pread_records", "tar_scanner", "unavailable_reason"]
+__all__ = ["ChunkReader", "PathTable", "copy_spans", "lmdb_finder", "pread_records", "tar_scanner", "unavailable_reason"]
 
 _SOURCE = Path(__file__).parent / "_native" / "read_files.c"
+_HEADERS = (Path(__file__).parent / "_native" / "lmdb_tree.h",)  # included by it
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
@@ -48,11 +49,11 @@ def _load() -> ctypes.CDLL | None:
             include = sysconfig.get_paths().get("include")
             if include and os.path.exists(os.path.join(include, "Python.h")):
                 # The ABI tag goes into the flags, so each interpreter gets a build of its own.
-                target, _state["reason"] = native.build("read_files", _SOURCE, flags=(
+                target, _state["reason"] = native.build("read_files", _SOURCE, inputs=_HEADERS, flags=(
                     "-DHR_WITH_PYTHON", f"-I{include}", f"-DHR_PY_ABI={sysconfig.get_config_var('SOABI')}"))
                 with_python = target is not None
             if not with_python:
-                target, _state["reason"] = native.build("read_files", _SOURCE)
+                target, _state["reason"] = native.build("read_files", _SOURCE, inputs=_HEADERS)
             if target is not None:
                 lib = ctypes.CDLL(str(target))
                 p = ctypes.c_void_p
@@ -71,6 +72,10 @@ def _load() -> ctypes.CDLL | None:
                 with_gil = ctypes.PyDLL(str(target))  # the same library, its calls keeping the GIL
                 lib.tar_scan = with_gil.hr_tar_scan
                 lib.tar_scan.argtypes, lib.tar_scan.restype = [p, ctypes.c_int64, ctypes.c_int64, p], ctypes.c_int64
+                lib.lmdb_find = with_gil.hr_lmdb_find  # the same reason: py-lmdb's lookups let the GIL go
+                i64 = ctypes.c_int64
+                lib.lmdb_find.argtypes = [p, i64, i64, ctypes.c_uint64, ctypes.c_int, p, p, p, p, p]
+                lib.lmdb_find.restype = i64
                 lib.read_chunk = None
                 if with_python:  # holds the GIL when called, and lets it go around its I/O itself
                     read_chunk = with_gil.hr_read_chunk
@@ -215,6 +220,13 @@ def tar_scanner() -> Callable[[int, int, int, int], int] | None:
     None without the C helper."""
     lib = _load()
     return None if lib is None else lib.tar_scan
+
+
+def lmdb_finder() -> Callable[..., int] | None:
+    """``hr_lmdb_find`` (``_lmdb_tree.py`` walks an LMDB's B+tree with it, the GIL held); None
+    without the C helper."""
+    lib = _load()
+    return None if lib is None else lib.lmdb_find
 
 
 def _with_errors(blobs: list, path_of: Callable[[int], bytes]) -> list[bytes | OSError]:

@@ -114,7 +114,7 @@ class SamplePool:
 
 _POOL_SOURCE = Path(__file__).parent / "_native" / "sample_pool.c"
 _POOL_HEADERS = tuple(Path(__file__).parent / "_native" / name  # included by it
-                      for name in ("protobuf_wire.h", "tf_example.h", "caffe_datum.h", "lmdb_tree.h"))
+                      for name in ("protobuf_wire.h", "tf_example.h", "caffe_datum.h"))
 _pool_state: dict[str, ctypes.PyDLL | None] = {}
 _pool_lock = threading.Lock()
 
@@ -143,7 +143,5 @@ def _pool_lib() -> ctypes.PyDLL | None:
                     lib.hr_tf_examples.argtypes = [p, ctypes.c_int, p, p, ctypes.c_int, p, p]
                     lib.hr_tf_examples.restype = o
                     lib.hr_datums.argtypes, lib.hr_datums.restype = [p, ctypes.c_int, p, p], o
-                    lib.hr_lmdb_find.argtypes = [p, i64, i64, ctypes.c_uint64, ctypes.c_int, p, p, p, p, p]
-                    lib.hr_lmdb_find.restype = i64
             _pool_state["lib"] = lib
         return _pool_state["lib"]

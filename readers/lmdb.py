@@ -251,11 +251,6 @@ def _is_subdb(value: bytes | memoryview, last_page: int) -> bool:
             and branch + leaf + overflow <= last_page + 1)
 
 
-def view_spans(views: Sequence[memoryview]) -> list[tuple[int, int]]:
-    """Each view's (address, size), for the sample pool's copies."""
-    return [(np.frombuffer(view, dtype=np.uint8).ctypes.data, len(view)) for view in views]
-
-
 class LmdbReader(IndexedReader):
     """Reads LMDB values in chunks from I/O threads (one read transaction per chunk); one Sample per key.
 
@@ -362,8 +357,8 @@ class LmdbReader(IndexedReader):
         """Each key's value as an (address, size) span of the map, valid while ``txn`` lasts, or the
         sample of its error: found in C where the data file is mapped, else (and for every key the
         walk leaves to it) by py-lmdb."""
-        tree, table = self._tree, self._key_table
-        hits = tree.find(txn.id(), table, indices) if tree is not None and table is not None else None
+        tree = self._tree  # opened with ``_key_table``
+        hits = tree.find(txn.id(), self._key_table, indices) if tree is not None else None
         if hits is None:
             return [self._span_of(self._look_up(txn, i)) for i in indices]
         base = tree.address
@@ -372,7 +367,8 @@ class LmdbReader(IndexedReader):
 
     @staticmethod
     def _span_of(value: memoryview | Sample) -> tuple[int, int] | Sample:
-        return value if isinstance(value, Sample) else view_spans([value])[0]
+        """A py-lmdb view's (address, size), for the sample pool's copies; an error's sample as it is."""
+        return value if isinstance(value, Sample) else (np.frombuffer(value, dtype=np.uint8).ctypes.data, len(value))
 
     def _copy_out(self, spans: list[tuple[int, int]]) -> list[bytes] | list[bytes | dict[str, Any]]:
         """Each span's bytes in the pool's blobs, while the transaction that made them lasts (a

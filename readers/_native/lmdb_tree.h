@@ -1,5 +1,5 @@
 /* Values of an LMDB's main database found by walking its B+tree in the mapped data file, a chunk of
- * keys in one call that keeps the GIL (sample_pool.c's hr_lmdb_find; readers/_lmdb_tree.py).
+ * keys in one call that keeps the GIL (read_files.c's hr_lmdb_find; readers/_lmdb_tree.py).
  *
  * Why: py-lmdb lets the GIL go around every lookup, and taking it back waits for the thread that
  * holds it to reach its switch interval (5 ms) when that thread runs Python: beside one busy

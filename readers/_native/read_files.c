@@ -25,6 +25,8 @@
 #include <sys/types.h>
 #include <unistd.h>
 
+#include "lmdb_tree.h"
+
 /* Records at known offsets of open files, read one after another into `scratch` (at least the
  * lengths' sum): record i's bytes read in `got[i]` (short at the file's end), -errno where a read
  * failed. For the record readers, which keep the scratch from chunk to chunk (its pages stay
@@ -272,6 +274,26 @@ int64_t hr_tar_scan(const uint8_t* base, int64_t len, int64_t max, int64_t* out)
         pos += 512 + padded;
     }
     return n;
+}
+
+/* For the LMDB reader: the values of keys `keys[starts[i] .. + lengths[i])` in the mapped data file
+ * `map` (`map_len` bytes, pages of `psize`) as of read transaction `txnid`, found in C for a caller
+ * that keeps the GIL (ctypes.PyDLL; lmdb_tree.h says why): offsets[i] into the map and sizes[i], or
+ * offsets[i] = -1 (not there) / -2 (for py-lmdb to look up). Returns how many were found, -1 where
+ * the tree cannot be read at all (every key for py-lmdb). */
+int64_t hr_lmdb_find(const uint8_t* map, int64_t map_len, int64_t psize, uint64_t txnid, int n, const uint8_t* keys,
+                     const int64_t* starts, const int64_t* lengths, int64_t* offsets, int64_t* sizes)
+{
+    LmdbTree tree;
+    if (lmdb_open_tree(&tree, map, map_len, psize, txnid) < 0)
+        return -1;
+    int64_t found = 0;
+    for (int i = 0; i < n; i++) {
+        sizes[i] = 0;
+        offsets[i] = lmdb_find(&tree, keys + starts[i], lengths[i], &sizes[i]);
+        found += offsets[i] >= 0;
+    }
+    return found;
 }
 
 #ifdef HR_WITH_PYTHON

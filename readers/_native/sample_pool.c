@@ -1,6 +1,5 @@
 /* The bytes objects that hold a shard reader's sample fields, recycled once nobody else holds them
- * (and the TFRecord and Caffe readers': hr_tf_examples and hr_datums, near the end; and, needing no
- * pool but the GIL held, the LMDB reader's lookups: hr_lmdb_find, at the very end).
+ * (and the TFRecord and Caffe readers': hr_tf_examples and hr_datums, near the end).
  *
  * Why: a shard's parser thread copies each member out of the mapped shard or the downloaded block
  * into a fresh bytes object (its own glibc arena), and the consumer frees it later on another
@@ -28,7 +27,6 @@
 #include <string.h>
 
 #include "caffe_datum.h"
-#include "lmdb_tree.h"
 #include "tf_example.h"
 
 #ifdef Py_GIL_DISABLED
@@ -564,24 +562,4 @@ void hr_pool_free(void* handle)
     }
     PyMem_Free(pool->ring);
     PyMem_Free(pool);
-}
-
-/* For the LMDB reader: the values of keys `keys[starts[i] .. + lengths[i])` in the mapped data file
- * `map` (`map_len` bytes, pages of `psize`) as of read transaction `txnid`, found in C with the GIL
- * held (lmdb_tree.h says why): offsets[i] into the map and sizes[i], or offsets[i] = -1 (not
- * there) / -2 (for py-lmdb to look up). Returns how many were found, -1 where the tree cannot be
- * read at all (every key for py-lmdb). */
-int64_t hr_lmdb_find(const uint8_t* map, int64_t map_len, int64_t psize, uint64_t txnid, int n, const uint8_t* keys,
-                     const int64_t* starts, const int64_t* lengths, int64_t* offsets, int64_t* sizes)
-{
-    LmdbTree tree;
-    if (lmdb_open_tree(&tree, map, map_len, psize, txnid) < 0)
-        return -1;
-    int64_t found = 0;
-    for (int i = 0; i < n; i++) {
-        sizes[i] = 0;
-        offsets[i] = lmdb_find(&tree, keys + starts[i], lengths[i], &sizes[i]);
-        found += offsets[i] >= 0;
-    }
-    return found;
 }

@@ -21,10 +21,10 @@ import pytest
 
 from headrace import readers
 from headrace.readers._lmdb_tree import KeyTable, MappedTree
-from headrace.readers._sample_pool import _pool_lib
+from headrace.readers._read_files import lmdb_finder
 
 lmdb_lib = pytest.importorskip("lmdb")
-pytestmark = pytest.mark.skipif(_pool_lib() is None, reason="the C helper does not build here")
+pytestmark = pytest.mark.skipif(lmdb_finder() is None, reason="the C helper does not build here")
 
 
 def _write(path, items: dict[bytes, bytes], *, txn_size: int = 5000, writemap: bool = False) -> None:
