@@ -11,9 +11,12 @@ files, WebDataset, TFRecord, LMDB and Caffe readers over ``examples/benchmark_re
 beside a thread that runs Python non-stop, ``--turns`` times taking turns (the median is shown).
 ``--lmdb-gets`` adds LMDB and Caffe rows whose lookups go through py-lmdb's ``get`` (one GIL
 hand-over a key), as they all did before the readers walked the tree themselves.
+``--switch-interval MS`` sets ``sys.setswitchinterval`` for the whole run; the busy thread's own
+rate (loop turns/s, beside each reader against alone) shows what a shorter interval costs it.
 
     python examples/benchmark_readers.py                  # once, to make the data
     python examples/benchmark_readers_busy.py --lmdb-gets
+    python examples/benchmark_readers_busy.py --switch-interval 1
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import glob
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,11 +38,15 @@ from headrace import readers
 
 
 class BusyThread:
-    """A thread running Python non-stop while the block runs."""
+    """A thread running Python non-stop while the block runs; ``rate``: its loop turns a second."""
+
+    rate = 0.0
 
     def __enter__(self) -> BusyThread:
         self._stop = threading.Event()
+        self._turns = 0
         self._thread = threading.Thread(target=self._spin, name="busy-python", daemon=True)
+        self._started = time.perf_counter()
         self._thread.start()
         return self
 
@@ -47,10 +55,19 @@ class BusyThread:
         while not self._stop.is_set():
             for _ in range(1000):
                 n += 1
+        self._turns = n
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        self.rate = self._turns / (time.perf_counter() - self._started)
+
+
+def busy_rate_alone(seconds: float = 0.5) -> float:
+    """The busy thread's loop turns a second with nothing else running."""
+    with BusyThread() as busy:
+        time.sleep(seconds)
+    return busy.rate
 
 
 def with_py_lmdb_gets(reader: readers.Reader) -> readers.Reader:
@@ -67,8 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", default=str(ROOT / ".data" / "bench-readers"))
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--lmdb-gets", action="store_true", help="also LMDB and Caffe through py-lmdb's get")
+    parser.add_argument("--switch-interval", type=float, metavar="MS",
+                        help="sys.setswitchinterval for the run, in milliseconds (Python's default: 5)")
     parser.add_argument("--no-json", action="store_true")
     args = parser.parse_args(argv)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval / 1000)
     root = Path(args.data) / f"{args.samples}x{args.kib:g}k-{args.shards}"
     if not (root / "files" / "done").exists() or not (root / "lmdb" / "done").exists():
         sys.exit(f"no data under {root}: run examples/benchmark_readers.py with the same --samples/--kib/--shards first")
@@ -84,31 +105,40 @@ def main(argv: list[str] | None = None) -> int:
         makers += [("lmdb, py-lmdb gets", lambda: with_py_lmdb_gets(readers.lmdb(str(root / "lmdb")))),
                    ("caffe, py-lmdb gets", lambda: with_py_lmdb_gets(readers.caffe(str(root / "caffe"))))]
     data_files = [p for p in glob.glob(str(root / "**"), recursive=True) if os.path.isfile(p)]
-    print(f"{args.samples} samples of ~{args.kib:g} KiB under {root}; {os.cpu_count()} cores", flush=True)
-    rates: dict[str, dict[str, list[float]]] = {name: {"alone": [], "busy": []} for name, _ in makers}
+    interval_ms = sys.getswitchinterval() * 1000
+    print(f"{args.samples} samples of ~{args.kib:g} KiB under {root}; {os.cpu_count()} cores; "
+          f"switch interval {interval_ms:g} ms", flush=True)
+    rates: dict[str, dict[str, list[float]]] = {name: {"alone": [], "busy": [], "busy_share": []}
+                                                for name, _ in makers}
     for turn in range(args.turns):
         for name, make in makers:
             warm(data_files)  # the page cache may have let them go (another row, the VM's reclaim)
             for where in ("alone", "busy"):
                 reader = make()  # listing the keys and files is not timed
                 if where == "busy":
-                    with BusyThread():
+                    alone_rate = busy_rate_alone()
+                    with BusyThread() as busy:
                         result = timed(lambda: drain(reader))
+                    rates[name]["busy_share"].append(busy.rate / alone_rate)
                 else:
                     result = timed(lambda: drain(reader))
                 assert result["samples"] == args.samples, (name, result["samples"])
                 rates[name][where].append(result["samples_per_s"])
         print(f"turn {turn + 1} of {args.turns} done", flush=True)
     table = []
-    print(f"\n{'reader':<21} {'alone':>10} {'beside a busy thread':>21} {'ratio':>7}")
+    print(f"\n{'reader':<21} {'alone':>10} {'beside a busy thread':>21} {'ratio':>7} {'busy thread kept':>17}")
     for name, runs in rates.items():
         alone, busy = float(np.median(runs["alone"])), float(np.median(runs["busy"]))
-        table.append({"reader": name, "alone": alone, "busy": busy, "ratio": busy / alone, "turns": runs})
-        print(f"{name:<21} {alone:>10,.0f} {busy:>21,.0f} {busy / alone:>6.2f}x")
+        kept = float(np.median(runs["busy_share"]))
+        table.append({"reader": name, "alone": alone, "busy": busy, "ratio": busy / alone,
+                      "busy_thread_kept": kept, "turns": runs})
+        print(f"{name:<21} {alone:>10,.0f} {busy:>21,.0f} {busy / alone:>6.2f}x {kept:>16.0%}")
     if not args.no_json:
-        write_results("readers-busy", args.kib, {
+        name = "readers-busy" if args.switch_interval is None else f"readers-busy-sw{interval_ms:g}ms"
+        write_results(name, args.kib, {
             "versions": {"python": sys.version.split()[0], "headrace": headrace.__version__},
-            "config": {"samples": args.samples, "kib": args.kib, "shards": args.shards, "turns": args.turns},
+            "config": {"samples": args.samples, "kib": args.kib, "shards": args.shards, "turns": args.turns,
+                       "switch_interval_ms": interval_ms},
             "table": table,
         })
     return 0
