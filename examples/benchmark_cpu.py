@@ -17,8 +17,14 @@ JPEG decoder is faster on this machine: Pillow (libjpeg-turbo) on 1 and N thread
 is installed, nvImageCodec's CPU backend: one decoder with 1 or N threads, one single-threaded
 decoder per thread, and region-of-interest decode of the RandomResizedCrop windows.
 
+``--dali PYTHON`` adds NVIDIA DALI's CPU pipeline (its ImageNet example's, ``device_id=None``, one
+thread per worker), run by ``_dali_cpu.py`` under that Python (a venv with ``nvidia-dali-cuda120``
+or ``-cuda130`` and torch: DALI's wheels bring their own nvImageCodec), its epochs taking turns
+with the others.
+
     python examples/benchmark_cpu.py                       # 2048 images under .data/bench
     python examples/benchmark_cpu.py --images 4096 --epochs 5
+    python examples/benchmark_cpu.py --dali /path/to/dali-venv/bin/python
 """
 
 from __future__ import annotations
@@ -32,7 +38,9 @@ import platform
 import re
 import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -91,6 +99,38 @@ async def _headrace_epoch(loader: headrace.Loader) -> tuple[int, float]:
         assert images.dtype == torch.float32 and images.shape[1:] == (3, 224, 224), images.shape
         n += images.shape[0]
     return n, time.perf_counter() - start
+
+
+class DaliEpochs:
+    """DALI's CPU pipeline in a child process (``_dali_cpu.py`` under ``python``): one epoch a call."""
+
+    def __init__(self, python: str, paths: list[str], labels: list[int], batch: int, threads: int) -> None:
+        fd, self._listing = tempfile.mkstemp(suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump([[str(p), int(label)] for p, label in zip(paths, labels)], f)
+        script = Path(__file__).resolve().parent / "_dali_cpu.py"
+        self._child = subprocess.Popen([python, str(script), self._listing, str(batch), str(threads)],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        ready = self._child.stdout.readline().split()
+        if ready[:1] != ["ready"]:
+            self._child.kill()
+            self._child.wait()
+            os.unlink(self._listing)
+            sys.exit(f"--dali {python}: DALI's pipeline did not start (see its error above)")
+        self.version = ready[1]
+
+    def __call__(self) -> tuple[int, float]:
+        self._child.stdin.write("epoch\n")
+        self._child.stdin.flush()
+        n, seconds = self._child.stdout.readline().split()
+        return int(n), float(seconds)
+
+    def close(self) -> None:
+        # Said, not just an end of input: the DataLoader's forked workers hold the pipe's write end too.
+        self._child.stdin.write("quit\n")
+        self._child.stdin.close()
+        self._child.wait(timeout=60)
+        os.unlink(self._listing)
 
 
 def median_rate(runs: list[tuple[int, float]]) -> float:
@@ -223,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=cores, help="DataLoader workers and headrace threads (default: cores)")
     p.add_argument("--decode-images", type=int, default=512, help="images for the decode-only rows (default: 512)")
     p.add_argument("--out", default=None, help="JSON file (default: examples/results/cpu-<host>-<date>.json)")
+    p.add_argument("--dali", metavar="PYTHON", default=None,
+                   help="also DALI's CPU pipeline, run by this Python (one with nvidia-dali and torch)")
     p.add_argument("--no-json", action="store_true", help="print only")
     args = p.parse_args(argv)
     batch_size = args.batch_size or (256 if args.images >= 16 * 256 else 128)
@@ -254,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
         "torch DataLoader + Pillow (torchvision-style)": lambda dl=dl: time_dataloader_epoch(dl),
         "headrace": lambda: loop.run_until_complete(_headrace_epoch(hr)),
     }
+    dali = DaliEpochs(args.dali, paths, labels, batch_size, args.workers) if args.dali else None
+    if dali is not None:
+        systems[f"NVIDIA DALI {dali.version} CPU pipeline"] = dali
     names = list(systems)
     runs: dict[str, list[tuple[int, float]]] = {name: [] for name in names}
     for name in names:  # warm-up: worker start-up, page cache, lazy imports
@@ -266,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  epoch {r}  {name:<48} {n / t:8.0f} images/s")
     loop.run_until_complete(hr.aclose())
     loop.close()
+    if dali is not None:
+        dali.close()
     systems.clear()
     del dl  # the last reference: its persistent workers exit before the decode-only rows
 
@@ -296,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
                 "pillow": PIL.__version__,
                 "numpy": np.__version__,
                 "nvimgcodec": getattr(nvc, "__version__", None) if nvc else None,
+                "dali": dali.version if dali is not None else None,
             },
             "config": {
                 "images": len(paths),

@@ -29,6 +29,7 @@ from .._iou_crop import op_randoms
 from .._results import (Processed, check_fields, field_columns, image_field, named, read_failure, sample_label,
                        split_evenly)
 from . import _ops, _post
+from ._buffers import BatchBuffers
 from ._decode import Header, JpegDecoders
 from ._omp import limit_openmp_threads
 
@@ -95,6 +96,7 @@ class CpuExecutor:
             if nvc is not None:
                 self._jpeg = JpegDecoders(nvc, exif=pipeline.decode.exif, max_pixels=pipeline.decode.max_pixels)
         self._budget = ByteBudget(pipeline.decode.max_batch_bytes)
+        self._buffers = BatchBuffers()
         # Each worker runs torch's kernels on one OpenMP thread (see _cpu_omp).
         self._pool = concurrent.futures.ThreadPoolExecutor(
             num_threads, thread_name_prefix=name, initializer=limit_openmp_threads
@@ -126,7 +128,7 @@ class CpuExecutor:
         out = None
         splits = self.pipeline.splits
         if self._out_shape is not None:  # with splits, view-major: each view's rows are one block
-            out = torch.empty((*((splits,) if splits > 1 else ()), n, *self._out_shape), dtype=self.pipeline.dtype)
+            out = self._buffers.tensor((*((splits,) if splits > 1 else ()), n, *self._out_shape), self.pipeline.dtype)
         rows: list[Any] = [None] * n
         labels: list[int] | None = [0] * n if self.pipeline.label_field is not None else None
         failures: list[tuple[int, LoaderError]] = []
@@ -331,6 +333,7 @@ class CpuExecutor:
             # Cancelled or not: the threads only finish the chunk each holds (the queued ones were
             # cancelled), so this wait is short; and the JPEG decoders must outlive them.
             self._pool.shutdown(wait=True)
+            self._buffers.clear()
             if self._jpeg is not None:
                 self._jpeg.close()
 
