@@ -4,7 +4,8 @@ Not a test: it prints a table of images/s and writes it as JSON to ``examples/re
 
 Both systems read the same JPEG files and produce the same batches: decode → random resized crop
 224 (scale 0.08–1, ratio 3/4–4/3, bilinear) → horizontal flip (p=0.5) → normalize with the
-ImageNet mean/std → float32 NCHW, plus int64 labels. torchvision cannot be installed here, so
+ImageNet mean/std → float32 NCHW, plus int64 labels (``--pipeline validation``: decode → shorter
+side 256 → centre crop 224 → normalize, in order). torchvision cannot be installed here, so
 its transforms are re-implemented line for line with Pillow and torch (``TorchvisionStyle``,
 shared with ``headrace bench --dataloader``).
 The DataLoader uses one worker process per core, persistent workers, no pinned memory; headrace
@@ -25,6 +26,7 @@ with the others.
     python examples/benchmark_cpu.py                       # 2048 images under .data/bench
     python examples/benchmark_cpu.py --images 4096 --epochs 5
     python examples/benchmark_cpu.py --dali /path/to/dali-venv/bin/python
+    python examples/benchmark_cpu.py --pipeline validation --dali /path/to/dali-venv/bin/python
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from PIL import Image
 import headrace
 from headrace import datasets, ops, readers
 from headrace._loop import new_event_loop  # uvloop when installed, as the loader uses
-from headrace._bench_dataloader import TorchvisionStyle
+from headrace._bench_dataloader import TorchvisionStyle, TorchvisionValidation
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -104,12 +106,13 @@ async def _headrace_epoch(loader: headrace.Loader) -> tuple[int, float]:
 class DaliEpochs:
     """DALI's CPU pipeline in a child process (``_dali_cpu.py`` under ``python``): one epoch a call."""
 
-    def __init__(self, python: str, paths: list[str], labels: list[int], batch: int, threads: int) -> None:
+    def __init__(self, python: str, paths: list[str], labels: list[int], batch: int, threads: int,
+                 pipeline: str) -> None:
         fd, self._listing = tempfile.mkstemp(suffix=".json")
         with os.fdopen(fd, "w") as f:
             json.dump([[str(p), int(label)] for p, label in zip(paths, labels)], f)
         script = Path(__file__).resolve().parent / "_dali_cpu.py"
-        self._child = subprocess.Popen([python, str(script), self._listing, str(batch), str(threads)],
+        self._child = subprocess.Popen([python, str(script), self._listing, str(batch), str(threads), pipeline],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         ready = self._child.stdout.readline().split()
         if ready[:1] != ["ready"]:
@@ -262,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=5, help="timed epochs per system, after one warm-up (default: 5)")
     p.add_argument("--workers", type=int, default=cores, help="DataLoader workers and headrace threads (default: cores)")
     p.add_argument("--decode-images", type=int, default=512, help="images for the decode-only rows (default: 512)")
-    p.add_argument("--out", default=None, help="JSON file (default: examples/results/cpu-<host>-<date>.json)")
+    p.add_argument("--out", default=None, help="JSON file (default: examples/results/cpu-[validation-]<host>-<date>.json)")
+    p.add_argument("--pipeline", choices=["training", "validation"], default="training")
     p.add_argument("--dali", metavar="PYTHON", default=None,
                    help="also DALI's CPU pipeline, run by this Python (one with nvidia-dali and torch)")
     p.add_argument("--no-json", action="store_true", help="print only")
@@ -276,17 +280,19 @@ def main(argv: list[str] | None = None) -> int:
         with tqdm(total=args.images, desc=f"making {args.images} JPEGs", unit="img") as bar:
             datasets.ensure_image_folder(args.data, count=args.images, classes=10, progress=bar.update)
     root = Path(args.data)
-    reader = readers.files(root, shuffle=True)
+    training = args.pipeline == "training"
+    reader = readers.files(root, shuffle=training)
     paths, labels = reader.paths, reader.labels
     mib = sum(os.path.getsize(p) for p in paths) / len(paths) / 1024
     print(f"data: {len(paths)} JPEGs in {root} ({'made now' if made else 'cached'}), mean {mib:.0f} KiB; "
           f"batch {batch_size}; {cores} cores; {args.workers} workers/threads")
 
-    hr = headrace.Loader(reader, batch_size=batch_size, pipeline=ops.training(224), num_threads=args.workers)
+    pipeline = ops.training(224) if training else ops.validation(224)
+    hr = headrace.Loader(reader, batch_size=batch_size, pipeline=pipeline, num_threads=args.workers)
     dl = torch.utils.data.DataLoader(
-        ImageFiles(paths, labels, TorchvisionStyle(224)),
+        ImageFiles(paths, labels, TorchvisionStyle(224) if training else TorchvisionValidation(224)),
         batch_size=batch_size,
-        shuffle=True,
+        shuffle=training,
         num_workers=args.workers,
         pin_memory=False,
         persistent_workers=args.workers > 0,
@@ -296,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch DataLoader + Pillow (torchvision-style)": lambda dl=dl: time_dataloader_epoch(dl),
         "headrace": lambda: loop.run_until_complete(_headrace_epoch(hr)),
     }
-    dali = DaliEpochs(args.dali, paths, labels, batch_size, args.workers) if args.dali else None
+    dali = DaliEpochs(args.dali, paths, labels, batch_size, args.workers, args.pipeline) if args.dali else None
     if dali is not None:
         systems[f"NVIDIA DALI {dali.version} CPU pipeline"] = dali
     names = list(systems)
@@ -329,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['system']:<64} {row['images_per_s']:>9.0f} {row['vs_dataloader']:>13.2f}x")
 
     if not args.no_json:
-        out = Path(args.out) if args.out else RESULTS / f"cpu-{_host()}-{datetime.date.today().isoformat()}.json"
+        out = Path(args.out) if args.out else RESULTS / f"cpu-{'' if training else 'validation-'}{_host()}-{datetime.date.today().isoformat()}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         nvc = _nvimgcodec()
         report = {
@@ -352,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
                 "workers": args.workers,
                 "timed_epochs": args.epochs,
                 "decode_images": min(args.decode_images, len(paths)),
-                "pipeline": "decode → RandomResizedCrop(224) → flip → normalize → float32 NCHW",
+                "pipeline": ("decode → RandomResizedCrop(224) → flip → normalize → float32 NCHW" if training
+                             else "decode → Resize(256) → CenterCrop(224) → normalize → float32 NCHW"),
                 "headrace_jpeg_decoder": "nvImageCodec CPU, crop window" if nvc else "Pillow",
             },
             "table": rows,
