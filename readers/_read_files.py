@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 from headrace import _native as native
 
-__all__ = ["ChunkReader", "PathTable", "copy_spans", "lmdb_finder", "pread_records", "tar_scanner", "unavailable_reason"]
+__all__ = ["ChunkReader", "PathTable", "copy_spans", "lmdb_finder", "lmdb_key_lister", "pread_records", "tar_scanner", "unavailable_reason"]
 
 _SOURCE = Path(__file__).parent / "_native" / "read_files.c"
 _HEADERS = (Path(__file__).parent / "_native" / "lmdb_tree.h",)  # included by it
@@ -76,6 +76,9 @@ def _load() -> ctypes.CDLL | None:
                 i64 = ctypes.c_int64
                 lib.lmdb_find.argtypes = [p, i64, i64, ctypes.c_uint64, ctypes.c_int, p, p, p, p, p]
                 lib.lmdb_find.restype = i64
+                lib.lmdb_keys = with_gil.hr_lmdb_keys  # the same reason: py-lmdb's cursor lets it go a key
+                lib.lmdb_keys.argtypes = [p, i64, i64, ctypes.c_uint64, p, i64, p, i64, p]
+                lib.lmdb_keys.restype = i64
                 lib.read_chunk = None
                 if with_python:  # holds the GIL when called, and lets it go around its I/O itself
                     read_chunk = with_gil.hr_read_chunk
@@ -227,6 +230,13 @@ def lmdb_finder() -> Callable[..., int] | None:
     without the C helper."""
     lib = _load()
     return None if lib is None else lib.lmdb_find
+
+
+def lmdb_key_lister() -> Callable[..., int] | None:
+    """``hr_lmdb_keys`` (``_lmdb_tree.py`` lists an LMDB's keys with it, the GIL held); None
+    without the C helper."""
+    lib = _load()
+    return None if lib is None else lib.lmdb_keys
 
 
 def _with_errors(blobs: list, path_of: Callable[[int], bytes]) -> list[bytes | OSError]:

@@ -454,7 +454,7 @@ def lmdb(
         with shared.read(buffers=True) as txn:
             meta = txn.get(b"__meta__")
             classes = _classes(None if meta is None else bytes(meta))
-            found = given if given is not None else _stored_keys(txn, real, shared.env.info()["last_pgno"])
+            found = given if given is not None else _stored_keys(txn, real, shared.env)
     except lmdb_module().Error as exc:
         raise ReadError(f"cannot read LMDB: {exc}", source=real) from exc
     finally:
@@ -481,20 +481,15 @@ def _given_keys(keys: Sequence[str | bytes]) -> list[bytes]:
     return out
 
 
-def _stored_keys(txn: Any, path: str, last_page: int) -> list[bytes]:
+def _stored_keys(txn: Any, path: str, env: Any) -> list[bytes]:
     """The ``__keys__`` entry (a JSON list of strings) if there is one, else every key but ``__...__``
     ones and sub-databases' names, in the database's sorted order (``txn`` gives buffers: the values
     are looked at, never copied)."""
     listed = txn.get(b"__keys__")
     if listed is None:
-        # Two passes over the one snapshot, each in C but for a cheap call a key (a million keys
-        # in about a second): the values' lengths (a sub-database's record is 48 bytes), the keys.
-        sized = [i for i, n in enumerate(map(len, txn.cursor().iternext(keys=False, values=True)))
-                 if n == _DB_RECORD.size]
-        keys = list(map(bytes, txn.cursor().iternext(keys=True, values=False)))
-        for i in reversed(sized):
-            if _is_subdb(txn.get(keys[i]), last_page):
-                del keys[i]
+        keys = _walked_keys(txn, path, env.stat()["psize"])
+        if keys is None:
+            keys = _cursor_keys(txn, env.info()["last_pgno"])
         return [k for k in keys if not _is_meta(k)]
     try:
         keys = json.loads(bytes(listed))
@@ -503,6 +498,32 @@ def _stored_keys(txn: Any, path: str, last_page: int) -> list[bytes]:
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
         raise ReadError("unreadable __keys__ entry: not a JSON list of strings", key="__keys__", source=path)
     return [k.encode("utf-8", "surrogateescape") for k in keys]
+
+
+def _walked_keys(txn: Any, path: str, psize: int) -> list[bytes] | None:
+    """The keys listed in C from the mapped data file (``_lmdb_tree``), the GIL held; None where
+    the walk leaves them to the cursor."""
+    tree = MappedTree.open(path, psize)
+    if tree is None:
+        return None
+    try:
+        return tree.keys(txn.id())
+    finally:
+        tree.close()
+
+
+def _cursor_keys(txn: Any, last_page: int) -> list[bytes]:
+    """The keys through py-lmdb's cursor, named databases' names told by their records' shape.
+    Two passes over the one snapshot, each in C but for a cheap call a key (a million keys in about
+    a second alone; each key a GIL hand-over beside a busy thread): the values' lengths (a
+    sub-database's record is 48 bytes), the keys."""
+    sized = [i for i, n in enumerate(map(len, txn.cursor().iternext(keys=False, values=True)))
+             if n == _DB_RECORD.size]
+    keys = list(map(bytes, txn.cursor().iternext(keys=True, values=False)))
+    for i in reversed(sized):
+        if _is_subdb(txn.get(keys[i]), last_page):
+            del keys[i]
+    return keys
 
 
 def _classes(meta: bytes | None) -> list[str]:

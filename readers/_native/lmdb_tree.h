@@ -1,5 +1,6 @@
 /* Values of an LMDB's main database found by walking its B+tree in the mapped data file, a chunk of
- * keys in one call that keeps the GIL (read_files.c's hr_lmdb_find; readers/_lmdb_tree.py).
+ * keys in one call that keeps the GIL (read_files.c's hr_lmdb_find; readers/_lmdb_tree.py); and its
+ * keys listed in order the same way (hr_lmdb_keys), for a reader given no key list.
  *
  * Why: py-lmdb lets the GIL go around every lookup, and taking it back waits for the thread that
  * holds it to reach its switch interval (5 ms) when that thread runs Python: beside one busy
@@ -31,6 +32,7 @@
 #define LMDB_P_LEAF 0x02
 #define LMDB_P_OVERFLOW 0x04
 #define LMDB_F_BIGDATA 0x01
+#define LMDB_F_SUBDATA 0x02 /* a named database's name: its value is that tree's record, not data */
 #define LMDB_F_DUPDATA 0x04
 #define LMDB_DB_UNREAD (0x02 | 0x04 | 0x08 | 0x10 | 0x20 | 0x40) /* reverse key, dupsort, integer key, ... */
 #define LMDB_MAX_KEY 511
@@ -39,7 +41,7 @@
 typedef struct {
     const uint8_t* map;
     int64_t map_len, psize;
-    uint64_t root, last_page;
+    uint64_t root, last_page, entries, depth;
 } LmdbTree;
 
 static uint16_t lmdb_u16(const uint8_t* p)
@@ -176,6 +178,79 @@ static int64_t lmdb_find(const LmdbTree* t, const uint8_t* key, int64_t key_len,
     return -2;
 }
 
+/* Every key of the main database in order, but named databases' names, packed into `keys`
+ * (`keys_cap` bytes) with their lengths in `lengths` (`n_cap` of them), as far as they fit; the
+ * number of such keys, with their total length in *total, or -1 where the tree is not read
+ * exactly as LMDB would (the caller's cursor lists the keys then). A call with caps of 0 counts.
+ *
+ * Exactly: every page of the right kind and whole, every leaf at the database's depth, each key
+ * greater than the one before (so a damaged page that points back up the tree ends the walk), as
+ * many leaf nodes as the database's record counts. A named database's name is told by its node's
+ * flag, which py-lmdb's cursor does not show. */
+static int64_t lmdb_walk_keys(const LmdbTree* t, uint8_t* keys, int64_t keys_cap, int64_t* lengths, int64_t n_cap,
+                              int64_t* total)
+{
+    *total = 0;
+    if (t->root == UINT64_MAX)
+        return t->entries == 0 && t->depth == 0 ? 0 : -1; /* an empty database */
+    if (t->depth < 1 || t->depth > LMDB_MAX_DEPTH)
+        return -1;
+    const uint8_t* pages[LMDB_MAX_DEPTH];
+    int next[LMDB_MAX_DEPTH], counts[LMDB_MAX_DEPTH];
+    int top = 0;
+    pages[0] = lmdb_page(t, t->root, LMDB_P_BRANCH | LMDB_P_LEAF);
+    const uint8_t* last_key = NULL;
+    uint16_t last_len = 0;
+    uint64_t nodes = 0;
+    int64_t n = 0, bytes = 0;
+    if (pages[0] == NULL || (counts[0] = lmdb_count(t, pages[0])) <= 0)
+        return -1;
+    next[0] = 0;
+    while (top >= 0) {
+        const uint8_t* page = pages[top];
+        int is_leaf = lmdb_u16(page + 10) & LMDB_P_LEAF;
+        if (is_leaf != ((uint64_t)top + 1 == t->depth ? LMDB_P_LEAF : 0))
+            return -1;
+        if (next[top] == counts[top]) {
+            top--;
+            continue;
+        }
+        const uint8_t* node = lmdb_node(t, page, next[top]++);
+        if (node == NULL)
+            return -1;
+        if (!is_leaf) {
+            uint64_t child = (uint64_t)lmdb_u16(node) | (uint64_t)lmdb_u16(node + 2) << 16
+                             | (uint64_t)lmdb_u16(node + 4) << 32;
+            top++;
+            pages[top] = lmdb_page(t, child, LMDB_P_BRANCH | LMDB_P_LEAF);
+            if (pages[top] == NULL || (counts[top] = lmdb_count(t, pages[top])) <= 0)
+                return -1;
+            next[top] = 0;
+            continue;
+        }
+        uint16_t flags = lmdb_u16(node + 4), ksize = lmdb_u16(node + 6);
+        const uint8_t* key = node + LMDB_NODE_HEADER;
+        if (ksize == 0 || ksize > LMDB_MAX_KEY || (flags & LMDB_F_DUPDATA)
+            || (last_key != NULL && lmdb_compare(key, ksize, last_key, last_len) <= 0))
+            return -1;
+        last_key = key;
+        last_len = ksize;
+        nodes++;
+        if (flags & LMDB_F_SUBDATA)
+            continue;
+        if (n < n_cap && bytes + ksize <= keys_cap) {
+            memcpy(keys + bytes, key, ksize);
+            lengths[n] = ksize;
+        }
+        n++;
+        bytes += ksize;
+    }
+    if (nodes != t->entries)
+        return -1;
+    *total = bytes;
+    return n;
+}
+
 /* The main database's root in the meta page of transaction `txnid`, read twice around: 0, or -1
  * where no meta page is that transaction's (a writer moved on) or the format is not LMDB 0.9's. */
 static int lmdb_open_tree(LmdbTree* t, const uint8_t* map, int64_t map_len, int64_t psize, uint64_t txnid)
@@ -199,6 +274,8 @@ static int lmdb_open_tree(LmdbTree* t, const uint8_t* map, int64_t map_len, int6
         t->map_len = map_len;
         t->psize = psize;
         t->root = lmdb_u64(main_db + 40);
+        t->entries = lmdb_u64(main_db + 32);
+        t->depth = lmdb_u16(main_db + 6);
         t->last_page = lmdb_u64(meta + 120); /* mm_last_pg */
         __atomic_thread_fence(__ATOMIC_ACQUIRE);
         if (*stamp != txnid || magic != LMDB_MAGIC || version != LMDB_DATA_VERSION || (flags & LMDB_DB_UNREAD))

@@ -296,6 +296,21 @@ int64_t hr_lmdb_find(const uint8_t* map, int64_t map_len, int64_t psize, uint64_
     return found;
 }
 
+/* For the LMDB reader given no key list: the main database's keys in order as of read transaction
+ * `txnid` (lmdb_walk_keys: packed into `keys`, their lengths in `lengths`, as far as the caps go),
+ * for a caller that keeps the GIL, as hr_lmdb_find's does: py-lmdb's cursor lets it go a key, and
+ * listing 32,768 keys beside a thread busy in Python took 12 s on the 2-core VM, 45 ms alone.
+ * Returns how many keys there are, their total length in *total; -1 where the cursor must list. */
+int64_t hr_lmdb_keys(const uint8_t* map, int64_t map_len, int64_t psize, uint64_t txnid, uint8_t* keys,
+                     int64_t keys_cap, int64_t* lengths, int64_t n_cap, int64_t* total)
+{
+    LmdbTree tree;
+    *total = 0;
+    if (lmdb_open_tree(&tree, map, map_len, psize, txnid) < 0)
+        return -1;
+    return lmdb_walk_keys(&tree, keys, keys_cap, lengths, n_cap, total);
+}
+
 #ifdef HR_WITH_PYTHON
 /* The whole chunk in one call, for a caller that loads this library with ctypes.PyDLL (so it holds
  * the GIL). Python's own work per file, making the bytes object and handing over its storage,
