@@ -9,8 +9,10 @@ beside such a thread is set by how often it lets the GIL go, not by its work. Ro
 files, WebDataset, TFRecord, LMDB and Caffe readers over ``examples/benchmark_readers.py``'s data
 (made there, ~70 KiB samples by default), each made before the timing, one epoch alone and one
 beside a thread that runs Python non-stop, ``--turns`` times taking turns (the median is shown).
-``--lmdb-gets`` adds LMDB and Caffe rows whose lookups go through py-lmdb's ``get`` (one GIL
-hand-over a key), as they all did before the readers walked the tree themselves.
+``--lmdb-gets`` adds LMDB and Caffe rows whose lookups go through py-lmdb's ``get`` and whose keys
+are listed by py-lmdb's cursor (one GIL hand-over a key), as they all did before the readers walked
+the tree themselves. Making each reader (listing the folder, the shards, the LMDB's keys) is timed
+apart, alone and beside the busy thread, and shown in milliseconds.
 ``--switch-interval MS`` sets ``sys.setswitchinterval`` for the whole run; the busy thread's own
 rate (loop turns/s, beside each reader against alone) shows what a shorter interval costs it.
 
@@ -22,7 +24,9 @@ rate (loop turns/s, beside each reader against alone) shows what a shorter inter
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
+import importlib
 import os
 import sys
 import threading
@@ -70,8 +74,16 @@ def busy_rate_alone(seconds: float = 0.5) -> float:
     return busy.rate
 
 
-def with_py_lmdb_gets(reader: readers.Reader) -> readers.Reader:
-    """The reader with every lookup through py-lmdb's ``get`` (the path before ``_lmdb_tree``)."""
+def with_py_lmdb_gets(make: Callable[[], readers.Reader]) -> readers.Reader:
+    """The reader made with its keys listed by py-lmdb's cursor, and every lookup through its
+    ``get`` (the paths before ``_lmdb_tree``)."""
+    lmdb_module = importlib.import_module("headrace.readers.lmdb")  # the module, not the function
+    walk = lmdb_module._walked_keys
+    lmdb_module._walked_keys = lambda *args: None
+    try:
+        reader = make()
+    finally:
+        lmdb_module._walked_keys = walk
     reader._spans = lambda txn, indices: [reader._span_of(reader._look_up(txn, i)) for i in indices]
     return reader
 
@@ -102,19 +114,22 @@ def main(argv: list[str] | None = None) -> int:
         ("caffe", lambda: readers.caffe(str(root / "caffe"))),
     ]
     if args.lmdb_gets:
-        makers += [("lmdb, py-lmdb gets", lambda: with_py_lmdb_gets(readers.lmdb(str(root / "lmdb")))),
-                   ("caffe, py-lmdb gets", lambda: with_py_lmdb_gets(readers.caffe(str(root / "caffe"))))]
+        makers += [("lmdb, py-lmdb gets", lambda: with_py_lmdb_gets(lambda: readers.lmdb(str(root / "lmdb")))),
+                   ("caffe, py-lmdb gets", lambda: with_py_lmdb_gets(lambda: readers.caffe(str(root / "caffe"))))]
     data_files = [p for p in glob.glob(str(root / "**"), recursive=True) if os.path.isfile(p)]
     interval_ms = sys.getswitchinterval() * 1000
     print(f"{args.samples} samples of ~{args.kib:g} KiB under {root}; {os.cpu_count()} cores; "
           f"switch interval {interval_ms:g} ms", flush=True)
-    rates: dict[str, dict[str, list[float]]] = {name: {"alone": [], "busy": [], "busy_share": []}
-                                                for name, _ in makers}
+    rates: dict[str, dict[str, list[float]]] = {
+        name: {"alone": [], "busy": [], "busy_share": [], "made_alone_ms": [], "made_busy_ms": []} for name, _ in makers}
     for turn in range(args.turns):
         for name, make in makers:
             warm(data_files)  # the page cache may have let them go (another row, the VM's reclaim)
             for where in ("alone", "busy"):
-                reader = make()  # listing the keys and files is not timed
+                with BusyThread() if where == "busy" else contextlib.nullcontext():
+                    started = time.perf_counter()
+                    reader = make()  # listing the keys and files, timed apart
+                    rates[name][f"made_{where}_ms"].append((time.perf_counter() - started) * 1000)
                 if where == "busy":
                     alone_rate = busy_rate_alone()
                     with BusyThread() as busy:
@@ -126,13 +141,17 @@ def main(argv: list[str] | None = None) -> int:
                 rates[name][where].append(result["samples_per_s"])
         print(f"turn {turn + 1} of {args.turns} done", flush=True)
     table = []
-    print(f"\n{'reader':<21} {'alone':>10} {'beside a busy thread':>21} {'ratio':>7} {'busy thread kept':>17}")
+    print(f"\n{'reader':<21} {'alone':>10} {'beside a busy thread':>21} {'ratio':>7} {'busy thread kept':>17}"
+          f" {'made in, ms: alone / busy':>26}")
     for name, runs in rates.items():
         alone, busy = float(np.median(runs["alone"])), float(np.median(runs["busy"]))
         kept = float(np.median(runs["busy_share"]))
+        made_alone, made_busy = float(np.median(runs["made_alone_ms"])), float(np.median(runs["made_busy_ms"]))
         table.append({"reader": name, "alone": alone, "busy": busy, "ratio": busy / alone,
-                      "busy_thread_kept": kept, "turns": runs})
-        print(f"{name:<21} {alone:>10,.0f} {busy:>21,.0f} {busy / alone:>6.2f}x {kept:>16.0%}")
+                      "busy_thread_kept": kept, "made_alone_ms": made_alone, "made_busy_ms": made_busy,
+                      "turns": runs})
+        made = f"{made_alone:,.0f} / {made_busy:,.0f}"
+        print(f"{name:<21} {alone:>10,.0f} {busy:>21,.0f} {busy / alone:>6.2f}x {kept:>16.0%} {made:>26}")
     if not args.no_json:
         name = "readers-busy" if args.switch_interval is None else f"readers-busy-sw{interval_ms:g}ms"
         write_results(name, args.kib, {

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 from headrace import _native as native
 
-__all__ = ["ChunkReader", "PathTable", "copy_spans", "lmdb_finder", "lmdb_key_lister", "pread_records", "tar_scanner", "unavailable_reason"]
+__all__ = ["ChunkReader", "PathTable", "copy_spans", "lmdb_finder", "lmdb_key_lister", "pread_records", "scan_records", "tar_scanner", "unavailable_reason"]
 
 _SOURCE = Path(__file__).parent / "_native" / "read_files.c"
 _HEADERS = (Path(__file__).parent / "_native" / "lmdb_tree.h",)  # included by it
@@ -63,6 +63,9 @@ def _load() -> ctypes.CDLL | None:
                 lib.hr_copy_spans.argtypes, lib.hr_copy_spans.restype = [ctypes.c_int, p, p, p], None
                 lib.hr_pread_records.argtypes = [ctypes.c_int, p, p, p, p, p]
                 lib.hr_pread_records.restype = None
+                for scan in (lib.hr_scan_tfrecords, lib.hr_scan_recordio):
+                    scan.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, p, p]
+                    scan.restype = ctypes.c_int64
                 # Through PyDLL, the GIL held: a scan of a window's headers takes ~3.5 µs, and a
                 # thread that lets the GIL go, however briefly, waits to take it back behind the
                 # threads that took it meanwhile (up to the 5 ms switch interval). Profiled on an
@@ -216,6 +219,32 @@ def pread_records(table: np.ndarray, scratch: np.ndarray) -> np.ndarray | None:
     lib.hr_pread_records(len(table), fds.ctypes.data, offsets.ctypes.data, lengths.ctypes.data, scratch.ctypes.data,
                          got.ctypes.data)
     return got
+
+
+_SCAN_CAP = 65536  # records a call: 1 MiB of pairs, a GIL hand-over per 65,536 records
+
+
+def scan_records(kind: str, fd: int, size: int, path: str) -> tuple[np.ndarray, int] | None:
+    """The records of the file ``path`` (open as ``fd``, ``size`` bytes) found from byte 0 by
+    ``hr_scan_tfrecords``/``hr_scan_recordio`` (``kind`` "tfrecord" or "recordio"): an (n, 2)
+    array of pairs as the Python scan gives them, and where the first record it leaves to Python
+    starts (``size`` where none). None without the C helper; OSError naming ``path`` where a read
+    failed."""
+    lib = _load()
+    if lib is None:
+        return None
+    scan = lib.hr_scan_tfrecords if kind == "tfrecord" else lib.hr_scan_recordio
+    parts, pos = [], 0
+    end = np.zeros(1, np.int64)
+    while True:
+        out = np.empty((_SCAN_CAP, 2), np.int64)
+        found = scan(fd, pos, size, _SCAN_CAP, out.ctypes.data, end.ctypes.data)
+        if found < 0:
+            raise OSError(-found, os.strerror(-found), path)
+        parts.append(out[:found])
+        pos = int(end[0])
+        if found < _SCAN_CAP:
+            return np.concatenate(parts), pos
 
 
 def tar_scanner() -> Callable[[int, int, int, int], int] | None:

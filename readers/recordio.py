@@ -27,6 +27,7 @@ import numpy as np
 
 from headrace._errors import ReadError
 
+from ._read_files import scan_records
 from ._record_files import CUT, RecordFileReader, check_index_end, find_records, index_lines, resolve_files
 from .lmdb import decode_default
 
@@ -151,7 +152,12 @@ def _scan(path: str, file: int) -> list[tuple[int, int, int]]:
     with open(path, "rb", buffering=0) as f:
         _check_start(path, f.fileno())
         pos = start = 0
-        while pos < size:
+        plain = scan_records("recordio", f.fileno(), size, path)  # in C, the GIL let go once
+        if plain is not None:
+            pairs, pos = plain
+            start = pos
+            records += [(file, offset, span) for offset, span in pairs.tolist()]
+        while pos < size:  # what the C scan leaves: the last record, cut short or damaged
             head = os.pread(f.fileno(), _HEAD.size, pos)
             if len(head) < _HEAD.size:
                 records.append((file, start, CUT))

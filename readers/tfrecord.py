@@ -28,6 +28,7 @@ import numpy as np
 
 from headrace._errors import ConfigError, ReadError
 
+from ._read_files import scan_records
 from ._record_files import CUT, DAMAGED, RecordFileReader, check_index_end, find_records, index_lines, resolve_files
 
 __all__ = ["TFRecordReader", "example_class", "parse_example", "tfrecord"]
@@ -191,7 +192,11 @@ def _scan(path: str, file: int) -> list[tuple[int, int, int]]:
     with open(path, "rb", buffering=0) as f:
         _check_start(path, f.fileno())
         pos = 0
-        while pos < size:
+        plain = scan_records("tfrecord", f.fileno(), size, path)  # in C, the GIL let go once
+        if plain is not None:
+            pairs, pos = plain
+            records += [(file, offset, length) for offset, length in pairs.tolist()]
+        while pos < size:  # what the C scan leaves: the last record, cut short or damaged
             header = os.pread(f.fileno(), _HEADER.size, pos)
             if len(header) < _HEADER.size:
                 records.append((file, pos, CUT))

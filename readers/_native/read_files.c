@@ -54,6 +54,87 @@ void hr_pread_records(int n, const int* fds, const int64_t* offsets, const int64
     }
 }
 
+/* `len` bytes at `offset` into `buf`: how many were read (fewer at the file's end), -errno on an error. */
+static int64_t read_at(int fd, uint8_t* buf, int64_t len, int64_t offset)
+{
+    int64_t done = 0;
+    while (done < len) {
+        ssize_t r = pread(fd, buf + done, (size_t)(len - done), (off_t)(offset + done));
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0)
+            return -errno;
+        if (r == 0)
+            break;
+        done += r;
+    }
+    return done;
+}
+
+/* The record readers' scans of a file without an index (readers/tfrecord.py, recordio.py): from
+ * byte `pos` of a file of `size` bytes, up to `cap` records found from their headers in one call
+ * without the GIL, as out[2i] (offset) and out[2i + 1] (length) pairs, as the Python scan gives
+ * them; *end is where the next header starts. A pread a record from Python let the GIL go and take
+ * it back each time: beside a thread busy in Python, a scan of 8,192 TFRecord records took 11 s
+ * on the 2-core VM. Only plain records: the first header that is short, runs past the end, fails
+ * a check, or ends the file inside a record, ends the call at that record, for Python to read as
+ * before (it names what is wrong). Returns how many were found; -errno where a read failed. */
+int64_t hr_scan_tfrecords(int fd, int64_t pos, int64_t size, int64_t cap, int64_t* out, int64_t* end)
+{
+    int64_t n = 0;
+    uint8_t header[12]; /* the data's length, the length's CRC */
+    while (n < cap && size - pos >= 16) {
+        int64_t got = read_at(fd, header, 12, pos);
+        if (got < 0)
+            return got;
+        uint64_t length;
+        memcpy(&length, header, 8);
+        if (got < 12 || length > (uint64_t)(size - pos - 16))
+            break;
+        out[2 * n] = pos + 12;
+        out[2 * n + 1] = (int64_t)length;
+        n++;
+        pos += 16 + (int64_t)length;
+    }
+    *end = pos;
+    return n;
+}
+
+#define RECORDIO_MAGIC 0xCED7230Au
+#define RECORDIO_LENGTH_BITS ((1u << 29) - 1)
+
+/* RecordIO's: out[2i] is a record's first header, out[2i + 1] its span on disk, its parts' data
+ * padded to 4 bytes (a record whose data holds the magic is written in parts, flags 1, 2 ... 3; a
+ * whole one is flag 0). *end is the first header of the record not found whole. */
+int64_t hr_scan_recordio(int fd, int64_t pos, int64_t size, int64_t cap, int64_t* out, int64_t* end)
+{
+    int64_t n = 0, start = pos;
+    uint8_t header[8]; /* the magic, then the part's flag (3 bits) and length (29) */
+    while (n < cap && pos < size) {
+        int64_t got = read_at(fd, header, 8, pos);
+        if (got < 0)
+            return got;
+        uint32_t magic, word;
+        memcpy(&magic, header, 4);
+        memcpy(&word, header + 4, 4);
+        int64_t length = word & RECORDIO_LENGTH_BITS;
+        if (got < 8 || magic != RECORDIO_MAGIC || pos + 8 + length > size)
+            break;
+        pos += 8 + ((length + 3) & ~(int64_t)3);
+        if (pos > size)
+            pos = size;
+        uint32_t flag = word >> 29;
+        if (flag == 0 || flag == 3) { /* the record's last part */
+            out[2 * n] = start;
+            out[2 * n + 1] = pos - start;
+            n++;
+            start = pos;
+        }
+    }
+    *end = start;
+    return n;
+}
+
 /* Out of descriptors: worth trying again once this process has closed some of its own. */
 static int out_of_descriptors(int err)
 {
