@@ -19,6 +19,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <dirent.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -132,6 +133,49 @@ int64_t hr_scan_recordio(int fd, int64_t pos, int64_t size, int64_t cap, int64_t
         }
     }
     *end = start;
+    return n;
+}
+
+/* A folder's entries, "." and ".." left out, in one call without the GIL (readers/files.py lists
+ * class folders with it): each name NUL-terminated in `names` (`names_cap` bytes) and its d_type in
+ * `types` (`cap` of them), in the order readdir gives them, as long as all so far fit. Returns how
+ * many entries there are, *total the bytes their names take; the caller calls again with room for
+ * them where either is more than it gave. -errno where the folder cannot be opened or read.
+ *
+ * Why: os.scandir lets the GIL go around every readdir, and beside a thread busy in Python each
+ * time may wait to take it back: 8,192 files in 16 folders took 2.4 s to list so on the 2-core VM
+ * (0.1 s alone). */
+int64_t hr_list_folder(const char* path, uint8_t* names, int64_t names_cap, uint8_t* types, int64_t cap,
+                       int64_t* total)
+{
+    DIR* dir = opendir(path);
+    if (dir == NULL)
+        return -errno;
+    int64_t n = 0, bytes = 0;
+    int fits = 1;
+    for (;;) {
+        errno = 0;
+        struct dirent* entry = readdir(dir);
+        if (entry == NULL) {
+            int err = errno;
+            closedir(dir);
+            if (err)
+                return -err;
+            break;
+        }
+        const char* name = entry->d_name;
+        if (name[0] == '.' && (name[1] == 0 || (name[1] == '.' && name[2] == 0)))
+            continue;
+        int64_t len = (int64_t)strlen(name) + 1;
+        fits = fits && n < cap && bytes + len <= names_cap;
+        if (fits) {
+            memcpy(names + bytes, name, (size_t)len);
+            types[n] = entry->d_type;
+        }
+        n++;
+        bytes += len;
+    }
+    *total = bytes;
     return n;
 }
 

@@ -1,16 +1,34 @@
-"""A class-per-folder tree listed with ``os.scandir`` (``readers.files``, ``readers.video``): the
-same files, order, labels and keys as the ``pathlib`` listing it replaced, on a tree with nested
-folders, hidden names, links, odd names and extensions in any case."""
+"""A class-per-folder tree listed a folder per C call (``_read_files.list_folder``), else with
+``os.scandir`` (``readers.files``, ``readers.video``): the same files, order, labels and keys as the
+``pathlib`` listing it replaced, on a tree with nested folders, hidden names, links, odd names and
+extensions in any case, by the C listing, by os.scandir, and where the file system gives no entry
+types (every one looked up)."""
 
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
 
 import pytest
 
 from headrace import ReadError, readers
+from headrace.readers._read_files import list_folder
 from headrace.readers.files import _key, class_folders
+
+files_module = importlib.import_module("headrace.readers.files")  # the module, not the function
+
+
+@pytest.fixture(autouse=True, params=["c", "scandir", "no-types"])
+def listing(request, monkeypatch) -> str:
+    """Each test three times: the C listing, os.scandir's, and entries of unknown type (d_type 0)."""
+    if request.param != "scandir" and list_folder(".") is None:
+        pytest.skip("the C helper does not build here")
+    if request.param == "scandir":
+        monkeypatch.setattr(files_module, "list_folder", lambda path: None)
+    if request.param == "no-types":
+        monkeypatch.setattr(files_module, "list_folder", lambda path: [(name, 0) for name, _ in list_folder(path)])
+    return request.param
 
 
 def _rglob_listing(root: Path, exts: set[str]) -> tuple[list[str], list[str], list[int]]:
@@ -42,6 +60,8 @@ def tricky_tree(tmp_path) -> Path:
     os.symlink(root / "dog/0.jpg", root / "cat/link.jpg")  # a link to a file: listed
     os.symlink(root / "dog", root / "cat/linked-folder")  # a link to a folder: not entered
     os.symlink(root / "gone.jpg", root / "cat/broken.jpg")  # a broken link: not a file
+    os.symlink(root / "dog", root / "hound")  # a class folder that is a link: a class, entered
+    os.symlink(root / "dog/9.jpg", root / "not-a-class.jpg")  # a link to a file at the top: no class
     return root
 
 
