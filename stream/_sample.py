@@ -43,11 +43,12 @@ class SampleList(list):
     reader sums the sizes it read), so that the event loop need not touch every sample's fields.
     The count holds while the list is not changed; readers hand their chunks over unchanged."""
 
-    __slots__ = ("nbytes",)
+    __slots__ = ("done_at", "nbytes")
 
     def __init__(self, samples: Iterable[Sample], nbytes: int) -> None:
         super().__init__(samples)
         self.nbytes = nbytes
+        self.done_at = 0.0  # time.monotonic() when an I/O thread finished it (0: not stamped)
 
 
 def samples_nbytes(samples: list[Sample]) -> int:

@@ -1,15 +1,20 @@
 """Chunks that grow where samples are small (``IndexedReader.grows``): a local reader given no
 ``chunk_size`` starts at 64 samples a chunk and grows toward ~4 MiB at the mean size read so far,
-to at most 1,024; the samples and their order are the same as with a fixed chunk, and a
+to at most 1,024, and toward up to 16 MiB where finished chunks reach the event loop late (the GIL
+busy elsewhere); the samples and their order are the same as with a fixed chunk, and a
 ``chunk_size`` given is kept."""
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pytest
 
 from headrace import readers
-from headrace.readers._base import CHUNK_BYTES, DEFAULT_CHUNK
+from headrace.readers import _base
+from headrace.readers.files import FileReader
+from headrace.readers._base import CHUNK_BYTES, CONTENDED_GROWTH, DEFAULT_CHUNK, HANDOVER_DELAY_FREE
 
 
 def _tree(root, sizes) -> None:
@@ -35,7 +40,8 @@ async def test_small_files_come_in_growing_chunks_in_the_same_order(tmp_path, sh
     assert {len(c) for c in fixed[:-1]} == {64}
 
 
-async def test_large_samples_keep_the_default_chunk_and_a_given_one_is_kept(tmp_path):
+async def test_large_samples_keep_the_default_chunk_and_a_given_one_is_kept(tmp_path, monkeypatch):
+    monkeypatch.setattr(_base, "CONTENDED_GROWTH", 1)  # a loaded machine's late hand-overs: the test below
     _tree(tmp_path, [CHUNK_BYTES // 32] * 200)  # 128 KiB files: 32 make the target, fewer than 64
     assert {len(c) for c in (await _chunks(readers.files(tmp_path)))[:-1]} == {DEFAULT_CHUNK}
     small = tmp_path / "small"
@@ -57,3 +63,35 @@ async def test_an_lmdb_of_small_values_grows_its_chunks(tmp_path):
     assert len(chunks[0]) == DEFAULT_CHUNK and max(map(len, chunks)) > DEFAULT_CHUNK
     assert reader.max_chunk == 16 * DEFAULT_CHUNK and readers.lmdb(tmp_path / "db", chunk_size=64).max_chunk == 64
 
+
+
+class _LateHandOvers(FileReader):
+    """A files reader whose finished chunks reach the loop 5 ms late, as beside a thread that holds
+    the GIL, and whose reads take 2 ms (so the loop waits for each)."""
+
+    def _fetch_numbered(self, indices, first):
+        time.sleep(0.002)
+        chunk = super()._fetch_numbered(indices, first)
+        time.sleep(0.005)  # after the stamp: the hand-over
+        return chunk
+
+
+async def test_late_hand_overs_grow_chunks_toward_more_bytes_in_the_same_order(tmp_path):
+    _tree(tmp_path, [CHUNK_BYTES // 64] * 1500)  # 64 KiB files: 64 make 4 MiB
+    plain = readers.files(tmp_path, shuffle=True, seed=2, io_threads=1)
+    late = _LateHandOvers(plain.paths, plain.labels, root=tmp_path, shuffle=True, seed=2, io_threads=1)
+    grown, fixed = await _chunks(late), await _chunks(plain)
+    assert [s for c in grown for s in c] == [s for c in fixed for s in c]
+    lengths = [len(c) for c in grown]
+    assert lengths[0] == DEFAULT_CHUNK  # then up to 16 MiB of them (the label's bytes count too)
+    assert 3 * DEFAULT_CHUNK < max(lengths) <= CONTENDED_GROWTH * DEFAULT_CHUNK
+
+
+def test_the_growth_follows_the_delay():
+    reader = readers.files([__file__], labels=[0])
+    size = CHUNK_BYTES // 64
+    assert reader._chunk_length(64, 64 * size, 0.0) == 64
+    assert reader._chunk_length(64, 64 * size, HANDOVER_DELAY_FREE) == 64
+    assert reader._chunk_length(64, 64 * size, 2 * HANDOVER_DELAY_FREE) == 128
+    assert reader._chunk_length(64, 64 * size, 100 * HANDOVER_DELAY_FREE) == CONTENDED_GROWTH * 64
+    assert reader._chunk_length(64, 64 * 100, 100 * HANDOVER_DELAY_FREE) == reader.max_chunk  # small: capped
