@@ -12,7 +12,7 @@ import shutil
 import struct
 
 import pytest
-from test_lmdb_tree import _shapes, _write
+from test_lmdb_tree import _shapes, _write, damage_pages
 
 from headrace import readers
 from headrace.readers._lmdb_tree import MappedTree
@@ -105,13 +105,7 @@ def test_a_damaged_file_never_gives_keys_the_cursor_would_not(tmp_path, seed):
     items = {f"{i:05d}".encode(): rng.randbytes(rng.choice([10, 500, 3000])) for i in range(3000)}
     path = tmp_path / "db"
     _write(path, items)
-    data = bytearray((path / "data.mdb").read_bytes())
-    pages = len(data) // 4096
-    for _ in range(rng.choice([1, 5, 40])):  # bytes of page headers, node tables and nodes, not the metas
-        page = rng.randrange(2, pages)
-        at = page * 4096 + rng.choice([rng.randrange(0, 16), rng.randrange(16, 64), rng.randrange(0, 4096)])
-        data[at] = rng.randrange(256)
-    (path / "data.mdb").write_bytes(bytes(data))
+    damage_pages(path, rng)
     walked, listed = _both(path)
     if walked is not None:
         assert walked == sorted(walked) and len(set(walked)) == len(walked)

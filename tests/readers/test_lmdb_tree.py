@@ -37,6 +37,18 @@ def _write(path, items: dict[bytes, bytes], *, txn_size: int = 5000, writemap: b
     env.close()
 
 
+def damage_pages(path, rng: random.Random) -> None:
+    """1, 5 or 40 random bytes of the data file's page headers, node tables and nodes rewritten
+    (not the meta pages)."""
+    data = bytearray((path / "data.mdb").read_bytes())
+    pages = len(data) // 4096
+    for _ in range(rng.choice([1, 5, 40])):
+        page = rng.randrange(2, pages)
+        at = page * 4096 + rng.choice([rng.randrange(0, 16), rng.randrange(16, 64), rng.randrange(0, 4096)])
+        data[at] = rng.randrange(256)
+    (path / "data.mdb").write_bytes(bytes(data))
+
+
 def _walk_all(path, keys: list[bytes]) -> tuple[np.ndarray, np.ndarray, list]:
     """The walk's (offsets, sizes) for ``keys`` and py-lmdb's values (or its error), one transaction."""
     env = lmdb_lib.open(str(path), readonly=True, lock=False, max_dbs=4)
@@ -174,13 +186,7 @@ def test_a_damaged_file_never_gives_bytes_py_lmdb_would_not(tmp_path, seed):
     items = {f"{i:05d}".encode(): rng.randbytes(rng.choice([10, 500, 3000, 20_000])) for i in range(3000)}
     path = tmp_path / "db"
     _write(path, items)
-    data = bytearray((path / "data.mdb").read_bytes())
-    pages = len(data) // 4096
-    for _ in range(rng.choice([1, 5, 40])):  # bytes of page headers, node tables and nodes, not the metas
-        page = rng.randrange(2, pages)
-        at = page * 4096 + rng.choice([rng.randrange(0, 16), rng.randrange(16, 64), rng.randrange(0, 4096)])
-        data[at] = rng.randrange(256)
-    (path / "data.mdb").write_bytes(bytes(data))
+    damage_pages(path, rng)
     keys = list(items) + [b"missing", b"02999\x00"]
     offsets, got, want = _walk_all(path, keys)
     for key, offset, g, w in zip(keys, offsets.tolist(), got, want):
