@@ -551,8 +551,8 @@ def files(
     ``labels``. ``shuffle`` gives a new seeded order each epoch (``seed`` defaults to the loader's).
     ``chunk_size`` files are read per thread call, by ``io_threads`` threads; by default 64, and
     more where local files are small (as many as make ~4 MiB at the mean size read so far, up to
-    1,024: each call costs the same hand-overs of the GIL whatever its size); a number given is
-    kept, and bounds a chunk's memory. ``extensions``: the
+    16 MiB where the GIL's hand-overs run late, up to 1,024 files: each call costs the same
+    hand-overs whatever its size); a number given is kept, and bounds a chunk's memory. ``extensions``: the
     file extensions a folder's files are kept by (any case, with or without the dot; the image
     formats by default); a list of paths is read whatever its files' extensions.
 
