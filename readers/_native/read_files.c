@@ -28,33 +28,6 @@
 
 #include "lmdb_tree.h"
 
-/* Records at known offsets of open files, read one after another into `scratch` (at least the
- * lengths' sum): record i's bytes read in `got[i]` (short at the file's end), -errno where a read
- * failed. For the record readers, which keep the scratch from chunk to chunk (its pages stay
- * faulted in) and copy out only what a sample keeps. */
-void hr_pread_records(int n, const int* fds, const int64_t* offsets, const int64_t* lengths, uint8_t* scratch,
-                      int64_t* got)
-{
-    int64_t at = 0;
-    for (int i = 0; i < n; i++) {
-        int64_t done = 0;
-        while (done < lengths[i]) {
-            ssize_t r = pread(fds[i], scratch + at + done, (size_t)(lengths[i] - done), (off_t)(offsets[i] + done));
-            if (r < 0 && errno == EINTR)
-                continue;
-            if (r < 0) {
-                done = -errno;
-                break;
-            }
-            if (r == 0)
-                break;
-            done += r;
-        }
-        got[i] = done;
-        at += lengths[i];
-    }
-}
-
 /* `len` bytes at `offset` into `buf`: how many were read (fewer at the file's end), -errno on an error. */
 static int64_t read_at(int fd, uint8_t* buf, int64_t len, int64_t offset)
 {
@@ -70,6 +43,20 @@ static int64_t read_at(int fd, uint8_t* buf, int64_t len, int64_t offset)
         done += r;
     }
     return done;
+}
+
+/* Records at known offsets of open files, read one after another into `scratch` (at least the
+ * lengths' sum): record i's bytes read in `got[i]` (short at the file's end), -errno where a read
+ * failed. For the record readers, which keep the scratch from chunk to chunk (its pages stay
+ * faulted in) and copy out only what a sample keeps. */
+void hr_pread_records(int n, const int* fds, const int64_t* offsets, const int64_t* lengths, uint8_t* scratch,
+                      int64_t* got)
+{
+    int64_t at = 0;
+    for (int i = 0; i < n; i++) {
+        got[i] = read_at(fds[i], scratch + at, lengths[i], offsets[i]);
+        at += lengths[i];
+    }
 }
 
 /* The record readers' scans of a file without an index (readers/tfrecord.py, recordio.py): from
